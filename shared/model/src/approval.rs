@@ -1,0 +1,72 @@
+//! Approval requests and decisions: the messages of the bridge subject.
+
+use chrono::{DateTime, Utc};
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+use uuid::Uuid;
+
+/// Published on `pitcrew.approvals.requested.<run>` when a plan needs a human.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct ApprovalRequest {
+    pub run_id: Uuid,
+    pub service: String,
+    pub host: Option<String>,
+    pub error: String,
+    pub attempt: u32,
+    /// The exact commands that would run.
+    pub plan: Vec<String>,
+    /// Decisions must name this hash: approving an older plan does nothing.
+    pub plan_hash: String,
+    pub risk: String,
+    /// The policy rule that asked for approval.
+    pub rule: String,
+    pub diagnosis: String,
+    pub evidence: Vec<String>,
+    pub requested_at: DateTime<Utc>,
+    /// Undecided by then, the run escalates.
+    pub expires_at: DateTime<Utc>,
+}
+
+/// What an approver said.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum Decision {
+    Approve,
+    Deny,
+    /// Published by pitcrew itself when a request times out.
+    Expire,
+}
+
+impl Decision {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Decision::Approve => "approve",
+            Decision::Deny => "deny",
+            Decision::Expire => "expire",
+        }
+    }
+}
+
+/// Published on `pitcrew.approvals.decided.<run>` by the CLI, the gateway or a chat bridge.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ApprovalDecision {
+    pub run_id: Uuid,
+    pub decision: Decision,
+    /// Who decided.
+    pub by: String,
+    /// The plan this decision is for; when absent, the plan pending now.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub plan_hash: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    /// `cli`, `http`, `slack`, `timeout`, ...
+    #[serde(default = "default_channel")]
+    pub channel: String,
+    #[serde(default = "Utc::now")]
+    pub decided_at: DateTime<Utc>,
+}
+
+fn default_channel() -> String {
+    "unknown".to_string()
+}

@@ -1,0 +1,223 @@
+//! The incident: what an alerting system publishes on `pitcrew.incidents.new`.
+
+use chrono::{DateTime, Utc};
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use std::collections::BTreeMap;
+use uuid::Uuid;
+
+/// Longest accepted service or host name.
+pub const MAX_NAME_LEN: usize = 128;
+/// Longest accepted error text.
+pub const MAX_ERROR_LEN: usize = 4096;
+/// Most labels an incident may carry.
+pub const MAX_LABELS: usize = 64;
+/// Longest label key or value.
+pub const MAX_LABEL_LEN: usize = 256;
+
+/// How bad the alert says it is.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum Severity {
+    Info,
+    #[default]
+    Warning,
+    Critical,
+}
+
+/// An alert turned incident. Only `service` and `error` are required; intake fills the rest.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Incident {
+    /// Also the run id. Publishers may set it (to watch the run); intake derives one otherwise.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub id: Option<Uuid>,
+    /// The service that is failing, as named in the inventory.
+    pub service: String,
+    /// The host it runs on, when the alert knows.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host: Option<String>,
+    /// What is wrong, in the alerting system's words.
+    pub error: String,
+    #[serde(default)]
+    pub severity: Severity,
+    /// Who raised it: `alertmanager`, `monitor`, `cli`, ...
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub source: Option<String>,
+    /// One open run per fingerprint. Defaults to a hash of service, host and error signature.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fingerprint: Option<String>,
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub labels: BTreeMap<String, String>,
+    /// When the alerting system saw it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_at: Option<DateTime<Utc>>,
+}
+
+/// Why an incident was refused. Each message names the field and the rule.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum IncidentError {
+    #[error("field 'service' is empty")]
+    EmptyService,
+    #[error("field 'service' must be 1-{MAX_NAME_LEN} characters of [A-Za-z0-9._-], got '{0}'")]
+    BadService(String),
+    #[error("field 'host' must be 1-{MAX_NAME_LEN} characters of [A-Za-z0-9._:-], got '{0}'")]
+    BadHost(String),
+    #[error("field 'error' is empty")]
+    EmptyError,
+    #[error("field 'error' is {0} bytes, more than the {MAX_ERROR_LEN} allowed")]
+    ErrorTooLong(usize),
+    #[error("{0} labels, more than the {MAX_LABELS} allowed")]
+    TooManyLabels(usize),
+    #[error("label '{0}' is longer than {MAX_LABEL_LEN} bytes")]
+    LabelTooLong(String),
+    #[error("field 'fingerprint' must be 1-{MAX_NAME_LEN} bytes")]
+    BadFingerprint,
+}
+
+fn valid_name(s: &str, extra: &[char]) -> bool {
+    !s.is_empty()
+        && s.len() <= MAX_NAME_LEN
+        && s.chars().all(|c| c.is_ascii_alphanumeric() || "._-".contains(c) || extra.contains(&c))
+}
+
+impl Incident {
+    /// A new incident for `service` with a fresh id.
+    pub fn new(service: impl Into<String>, error: impl Into<String>) -> Self {
+        Incident {
+            id: Some(Uuid::now_v7()),
+            service: service.into(),
+            host: None,
+            error: error.into(),
+            severity: Severity::Warning,
+            source: None,
+            fingerprint: None,
+            labels: BTreeMap::new(),
+            observed_at: None,
+        }
+    }
+
+    /// Check every bound and name; trims surrounding whitespace first.
+    pub fn validate(&mut self) -> Result<(), IncidentError> {
+        self.service = self.service.trim().to_string();
+        self.error = self.error.trim().to_string();
+        if self.service.is_empty() {
+            return Err(IncidentError::EmptyService);
+        }
+        if !valid_name(&self.service, &[]) {
+            return Err(IncidentError::BadService(crate::trim::clip(&self.service, 64)));
+        }
+        if let Some(h) = &self.host {
+            if !valid_name(h, &[':']) {
+                return Err(IncidentError::BadHost(crate::trim::clip(h, 64)));
+            }
+        }
+        if self.error.is_empty() {
+            return Err(IncidentError::EmptyError);
+        }
+        if self.error.len() > MAX_ERROR_LEN {
+            return Err(IncidentError::ErrorTooLong(self.error.len()));
+        }
+        if self.labels.len() > MAX_LABELS {
+            return Err(IncidentError::TooManyLabels(self.labels.len()));
+        }
+        if let Some((k, _)) = self
+            .labels
+            .iter()
+            .find(|(k, v)| k.len() > MAX_LABEL_LEN || v.len() > MAX_LABEL_LEN)
+        {
+            return Err(IncidentError::LabelTooLong(crate::trim::clip(k, 64)));
+        }
+        if let Some(f) = &self.fingerprint {
+            if f.is_empty() || f.len() > MAX_NAME_LEN {
+                return Err(IncidentError::BadFingerprint);
+            }
+        }
+        Ok(())
+    }
+
+    /// The error with numbers and hex ids masked: "refused on :8080" and "refused on :9090"
+    /// are the same problem for episodic memory.
+    pub fn signature(&self) -> String {
+        error_signature(&self.error)
+    }
+
+    /// The explicit fingerprint, or a hash of service, host and error signature.
+    pub fn effective_fingerprint(&self) -> String {
+        if let Some(f) = &self.fingerprint {
+            return f.clone();
+        }
+        let mut h = Sha256::new();
+        h.update(self.service.as_bytes());
+        h.update([0]);
+        h.update(self.host.as_deref().unwrap_or("").as_bytes());
+        h.update([0]);
+        h.update(self.signature().as_bytes());
+        hex::encode(&h.finalize()[..16])
+    }
+}
+
+/// Lowercase, digits masked as `#`, whitespace collapsed.
+pub fn error_signature(error: &str) -> String {
+    let mut out = String::with_capacity(error.len());
+    let mut last_space = false;
+    let mut last_hash = false;
+    for c in error.chars() {
+        if c.is_ascii_digit() {
+            if !last_hash {
+                out.push('#');
+            }
+            last_hash = true;
+            last_space = false;
+        } else if c.is_whitespace() {
+            if !last_space {
+                out.push(' ');
+            }
+            last_space = true;
+            last_hash = false;
+        } else {
+            out.extend(c.to_lowercase());
+            last_space = false;
+            last_hash = false;
+        }
+    }
+    out.trim().to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn validation_names_the_field() {
+        let mut i = Incident::new("", "x");
+        assert_eq!(i.validate(), Err(IncidentError::EmptyService));
+        let mut i = Incident::new("web; rm -rf /", "x");
+        assert!(matches!(i.validate(), Err(IncidentError::BadService(_))));
+        let mut i = Incident::new("web", "  ");
+        assert_eq!(i.validate(), Err(IncidentError::EmptyError));
+        let mut i = Incident::new("web", "e".repeat(MAX_ERROR_LEN + 1));
+        assert!(matches!(i.validate(), Err(IncidentError::ErrorTooLong(_))));
+        let mut i = Incident::new(" web ", " refused ");
+        i.validate().unwrap();
+        assert_eq!((i.service.as_str(), i.error.as_str()), ("web", "refused"));
+    }
+
+    #[test]
+    fn fingerprint_ignores_numbers_but_not_service() {
+        let a = Incident::new("web", "connect to 127.0.0.1:8080 refused");
+        let b = Incident::new("web", "connect to 127.0.0.1:9191 refused");
+        let c = Incident::new("db", "connect to 127.0.0.1:8080 refused");
+        assert_eq!(a.effective_fingerprint(), b.effective_fingerprint());
+        assert_ne!(a.effective_fingerprint(), c.effective_fingerprint());
+        assert_eq!(a.signature(), "connect to #.#.#.#:# refused");
+    }
+
+    #[test]
+    fn unknown_fields_are_refused() {
+        let e = serde_json::from_str::<Incident>(r#"{"service":"a","error":"b","sevrity":"x"}"#)
+            .unwrap_err();
+        assert!(e.to_string().contains("sevrity"), "{e}");
+    }
+}

@@ -1,0 +1,333 @@
+//! The run state: one versioned struct that carries everything a stage needs.
+
+use crate::{Incident, Stage};
+use chrono::{DateTime, Utc};
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use uuid::Uuid;
+
+/// Bumped when a field changes meaning; readers refuse versions they do not know.
+pub const RUN_STATE_VERSION: u32 = 1;
+/// Evidence items kept in the state (oldest dropped first).
+pub const MAX_EVIDENCE: usize = 32;
+/// Bytes of output kept per evidence item or execution in the state.
+pub const MAX_OUTPUT: usize = 4096;
+
+/// A diagnosis: what the reasoning provider believes is wrong.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct Diagnosis {
+    pub attempt: u32,
+    pub summary: String,
+    /// The playbook rule or model that produced it.
+    pub source: String,
+    /// Observed facts (error text or evidence) the diagnosis rests on.
+    #[serde(default)]
+    pub grounds: Vec<String>,
+}
+
+/// Read-only output gathered while diagnosing.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct Evidence {
+    pub attempt: u32,
+    /// What produced it: `check`, `pidfile`, `command`, ...
+    pub source: String,
+    pub detail: String,
+    /// Trimmed to `MAX_OUTPUT`.
+    pub output: String,
+    pub ok: bool,
+}
+
+/// Candidate remediation: 1-3 commands, one per line, never chained.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct Plan {
+    pub attempt: u32,
+    pub commands: Vec<String>,
+    pub rationale: String,
+    /// The playbook rule or model that produced it.
+    pub source: String,
+}
+
+impl Plan {
+    /// A hash of the exact commands: an approval names the plan it approves.
+    pub fn hash(&self) -> String {
+        let mut h = Sha256::new();
+        for c in &self.commands {
+            h.update(c.as_bytes());
+            h.update([b'\n']);
+        }
+        hex::encode(&h.finalize()[..12])
+    }
+}
+
+/// Where the run stands with the policy gate and the approvers.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(tag = "status", rename_all = "snake_case")]
+pub enum ApprovalStatus {
+    /// The gate has not looked at the current plan yet.
+    #[default]
+    Unchecked,
+    /// Nothing in the plan needs a human.
+    AutoApproved,
+    /// Parked until a decision arrives on the bridge subject.
+    Waiting { plan_hash: String, rule: String },
+    Approved { by: String, plan_hash: String },
+    Denied { by: String, reason: String },
+    /// The gate refused the plan outright.
+    Rejected { rule: String },
+}
+
+/// One policy finding about one command; every decision names its rule.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct SecurityFlag {
+    pub attempt: u32,
+    pub command: String,
+    pub rule: String,
+    /// `forbidden` or `critical`.
+    pub class: String,
+}
+
+/// PASS, REGENERATE or BLOCK.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum Verdict {
+    Pass,
+    Regenerate,
+    Block,
+}
+
+impl Verdict {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Verdict::Pass => "pass",
+            Verdict::Regenerate => "regenerate",
+            Verdict::Block => "block",
+        }
+    }
+}
+
+/// One deterministic check of the evaluator.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct EvaluationCheck {
+    pub name: String,
+    pub passed: bool,
+    pub weight: f64,
+    pub detail: String,
+}
+
+/// The evaluator's score of a diagnosis and plan.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct Evaluation {
+    pub attempt: u32,
+    pub regeneration: u32,
+    pub score: f64,
+    pub verdict: Verdict,
+    pub checks: Vec<EvaluationCheck>,
+    pub feedback: Option<String>,
+}
+
+/// How one command of an attempt ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum ExecutionStatus {
+    Succeeded,
+    Failed,
+    TimedOut,
+    /// Started by an earlier delivery that never recorded an end: not run again.
+    Interrupted,
+    /// Not run because an earlier command of the plan failed.
+    Skipped,
+}
+
+/// The record of one command run for one attempt.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct ExecutionRecord {
+    pub attempt: u32,
+    pub index: u32,
+    pub command: String,
+    pub status: ExecutionStatus,
+    pub exit_code: Option<i32>,
+    /// Trimmed stdout then stderr.
+    pub output: String,
+    pub duration_ms: u64,
+}
+
+/// What verify saw.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct Verification {
+    pub attempt: u32,
+    pub recovered: bool,
+    pub detail: String,
+}
+
+/// How a run ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum Outcome {
+    Resolved,
+    Escalated,
+}
+
+impl Outcome {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Outcome::Resolved => "resolved",
+            Outcome::Escalated => "escalated",
+        }
+    }
+}
+
+/// Everything a stage needs, passed stage to stage as MessagePack.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct RunState {
+    /// `RUN_STATE_VERSION` of the writer.
+    pub version: u32,
+    pub run_id: Uuid,
+    /// The normalised incident (id and fingerprint set).
+    pub incident: Incident,
+    /// The stage this state is addressed to.
+    pub step: Stage,
+    /// Transition counter: with `run_id` it makes the deterministic `Nats-Msg-Id`.
+    pub seq: u32,
+    /// Remediation attempt, from 1.
+    pub attempt: u32,
+    /// Plan regenerations within this attempt.
+    pub regeneration: u32,
+    #[serde(default)]
+    pub diagnosis_log: Vec<Diagnosis>,
+    #[serde(default)]
+    pub evidence: Vec<Evidence>,
+    #[serde(default)]
+    pub plan: Option<Plan>,
+    #[serde(default)]
+    pub approval: ApprovalStatus,
+    #[serde(default)]
+    pub security_flags: Vec<SecurityFlag>,
+    #[serde(default)]
+    pub evaluation: Option<Evaluation>,
+    /// Evaluator feedback for the next plan of this attempt.
+    #[serde(default)]
+    pub feedback: Vec<String>,
+    /// Commands that failed in this run: never proposed again.
+    #[serde(default)]
+    pub failed_commands: Vec<String>,
+    /// Executions of the current attempt.
+    #[serde(default)]
+    pub executions: Vec<ExecutionRecord>,
+    #[serde(default)]
+    pub verification: Option<Verification>,
+    #[serde(default)]
+    pub escalation_reason: Option<String>,
+    #[serde(default)]
+    pub outcome: Option<Outcome>,
+    pub started_at: DateTime<Utc>,
+}
+
+impl RunState {
+    /// The first state of a run, addressed to intake.
+    pub fn new(run_id: Uuid, incident: Incident) -> Self {
+        RunState {
+            version: RUN_STATE_VERSION,
+            run_id,
+            incident,
+            step: Stage::Intake,
+            seq: 0,
+            attempt: 1,
+            regeneration: 0,
+            diagnosis_log: Vec::new(),
+            evidence: Vec::new(),
+            plan: None,
+            approval: ApprovalStatus::Unchecked,
+            security_flags: Vec::new(),
+            evaluation: None,
+            feedback: Vec::new(),
+            failed_commands: Vec::new(),
+            executions: Vec::new(),
+            verification: None,
+            escalation_reason: None,
+            outcome: None,
+            started_at: Utc::now(),
+        }
+    }
+
+    /// The current diagnosis (last of the log, if it belongs to this attempt).
+    pub fn diagnosis(&self) -> Option<&Diagnosis> {
+        self.diagnosis_log.last().filter(|d| d.attempt == self.attempt)
+    }
+
+    /// Evidence gathered during the current attempt.
+    pub fn current_evidence(&self) -> impl Iterator<Item = &Evidence> {
+        self.evidence.iter().filter(move |e| e.attempt == self.attempt)
+    }
+
+    /// Add evidence, keeping the list and each output bounded.
+    pub fn push_evidence(&mut self, mut ev: Evidence) {
+        ev.output = crate::trim::trim_output(&ev.output, MAX_OUTPUT);
+        self.evidence.push(ev);
+        if self.evidence.len() > MAX_EVIDENCE {
+            let drop = self.evidence.len() - MAX_EVIDENCE;
+            self.evidence.drain(..drop);
+        }
+    }
+
+    /// The deterministic message id of the transition that produced this state.
+    pub fn msg_id(&self) -> String {
+        format!("{}.{}", self.run_id, self.seq)
+    }
+
+    /// Address this state to `next`, counting the transition.
+    pub fn advance(&mut self, next: Stage) {
+        self.step = next;
+        self.seq += 1;
+    }
+
+    /// Address this state to escalate with a reason.
+    pub fn escalate(&mut self, reason: impl Into<String>) {
+        self.escalation_reason = Some(reason.into());
+        self.advance(Stage::Escalate);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn plan_hash_depends_on_exact_commands() {
+        let p = |c: &[&str]| Plan {
+            attempt: 1,
+            commands: c.iter().map(|s| s.to_string()).collect(),
+            rationale: String::new(),
+            source: String::new(),
+        };
+        assert_eq!(p(&["a", "b"]).hash(), p(&["a", "b"]).hash());
+        assert_ne!(p(&["a", "b"]).hash(), p(&["ab"]).hash());
+        assert_ne!(p(&["a"]).hash(), p(&["a "]).hash());
+    }
+
+    #[test]
+    fn evidence_is_bounded() {
+        let mut s = RunState::new(Uuid::now_v7(), Incident::new("web", "down"));
+        for i in 0..100 {
+            s.push_evidence(Evidence {
+                attempt: 1,
+                source: "check".into(),
+                detail: format!("{i}"),
+                output: "x\n".repeat(10_000),
+                ok: false,
+            });
+        }
+        assert_eq!(s.evidence.len(), MAX_EVIDENCE);
+        assert_eq!(s.evidence[0].detail, "68");
+        assert!(s.evidence.iter().all(|e| e.output.len() <= MAX_OUTPUT + 64));
+    }
+
+    #[test]
+    fn advance_counts_transitions() {
+        let mut s = RunState::new(Uuid::nil(), Incident::new("web", "down"));
+        s.advance(Stage::Diagnose);
+        s.escalate("why");
+        assert_eq!((s.step, s.seq), (Stage::Escalate, 2));
+        assert_eq!(s.msg_id(), format!("{}.2", Uuid::nil()));
+    }
+}

@@ -1,0 +1,97 @@
+//! Bounded text: command output and evidence are trimmed before they travel or are stored.
+
+/// Keep at most `max` bytes of `text`: the head, then the lines that look like errors from the
+/// rest, then a marker saying how much was dropped. Always cuts on a char boundary.
+pub fn trim_output(text: &str, max: usize) -> String {
+    if text.len() <= max {
+        return text.to_string();
+    }
+    let head_budget = max / 2;
+    let mut out = String::with_capacity(max + 64);
+    let mut used = 0;
+    let mut lines = text.lines();
+    for line in lines.by_ref() {
+        if used + line.len() + 1 > head_budget {
+            break;
+        }
+        out.push_str(line);
+        out.push('\n');
+        used += line.len() + 1;
+    }
+    let mut dropped = 0usize;
+    for line in lines {
+        if looks_like_error(line) && used + line.len() + 1 <= max.saturating_sub(48) {
+            out.push_str(line);
+            out.push('\n');
+            used += line.len() + 1;
+        } else {
+            dropped += 1;
+        }
+    }
+    if out.is_empty() {
+        // One enormous line: cut it on a char boundary.
+        let mut end = head_budget.min(text.len());
+        while !text.is_char_boundary(end) {
+            end -= 1;
+        }
+        out.push_str(&text[..end]);
+        out.push('\n');
+    }
+    out.push_str(&format!("[… {dropped} lines trimmed]"));
+    out
+}
+
+/// A line worth keeping from the middle of a long output.
+pub fn looks_like_error(line: &str) -> bool {
+    let l = line.to_ascii_lowercase();
+    ["error", "fail", "fatal", "panic", "denied", "refused", "timeout", "timed out", "cannot", "no such", "exception", "killed", "oom"]
+        .iter()
+        .any(|k| l.contains(k))
+}
+
+/// Cut a string to at most `max` bytes on a char boundary (for one-line fields).
+pub fn clip(text: &str, max: usize) -> String {
+    if text.len() <= max {
+        return text.to_string();
+    }
+    let mut end = max;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}…", &text[..end])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn short_text_is_untouched() {
+        assert_eq!(trim_output("a\nb\n", 100), "a\nb\n");
+    }
+
+    #[test]
+    fn long_text_keeps_head_and_errors_within_bound() {
+        let mut text = String::new();
+        for i in 0..1000 {
+            text.push_str(&format!("line {i} ok\n"));
+        }
+        text.push_str("ERROR: disk full\n");
+        for i in 0..1000 {
+            text.push_str(&format!("tail {i}\n"));
+        }
+        let t = trim_output(&text, 1024);
+        assert!(t.len() <= 1024 + 64, "{}", t.len());
+        assert!(t.starts_with("line 0 ok\n"));
+        assert!(t.contains("ERROR: disk full"));
+        assert!(t.contains("lines trimmed"));
+    }
+
+    #[test]
+    fn one_huge_line_is_cut_on_a_char_boundary() {
+        let text = "é".repeat(5000);
+        let t = trim_output(&text, 101);
+        assert!(t.len() < 200);
+        assert_eq!(clip("héllo", 2), "h…");
+    }
+}
