@@ -6,6 +6,7 @@ pub mod approval;
 pub mod codec;
 pub mod event;
 pub mod incident;
+pub mod inventory;
 pub mod run;
 pub mod stage;
 pub mod subjects;
@@ -14,6 +15,7 @@ pub mod trim;
 pub use approval::{ApprovalDecision, ApprovalRequest, Decision};
 pub use event::{EventKind, RunEvent};
 pub use incident::{Incident, IncidentError, Severity};
+pub use inventory::{CheckSpec, ServiceSpec};
 pub use run::{
     ApprovalStatus, Diagnosis, Evaluation, EvaluationCheck, Evidence, ExecutionRecord,
     ExecutionStatus, Outcome, Plan, RunState, SecurityFlag, Verdict, Verification,

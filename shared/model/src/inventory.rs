@@ -1,0 +1,105 @@
+//! The inventory: services pitcrew may remediate and how to check them. Read from config.
+
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+
+/// How to tell whether a service is healthy.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
+pub enum CheckSpec {
+    /// GET `url`; healthy when the status equals `expect_status`.
+    Http {
+        url: String,
+        #[serde(default = "default_status")]
+        expect_status: u16,
+        #[serde(default = "default_check_timeout_ms")]
+        timeout_ms: u64,
+    },
+    /// Healthy when a TCP connection to `address` (host:port) opens.
+    Tcp {
+        address: String,
+        #[serde(default = "default_check_timeout_ms")]
+        timeout_ms: u64,
+    },
+    /// Run `command` on the service's host through the executor; healthy when it exits 0
+    /// and, if `running_indicator` is set, its stdout contains it.
+    Command {
+        command: String,
+        #[serde(default)]
+        running_indicator: Option<String>,
+        #[serde(default = "default_check_timeout_ms")]
+        timeout_ms: u64,
+    },
+}
+
+fn default_status() -> u16 {
+    200
+}
+fn default_check_timeout_ms() -> u64 {
+    2000
+}
+fn default_host() -> String {
+    "local".to_string()
+}
+
+/// One service pitcrew may remediate.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ServiceSpec {
+    /// Inventory host name; `local` runs commands on this machine.
+    #[serde(default = "default_host")]
+    pub host: String,
+    #[serde(default)]
+    pub check: Option<CheckSpec>,
+    /// Commands for hosts without a service manager (templates may use `{service}`).
+    #[serde(default)]
+    pub start: Option<String>,
+    #[serde(default)]
+    pub stop: Option<String>,
+    #[serde(default)]
+    pub restart: Option<String>,
+    /// A file holding the service's pid, read as evidence (gives playbooks `{pid}`).
+    #[serde(default)]
+    pub pidfile: Option<String>,
+    /// Extra template variables for playbook commands.
+    #[serde(default)]
+    pub vars: BTreeMap<String, String>,
+}
+
+impl ServiceSpec {
+    /// The template variables a playbook may use for this service: `service`, `host`,
+    /// `start`, `stop`, `restart` (systemctl defaults when not configured), plus `vars`.
+    pub fn template_vars(&self, service: &str) -> BTreeMap<String, String> {
+        let mut v = self.vars.clone();
+        v.insert("service".into(), service.to_string());
+        v.insert("host".into(), self.host.clone());
+        let or = |c: &Option<String>, verb: &str| {
+            c.clone().unwrap_or_else(|| format!("systemctl {verb} {service}"))
+        };
+        v.insert("start".into(), or(&self.start, "start"));
+        v.insert("stop".into(), or(&self.stop, "stop"));
+        v.insert("restart".into(), or(&self.restart, "restart"));
+        v
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn vars_default_to_systemctl() {
+        let s = ServiceSpec {
+            host: "local".into(),
+            check: None,
+            start: Some("/opt/web/start".into()),
+            stop: None,
+            restart: None,
+            pidfile: None,
+            vars: BTreeMap::new(),
+        };
+        let v = s.template_vars("web");
+        assert_eq!(v["start"], "/opt/web/start");
+        assert_eq!(v["restart"], "systemctl restart web");
+    }
+}
