@@ -1,1 +1,72 @@
-//! placeholder
+//! Running commands and health checks on target hosts: the only place pitcrew touches a
+//! machine. Commands are argv (never a shell), output is capped, and every run has a deadline.
+
+pub mod check;
+pub mod local;
+
+pub use check::{run_check, CheckOutcome};
+pub use local::LocalExecutor;
+
+use futures::future::BoxFuture;
+use std::time::Duration;
+
+/// Result of one command. Output is already capped by the executor, so it is safe to store
+/// and ship; `timed_out` tells a hung command from one that failed.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CommandOutput {
+    /// The exit code; `None` when the process was killed (by us at the deadline, or by a signal).
+    pub exit_code: Option<i32>,
+    pub stdout: String,
+    pub stderr: String,
+    /// The deadline passed and the whole process group was killed.
+    pub timed_out: bool,
+    pub duration: Duration,
+}
+
+impl CommandOutput {
+    /// The command did what it was asked: it exited 0 before its deadline.
+    pub fn success(&self) -> bool {
+        self.exit_code == Some(0) && !self.timed_out
+    }
+}
+
+/// Why a command could not be run at all (a command that ran and failed is a
+/// [`CommandOutput`], not an error). Each variant says what the caller should do.
+#[derive(Debug, thiserror::Error)]
+pub enum ExecError {
+    /// The command text could not be parsed into argv (unbalanced quotes...): the plan is
+    /// bad, do not retry.
+    #[error("cannot parse command: {0}")]
+    Parse(String),
+    /// The command is empty: the plan is bad, do not retry.
+    #[error("empty command")]
+    Empty,
+    /// The program does not exist or cannot be spawned: the command failed (not transient).
+    #[error("cannot start '{program}': {error}")]
+    Spawn { program: String, error: String },
+    /// The host is not known to this executor: the inventory or plan is wrong, do not retry.
+    #[error("unknown host '{0}'")]
+    UnknownHost(String),
+    /// Transient infrastructure error (connection lost, out of processes...): retry later.
+    #[error("transient: {0}")]
+    Transient(String),
+}
+
+/// Runs commands on a target host. Object-safe so services hold an `Arc<dyn Executor>` and
+/// tests or other transports (ssh) can be swapped in.
+pub trait Executor: Send + Sync + 'static {
+    /// Run one command line on `host`. The command is parsed with shell-words into argv and
+    /// executed WITHOUT a shell, so no chaining, pipes or redirection can happen. Output is
+    /// captured up to the executor's cap per stream; the whole process group is killed at
+    /// `timeout`.
+    fn run<'a>(
+        &'a self,
+        host: &'a str,
+        command: &'a str,
+        timeout: Duration,
+    ) -> BoxFuture<'a, Result<CommandOutput, ExecError>>;
+
+    /// Whether `tool` (a program name like "systemctl") exists on `host`, so planners only
+    /// propose commands the host can run. Unknown hosts have no tools.
+    fn has_tool<'a>(&'a self, host: &'a str, tool: &'a str) -> BoxFuture<'a, bool>;
+}

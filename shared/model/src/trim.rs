@@ -20,7 +20,7 @@ pub fn trim_output(text: &str, max: usize) -> String {
     }
     let mut dropped = 0usize;
     for line in lines {
-        if looks_like_error(line) && used + line.len() + 1 <= max.saturating_sub(48) {
+        if looks_like_error(line) && used + line.len() < max.saturating_sub(48) {
             out.push_str(line);
             out.push('\n');
             used += line.len() + 1;

@@ -1,1 +1,17 @@
-//! placeholder
+//! pitcrew's runtime, shared by every stage: configuration, the bus (NATS JetStream), the store
+//! (Postgres), telemetry, and the runner that turns a stage's decision into durable effects.
+
+pub mod bus;
+pub mod config;
+pub mod consume;
+pub mod natsd;
+pub mod runner;
+pub mod stage;
+pub mod store;
+pub mod target;
+pub mod telemetry;
+
+pub use bus::{Bus, BusError};
+pub use config::Config;
+pub use stage::{Cx, Deps, StageError, StageHandler, Transition};
+pub use store::{Store, StoreError};

@@ -1,0 +1,233 @@
+//! Health checks (HTTP, TCP, command): whether a service works, with a one-line reason that
+//! diagnosis and error-pattern rules can match on.
+
+use crate::Executor;
+use pitcrew_model::trim::{clip, trim_output};
+use pitcrew_model::CheckSpec;
+use std::sync::OnceLock;
+use std::time::Duration;
+
+/// Bytes of an HTTP body we read; the rest is never downloaded.
+const MAX_BODY: usize = 64 * 1024;
+/// Bytes of body or stdout kept in [`CheckOutcome::output`].
+const MAX_OUTPUT: usize = 4096;
+/// Bytes of quoted text (body line, command, stderr line) kept in a detail.
+const MAX_QUOTE: usize = 200;
+/// Upper bound on any check's timeout, whatever the inventory says: checks run inside
+/// remediation loops, and a typo like `timeout_ms: 2000000` must not stall one for days.
+const MAX_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// What one health check found.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CheckOutcome {
+    pub healthy: bool,
+    /// One human-readable line saying what was tried and what happened, e.g.
+    /// `GET http://127.0.0.1:8080/health returned 503 (expected 200): stuck`.
+    pub detail: String,
+    /// The response body or command stdout, trimmed to 4096 bytes (evidence for diagnosis).
+    pub output: String,
+}
+
+impl CheckOutcome {
+    fn new(healthy: bool, detail: String, output: &str) -> Self {
+        Self {
+            healthy,
+            detail: one_line(&detail),
+            output: trim_output(output, MAX_OUTPUT),
+        }
+    }
+}
+
+/// Run one health check. Never errors: an unreachable service is an unhealthy outcome with
+/// the reason in `detail`, because "cannot reach it" is exactly what the caller must know.
+pub async fn run_check(spec: &CheckSpec, host: &str, executor: &dyn Executor) -> CheckOutcome {
+    match spec {
+        CheckSpec::Http {
+            url,
+            expect_status,
+            timeout_ms,
+        } => http_check(url, *expect_status, bounded(*timeout_ms)).await,
+        CheckSpec::Tcp {
+            address,
+            timeout_ms,
+        } => tcp_check(address, bounded(*timeout_ms)).await,
+        CheckSpec::Command {
+            command,
+            running_indicator,
+            timeout_ms,
+        } => {
+            let indicator = running_indicator.as_deref();
+            command_check(command, indicator, host, bounded(*timeout_ms), executor).await
+        }
+    }
+}
+
+fn bounded(timeout_ms: u64) -> Duration {
+    Duration::from_millis(timeout_ms).min(MAX_TIMEOUT)
+}
+
+/// One client for all HTTP checks (connection pools are per client). Proxies from the
+/// environment are ignored: a health check must reach the service itself.
+fn client() -> Result<&'static reqwest::Client, String> {
+    static CLIENT: OnceLock<Result<reqwest::Client, String>> = OnceLock::new();
+    CLIENT
+        .get_or_init(|| {
+            reqwest::Client::builder()
+                .no_proxy()
+                .redirect(reqwest::redirect::Policy::limited(5))
+                .build()
+                .map_err(|e| error_chain(&e))
+        })
+        .as_ref()
+        .map_err(Clone::clone)
+}
+
+async fn http_check(url: &str, expect: u16, timeout: Duration) -> CheckOutcome {
+    let client = match client() {
+        Ok(c) => c,
+        Err(e) => return CheckOutcome::new(false, format!("GET {url} failed: {e}"), ""),
+    };
+    let fetch = async {
+        let mut resp = client.get(url).send().await?;
+        let status = resp.status().as_u16();
+        let mut body = Vec::new();
+        while body.len() < MAX_BODY {
+            let Some(chunk) = resp.chunk().await? else {
+                break;
+            };
+            let room = MAX_BODY - body.len();
+            body.extend_from_slice(&chunk[..chunk.len().min(room)]);
+        }
+        Ok::<_, reqwest::Error>((status, String::from_utf8_lossy(&body).into_owned()))
+    };
+    match tokio::time::timeout(timeout, fetch).await {
+        Err(_) => CheckOutcome::new(
+            false,
+            format!(
+                "GET {url} failed: timed out after {} ms",
+                timeout.as_millis()
+            ),
+            "",
+        ),
+        Ok(Err(e)) => {
+            let mut detail = format!("GET {url} failed: {}", error_chain(&e));
+            if e.is_timeout() && !detail.contains("timed out") {
+                detail.push_str(" (timed out)");
+            }
+            if io_kind(&e) == Some(std::io::ErrorKind::ConnectionRefused) {
+                mention_refused(&mut detail);
+            }
+            CheckOutcome::new(false, detail, "")
+        }
+        Ok(Ok((status, body))) if status == expect => {
+            CheckOutcome::new(true, format!("GET {url} -> {status}"), &body)
+        }
+        Ok(Ok((status, body))) => {
+            let mut detail = format!("GET {url} returned {status} (expected {expect})");
+            let first = body.lines().map(str::trim).find(|l| !l.is_empty());
+            if let Some(line) = first {
+                detail.push_str(&format!(": {}", clip(line, MAX_QUOTE)));
+            }
+            CheckOutcome::new(false, detail, &body)
+        }
+    }
+}
+
+async fn tcp_check(address: &str, timeout: Duration) -> CheckOutcome {
+    match tokio::time::timeout(timeout, tokio::net::TcpStream::connect(address)).await {
+        Ok(Ok(_stream)) => CheckOutcome::new(true, format!("connect {address} -> ok"), ""),
+        Ok(Err(e)) => {
+            let mut detail = format!("connect {address} failed: {e}");
+            if e.kind() == std::io::ErrorKind::ConnectionRefused {
+                mention_refused(&mut detail);
+            }
+            CheckOutcome::new(false, detail, "")
+        }
+        Err(_) => CheckOutcome::new(
+            false,
+            format!(
+                "connect {address} failed: timed out after {} ms",
+                timeout.as_millis()
+            ),
+            "",
+        ),
+    }
+}
+
+async fn command_check(
+    command: &str,
+    indicator: Option<&str>,
+    host: &str,
+    timeout: Duration,
+    executor: &dyn Executor,
+) -> CheckOutcome {
+    let shown = clip(command, MAX_QUOTE);
+    let out = match executor.run(host, command, timeout).await {
+        Ok(out) => out,
+        Err(e) => return CheckOutcome::new(false, format!("`{shown}` on {host}: {e}"), ""),
+    };
+    let detail = if out.timed_out {
+        format!("`{shown}` timed out after {} ms", timeout.as_millis())
+    } else if !out.success() {
+        let code = out
+            .exit_code
+            .map_or("by a signal".to_string(), |c| c.to_string());
+        let mut d = format!("`{shown}` exited {code}");
+        if let Some(line) = out.stderr.lines().map(str::trim).find(|l| !l.is_empty()) {
+            d.push_str(&format!(": {}", clip(line, MAX_QUOTE)));
+        }
+        d
+    } else if let Some(ind) = indicator.filter(|i| !out.stdout.contains(*i)) {
+        format!(
+            "`{shown}` exited 0 but its output lacks '{}'",
+            clip(ind, MAX_QUOTE)
+        )
+    } else {
+        return CheckOutcome::new(true, format!("`{shown}` -> ok"), &out.stdout);
+    };
+    CheckOutcome::new(false, detail, &out.stdout)
+}
+
+/// Error-pattern rules match on the lowercase phrase; OS messages capitalise it.
+fn mention_refused(detail: &mut String) {
+    if !detail.contains("connection refused") {
+        detail.push_str(" (connection refused)");
+    }
+}
+
+/// `e` and its sources joined with ": ", skipping sources whose text is already shown
+/// (reqwest's top-level message alone says only "error sending request").
+fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        let part = s.to_string();
+        if !text.contains(&part) {
+            text.push_str(": ");
+            text.push_str(&part);
+        }
+        source = s.source();
+    }
+    text
+}
+
+/// The kind of the first I/O error in `e`'s source chain, if any.
+fn io_kind(e: &(dyn std::error::Error + 'static)) -> Option<std::io::ErrorKind> {
+    let mut source = Some(e);
+    while let Some(s) = source {
+        if let Some(io) = s.downcast_ref::<std::io::Error>() {
+            return Some(io.kind());
+        }
+        source = s.source();
+    }
+    None
+}
+
+/// Details are single lines: logs and timelines show them verbatim.
+fn one_line(text: &str) -> String {
+    let flat: String = text
+        .chars()
+        .map(|c| if c.is_control() { ' ' } else { c })
+        .collect();
+    clip(&flat, 1024)
+}

@@ -1,0 +1,234 @@
+//! The local executor: runs argv commands on this machine in their own process group, with
+//! capped output and a deadline after which the whole group is killed.
+
+use crate::{CommandOutput, ExecError, Executor};
+use futures::future::BoxFuture;
+use std::process::{ExitStatus, Stdio};
+use std::time::Duration;
+use tokio::io::{AsyncRead, AsyncReadExt};
+use tokio::time::Instant;
+
+/// Host names that mean "this machine".
+const LOCAL_HOSTS: [&str; 3] = ["local", "localhost", "127.0.0.1"];
+
+/// After the command exits, how long we keep reading pipes that something it left behind
+/// (a backgrounded child) still holds open. We do not wait for, or kill, such processes:
+/// a start script may legitimately leave a daemon running.
+const PIPE_GRACE: Duration = Duration::from_secs(1);
+
+/// After killing the group at the deadline, how long we wait for the leader to be reaped and
+/// for the last buffered output. SIGKILL cannot be ignored, so this is only a safety net.
+const KILL_GRACE: Duration = Duration::from_secs(2);
+
+/// Used when `now + timeout` does not fit in an `Instant` (a "forever" timeout).
+const FAR_FUTURE: Duration = Duration::from_secs(365 * 24 * 3600);
+
+/// Runs commands on the machine pitcrew itself runs on.
+#[derive(Debug, Clone)]
+pub struct LocalExecutor {
+    /// Bytes kept from each of stdout and stderr; the rest is read and discarded so the
+    /// child never blocks on a full pipe.
+    pub max_output: usize,
+}
+
+impl LocalExecutor {
+    pub fn new(max_output: usize) -> Self {
+        Self { max_output }
+    }
+
+    async fn run_local(
+        &self,
+        host: &str,
+        command: &str,
+        timeout: Duration,
+    ) -> Result<CommandOutput, ExecError> {
+        if !is_local(host) {
+            return Err(ExecError::UnknownHost(host.to_string()));
+        }
+        let argv = shell_words::split(command).map_err(|e| ExecError::Parse(e.to_string()))?;
+        let (program, args) = argv.split_first().ok_or(ExecError::Empty)?;
+
+        let started = Instant::now();
+        let deadline = started.checked_add(timeout).unwrap_or(started + FAR_FUTURE);
+        let mut child = tokio::process::Command::new(program)
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .kill_on_drop(true)
+            .process_group(0)
+            .spawn()
+            .map_err(|e| spawn_error(program, e))?;
+        // process_group(0) makes the child the leader of a group whose id is its pid.
+        let mut group = GroupGuard(child.id().and_then(|p| i32::try_from(p).ok()));
+        let stdout = child.stdout.take();
+        let stderr = child.stderr.take();
+
+        let (mut out, mut err) = (Vec::new(), Vec::new());
+        let (waited, timed_out) = {
+            let max = self.max_output;
+            let drain = async {
+                tokio::join!(
+                    read_capped(stdout, max, &mut out),
+                    read_capped(stderr, max, &mut err)
+                )
+            };
+            tokio::pin!(drain);
+            let mut drained = false;
+            let waited: Option<std::io::Result<ExitStatus>> = loop {
+                tokio::select! {
+                    status = child.wait() => break Some(status),
+                    _ = &mut drain, if !drained => drained = true,
+                    _ = tokio::time::sleep_until(deadline) => break None,
+                }
+            };
+            match waited {
+                Some(Ok(status)) => {
+                    // Reaped: the group id may be reused from now on, never signal it again.
+                    group.disarm();
+                    if !drained {
+                        let until = deadline.min(Instant::now() + PIPE_GRACE);
+                        let _ = tokio::time::timeout_at(until, &mut drain).await;
+                    }
+                    (Some(status), false)
+                }
+                other => {
+                    group.kill();
+                    let _ = tokio::time::timeout(KILL_GRACE, child.wait()).await;
+                    group.disarm();
+                    if !drained {
+                        let _ = tokio::time::timeout(KILL_GRACE, &mut drain).await;
+                    }
+                    if let Some(Err(e)) = other {
+                        return Err(ExecError::Transient(format!(
+                            "waiting for '{program}': {e}"
+                        )));
+                    }
+                    (None, true)
+                }
+            }
+        };
+        let output = CommandOutput {
+            exit_code: waited.and_then(|s| s.code()),
+            stdout: String::from_utf8_lossy(&out).into_owned(),
+            stderr: String::from_utf8_lossy(&err).into_owned(),
+            timed_out,
+            duration: started.elapsed(),
+        };
+        tracing::debug!(
+            program = %program,
+            exit_code = ?output.exit_code,
+            timed_out,
+            duration_ms = output.duration.as_millis() as u64,
+            "local command finished"
+        );
+        Ok(output)
+    }
+}
+
+impl Executor for LocalExecutor {
+    fn run<'a>(
+        &'a self,
+        host: &'a str,
+        command: &'a str,
+        timeout: Duration,
+    ) -> BoxFuture<'a, Result<CommandOutput, ExecError>> {
+        Box::pin(self.run_local(host, command, timeout))
+    }
+
+    fn has_tool<'a>(&'a self, host: &'a str, tool: &'a str) -> BoxFuture<'a, bool> {
+        Box::pin(async move { is_local(host) && find_tool(tool).await })
+    }
+}
+
+fn is_local(host: &str) -> bool {
+    LOCAL_HOSTS.contains(&host)
+}
+
+/// Resource exhaustion is worth retrying; anything else (missing program, not executable,
+/// bad argument) will fail the same way next time.
+fn spawn_error(program: &str, e: std::io::Error) -> ExecError {
+    let transient = matches!(
+        e.raw_os_error(),
+        Some(libc::EAGAIN | libc::ENOMEM | libc::EMFILE | libc::ENFILE)
+    );
+    if transient {
+        ExecError::Transient(format!("cannot start '{program}': {e}"))
+    } else {
+        ExecError::Spawn {
+            program: program.to_string(),
+            error: e.to_string(),
+        }
+    }
+}
+
+/// An executable regular file at `tool` if it contains '/', else in some `PATH` entry.
+async fn find_tool(tool: &str) -> bool {
+    if tool.is_empty() || tool.contains('\0') {
+        return false;
+    }
+    if tool.contains('/') {
+        return is_executable(std::path::Path::new(tool)).await;
+    }
+    let Some(path) = std::env::var_os("PATH") else {
+        return false;
+    };
+    for dir in std::env::split_paths(&path) {
+        if !dir.as_os_str().is_empty() && is_executable(&dir.join(tool)).await {
+            return true;
+        }
+    }
+    false
+}
+
+async fn is_executable(path: &std::path::Path) -> bool {
+    use std::os::unix::fs::PermissionsExt;
+    match tokio::fs::metadata(path).await {
+        Ok(m) => m.is_file() && m.permissions().mode() & 0o111 != 0,
+        Err(_) => false,
+    }
+}
+
+/// Read `pipe` to EOF, keeping the first `max` bytes in `buf` and discarding the rest, so
+/// memory stays bounded while the writer never blocks. Read errors end the stream.
+async fn read_capped<R: AsyncRead + Unpin>(pipe: Option<R>, max: usize, buf: &mut Vec<u8>) {
+    let Some(mut pipe) = pipe else { return };
+    let mut chunk = [0u8; 8192];
+    loop {
+        match pipe.read(&mut chunk).await {
+            Ok(0) | Err(_) => return,
+            Ok(n) => {
+                let room = max.saturating_sub(buf.len());
+                buf.extend_from_slice(&chunk[..n.min(room)]);
+            }
+        }
+    }
+}
+
+/// Kills the command's whole process group if the run is abandoned (deadline, or the caller
+/// dropping the future), so nothing it spawned outlives it. Disarmed once the leader is
+/// reaped, because from then on the group id may belong to someone else.
+struct GroupGuard(Option<i32>);
+
+impl GroupGuard {
+    fn kill(&mut self) {
+        // A pgid <= 1 would make kill(-pgid) signal every process we may signal: never.
+        if let Some(pgid) = self.0.filter(|p| *p > 1) {
+            // SAFETY: kill(2) has no memory-safety preconditions; the group is ours and its
+            // leader has not been reaped yet (we disarm on reap), so the id is not reused.
+            unsafe {
+                libc::kill(-pgid, libc::SIGKILL);
+            }
+        }
+    }
+
+    fn disarm(&mut self) {
+        self.0 = None;
+    }
+}
+
+impl Drop for GroupGuard {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}

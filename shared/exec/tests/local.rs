@@ -1,0 +1,171 @@
+//! The local executor against real processes: argv without a shell, capped output, exit
+//! codes, spawn failures and deadlines that kill the whole process group.
+
+use pitcrew_exec::{ExecError, Executor, LocalExecutor};
+use std::time::{Duration, Instant};
+
+const T: Duration = Duration::from_secs(10);
+
+fn exec() -> LocalExecutor {
+    LocalExecutor::new(64 * 1024)
+}
+
+/// Whether `pid` is still a live (not zombie) process.
+fn alive(pid: i32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        // The state follows the parenthesised command name.
+        Ok(stat) => stat
+            .rsplit_once(')')
+            .is_some_and(|(_, rest)| !rest.trim_start().starts_with('Z')),
+        Err(_) => false,
+    }
+}
+
+#[tokio::test]
+async fn echo_captures_stdout_and_exit_zero() {
+    let out = exec().run("local", "echo hello", T).await.unwrap();
+    assert_eq!(out.stdout, "hello\n");
+    assert_eq!(out.exit_code, Some(0));
+    assert!(out.success());
+    assert!(!out.timed_out);
+}
+
+#[tokio::test]
+async fn exit_code_is_reported() {
+    let out = exec()
+        .run("localhost", "sh -c 'echo oops >&2; exit 3'", T)
+        .await
+        .unwrap();
+    assert_eq!(out.exit_code, Some(3));
+    assert_eq!(out.stderr, "oops\n");
+    assert!(!out.success());
+}
+
+#[tokio::test]
+async fn missing_program_is_a_spawn_error() {
+    let err = exec()
+        .run("127.0.0.1", "definitely-not-a-tool-xyz --flag", T)
+        .await
+        .unwrap_err();
+    match err {
+        ExecError::Spawn { program, .. } => assert_eq!(program, "definitely-not-a-tool-xyz"),
+        other => panic!("expected Spawn, got {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn bad_and_empty_commands_are_rejected() {
+    assert!(matches!(
+        exec().run("local", "echo 'unbalanced", T).await,
+        Err(ExecError::Parse(_))
+    ));
+    assert!(matches!(
+        exec().run("local", "   ", T).await,
+        Err(ExecError::Empty)
+    ));
+}
+
+#[tokio::test]
+async fn timeout_kills_quickly() {
+    let started = Instant::now();
+    let out = exec()
+        .run("local", "sleep 5", Duration::from_millis(200))
+        .await
+        .unwrap();
+    assert!(
+        started.elapsed() < Duration::from_secs(3),
+        "{:?}",
+        started.elapsed()
+    );
+    assert!(out.timed_out);
+    assert_eq!(out.exit_code, None);
+    assert!(!out.success());
+}
+
+#[tokio::test]
+async fn timeout_kills_the_whole_process_group() {
+    // The shell backgrounds a sleep (same process group) and prints its pid before waiting.
+    let cmd = "sh -c 'sleep 30 & echo $!; wait'";
+    let out = exec()
+        .run("local", cmd, Duration::from_millis(300))
+        .await
+        .unwrap();
+    assert!(out.timed_out);
+    let pid: i32 = out
+        .stdout
+        .trim()
+        .parse()
+        .expect("partial output kept on timeout");
+    let deadline = Instant::now() + Duration::from_secs(3);
+    while alive(pid) && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(!alive(pid), "background child {pid} survived the deadline");
+}
+
+#[tokio::test]
+async fn output_is_capped_without_hanging() {
+    let small = LocalExecutor::new(1024);
+    let cmd = "head -c 1000000 /dev/zero";
+    let out = tokio::time::timeout(T, small.run("local", cmd, T))
+        .await
+        .expect("hung")
+        .unwrap();
+    assert!(out.stdout.len() <= 1024, "{}", out.stdout.len());
+    assert_eq!(out.exit_code, Some(0));
+    assert!(!out.timed_out);
+}
+
+#[tokio::test]
+async fn arguments_are_argv_not_shell() {
+    let out = exec()
+        .run("local", "printf '%s|' 'a b' c", T)
+        .await
+        .unwrap();
+    assert_eq!(out.stdout, "a b|c|");
+}
+
+#[tokio::test]
+async fn shell_metacharacters_are_literal() {
+    let dir = tempfile::tempdir().unwrap();
+    let victim = dir.path().join("x");
+    std::fs::write(&victim, "keep").unwrap();
+    let cmd = format!("echo a; rm -rf {}", victim.display());
+    let out = exec().run("local", &cmd, T).await.unwrap();
+    assert_eq!(out.stdout, format!("a; rm -rf {}\n", victim.display()));
+    assert!(victim.exists());
+    let out = exec()
+        .run("local", "echo $HOME | cat > /tmp/nope && true", T)
+        .await
+        .unwrap();
+    assert_eq!(out.stdout, "$HOME | cat > /tmp/nope && true\n");
+}
+
+#[tokio::test]
+async fn unknown_host_is_rejected() {
+    let err = exec().run("db-7", "echo hi", T).await.unwrap_err();
+    assert!(
+        matches!(err, ExecError::UnknownHost(ref h) if h == "db-7"),
+        "{err:?}"
+    );
+    assert!(!exec().has_tool("db-7", "sh").await);
+}
+
+#[tokio::test]
+async fn has_tool_searches_path() {
+    let e = exec();
+    assert!(e.has_tool("local", "sh").await);
+    assert!(e.has_tool("local", "/bin/sh").await);
+    assert!(!e.has_tool("local", "definitely-not-a-tool-xyz").await);
+    let plain = tempfile::NamedTempFile::new().unwrap();
+    let plain = plain.path().to_str().unwrap();
+    assert!(!e.has_tool("local", plain).await, "not executable");
+    assert!(!e.has_tool("local", "").await);
+}
+
+#[tokio::test]
+async fn works_as_a_trait_object() {
+    let e: std::sync::Arc<dyn Executor> = std::sync::Arc::new(exec());
+    let out = e.run("local", "true", T).await.unwrap();
+    assert!(out.success());
+}

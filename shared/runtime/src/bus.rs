@@ -1,0 +1,190 @@
+//! The bus: NATS connection, the five streams, the durable consumers and publishing helpers.
+
+use crate::config::{Config, StageSettings};
+use async_nats::header::{HeaderMap, NATS_MESSAGE_ID};
+use async_nats::jetstream::{self, consumer, stream};
+use bytes::Bytes;
+use pitcrew_model::codec::{self, CONTENT_TYPE};
+use pitcrew_model::subjects::Subjects;
+use pitcrew_model::Stage;
+use std::time::Duration;
+
+/// Header naming the run a message belongs to (lets a poison message still escalate its run).
+pub const RUN_HEADER: &str = "Pitcrew-Run";
+/// Header carrying the dead-letter reason.
+pub const ERROR_HEADER: &str = "Pitcrew-Error";
+/// Header naming the stage that dead-lettered a message.
+pub const STAGE_HEADER: &str = "Pitcrew-Stage";
+/// Header naming the subject a dead-lettered message came from.
+pub const ORIGIN_HEADER: &str = "Pitcrew-Origin";
+
+/// What went wrong talking to NATS; the message says what to do about it.
+#[derive(Debug, thiserror::Error)]
+pub enum BusError {
+    #[error("cannot reach NATS at {url}: {error} (is nats-server running?)")]
+    Connect { url: String, error: String },
+    #[error("JetStream set-up failed for {what}: {error} (a nats-server >= 2.10 with -js is required)")]
+    Setup { what: String, error: String },
+    #[error("publish to {subject} failed: {error}")]
+    Publish { subject: String, error: String },
+}
+
+/// A connected bus: the client, its JetStream context and the subject names.
+#[derive(Clone)]
+pub struct Bus {
+    pub client: async_nats::Client,
+    pub js: jetstream::Context,
+    pub subjects: Subjects,
+}
+
+impl Bus {
+    /// Connect, failing fast with a readable error when no server answers.
+    pub async fn connect(cfg: &Config) -> Result<Bus, BusError> {
+        let url = cfg.nats.url.clone();
+        let err = |e: String| BusError::Connect { url: url.clone(), error: e };
+        let opts = async_nats::ConnectOptions::new()
+            .name(format!("pitcrew {}", cfg.worker()))
+            .connection_timeout(Duration::from_secs(cfg.nats.connect_timeout_secs.max(1)))
+            .retry_on_initial_connect()
+            .max_reconnects(None);
+        let connecting = opts.connect(url.as_str());
+        let client = tokio::time::timeout(
+            Duration::from_secs(cfg.nats.connect_timeout_secs.max(1)),
+            connecting,
+        )
+        .await
+        .map_err(|_| err("no answer within the connect timeout".into()))?
+        .map_err(|e| err(e.to_string()))?;
+        let js = jetstream::new(client.clone());
+        Ok(Bus { client, js, subjects: Subjects::new(&cfg.prefix) })
+    }
+
+    /// Create the five streams if missing. Safe when many processes start at once.
+    pub async fn ensure_streams(&self) -> Result<(), BusError> {
+        let s = &self.subjects;
+        let day = Duration::from_secs(86_400);
+        let streams = [
+            (s.incidents_stream(), s.incidents_new(), stream::RetentionPolicy::Limits, 7 * day, 1 << 30),
+            (s.stages_stream(), s.stages_all(), stream::RetentionPolicy::WorkQueue, 7 * day, 4 << 30),
+            (s.approvals_stream(), s.approvals_all(), stream::RetentionPolicy::Limits, 90 * day, 1 << 30),
+            (s.events_stream(), s.events_all(), stream::RetentionPolicy::Limits, 7 * day, 4 << 30),
+            (s.dlq_stream(), s.dlq_all(), stream::RetentionPolicy::Limits, 30 * day, 1 << 30),
+        ];
+        for (name, subject, retention, max_age, max_bytes) in streams {
+            let config = stream::Config {
+                name: name.clone(),
+                subjects: vec![subject],
+                retention,
+                max_age,
+                max_bytes,
+                max_message_size: codec::MAX_PAYLOAD as i32 * 2,
+                duplicate_window: Duration::from_secs(120),
+                storage: stream::StorageType::File,
+                ..Default::default()
+            };
+            let mut last = None;
+            for _ in 0..3 {
+                match self.js.get_or_create_stream(config.clone()).await {
+                    Ok(_) => {
+                        last = None;
+                        break;
+                    }
+                    Err(e) => last = Some(e.to_string()),
+                }
+            }
+            if let Some(error) = last {
+                return Err(BusError::Setup { what: format!("stream {name}"), error });
+            }
+        }
+        Ok(())
+    }
+
+    /// The durable pull consumer of `stage`, shared by every process that runs it.
+    /// Intake reads the incidents stream; every other stage its subject of the stages stream.
+    pub async fn stage_consumer(
+        &self,
+        stage: Stage,
+        settings: StageSettings,
+    ) -> Result<consumer::PullConsumer, BusError> {
+        let (stream, filter) = if stage == Stage::Intake {
+            (self.subjects.incidents_stream(), self.subjects.incidents_new())
+        } else {
+            (self.subjects.stages_stream(), self.subjects.stage(stage))
+        };
+        self.durable(&stream, stage.as_str(), filter, settings).await
+    }
+
+    /// The durable consumer of approval decisions (run by the approval stage).
+    pub async fn decisions_consumer(
+        &self,
+        settings: StageSettings,
+    ) -> Result<consumer::PullConsumer, BusError> {
+        let stream = self.subjects.approvals_stream();
+        let filter = self.subjects.approvals_decided_all();
+        self.durable(&stream, "approval-decisions", filter, settings).await
+    }
+
+    async fn durable(
+        &self,
+        stream: &str,
+        name: &str,
+        filter: String,
+        settings: StageSettings,
+    ) -> Result<consumer::PullConsumer, BusError> {
+        let setup = |e: String| BusError::Setup { what: format!("consumer {name} on {stream}"), error: e };
+        let st = self.js.get_stream(stream).await.map_err(|e| setup(e.to_string()))?;
+        let config = consumer::pull::Config {
+            durable_name: Some(name.to_string()),
+            filter_subject: filter,
+            ack_policy: consumer::AckPolicy::Explicit,
+            ack_wait: settings.ack_wait,
+            // The runner dead-letters itself after `max_deliveries`: the server never drops.
+            max_deliver: -1,
+            max_ack_pending: settings.max_ack_pending,
+            ..Default::default()
+        };
+        let mut last = String::new();
+        for _ in 0..3 {
+            match st.create_consumer(config.clone()).await {
+                Ok(c) => return Ok(c),
+                Err(e) => last = e.to_string(),
+            }
+        }
+        Err(setup(last))
+    }
+
+    /// Publish to JetStream with a deterministic message id and wait for the stream's ack.
+    pub async fn publish(
+        &self,
+        subject: String,
+        msg_id: &str,
+        content_type: &str,
+        run: Option<uuid::Uuid>,
+        payload: Bytes,
+    ) -> Result<(), BusError> {
+        let mut headers = HeaderMap::new();
+        headers.insert(NATS_MESSAGE_ID, msg_id);
+        headers.insert(CONTENT_TYPE, content_type);
+        if let Some(run) = run {
+            headers.insert(RUN_HEADER, run.to_string().as_str());
+        }
+        self.publish_with_headers(subject, headers, payload).await
+    }
+
+    /// Publish with caller-built headers and wait for the stream's ack.
+    pub async fn publish_with_headers(
+        &self,
+        subject: String,
+        headers: HeaderMap,
+        payload: Bytes,
+    ) -> Result<(), BusError> {
+        let err = |e: String| BusError::Publish { subject: subject.clone(), error: e };
+        let ack = self
+            .js
+            .publish_with_headers(subject.clone(), headers, payload)
+            .await
+            .map_err(|e| err(e.to_string()))?;
+        ack.await.map_err(|e| err(e.to_string()))?;
+        Ok(())
+    }
+}

@@ -1,0 +1,301 @@
+//! Typed settings: embedded defaults, then `pitcrew.toml`, then `DATABASE_URL` and `PITCREW_*`.
+
+use figment::providers::{Env, Format, Serialized, Toml};
+use figment::Figment;
+use pitcrew_model::{ServiceSpec, Stage};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+/// Everything a pitcrew process reads at start-up.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    /// Subject prefix (streams are named from it too).
+    pub prefix: String,
+    /// Worker identity in events and executions; default host:pid.
+    pub worker_name: Option<String>,
+    pub nats: NatsConfig,
+    pub database: DatabaseConfig,
+    pub limits: Limits,
+    /// Defaults for every stage's consumer.
+    pub stages: StageDefaults,
+    /// Per-stage overrides, keyed by stage name.
+    pub stage: BTreeMap<String, StageOverride>,
+    pub reasoning: ReasoningConfig,
+    pub policy: PolicyConfig,
+    pub verify: VerifyConfig,
+    /// The inventory: services pitcrew may remediate.
+    pub services: BTreeMap<String, ServiceSpec>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NatsConfig {
+    pub url: String,
+    /// Give up connecting at start-up after this long.
+    pub connect_timeout_secs: u64,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DatabaseConfig {
+    /// May hold a password: never logged as is (see `redact_url`).
+    pub url: String,
+    pub pool_size: usize,
+    /// Apply migrations when a worker starts.
+    pub migrate_on_start: bool,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Limits {
+    /// Remediation attempts before escalation (verify failures).
+    pub max_retries: u32,
+    /// Plans evaluated per attempt (1 + regenerations) before escalation.
+    pub max_attempts: u32,
+    pub command_timeout_secs: u64,
+    /// Bytes of stdout and of stderr captured per command.
+    pub max_output_bytes: usize,
+    /// An approval undecided this long escalates its run.
+    pub approval_timeout_secs: u64,
+    /// How far back episodic memory looks for failed commands.
+    pub memory_window_secs: u64,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StageDefaults {
+    /// Messages handled at once per process per stage.
+    pub concurrency: usize,
+    /// JetStream redelivers a message not acked within this (progress acks extend it).
+    pub ack_wait_secs: u64,
+    /// Unacked messages the server lets the consumer hold, across all processes.
+    pub max_ack_pending: i64,
+    /// A message delivered more often than this is dead-lettered.
+    pub max_deliveries: u64,
+}
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StageOverride {
+    pub concurrency: Option<usize>,
+    pub ack_wait_secs: Option<u64>,
+    pub max_ack_pending: Option<i64>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ReasoningConfig {
+    /// `playbook` (offline, the default).
+    pub provider: String,
+    /// User rules, checked before the shipped ones.
+    pub playbook_file: Option<PathBuf>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PolicyConfig {
+    /// User rules added to the shipped policy.
+    pub file: Option<PathBuf>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct VerifyConfig {
+    /// Health checks made before declaring the service still down.
+    pub checks: u32,
+    pub interval_ms: u64,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            prefix: "pitcrew".into(),
+            worker_name: None,
+            nats: NatsConfig { url: "nats://127.0.0.1:4222".into(), connect_timeout_secs: 5 },
+            database: DatabaseConfig {
+                url: "postgres://postgres@127.0.0.1:5432/pitcrew".into(),
+                pool_size: 16,
+                migrate_on_start: true,
+            },
+            limits: Limits {
+                max_retries: 5,
+                max_attempts: 3,
+                command_timeout_secs: 60,
+                max_output_bytes: 64 * 1024,
+                approval_timeout_secs: 3600,
+                memory_window_secs: 86_400,
+            },
+            stages: StageDefaults {
+                concurrency: 32,
+                ack_wait_secs: 30,
+                max_ack_pending: 1024,
+                max_deliveries: 20,
+            },
+            stage: BTreeMap::new(),
+            reasoning: ReasoningConfig { provider: "playbook".into(), playbook_file: None },
+            policy: PolicyConfig { file: None },
+            verify: VerifyConfig { checks: 3, interval_ms: 500 },
+            services: BTreeMap::new(),
+        }
+    }
+}
+
+/// The config could not be read; the message names the file or variable.
+#[derive(Debug, thiserror::Error)]
+#[error("bad configuration: {0}")]
+pub struct ConfigError(String);
+
+/// Resolved consumer settings for one stage.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StageSettings {
+    pub concurrency: usize,
+    pub ack_wait: Duration,
+    pub max_ack_pending: i64,
+    pub max_deliveries: u64,
+}
+
+/// Short env names for the settings people change most.
+const ENV_ALIASES: &[(&str, &str)] = &[
+    ("nats_url", "nats.url"),
+    ("database_url", "database.url"),
+    ("max_retries", "limits.max_retries"),
+    ("max_attempts", "limits.max_attempts"),
+    ("concurrency", "stages.concurrency"),
+    ("playbook_file", "reasoning.playbook_file"),
+    ("policy_file", "policy.file"),
+];
+
+impl Config {
+    /// Defaults, then `file` (if given it must exist; else `./pitcrew.toml` if present), then
+    /// `DATABASE_URL`, then `PITCREW_*` (`PITCREW_NATS_URL`, or any key as `PITCREW_LIMITS__MAX_RETRIES`).
+    pub fn load(file: Option<&Path>) -> Result<Config, ConfigError> {
+        let mut fig = Figment::from(Serialized::defaults(Config::default()));
+        match file {
+            Some(p) if !p.exists() => {
+                return Err(ConfigError(format!("config file {} does not exist", p.display())))
+            }
+            Some(p) => fig = fig.merge(Toml::file(p)),
+            None if Path::new("pitcrew.toml").exists() => fig = fig.merge(Toml::file("pitcrew.toml")),
+            None => {}
+        }
+        fig = fig
+            .merge(Env::raw().only(&["database_url"]).map(|_| "database.url".into()))
+            .merge(Env::prefixed("PITCREW_").map(|k| {
+                let k = k.as_str().to_ascii_lowercase();
+                ENV_ALIASES
+                    .iter()
+                    .find(|(a, _)| *a == k)
+                    .map(|(_, to)| to.to_string())
+                    .unwrap_or_else(|| k.replace("__", "."))
+                    .into()
+            }));
+        let cfg: Config = fig.extract().map_err(|e| ConfigError(e.to_string()))?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// Parse a TOML document over the defaults (no environment): for tests and the demo.
+    pub fn from_toml(text: &str) -> Result<Config, ConfigError> {
+        let cfg: Config = Figment::from(Serialized::defaults(Config::default()))
+            .merge(Toml::string(text))
+            .extract()
+            .map_err(|e| ConfigError(e.to_string()))?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    fn validate(&self) -> Result<(), ConfigError> {
+        let bad = |m: String| Err(ConfigError(m));
+        if self.prefix.is_empty() || !self.prefix.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_') {
+            return bad(format!("prefix '{}' must be letters, digits, '-' or '_'", self.prefix));
+        }
+        if self.limits.max_retries == 0 || self.limits.max_attempts == 0 {
+            return bad("limits.max_retries and limits.max_attempts must be at least 1".into());
+        }
+        if self.stages.concurrency == 0 || self.database.pool_size == 0 {
+            return bad("stages.concurrency and database.pool_size must be at least 1".into());
+        }
+        for name in self.stage.keys() {
+            if name.parse::<Stage>().is_err() {
+                return bad(format!("[stage.{name}]: unknown stage"));
+            }
+        }
+        if self.reasoning.provider != "playbook" {
+            return bad(format!(
+                "reasoning.provider '{}' is not available (this build has: playbook)",
+                self.reasoning.provider
+            ));
+        }
+        Ok(())
+    }
+
+    /// Consumer settings of `stage`: its override, else the defaults.
+    pub fn stage_settings(&self, stage: Stage) -> StageSettings {
+        let o = self.stage.get(stage.as_str()).cloned().unwrap_or_default();
+        StageSettings {
+            concurrency: o.concurrency.unwrap_or(self.stages.concurrency).max(1),
+            ack_wait: Duration::from_secs(o.ack_wait_secs.unwrap_or(self.stages.ack_wait_secs).max(1)),
+            max_ack_pending: o.max_ack_pending.unwrap_or(self.stages.max_ack_pending),
+            max_deliveries: self.stages.max_deliveries.max(1),
+        }
+    }
+
+    /// This process's name in events and execution records.
+    pub fn worker(&self) -> String {
+        self.worker_name.clone().unwrap_or_else(|| {
+            let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+                .map(|h| h.trim().to_string())
+                .unwrap_or_else(|_| "localhost".into());
+            format!("{host}:{}", std::process::id())
+        })
+    }
+
+    pub fn command_timeout(&self) -> Duration {
+        Duration::from_secs(self.limits.command_timeout_secs.max(1))
+    }
+}
+
+/// `postgres://user:secret@host/db` → `postgres://user:***@host/db`, for logs and errors.
+pub fn redact_url(url: &str) -> String {
+    let Some(scheme_end) = url.find("://") else { return url.to_string() };
+    let rest = &url[scheme_end + 3..];
+    let authority_end = rest.find('/').unwrap_or(rest.len());
+    let authority = &rest[..authority_end];
+    match (authority.rfind('@'), authority.find(':')) {
+        (Some(at), Some(colon)) if colon < at => format!(
+            "{}://{}:***{}",
+            &url[..scheme_end],
+            &authority[..colon],
+            &rest[at..]
+        ),
+        _ => url.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn passwords_are_redacted() {
+        assert_eq!(redact_url("postgres://u:p%40ss@h:5432/db"), "postgres://u:***@h:5432/db");
+        assert_eq!(redact_url("postgres://u@h/db"), "postgres://u@h/db");
+        assert_eq!(redact_url("nats://127.0.0.1:4222"), "nats://127.0.0.1:4222");
+    }
+
+    #[test]
+    fn toml_overrides_and_validation() {
+        let c = Config::from_toml("[limits]\nmax_retries = 2\n[stage.diagnose]\nconcurrency = 4\n").unwrap();
+        assert_eq!(c.limits.max_retries, 2);
+        assert_eq!(c.stage_settings(Stage::Diagnose).concurrency, 4);
+        assert_eq!(c.stage_settings(Stage::Plan).concurrency, 32);
+        let e = Config::from_toml("[stage.diagnoze]\nconcurrency = 4\n").unwrap_err();
+        assert!(e.to_string().contains("diagnoze"), "{e}");
+        let e = Config::from_toml("[limits]\nmax_retrys = 2\n").unwrap_err();
+        assert!(e.to_string().contains("max_retrys"), "{e}");
+        assert!(Config::load(Some(Path::new("/nonexistent/pitcrew.toml"))).is_err());
+    }
+}

@@ -1,0 +1,152 @@
+//! The consumer loop shared by every worker: pull no more than we can start, bound the work
+//! with a semaphore, keep long handlers alive with progress acks, and stop on shutdown.
+
+use crate::config::StageSettings;
+use async_nats::jetstream::{self, consumer::PullConsumer, AckKind};
+use futures::future::BoxFuture;
+use futures::StreamExt;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::Semaphore;
+use tokio::task::JoinSet;
+
+/// What to do with a message once handled. Every path ends in exactly one of these.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Disposition {
+    /// Done: the successor is published and Postgres has committed.
+    Ack,
+    /// Try again after the delay (transient failure).
+    Nak(Duration),
+    /// Never redeliver: it was dead-lettered.
+    Term,
+}
+
+/// Handles one message of a consumer and says what to do with it.
+pub trait MessageHandler: Send + Sync + 'static {
+    /// Name for logs.
+    fn name(&self) -> String;
+    fn handle(self: Arc<Self>, msg: Arc<jetstream::Message>) -> BoxFuture<'static, Disposition>;
+}
+
+/// Exponential backoff for the nth delivery, capped at 30 s.
+pub fn backoff(delivered: i64) -> Duration {
+    let n = delivered.clamp(1, 16) as u32 - 1;
+    Duration::from_millis(250u64.saturating_mul(1 << n.min(7))).min(Duration::from_secs(30))
+}
+
+/// Run `handler` over `consumer` until `shutdown` resolves, then wait up to `drain` for the
+/// messages in hand. Messages still running after the deadline are not acked: JetStream
+/// redelivers them, and every handler is idempotent.
+pub async fn consume<H: MessageHandler>(
+    consumer: PullConsumer,
+    settings: StageSettings,
+    handler: Arc<H>,
+    shutdown: impl Future<Output = ()>,
+    drain: Duration,
+) {
+    let name = handler.name();
+    let sem = Arc::new(Semaphore::new(settings.concurrency));
+    let mut tasks = JoinSet::new();
+    tokio::pin!(shutdown);
+    let mut failures = 0u32;
+    'outer: loop {
+        let stream = consumer
+            .stream()
+            .max_messages_per_batch(settings.concurrency.min(256))
+            .expires(Duration::from_secs(10))
+            .heartbeat(Duration::from_secs(5))
+            .messages()
+            .await;
+        let mut messages = match stream {
+            Ok(m) => {
+                failures = 0;
+                m
+            }
+            Err(e) => {
+                failures += 1;
+                let wait = backoff(failures as i64);
+                tracing::warn!(consumer = %name, error = %e, retry_in_ms = wait.as_millis() as u64, "cannot pull messages");
+                tokio::select! {
+                    _ = tokio::time::sleep(wait) => continue,
+                    _ = &mut shutdown => break 'outer,
+                }
+            }
+        };
+        loop {
+            while tasks.try_join_next().is_some() {}
+            let permit = tokio::select! {
+                p = sem.clone().acquire_owned() => p.expect("semaphore never closed"),
+                _ = &mut shutdown => break 'outer,
+            };
+            let next = tokio::select! {
+                m = messages.next() => m,
+                _ = &mut shutdown => break 'outer,
+            };
+            match next {
+                Some(Ok(msg)) => {
+                    let handler = handler.clone();
+                    let ack_wait = settings.ack_wait;
+                    tasks.spawn(async move {
+                        let msg = Arc::new(msg);
+                        let keepalive = tokio::spawn(progress(msg.clone(), ack_wait));
+                        let disposition = handler.handle(msg.clone()).await;
+                        keepalive.abort();
+                        settle(&msg, disposition).await;
+                        drop(permit);
+                    });
+                }
+                Some(Err(e)) => {
+                    tracing::warn!(consumer = %name, error = %e, "pull error");
+                    drop(permit);
+                }
+                None => {
+                    drop(permit);
+                    continue 'outer;
+                }
+            }
+        }
+    }
+    tracing::info!(consumer = %name, in_flight = tasks.len(), "stopping: draining messages in hand");
+    let drained = tokio::time::timeout(drain, async { while tasks.join_next().await.is_some() {} }).await;
+    if drained.is_err() {
+        tracing::warn!(consumer = %name, left = tasks.len(), "drain deadline passed: unfinished messages will be redelivered");
+        tasks.abort_all();
+    }
+}
+
+/// Tell the server we are still working, so a long handler is not redelivered mid-flight.
+async fn progress(msg: Arc<jetstream::Message>, ack_wait: Duration) {
+    let every = (ack_wait / 3).max(Duration::from_millis(500));
+    loop {
+        tokio::time::sleep(every).await;
+        if msg.ack_with(AckKind::Progress).await.is_err() {
+            return;
+        }
+    }
+}
+
+async fn settle(msg: &jetstream::Message, d: Disposition) {
+    let kind = match d {
+        Disposition::Ack => AckKind::Ack,
+        Disposition::Nak(delay) => AckKind::Nak(Some(delay)),
+        Disposition::Term => AckKind::Term,
+    };
+    if let Err(e) = msg.ack_with(kind).await {
+        // The message will be redelivered; handlers are idempotent.
+        tracing::warn!(subject = %msg.subject, error = %e, "ack failed");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_grows_and_is_capped() {
+        assert_eq!(backoff(1), Duration::from_millis(250));
+        assert_eq!(backoff(2), Duration::from_millis(500));
+        assert!(backoff(100) <= Duration::from_secs(30));
+        assert!(backoff(8) > backoff(7));
+    }
+}

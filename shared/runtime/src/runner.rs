@@ -1,0 +1,299 @@
+//! The stage runner: decode, call the stage, then commit to Postgres, publish the events and
+//! the successor, and only then ack. Poison goes to the dead-letter subject and escalates.
+
+use crate::bus::{Bus, BusError, ERROR_HEADER, ORIGIN_HEADER, RUN_HEADER, STAGE_HEADER};
+use crate::consume::{backoff, Disposition, MessageHandler};
+use crate::stage::{Cx, Deps, StageError, StageHandler, Transition};
+use crate::store::{RunStatus, StoreError};
+use async_nats::header::{HeaderMap, NATS_MESSAGE_ID};
+use async_nats::jetstream;
+use bytes::Bytes;
+use futures::future::BoxFuture;
+use pitcrew_model::codec::{self, CONTENT_TYPE, JSON, MSGPACK};
+use pitcrew_model::{EventKind, Incident, Outcome, RunEvent, RunState, Stage, RUN_STATE_VERSION};
+use std::sync::Arc;
+use uuid::Uuid;
+
+/// Failing to commit or publish: always worth a retry.
+#[derive(Debug, thiserror::Error)]
+pub enum ApplyError {
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error(transparent)]
+    Bus(#[from] BusError),
+}
+
+/// Runs one stage handler over its consumer's messages.
+pub struct StageRunner {
+    pub bus: Bus,
+    pub deps: Arc<Deps>,
+    pub handler: Arc<dyn StageHandler>,
+}
+
+impl MessageHandler for StageRunner {
+    fn name(&self) -> String {
+        self.handler.stage().to_string()
+    }
+
+    fn handle(self: Arc<Self>, msg: Arc<jetstream::Message>) -> BoxFuture<'static, Disposition> {
+        Box::pin(async move { self.process(&msg).await })
+    }
+}
+
+/// Stream name, stream sequence and delivery count of a JetStream message.
+pub fn delivery(msg: &jetstream::Message) -> (String, u64, i64) {
+    match msg.info() {
+        Ok(i) => (i.stream.to_string(), i.stream_sequence, i.delivered),
+        Err(_) => (String::new(), 0, 1),
+    }
+}
+
+pub fn header<'m>(msg: &'m jetstream::Message, name: &str) -> Option<&'m str> {
+    msg.headers.as_ref().and_then(|h| h.get(name)).map(|v| v.as_str())
+}
+
+impl StageRunner {
+    async fn process(&self, msg: &jetstream::Message) -> Disposition {
+        let stage = self.handler.stage();
+        let (stream, stream_seq, delivered) = delivery(msg);
+        let max = self.deps.config.stage_settings(stage).max_deliveries;
+        if delivered as u64 > max {
+            let why = format!("delivered {delivered} times without success (limit {max})");
+            let state = self.decode(msg, &stream, stream_seq).ok();
+            return self.poison(msg, state, &why).await;
+        }
+        let mut state = match self.decode(msg, &stream, stream_seq) {
+            Ok(s) => s,
+            Err(why) => return self.poison(msg, None, &why).await,
+        };
+        let input_seq = state.seq;
+        let mut cx = Cx::new(&self.deps, stage, state.run_id, input_seq, 0);
+        cx.emit(
+            EventKind::Status,
+            format!("{stage}: attempt {}", state.attempt),
+            serde_json::json!({ "attempt": state.attempt, "delivered": delivered }),
+        );
+        let span = tracing::info_span!("stage", stage = %stage, run = %state.run_id, seq = input_seq);
+        let _ = &span;
+        match self.handler.handle(&mut state, &mut cx).await {
+            Ok(t) => {
+                let events = cx.take_events();
+                match apply(&self.bus, &self.deps, state, t, events).await {
+                    Ok(()) => Disposition::Ack,
+                    Err(e) => {
+                        tracing::warn!(stage = %stage, error = %e, delivered, "commit or publish failed: will retry");
+                        Disposition::Nak(backoff(delivered))
+                    }
+                }
+            }
+            Err(StageError::Transient(e)) => {
+                tracing::warn!(stage = %stage, run = %state.run_id, error = %e, delivered, "transient failure: will retry");
+                Disposition::Nak(backoff(delivered))
+            }
+            Err(StageError::Poison(e)) => {
+                let mut events = cx.take_events();
+                events.truncate(1);
+                self.poison_with_events(msg, Some(state), &e, events).await
+            }
+        }
+    }
+
+    /// Decode the message into the state this stage works on.
+    fn decode(&self, msg: &jetstream::Message, stream: &str, stream_seq: u64) -> Result<RunState, String> {
+        let ct = header(msg, CONTENT_TYPE);
+        let stage = self.handler.stage();
+        if stage == Stage::Intake {
+            let mut incident: Incident = codec::decode(ct, &msg.payload).map_err(|e| format!("bad incident: {e}"))?;
+            // A publisher that sets no id gets one derived from the stream position:
+            // a redelivery derives the same id, so it cannot open a second run.
+            let id = *incident
+                .id
+                .get_or_insert_with(|| Uuid::new_v5(&Uuid::NAMESPACE_OID, format!("{stream}:{stream_seq}").as_bytes()));
+            return Ok(RunState::new(id, incident));
+        }
+        let state: RunState = codec::decode(ct, &msg.payload).map_err(|e| format!("bad run state: {e}"))?;
+        if state.version > RUN_STATE_VERSION {
+            return Err(format!(
+                "run state version {} is newer than this worker understands ({RUN_STATE_VERSION}): upgrade the worker",
+                state.version
+            ));
+        }
+        if state.step != stage {
+            return Err(format!("run state addressed to {} arrived at {stage}", state.step));
+        }
+        Ok(state)
+    }
+
+    async fn poison(&self, msg: &jetstream::Message, state: Option<RunState>, why: &str) -> Disposition {
+        self.poison_with_events(msg, state, why, Vec::new()).await
+    }
+
+    /// Dead-letter the message, then escalate its run (when it has one). Term only once the
+    /// dead letter is safely stored; otherwise retry.
+    async fn poison_with_events(
+        &self,
+        msg: &jetstream::Message,
+        state: Option<RunState>,
+        why: &str,
+        mut events: Vec<RunEvent>,
+    ) -> Disposition {
+        let stage = self.handler.stage();
+        let (stream, stream_seq, delivered) = delivery(msg);
+        tracing::error!(stage = %stage, error = %why, stream_seq, "poison message: dead-lettering");
+        if let Err(e) = dead_letter(&self.bus, msg, stage.as_str(), why, &format!("{stream}.{stream_seq}")).await {
+            tracing::warn!(stage = %stage, error = %e, "dead-letter publish failed: will retry");
+            return Disposition::Nak(backoff(delivered));
+        }
+        // Find the run: from the decoded state, or the run header and the store.
+        let state = match state {
+            Some(s) => Some(s),
+            None => match header(msg, RUN_HEADER).and_then(|r| r.parse::<Uuid>().ok()) {
+                Some(run) => match self.deps.store.load_run(run).await {
+                    Ok(found) => found.filter(|r| !r.status.is_final()).map(|r| r.state),
+                    Err(e) => {
+                        tracing::warn!(error = %e, "cannot load run of poison message: will retry");
+                        return Disposition::Nak(backoff(delivered));
+                    }
+                },
+                None => None,
+            },
+        };
+        let Some(state) = state else { return Disposition::Term };
+        if stage == Stage::Intake {
+            // A refused incident has no run: record why, under its id, for `pitcrew watch`.
+            let mut cx = Cx::new(&self.deps, stage, state.run_id, 0, 0);
+            cx.emit(EventKind::Rejected, format!("incident refused: {why}"), serde_json::json!({ "error": why }));
+            let events = cx.take_events();
+            let stored = self.deps.store.insert_events(&events).await;
+            let published = publish_events(&self.bus, &events).await;
+            if stored.is_err() || published.is_err() {
+                return Disposition::Nak(backoff(delivered));
+            }
+            return Disposition::Term;
+        }
+        let mut cx = Cx::new(&self.deps, stage, state.run_id, state.seq, events.len() as u32);
+        cx.emit(EventKind::Error, format!("{stage} failed: {why}"), serde_json::json!({ "error": why }));
+        events.extend(cx.take_events());
+        let t = if stage == Stage::Escalate {
+            Transition::Done(Outcome::Escalated)
+        } else {
+            Transition::Escalate(format!("{stage} failed: {why}"))
+        };
+        let mut state = state;
+        if stage == Stage::Escalate && state.escalation_reason.is_none() {
+            state.escalation_reason = Some(why.to_string());
+        }
+        match apply(&self.bus, &self.deps, state, t, events).await {
+            Ok(()) => Disposition::Term,
+            Err(e) => {
+                tracing::warn!(error = %e, "escalating poisoned run failed: will retry");
+                Disposition::Nak(backoff(delivered))
+            }
+        }
+    }
+}
+
+/// Commit a transition to Postgres, publish its events and its successor. Idempotent: the
+/// store is keyed by (run, seq) and the bus deduplicates on the message id.
+pub async fn apply(
+    bus: &Bus,
+    deps: &Deps,
+    mut state: RunState,
+    t: Transition,
+    events: Vec<RunEvent>,
+) -> Result<(), ApplyError> {
+    let store = &deps.store;
+    match t {
+        Transition::To(next) => {
+            state.advance(next);
+            store.commit_transition(&state, RunStatus::Open, &events).await?;
+            publish_events(bus, &events).await?;
+            publish_state(bus, &state).await?;
+        }
+        Transition::Escalate(reason) => {
+            state.escalate(reason);
+            store.commit_transition(&state, RunStatus::Open, &events).await?;
+            publish_events(bus, &events).await?;
+            publish_state(bus, &state).await?;
+        }
+        Transition::Park(req) => {
+            state.seq += 1;
+            store.request_approval(&req).await?;
+            store.commit_transition(&state, RunStatus::WaitingApproval, &events).await?;
+            publish_events(bus, &events).await?;
+            let payload = serde_json::to_vec(&req).expect("approval request serialises");
+            let id = format!("{}.{}.request", req.run_id, req.plan_hash);
+            bus.publish(bus.subjects.approval_requested(req.run_id), &id, JSON, Some(req.run_id), payload.into())
+                .await?;
+        }
+        Transition::Done(outcome) => {
+            state.outcome = Some(outcome);
+            let status = match outcome {
+                Outcome::Resolved => RunStatus::Resolved,
+                Outcome::Escalated => RunStatus::Escalated,
+            };
+            store.commit_transition(&state, status, &events).await?;
+            publish_events(bus, &events).await?;
+        }
+        Transition::Drop => {
+            store.insert_events(&events).await?;
+            publish_events(bus, &events).await?;
+        }
+    }
+    Ok(())
+}
+
+/// Publish a state to the stage it is addressed to.
+pub async fn publish_state(bus: &Bus, state: &RunState) -> Result<(), BusError> {
+    let payload = codec::to_msgpack(state);
+    bus.publish(bus.subjects.stage(state.step), &state.msg_id(), MSGPACK, Some(state.run_id), payload.into())
+        .await
+}
+
+/// Publish events to `pitcrew.events.<run>.<kind>`, all at once, then wait for every ack.
+pub async fn publish_events(bus: &Bus, events: &[RunEvent]) -> Result<(), BusError> {
+    let mut acks = Vec::with_capacity(events.len());
+    for e in events {
+        let subject = bus.subjects.event(e.run_id, e.kind.as_str());
+        let mut headers = HeaderMap::new();
+        headers.insert(NATS_MESSAGE_ID, e.msg_id().as_str());
+        headers.insert(CONTENT_TYPE, JSON);
+        let payload = serde_json::to_vec(e).expect("event serialises");
+        let ack = bus
+            .js
+            .publish_with_headers(subject.clone(), headers, payload.into())
+            .await
+            .map_err(|err| BusError::Publish { subject: subject.clone(), error: err.to_string() })?;
+        acks.push((subject, ack));
+    }
+    for (subject, ack) in acks {
+        ack.await.map_err(|err| BusError::Publish { subject, error: err.to_string() })?;
+    }
+    Ok(())
+}
+
+/// Publish the original payload and headers to `pitcrew.dlq.<stage>` with the reason.
+pub async fn dead_letter(
+    bus: &Bus,
+    msg: &jetstream::Message,
+    stage: &str,
+    why: &str,
+    id: &str,
+) -> Result<(), BusError> {
+    let mut headers = HeaderMap::new();
+    if let Some(h) = &msg.headers {
+        for (k, vs) in h.iter() {
+            if AsRef::<str>::as_ref(k) != AsRef::<str>::as_ref(&NATS_MESSAGE_ID) {
+                for v in vs {
+                    headers.append(k.clone(), v.clone());
+                }
+            }
+        }
+    }
+    headers.insert(NATS_MESSAGE_ID, format!("dlq.{id}").as_str());
+    headers.insert(ERROR_HEADER, pitcrew_model::trim::clip(&why.replace(['\r', '\n'], " "), 1000).as_str());
+    headers.insert(STAGE_HEADER, stage);
+    headers.insert(ORIGIN_HEADER, msg.subject.as_str());
+    bus.publish_with_headers(bus.subjects.dlq(stage), headers, Bytes::copy_from_slice(&msg.payload))
+        .await
+}

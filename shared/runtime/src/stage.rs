@@ -1,0 +1,115 @@
+//! The stage contract: `handle(state, cx) -> Result<Transition, StageError>`. A stage crate holds
+//! only domain logic; the runner does consuming, persisting, publishing and acking.
+
+use crate::config::Config;
+use crate::store::{Store, StoreError};
+use chrono::Utc;
+use futures::future::BoxFuture;
+use pitcrew_exec::Executor;
+use pitcrew_llm::Reasoner;
+use pitcrew_model::{ApprovalRequest, EventKind, Outcome, RunEvent, RunState, Stage};
+use std::sync::Arc;
+use uuid::Uuid;
+
+/// What every stage may use. Built once per process.
+pub struct Deps {
+    pub config: Arc<Config>,
+    pub store: Store,
+    pub reasoner: Arc<dyn Reasoner>,
+    pub executor: Arc<dyn Executor>,
+    /// This process's name (host:pid unless configured).
+    pub worker: String,
+}
+
+/// Where the run goes next.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Transition {
+    /// Send the state on to `Stage`.
+    To(Stage),
+    /// Send the state to escalate with this reason.
+    Escalate(String),
+    /// Park the run until a decision arrives for this request.
+    Park(ApprovalRequest),
+    /// The run is over (report and escalate only).
+    Done(Outcome),
+    /// Nothing follows (a duplicate incident): only the events are kept.
+    Drop,
+}
+
+/// What the runner must do when a stage fails.
+#[derive(Debug, thiserror::Error)]
+pub enum StageError {
+    /// Worth retrying later (a database or network hiccup): nak with backoff.
+    #[error("transient: {0}")]
+    Transient(String),
+    /// Retrying cannot help: dead-letter the message and escalate its run.
+    #[error("{0}")]
+    Poison(String),
+}
+
+impl From<StoreError> for StageError {
+    fn from(e: StoreError) -> Self {
+        if e.is_transient() {
+            StageError::Transient(e.to_string())
+        } else {
+            StageError::Poison(e.to_string())
+        }
+    }
+}
+
+/// The per-message context: dependencies and the events this step emits.
+pub struct Cx<'a> {
+    pub deps: &'a Deps,
+    stage: Stage,
+    run_id: Uuid,
+    seq: u32,
+    next_index: u32,
+    events: Vec<RunEvent>,
+}
+
+impl<'a> Cx<'a> {
+    /// A context for one step of `run_id`; events are keyed by (run, `seq`, index from `first_index`).
+    pub fn new(deps: &'a Deps, stage: Stage, run_id: Uuid, seq: u32, first_index: u32) -> Self {
+        Cx { deps, stage, run_id, seq, next_index: first_index, events: Vec::new() }
+    }
+
+    /// Add a timeline event (stored and published once the step commits).
+    pub fn emit(&mut self, kind: EventKind, message: impl Into<String>, data: serde_json::Value) {
+        self.events.push(RunEvent {
+            run_id: self.run_id,
+            seq: self.seq,
+            index: self.next_index,
+            stage: self.stage,
+            kind,
+            message: pitcrew_model::trim::clip(&message.into(), 2000),
+            data,
+            worker: self.deps.worker.clone(),
+            at: Utc::now(),
+        });
+        self.next_index += 1;
+    }
+
+    pub fn events(&self) -> &[RunEvent] {
+        &self.events
+    }
+
+    pub fn take_events(&mut self) -> Vec<RunEvent> {
+        std::mem::take(&mut self.events)
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.deps.config
+    }
+}
+
+/// One stage of the graph. Object-safe so a process can run any subset.
+pub trait StageHandler: Send + Sync + 'static {
+    fn stage(&self) -> Stage;
+    /// Decide what happens to the run. May mutate the state (diagnosis, plan, ...); must be
+    /// idempotent: a redelivery calls it again with the same input.
+    fn handle<'a>(
+        &'a self,
+        state: &'a mut RunState,
+        cx: &'a mut Cx<'_>,
+    ) -> BoxFuture<'a, Result<Transition, StageError>>;
+}

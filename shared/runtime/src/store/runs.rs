@@ -1,0 +1,289 @@
+//! Incidents, runs and the timeline.
+
+use super::{Store, StoreError};
+use chrono::{DateTime, Utc};
+use pitcrew_model::{RunEvent, RunState};
+use uuid::Uuid;
+
+/// Where a run stands, as stored in `runs.status`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RunStatus {
+    Open,
+    WaitingApproval,
+    Resolved,
+    Escalated,
+}
+
+impl RunStatus {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RunStatus::Open => "open",
+            RunStatus::WaitingApproval => "waiting_approval",
+            RunStatus::Resolved => "resolved",
+            RunStatus::Escalated => "escalated",
+        }
+    }
+    fn parse(s: &str) -> RunStatus {
+        match s {
+            "waiting_approval" => RunStatus::WaitingApproval,
+            "resolved" => RunStatus::Resolved,
+            "escalated" => RunStatus::Escalated,
+            _ => RunStatus::Open,
+        }
+    }
+    pub fn is_final(self) -> bool {
+        matches!(self, RunStatus::Resolved | RunStatus::Escalated)
+    }
+}
+
+/// What intake found when it tried to start a run.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum OpenRun {
+    /// A new run was created.
+    Created,
+    /// This incident's run already exists (a redelivery): carry on with it.
+    Existing,
+    /// Another open run has the same fingerprint: this incident joins it.
+    Duplicate(Uuid),
+}
+
+/// A run as stored.
+#[derive(Debug, Clone)]
+pub struct StoredRun {
+    pub status: RunStatus,
+    pub state: RunState,
+    pub reason: Option<String>,
+}
+
+/// One line of `pitcrew incidents`.
+#[derive(Debug, Clone)]
+pub struct RunSummary {
+    pub id: Uuid,
+    pub service: String,
+    pub error: String,
+    pub status: String,
+    pub stage: String,
+    pub attempt: i32,
+    pub reason: Option<String>,
+    pub created_at: DateTime<Utc>,
+    pub updated_at: DateTime<Utc>,
+}
+
+fn state_json(state: &RunState) -> serde_json::Value {
+    serde_json::to_value(state).expect("run state serialises to JSON")
+}
+
+impl Store {
+    /// Persist the incident and start its run, unless one is open for its fingerprint.
+    pub async fn open_run(&self, state: &RunState) -> Result<OpenRun, StoreError> {
+        let inc = &state.incident;
+        let fp = inc.effective_fingerprint();
+        let mut client = self.client().await?;
+        let tx = client.transaction().await?;
+        let ins_incident = tx
+            .prepare_cached(
+                "INSERT INTO incidents (id, fingerprint, service, host, error, severity, source, labels, observed_at)
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9) ON CONFLICT (id) DO NOTHING",
+            )
+            .await?;
+        let severity = serde_json::to_value(inc.severity)
+            .ok()
+            .and_then(|v| v.as_str().map(str::to_string))
+            .unwrap_or_default();
+        let labels = serde_json::to_value(&inc.labels).unwrap_or_default();
+        tx.execute(
+            &ins_incident,
+            &[&state.run_id, &fp, &inc.service, &inc.host, &inc.error, &severity, &inc.source, &labels, &inc.observed_at],
+        )
+        .await?;
+        let ins_run = tx
+            .prepare_cached(
+                "INSERT INTO runs (id, fingerprint, status, stage, seq, attempt, state)
+                 VALUES ($1, $2, 'open', $3, $4, $5, $6) ON CONFLICT DO NOTHING",
+            )
+            .await?;
+        let created = tx
+            .execute(
+                &ins_run,
+                &[&state.run_id, &fp, &state.step.as_str(), &(state.seq as i32), &(state.attempt as i32), &state_json(state)],
+            )
+            .await?;
+        let outcome = if created == 1 {
+            OpenRun::Created
+        } else if tx.query_opt("SELECT 1 FROM runs WHERE id = $1", &[&state.run_id]).await?.is_some() {
+            OpenRun::Existing
+        } else {
+            let row = tx
+                .query_opt(
+                    "SELECT id FROM runs WHERE fingerprint = $1 AND status IN ('open', 'waiting_approval')",
+                    &[&fp],
+                )
+                .await?;
+            match row {
+                Some(r) => {
+                    let other: Uuid = r.get(0);
+                    tx.execute("UPDATE incidents SET duplicate_of = $2 WHERE id = $1", &[&state.run_id, &other])
+                        .await?;
+                    OpenRun::Duplicate(other)
+                }
+                // The open run closed between our insert and this read: let the redelivery retry.
+                None => return Err(StoreError::Unavailable("fingerprint race, retrying".into())),
+            }
+        };
+        tx.commit().await?;
+        Ok(outcome)
+    }
+
+    /// Record a transition: the run's new state and status, and the events of the step, in one
+    /// transaction. An older transition never overwrites a newer one (seq guard).
+    pub async fn commit_transition(
+        &self,
+        state: &RunState,
+        status: RunStatus,
+        events: &[RunEvent],
+    ) -> Result<(), StoreError> {
+        let mut client = self.client().await?;
+        let tx = client.transaction().await?;
+        let upd = tx
+            .prepare_cached(
+                "UPDATE runs SET stage = $2, seq = $3, attempt = $4, state = $5, status = $6, reason = $7,
+                        updated_at = now(),
+                        finished_at = CASE WHEN $6 IN ('resolved', 'escalated') THEN now() ELSE NULL END
+                 WHERE id = $1 AND seq <= $3 AND status NOT IN ('resolved', 'escalated')",
+            )
+            .await?;
+        tx.execute(
+            &upd,
+            &[
+                &state.run_id,
+                &state.step.as_str(),
+                &(state.seq as i32),
+                &(state.attempt as i32),
+                &state_json(state),
+                &status.as_str(),
+                &state.escalation_reason,
+            ],
+        )
+        .await?;
+        insert_events(&tx, events).await?;
+        tx.commit().await?;
+        Ok(())
+    }
+
+    /// Store events that belong to no run row (a rejected incident).
+    pub async fn insert_events(&self, events: &[RunEvent]) -> Result<(), StoreError> {
+        let mut client = self.client().await?;
+        let tx = client.transaction().await?;
+        insert_events(&tx, events).await?;
+        tx.commit().await?;
+        Ok(())
+    }
+
+    pub async fn load_run(&self, run: Uuid) -> Result<Option<StoredRun>, StoreError> {
+        let client = self.client().await?;
+        let stmt = client.prepare_cached("SELECT status, state, reason FROM runs WHERE id = $1").await?;
+        let Some(row) = client.query_opt(&stmt, &[&run]).await? else { return Ok(None) };
+        let status: String = row.get(0);
+        let state: serde_json::Value = row.get(1);
+        let state: RunState = serde_json::from_value(state)
+            .map_err(|e| StoreError::Config(format!("run {run}: stored state unreadable: {e}")))?;
+        Ok(Some(StoredRun { status: RunStatus::parse(&status), state, reason: row.get(2) }))
+    }
+
+    /// Whether an incident with this id was ever received (run or duplicate).
+    pub async fn incident_exists(&self, id: Uuid) -> Result<bool, StoreError> {
+        let client = self.client().await?;
+        Ok(client.query_opt("SELECT 1 FROM incidents WHERE id = $1", &[&id]).await?.is_some())
+    }
+
+    /// The most recent runs, newest first.
+    pub async fn recent_runs(&self, limit: i64) -> Result<Vec<RunSummary>, StoreError> {
+        let client = self.client().await?;
+        let rows = client
+            .query(
+                "SELECT r.id, i.service, i.error, r.status, r.stage, r.attempt, r.reason, r.created_at, r.updated_at
+                 FROM runs r JOIN incidents i ON i.id = r.id ORDER BY r.created_at DESC LIMIT $1",
+                &[&limit],
+            )
+            .await?;
+        Ok(rows
+            .iter()
+            .map(|r| RunSummary {
+                id: r.get(0),
+                service: r.get(1),
+                error: r.get(2),
+                status: r.get(3),
+                stage: r.get(4),
+                attempt: r.get(5),
+                reason: r.get(6),
+                created_at: r.get(7),
+                updated_at: r.get(8),
+            })
+            .collect())
+    }
+
+    /// A run's timeline in order.
+    pub async fn timeline(&self, run: Uuid) -> Result<Vec<RunEvent>, StoreError> {
+        let client = self.client().await?;
+        let rows = client
+            .query(
+                "SELECT seq, idx, stage, kind, message, data, worker, at FROM run_events
+                 WHERE run_id = $1 ORDER BY seq, idx",
+                &[&run],
+            )
+            .await?;
+        let mut out = Vec::with_capacity(rows.len());
+        for r in rows {
+            let stage: String = r.get(2);
+            let kind: String = r.get(3);
+            let (Ok(stage), Ok(kind)) = (
+                stage.parse(),
+                serde_json::from_value(serde_json::Value::String(kind)),
+            ) else {
+                continue;
+            };
+            out.push(RunEvent {
+                run_id: run,
+                seq: r.get::<_, i32>(0) as u32,
+                index: r.get::<_, i32>(1) as u32,
+                stage,
+                kind,
+                message: r.get(4),
+                data: r.get(5),
+                worker: r.get(6),
+                at: r.get(7),
+            });
+        }
+        Ok(out)
+    }
+}
+
+async fn insert_events(tx: &deadpool_postgres::Transaction<'_>, events: &[RunEvent]) -> Result<(), StoreError> {
+    if events.is_empty() {
+        return Ok(());
+    }
+    let stmt = tx
+        .prepare_cached(
+            "INSERT INTO run_events (run_id, seq, idx, stage, kind, message, data, worker, at)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9) ON CONFLICT DO NOTHING",
+        )
+        .await?;
+    for e in events {
+        tx.execute(
+            &stmt,
+            &[
+                &e.run_id,
+                &(e.seq as i32),
+                &(e.index as i32),
+                &e.stage.as_str(),
+                &e.kind.as_str(),
+                &e.message,
+                &e.data,
+                &e.worker,
+                &e.at,
+            ],
+        )
+        .await?;
+    }
+    Ok(())
+}

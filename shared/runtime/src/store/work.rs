@@ -1,0 +1,280 @@
+//! Evaluations, episodes (episodic memory), approvals and executions.
+
+use super::{Store, StoreError};
+use chrono::{DateTime, Utc};
+use pitcrew_model::{ApprovalDecision, ApprovalRequest, Evaluation, ExecutionRecord, ExecutionStatus, RunState};
+use std::time::Duration;
+use uuid::Uuid;
+
+/// What episodic memory knows about an error on a service.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Memory {
+    /// Commands that failed for this error within the window and have not worked since.
+    pub failed: Vec<String>,
+    /// Plans that fixed this error, most recent first.
+    pub fixes: Vec<Vec<String>>,
+}
+
+/// The result of trying to record intent to run a command.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Claim {
+    /// Nobody ran it yet: run it now.
+    Claimed,
+    /// An earlier delivery ran it to the end: reuse its record.
+    Finished(ExecutionRecord),
+    /// An earlier delivery started it and never recorded an end: do not run it again.
+    Unfinished,
+}
+
+/// The result of applying a decision.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DecideOutcome {
+    /// This decision settled the request.
+    Applied,
+    /// This same decision was applied before (a redelivery): carry on as if applied.
+    Repeated,
+    /// The request was already settled by another decision.
+    AlreadyDecided { decision: String, by: String },
+    /// No request for this run and plan.
+    NoSuchRequest,
+}
+
+/// An approval request still waiting for a decision.
+#[derive(Debug, Clone)]
+pub struct PendingApproval {
+    pub run_id: Uuid,
+    pub plan_hash: String,
+    pub rule: String,
+    pub commands: Vec<String>,
+    pub requested_at: DateTime<Utc>,
+    pub expires_at: DateTime<Utc>,
+}
+
+impl Store {
+    pub async fn record_evaluation(&self, run: Uuid, ev: &Evaluation) -> Result<(), StoreError> {
+        let client = self.client().await?;
+        let stmt = client
+            .prepare_cached(
+                "INSERT INTO evaluations (run_id, attempt, regeneration, score, verdict, checks, feedback)
+                 VALUES ($1, $2, $3, $4, $5, $6, $7) ON CONFLICT DO NOTHING",
+            )
+            .await?;
+        let checks = serde_json::to_value(&ev.checks).unwrap_or_default();
+        client
+            .execute(
+                &stmt,
+                &[&run, &(ev.attempt as i32), &(ev.regeneration as i32), &ev.score, &ev.verdict.as_str(), &checks, &ev.feedback],
+            )
+            .await?;
+        Ok(())
+    }
+
+    /// Store what this attempt tried and whether it worked.
+    pub async fn record_episode(&self, state: &RunState, success: bool, result: &str) -> Result<(), StoreError> {
+        let client = self.client().await?;
+        let stmt = client
+            .prepare_cached(
+                "INSERT INTO episodes (run_id, attempt, service, signature, error, diagnosis, commands, result, success)
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9) ON CONFLICT DO NOTHING",
+            )
+            .await?;
+        let diagnosis = state.diagnosis().map(|d| d.summary.clone()).unwrap_or_default();
+        let commands: Vec<String> = state.plan.as_ref().map(|p| p.commands.clone()).unwrap_or_default();
+        client
+            .execute(
+                &stmt,
+                &[
+                    &state.run_id,
+                    &(state.attempt as i32),
+                    &state.incident.service,
+                    &state.incident.signature(),
+                    &state.incident.error,
+                    &diagnosis,
+                    &commands,
+                    &result,
+                    &success,
+                ],
+            )
+            .await?;
+        Ok(())
+    }
+
+    /// Episodic memory for `service` and error `signature`.
+    pub async fn memory(&self, service: &str, signature: &str, window: Duration) -> Result<Memory, StoreError> {
+        let client = self.client().await?;
+        let failed = client
+            .prepare_cached(
+                "SELECT DISTINCT c FROM episodes e, unnest(e.commands) AS c
+                 WHERE e.service = $1 AND e.signature = $2 AND NOT e.success
+                   AND e.created_at > now() - make_interval(secs => $3)
+                   AND NOT EXISTS (SELECT 1 FROM episodes s
+                                   WHERE s.service = e.service AND s.signature = e.signature AND s.success
+                                     AND c = ANY (s.commands) AND s.created_at > e.created_at)
+                 ORDER BY c LIMIT 100",
+            )
+            .await?;
+        let fixes = client
+            .prepare_cached(
+                "SELECT commands FROM episodes WHERE service = $1 AND signature = $2 AND success
+                 ORDER BY created_at DESC LIMIT 3",
+            )
+            .await?;
+        let secs = window.as_secs_f64();
+        let failed = client.query(&failed, &[&service, &signature, &secs]).await?;
+        let fixes = client.query(&fixes, &[&service, &signature]).await?;
+        Ok(Memory {
+            failed: failed.iter().map(|r| r.get(0)).collect(),
+            fixes: fixes.iter().map(|r| r.get(0)).collect(),
+        })
+    }
+
+    pub async fn request_approval(&self, req: &ApprovalRequest) -> Result<(), StoreError> {
+        let client = self.client().await?;
+        let stmt = client
+            .prepare_cached(
+                "INSERT INTO approvals (run_id, plan_hash, attempt, commands, risk, rule, requested_at, expires_at)
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8) ON CONFLICT DO NOTHING",
+            )
+            .await?;
+        client
+            .execute(
+                &stmt,
+                &[&req.run_id, &req.plan_hash, &(req.attempt as i32), &req.plan, &req.risk, &req.rule, &req.requested_at, &req.expires_at],
+            )
+            .await?;
+        Ok(())
+    }
+
+    /// Settle the request for `plan_hash` with `d`, only if it is still pending.
+    /// `seq` is the bridge-stream sequence of the decision message, recognising redeliveries.
+    pub async fn decide_approval(
+        &self,
+        plan_hash: &str,
+        d: &ApprovalDecision,
+        seq: u64,
+    ) -> Result<DecideOutcome, StoreError> {
+        let client = self.client().await?;
+        let stmt = client
+            .prepare_cached(
+                "UPDATE approvals SET decision = $3, decided_by = $4, decided_at = $5, channel = $6, reason = $7,
+                        decision_seq = $8
+                 WHERE run_id = $1 AND plan_hash = $2 AND decision IS NULL",
+            )
+            .await?;
+        let n = client
+            .execute(&stmt, &[&d.run_id, &plan_hash, &d.decision.as_str(), &d.by, &d.decided_at, &d.channel, &d.reason, &(seq as i64)])
+            .await?;
+        if n == 1 {
+            return Ok(DecideOutcome::Applied);
+        }
+        let row = client
+            .query_opt(
+                "SELECT decision, decided_by, decision_seq FROM approvals WHERE run_id = $1 AND plan_hash = $2",
+                &[&d.run_id, &plan_hash],
+            )
+            .await?;
+        Ok(match row {
+            None => DecideOutcome::NoSuchRequest,
+            Some(r) => {
+                let decision: String = r.get(0);
+                let by: String = r.get(1);
+                let decided_seq: Option<i64> = r.get(2);
+                if decided_seq == Some(seq as i64) {
+                    DecideOutcome::Repeated
+                } else {
+                    DecideOutcome::AlreadyDecided { decision, by }
+                }
+            }
+        })
+    }
+
+    /// Pending approvals (all, or only those past their deadline), oldest first.
+    pub async fn pending_approvals(&self, only_expired: bool, limit: i64) -> Result<Vec<PendingApproval>, StoreError> {
+        let client = self.client().await?;
+        let rows = client
+            .query(
+                "SELECT run_id, plan_hash, rule, commands, requested_at, expires_at FROM approvals
+                 WHERE decision IS NULL AND (NOT $1 OR expires_at < now())
+                 ORDER BY requested_at LIMIT $2",
+                &[&only_expired, &limit],
+            )
+            .await?;
+        Ok(rows
+            .iter()
+            .map(|r| PendingApproval {
+                run_id: r.get(0),
+                plan_hash: r.get(1),
+                rule: r.get(2),
+                commands: r.get(3),
+                requested_at: r.get(4),
+                expires_at: r.get(5),
+            })
+            .collect())
+    }
+
+    /// Record the intent to run command `index` of `attempt` before running it.
+    pub async fn claim_execution(
+        &self,
+        run: Uuid,
+        attempt: u32,
+        index: u32,
+        command: &str,
+        host: &str,
+        worker: &str,
+    ) -> Result<Claim, StoreError> {
+        let client = self.client().await?;
+        let ins = client
+            .prepare_cached(
+                "INSERT INTO executions (run_id, attempt, idx, command, host, worker)
+                 VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT DO NOTHING",
+            )
+            .await?;
+        let n = client
+            .execute(&ins, &[&run, &(attempt as i32), &(index as i32), &command, &host, &worker])
+            .await?;
+        if n == 1 {
+            return Ok(Claim::Claimed);
+        }
+        let row = client
+            .query_one(
+                "SELECT command, status, exit_code, output,
+                        (EXTRACT(EPOCH FROM (finished_at - started_at)) * 1000)::bigint
+                 FROM executions WHERE run_id = $1 AND attempt = $2 AND idx = $3",
+                &[&run, &(attempt as i32), &(index as i32)],
+            )
+            .await?;
+        let status: Option<String> = row.get(1);
+        let Some(status) = status else { return Ok(Claim::Unfinished) };
+        let status: ExecutionStatus = serde_json::from_value(serde_json::Value::String(status))
+            .unwrap_or(ExecutionStatus::Failed);
+        let ms: Option<i64> = row.get(4);
+        Ok(Claim::Finished(ExecutionRecord {
+            attempt,
+            index,
+            command: row.get(0),
+            status,
+            exit_code: row.get(2),
+            output: row.get::<_, Option<String>>(3).unwrap_or_default(),
+            duration_ms: ms.unwrap_or(0).max(0) as u64,
+        }))
+    }
+
+    /// Record how a claimed command ended.
+    pub async fn finish_execution(&self, run: Uuid, rec: &ExecutionRecord) -> Result<(), StoreError> {
+        let client = self.client().await?;
+        let stmt = client
+            .prepare_cached(
+                "UPDATE executions SET finished_at = now(), status = $4, exit_code = $5, output = $6
+                 WHERE run_id = $1 AND attempt = $2 AND idx = $3",
+            )
+            .await?;
+        let status = serde_json::to_value(rec.status)
+            .ok()
+            .and_then(|v| v.as_str().map(str::to_string))
+            .unwrap_or_default();
+        client
+            .execute(&stmt, &[&run, &(rec.attempt as i32), &(rec.index as i32), &status, &rec.exit_code, &rec.output])
+            .await?;
+        Ok(())
+    }
+}
