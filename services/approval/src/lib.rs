@@ -1,1 +1,2 @@
-//! placeholder
+//! approval: the deterministic policy gate and the approval stage.
+pub mod policy;

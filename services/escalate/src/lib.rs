@@ -1,1 +1,39 @@
-//! placeholder
+//! escalate: the run needs a human. Closes it with the reason and stores the episode.
+
+use futures::future::BoxFuture;
+use pitcrew_model::{EventKind, Outcome, RunState, Stage};
+use pitcrew_runtime::{Cx, StageError, StageHandler, Transition};
+
+/// The escalate stage (terminal).
+pub struct Escalate;
+
+pub fn reason(state: &RunState) -> String {
+    state.escalation_reason.clone().unwrap_or_else(|| "escalated without a recorded reason".into())
+}
+
+impl StageHandler for Escalate {
+    fn stage(&self) -> Stage {
+        Stage::Escalate
+    }
+
+    fn handle<'a>(&'a self, state: &'a mut RunState, cx: &'a mut Cx<'_>) -> BoxFuture<'a, Result<Transition, StageError>> {
+        Box::pin(async move {
+            let why = reason(state);
+            // What this attempt tried, unless verify already stored it.
+            if state.plan.is_some() && state.verification.as_ref().is_none_or(|v| v.attempt != state.attempt) {
+                cx.deps.store.record_episode(state, false, &why).await?;
+            }
+            cx.emit(
+                EventKind::Escalated,
+                format!("escalated {}: {why}", state.incident.service),
+                serde_json::json!({
+                    "reason": why,
+                    "attempts": state.attempt,
+                    "failed_commands": state.failed_commands,
+                    "security_flags": state.security_flags,
+                }),
+            );
+            Ok(Transition::Done(Outcome::Escalated))
+        })
+    }
+}

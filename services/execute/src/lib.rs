@@ -1,1 +1,168 @@
-//! placeholder
+//! execute: runs the approved plan on the target, recording intent before each command and
+//! its end after, so a redelivery never runs a command of the same attempt twice.
+
+use futures::future::BoxFuture;
+use pitcrew_exec::{CommandOutput, ExecError};
+use pitcrew_model::trim::trim_output;
+use pitcrew_model::run::MAX_OUTPUT;
+use pitcrew_model::{ApprovalStatus, EventKind, ExecutionRecord, ExecutionStatus, RunState, Stage};
+use pitcrew_runtime::store::Claim;
+use pitcrew_runtime::{target, Cx, StageError, StageHandler, Transition};
+use std::time::Instant;
+
+/// The execute stage.
+pub struct Execute;
+
+/// Whether the gate let this exact plan through. Execution refuses anything else.
+pub fn approved(state: &RunState) -> Result<(), String> {
+    let Some(plan) = &state.plan else { return Err("no plan to execute".into()) };
+    match &state.approval {
+        ApprovalStatus::AutoApproved => Ok(()),
+        ApprovalStatus::Approved { plan_hash, .. } if *plan_hash == plan.hash() => Ok(()),
+        ApprovalStatus::Approved { .. } => Err("the approval names another plan than the one to execute".into()),
+        other => Err(format!("plan reached execute without passing the policy gate ({other:?})")),
+    }
+}
+
+/// How a finished command is recorded.
+pub fn record(attempt: u32, index: u32, command: &str, out: &CommandOutput) -> ExecutionRecord {
+    let status = if out.timed_out {
+        ExecutionStatus::TimedOut
+    } else if out.success() {
+        ExecutionStatus::Succeeded
+    } else {
+        ExecutionStatus::Failed
+    };
+    let mut text = out.stdout.clone();
+    if !out.stderr.is_empty() {
+        if !text.is_empty() && !text.ends_with('\n') {
+            text.push('\n');
+        }
+        text.push_str(&out.stderr);
+    }
+    ExecutionRecord {
+        attempt,
+        index,
+        command: command.to_string(),
+        status,
+        exit_code: out.exit_code,
+        output: trim_output(&text, MAX_OUTPUT),
+        duration_ms: out.duration.as_millis() as u64,
+    }
+}
+
+impl StageHandler for Execute {
+    fn stage(&self) -> Stage {
+        Stage::Execute
+    }
+
+    fn handle<'a>(&'a self, state: &'a mut RunState, cx: &'a mut Cx<'_>) -> BoxFuture<'a, Result<Transition, StageError>> {
+        Box::pin(async move {
+            approved(state).map_err(StageError::Poison)?;
+            let cfg = cx.deps.config.clone();
+            let spec = match target::service(&cfg, state) {
+                Ok(s) => s,
+                Err(why) => return Ok(Transition::Escalate(why)),
+            };
+            let plan = state.plan.clone().expect("checked by approved()");
+            let store = cx.deps.store.clone();
+            let executor = cx.deps.executor.clone();
+            let mut records = Vec::new();
+            let mut stop = false;
+            for (i, command) in plan.commands.iter().enumerate() {
+                let index = i as u32;
+                if stop {
+                    records.push(ExecutionRecord {
+                        attempt: state.attempt,
+                        index,
+                        command: command.clone(),
+                        status: ExecutionStatus::Skipped,
+                        exit_code: None,
+                        output: "not run: an earlier command of the plan did not succeed".into(),
+                        duration_ms: 0,
+                    });
+                    continue;
+                }
+                let rec = match store
+                    .claim_execution(state.run_id, state.attempt, index, command, &spec.host, &cx.deps.worker)
+                    .await?
+                {
+                    Claim::Finished(rec) => rec,
+                    Claim::Unfinished => ExecutionRecord {
+                        attempt: state.attempt,
+                        index,
+                        command: command.clone(),
+                        status: ExecutionStatus::Interrupted,
+                        exit_code: None,
+                        output: "started by an earlier delivery that never finished: not run again; verify decides".into(),
+                        duration_ms: 0,
+                    },
+                    Claim::Claimed => {
+                        let started = Instant::now();
+                        let rec = match executor.run(&spec.host, command, cfg.command_timeout()).await {
+                            Ok(out) => record(state.attempt, index, command, &out),
+                            Err(ExecError::Transient(e)) => {
+                                // Nothing ran: release the claim so the retry can run it.
+                                store.release_execution(state.run_id, state.attempt, index).await?;
+                                return Err(StageError::Transient(e));
+                            }
+                            Err(e) => ExecutionRecord {
+                                attempt: state.attempt,
+                                index,
+                                command: command.clone(),
+                                status: ExecutionStatus::Failed,
+                                exit_code: None,
+                                output: e.to_string(),
+                                duration_ms: started.elapsed().as_millis() as u64,
+                            },
+                        };
+                        store.finish_execution(state.run_id, &rec).await?;
+                        rec
+                    }
+                };
+                stop = rec.status != ExecutionStatus::Succeeded;
+                cx.emit(
+                    EventKind::Execution,
+                    format!("`{}` -> {:?}{}", rec.command, rec.status, rec.exit_code.map(|c| format!(" (exit {c})")).unwrap_or_default()),
+                    serde_json::to_value(&rec).unwrap_or_default(),
+                );
+                records.push(rec);
+            }
+            state.executions = records;
+            Ok(Transition::To(Stage::Verify))
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use pitcrew_model::{Incident, Plan};
+
+    #[test]
+    fn only_an_approved_plan_executes() {
+        let mut s = RunState::new(uuid::Uuid::nil(), Incident::new("web", "down"));
+        assert!(approved(&s).is_err());
+        s.plan = Some(Plan { attempt: 1, commands: vec!["a".into()], rationale: String::new(), source: String::new() });
+        assert!(approved(&s).is_err(), "unchecked plan must not run");
+        s.approval = ApprovalStatus::Waiting { plan_hash: "x".into(), rule: "r".into() };
+        assert!(approved(&s).is_err());
+        s.approval = ApprovalStatus::Approved { by: "ann".into(), plan_hash: "stale".into() };
+        assert!(approved(&s).is_err(), "approval of another plan must not run this one");
+        let hash = s.plan.as_ref().unwrap().hash();
+        s.approval = ApprovalStatus::Approved { by: "ann".into(), plan_hash: hash };
+        assert!(approved(&s).is_ok());
+        s.approval = ApprovalStatus::AutoApproved;
+        assert!(approved(&s).is_ok());
+    }
+
+    #[test]
+    fn records_say_how_a_command_ended() {
+        let out = CommandOutput { exit_code: Some(2), stdout: "a".into(), stderr: "boom".into(), timed_out: false, duration: std::time::Duration::from_millis(5) };
+        let r = record(1, 0, "x", &out);
+        assert_eq!(r.status, ExecutionStatus::Failed);
+        assert_eq!(r.output, "a\nboom");
+        let out = CommandOutput { exit_code: None, stdout: String::new(), stderr: String::new(), timed_out: true, duration: std::time::Duration::ZERO };
+        assert_eq!(record(1, 0, "x", &out).status, ExecutionStatus::TimedOut);
+    }
+}

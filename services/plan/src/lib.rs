@@ -1,1 +1,72 @@
-//! placeholder
+//! plan: asks the reasoning provider for 1-3 commands that fit the target, never one that
+//! already failed for this error, with the evaluator's feedback when regenerating.
+
+use futures::future::BoxFuture;
+use pitcrew_llm::{ReasonError, ReasonInput};
+use pitcrew_model::{ApprovalStatus, EventKind, Evidence, RunState, Stage, Verdict};
+use pitcrew_runtime::{target, Cx, StageError, StageHandler, Transition};
+use std::time::Duration;
+
+/// The plan stage.
+pub struct PlanStage;
+
+/// Commands the evaluator sent back during this attempt: not to be proposed again in it.
+pub fn rejected_commands(state: &RunState) -> Vec<String> {
+    match (&state.evaluation, &state.plan) {
+        (Some(ev), Some(plan)) if ev.attempt == state.attempt && ev.verdict == Verdict::Regenerate => {
+            plan.commands.clone()
+        }
+        _ => Vec::new(),
+    }
+}
+
+impl StageHandler for PlanStage {
+    fn stage(&self) -> Stage {
+        Stage::Plan
+    }
+
+    fn handle<'a>(&'a self, state: &'a mut RunState, cx: &'a mut Cx<'_>) -> BoxFuture<'a, Result<Transition, StageError>> {
+        Box::pin(async move {
+            let cfg = cx.deps.config.clone();
+            let spec = match target::service(&cfg, state) {
+                Ok(s) => s,
+                Err(why) => return Ok(Transition::Escalate(why)),
+            };
+            let Some(diagnosis) = state.diagnosis().cloned() else {
+                return Err(StageError::Poison("run state reached plan without a diagnosis for this attempt".into()));
+            };
+            let memory = cx
+                .deps
+                .store
+                .memory(&state.incident.service, &state.incident.signature(), Duration::from_secs(cfg.limits.memory_window_secs))
+                .await?;
+            let failed = target::failed_commands(state, &memory);
+            let rejected = rejected_commands(state);
+            let vars = target::template_vars(spec, state);
+            let evidence: Vec<Evidence> = state.current_evidence().cloned().collect();
+            let input = ReasonInput {
+                incident: &state.incident,
+                attempt: state.attempt,
+                evidence: &evidence,
+                vars: &vars,
+                failed_commands: &failed,
+                known_fixes: &memory.fixes,
+                feedback: &state.feedback,
+                rejected_commands: &rejected,
+            };
+            let plan = match cx.deps.reasoner.plan(&input, &diagnosis).await {
+                Ok(p) => p,
+                Err(ReasonError::Transient(e)) => return Err(StageError::Transient(e)),
+                Err(e) => return Ok(Transition::Escalate(e.to_string())),
+            };
+            cx.emit(
+                EventKind::Plan,
+                format!("plan: {}", plan.commands.join(" ; ")),
+                serde_json::json!({ "commands": plan.commands, "rationale": plan.rationale, "source": plan.source }),
+            );
+            state.plan = Some(plan);
+            state.approval = ApprovalStatus::Unchecked;
+            Ok(Transition::To(Stage::Evaluate))
+        })
+    }
+}

@@ -1,1 +1,123 @@
-//! placeholder
+//! verify: re-runs the service's health check. Recovered: report. Not recovered: back to
+//! diagnose with what failed, until max_retries, then escalate.
+
+use futures::future::BoxFuture;
+use pitcrew_exec::run_check;
+use pitcrew_model::{ApprovalStatus, EventKind, ExecutionStatus, RunState, Stage, Verification};
+use pitcrew_runtime::{target, Cx, StageError, StageHandler, Transition};
+use std::time::Duration;
+
+/// The verify stage.
+pub struct Verify;
+
+/// What follows a verification, given the attempt and the retry limit. Pure.
+pub fn next_step(recovered: bool, attempt: u32, max_retries: u32) -> Result<Stage, String> {
+    if recovered {
+        Ok(Stage::Report)
+    } else if attempt >= max_retries {
+        Err(format!("still unhealthy after {attempt} attempt(s): max_retries ({max_retries}) reached"))
+    } else {
+        Ok(Stage::Diagnose)
+    }
+}
+
+/// Commands of this attempt that ran (or may have) without fixing the service.
+pub fn tried_commands(state: &RunState) -> Vec<String> {
+    state
+        .executions
+        .iter()
+        .filter(|e| e.attempt == state.attempt && e.status != ExecutionStatus::Skipped)
+        .map(|e| e.command.clone())
+        .collect()
+}
+
+/// Reset the per-attempt fields and count the next attempt, remembering what failed.
+pub fn start_next_attempt(state: &mut RunState) {
+    for c in tried_commands(state) {
+        if !state.failed_commands.contains(&c) {
+            state.failed_commands.push(c);
+        }
+    }
+    state.attempt += 1;
+    state.regeneration = 0;
+    state.feedback.clear();
+    state.plan = None;
+    state.evaluation = None;
+    state.approval = ApprovalStatus::Unchecked;
+    state.executions.clear();
+}
+
+impl StageHandler for Verify {
+    fn stage(&self) -> Stage {
+        Stage::Verify
+    }
+
+    fn handle<'a>(&'a self, state: &'a mut RunState, cx: &'a mut Cx<'_>) -> BoxFuture<'a, Result<Transition, StageError>> {
+        Box::pin(async move {
+            let cfg = cx.deps.config.clone();
+            let spec = match target::service(&cfg, state) {
+                Ok(s) => s,
+                Err(why) => return Ok(Transition::Escalate(why)),
+            };
+            let Some(check) = &spec.check else {
+                return Ok(Transition::Escalate(format!(
+                    "no health check configured for '{}': cannot verify the fix",
+                    state.incident.service
+                )));
+            };
+            let executor = cx.deps.executor.clone();
+            let tries = cfg.verify.checks.max(1);
+            let mut outcome = run_check(check, &spec.host, executor.as_ref()).await;
+            for _ in 1..tries {
+                if outcome.healthy {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(cfg.verify.interval_ms)).await;
+                outcome = run_check(check, &spec.host, executor.as_ref()).await;
+            }
+            let recovered = outcome.healthy;
+            state.verification = Some(Verification { attempt: state.attempt, recovered, detail: outcome.detail.clone() });
+            cx.emit(
+                EventKind::Verification,
+                format!("{}: {}", if recovered { "recovered" } else { "not recovered" }, outcome.detail),
+                serde_json::json!({ "recovered": recovered, "attempt": state.attempt }),
+            );
+            cx.deps.store.record_episode(state, recovered, &outcome.detail).await?;
+            match next_step(recovered, state.attempt, cfg.limits.max_retries) {
+                Ok(Stage::Diagnose) => {
+                    start_next_attempt(state);
+                    Ok(Transition::To(Stage::Diagnose))
+                }
+                Ok(next) => Ok(Transition::To(next)),
+                Err(reason) => Ok(Transition::Escalate(format!("{reason}; last check: {}", outcome.detail))),
+            }
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use pitcrew_model::{ExecutionRecord, Incident, Plan};
+
+    #[test]
+    fn retries_until_the_limit_then_escalates() {
+        assert_eq!(next_step(true, 5, 5), Ok(Stage::Report));
+        assert_eq!(next_step(false, 1, 5), Ok(Stage::Diagnose));
+        assert_eq!(next_step(false, 4, 5), Ok(Stage::Diagnose));
+        assert!(next_step(false, 5, 5).unwrap_err().contains("max_retries (5)"));
+    }
+
+    #[test]
+    fn the_next_attempt_remembers_what_failed_and_starts_clean() {
+        let mut s = RunState::new(uuid::Uuid::nil(), Incident::new("web", "down"));
+        s.plan = Some(Plan { attempt: 1, commands: vec!["a".into(), "b".into()], rationale: String::new(), source: String::new() });
+        let rec = |i, c: &str, status| ExecutionRecord { attempt: 1, index: i, command: c.into(), status, exit_code: None, output: String::new(), duration_ms: 0 };
+        s.executions = vec![rec(0, "a", ExecutionStatus::Failed), rec(1, "b", ExecutionStatus::Skipped)];
+        s.regeneration = 2;
+        start_next_attempt(&mut s);
+        assert_eq!(s.failed_commands, vec!["a".to_string()]);
+        assert_eq!((s.attempt, s.regeneration), (2, 0));
+        assert!(s.plan.is_none() && s.executions.is_empty());
+    }
+}

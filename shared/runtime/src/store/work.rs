@@ -278,3 +278,17 @@ impl Store {
         Ok(())
     }
 }
+
+impl Store {
+    /// Forget a claim whose command never started (the executor could not reach the host).
+    pub async fn release_execution(&self, run: Uuid, attempt: u32, index: u32) -> Result<(), StoreError> {
+        let client = self.client().await?;
+        client
+            .execute(
+                "DELETE FROM executions WHERE run_id = $1 AND attempt = $2 AND idx = $3 AND finished_at IS NULL",
+                &[&run, &(attempt as i32), &(index as i32)],
+            )
+            .await?;
+        Ok(())
+    }
+}
