@@ -1,1 +1,234 @@
-fn main() {}
+//! pitcrew: the one binary. Parses arguments, sets up logging, and hands over to the crew,
+//! the operator commands or the demo. Errors end as one readable line, never a panic trace.
+
+mod cli;
+mod crew;
+mod demo;
+mod toy;
+
+use anyhow::{bail, Context};
+use clap::{Parser, Subcommand};
+use pitcrew_model::{Decision, Severity, Stage};
+use pitcrew_runtime::{Bus, Config};
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+use uuid::Uuid;
+
+#[derive(Parser)]
+#[command(name = "pitcrew", version, about = "Turns alerts into fixed incidents: a crew of workers on NATS JetStream and Postgres.")]
+struct Args {
+    /// Config file (default: ./pitcrew.toml when present). PITCREW_* variables override it.
+    #[arg(long, short, global = true, env = "PITCREW_CONFIG")]
+    config: Option<PathBuf>,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run every stage in this process.
+    Up,
+    /// Run some stages (run the same stage in several processes to scale it).
+    Worker {
+        #[arg(required = true, value_name = "STAGE")]
+        stages: Vec<Stage>,
+    },
+    /// Start everything it needs and show three runs live: resolved, approved, escalated.
+    Demo,
+    /// Incidents.
+    Incident {
+        #[command(subcommand)]
+        command: IncidentCommand,
+    },
+    /// Print a run's events as they happen, until it ends.
+    Watch {
+        run: Uuid,
+        /// Give up after this many seconds.
+        #[arg(long, default_value_t = 3600)]
+        timeout: u64,
+    },
+    /// Approve the plan a run is waiting on.
+    Approve {
+        run: Uuid,
+        #[arg(long)]
+        by: String,
+    },
+    /// Deny the plan a run is waiting on (the run escalates).
+    Deny {
+        run: Uuid,
+        #[arg(long)]
+        by: String,
+        #[arg(long)]
+        reason: String,
+    },
+    /// Recent runs and their outcomes.
+    Incidents {
+        #[arg(long, default_value_t = 20)]
+        limit: i64,
+    },
+    /// Apply database migrations.
+    Migrate,
+    /// The demo's toy service (used by the demo's remediation commands).
+    #[command(hide = true)]
+    Toy {
+        #[command(subcommand)]
+        command: ToyCommand,
+    },
+}
+
+#[derive(Subcommand)]
+enum IncidentCommand {
+    /// Publish an incident on the bus and print its run id.
+    Open {
+        #[arg(long)]
+        service: String,
+        #[arg(long)]
+        error: String,
+        #[arg(long)]
+        host: Option<String>,
+        #[arg(long, value_parser = parse_severity, default_value = "warning")]
+        severity: Severity,
+        #[arg(long)]
+        fingerprint: Option<String>,
+        /// Follow the run until it ends.
+        #[arg(long)]
+        watch: bool,
+    },
+}
+
+#[derive(Subcommand)]
+enum ToyCommand {
+    Serve {
+        #[arg(long)]
+        port: u16,
+        #[arg(long)]
+        dir: PathBuf,
+    },
+    Start {
+        #[arg(long)]
+        port: u16,
+        #[arg(long)]
+        dir: PathBuf,
+    },
+    Stop {
+        #[arg(long)]
+        port: u16,
+        #[arg(long)]
+        dir: PathBuf,
+    },
+    Restart {
+        #[arg(long)]
+        port: u16,
+        #[arg(long)]
+        dir: PathBuf,
+    },
+}
+
+fn parse_severity(s: &str) -> Result<Severity, String> {
+    serde_json::from_value(serde_json::Value::String(s.to_string()))
+        .map_err(|_| format!("unknown severity '{s}' (info, warning, critical)"))
+}
+
+fn main() -> ExitCode {
+    let args = match Args::try_parse() {
+        Ok(a) => a,
+        Err(e) => {
+            let _ = e.print();
+            return if e.use_stderr() { ExitCode::from(2) } else { ExitCode::SUCCESS };
+        }
+    };
+    if let Command::Toy { command } = &args.command {
+        return report(toy_command(command));
+    }
+    let default_log = match args.command {
+        Command::Demo => "warn",
+        Command::Up | Command::Worker { .. } => "info",
+        _ => "warn",
+    };
+    pitcrew_runtime::telemetry::init(default_log);
+    let rt = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => return report(Err(e.into())),
+    };
+    report(rt.block_on(run(args)))
+}
+
+fn report(res: anyhow::Result<()>) -> ExitCode {
+    match res {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn toy_command(c: &ToyCommand) -> anyhow::Result<()> {
+    let exe = std::env::current_exe().context("cannot find my own executable")?;
+    match c {
+        ToyCommand::Serve { port, dir } => toy::serve(*port, dir),
+        ToyCommand::Start { port, dir } => toy::start(&exe, *port, dir),
+        ToyCommand::Stop { port, dir } => toy::stop(*port, dir),
+        ToyCommand::Restart { port, dir } => {
+            toy::stop(*port, dir)?;
+            toy::start(&exe, *port, dir)
+        }
+    }
+}
+
+async fn run(args: Args) -> anyhow::Result<()> {
+    if let Command::Demo = args.command {
+        return demo::run().await;
+    }
+    let cfg = Config::load(args.config.as_deref())?;
+    match args.command {
+        Command::Up => crew::run(cfg, &Stage::ALL, crew::signals()).await,
+        Command::Worker { stages } => {
+            let mut stages = stages;
+            stages.sort();
+            stages.dedup();
+            crew::run(cfg, &stages, crew::signals()).await
+        }
+        Command::Incident { command: IncidentCommand::Open { service, error, host, severity, fingerprint, watch } } => {
+            let bus = Bus::connect(&cfg).await?;
+            bus.ensure_streams().await?;
+            let incident = cli::incident(&service, &error, host, severity, fingerprint)?;
+            let id = cli::open_incident(&bus, &incident).await?;
+            println!("{id}");
+            if watch {
+                let end = cli::watch(&bus, None, id, Duration::from_secs(3600)).await?;
+                println!("outcome: {}", cli::outcome_of(&end));
+            }
+            Ok(())
+        }
+        Command::Watch { run, timeout } => {
+            let bus = Bus::connect(&cfg).await?;
+            bus.ensure_streams().await?;
+            let store = cli::store(&cfg).await.ok();
+            let end = cli::watch(&bus, store.as_ref(), run, Duration::from_secs(timeout)).await?;
+            println!("outcome: {}", cli::outcome_of(&end));
+            Ok(())
+        }
+        Command::Approve { run, by } => {
+            let bus = Bus::connect(&cfg).await?;
+            let req = cli::decide(&bus, run, Decision::Approve, &by, None, "cli").await?;
+            println!("approved plan {} of run {run}: {}", req.plan_hash, req.plan.join(" ; "));
+            Ok(())
+        }
+        Command::Deny { run, by, reason } => {
+            let bus = Bus::connect(&cfg).await?;
+            let req = cli::decide(&bus, run, Decision::Deny, &by, Some(reason), "cli").await?;
+            println!("denied plan {} of run {run}", req.plan_hash);
+            Ok(())
+        }
+        Command::Incidents { limit } => cli::incidents(&cli::store(&cfg).await?, limit).await,
+        Command::Migrate => {
+            let store = cli::store(&cfg).await?;
+            let n = store.migrate().await?;
+            println!("migrations: {n} applied, schema at version {}", pitcrew_runtime::store::MIGRATIONS.len());
+            Ok(())
+        }
+        Command::Demo | Command::Toy { .. } => bail!("unreachable"),
+    }
+}

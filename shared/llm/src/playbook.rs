@@ -115,13 +115,17 @@ impl Playbook {
             source: format!("{SOURCE_PREFIX}{source}"),
         };
 
+        // Memory reorders, never invents: a known fix is reused only when it is one of the
+        // alternatives this playbook renders for this target now (a fix recorded for another
+        // port, path or host would be a stale command).
+        let current: Vec<Vec<String>> = std::iter::once(rule)
+            .chain((rule.name != FALLBACK).then_some(&self.fallback))
+            .flat_map(|r| r.plans.iter())
+            .filter_map(|alt| render_commands(alt, input).ok())
+            .collect();
         for (i, fix) in input.known_fixes.iter().take(MAX_KNOWN_FIXES).enumerate() {
             let cmds: Vec<String> = fix.iter().map(|c| c.trim().to_string()).collect();
-            let usable = !cmds.is_empty()
-                && cmds.len() <= MAX_PLAN_COMMANDS
-                && cmds
-                    .iter()
-                    .all(|c| !c.is_empty() && !c.contains(['\n', '\r']));
+            let usable = current.contains(&cmds);
             if usable && check(&cmds) {
                 let why = format!(
                     "known fix #{} from memory (worked before for this error); playbook rule '{}'",

@@ -122,7 +122,8 @@ pub fn find_binary() -> Result<PathBuf, NatsdError> {
 fn version(bin: &Path) -> Option<(u32, u32)> {
     let out = Command::new(bin).arg("--version").output().ok()?;
     let text = String::from_utf8_lossy(&out.stdout);
-    let v = text.split('v').nth(1)?.trim();
+    // "nats-server: v2.15.1"
+    let v = text.rsplit(" v").next()?.trim();
     let mut parts = v.split('.');
     Some((parts.next()?.parse().ok()?, parts.next()?.parse().ok()?))
 }

@@ -64,36 +64,110 @@ const WRAPPERS: &[Wrapper] = &[
         name: "sudo",
         short_with_value: "ugCDhprtUTR",
         long_with_value: &[
-            "user", "group", "close-from", "chdir", "host", "prompt", "role", "type",
-            "other-user", "command-timeout", "chroot",
+            "user",
+            "group",
+            "close-from",
+            "chdir",
+            "host",
+            "prompt",
+            "role",
+            "type",
+            "other-user",
+            "command-timeout",
+            "chroot",
         ],
         positionals: 0,
     },
-    Wrapper { name: "doas", short_with_value: "uC", long_with_value: &[], positionals: 0 },
+    Wrapper {
+        name: "doas",
+        short_with_value: "uC",
+        long_with_value: &[],
+        positionals: 0,
+    },
     Wrapper {
         name: "env",
         short_with_value: "uCS",
         long_with_value: &["unset", "chdir", "split-string"],
         positionals: 0,
     },
-    Wrapper { name: "nice", short_with_value: "n", long_with_value: &["adjustment"], positionals: 0 },
-    Wrapper { name: "timeout", short_with_value: "sk", long_with_value: &["signal", "kill-after"], positionals: 1 },
+    Wrapper {
+        name: "nice",
+        short_with_value: "n",
+        long_with_value: &["adjustment"],
+        positionals: 0,
+    },
+    Wrapper {
+        name: "timeout",
+        short_with_value: "sk",
+        long_with_value: &["signal", "kill-after"],
+        positionals: 1,
+    },
     Wrapper {
         name: "ionice",
         short_with_value: "cnpPu",
         long_with_value: &["class", "classdata", "pid", "pgid", "uid"],
         positionals: 0,
     },
-    Wrapper { name: "stdbuf", short_with_value: "ioe", long_with_value: &["input", "output", "error"], positionals: 0 },
-    Wrapper { name: "chroot", short_with_value: "", long_with_value: &["userspec", "groups"], positionals: 1 },
-    Wrapper { name: "taskset", short_with_value: "", long_with_value: &[], positionals: 1 },
-    Wrapper { name: "time", short_with_value: "fo", long_with_value: &["format", "output"], positionals: 0 },
-    Wrapper { name: "exec", short_with_value: "a", long_with_value: &[], positionals: 0 },
-    Wrapper { name: "nohup", short_with_value: "", long_with_value: &[], positionals: 0 },
-    Wrapper { name: "setsid", short_with_value: "", long_with_value: &[], positionals: 0 },
-    Wrapper { name: "command", short_with_value: "", long_with_value: &[], positionals: 0 },
-    Wrapper { name: "builtin", short_with_value: "", long_with_value: &[], positionals: 0 },
-    Wrapper { name: "busybox", short_with_value: "", long_with_value: &[], positionals: 0 },
+    Wrapper {
+        name: "stdbuf",
+        short_with_value: "ioe",
+        long_with_value: &["input", "output", "error"],
+        positionals: 0,
+    },
+    Wrapper {
+        name: "chroot",
+        short_with_value: "",
+        long_with_value: &["userspec", "groups"],
+        positionals: 1,
+    },
+    Wrapper {
+        name: "taskset",
+        short_with_value: "",
+        long_with_value: &[],
+        positionals: 1,
+    },
+    Wrapper {
+        name: "time",
+        short_with_value: "fo",
+        long_with_value: &["format", "output"],
+        positionals: 0,
+    },
+    Wrapper {
+        name: "exec",
+        short_with_value: "a",
+        long_with_value: &[],
+        positionals: 0,
+    },
+    Wrapper {
+        name: "nohup",
+        short_with_value: "",
+        long_with_value: &[],
+        positionals: 0,
+    },
+    Wrapper {
+        name: "setsid",
+        short_with_value: "",
+        long_with_value: &[],
+        positionals: 0,
+    },
+    Wrapper {
+        name: "command",
+        short_with_value: "",
+        long_with_value: &[],
+        positionals: 0,
+    },
+    Wrapper {
+        name: "builtin",
+        short_with_value: "",
+        long_with_value: &[],
+        positionals: 0,
+    },
+    Wrapper {
+        name: "busybox",
+        short_with_value: "",
+        long_with_value: &[],
+        positionals: 0,
+    },
 ];
 
 /// Wrappers unwrapped at most this many times (`sudo env nice cmd` is three).
@@ -143,7 +217,10 @@ fn skip_options(args: &[String], w: &Wrapper) -> (usize, Option<String>) {
                     split = value;
                 }
             }
-        } else if let Some((j, ch)) = a[1..].char_indices().find(|(_, c)| w.short_with_value.contains(*c)) {
+        } else if let Some((j, ch)) = a[1..]
+            .char_indices()
+            .find(|(_, c)| w.short_with_value.contains(*c))
+        {
             let attached = &a[1 + j + ch.len_utf8()..];
             let value = if attached.is_empty() {
                 width = 2;
@@ -169,7 +246,9 @@ pub(crate) fn normalise(argv: &[String]) -> Vec<String> {
         let skip = rest.iter().take_while(|w| is_assignment(w)).count();
         rest.drain(..skip);
         let Some(first) = rest.first() else { break };
-        let Some(w) = WRAPPERS.iter().find(|w| w.name == basename(first)) else { break };
+        let Some(w) = WRAPPERS.iter().find(|w| w.name == basename(first)) else {
+            break;
+        };
         let (start, split) = skip_options(&rest[1..], w);
         let mut inner: Vec<String> = rest[1 + start..].to_vec();
         if let Some(line) = split {
@@ -237,7 +316,10 @@ mod tests {
         assert_eq!(norm("/usr/bin/sudo -u root -- /bin/rm -rf /"), "rm -rf /");
         assert_eq!(norm("sudo -nuroot rm x"), "rm x");
         assert_eq!(norm("sudo --user=root --preserve-env rm x"), "rm x");
-        assert_eq!(norm("FOO=1 env -i BAR=2 nice -n 5 nohup timeout -s KILL 10 rm x"), "rm x");
+        assert_eq!(
+            norm("FOO=1 env -i BAR=2 nice -n 5 nohup timeout -s KILL 10 rm x"),
+            "rm x"
+        );
         assert_eq!(norm("env -S 'rm -rf /' extra"), "rm -rf / extra");
         assert_eq!(norm("doas -u root reboot"), "reboot");
         assert_eq!(norm("chroot /mnt busybox rm x"), "rm x");

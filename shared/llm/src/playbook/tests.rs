@@ -274,19 +274,27 @@ fn missing_pid_skips_the_kill_alternative() {
 #[test]
 fn known_fix_is_preferred_unless_it_failed() {
     let mut case = Case::new("connection refused");
-    case.known = vec![
-        strings(&["/usr/bin/toy fsck", "/usr/bin/toy start --port 1"]),
-        strings(&["/usr/bin/toy heal"]),
-    ];
+    // The restart alternative (second in the ladder) worked before: it is tried first.
+    case.known = vec![strings(&["/usr/bin/toy restart --port 1"])];
     let p = run(&Playbook::default_rules(), &case).1.unwrap();
     assert_eq!(p.commands, case.known[0]);
     assert!(p.rationale.contains("known fix #1"), "{}", p.rationale);
     assert_eq!(p.source, "playbook:process-down");
-    case.failed = strings(&["/usr/bin/toy fsck"]);
+    case.failed = strings(&["/usr/bin/toy restart --port 1"]);
     assert_eq!(
         run(&Playbook::default_rules(), &case).1.unwrap().commands,
-        vec!["/usr/bin/toy heal"]
+        vec!["/usr/bin/toy start --port 1"]
     );
+}
+
+#[test]
+fn a_stale_known_fix_is_never_replayed() {
+    // Recorded for another port (another target): not an alternative here, so ignored.
+    let mut case = Case::new("connection refused");
+    case.known = vec![strings(&["/usr/bin/toy start --port 9"]), strings(&["rm -rf /tmp/x"])];
+    let p = run(&Playbook::default_rules(), &case).1.unwrap();
+    assert_eq!(p.commands, vec!["/usr/bin/toy start --port 1"]);
+    assert!(!p.rationale.contains("known fix"), "{}", p.rationale);
 }
 
 #[test]

@@ -1,0 +1,169 @@
+//! Approval decisions from the bridge subject resume parked runs; a sweeper turns requests
+//! past their deadline into `expire` decisions so a forgotten approval escalates its run.
+
+use futures::future::BoxFuture;
+use pitcrew_model::codec::{self, CONTENT_TYPE, JSON};
+use pitcrew_model::{ApprovalDecision, ApprovalStatus, Decision, EventKind, Stage};
+use pitcrew_runtime::consume::{backoff, Disposition, MessageHandler};
+use pitcrew_runtime::runner::{apply, dead_letter, delivery, header, publish_events, publish_state};
+use pitcrew_runtime::store::{DecideOutcome, RunStatus};
+use pitcrew_runtime::{Bus, Cx, Deps, Transition};
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+use uuid::Uuid;
+
+/// Consumes `pitcrew.approvals.decided.*`.
+pub struct Decisions {
+    pub bus: Bus,
+    pub deps: Arc<Deps>,
+}
+
+/// Events about a decision are keyed apart from the stage's own (index >= this).
+const DECISION_EVENT_BASE: u32 = 1000;
+
+impl MessageHandler for Decisions {
+    fn name(&self) -> String {
+        "approval-decisions".into()
+    }
+
+    fn handle(self: Arc<Self>, msg: Arc<async_nats::jetstream::Message>) -> BoxFuture<'static, Disposition> {
+        Box::pin(async move { self.process(&msg).await })
+    }
+}
+
+impl Decisions {
+    async fn process(&self, msg: &async_nats::jetstream::Message) -> Disposition {
+        let (stream, seq, delivered) = delivery(msg);
+        let d: ApprovalDecision = match codec::decode(header(msg, CONTENT_TYPE), &msg.payload) {
+            Ok(d) => d,
+            Err(e) => return self.reject(msg, &format!("bad approval decision: {e}"), &stream, seq).await,
+        };
+        let subject_run = msg.subject.rsplit('.').next().and_then(|r| r.parse::<Uuid>().ok());
+        if subject_run != Some(d.run_id) {
+            return self
+                .reject(msg, &format!("decision names run {} but was published on {}", d.run_id, msg.subject), &stream, seq)
+                .await;
+        }
+        match self.decide(&d, seq).await {
+            Ok(()) => Disposition::Ack,
+            Err(e) => {
+                tracing::warn!(run = %d.run_id, error = %e, "applying decision failed: will retry");
+                Disposition::Nak(backoff(delivered))
+            }
+        }
+    }
+
+    async fn reject(&self, msg: &async_nats::jetstream::Message, why: &str, stream: &str, seq: u64) -> Disposition {
+        tracing::error!(error = %why, "poison approval decision: dead-lettering");
+        match dead_letter(&self.bus, msg, "approval", why, &format!("{stream}.{seq}")).await {
+            Ok(()) => Disposition::Term,
+            Err(_) => Disposition::Nak(Duration::from_secs(1)),
+        }
+    }
+
+    async fn decide(&self, d: &ApprovalDecision, seq: u64) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+        let store = &self.deps.store;
+        let Some(run) = store.load_run(d.run_id).await? else {
+            tracing::warn!(run = %d.run_id, "decision for an unknown run: ignored");
+            return Ok(());
+        };
+        let mut state = run.state;
+        let pending = match &state.approval {
+            ApprovalStatus::Waiting { plan_hash, .. } => Some(plan_hash.clone()),
+            _ => None,
+        };
+        let plan_hash = d.plan_hash.clone().or(pending.clone()).unwrap_or_default();
+        let index = DECISION_EVENT_BASE + (seq % 1_000_000) as u32;
+        let mut cx = Cx::new(&self.deps, Stage::Approval, d.run_id, state.seq, index);
+        let outcome = store.decide_approval(&plan_hash, d, seq).await?;
+        let ignored = match &outcome {
+            DecideOutcome::Applied => None,
+            DecideOutcome::Repeated if run.status == RunStatus::WaitingApproval => None,
+            DecideOutcome::Repeated => {
+                // Applied and committed before a crash: make sure the successor was published.
+                if !run.status.is_final() {
+                    publish_state(&self.bus, &state).await?;
+                }
+                return Ok(());
+            }
+            DecideOutcome::AlreadyDecided { decision, by } => Some(format!("plan {plan_hash} was already decided ({decision} by {by})")),
+            DecideOutcome::NoSuchRequest => Some(format!("no approval request for plan {plan_hash} (was the plan regenerated?)")),
+        };
+        if ignored.is_none() && pending.as_deref() != Some(plan_hash.as_str()) {
+            // Decided a request that is not the one the run waits on: recorded, nothing resumes.
+            cx.emit(EventKind::ApprovalDecided, format!("{} by {} recorded for plan {plan_hash}, but the run is not waiting on it", d.decision.as_str(), d.by), serde_json::to_value(d)?);
+            let events = cx.take_events();
+            store.insert_events(&events).await?;
+            publish_events(&self.bus, &events).await?;
+            return Ok(());
+        }
+        if let Some(why) = ignored {
+            cx.emit(EventKind::Error, format!("{} by {} ignored: {why}", d.decision.as_str(), d.by), serde_json::to_value(d)?);
+            let events = cx.take_events();
+            store.insert_events(&events).await?;
+            publish_events(&self.bus, &events).await?;
+            return Ok(());
+        }
+        let channel = &d.channel;
+        let t = match d.decision {
+            Decision::Approve => {
+                cx.emit(EventKind::ApprovalDecided, format!("approved by {} via {channel}", d.by), serde_json::to_value(d)?);
+                state.approval = ApprovalStatus::Approved { by: d.by.clone(), plan_hash: plan_hash.clone() };
+                Transition::To(Stage::Execute)
+            }
+            Decision::Deny => {
+                let reason = d.reason.clone().unwrap_or_else(|| "no reason given".into());
+                cx.emit(EventKind::ApprovalDecided, format!("denied by {} via {channel}: {reason}", d.by), serde_json::to_value(d)?);
+                state.approval = ApprovalStatus::Denied { by: d.by.clone(), reason: reason.clone() };
+                Transition::Escalate(format!("plan denied by {}: {reason}", d.by))
+            }
+            Decision::Expire => {
+                cx.emit(EventKind::ApprovalDecided, "approval request expired undecided", serde_json::to_value(d)?);
+                state.approval = ApprovalStatus::Denied { by: d.by.clone(), reason: "expired".into() };
+                Transition::Escalate(format!(
+                    "approval for plan {plan_hash} not decided within {} s",
+                    self.deps.config.limits.approval_timeout_secs
+                ))
+            }
+        };
+        let events = cx.take_events();
+        apply(&self.bus, &self.deps, state, t, events).await?;
+        Ok(())
+    }
+}
+
+/// Every `every`, publish an `expire` decision for each request past its deadline. Decisions
+/// are deduplicated by message id, so any number of approval workers may sweep.
+pub async fn sweep_expired(bus: Bus, deps: Arc<Deps>, every: Duration, shutdown: impl Future<Output = ()>) {
+    tokio::pin!(shutdown);
+    loop {
+        tokio::select! {
+            _ = tokio::time::sleep(every) => {}
+            _ = &mut shutdown => return,
+        }
+        let expired = match deps.store.pending_approvals(true, 100).await {
+            Ok(e) => e,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot list expired approvals");
+                continue;
+            }
+        };
+        for p in expired {
+            let d = ApprovalDecision {
+                run_id: p.run_id,
+                decision: Decision::Expire,
+                by: "pitcrew".into(),
+                plan_hash: Some(p.plan_hash.clone()),
+                reason: Some(format!("undecided since {}", p.requested_at)),
+                channel: "timeout".into(),
+                decided_at: chrono::Utc::now(),
+            };
+            let payload = serde_json::to_vec(&d).expect("decision serialises");
+            let id = format!("{}.{}.expire", p.run_id, p.plan_hash);
+            if let Err(e) = bus.publish(bus.subjects.approval_decided(p.run_id), &id, JSON, Some(p.run_id), payload.into()).await {
+                tracing::warn!(run = %p.run_id, error = %e, "cannot publish expiry");
+            }
+        }
+    }
+}

@@ -1,0 +1,91 @@
+//! The approval stage: the deterministic policy gate after every model output. Forbidden:
+//! escalate. Critical: publish an approval request and park. Otherwise: auto-approved.
+
+use crate::policy::{GateDecision, Policy};
+use chrono::Utc;
+use futures::future::BoxFuture;
+use pitcrew_model::{ApprovalRequest, ApprovalStatus, EventKind, RunState, SecurityFlag, Stage};
+use pitcrew_runtime::{Cx, StageError, StageHandler, Transition};
+
+/// The approval stage, holding the loaded policy.
+pub struct ApprovalStage {
+    pub policy: Policy,
+}
+
+/// Build the request a human is asked to decide.
+pub fn request(state: &RunState, rule: &str, reason: &str, timeout_secs: u64) -> ApprovalRequest {
+    let plan = state.plan.as_ref().expect("the gate only requests approval for a plan");
+    let now = Utc::now();
+    ApprovalRequest {
+        run_id: state.run_id,
+        service: state.incident.service.clone(),
+        host: state.incident.host.clone(),
+        error: state.incident.error.clone(),
+        attempt: state.attempt,
+        plan: plan.commands.clone(),
+        plan_hash: plan.hash(),
+        risk: "critical".into(),
+        rule: format!("{rule}: {reason}"),
+        diagnosis: state.diagnosis().map(|d| d.summary.clone()).unwrap_or_default(),
+        evidence: state
+            .current_evidence()
+            .map(|e| format!("{}: {}", e.source, pitcrew_model::trim::clip(&e.detail, 300)))
+            .take(5)
+            .collect(),
+        requested_at: now,
+        expires_at: now + chrono::Duration::seconds(timeout_secs.min(i64::MAX as u64 / 2) as i64),
+    }
+}
+
+impl StageHandler for ApprovalStage {
+    fn stage(&self) -> Stage {
+        Stage::Approval
+    }
+
+    fn handle<'a>(&'a self, state: &'a mut RunState, cx: &'a mut Cx<'_>) -> BoxFuture<'a, Result<Transition, StageError>> {
+        Box::pin(async move {
+            let Some(plan) = state.plan.clone() else {
+                return Err(StageError::Poison("run state reached approval without a plan".into()));
+            };
+            let attempt = state.attempt;
+            state.security_flags.retain(|f| f.attempt != attempt);
+            for f in self.policy.findings(&plan.commands) {
+                state.security_flags.push(SecurityFlag { attempt, command: f.command, rule: f.rule, class: f.class });
+            }
+            match self.policy.gate(&plan.commands) {
+                GateDecision::Allow => {
+                    cx.emit(EventKind::Policy, "policy: allowed without approval", serde_json::json!({ "decision": "allow" }));
+                    state.approval = ApprovalStatus::AutoApproved;
+                    Ok(Transition::To(Stage::Execute))
+                }
+                GateDecision::Reject { rule, command, reason } => {
+                    cx.emit(
+                        EventKind::Policy,
+                        format!("policy: REJECTED `{command}` by rule {rule}: {reason}"),
+                        serde_json::json!({ "decision": "reject", "rule": rule, "command": command }),
+                    );
+                    state.approval = ApprovalStatus::Rejected { rule: rule.clone() };
+                    Ok(Transition::Escalate(format!("policy rejected `{command}` (rule {rule}: {reason})")))
+                }
+                GateDecision::NeedsApproval { rule, command, reason } => {
+                    let req = request(state, &rule, &reason, cx.config().limits.approval_timeout_secs);
+                    cx.emit(
+                        EventKind::Policy,
+                        format!("policy: `{command}` needs approval (rule {rule}: {reason})"),
+                        serde_json::json!({ "decision": "needs_approval", "rule": rule, "command": command }),
+                    );
+                    cx.emit(
+                        EventKind::ApprovalRequested,
+                        format!(
+                            "waiting for approval of plan {} (`pitcrew approve {} --by NAME`)",
+                            req.plan_hash, state.run_id
+                        ),
+                        serde_json::to_value(&req).unwrap_or_default(),
+                    );
+                    state.approval = ApprovalStatus::Waiting { plan_hash: req.plan_hash.clone(), rule };
+                    Ok(Transition::Park(req))
+                }
+            }
+        })
+    }
+}

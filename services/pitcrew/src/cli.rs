@@ -1,0 +1,147 @@
+//! The operator commands: open an incident, watch a run, approve or deny, list runs, migrate.
+
+use anyhow::{anyhow, bail, Context};
+use async_nats::jetstream::consumer::{pull::OrderedConfig, DeliverPolicy};
+use futures::StreamExt;
+use pitcrew_model::codec::JSON;
+use pitcrew_model::{ApprovalDecision, ApprovalRequest, Decision, EventKind, Incident, RunEvent, Severity};
+use pitcrew_runtime::{Bus, Config, Store};
+use std::time::Duration;
+use uuid::Uuid;
+
+/// Publish a JSON incident on `pitcrew.incidents.new`; returns its id (the run id).
+pub async fn open_incident(bus: &Bus, incident: &Incident) -> anyhow::Result<Uuid> {
+    let id = incident.id.ok_or_else(|| anyhow!("incident has no id"))?;
+    let payload = serde_json::to_vec(incident)?;
+    bus.publish(bus.subjects.incidents_new(), &id.to_string(), JSON, Some(id), payload.into())
+        .await?;
+    Ok(id)
+}
+
+/// Build an incident from the command line.
+pub fn incident(service: &str, error: &str, host: Option<String>, severity: Severity, fingerprint: Option<String>) -> anyhow::Result<Incident> {
+    let mut i = Incident::new(service, error);
+    i.host = host;
+    i.severity = severity;
+    i.fingerprint = fingerprint;
+    i.source = Some("cli".into());
+    i.validate()?;
+    Ok(i)
+}
+
+/// The latest approval request of a run, from the bridge stream.
+pub async fn approval_request(bus: &Bus, run: Uuid) -> anyhow::Result<ApprovalRequest> {
+    let stream = bus.js.get_stream(bus.subjects.approvals_stream()).await?;
+    let msg = stream
+        .get_last_raw_message_by_subject(&bus.subjects.approval_requested(run))
+        .await
+        .map_err(|_| anyhow!("no approval request for run {run} (is the id right? `pitcrew incidents` lists runs)"))?;
+    serde_json::from_slice(&msg.payload).context("approval request unreadable")
+}
+
+/// Publish a decision for the run's pending plan on the bridge subject.
+pub async fn decide(bus: &Bus, run: Uuid, decision: Decision, by: &str, reason: Option<String>, channel: &str) -> anyhow::Result<ApprovalRequest> {
+    if by.trim().is_empty() {
+        bail!("--by must name who decides");
+    }
+    let req = approval_request(bus, run).await?;
+    let d = ApprovalDecision {
+        run_id: run,
+        decision,
+        by: by.to_string(),
+        plan_hash: Some(req.plan_hash.clone()),
+        reason,
+        channel: channel.to_string(),
+        decided_at: chrono::Utc::now(),
+    };
+    let id = format!("{run}.{}.{}.{by}", req.plan_hash, decision.as_str());
+    bus.publish(bus.subjects.approval_decided(run), &id, JSON, Some(run), serde_json::to_vec(&d)?.into())
+        .await?;
+    Ok(req)
+}
+
+/// One event as a line for humans.
+pub fn format_event(e: &RunEvent) -> String {
+    format!(
+        "{} {:<9} {:<18} {}",
+        e.at.format("%H:%M:%S%.3f"),
+        e.stage.as_str(),
+        e.kind.as_str(),
+        e.message
+    )
+}
+
+/// Print a run's events (past and live) until a terminal one; returns it.
+pub async fn watch(bus: &Bus, store: Option<&Store>, run: Uuid, timeout: Duration) -> anyhow::Result<RunEvent> {
+    let known = match store {
+        Some(s) => s.incident_exists(run).await.unwrap_or(true),
+        None => true,
+    };
+    let stream = bus.js.get_stream(bus.subjects.events_stream()).await?;
+    let consumer = stream
+        .create_consumer(OrderedConfig {
+            filter_subject: bus.subjects.events_of(run),
+            deliver_policy: DeliverPolicy::All,
+            ..Default::default()
+        })
+        .await?;
+    let mut messages = consumer.messages().await?;
+    let first_wait = if known { timeout } else { Duration::from_secs(5) };
+    let deadline = tokio::time::Instant::now() + timeout;
+    let mut seen = false;
+    loop {
+        let wait = if seen { deadline } else { tokio::time::Instant::now() + first_wait };
+        let msg = match tokio::time::timeout_at(wait.min(deadline), messages.next()).await {
+            Ok(Some(Ok(m))) => m,
+            Ok(Some(Err(e))) => return Err(anyhow!("event stream failed: {e}")),
+            Ok(None) => bail!("event stream closed"),
+            Err(_) if !seen && !known => bail!("unknown run {run}: no incident with this id (`pitcrew incidents` lists runs)"),
+            Err(_) => bail!("run {run} did not finish within {} s", timeout.as_secs()),
+        };
+        seen = true;
+        let Ok(event) = serde_json::from_slice::<RunEvent>(&msg.payload) else { continue };
+        println!("{}", format_event(&event));
+        if event.kind.is_terminal() {
+            return Ok(event);
+        }
+    }
+}
+
+/// `pitcrew incidents`: recent runs from Postgres.
+pub async fn incidents(store: &Store, limit: i64) -> anyhow::Result<()> {
+    let runs = store.recent_runs(limit).await?;
+    if runs.is_empty() {
+        println!("no runs yet");
+        return Ok(());
+    }
+    println!("{:<36}  {:<19}  {:<12}  {:<16}  {:>3}  {:<9}  reason / error", "run", "started", "service", "status", "try", "stage");
+    for r in runs {
+        println!(
+            "{}  {}  {:<12}  {:<16}  {:>3}  {:<9}  {}",
+            r.id,
+            r.created_at.format("%Y-%m-%d %H:%M:%S"),
+            pitcrew_model::trim::clip(&r.service, 12),
+            r.status,
+            r.attempt,
+            r.stage,
+            pitcrew_model::trim::clip(r.reason.as_deref().unwrap_or(&r.error), 80)
+        );
+    }
+    Ok(())
+}
+
+/// Outcome word of a terminal event.
+pub fn outcome_of(e: &RunEvent) -> &'static str {
+    match e.kind {
+        EventKind::Resolved => "resolved",
+        EventKind::Escalated => "escalated",
+        EventKind::Duplicate => "duplicate",
+        EventKind::Rejected => "rejected",
+        _ => "unknown",
+    }
+}
+
+/// Connect to Postgres for a read-only command.
+pub async fn store(cfg: &Config) -> anyhow::Result<Store> {
+    Ok(Store::connect(&cfg.database).await?)
+}

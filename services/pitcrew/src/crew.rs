@@ -1,0 +1,117 @@
+//! The crew: wires config, bus, store and providers, then runs the chosen stages until the
+//! shutdown future resolves. `pitcrew up`, `pitcrew worker` and `pitcrew demo` all use it.
+
+use anyhow::Context;
+use futures::future::{BoxFuture, FutureExt, Shared};
+use pitcrew_approval::decisions::{sweep_expired, Decisions};
+use pitcrew_approval::gate::ApprovalStage;
+use pitcrew_approval::policy::Policy;
+use pitcrew_exec::LocalExecutor;
+use pitcrew_llm::Playbook;
+use pitcrew_model::Stage;
+use pitcrew_runtime::consume::consume;
+use pitcrew_runtime::runner::StageRunner;
+use pitcrew_runtime::{Bus, Config, Deps, StageHandler, Store};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::task::JoinSet;
+
+/// A shutdown signal every task can await.
+pub type Shutdown = Shared<BoxFuture<'static, ()>>;
+
+/// How long a stopping worker waits for the messages it holds.
+pub const DRAIN: Duration = Duration::from_secs(20);
+
+/// The handler of one stage.
+pub fn handler(stage: Stage, policy: &Policy) -> Arc<dyn StageHandler> {
+    match stage {
+        Stage::Intake => Arc::new(pitcrew_intake::Intake),
+        Stage::Diagnose => Arc::new(pitcrew_diagnose::Diagnose),
+        Stage::Plan => Arc::new(pitcrew_plan::PlanStage),
+        Stage::Evaluate => Arc::new(pitcrew_evaluate::EvaluateStage),
+        Stage::Approval => Arc::new(ApprovalStage { policy: policy.clone() }),
+        Stage::Execute => Arc::new(pitcrew_execute::Execute),
+        Stage::Verify => Arc::new(pitcrew_verify::Verify),
+        Stage::Report => Arc::new(pitcrew_report::Report),
+        Stage::Escalate => Arc::new(pitcrew_escalate::Escalate),
+    }
+}
+
+/// Load the reasoning provider and the policy the config names.
+pub fn providers(cfg: &Config) -> anyhow::Result<(Playbook, Policy)> {
+    let playbook = match &cfg.reasoning.playbook_file {
+        Some(p) => Playbook::with_user_file(p).with_context(|| format!("playbook {}", p.display()))?,
+        None => Playbook::default_rules(),
+    };
+    let policy = match &cfg.policy.file {
+        Some(p) => Policy::with_user_file(p).with_context(|| format!("policy {}", p.display()))?,
+        None => Policy::default_policy(),
+    };
+    Ok((playbook, policy))
+}
+
+/// Connect to NATS and Postgres and prepare streams and schema.
+pub async fn connect(cfg: &Config) -> anyhow::Result<(Bus, Store)> {
+    let bus = Bus::connect(cfg).await?;
+    bus.ensure_streams().await?;
+    let store = Store::connect(&cfg.database).await?;
+    if cfg.database.migrate_on_start {
+        store.migrate().await?;
+    }
+    Ok((bus, store))
+}
+
+/// Run `stages` until `shutdown`, then drain. Returns when every consumer has stopped.
+pub async fn run(cfg: Config, stages: &[Stage], shutdown: Shutdown) -> anyhow::Result<()> {
+    let (playbook, policy) = providers(&cfg)?;
+    let (bus, store) = connect(&cfg).await?;
+    let cfg = Arc::new(cfg);
+    let deps = Arc::new(Deps {
+        worker: cfg.worker(),
+        config: cfg.clone(),
+        store,
+        reasoner: Arc::new(playbook),
+        executor: Arc::new(LocalExecutor::new(cfg.limits.max_output_bytes)),
+    });
+    let mut tasks = JoinSet::new();
+    for &stage in stages {
+        let settings = cfg.stage_settings(stage);
+        let consumer = bus.stage_consumer(stage, settings).await?;
+        let runner = Arc::new(StageRunner { bus: bus.clone(), deps: deps.clone(), handler: handler(stage, &policy) });
+        tasks.spawn(consume(consumer, settings, runner, shutdown.clone(), DRAIN));
+        if stage == Stage::Approval {
+            let consumer = bus.decisions_consumer(settings).await?;
+            let decisions = Arc::new(Decisions { bus: bus.clone(), deps: deps.clone() });
+            tasks.spawn(consume(consumer, settings, decisions, shutdown.clone(), DRAIN));
+            tasks.spawn(sweep_expired(bus.clone(), deps.clone(), Duration::from_secs(5), shutdown.clone()));
+        }
+    }
+    let names: Vec<&str> = stages.iter().map(|s| s.as_str()).collect();
+    tracing::info!(stages = ?names, worker = %deps.worker, nats = %cfg.nats.url, "crew running");
+    while tasks.join_next().await.is_some() {}
+    bus.client.flush().await.ok();
+    tracing::info!("crew stopped");
+    Ok(())
+}
+
+/// Resolves on SIGINT or SIGTERM.
+pub fn signals() -> Shutdown {
+    async {
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
+        let term = async move {
+            match term.as_mut() {
+                Some(t) => {
+                    t.recv().await;
+                }
+                None => futures::future::pending::<()>().await,
+            }
+        };
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {}
+            _ = term => {}
+        }
+        tracing::info!("shutdown requested: finishing messages in hand");
+    }
+    .boxed()
+    .shared()
+}
