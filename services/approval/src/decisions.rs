@@ -42,7 +42,12 @@ impl Decisions {
         let subject_run = msg.subject.rsplit('.').next().and_then(|r| r.parse::<Uuid>().ok());
         if subject_run != Some(d.run_id) {
             return self
-                .reject(msg, &format!("decision names run {} but was published on {}", d.run_id, msg.subject), &stream, seq)
+                .reject(
+                    msg,
+                    &format!("decision names run {} but was published on {}", d.run_id, msg.subject),
+                    &stream,
+                    seq,
+                )
                 .await;
         }
         match self.decide(&d, seq).await {
@@ -87,19 +92,35 @@ impl Decisions {
                 }
                 return Ok(());
             }
-            DecideOutcome::AlreadyDecided { decision, by } => Some(format!("plan {plan_hash} was already decided ({decision} by {by})")),
-            DecideOutcome::NoSuchRequest => Some(format!("no approval request for plan {plan_hash} (was the plan regenerated?)")),
+            DecideOutcome::AlreadyDecided { decision, by } => {
+                Some(format!("plan {plan_hash} was already decided ({decision} by {by})"))
+            }
+            DecideOutcome::NoSuchRequest => {
+                Some(format!("no approval request for plan {plan_hash} (was the plan regenerated?)"))
+            }
         };
         if ignored.is_none() && pending.as_deref() != Some(plan_hash.as_str()) {
             // Decided a request that is not the one the run waits on: recorded, nothing resumes.
-            cx.emit(EventKind::ApprovalDecided, format!("{} by {} recorded for plan {plan_hash}, but the run is not waiting on it", d.decision.as_str(), d.by), serde_json::to_value(d)?);
+            cx.emit(
+                EventKind::ApprovalDecided,
+                format!(
+                    "{} by {} recorded for plan {plan_hash}, but the run is not waiting on it",
+                    d.decision.as_str(),
+                    d.by
+                ),
+                serde_json::to_value(d)?,
+            );
             let events = cx.take_events();
             store.insert_events(&events).await?;
             publish_events(&self.bus, &events).await?;
             return Ok(());
         }
         if let Some(why) = ignored {
-            cx.emit(EventKind::Error, format!("{} by {} ignored: {why}", d.decision.as_str(), d.by), serde_json::to_value(d)?);
+            cx.emit(
+                EventKind::Error,
+                format!("{} by {} ignored: {why}", d.decision.as_str(), d.by),
+                serde_json::to_value(d)?,
+            );
             let events = cx.take_events();
             store.insert_events(&events).await?;
             publish_events(&self.bus, &events).await?;
@@ -108,13 +129,21 @@ impl Decisions {
         let channel = &d.channel;
         let t = match d.decision {
             Decision::Approve => {
-                cx.emit(EventKind::ApprovalDecided, format!("approved by {} via {channel}", d.by), serde_json::to_value(d)?);
+                cx.emit(
+                    EventKind::ApprovalDecided,
+                    format!("approved by {} via {channel}", d.by),
+                    serde_json::to_value(d)?,
+                );
                 state.approval = ApprovalStatus::Approved { by: d.by.clone(), plan_hash: plan_hash.clone() };
                 Transition::To(Stage::Execute)
             }
             Decision::Deny => {
                 let reason = d.reason.clone().unwrap_or_else(|| "no reason given".into());
-                cx.emit(EventKind::ApprovalDecided, format!("denied by {} via {channel}: {reason}", d.by), serde_json::to_value(d)?);
+                cx.emit(
+                    EventKind::ApprovalDecided,
+                    format!("denied by {} via {channel}: {reason}", d.by),
+                    serde_json::to_value(d)?,
+                );
                 state.approval = ApprovalStatus::Denied { by: d.by.clone(), reason: reason.clone() };
                 Transition::Escalate(format!("plan denied by {}: {reason}", d.by))
             }
@@ -161,7 +190,9 @@ pub async fn sweep_expired(bus: Bus, deps: Arc<Deps>, every: Duration, shutdown:
             };
             let payload = serde_json::to_vec(&d).expect("decision serialises");
             let id = format!("{}.{}.expire", p.run_id, p.plan_hash);
-            if let Err(e) = bus.publish(bus.subjects.approval_decided(p.run_id), &id, JSON, Some(p.run_id), payload.into()).await {
+            if let Err(e) =
+                bus.publish(bus.subjects.approval_decided(p.run_id), &id, JSON, Some(p.run_id), payload.into()).await
+            {
                 tracing::warn!(run = %p.run_id, error = %e, "cannot publish expiry");
             }
         }

@@ -42,7 +42,11 @@ impl StageHandler for ApprovalStage {
         Stage::Approval
     }
 
-    fn handle<'a>(&'a self, state: &'a mut RunState, cx: &'a mut Cx<'_>) -> BoxFuture<'a, Result<Transition, StageError>> {
+    fn handle<'a>(
+        &'a self,
+        state: &'a mut RunState,
+        cx: &'a mut Cx<'_>,
+    ) -> BoxFuture<'a, Result<Transition, StageError>> {
         Box::pin(async move {
             let Some(plan) = state.plan.clone() else {
                 return Err(StageError::Poison("run state reached approval without a plan".into()));
@@ -54,7 +58,11 @@ impl StageHandler for ApprovalStage {
             }
             match self.policy.gate(&plan.commands) {
                 GateDecision::Allow => {
-                    cx.emit(EventKind::Policy, "policy: allowed without approval", serde_json::json!({ "decision": "allow" }));
+                    cx.emit(
+                        EventKind::Policy,
+                        "policy: allowed without approval",
+                        serde_json::json!({ "decision": "allow" }),
+                    );
                     state.approval = ApprovalStatus::AutoApproved;
                     Ok(Transition::To(Stage::Execute))
                 }

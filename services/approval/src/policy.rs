@@ -28,14 +28,8 @@ const REGEX_SIZE_LIMIT: usize = 1 << 20;
 pub const FORBIDDEN: &str = "forbidden";
 pub const CRITICAL: &str = "critical";
 /// Rules implemented in code; policy files may not reuse their names.
-const BUILT_IN: &[&str] = &[
-    "shell-construct",
-    "unparseable",
-    "empty-command",
-    "command-too-long",
-    "empty-plan",
-    "too-many-commands",
-];
+const BUILT_IN: &[&str] =
+    &["shell-construct", "unparseable", "empty-command", "command-too-long", "empty-plan", "too-many-commands"];
 
 /// Why a policy could not be loaded; rule errors name the rule and the problem.
 #[derive(Debug, thiserror::Error)]
@@ -43,18 +37,11 @@ pub enum PolicyError {
     #[error("policy is not valid TOML: {0}")]
     Toml(String),
     #[error("policy rule '{rule}' ({class}): {problem}")]
-    Rule {
-        class: &'static str,
-        rule: String,
-        problem: String,
-    },
+    Rule { class: &'static str, rule: String, problem: String },
     #[error("policy is larger than the {MAX_POLICY_BYTES} bytes allowed")]
     TooLarge,
     #[error("cannot read policy file {}: {source}", path.display())]
-    Read {
-        path: PathBuf,
-        source: std::io::Error,
-    },
+    Read { path: PathBuf, source: std::io::Error },
     #[error("policy file {}: {error}", path.display())]
     File {
         path: PathBuf,
@@ -69,17 +56,9 @@ pub enum GateDecision {
     /// Every command is allowed without a human.
     Allow,
     /// At least one command needs an approver; names the first critical rule hit and the command.
-    NeedsApproval {
-        rule: String,
-        command: String,
-        reason: String,
-    },
+    NeedsApproval { rule: String, command: String, reason: String },
     /// At least one command is forbidden: the plan must not run. Names the rule and command.
-    Reject {
-        rule: String,
-        command: String,
-        reason: String,
-    },
+    Reject { rule: String, command: String, reason: String },
 }
 
 impl GateDecision {
@@ -87,9 +66,7 @@ impl GateDecision {
     pub fn rule(&self) -> Option<&str> {
         match self {
             GateDecision::Allow => None,
-            GateDecision::NeedsApproval { rule, .. } | GateDecision::Reject { rule, .. } => {
-                Some(rule)
-            }
+            GateDecision::NeedsApproval { rule, .. } | GateDecision::Reject { rule, .. } => Some(rule),
         }
     }
 }
@@ -107,12 +84,7 @@ pub struct Finding {
 impl Finding {
     /// The flag recorded in the run state for `attempt`.
     pub fn to_flag(&self, attempt: u32) -> SecurityFlag {
-        SecurityFlag {
-            attempt,
-            command: self.command.clone(),
-            rule: self.rule.clone(),
-            class: self.class.clone(),
-        }
+        SecurityFlag { attempt, command: self.command.clone(), rule: self.rule.clone(), class: self.class.clone() }
     }
 }
 
@@ -149,12 +121,8 @@ impl Policy {
         if text.len() > MAX_POLICY_BYTES {
             return Err(PolicyError::TooLarge);
         }
-        let table: toml::Table =
-            toml::from_str(text).map_err(|e| PolicyError::Toml(e.to_string()))?;
-        let mut policy = Policy {
-            forbidden: Vec::new(),
-            critical: Vec::new(),
-        };
+        let table: toml::Table = toml::from_str(text).map_err(|e| PolicyError::Toml(e.to_string()))?;
+        let mut policy = Policy { forbidden: Vec::new(), critical: Vec::new() };
         for (key, value) in table {
             match key.as_str() {
                 FORBIDDEN => policy.forbidden = parse_class(FORBIDDEN, value)?,
@@ -173,20 +141,11 @@ impl Policy {
     /// The default rules plus the user's: a user file adds rules and cannot remove or
     /// redefine a default one.
     pub fn with_user_file(path: &Path) -> Result<Policy, PolicyError> {
-        let in_file = |error| PolicyError::File {
-            path: path.to_path_buf(),
-            error: Box::new(error),
-        };
+        let in_file = |error| PolicyError::File { path: path.to_path_buf(), error: Box::new(error) };
         let mut text = String::new();
         std::fs::File::open(path)
-            .and_then(|f| {
-                f.take(MAX_POLICY_BYTES as u64 + 1)
-                    .read_to_string(&mut text)
-            })
-            .map_err(|source| PolicyError::Read {
-                path: path.to_path_buf(),
-                source,
-            })?;
+            .and_then(|f| f.take(MAX_POLICY_BYTES as u64 + 1).read_to_string(&mut text))
+            .map_err(|source| PolicyError::Read { path: path.to_path_buf(), source })?;
         let user = Policy::from_toml(&text).map_err(in_file)?;
         let mut policy = Policy::default_policy();
         policy.forbidden.extend(user.forbidden);
@@ -197,11 +156,7 @@ impl Policy {
 
     /// Every rule name appears once, so a decision's rule names exactly one rule.
     fn check_unique(&self) -> Result<(), PolicyError> {
-        let all = self
-            .forbidden
-            .iter()
-            .map(|r| (FORBIDDEN, r))
-            .chain(self.critical.iter().map(|r| (CRITICAL, r)));
+        let all = self.forbidden.iter().map(|r| (FORBIDDEN, r)).chain(self.critical.iter().map(|r| (CRITICAL, r)));
         let mut seen = std::collections::BTreeSet::new();
         for (class, rule) in all {
             if !seen.insert(rule.name.as_str()) {
@@ -228,11 +183,7 @@ impl Policy {
             };
             let cmd = command.trim();
             if cmd.is_empty() {
-                forbidden.push(hit(
-                    "empty-command",
-                    FORBIDDEN,
-                    "the command is empty".into(),
-                ));
+                forbidden.push(hit("empty-command", FORBIDDEN, "the command is empty".into()));
                 continue;
             }
             if cmd.len() > MAX_COMMAND_LEN {
@@ -243,8 +194,7 @@ impl Policy {
             let argv = match shell_words::split(cmd) {
                 Ok(argv) => argv,
                 Err(e) => {
-                    let why =
-                        format!("cannot be parsed as shell words ({e}), so it cannot be judged");
+                    let why = format!("cannot be parsed as shell words ({e}), so it cannot be judged");
                     forbidden.push(hit("unparseable", FORBIDDEN, why));
                     continue;
                 }
@@ -258,8 +208,7 @@ impl Policy {
             }
             let written = argv.join(" ");
             let normalised = shell::normalise(&argv).join(" ");
-            let matches =
-                |r: &Rule| r.pattern.is_match(&normalised) || r.pattern.is_match(&written);
+            let matches = |r: &Rule| r.pattern.is_match(&normalised) || r.pattern.is_match(&written);
             for r in self.forbidden.iter().filter(|r| matches(r)) {
                 forbidden.push(hit(&r.name, FORBIDDEN, r.reason.clone()));
             }
@@ -275,13 +224,8 @@ impl Policy {
     /// An empty plan, or one longer than the plan contract, is rejected.
     pub fn gate(&self, commands: &[String]) -> GateDecision {
         if commands.is_empty() {
-            let reason =
-                "rejected by policy rule 'empty-plan': the plan has no commands".to_string();
-            return GateDecision::Reject {
-                rule: "empty-plan".into(),
-                command: String::new(),
-                reason,
-            };
+            let reason = "rejected by policy rule 'empty-plan': the plan has no commands".to_string();
+            return GateDecision::Reject { rule: "empty-plan".into(), command: String::new(), reason };
         }
         if commands.len() > MAX_PLAN_COMMANDS {
             let reason = format!(
@@ -289,107 +233,61 @@ impl Policy {
                 commands.len()
             );
             let command = commands[MAX_PLAN_COMMANDS].clone();
-            return GateDecision::Reject {
-                rule: "too-many-commands".into(),
-                command,
-                reason,
-            };
+            return GateDecision::Reject { rule: "too-many-commands".into(), command, reason };
         }
         let Some(first) = self.findings(commands).into_iter().next() else {
             return GateDecision::Allow;
         };
         let describe = |verdict: &str| {
             let cmd = clip(&first.command, 200);
-            format!(
-                "{verdict} by policy rule '{}' ({}): {} — `{cmd}`",
-                first.rule, first.class, first.reason
-            )
+            format!("{verdict} by policy rule '{}' ({}): {} — `{cmd}`", first.rule, first.class, first.reason)
         };
         if first.class == FORBIDDEN {
             let reason = describe("rejected");
-            GateDecision::Reject {
-                rule: first.rule,
-                command: first.command,
-                reason,
-            }
+            GateDecision::Reject { rule: first.rule, command: first.command, reason }
         } else {
             let reason = describe("needs approval");
-            GateDecision::NeedsApproval {
-                rule: first.rule,
-                command: first.command,
-                reason,
-            }
+            GateDecision::NeedsApproval { rule: first.rule, command: first.command, reason }
         }
     }
 }
 
 fn rule_error(class: &'static str, rule: &str, problem: impl Into<String>) -> PolicyError {
-    PolicyError::Rule {
-        class,
-        rule: clip(rule, 64),
-        problem: problem.into(),
-    }
+    PolicyError::Rule { class, rule: clip(rule, 64), problem: problem.into() }
 }
 
 fn parse_class(class: &'static str, value: toml::Value) -> Result<Vec<Rule>, PolicyError> {
     let toml::Value::Array(items) = value else {
-        return Err(PolicyError::Toml(format!(
-            "'{class}' must be an array of tables ([[{class}]])"
-        )));
+        return Err(PolicyError::Toml(format!("'{class}' must be an array of tables ([[{class}]])")));
     };
     if items.len() > MAX_RULES {
-        return Err(PolicyError::Toml(format!(
-            "{} {class} rules, more than the {MAX_RULES} allowed",
-            items.len()
-        )));
+        return Err(PolicyError::Toml(format!("{} {class} rules, more than the {MAX_RULES} allowed", items.len())));
     }
     let mut rules = Vec::with_capacity(items.len());
     for (i, item) in items.into_iter().enumerate() {
-        let label = item
-            .get("name")
-            .and_then(|n| n.as_str())
-            .map_or_else(|| format!("#{}", i + 1), str::to_string);
-        let raw: RawRule = item
-            .try_into()
-            .map_err(|e: toml::de::Error| rule_error(class, &label, e.to_string()))?;
+        let label = item.get("name").and_then(|n| n.as_str()).map_or_else(|| format!("#{}", i + 1), str::to_string);
+        let raw: RawRule = item.try_into().map_err(|e: toml::de::Error| rule_error(class, &label, e.to_string()))?;
         let name_ok = !raw.name.is_empty()
             && raw.name.len() <= 64
-            && raw
-                .name
-                .chars()
-                .all(|c| c.is_ascii_alphanumeric() || "._-".contains(c));
+            && raw.name.chars().all(|c| c.is_ascii_alphanumeric() || "._-".contains(c));
         if !name_ok || BUILT_IN.contains(&raw.name.as_str()) {
-            let problem = format!(
-                "name must be 1-64 characters of [A-Za-z0-9._-] and not one of {BUILT_IN:?}"
-            );
+            let problem = format!("name must be 1-64 characters of [A-Za-z0-9._-] and not one of {BUILT_IN:?}");
             return Err(rule_error(class, &label, problem));
         }
         if raw.reason.trim().is_empty() || raw.reason.len() > 512 {
             return Err(rule_error(class, &label, "reason must be 1-512 bytes"));
         }
         if raw.pattern.trim().is_empty() || raw.pattern.len() > MAX_PATTERN_LEN {
-            return Err(rule_error(
-                class,
-                &label,
-                format!("pattern must be 1-{MAX_PATTERN_LEN} bytes"),
-            ));
+            return Err(rule_error(class, &label, format!("pattern must be 1-{MAX_PATTERN_LEN} bytes")));
         }
         let pattern = RegexBuilder::new(&raw.pattern)
             .size_limit(REGEX_SIZE_LIMIT)
             .build()
             .map_err(|e| rule_error(class, &label, format!("bad regex in 'pattern': {e}")))?;
         if pattern.is_match("") {
-            return Err(rule_error(
-                class,
-                &label,
-                "pattern matches empty text, so it would match every command",
-            ));
+            return Err(rule_error(class, &label, "pattern matches empty text, so it would match every command"));
         }
-        rules.push(Rule {
-            name: raw.name,
-            reason: raw.reason,
-            pattern,
-        });
+        rules.push(Rule { name: raw.name, reason: raw.reason, pattern });
     }
     Ok(rules)
 }

@@ -1,7 +1,7 @@
 //! escalate: the run needs a human. Closes it with the reason and stores the episode.
 
 use futures::future::BoxFuture;
-use pitcrew_model::{EventKind, Outcome, RunState, Stage};
+use pitcrew_model::{EventKind, ExecutionStatus, Outcome, RunState, Stage};
 use pitcrew_runtime::{Cx, StageError, StageHandler, Transition};
 
 /// The escalate stage (terminal).
@@ -16,12 +16,23 @@ impl StageHandler for Escalate {
         Stage::Escalate
     }
 
-    fn handle<'a>(&'a self, state: &'a mut RunState, cx: &'a mut Cx<'_>) -> BoxFuture<'a, Result<Transition, StageError>> {
+    fn handle<'a>(
+        &'a self,
+        state: &'a mut RunState,
+        cx: &'a mut Cx<'_>,
+    ) -> BoxFuture<'a, Result<Transition, StageError>> {
         Box::pin(async move {
             let why = reason(state);
-            // What this attempt tried, unless verify already stored it.
+            // What this attempt ran, unless verify already stored it. Only commands that ran
+            // count as failed: a denied or rejected plan is not a failure of its commands.
             if state.plan.is_some() && state.verification.as_ref().is_none_or(|v| v.attempt != state.attempt) {
-                cx.deps.store.record_episode(state, false, &why).await?;
+                let ran: Vec<String> = state
+                    .executions
+                    .iter()
+                    .filter(|e| e.attempt == state.attempt && e.status != ExecutionStatus::Skipped)
+                    .map(|e| e.command.clone())
+                    .collect();
+                cx.deps.store.record_episode(state, &ran, false, &why).await?;
             }
             cx.emit(
                 EventKind::Escalated,

@@ -3,7 +3,7 @@
 //! decides PASS (>= 0.7), REGENERATE (with feedback, bounded) or BLOCK (< 0.3, escalate).
 
 use futures::future::BoxFuture;
-use pitcrew_model::{EvaluationCheck, Evaluation, EventKind, RunState, Stage, Verdict};
+use pitcrew_model::{Evaluation, EvaluationCheck, EventKind, RunState, Stage, Verdict};
 use pitcrew_runtime::{target, Cx, StageError, StageHandler, Transition};
 use std::collections::BTreeMap;
 
@@ -65,16 +65,17 @@ pub fn assess(state: &RunState, failed: &[String], tools: &BTreeMap<String, bool
         if unparseable.is_empty() { "every command parses".into() } else { format!("cannot parse: {unparseable:?}") },
     ));
 
-    let missing: Vec<String> = commands
-        .iter()
-        .filter_map(|c| program(c))
-        .filter(|p| !tools.get(p).copied().unwrap_or(false))
-        .collect();
+    let missing: Vec<String> =
+        commands.iter().filter_map(|c| program(c)).filter(|p| !tools.get(p).copied().unwrap_or(false)).collect();
     checks.push(check(
         "tools",
         0.2,
         missing.is_empty(),
-        if missing.is_empty() { "every program exists on the host".into() } else { format!("not on the host: {}", missing.join(", ")) },
+        if missing.is_empty() {
+            "every program exists on the host".into()
+        } else {
+            format!("not on the host: {}", missing.join(", "))
+        },
     ));
 
     let repeated: Vec<&String> = commands.iter().filter(|c| failed.contains(c)).collect();
@@ -82,7 +83,11 @@ pub fn assess(state: &RunState, failed: &[String], tools: &BTreeMap<String, bool
         "not_repeated",
         0.2,
         repeated.is_empty(),
-        if repeated.is_empty() { "no command already failed for this error".into() } else { format!("already failed for this error: {repeated:?}") },
+        if repeated.is_empty() {
+            "no command already failed for this error".into()
+        } else {
+            format!("already failed for this error: {repeated:?}")
+        },
     ));
 
     let mut score: f64 = checks.iter().filter(|c| c.passed).map(|c| c.weight).sum();
@@ -92,7 +97,8 @@ pub fn assess(state: &RunState, failed: &[String], tools: &BTreeMap<String, bool
         score *= 0.5;
     }
     let score = (score * 1000.0).round() / 1000.0;
-    let problems: Vec<String> = checks.iter().filter(|c| !c.passed).map(|c| format!("{}: {}", c.name, c.detail)).collect();
+    let problems: Vec<String> =
+        checks.iter().filter(|c| !c.passed).map(|c| format!("{}: {}", c.name, c.detail)).collect();
     let feedback = (!problems.is_empty()).then(|| problems.join("; "));
     let verdict = if score >= PASS && !critical_failed {
         Verdict::Pass
@@ -109,7 +115,11 @@ impl StageHandler for EvaluateStage {
         Stage::Evaluate
     }
 
-    fn handle<'a>(&'a self, state: &'a mut RunState, cx: &'a mut Cx<'_>) -> BoxFuture<'a, Result<Transition, StageError>> {
+    fn handle<'a>(
+        &'a self,
+        state: &'a mut RunState,
+        cx: &'a mut Cx<'_>,
+    ) -> BoxFuture<'a, Result<Transition, StageError>> {
         Box::pin(async move {
             let cfg = cx.deps.config.clone();
             let spec = match target::service(&cfg, state) {
@@ -140,7 +150,12 @@ impl StageHandler for EvaluateStage {
             cx.deps.store.record_evaluation(state.run_id, &ev).await?;
             cx.emit(
                 EventKind::Evaluation,
-                format!("{} (score {:.2}){}", ev.verdict.as_str().to_uppercase(), ev.score, ev.feedback.as_ref().map(|f| format!(": {f}")).unwrap_or_default()),
+                format!(
+                    "{} (score {:.2}){}",
+                    ev.verdict.as_str().to_uppercase(),
+                    ev.score,
+                    ev.feedback.as_ref().map(|f| format!(": {f}")).unwrap_or_default()
+                ),
                 serde_json::to_value(&ev).unwrap_or_default(),
             );
             let verdict = ev.verdict;
@@ -172,14 +187,25 @@ mod tests {
 
     fn state(grounds: &[&str], commands: &[&str]) -> RunState {
         let mut s = RunState::new(uuid::Uuid::nil(), Incident::new("web", "GET /health: connection refused"));
-        s.push_evidence(Evidence { attempt: 1, source: "check".into(), detail: "port 80 closed".into(), output: String::new(), ok: false });
+        s.push_evidence(Evidence {
+            attempt: 1,
+            source: "check".into(),
+            detail: "port 80 closed".into(),
+            output: String::new(),
+            ok: false,
+        });
         s.diagnosis_log.push(Diagnosis {
             attempt: 1,
             summary: "down".into(),
             source: "playbook:x".into(),
             grounds: grounds.iter().map(|g| g.to_string()).collect(),
         });
-        s.plan = Some(Plan { attempt: 1, commands: commands.iter().map(|c| c.to_string()).collect(), rationale: String::new(), source: String::new() });
+        s.plan = Some(Plan {
+            attempt: 1,
+            commands: commands.iter().map(|c| c.to_string()).collect(),
+            rationale: String::new(),
+            source: String::new(),
+        });
         s
     }
 

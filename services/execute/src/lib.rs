@@ -3,8 +3,8 @@
 
 use futures::future::BoxFuture;
 use pitcrew_exec::{CommandOutput, ExecError};
-use pitcrew_model::trim::trim_output;
 use pitcrew_model::run::MAX_OUTPUT;
+use pitcrew_model::trim::trim_output;
 use pitcrew_model::{ApprovalStatus, EventKind, ExecutionRecord, ExecutionStatus, RunState, Stage};
 use pitcrew_runtime::store::Claim;
 use pitcrew_runtime::{target, Cx, StageError, StageHandler, Transition};
@@ -56,7 +56,11 @@ impl StageHandler for Execute {
         Stage::Execute
     }
 
-    fn handle<'a>(&'a self, state: &'a mut RunState, cx: &'a mut Cx<'_>) -> BoxFuture<'a, Result<Transition, StageError>> {
+    fn handle<'a>(
+        &'a self,
+        state: &'a mut RunState,
+        cx: &'a mut Cx<'_>,
+    ) -> BoxFuture<'a, Result<Transition, StageError>> {
         Box::pin(async move {
             approved(state).map_err(StageError::Poison)?;
             let cfg = cx.deps.config.clone();
@@ -94,7 +98,8 @@ impl StageHandler for Execute {
                         command: command.clone(),
                         status: ExecutionStatus::Interrupted,
                         exit_code: None,
-                        output: "started by an earlier delivery that never finished: not run again; verify decides".into(),
+                        output: "started by an earlier delivery that never finished: not run again; verify decides"
+                            .into(),
                         duration_ms: 0,
                     },
                     Claim::Claimed => {
@@ -123,7 +128,12 @@ impl StageHandler for Execute {
                 stop = rec.status != ExecutionStatus::Succeeded;
                 cx.emit(
                     EventKind::Execution,
-                    format!("`{}` -> {:?}{}", rec.command, rec.status, rec.exit_code.map(|c| format!(" (exit {c})")).unwrap_or_default()),
+                    format!(
+                        "`{}` -> {:?}{}",
+                        rec.command,
+                        rec.status,
+                        rec.exit_code.map(|c| format!(" (exit {c})")).unwrap_or_default()
+                    ),
                     serde_json::to_value(&rec).unwrap_or_default(),
                 );
                 records.push(rec);
@@ -158,11 +168,23 @@ mod tests {
 
     #[test]
     fn records_say_how_a_command_ended() {
-        let out = CommandOutput { exit_code: Some(2), stdout: "a".into(), stderr: "boom".into(), timed_out: false, duration: std::time::Duration::from_millis(5) };
+        let out = CommandOutput {
+            exit_code: Some(2),
+            stdout: "a".into(),
+            stderr: "boom".into(),
+            timed_out: false,
+            duration: std::time::Duration::from_millis(5),
+        };
         let r = record(1, 0, "x", &out);
         assert_eq!(r.status, ExecutionStatus::Failed);
         assert_eq!(r.output, "a\nboom");
-        let out = CommandOutput { exit_code: None, stdout: String::new(), stderr: String::new(), timed_out: true, duration: std::time::Duration::ZERO };
+        let out = CommandOutput {
+            exit_code: None,
+            stdout: String::new(),
+            stderr: String::new(),
+            timed_out: true,
+            duration: std::time::Duration::ZERO,
+        };
         assert_eq!(record(1, 0, "x", &out).status, ExecutionStatus::TimedOut);
     }
 }

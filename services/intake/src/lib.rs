@@ -21,7 +21,11 @@ impl StageHandler for Intake {
         Stage::Intake
     }
 
-    fn handle<'a>(&'a self, state: &'a mut RunState, cx: &'a mut Cx<'_>) -> BoxFuture<'a, Result<Transition, StageError>> {
+    fn handle<'a>(
+        &'a self,
+        state: &'a mut RunState,
+        cx: &'a mut Cx<'_>,
+    ) -> BoxFuture<'a, Result<Transition, StageError>> {
         Box::pin(async move {
             normalise(&mut state.incident).map_err(|e| StageError::Poison(e.to_string()))?;
             let inc = &state.incident;

@@ -13,13 +13,18 @@ use uuid::Uuid;
 pub async fn open_incident(bus: &Bus, incident: &Incident) -> anyhow::Result<Uuid> {
     let id = incident.id.ok_or_else(|| anyhow!("incident has no id"))?;
     let payload = serde_json::to_vec(incident)?;
-    bus.publish(bus.subjects.incidents_new(), &id.to_string(), JSON, Some(id), payload.into())
-        .await?;
+    bus.publish(bus.subjects.incidents_new(), &id.to_string(), JSON, Some(id), payload.into()).await?;
     Ok(id)
 }
 
 /// Build an incident from the command line.
-pub fn incident(service: &str, error: &str, host: Option<String>, severity: Severity, fingerprint: Option<String>) -> anyhow::Result<Incident> {
+pub fn incident(
+    service: &str,
+    error: &str,
+    host: Option<String>,
+    severity: Severity,
+    fingerprint: Option<String>,
+) -> anyhow::Result<Incident> {
     let mut i = Incident::new(service, error);
     i.host = host;
     i.severity = severity;
@@ -40,7 +45,14 @@ pub async fn approval_request(bus: &Bus, run: Uuid) -> anyhow::Result<ApprovalRe
 }
 
 /// Publish a decision for the run's pending plan on the bridge subject.
-pub async fn decide(bus: &Bus, run: Uuid, decision: Decision, by: &str, reason: Option<String>, channel: &str) -> anyhow::Result<ApprovalRequest> {
+pub async fn decide(
+    bus: &Bus,
+    run: Uuid,
+    decision: Decision,
+    by: &str,
+    reason: Option<String>,
+    channel: &str,
+) -> anyhow::Result<ApprovalRequest> {
     if by.trim().is_empty() {
         bail!("--by must name who decides");
     }
@@ -55,20 +67,13 @@ pub async fn decide(bus: &Bus, run: Uuid, decision: Decision, by: &str, reason: 
         decided_at: chrono::Utc::now(),
     };
     let id = format!("{run}.{}.{}.{by}", req.plan_hash, decision.as_str());
-    bus.publish(bus.subjects.approval_decided(run), &id, JSON, Some(run), serde_json::to_vec(&d)?.into())
-        .await?;
+    bus.publish(bus.subjects.approval_decided(run), &id, JSON, Some(run), serde_json::to_vec(&d)?.into()).await?;
     Ok(req)
 }
 
 /// One event as a line for humans.
 pub fn format_event(e: &RunEvent) -> String {
-    format!(
-        "{} {:<9} {:<18} {}",
-        e.at.format("%H:%M:%S%.3f"),
-        e.stage.as_str(),
-        e.kind.as_str(),
-        e.message
-    )
+    format!("{} {:<9} {:<18} {}", e.at.format("%H:%M:%S%.3f"), e.stage.as_str(), e.kind.as_str(), e.message)
 }
 
 /// Print a run's events (past and live) until a terminal one; returns it.
@@ -95,7 +100,9 @@ pub async fn watch(bus: &Bus, store: Option<&Store>, run: Uuid, timeout: Duratio
             Ok(Some(Ok(m))) => m,
             Ok(Some(Err(e))) => return Err(anyhow!("event stream failed: {e}")),
             Ok(None) => bail!("event stream closed"),
-            Err(_) if !seen && !known => bail!("unknown run {run}: no incident with this id (`pitcrew incidents` lists runs)"),
+            Err(_) if !seen && !known => {
+                bail!("unknown run {run}: no incident with this id (`pitcrew incidents` lists runs)")
+            }
             Err(_) => bail!("run {run} did not finish within {} s", timeout.as_secs()),
         };
         seen = true;
@@ -114,7 +121,10 @@ pub async fn incidents(store: &Store, limit: i64) -> anyhow::Result<()> {
         println!("no runs yet");
         return Ok(());
     }
-    println!("{:<36}  {:<19}  {:<12}  {:<16}  {:>3}  {:<9}  reason / error", "run", "started", "service", "status", "try", "stage");
+    println!(
+        "{:<36}  {:<19}  {:<12}  {:<16}  {:>3}  {:<9}  reason / error",
+        "run", "started", "service", "status", "try", "stage"
+    );
     for r in runs {
         println!(
             "{}  {}  {:<12}  {:<16}  {:>3}  {:<9}  {}",

@@ -66,7 +66,9 @@ pub async fn run() -> anyhow::Result<()> {
         Toy { name: "web", port: free_port()?, dir: work.path().join("web") },
         Toy { name: "batch", port: free_port()?, dir: work.path().join("batch") },
     ];
-    let mut text = String::from("[limits]\nmax_retries = 2\napproval_timeout_secs = 300\n[verify]\nchecks = 4\ninterval_ms = 250\n");
+    let mut text = String::from(
+        "[limits]\nmax_retries = 2\napproval_timeout_secs = 300\n[verify]\nchecks = 4\ninterval_ms = 250\n",
+    );
     for t in &toys {
         std::fs::create_dir_all(&t.dir)?;
         text.push_str(&t.config(&exe));
@@ -146,7 +148,13 @@ pub async fn run() -> anyhow::Result<()> {
         if seen.healthy {
             bail!("the toy service {} still answers after breaking it", t.name);
         }
-        let mut incident = cli::incident(t.name, &seen.detail, None, pitcrew_model::Severity::Critical, Some(format!("demo-{session}-{label}")))?;
+        let mut incident = cli::incident(
+            t.name,
+            &seen.detail,
+            None,
+            pitcrew_model::Severity::Critical,
+            Some(format!("demo-{session}-{label}")),
+        )?;
         incident.source = Some("demo".into());
         let run = incident.id.expect("new incidents have an id");
         labels.lock().unwrap().insert(run, label);

@@ -1,10 +1,7 @@
 //! pitcrew: the one binary. Parses arguments, sets up logging, and hands over to the crew,
 //! the operator commands or the demo. Errors end as one readable line, never a panic trace.
 
-mod cli;
-mod crew;
-mod demo;
-mod toy;
+use pitcrew::{cli, crew, demo, toy};
 
 use anyhow::{bail, Context};
 use clap::{Parser, Subcommand};
@@ -16,7 +13,11 @@ use std::time::Duration;
 use uuid::Uuid;
 
 #[derive(Parser)]
-#[command(name = "pitcrew", version, about = "Turns alerts into fixed incidents: a crew of workers on NATS JetStream and Postgres.")]
+#[command(
+    name = "pitcrew",
+    version,
+    about = "Turns alerts into fixed incidents: a crew of workers on NATS JetStream and Postgres."
+)]
 struct Args {
     /// Config file (default: ./pitcrew.toml when present). PITCREW_* variables override it.
     #[arg(long, short, global = true, env = "PITCREW_CONFIG")]

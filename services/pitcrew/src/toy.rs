@@ -40,10 +40,7 @@ pub fn serve(port: u16, dir: &Path) -> anyhow::Result<()> {
             Err(e) => return Err(e).with_context(|| format!("binding 127.0.0.1:{port}")),
         }
     };
-    eprintln!(
-        "toy: serving on 127.0.0.1:{port} (pid {})",
-        std::process::id()
-    );
+    eprintln!("toy: serving on 127.0.0.1:{port} (pid {})", std::process::id());
     let active = Arc::new(AtomicUsize::new(0));
     for conn in listener.incoming() {
         let Ok(stream) = conn else { continue };
@@ -97,10 +94,7 @@ fn answer(mut stream: TcpStream, wedged: &Path) -> std::io::Result<()> {
 pub fn start(exe: &Path, port: u16, dir: &Path) -> anyhow::Result<()> {
     let broken = dir.join("broken");
     if broken.exists() {
-        bail!(
-            "config invalid: {} present (listen address missing)",
-            broken.display()
-        );
+        bail!("config invalid: {} present (listen address missing)", broken.display());
     }
     if probe(port).is_some() {
         return Ok(());
@@ -111,10 +105,7 @@ pub fn start(exe: &Path, port: u16, dir: &Path) -> anyhow::Result<()> {
     }
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     let log_path = dir.join("toy.log");
-    let log = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(&log_path)?;
+    let log = std::fs::OpenOptions::new().create(true).append(true).open(&log_path)?;
     let mut cmd = Command::new(exe);
     cmd.args(["toy", "serve", "--port", &port.to_string(), "--dir"])
         .arg(dir)
@@ -131,9 +122,7 @@ pub fn start(exe: &Path, port: u16, dir: &Path) -> anyhow::Result<()> {
             _ => Ok(()),
         });
     }
-    let mut child = cmd
-        .spawn()
-        .with_context(|| format!("spawning {}", exe.display()))?;
+    let mut child = cmd.spawn().with_context(|| format!("spawning {}", exe.display()))?;
     let deadline = Instant::now() + WAIT;
     while Instant::now() < deadline {
         if probe(port).is_some() {
@@ -142,36 +131,25 @@ pub fn start(exe: &Path, port: u16, dir: &Path) -> anyhow::Result<()> {
             return Ok(());
         }
         if let Some(status) = child.try_wait()? {
-            bail!(
-                "toy exited during start ({status}); see {}",
-                log_path.display()
-            );
+            bail!("toy exited during start ({status}); see {}", log_path.display());
         }
         sleep(POLL);
     }
     let _ = child.kill();
     let _ = child.wait();
-    bail!(
-        "toy did not answer on 127.0.0.1:{port} within 5 s; see {}",
-        log_path.display()
-    )
+    bail!("toy did not answer on 127.0.0.1:{port} within 5 s; see {}", log_path.display())
 }
 
 /// Stop the toy: SIGTERM the pid in `dir/pid`, wait up to 3 s for the port to close, then
 /// SIGKILL. Ok when nothing was running.
 pub fn stop(port: u16, dir: &Path) -> anyhow::Result<()> {
     let pid_path = dir.join("pid");
-    let pid = std::fs::read_to_string(&pid_path)
-        .ok()
-        .and_then(|s| s.trim().parse::<i32>().ok());
+    let pid = std::fs::read_to_string(&pid_path).ok().and_then(|s| s.trim().parse::<i32>().ok());
     // A pid <= 1 would signal init or every process we may signal; a stale file may name
     // a pid now reused by something that is not the toy.
     let Some(pid) = pid.filter(|p| *p > 1 && is_toy(*p)) else {
         if probe(port).is_some() {
-            bail!(
-                "something answers on 127.0.0.1:{port} but {} names no toy",
-                pid_path.display()
-            );
+            bail!("something answers on 127.0.0.1:{port} but {} names no toy", pid_path.display());
         }
         let _ = std::fs::remove_file(&pid_path);
         return Ok(());
@@ -224,12 +202,8 @@ fn probe(port: u16) -> Option<u16> {
     let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, port));
     let mut stream = TcpStream::connect_timeout(&addr, Duration::from_millis(500)).ok()?;
     stream.set_read_timeout(Some(Duration::from_secs(1))).ok()?;
-    stream
-        .set_write_timeout(Some(Duration::from_secs(1)))
-        .ok()?;
-    stream
-        .write_all(b"GET /health HTTP/1.0\r\nhost: 127.0.0.1\r\n\r\n")
-        .ok()?;
+    stream.set_write_timeout(Some(Duration::from_secs(1))).ok()?;
+    stream.write_all(b"GET /health HTTP/1.0\r\nhost: 127.0.0.1\r\n\r\n").ok()?;
     let mut buf = [0u8; 64];
     let n = stream.read(&mut buf).ok()?;
     let line = String::from_utf8_lossy(&buf[..n]);

@@ -25,7 +25,11 @@ impl StageHandler for PlanStage {
         Stage::Plan
     }
 
-    fn handle<'a>(&'a self, state: &'a mut RunState, cx: &'a mut Cx<'_>) -> BoxFuture<'a, Result<Transition, StageError>> {
+    fn handle<'a>(
+        &'a self,
+        state: &'a mut RunState,
+        cx: &'a mut Cx<'_>,
+    ) -> BoxFuture<'a, Result<Transition, StageError>> {
         Box::pin(async move {
             let cfg = cx.deps.config.clone();
             let spec = match target::service(&cfg, state) {
@@ -38,7 +42,11 @@ impl StageHandler for PlanStage {
             let memory = cx
                 .deps
                 .store
-                .memory(&state.incident.service, &state.incident.signature(), Duration::from_secs(cfg.limits.memory_window_secs))
+                .memory(
+                    &state.incident.service,
+                    &state.incident.signature(),
+                    Duration::from_secs(cfg.limits.memory_window_secs),
+                )
                 .await?;
             let failed = target::failed_commands(state, &memory);
             let rejected = rejected_commands(state);

@@ -11,10 +11,7 @@ pub struct Report;
 pub fn summary(state: &RunState) -> String {
     let plan = state.plan.as_ref().map(|p| p.commands.join(" ; ")).unwrap_or_else(|| "nothing".into());
     let check = state.verification.as_ref().map(|v| v.detail.as_str()).unwrap_or("-");
-    format!(
-        "resolved {} after {} attempt(s): ran `{plan}`; {check}",
-        state.incident.service, state.attempt
-    )
+    format!("resolved {} after {} attempt(s): ran `{plan}`; {check}", state.incident.service, state.attempt)
 }
 
 impl StageHandler for Report {
@@ -22,7 +19,11 @@ impl StageHandler for Report {
         Stage::Report
     }
 
-    fn handle<'a>(&'a self, state: &'a mut RunState, cx: &'a mut Cx<'_>) -> BoxFuture<'a, Result<Transition, StageError>> {
+    fn handle<'a>(
+        &'a self,
+        state: &'a mut RunState,
+        cx: &'a mut Cx<'_>,
+    ) -> BoxFuture<'a, Result<Transition, StageError>> {
         Box::pin(async move {
             let elapsed = (chrono::Utc::now() - state.started_at).num_milliseconds();
             cx.emit(

@@ -52,7 +52,11 @@ impl StageHandler for Verify {
         Stage::Verify
     }
 
-    fn handle<'a>(&'a self, state: &'a mut RunState, cx: &'a mut Cx<'_>) -> BoxFuture<'a, Result<Transition, StageError>> {
+    fn handle<'a>(
+        &'a self,
+        state: &'a mut RunState,
+        cx: &'a mut Cx<'_>,
+    ) -> BoxFuture<'a, Result<Transition, StageError>> {
         Box::pin(async move {
             let cfg = cx.deps.config.clone();
             let spec = match target::service(&cfg, state) {
@@ -76,13 +80,14 @@ impl StageHandler for Verify {
                 outcome = run_check(check, &spec.host, executor.as_ref()).await;
             }
             let recovered = outcome.healthy;
-            state.verification = Some(Verification { attempt: state.attempt, recovered, detail: outcome.detail.clone() });
+            state.verification =
+                Some(Verification { attempt: state.attempt, recovered, detail: outcome.detail.clone() });
             cx.emit(
                 EventKind::Verification,
                 format!("{}: {}", if recovered { "recovered" } else { "not recovered" }, outcome.detail),
                 serde_json::json!({ "recovered": recovered, "attempt": state.attempt }),
             );
-            cx.deps.store.record_episode(state, recovered, &outcome.detail).await?;
+            cx.deps.store.record_episode(state, &tried_commands(state), recovered, &outcome.detail).await?;
             match next_step(recovered, state.attempt, cfg.limits.max_retries) {
                 Ok(Stage::Diagnose) => {
                     start_next_attempt(state);
@@ -111,8 +116,21 @@ mod tests {
     #[test]
     fn the_next_attempt_remembers_what_failed_and_starts_clean() {
         let mut s = RunState::new(uuid::Uuid::nil(), Incident::new("web", "down"));
-        s.plan = Some(Plan { attempt: 1, commands: vec!["a".into(), "b".into()], rationale: String::new(), source: String::new() });
-        let rec = |i, c: &str, status| ExecutionRecord { attempt: 1, index: i, command: c.into(), status, exit_code: None, output: String::new(), duration_ms: 0 };
+        s.plan = Some(Plan {
+            attempt: 1,
+            commands: vec!["a".into(), "b".into()],
+            rationale: String::new(),
+            source: String::new(),
+        });
+        let rec = |i, c: &str, status| ExecutionRecord {
+            attempt: 1,
+            index: i,
+            command: c.into(),
+            status,
+            exit_code: None,
+            output: String::new(),
+            duration_ms: 0,
+        };
         s.executions = vec![rec(0, "a", ExecutionStatus::Failed), rec(1, "b", ExecutionStatus::Skipped)];
         s.regeneration = 2;
         start_next_attempt(&mut s);

@@ -30,11 +30,7 @@ pub struct CheckOutcome {
 
 impl CheckOutcome {
     fn new(healthy: bool, detail: String, output: &str) -> Self {
-        Self {
-            healthy,
-            detail: one_line(&detail),
-            output: trim_output(output, MAX_OUTPUT),
-        }
+        Self { healthy, detail: one_line(&detail), output: trim_output(output, MAX_OUTPUT) }
     }
 }
 
@@ -42,20 +38,11 @@ impl CheckOutcome {
 /// the reason in `detail`, because "cannot reach it" is exactly what the caller must know.
 pub async fn run_check(spec: &CheckSpec, host: &str, executor: &dyn Executor) -> CheckOutcome {
     match spec {
-        CheckSpec::Http {
-            url,
-            expect_status,
-            timeout_ms,
-        } => http_check(url, *expect_status, bounded(*timeout_ms)).await,
-        CheckSpec::Tcp {
-            address,
-            timeout_ms,
-        } => tcp_check(address, bounded(*timeout_ms)).await,
-        CheckSpec::Command {
-            command,
-            running_indicator,
-            timeout_ms,
-        } => {
+        CheckSpec::Http { url, expect_status, timeout_ms } => {
+            http_check(url, *expect_status, bounded(*timeout_ms)).await
+        }
+        CheckSpec::Tcp { address, timeout_ms } => tcp_check(address, bounded(*timeout_ms)).await,
+        CheckSpec::Command { command, running_indicator, timeout_ms } => {
             let indicator = running_indicator.as_deref();
             command_check(command, indicator, host, bounded(*timeout_ms), executor).await
         }
@@ -101,14 +88,7 @@ async fn http_check(url: &str, expect: u16, timeout: Duration) -> CheckOutcome {
         Ok::<_, reqwest::Error>((status, String::from_utf8_lossy(&body).into_owned()))
     };
     match tokio::time::timeout(timeout, fetch).await {
-        Err(_) => CheckOutcome::new(
-            false,
-            format!(
-                "GET {url} failed: timed out after {} ms",
-                timeout.as_millis()
-            ),
-            "",
-        ),
+        Err(_) => CheckOutcome::new(false, format!("GET {url} failed: timed out after {} ms", timeout.as_millis()), ""),
         Ok(Err(e)) => {
             let mut detail = format!("GET {url} failed: {}", error_chain(&e));
             if e.is_timeout() && !detail.contains("timed out") {
@@ -119,9 +99,7 @@ async fn http_check(url: &str, expect: u16, timeout: Duration) -> CheckOutcome {
             }
             CheckOutcome::new(false, detail, "")
         }
-        Ok(Ok((status, body))) if status == expect => {
-            CheckOutcome::new(true, format!("GET {url} -> {status}"), &body)
-        }
+        Ok(Ok((status, body))) if status == expect => CheckOutcome::new(true, format!("GET {url} -> {status}"), &body),
         Ok(Ok((status, body))) => {
             let mut detail = format!("GET {url} returned {status} (expected {expect})");
             let first = body.lines().map(str::trim).find(|l| !l.is_empty());
@@ -145,10 +123,7 @@ async fn tcp_check(address: &str, timeout: Duration) -> CheckOutcome {
         }
         Err(_) => CheckOutcome::new(
             false,
-            format!(
-                "connect {address} failed: timed out after {} ms",
-                timeout.as_millis()
-            ),
+            format!("connect {address} failed: timed out after {} ms", timeout.as_millis()),
             "",
         ),
     }
@@ -169,19 +144,14 @@ async fn command_check(
     let detail = if out.timed_out {
         format!("`{shown}` timed out after {} ms", timeout.as_millis())
     } else if !out.success() {
-        let code = out
-            .exit_code
-            .map_or("by a signal".to_string(), |c| c.to_string());
+        let code = out.exit_code.map_or("by a signal".to_string(), |c| c.to_string());
         let mut d = format!("`{shown}` exited {code}");
         if let Some(line) = out.stderr.lines().map(str::trim).find(|l| !l.is_empty()) {
             d.push_str(&format!(": {}", clip(line, MAX_QUOTE)));
         }
         d
     } else if let Some(ind) = indicator.filter(|i| !out.stdout.contains(*i)) {
-        format!(
-            "`{shown}` exited 0 but its output lacks '{}'",
-            clip(ind, MAX_QUOTE)
-        )
+        format!("`{shown}` exited 0 but its output lacks '{}'", clip(ind, MAX_QUOTE))
     } else {
         return CheckOutcome::new(true, format!("`{shown}` -> ok"), &out.stdout);
     };
@@ -225,9 +195,6 @@ fn io_kind(e: &(dyn std::error::Error + 'static)) -> Option<std::io::ErrorKind> 
 
 /// Details are single lines: logs and timelines show them verbatim.
 fn one_line(text: &str) -> String {
-    let flat: String = text
-        .chars()
-        .map(|c| if c.is_control() { ' ' } else { c })
-        .collect();
+    let flat: String = text.chars().map(|c| if c.is_control() { ' ' } else { c }).collect();
     clip(&flat, 1024)
 }

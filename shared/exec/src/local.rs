@@ -36,12 +36,7 @@ impl LocalExecutor {
         Self { max_output }
     }
 
-    async fn run_local(
-        &self,
-        host: &str,
-        command: &str,
-        timeout: Duration,
-    ) -> Result<CommandOutput, ExecError> {
+    async fn run_local(&self, host: &str, command: &str, timeout: Duration) -> Result<CommandOutput, ExecError> {
         if !is_local(host) {
             return Err(ExecError::UnknownHost(host.to_string()));
         }
@@ -67,12 +62,7 @@ impl LocalExecutor {
         let (mut out, mut err) = (Vec::new(), Vec::new());
         let (waited, timed_out) = {
             let max = self.max_output;
-            let drain = async {
-                tokio::join!(
-                    read_capped(stdout, max, &mut out),
-                    read_capped(stderr, max, &mut err)
-                )
-            };
+            let drain = async { tokio::join!(read_capped(stdout, max, &mut out), read_capped(stderr, max, &mut err)) };
             tokio::pin!(drain);
             let mut drained = false;
             let waited: Option<std::io::Result<ExitStatus>> = loop {
@@ -100,9 +90,7 @@ impl LocalExecutor {
                         let _ = tokio::time::timeout(KILL_GRACE, &mut drain).await;
                     }
                     if let Some(Err(e)) = other {
-                        return Err(ExecError::Transient(format!(
-                            "waiting for '{program}': {e}"
-                        )));
+                        return Err(ExecError::Transient(format!("waiting for '{program}': {e}")));
                     }
                     (None, true)
                 }
@@ -148,17 +136,11 @@ fn is_local(host: &str) -> bool {
 /// Resource exhaustion is worth retrying; anything else (missing program, not executable,
 /// bad argument) will fail the same way next time.
 fn spawn_error(program: &str, e: std::io::Error) -> ExecError {
-    let transient = matches!(
-        e.raw_os_error(),
-        Some(libc::EAGAIN | libc::ENOMEM | libc::EMFILE | libc::ENFILE)
-    );
+    let transient = matches!(e.raw_os_error(), Some(libc::EAGAIN | libc::ENOMEM | libc::EMFILE | libc::ENFILE));
     if transient {
         ExecError::Transient(format!("cannot start '{program}': {e}"))
     } else {
-        ExecError::Spawn {
-            program: program.to_string(),
-            error: e.to_string(),
-        }
+        ExecError::Spawn { program: program.to_string(), error: e.to_string() }
     }
 }
 

@@ -25,10 +25,8 @@ async fn responder(status: &'static str, body: &'static str) -> u16 {
                         Ok(n) => req.extend_from_slice(&buf[..n]),
                     }
                 }
-                let resp = format!(
-                    "HTTP/1.1 {status}\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
-                    body.len()
-                );
+                let resp =
+                    format!("HTTP/1.1 {status}\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}", body.len());
                 let _ = sock.write_all(resp.as_bytes()).await;
             });
         }
@@ -44,11 +42,7 @@ async fn closed_port() -> u16 {
 
 fn http(port: u16) -> CheckSpec {
     let url = format!("http://127.0.0.1:{port}/health");
-    CheckSpec::Http {
-        url,
-        expect_status: 200,
-        timeout_ms: 2000,
-    }
+    CheckSpec::Http { url, expect_status: 200, timeout_ms: 2000 }
 }
 
 fn command(command: &str, running_indicator: Option<&str>) -> CheckSpec {
@@ -64,10 +58,7 @@ async fn http_200_is_healthy() {
     let port = responder("200 OK", "ok\n").await;
     let out = run_check(&http(port), "local", &LocalExecutor::new(4096)).await;
     assert!(out.healthy, "{out:?}");
-    assert_eq!(
-        out.detail,
-        format!("GET http://127.0.0.1:{port}/health -> 200")
-    );
+    assert_eq!(out.detail, format!("GET http://127.0.0.1:{port}/health -> 200"));
     assert_eq!(out.output, "ok\n");
 }
 
@@ -101,20 +92,12 @@ async fn http_silence_times_out() {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let port = listener.local_addr().unwrap().port();
     let url = format!("http://127.0.0.1:{port}/health");
-    let spec = CheckSpec::Http {
-        url,
-        expect_status: 200,
-        timeout_ms: 300,
-    };
+    let spec = CheckSpec::Http { url, expect_status: 200, timeout_ms: 300 };
     let started = Instant::now();
     let out = run_check(&spec, "local", &LocalExecutor::new(4096)).await;
     assert!(started.elapsed() < Duration::from_secs(3));
     assert!(!out.healthy);
-    assert!(
-        out.detail.contains("timed out after 300 ms"),
-        "{}",
-        out.detail
-    );
+    assert!(out.detail.contains("timed out after 300 ms"), "{}", out.detail);
     drop(listener);
 }
 
@@ -122,27 +105,16 @@ async fn http_silence_times_out() {
 async fn tcp_open_and_closed() {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let open = listener.local_addr().unwrap().to_string();
-    let spec = CheckSpec::Tcp {
-        address: open.clone(),
-        timeout_ms: 2000,
-    };
+    let spec = CheckSpec::Tcp { address: open.clone(), timeout_ms: 2000 };
     let out = run_check(&spec, "local", &LocalExecutor::new(4096)).await;
     assert!(out.healthy, "{out:?}");
     assert_eq!(out.detail, format!("connect {open} -> ok"));
 
     let address = format!("127.0.0.1:{}", closed_port().await);
-    let spec = CheckSpec::Tcp {
-        address: address.clone(),
-        timeout_ms: 2000,
-    };
+    let spec = CheckSpec::Tcp { address: address.clone(), timeout_ms: 2000 };
     let out = run_check(&spec, "local", &LocalExecutor::new(4096)).await;
     assert!(!out.healthy);
-    assert!(
-        out.detail
-            .starts_with(&format!("connect {address} failed: ")),
-        "{}",
-        out.detail
-    );
+    assert!(out.detail.starts_with(&format!("connect {address} failed: ")), "{}", out.detail);
     assert!(out.detail.contains("connection refused"), "{}", out.detail);
 }
 
@@ -165,11 +137,7 @@ async fn command_check_uses_exit_code_and_running_indicator() {
     let failing = "sh -c 'echo \"Unit web.service not found.\" >&2; exit 4'";
     let out = run_check(&command(failing, None), "local", &exec).await;
     assert!(!out.healthy);
-    assert!(
-        out.detail.contains("exited 4: Unit web.service not found."),
-        "{}",
-        out.detail
-    );
+    assert!(out.detail.contains("exited 4: Unit web.service not found."), "{}", out.detail);
 }
 
 #[tokio::test]
@@ -183,11 +151,7 @@ async fn command_check_failures_are_outcomes_not_errors() {
     assert!(!out.healthy);
     assert!(out.detail.contains("unknown host 'db-7'"), "{}", out.detail);
 
-    let slow = CheckSpec::Command {
-        command: "sleep 5".into(),
-        running_indicator: None,
-        timeout_ms: 200,
-    };
+    let slow = CheckSpec::Command { command: "sleep 5".into(), running_indicator: None, timeout_ms: 200 };
     let out = run_check(&slow, "local", &exec).await;
     assert!(!out.healthy);
     assert!(out.detail.contains("timed out"), "{}", out.detail);

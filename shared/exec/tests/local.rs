@@ -14,9 +14,7 @@ fn exec() -> LocalExecutor {
 fn alive(pid: i32) -> bool {
     match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
         // The state follows the parenthesised command name.
-        Ok(stat) => stat
-            .rsplit_once(')')
-            .is_some_and(|(_, rest)| !rest.trim_start().starts_with('Z')),
+        Ok(stat) => stat.rsplit_once(')').is_some_and(|(_, rest)| !rest.trim_start().starts_with('Z')),
         Err(_) => false,
     }
 }
@@ -32,10 +30,7 @@ async fn echo_captures_stdout_and_exit_zero() {
 
 #[tokio::test]
 async fn exit_code_is_reported() {
-    let out = exec()
-        .run("localhost", "sh -c 'echo oops >&2; exit 3'", T)
-        .await
-        .unwrap();
+    let out = exec().run("localhost", "sh -c 'echo oops >&2; exit 3'", T).await.unwrap();
     assert_eq!(out.exit_code, Some(3));
     assert_eq!(out.stderr, "oops\n");
     assert!(!out.success());
@@ -43,10 +38,7 @@ async fn exit_code_is_reported() {
 
 #[tokio::test]
 async fn missing_program_is_a_spawn_error() {
-    let err = exec()
-        .run("127.0.0.1", "definitely-not-a-tool-xyz --flag", T)
-        .await
-        .unwrap_err();
+    let err = exec().run("127.0.0.1", "definitely-not-a-tool-xyz --flag", T).await.unwrap_err();
     match err {
         ExecError::Spawn { program, .. } => assert_eq!(program, "definitely-not-a-tool-xyz"),
         other => panic!("expected Spawn, got {other:?}"),
@@ -55,28 +47,15 @@ async fn missing_program_is_a_spawn_error() {
 
 #[tokio::test]
 async fn bad_and_empty_commands_are_rejected() {
-    assert!(matches!(
-        exec().run("local", "echo 'unbalanced", T).await,
-        Err(ExecError::Parse(_))
-    ));
-    assert!(matches!(
-        exec().run("local", "   ", T).await,
-        Err(ExecError::Empty)
-    ));
+    assert!(matches!(exec().run("local", "echo 'unbalanced", T).await, Err(ExecError::Parse(_))));
+    assert!(matches!(exec().run("local", "   ", T).await, Err(ExecError::Empty)));
 }
 
 #[tokio::test]
 async fn timeout_kills_quickly() {
     let started = Instant::now();
-    let out = exec()
-        .run("local", "sleep 5", Duration::from_millis(200))
-        .await
-        .unwrap();
-    assert!(
-        started.elapsed() < Duration::from_secs(3),
-        "{:?}",
-        started.elapsed()
-    );
+    let out = exec().run("local", "sleep 5", Duration::from_millis(200)).await.unwrap();
+    assert!(started.elapsed() < Duration::from_secs(3), "{:?}", started.elapsed());
     assert!(out.timed_out);
     assert_eq!(out.exit_code, None);
     assert!(!out.success());
@@ -86,16 +65,9 @@ async fn timeout_kills_quickly() {
 async fn timeout_kills_the_whole_process_group() {
     // The shell backgrounds a sleep (same process group) and prints its pid before waiting.
     let cmd = "sh -c 'sleep 30 & echo $!; wait'";
-    let out = exec()
-        .run("local", cmd, Duration::from_millis(300))
-        .await
-        .unwrap();
+    let out = exec().run("local", cmd, Duration::from_millis(300)).await.unwrap();
     assert!(out.timed_out);
-    let pid: i32 = out
-        .stdout
-        .trim()
-        .parse()
-        .expect("partial output kept on timeout");
+    let pid: i32 = out.stdout.trim().parse().expect("partial output kept on timeout");
     let deadline = Instant::now() + Duration::from_secs(3);
     while alive(pid) && Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(20)).await;
@@ -107,10 +79,7 @@ async fn timeout_kills_the_whole_process_group() {
 async fn output_is_capped_without_hanging() {
     let small = LocalExecutor::new(1024);
     let cmd = "head -c 1000000 /dev/zero";
-    let out = tokio::time::timeout(T, small.run("local", cmd, T))
-        .await
-        .expect("hung")
-        .unwrap();
+    let out = tokio::time::timeout(T, small.run("local", cmd, T)).await.expect("hung").unwrap();
     assert!(out.stdout.len() <= 1024, "{}", out.stdout.len());
     assert_eq!(out.exit_code, Some(0));
     assert!(!out.timed_out);
@@ -118,10 +87,7 @@ async fn output_is_capped_without_hanging() {
 
 #[tokio::test]
 async fn arguments_are_argv_not_shell() {
-    let out = exec()
-        .run("local", "printf '%s|' 'a b' c", T)
-        .await
-        .unwrap();
+    let out = exec().run("local", "printf '%s|' 'a b' c", T).await.unwrap();
     assert_eq!(out.stdout, "a b|c|");
 }
 
@@ -134,20 +100,14 @@ async fn shell_metacharacters_are_literal() {
     let out = exec().run("local", &cmd, T).await.unwrap();
     assert_eq!(out.stdout, format!("a; rm -rf {}\n", victim.display()));
     assert!(victim.exists());
-    let out = exec()
-        .run("local", "echo $HOME | cat > /tmp/nope && true", T)
-        .await
-        .unwrap();
+    let out = exec().run("local", "echo $HOME | cat > /tmp/nope && true", T).await.unwrap();
     assert_eq!(out.stdout, "$HOME | cat > /tmp/nope && true\n");
 }
 
 #[tokio::test]
 async fn unknown_host_is_rejected() {
     let err = exec().run("db-7", "echo hi", T).await.unwrap_err();
-    assert!(
-        matches!(err, ExecError::UnknownHost(ref h) if h == "db-7"),
-        "{err:?}"
-    );
+    assert!(matches!(err, ExecError::UnknownHost(ref h) if h == "db-7"), "{err:?}");
     assert!(!exec().has_tool("db-7", "sh").await);
 }
 

@@ -56,10 +56,7 @@ pub trait Reasoner: Send + Sync + 'static {
     fn name(&self) -> &str;
 
     /// Decide what is wrong from the incident and the evidence of this attempt.
-    fn diagnose<'a>(
-        &'a self,
-        input: &'a ReasonInput<'a>,
-    ) -> BoxFuture<'a, Result<Diagnosis, ReasonError>>;
+    fn diagnose<'a>(&'a self, input: &'a ReasonInput<'a>) -> BoxFuture<'a, Result<Diagnosis, ReasonError>>;
 
     /// Propose 1-3 commands that remedy `diagnosis`, never one that already failed.
     fn plan<'a>(

@@ -55,19 +55,11 @@ impl Playbook {
     /// The diagnosis, synchronously: the first matching rule, else the fallback.
     pub fn diagnose_now(&self, input: &ReasonInput<'_>) -> Diagnosis {
         let hit = self.rules.iter().find_map(|rule| {
-            let grounds = rule
-                .pattern
-                .as_ref()
-                .map(|re| grounds(re, input))
-                .unwrap_or_default();
+            let grounds = rule.pattern.as_ref().map(|re| grounds(re, input)).unwrap_or_default();
             (!grounds.is_empty()).then_some((rule, grounds))
         });
-        let (rule, grounds) = hit.unwrap_or_else(|| {
-            (
-                &self.fallback,
-                vec![clip(&input.incident.error, MAX_GROUND_LEN)],
-            )
-        });
+        let (rule, grounds) =
+            hit.unwrap_or_else(|| (&self.fallback, vec![clip(&input.incident.error, MAX_GROUND_LEN)]));
         let lookup = |name: &str| match name {
             "error" => Some(clip(&input.incident.error, MAX_ERROR_IN_SUMMARY)),
             // A diagnosis is prose: an unknown variable stays visible rather than failing.
@@ -84,11 +76,7 @@ impl Playbook {
 
     /// The plan, synchronously: known fixes, then the rule's alternatives, then the
     /// fallback's, skipping anything that already failed or was rejected.
-    pub fn plan_now(
-        &self,
-        input: &ReasonInput<'_>,
-        diagnosis: &Diagnosis,
-    ) -> Result<Plan, ReasonError> {
+    pub fn plan_now(&self, input: &ReasonInput<'_>, diagnosis: &Diagnosis) -> Result<Plan, ReasonError> {
         let rule = self.rule_for(&diagnosis.source);
         let excluded: BTreeSet<&str> = input
             .failed_commands
@@ -99,11 +87,7 @@ impl Playbook {
             .collect();
         let mut blocked_by = BTreeSet::new();
         let mut check = |cmds: &[String]| {
-            let hits: Vec<&str> = cmds
-                .iter()
-                .map(|c| c.trim())
-                .filter(|c| excluded.contains(c))
-                .collect();
+            let hits: Vec<&str> = cmds.iter().map(|c| c.trim()).filter(|c| excluded.contains(c)).collect();
             let free = hits.is_empty();
             blocked_by.extend(hits.into_iter().map(str::to_string));
             free
@@ -137,8 +121,7 @@ impl Playbook {
         }
 
         let mut unusable = BTreeSet::new();
-        let ladders =
-            std::iter::once(rule).chain((rule.name != FALLBACK).then_some(&self.fallback));
+        let ladders = std::iter::once(rule).chain((rule.name != FALLBACK).then_some(&self.fallback));
         for r in ladders {
             for (i, alt) in r.plans.iter().enumerate() {
                 let cmds = match render_commands(alt, input) {
@@ -158,13 +141,13 @@ impl Playbook {
                     } else {
                         ""
                     };
-                    format!(
-                        "alternative {} of {n} of playbook rule '{}'{skipped}",
-                        i + 1,
-                        r.name
-                    )
+                    format!("alternative {} of {n} of playbook rule '{}'{skipped}", i + 1, r.name)
                 } else {
-                    format!("playbook rule '{}' has no untried alternative left; fallback alternative {} of {n}", rule.name, i + 1)
+                    format!(
+                        "playbook rule '{}' has no untried alternative left; fallback alternative {} of {n}",
+                        rule.name,
+                        i + 1
+                    )
                 };
                 return Ok(plan(cmds, why, &r.name));
             }
@@ -174,17 +157,10 @@ impl Playbook {
         let mut reason = format!(
             "every playbook alternative for '{}' already failed: {}",
             rule.name,
-            if tried.is_empty() {
-                "-".to_string()
-            } else {
-                tried.join(", ")
-            }
+            if tried.is_empty() { "-".to_string() } else { tried.join(", ") }
         );
         if !unusable.is_empty() {
-            reason.push_str(&format!(
-                "; unusable here: {}",
-                unusable.into_iter().collect::<Vec<_>>().join(", ")
-            ));
+            reason.push_str(&format!("; unusable here: {}", unusable.into_iter().collect::<Vec<_>>().join(", ")));
         }
         Err(ReasonError::Exhausted(clip(&reason, MAX_SUMMARY_LEN)))
     }
@@ -200,26 +176,19 @@ impl Playbook {
 
 /// A variable's value: the service's vars, with the incident's service name as default.
 fn var(input: &ReasonInput<'_>, name: &str) -> Option<String> {
-    input
-        .vars
-        .get(name)
-        .cloned()
-        .or_else(|| (name == "service").then(|| input.incident.service.clone()))
+    input.vars.get(name).cloned().or_else(|| (name == "service").then(|| input.incident.service.clone()))
 }
 
 /// Render one alternative; `Err` says why it cannot be used here (a missing variable, ...).
 fn render_commands(alt: &[String], input: &ReasonInput<'_>) -> Result<Vec<String>, String> {
     // The alert text is untrusted: inside a command it is always one quoted argument.
     let lookup = |name: &str| match name {
-        "error" => Some(
-            shell_words::quote(&clip(&input.incident.error, MAX_ERROR_IN_SUMMARY)).into_owned(),
-        ),
+        "error" => Some(shell_words::quote(&clip(&input.incident.error, MAX_ERROR_IN_SUMMARY)).into_owned()),
         _ => var(input, name),
     };
     alt.iter()
         .map(|t| {
-            let cmd =
-                render(t, lookup).map_err(|Missing(v)| format!("missing variable {{{v}}}"))?;
+            let cmd = render(t, lookup).map_err(|Missing(v)| format!("missing variable {{{v}}}"))?;
             let cmd = cmd.trim();
             if cmd.is_empty() || cmd.contains(['\n', '\r']) {
                 return Err(format!("'{t}' renders empty or multi-line"));
@@ -234,13 +203,7 @@ fn with_feedback(rationale: String, feedback: &[String]) -> String {
     if feedback.is_empty() {
         return rationale;
     }
-    clip(
-        &format!(
-            "{rationale}; previous plan rejected: {}",
-            feedback.join("; ")
-        ),
-        MAX_SUMMARY_LEN,
-    )
+    clip(&format!("{rationale}; previous plan rejected: {}", feedback.join("; ")), MAX_SUMMARY_LEN)
 }
 
 /// The observed text a pattern matches: the incident error, evidence details, and the
@@ -259,10 +222,7 @@ fn grounds(re: &Regex, input: &ReasonInput<'_>) -> Vec<String> {
         if re.is_match(&ev.detail) {
             push(clip(&ev.detail, MAX_GROUND_LEN));
         } else if let Some(m) = re.find(&ev.output) {
-            push(clip(
-                matched_line(&ev.output, m.start(), m.end()),
-                MAX_GROUND_LEN,
-            ));
+            push(clip(matched_line(&ev.output, m.start(), m.end()), MAX_GROUND_LEN));
         }
     }
     out
@@ -284,10 +244,7 @@ impl Reasoner for Playbook {
         "playbook"
     }
 
-    fn diagnose<'a>(
-        &'a self,
-        input: &'a ReasonInput<'a>,
-    ) -> BoxFuture<'a, Result<Diagnosis, ReasonError>> {
+    fn diagnose<'a>(&'a self, input: &'a ReasonInput<'a>) -> BoxFuture<'a, Result<Diagnosis, ReasonError>> {
         Box::pin(std::future::ready(Ok(self.diagnose_now(input))))
     }
 

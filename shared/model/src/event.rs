@@ -54,10 +54,7 @@ impl EventKind {
 
     /// The run (or incident) is over after this event.
     pub fn is_terminal(self) -> bool {
-        matches!(
-            self,
-            EventKind::Resolved | EventKind::Escalated | EventKind::Duplicate | EventKind::Rejected
-        )
+        matches!(self, EventKind::Resolved | EventKind::Escalated | EventKind::Duplicate | EventKind::Rejected)
     }
 }
 

@@ -122,11 +122,7 @@ impl Incident {
         if self.labels.len() > MAX_LABELS {
             return Err(IncidentError::TooManyLabels(self.labels.len()));
         }
-        if let Some((k, _)) = self
-            .labels
-            .iter()
-            .find(|(k, v)| k.len() > MAX_LABEL_LEN || v.len() > MAX_LABEL_LEN)
-        {
+        if let Some((k, _)) = self.labels.iter().find(|(k, v)| k.len() > MAX_LABEL_LEN || v.len() > MAX_LABEL_LEN) {
             return Err(IncidentError::LabelTooLong(crate::trim::clip(k, 64)));
         }
         if let Some(f) = &self.fingerprint {
@@ -216,8 +212,7 @@ mod tests {
 
     #[test]
     fn unknown_fields_are_refused() {
-        let e = serde_json::from_str::<Incident>(r#"{"service":"a","error":"b","sevrity":"x"}"#)
-            .unwrap_err();
+        let e = serde_json::from_str::<Incident>(r#"{"service":"a","error":"b","sevrity":"x"}"#).unwrap_err();
         assert!(e.to_string().contains("sevrity"), "{e}");
     }
 }

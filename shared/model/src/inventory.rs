@@ -73,9 +73,7 @@ impl ServiceSpec {
         let mut v = self.vars.clone();
         v.insert("service".into(), service.to_string());
         v.insert("host".into(), self.host.clone());
-        let or = |c: &Option<String>, verb: &str| {
-            c.clone().unwrap_or_else(|| format!("systemctl {verb} {service}"))
-        };
+        let or = |c: &Option<String>, verb: &str| c.clone().unwrap_or_else(|| format!("systemctl {verb} {service}"));
         v.insert("start".into(), or(&self.start, "start"));
         v.insert("stop".into(), or(&self.stop, "stop"));
         v.insert("restart".into(), or(&self.restart, "restart"));

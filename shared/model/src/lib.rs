@@ -8,6 +8,7 @@ pub mod event;
 pub mod incident;
 pub mod inventory;
 pub mod run;
+pub mod schema;
 pub mod stage;
 pub mod subjects;
 pub mod trim;
@@ -17,8 +18,7 @@ pub use event::{EventKind, RunEvent};
 pub use incident::{Incident, IncidentError, Severity};
 pub use inventory::{CheckSpec, ServiceSpec};
 pub use run::{
-    ApprovalStatus, Diagnosis, Evaluation, EvaluationCheck, Evidence, ExecutionRecord,
-    ExecutionStatus, Outcome, Plan, RunState, SecurityFlag, Verdict, Verification,
-    RUN_STATE_VERSION,
+    ApprovalStatus, Diagnosis, Evaluation, EvaluationCheck, Evidence, ExecutionRecord, ExecutionStatus, Outcome, Plan,
+    RunState, SecurityFlag, Verdict, Verification, RUN_STATE_VERSION,
 };
 pub use stage::Stage;

@@ -70,11 +70,22 @@ pub enum ApprovalStatus {
     /// Nothing in the plan needs a human.
     AutoApproved,
     /// Parked until a decision arrives on the bridge subject.
-    Waiting { plan_hash: String, rule: String },
-    Approved { by: String, plan_hash: String },
-    Denied { by: String, reason: String },
+    Waiting {
+        plan_hash: String,
+        rule: String,
+    },
+    Approved {
+        by: String,
+        plan_hash: String,
+    },
+    Denied {
+        by: String,
+        reason: String,
+    },
     /// The gate refused the plan outright.
-    Rejected { rule: String },
+    Rejected {
+        rule: String,
+    },
 }
 
 /// One policy finding about one command; every decision names its rule.

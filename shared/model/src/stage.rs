@@ -68,10 +68,7 @@ pub struct UnknownStage(pub String);
 impl FromStr for Stage {
     type Err = UnknownStage;
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        Stage::ALL
-            .into_iter()
-            .find(|st| st.as_str() == s)
-            .ok_or_else(|| UnknownStage(s.to_string()))
+        Stage::ALL.into_iter().find(|st| st.as_str() == s).ok_or_else(|| UnknownStage(s.to_string()))
     }
 }
 

@@ -18,10 +18,8 @@ impl Default for Subjects {
 
 impl Subjects {
     pub fn new(prefix: &str) -> Self {
-        let stream_prefix = prefix
-            .chars()
-            .map(|c| if c.is_ascii_alphanumeric() { c.to_ascii_uppercase() } else { '_' })
-            .collect();
+        let stream_prefix =
+            prefix.chars().map(|c| if c.is_ascii_alphanumeric() { c.to_ascii_uppercase() } else { '_' }).collect();
         Subjects { prefix: prefix.to_string(), stream_prefix }
     }
 

@@ -44,9 +44,23 @@ pub fn trim_output(text: &str, max: usize) -> String {
 /// A line worth keeping from the middle of a long output.
 pub fn looks_like_error(line: &str) -> bool {
     let l = line.to_ascii_lowercase();
-    ["error", "fail", "fatal", "panic", "denied", "refused", "timeout", "timed out", "cannot", "no such", "exception", "killed", "oom"]
-        .iter()
-        .any(|k| l.contains(k))
+    [
+        "error",
+        "fail",
+        "fatal",
+        "panic",
+        "denied",
+        "refused",
+        "timeout",
+        "timed out",
+        "cannot",
+        "no such",
+        "exception",
+        "killed",
+        "oom",
+    ]
+    .iter()
+    .any(|k| l.contains(k))
 }
 
 /// Cut a string to at most `max` bytes on a char boundary (for one-line fields).

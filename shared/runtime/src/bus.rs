@@ -48,13 +48,10 @@ impl Bus {
             .retry_on_initial_connect()
             .max_reconnects(None);
         let connecting = opts.connect(url.as_str());
-        let client = tokio::time::timeout(
-            Duration::from_secs(cfg.nats.connect_timeout_secs.max(1)),
-            connecting,
-        )
-        .await
-        .map_err(|_| err("no answer within the connect timeout".into()))?
-        .map_err(|e| err(e.to_string()))?;
+        let client = tokio::time::timeout(Duration::from_secs(cfg.nats.connect_timeout_secs.max(1)), connecting)
+            .await
+            .map_err(|_| err("no answer within the connect timeout".into()))?
+            .map_err(|e| err(e.to_string()))?;
         let js = jetstream::new(client.clone());
         Ok(Bus { client, js, subjects: Subjects::new(&cfg.prefix) })
     }
@@ -115,10 +112,7 @@ impl Bus {
     }
 
     /// The durable consumer of approval decisions (run by the approval stage).
-    pub async fn decisions_consumer(
-        &self,
-        settings: StageSettings,
-    ) -> Result<consumer::PullConsumer, BusError> {
+    pub async fn decisions_consumer(&self, settings: StageSettings) -> Result<consumer::PullConsumer, BusError> {
         let stream = self.subjects.approvals_stream();
         let filter = self.subjects.approvals_decided_all();
         self.durable(&stream, "approval-decisions", filter, settings).await
@@ -179,11 +173,8 @@ impl Bus {
         payload: Bytes,
     ) -> Result<(), BusError> {
         let err = |e: String| BusError::Publish { subject: subject.clone(), error: e };
-        let ack = self
-            .js
-            .publish_with_headers(subject.clone(), headers, payload)
-            .await
-            .map_err(|e| err(e.to_string()))?;
+        let ack =
+            self.js.publish_with_headers(subject.clone(), headers, payload).await.map_err(|e| err(e.to_string()))?;
         ack.await.map_err(|e| err(e.to_string()))?;
         Ok(())
     }

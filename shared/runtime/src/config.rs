@@ -128,12 +128,7 @@ impl Default for Config {
                 approval_timeout_secs: 3600,
                 memory_window_secs: 86_400,
             },
-            stages: StageDefaults {
-                concurrency: 32,
-                ack_wait_secs: 30,
-                max_ack_pending: 1024,
-                max_deliveries: 20,
-            },
+            stages: StageDefaults { concurrency: 32, ack_wait_secs: 30, max_ack_pending: 1024, max_deliveries: 20 },
             stage: BTreeMap::new(),
             reasoning: ReasoningConfig { provider: "playbook".into(), playbook_file: None },
             policy: PolicyConfig { file: None },
@@ -174,16 +169,13 @@ impl Config {
     pub fn load(file: Option<&Path>) -> Result<Config, ConfigError> {
         let mut fig = Figment::from(Serialized::defaults(Config::default()));
         match file {
-            Some(p) if !p.exists() => {
-                return Err(ConfigError(format!("config file {} does not exist", p.display())))
-            }
+            Some(p) if !p.exists() => return Err(ConfigError(format!("config file {} does not exist", p.display()))),
             Some(p) => fig = fig.merge(Toml::file(p)),
             None if Path::new("pitcrew.toml").exists() => fig = fig.merge(Toml::file("pitcrew.toml")),
             None => {}
         }
-        fig = fig
-            .merge(Env::raw().only(&["database_url"]).map(|_| "database.url".into()))
-            .merge(Env::prefixed("PITCREW_").map(|k| {
+        fig = fig.merge(Env::raw().only(&["database_url"]).map(|_| "database.url".into())).merge(
+            Env::prefixed("PITCREW_").map(|k| {
                 let k = k.as_str().to_ascii_lowercase();
                 ENV_ALIASES
                     .iter()
@@ -191,7 +183,8 @@ impl Config {
                     .map(|(_, to)| to.to_string())
                     .unwrap_or_else(|| k.replace("__", "."))
                     .into()
-            }));
+            }),
+        );
         let cfg: Config = fig.extract().map_err(|e| ConfigError(e.to_string()))?;
         cfg.validate()?;
         Ok(cfg)
@@ -265,12 +258,9 @@ pub fn redact_url(url: &str) -> String {
     let authority_end = rest.find('/').unwrap_or(rest.len());
     let authority = &rest[..authority_end];
     match (authority.rfind('@'), authority.find(':')) {
-        (Some(at), Some(colon)) if colon < at => format!(
-            "{}://{}:***{}",
-            &url[..scheme_end],
-            &authority[..colon],
-            &rest[at..]
-        ),
+        (Some(at), Some(colon)) if colon < at => {
+            format!("{}://{}:***{}", &url[..scheme_end], &authority[..colon], &rest[at..])
+        }
         _ => url.to_string(),
     }
 }

@@ -27,10 +27,8 @@ impl NatsServer {
     /// Start a server on a free loopback port with JetStream in a fresh temp dir.
     pub fn start() -> Result<NatsServer, NatsdError> {
         let binary = find_binary()?;
-        let store = tempfile::Builder::new()
-            .prefix("pitcrew-nats-")
-            .tempdir()
-            .map_err(|e| NatsdError::Start(e.to_string()))?;
+        let store =
+            tempfile::Builder::new().prefix("pitcrew-nats-").tempdir().map_err(|e| NatsdError::Start(e.to_string()))?;
         let port = free_port().map_err(|e| NatsdError::Start(e.to_string()))?;
         let mut s = NatsServer { child: None, binary, port, store };
         s.spawn()?;
@@ -38,8 +36,8 @@ impl NatsServer {
     }
 
     fn spawn(&mut self) -> Result<(), NatsdError> {
-        let log = std::fs::File::create(self.store.path().join("nats.log"))
-            .map_err(|e| NatsdError::Start(e.to_string()))?;
+        let log =
+            std::fs::File::create(self.store.path().join("nats.log")).map_err(|e| NatsdError::Start(e.to_string()))?;
         let child = Command::new(&self.binary)
             .args(["-a", "127.0.0.1", "-p", &self.port.to_string(), "-js", "-sd"])
             .arg(self.store.path().join("js"))

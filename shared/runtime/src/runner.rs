@@ -246,8 +246,7 @@ pub async fn apply(
 /// Publish a state to the stage it is addressed to.
 pub async fn publish_state(bus: &Bus, state: &RunState) -> Result<(), BusError> {
     let payload = codec::to_msgpack(state);
-    bus.publish(bus.subjects.stage(state.step), &state.msg_id(), MSGPACK, Some(state.run_id), payload.into())
-        .await
+    bus.publish(bus.subjects.stage(state.step), &state.msg_id(), MSGPACK, Some(state.run_id), payload.into()).await
 }
 
 /// Publish events to `pitcrew.events.<run>.<kind>`, all at once, then wait for every ack.
@@ -294,6 +293,5 @@ pub async fn dead_letter(
     headers.insert(ERROR_HEADER, pitcrew_model::trim::clip(&why.replace(['\r', '\n'], " "), 1000).as_str());
     headers.insert(STAGE_HEADER, stage);
     headers.insert(ORIGIN_HEADER, msg.subject.as_str());
-    bus.publish_with_headers(bus.subjects.dlq(stage), headers, Bytes::copy_from_slice(&msg.payload))
-        .await
+    bus.publish_with_headers(bus.subjects.dlq(stage), headers, Bytes::copy_from_slice(&msg.payload)).await
 }

@@ -9,9 +9,9 @@ use std::collections::BTreeMap;
 /// The inventory entry of the incident's service, or a message saying how to add it.
 pub fn service<'c>(cfg: &'c Config, state: &RunState) -> Result<&'c ServiceSpec, String> {
     let name = &state.incident.service;
-    cfg.services.get(name).ok_or_else(|| {
-        format!("unknown service '{name}': add it under [services.{name}] in pitcrew.toml")
-    })
+    cfg.services
+        .get(name)
+        .ok_or_else(|| format!("unknown service '{name}': add it under [services.{name}] in pitcrew.toml"))
 }
 
 /// Template variables: the service's, plus `pid` when diagnose read a pidfile this attempt.

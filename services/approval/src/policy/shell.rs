@@ -78,96 +78,31 @@ const WRAPPERS: &[Wrapper] = &[
         ],
         positionals: 0,
     },
-    Wrapper {
-        name: "doas",
-        short_with_value: "uC",
-        long_with_value: &[],
-        positionals: 0,
-    },
+    Wrapper { name: "doas", short_with_value: "uC", long_with_value: &[], positionals: 0 },
     Wrapper {
         name: "env",
         short_with_value: "uCS",
         long_with_value: &["unset", "chdir", "split-string"],
         positionals: 0,
     },
-    Wrapper {
-        name: "nice",
-        short_with_value: "n",
-        long_with_value: &["adjustment"],
-        positionals: 0,
-    },
-    Wrapper {
-        name: "timeout",
-        short_with_value: "sk",
-        long_with_value: &["signal", "kill-after"],
-        positionals: 1,
-    },
+    Wrapper { name: "nice", short_with_value: "n", long_with_value: &["adjustment"], positionals: 0 },
+    Wrapper { name: "timeout", short_with_value: "sk", long_with_value: &["signal", "kill-after"], positionals: 1 },
     Wrapper {
         name: "ionice",
         short_with_value: "cnpPu",
         long_with_value: &["class", "classdata", "pid", "pgid", "uid"],
         positionals: 0,
     },
-    Wrapper {
-        name: "stdbuf",
-        short_with_value: "ioe",
-        long_with_value: &["input", "output", "error"],
-        positionals: 0,
-    },
-    Wrapper {
-        name: "chroot",
-        short_with_value: "",
-        long_with_value: &["userspec", "groups"],
-        positionals: 1,
-    },
-    Wrapper {
-        name: "taskset",
-        short_with_value: "",
-        long_with_value: &[],
-        positionals: 1,
-    },
-    Wrapper {
-        name: "time",
-        short_with_value: "fo",
-        long_with_value: &["format", "output"],
-        positionals: 0,
-    },
-    Wrapper {
-        name: "exec",
-        short_with_value: "a",
-        long_with_value: &[],
-        positionals: 0,
-    },
-    Wrapper {
-        name: "nohup",
-        short_with_value: "",
-        long_with_value: &[],
-        positionals: 0,
-    },
-    Wrapper {
-        name: "setsid",
-        short_with_value: "",
-        long_with_value: &[],
-        positionals: 0,
-    },
-    Wrapper {
-        name: "command",
-        short_with_value: "",
-        long_with_value: &[],
-        positionals: 0,
-    },
-    Wrapper {
-        name: "builtin",
-        short_with_value: "",
-        long_with_value: &[],
-        positionals: 0,
-    },
-    Wrapper {
-        name: "busybox",
-        short_with_value: "",
-        long_with_value: &[],
-        positionals: 0,
-    },
+    Wrapper { name: "stdbuf", short_with_value: "ioe", long_with_value: &["input", "output", "error"], positionals: 0 },
+    Wrapper { name: "chroot", short_with_value: "", long_with_value: &["userspec", "groups"], positionals: 1 },
+    Wrapper { name: "taskset", short_with_value: "", long_with_value: &[], positionals: 1 },
+    Wrapper { name: "time", short_with_value: "fo", long_with_value: &["format", "output"], positionals: 0 },
+    Wrapper { name: "exec", short_with_value: "a", long_with_value: &[], positionals: 0 },
+    Wrapper { name: "nohup", short_with_value: "", long_with_value: &[], positionals: 0 },
+    Wrapper { name: "setsid", short_with_value: "", long_with_value: &[], positionals: 0 },
+    Wrapper { name: "command", short_with_value: "", long_with_value: &[], positionals: 0 },
+    Wrapper { name: "builtin", short_with_value: "", long_with_value: &[], positionals: 0 },
+    Wrapper { name: "busybox", short_with_value: "", long_with_value: &[], positionals: 0 },
 ];
 
 /// Wrappers unwrapped at most this many times (`sudo env nice cmd` is three).
@@ -217,10 +152,7 @@ fn skip_options(args: &[String], w: &Wrapper) -> (usize, Option<String>) {
                     split = value;
                 }
             }
-        } else if let Some((j, ch)) = a[1..]
-            .char_indices()
-            .find(|(_, c)| w.short_with_value.contains(*c))
-        {
+        } else if let Some((j, ch)) = a[1..].char_indices().find(|(_, c)| w.short_with_value.contains(*c)) {
             let attached = &a[1 + j + ch.len_utf8()..];
             let value = if attached.is_empty() {
                 width = 2;
@@ -316,10 +248,7 @@ mod tests {
         assert_eq!(norm("/usr/bin/sudo -u root -- /bin/rm -rf /"), "rm -rf /");
         assert_eq!(norm("sudo -nuroot rm x"), "rm x");
         assert_eq!(norm("sudo --user=root --preserve-env rm x"), "rm x");
-        assert_eq!(
-            norm("FOO=1 env -i BAR=2 nice -n 5 nohup timeout -s KILL 10 rm x"),
-            "rm x"
-        );
+        assert_eq!(norm("FOO=1 env -i BAR=2 nice -n 5 nohup timeout -s KILL 10 rm x"), "rm x");
         assert_eq!(norm("env -S 'rm -rf /' extra"), "rm -rf / extra");
         assert_eq!(norm("doas -u root reboot"), "reboot");
         assert_eq!(norm("chroot /mnt busybox rm x"), "rm x");

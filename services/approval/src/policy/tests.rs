@@ -8,19 +8,11 @@ fn plan(cmds: &[&str]) -> Vec<String> {
 
 /// The first rule a single command hits, with its class.
 fn first_hit(policy: &Policy, cmd: &str) -> Option<(String, String)> {
-    policy
-        .findings(&plan(&[cmd]))
-        .into_iter()
-        .next()
-        .map(|f| (f.rule, f.class))
+    policy.findings(&plan(&[cmd])).into_iter().next().map(|f| (f.rule, f.class))
 }
 
 fn rules_hit(policy: &Policy, cmd: &str) -> Vec<String> {
-    policy
-        .findings(&plan(&[cmd]))
-        .into_iter()
-        .map(|f| f.rule)
-        .collect()
+    policy.findings(&plan(&[cmd])).into_iter().map(|f| f.rule).collect()
 }
 
 /// (rule, commands it must hit, commands it must not hit)
@@ -47,12 +39,7 @@ const FORBIDDEN_CASES: &[(&str, &[&str], &[&str])] = &[
             "rm -rf '/etc'",
             "rm -rf -- //",
         ],
-        &[
-            "rm -rf /tmp/x",
-            "rm -rf /var/log/app/old.log",
-            "rm -f ./stale.pid",
-            "rm -rf build",
-        ],
+        &["rm -rf /tmp/x", "rm -rf /var/log/app/old.log", "rm -f ./stale.pid", "rm -rf build"],
     ),
     (
         "disk-format",
@@ -66,11 +53,7 @@ const FORBIDDEN_CASES: &[(&str, &[&str], &[&str])] = &[
         ],
         &["ddclient --force", "df -h", "mkdir /tmp/x"],
     ),
-    (
-        "fork-bomb",
-        &["bomb ':(){ :|:& };:'", "x :() {"],
-        &["echo hello", "echo '()'"],
-    ),
+    ("fork-bomb", &["bomb ':(){ :|:& };:'", "x :() {"], &["echo hello", "echo '()'"]),
     (
         "shell-invocation",
         &[
@@ -92,19 +75,8 @@ const FORBIDDEN_CASES: &[(&str, &[&str], &[&str])] = &[
     ),
     (
         "inline-code",
-        &[
-            "python3 -c 'import os'",
-            "perl -e 'unlink 1'",
-            "perl -ne 'print'",
-            "ruby -e x",
-            "node -e x",
-            "php -r x",
-        ],
-        &[
-            "python3 /opt/app/heal.py",
-            "python3 -m http.server",
-            "perl -v",
-        ],
+        &["python3 -c 'import os'", "perl -e 'unlink 1'", "perl -ne 'print'", "ruby -e x", "node -e x", "php -r x"],
+        &["python3 /opt/app/heal.py", "python3 -m http.server", "perl -v"],
     ),
     (
         "sudoers",
@@ -113,27 +85,13 @@ const FORBIDDEN_CASES: &[(&str, &[&str], &[&str])] = &[
     ),
     (
         "account-change",
-        &[
-            "useradd evil",
-            "userdel bob",
-            "usermod -aG sudo evil",
-            "passwd root",
-            "chpasswd",
-            "sudo adduser x",
-        ],
+        &["useradd evil", "userdel bob", "usermod -aG sudo evil", "passwd root", "chpasswd", "sudo adduser x"],
         &["id bob", "getent passwd bob", "users"],
     ),
     (
         "credentials",
-        &[
-            "cp key /root/.ssh/authorized_keys",
-            "tee -a /home/u/.ssh/authorized_keys",
-            "cat /etc/shadow",
-        ],
-        &[
-            "ssh-keygen -l -f /etc/ssh/ssh_host_rsa_key.pub",
-            "cat /etc/hosts",
-        ],
+        &["cp key /root/.ssh/authorized_keys", "tee -a /home/u/.ssh/authorized_keys", "cat /etc/shadow"],
+        &["ssh-keygen -l -f /etc/ssh/ssh_host_rsa_key.pub", "cat /etc/hosts"],
     ),
     (
         "firewall-flush",
@@ -147,51 +105,21 @@ const FORBIDDEN_CASES: &[(&str, &[&str], &[&str])] = &[
             "ufw --force reset",
             "systemctl stop firewalld",
         ],
-        &[
-            "iptables -L -n",
-            "nft list ruleset",
-            "ufw status",
-            "ufw allow 443",
-        ],
+        &["iptables -L -n", "nft list ruleset", "ufw status", "ufw allow 443"],
     ),
     (
         "permissions-system-path",
-        &[
-            "chmod -R 777 /",
-            "chown -R nobody /etc",
-            "chmod 777 /usr/",
-            "sudo chgrp -R x /var/*",
-        ],
-        &[
-            "chmod 644 /etc/app/app.conf",
-            "chown -R web /srv/web/data",
-            "chmod -R g+w /tmp/x",
-        ],
+        &["chmod -R 777 /", "chown -R nobody /etc", "chmod 777 /usr/", "sudo chgrp -R x /var/*"],
+        &["chmod 644 /etc/app/app.conf", "chown -R web /srv/web/data", "chmod -R g+w /tmp/x"],
     ),
     (
         "power",
-        &[
-            "shutdown -h now",
-            "reboot",
-            "sudo halt",
-            "poweroff",
-            "systemctl reboot",
-            "init 0",
-            "telinit 6",
-        ],
+        &["shutdown -h now", "reboot", "sudo halt", "poweroff", "systemctl reboot", "init 0", "telinit 6"],
         &["systemctl restart web", "uptime", "rebootstrap --help"],
     ),
     (
         "kill-init-or-all",
-        &[
-            "kill -9 1",
-            "kill 1",
-            "kill -9 -1",
-            "kill -s KILL -1",
-            "kill -- -1",
-            "killall5 -9",
-            "pkill -9 systemd",
-        ],
+        &["kill -9 1", "kill 1", "kill -9 -1", "kill -s KILL -1", "kill -- -1", "killall5 -9", "pkill -9 systemd"],
         &["kill -1 1234", "kill -9 12345", "kill 4242", "pkill -f toy"],
     ),
 ];
@@ -199,20 +127,10 @@ const FORBIDDEN_CASES: &[(&str, &[&str], &[&str])] = &[
 const CRITICAL_CASES: &[(&str, &[&str], &[&str])] = &[
     (
         "kill-9",
-        &[
-            "kill -9 4242",
-            "kill -KILL 4242",
-            "kill -SIGKILL 4242",
-            "sudo kill -s KILL 4242",
-            "kill -n 9 4242",
-        ],
+        &["kill -9 4242", "kill -KILL 4242", "kill -SIGKILL 4242", "sudo kill -s KILL 4242", "kill -n 9 4242"],
         &["kill 4242", "kill -TERM 4242", "kill -HUP 4242"],
     ),
-    (
-        "pkill-killall",
-        &["pkill -f toy", "killall nginx", "sudo -n pkill web"],
-        &["pgrep -f toy", "kill 4242"],
-    ),
+    ("pkill-killall", &["pkill -f toy", "killall nginx", "sudo -n pkill web"], &["pgrep -f toy", "kill 4242"]),
     (
         "container-remove",
         &[
@@ -227,29 +145,17 @@ const CRITICAL_CASES: &[(&str, &[&str], &[&str])] = &[
     ),
     (
         "kubectl-delete",
-        &[
-            "kubectl delete pod web-1",
-            "kubectl -n prod delete deploy web",
-            "kubectl drain node1",
-        ],
+        &["kubectl delete pod web-1", "kubectl -n prod delete deploy web", "kubectl drain node1"],
         &["kubectl rollout restart deploy/web", "kubectl get pods"],
     ),
     (
         "rm",
-        &[
-            "rm -rf /tmp/x",
-            "rm stale.pid",
-            "rmdir /tmp/empty",
-            "unlink /tmp/sock",
-        ],
+        &["rm -rf /tmp/x", "rm stale.pid", "rmdir /tmp/empty", "unlink /tmp/sock"],
         &["rmmod-like --list", "ls /tmp"],
     ),
     (
         "find-delete",
-        &[
-            "find /tmp -name '*.tmp' -delete",
-            "find /var/log -mtime +7 -exec rm {} +",
-        ],
+        &["find /tmp -name '*.tmp' -delete", "find /var/log -mtime +7 -exec rm {} +"],
         &["find /tmp -name '*.tmp'", "find /var/log -size +100M"],
     ),
     (
@@ -261,27 +167,12 @@ const CRITICAL_CASES: &[(&str, &[&str], &[&str])] = &[
             "systemctl mask web",
             "service web stop",
         ],
-        &[
-            "systemctl restart web",
-            "systemctl start web",
-            "systemctl status web",
-            "service web restart",
-        ],
+        &["systemctl restart web", "systemctl start web", "systemctl status web", "service web restart"],
     ),
     (
         "package-remove",
-        &[
-            "apt-get -y remove nginx",
-            "apt purge nginx",
-            "yum remove httpd",
-            "dnf erase x",
-            "pacman -Rns x",
-        ],
-        &[
-            "apt-get install -y nginx",
-            "yum info httpd",
-            "dnf list installed",
-        ],
+        &["apt-get -y remove nginx", "apt purge nginx", "yum remove httpd", "dnf erase x", "pacman -Rns x"],
+        &["apt-get install -y nginx", "yum info httpd", "dnf list installed"],
     ),
 ];
 
@@ -289,9 +180,7 @@ const CRITICAL_CASES: &[(&str, &[&str], &[&str])] = &[
 fn embedded_default_parses_and_every_rule_is_tested() {
     let p = Policy::default_policy();
     let names = |rules: &[Rule]| rules.iter().map(|r| r.name.clone()).collect::<Vec<_>>();
-    let tested = |cases: &[(&str, &[&str], &[&str])]| {
-        cases.iter().map(|c| c.0.to_string()).collect::<Vec<_>>()
-    };
+    let tested = |cases: &[(&str, &[&str], &[&str])]| cases.iter().map(|c| c.0.to_string()).collect::<Vec<_>>();
     assert_eq!(names(&p.forbidden), tested(FORBIDDEN_CASES));
     assert_eq!(names(&p.critical), tested(CRITICAL_CASES));
 }
@@ -304,16 +193,10 @@ fn every_rule_hits_its_positives_and_misses_its_negatives() {
             for cmd in *positives {
                 let hits = p.findings(&plan(&[cmd]));
                 let hit = hits.iter().find(|f| f.rule == *rule);
-                assert!(
-                    hit.is_some_and(|f| f.class == class),
-                    "{rule} should hit `{cmd}`: {hits:?}"
-                );
+                assert!(hit.is_some_and(|f| f.class == class), "{rule} should hit `{cmd}`: {hits:?}");
             }
             for cmd in *negatives {
-                assert!(
-                    !rules_hit(&p, cmd).contains(&rule.to_string()),
-                    "{rule} should not hit `{cmd}`"
-                );
+                assert!(!rules_hit(&p, cmd).contains(&rule.to_string()), "{rule} should not hit `{cmd}`");
             }
         }
     }
@@ -346,32 +229,13 @@ fn quoting_decides_what_is_a_shell_construct() {
 fn gate_examples_from_the_brief() {
     let p = Policy::default_policy();
     let d = p.gate(&plan(&["sudo -n rm -rf /"]));
-    assert!(
-        matches!(&d, GateDecision::Reject { rule, .. } if rule == "rm-system-path"),
-        "{d:?}"
-    );
+    assert!(matches!(&d, GateDecision::Reject { rule, .. } if rule == "rm-system-path"), "{d:?}");
     let d = p.gate(&plan(&["systemctl restart web", "rm -rf /tmp/x"]));
-    let GateDecision::NeedsApproval {
-        rule,
-        command,
-        reason,
-    } = d
-    else {
-        panic!("{d:?}")
-    };
+    let GateDecision::NeedsApproval { rule, command, reason } = d else { panic!("{d:?}") };
     assert_eq!((rule.as_str(), command.as_str()), ("rm", "rm -rf /tmp/x"));
     assert!(reason.contains("'rm'"), "{reason}");
-    assert_eq!(
-        p.gate(&plan(&["systemctl restart web"])),
-        GateDecision::Allow
-    );
-    assert_eq!(
-        p.gate(&plan(&[
-            "/usr/bin/toy start --port 1",
-            "journalctl --vacuum-size=200M"
-        ])),
-        GateDecision::Allow
-    );
+    assert_eq!(p.gate(&plan(&["systemctl restart web"])), GateDecision::Allow);
+    assert_eq!(p.gate(&plan(&["/usr/bin/toy start --port 1", "journalctl --vacuum-size=200M"])), GateDecision::Allow);
 }
 
 #[test]
@@ -379,76 +243,43 @@ fn forbidden_outranks_critical_and_findings_list_forbidden_first() {
     let p = Policy::default_policy();
     let cmds = plan(&["kill -9 4242", "reboot"]);
     let f = p.findings(&cmds);
-    assert_eq!(
-        (f[0].rule.as_str(), f[0].class.as_str()),
-        ("power", FORBIDDEN)
-    );
-    assert_eq!(
-        (f[1].rule.as_str(), f[1].class.as_str()),
-        ("kill-9", CRITICAL)
-    );
+    assert_eq!((f[0].rule.as_str(), f[0].class.as_str()), ("power", FORBIDDEN));
+    assert_eq!((f[1].rule.as_str(), f[1].class.as_str()), ("kill-9", CRITICAL));
     let d = p.gate(&cmds);
     assert!(
         matches!(&d, GateDecision::Reject { rule, command, reason } if rule == "power" && command == "reboot" && reason.contains("'power'"))
     );
     let flag = f[0].to_flag(3);
-    assert_eq!(
-        (flag.attempt, flag.rule.as_str(), flag.class.as_str()),
-        (3, "power", "forbidden")
-    );
+    assert_eq!((flag.attempt, flag.rule.as_str(), flag.class.as_str()), (3, "power", "forbidden"));
 }
 
 #[test]
 fn malformed_plans_are_rejected_by_built_in_rules() {
     let p = Policy::default_policy();
     assert_eq!(p.gate(&[]).rule(), Some("empty-plan"));
-    assert_eq!(
-        p.gate(&plan(&["echo 'unclosed"])).rule(),
-        Some("unparseable")
-    );
+    assert_eq!(p.gate(&plan(&["echo 'unclosed"])).rule(), Some("unparseable"));
     assert_eq!(p.gate(&plan(&["  "])).rule(), Some("empty-command"));
-    assert_eq!(
-        p.gate(&plan(&[&"x".repeat(MAX_COMMAND_LEN + 1)])).rule(),
-        Some("command-too-long")
-    );
-    assert_eq!(
-        p.gate(&plan(&["true", "true", "true", "true"])).rule(),
-        Some("too-many-commands")
-    );
+    assert_eq!(p.gate(&plan(&[&"x".repeat(MAX_COMMAND_LEN + 1)])).rule(), Some("command-too-long"));
+    assert_eq!(p.gate(&plan(&["true", "true", "true", "true"])).rule(), Some("too-many-commands"));
     assert!(first_hit(&p, "echo hi").is_none());
 }
 
 #[test]
 fn load_errors_name_the_rule() {
-    let err = Policy::from_toml("[[forbidden]]\nname = \"bad\"\nreason = \"r\"\npattern = \"(\"\n")
-        .unwrap_err()
-        .to_string();
+    let err =
+        Policy::from_toml("[[forbidden]]\nname = \"bad\"\nreason = \"r\"\npattern = \"(\"\n").unwrap_err().to_string();
     assert!(err.contains("'bad'") && err.contains("bad regex"), "{err}");
-    let err = Policy::from_toml("[[critical]]\nname = \"c1\"\nreason = \"r\"\n")
-        .unwrap_err()
-        .to_string();
+    let err = Policy::from_toml("[[critical]]\nname = \"c1\"\nreason = \"r\"\n").unwrap_err().to_string();
     assert!(err.contains("'c1'") && err.contains("pattern"), "{err}");
-    let err = Policy::from_toml("[[critical]]\nname = \"any\"\nreason = \"r\"\npattern = \".*\"\n")
-        .unwrap_err();
+    let err = Policy::from_toml("[[critical]]\nname = \"any\"\nreason = \"r\"\npattern = \".*\"\n").unwrap_err();
     assert!(err.to_string().contains("matches empty text"), "{err}");
-    let err = Policy::from_toml(
-        "[[forbidden]]\nname = \"shell-construct\"\nreason = \"r\"\npattern = \"x\"\n",
-    )
-    .unwrap_err();
+    let err =
+        Policy::from_toml("[[forbidden]]\nname = \"shell-construct\"\nreason = \"r\"\npattern = \"x\"\n").unwrap_err();
     assert!(err.to_string().contains("'shell-construct'"), "{err}");
     let twice = "[[forbidden]]\nname = \"a\"\nreason = \"r\"\npattern = \"x\"\n[[critical]]\nname = \"a\"\nreason = \"r\"\npattern = \"y\"\n";
-    assert!(Policy::from_toml(twice)
-        .unwrap_err()
-        .to_string()
-        .contains("defined more than once"));
-    assert!(Policy::from_toml("[[allow]]\nname = \"a\"\n")
-        .unwrap_err()
-        .to_string()
-        .contains("unknown key 'allow'"));
-    assert!(matches!(
-        Policy::from_toml("[[forbidden"),
-        Err(PolicyError::Toml(_))
-    ));
+    assert!(Policy::from_toml(twice).unwrap_err().to_string().contains("defined more than once"));
+    assert!(Policy::from_toml("[[allow]]\nname = \"a\"\n").unwrap_err().to_string().contains("unknown key 'allow'"));
+    assert!(matches!(Policy::from_toml("[[forbidden"), Err(PolicyError::Toml(_))));
 }
 
 #[test]
@@ -457,28 +288,10 @@ fn user_file_adds_rules_and_cannot_redefine_defaults() {
     let path = dir.path().join("policy.toml");
     std::fs::write(&path, "[[critical]]\nname = \"restart-db\"\nreason = \"the database\"\npattern = '^systemctl\\s+restart\\s+postgres'\n").unwrap();
     let p = Policy::with_user_file(&path).unwrap();
-    assert_eq!(
-        p.gate(&plan(&["systemctl restart postgres"])).rule(),
-        Some("restart-db")
-    );
-    assert_eq!(
-        p.gate(&plan(&["sudo -n rm -rf /"])).rule(),
-        Some("rm-system-path")
-    );
-    std::fs::write(
-        &path,
-        "[[critical]]\nname = \"rm-system-path\"\nreason = \"weaker\"\npattern = 'zzz'\n",
-    )
-    .unwrap();
+    assert_eq!(p.gate(&plan(&["systemctl restart postgres"])).rule(), Some("restart-db"));
+    assert_eq!(p.gate(&plan(&["sudo -n rm -rf /"])).rule(), Some("rm-system-path"));
+    std::fs::write(&path, "[[critical]]\nname = \"rm-system-path\"\nreason = \"weaker\"\npattern = 'zzz'\n").unwrap();
     let err = Policy::with_user_file(&path).unwrap_err().to_string();
-    assert!(
-        err.contains("policy.toml")
-            && err.contains("'rm-system-path'")
-            && err.contains("more than once"),
-        "{err}"
-    );
-    assert!(matches!(
-        Policy::with_user_file(&dir.path().join("absent")),
-        Err(PolicyError::Read { .. })
-    ));
+    assert!(err.contains("policy.toml") && err.contains("'rm-system-path'") && err.contains("more than once"), "{err}");
+    assert!(matches!(Policy::with_user_file(&dir.path().join("absent")), Err(PolicyError::Read { .. })));
 }

@@ -47,18 +47,12 @@ fn pieces(template: &str) -> Vec<Piece<'_>> {
 
 /// Length of a variable name starting at `rest` when it is closed by `}`.
 fn var_len(rest: &[u8]) -> Option<usize> {
-    let len = rest
-        .iter()
-        .take_while(|b| b.is_ascii_alphanumeric() || **b == b'_')
-        .count();
+    let len = rest.iter().take_while(|b| b.is_ascii_alphanumeric() || **b == b'_').count();
     (len > 0 && len <= MAX_NAME_LEN && rest.get(len) == Some(&b'}')).then_some(len)
 }
 
 /// Render `template`, taking each variable's value from `lookup` verbatim.
-pub(crate) fn render(
-    template: &str,
-    lookup: impl Fn(&str) -> Option<String>,
-) -> Result<String, Missing> {
+pub(crate) fn render(template: &str, lookup: impl Fn(&str) -> Option<String>) -> Result<String, Missing> {
     let mut out = String::with_capacity(template.len());
     for piece in pieces(template) {
         match piece {
@@ -83,10 +77,7 @@ mod tests {
 
     #[test]
     fn variables_are_replaced_verbatim() {
-        assert_eq!(
-            render("{start}", vars).unwrap(),
-            "/usr/bin/toy start --port 1"
-        );
+        assert_eq!(render("{start}", vars).unwrap(), "/usr/bin/toy start --port 1");
         assert_eq!(render("kill -9 {pid} now", vars).unwrap(), "kill -9 42 now");
     }
 
@@ -97,10 +88,7 @@ mod tests {
 
     #[test]
     fn other_braces_are_literal() {
-        assert_eq!(
-            render("awk '{print $1}' {pid}", vars).unwrap(),
-            "awk '{print $1}' 42"
-        );
+        assert_eq!(render("awk '{print $1}' {pid}", vars).unwrap(), "awk '{print $1}' 42");
         assert_eq!(render("{{pid}} {", vars).unwrap(), "{pid} {");
         assert_eq!(render("}} } {}", vars).unwrap(), "} } {}");
         assert_eq!(render("é{pid}é", vars).unwrap(), "é42é");

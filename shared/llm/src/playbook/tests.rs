@@ -28,10 +28,7 @@ impl Case {
         Case {
             incident: Incident::new("toy", error),
             evidence: Vec::new(),
-            vars: vars
-                .iter()
-                .map(|(k, v)| (k.to_string(), v.to_string()))
-                .collect(),
+            vars: vars.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
             failed: Vec::new(),
             known: Vec::new(),
             feedback: Vec::new(),
@@ -40,13 +37,8 @@ impl Case {
     }
 
     fn evidence(mut self, detail: &str, output: &str) -> Case {
-        let ev = Evidence {
-            attempt: 1,
-            source: "check".into(),
-            detail: detail.into(),
-            output: output.into(),
-            ok: false,
-        };
+        let ev =
+            Evidence { attempt: 1, source: "check".into(), detail: detail.into(), output: output.into(), ok: false };
         self.evidence.push(ev);
         self
     }
@@ -91,26 +83,16 @@ fn matches_on_the_incident_error() {
     let (d, p) = run(&Playbook::default_rules(), &case);
     assert_eq!(d.source, "playbook:process-down");
     assert_eq!(d.summary, "toy is not running: nothing is listening");
-    assert_eq!(
-        d.grounds,
-        vec!["dial tcp 127.0.0.1:8080: connection refused"]
-    );
+    assert_eq!(d.grounds, vec!["dial tcp 127.0.0.1:8080: connection refused"]);
     let p = p.unwrap();
     assert_eq!(p.commands, vec!["/usr/bin/toy start --port 1"]);
     assert_eq!(p.source, "playbook:process-down");
-    assert!(
-        p.rationale.contains("alternative 1 of 3"),
-        "{}",
-        p.rationale
-    );
+    assert!(p.rationale.contains("alternative 1 of 3"), "{}", p.rationale);
 }
 
 #[test]
 fn matches_on_evidence_output_and_detail() {
-    let output = format!(
-        "{}\nMay 1 toy[42]: worker deadlock detected\nmore",
-        "ok line\n".repeat(100)
-    );
+    let output = format!("{}\nMay 1 toy[42]: worker deadlock detected\nmore", "ok line\n".repeat(100));
     let case = Case::new("health check failed").evidence("GET /health", &output);
     let d = Playbook::default_rules().diagnose_now(&case.input());
     assert_eq!(d.source, "playbook:wedged");
@@ -118,10 +100,7 @@ fn matches_on_evidence_output_and_detail() {
 
     let case = Case::new("health check failed").evidence("GET /health returned 503", "");
     let d = Playbook::default_rules().diagnose_now(&case.input());
-    assert_eq!(
-        (d.source.as_str(), d.grounds[0].as_str()),
-        ("playbook:wedged", "GET /health returned 503")
-    );
+    assert_eq!((d.source.as_str(), d.grounds[0].as_str()), ("playbook:wedged", "GET /health returned 503"));
 }
 
 #[test]
@@ -151,30 +130,18 @@ fn user_rules_take_precedence() {
     assert_eq!(d.source, "playbook:toy-port");
     assert_eq!(p.unwrap().commands, vec!["/usr/bin/toy rebind"]);
     // Defaults still answer what the user did not cover.
-    assert_eq!(
-        book.diagnose_now(&Case::new("disk full").input()).source,
-        "playbook:disk-full"
-    );
+    assert_eq!(book.diagnose_now(&Case::new("disk full").input()).source, "playbook:disk-full");
     assert!(book.explicit_fallback, "the default fallback is kept");
 }
 
 #[test]
 fn fallback_when_nothing_matches() {
-    let (d, p) = run(
-        &Playbook::default_rules(),
-        &Case::new("weird checksum mismatch"),
-    );
+    let (d, p) = run(&Playbook::default_rules(), &Case::new("weird checksum mismatch"));
     assert_eq!(d.source, "playbook:fallback");
     assert_eq!(d.summary, "toy is unhealthy: weird checksum mismatch");
     assert_eq!(d.grounds, vec!["weird checksum mismatch"]);
     let p = p.unwrap();
-    assert_eq!(
-        (p.commands, p.source),
-        (
-            strings(&["/usr/bin/toy restart --port 1"]),
-            "playbook:fallback".into()
-        )
-    );
+    assert_eq!((p.commands, p.source), (strings(&["/usr/bin/toy restart --port 1"]), "playbook:fallback".into()));
 }
 
 #[test]
@@ -197,17 +164,13 @@ fn failed_commands_walk_the_ladder_then_exhaust() {
     loop {
         match run(&book, &case).1 {
             Ok(p) => {
-                case.failed
-                    .extend(p.commands.iter().map(|c| format!("  {c} ")));
+                case.failed.extend(p.commands.iter().map(|c| format!("  {c} ")));
                 seen.push(p.commands);
             }
             Err(e) => {
                 let msg = e.to_string();
                 assert!(matches!(e, ReasonError::Exhausted(_)));
-                assert!(
-                    msg.contains("every playbook alternative for 'down' already failed: "),
-                    "{msg}"
-                );
+                assert!(msg.contains("every playbook alternative for 'down' already failed: "), "{msg}");
                 assert!(msg.contains("/usr/bin/toy restart --port 1"), "{msg}");
                 break;
             }
@@ -228,10 +191,7 @@ fn default_process_down_never_repeats_a_failed_start() {
     let book = Playbook::default_rules();
     let mut case = Case::new("connection refused");
     case.failed = strings(&["/usr/bin/toy start --port 1"]);
-    assert_eq!(
-        run(&book, &case).1.unwrap().commands,
-        vec!["/usr/bin/toy restart --port 1"]
-    );
+    assert_eq!(run(&book, &case).1.unwrap().commands, vec!["/usr/bin/toy restart --port 1"]);
     case.failed.push("/usr/bin/toy restart --port 1".into());
     let err = run(&book, &case).1.unwrap_err();
     assert!(err.to_string().contains("'process-down'"), "{err}");
@@ -244,10 +204,7 @@ fn rejected_commands_are_skipped_and_feedback_is_cited() {
     case.feedback = strings(&["start alone did not help"]);
     let p = run(&Playbook::default_rules(), &case).1.unwrap();
     assert_eq!(p.commands, vec!["/usr/bin/toy restart --port 1"]);
-    assert!(
-        p.rationale.contains("alternative 2 of 3")
-            && p.rationale.contains("start alone did not help")
-    );
+    assert!(p.rationale.contains("alternative 2 of 3") && p.rationale.contains("start alone did not help"));
 }
 
 #[test]
@@ -258,17 +215,11 @@ fn missing_pid_skips_the_kill_alternative() {
     assert_eq!(p.commands, vec!["/usr/bin/toy restart --port 1"]);
     let mut case = Case::new("request timed out");
     case.vars.insert("pid".into(), "4242".into());
-    assert_eq!(
-        run(&book, &case).1.unwrap().commands,
-        vec!["kill -9 4242", "/usr/bin/toy start --port 1"]
-    );
+    assert_eq!(run(&book, &case).1.unwrap().commands, vec!["kill -9 4242", "/usr/bin/toy start --port 1"]);
     case.vars.remove("pid");
     case.failed = strings(&["/usr/bin/toy restart --port 1"]);
     let err = run(&book, &case).1.unwrap_err().to_string();
-    assert!(
-        err.contains("unusable here: missing variable {pid}"),
-        "{err}"
-    );
+    assert!(err.contains("unusable here: missing variable {pid}"), "{err}");
 }
 
 #[test]
@@ -281,10 +232,7 @@ fn known_fix_is_preferred_unless_it_failed() {
     assert!(p.rationale.contains("known fix #1"), "{}", p.rationale);
     assert_eq!(p.source, "playbook:process-down");
     case.failed = strings(&["/usr/bin/toy restart --port 1"]);
-    assert_eq!(
-        run(&Playbook::default_rules(), &case).1.unwrap().commands,
-        vec!["/usr/bin/toy start --port 1"]
-    );
+    assert_eq!(run(&Playbook::default_rules(), &case).1.unwrap().commands, vec!["/usr/bin/toy start --port 1"]);
 }
 
 #[test]
@@ -312,15 +260,8 @@ fn error_text_is_quoted_inside_commands() {
 #[test]
 fn unknown_or_foreign_diagnosis_source_uses_the_fallback() {
     let case = Case::new("connection refused");
-    let d = Diagnosis {
-        attempt: 1,
-        summary: "x".into(),
-        source: "openai:gpt".into(),
-        grounds: vec![],
-    };
-    let p = Playbook::default_rules()
-        .plan_now(&case.input(), &d)
-        .unwrap();
+    let d = Diagnosis { attempt: 1, summary: "x".into(), source: "openai:gpt".into(), grounds: vec![] };
+    let p = Playbook::default_rules().plan_now(&case.input(), &d).unwrap();
     assert_eq!(p.source, "playbook:fallback");
 }
 
@@ -328,83 +269,38 @@ fn unknown_or_foreign_diagnosis_source_uses_the_fallback() {
 fn load_errors_name_the_rule_and_the_problem() {
     let rule = |body: &str| format!("[[rule]]\nname = \"r1\"\n{body}");
     let cases = [
-        (
-            rule("match = \"(\"\ndiagnosis = \"d\"\nplans = [[\"a\"]]"),
-            "bad regex",
-        ),
-        (
-            rule("match = \"x\"\ndiagnosis = \"d\"\nplans = []"),
-            "no plans",
-        ),
-        (
-            rule("match = \"x\"\ndiagnosis = \"d\"\nplans = [[]]"),
-            "has 0 commands",
-        ),
-        (
-            rule("match = \"x\"\ndiagnosis = \"d\"\nplans = [[\"a\",\"b\",\"c\",\"d\"]]"),
-            "has 4 commands",
-        ),
-        (
-            rule("match = \"x|\"\ndiagnosis = \"d\"\nplans = [[\"a\"]]"),
-            "matches empty text",
-        ),
-        (
-            rule("match = \"x\"\ndiagnosis = \"d\"\nplan = [[\"a\"]]"),
-            "plan",
-        ),
+        (rule("match = \"(\"\ndiagnosis = \"d\"\nplans = [[\"a\"]]"), "bad regex"),
+        (rule("match = \"x\"\ndiagnosis = \"d\"\nplans = []"), "no plans"),
+        (rule("match = \"x\"\ndiagnosis = \"d\"\nplans = [[]]"), "has 0 commands"),
+        (rule("match = \"x\"\ndiagnosis = \"d\"\nplans = [[\"a\",\"b\",\"c\",\"d\"]]"), "has 4 commands"),
+        (rule("match = \"x|\"\ndiagnosis = \"d\"\nplans = [[\"a\"]]"), "matches empty text"),
+        (rule("match = \"x\"\ndiagnosis = \"d\"\nplan = [[\"a\"]]"), "plan"),
     ];
     for (text, want) in cases {
         let err = Playbook::from_toml(&text).unwrap_err().to_string();
         assert!(err.contains("rule 'r1'") && err.contains(want), "{err}");
     }
-    let twice = format!(
-        "{0}\n{0}",
-        rule("match = \"x\"\ndiagnosis = \"d\"\nplans = [[\"a\"]]")
-    );
-    assert!(Playbook::from_toml(&twice)
-        .unwrap_err()
-        .to_string()
-        .contains("defined twice"));
-    let err = Playbook::from_toml(
-        "[[rule]]\nname = \"fallback\"\nmatch = \"x\"\ndiagnosis = \"d\"\nplans = [[\"a\"]]",
-    );
+    let twice = format!("{0}\n{0}", rule("match = \"x\"\ndiagnosis = \"d\"\nplans = [[\"a\"]]"));
+    assert!(Playbook::from_toml(&twice).unwrap_err().to_string().contains("defined twice"));
+    let err = Playbook::from_toml("[[rule]]\nname = \"fallback\"\nmatch = \"x\"\ndiagnosis = \"d\"\nplans = [[\"a\"]]");
     assert!(err.unwrap_err().to_string().contains("not 'fallback'"));
-    assert!(matches!(
-        Playbook::from_toml("[[rule]\nname="),
-        Err(PlaybookError::Toml(_))
-    ));
-    assert!(Playbook::from_toml("[rules]\n")
-        .unwrap_err()
-        .to_string()
-        .contains("unknown key 'rules'"));
-    assert!(matches!(
-        Playbook::from_toml(&"#".repeat(MAX_PLAYBOOK_BYTES + 1)),
-        Err(PlaybookError::TooLarge)
-    ));
+    assert!(matches!(Playbook::from_toml("[[rule]\nname="), Err(PlaybookError::Toml(_))));
+    assert!(Playbook::from_toml("[rules]\n").unwrap_err().to_string().contains("unknown key 'rules'"));
+    assert!(matches!(Playbook::from_toml(&"#".repeat(MAX_PLAYBOOK_BYTES + 1)), Err(PlaybookError::TooLarge)));
 }
 
 #[test]
 fn user_file_is_read_and_errors_name_the_file() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("playbook.toml");
-    std::fs::write(
-        &path,
-        "[[rule]]\nname = \"mine\"\nmatch = \"zzz\"\ndiagnosis = \"d\"\nplans = [[\"a\"]]\n",
-    )
-    .unwrap();
+    std::fs::write(&path, "[[rule]]\nname = \"mine\"\nmatch = \"zzz\"\ndiagnosis = \"d\"\nplans = [[\"a\"]]\n")
+        .unwrap();
     let book = Playbook::with_user_file(&path).unwrap();
     let names: Vec<&str> = book.rule_names().collect();
     assert_eq!((names[0], names[1]), ("mine", "process-down"));
-    std::fs::write(
-        &path,
-        "[[rule]]\nname = \"mine\"\nmatch = \"(\"\ndiagnosis = \"d\"\nplans = [[\"a\"]]\n",
-    )
-    .unwrap();
+    std::fs::write(&path, "[[rule]]\nname = \"mine\"\nmatch = \"(\"\ndiagnosis = \"d\"\nplans = [[\"a\"]]\n").unwrap();
     let err = Playbook::with_user_file(&path).unwrap_err().to_string();
-    assert!(
-        err.contains("playbook.toml") && err.contains("rule 'mine'"),
-        "{err}"
-    );
+    assert!(err.contains("playbook.toml") && err.contains("rule 'mine'"), "{err}");
     let err = Playbook::with_user_file(&dir.path().join("absent.toml")).unwrap_err();
     assert!(matches!(err, PlaybookError::Read { .. }));
 }
@@ -416,9 +312,6 @@ fn works_as_a_trait_object() {
     let input = case.input();
     let d = futures::executor::block_on(reasoner.diagnose(&input)).unwrap();
     let p = futures::executor::block_on(reasoner.plan(&input, &d)).unwrap();
-    assert_eq!(
-        (reasoner.name(), d.source.as_str()),
-        ("playbook", "playbook:disk-full")
-    );
+    assert_eq!((reasoner.name(), d.source.as_str()), ("playbook", "playbook:disk-full"));
     assert_eq!(p.commands, vec!["journalctl --vacuum-size=200M"]);
 }

@@ -4,11 +4,8 @@ use super::StoreError;
 use tokio_postgres::NoTls;
 
 /// Every migration in order; the number is the version recorded in `pitcrew_migrations`.
-pub const MIGRATIONS: &[(i32, &str, &str)] = &[(
-    1,
-    "init",
-    include_str!("../../../../schemas/migrations/0001_init.sql"),
-)];
+pub const MIGRATIONS: &[(i32, &str, &str)] =
+    &[(1, "init", include_str!("../../../../schemas/migrations/0001_init.sql"))];
 
 /// Arbitrary constant: the advisory lock that serialises migrators.
 const MIGRATION_LOCK: i64 = 0x7069_7463_7265_77;
@@ -26,21 +23,14 @@ pub async fn migrate(client: &mut tokio_postgres::Client) -> Result<usize, Store
     .await?;
     let mut applied = 0;
     for (version, name, sql) in MIGRATIONS {
-        let done = tx
-            .query_opt("SELECT 1 FROM pitcrew_migrations WHERE version = $1", &[version])
-            .await?
-            .is_some();
+        let done = tx.query_opt("SELECT 1 FROM pitcrew_migrations WHERE version = $1", &[version]).await?.is_some();
         if done {
             continue;
         }
-        tx.batch_execute(sql).await.map_err(|e| {
-            StoreError::Migration(format!("migration {version} ({name}) failed: {e}"))
-        })?;
-        tx.execute(
-            "INSERT INTO pitcrew_migrations (version, name) VALUES ($1, $2)",
-            &[version, name],
-        )
-        .await?;
+        tx.batch_execute(sql)
+            .await
+            .map_err(|e| StoreError::Migration(format!("migration {version} ({name}) failed: {e}")))?;
+        tx.execute("INSERT INTO pitcrew_migrations (version, name) VALUES ($1, $2)", &[version, name]).await?;
         applied += 1;
     }
     tx.commit().await?;
@@ -49,9 +39,7 @@ pub async fn migrate(client: &mut tokio_postgres::Client) -> Result<usize, Store
 
 /// Create the database named in `url` if it does not exist (connecting to `postgres` to do so).
 pub async fn ensure_database(url: &str) -> Result<(), StoreError> {
-    let cfg: tokio_postgres::Config = url
-        .parse()
-        .map_err(|e| StoreError::Config(format!("bad database URL: {e}")))?;
+    let cfg: tokio_postgres::Config = url.parse().map_err(|e| StoreError::Config(format!("bad database URL: {e}")))?;
     let Some(db) = cfg.get_dbname().map(str::to_string) else { return Ok(()) };
     if !db.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-') {
         return Err(StoreError::Config(format!("database name '{db}' must be letters, digits, '_' or '-'")));
@@ -60,10 +48,7 @@ pub async fn ensure_database(url: &str) -> Result<(), StoreError> {
     admin.dbname("postgres");
     let (client, conn) = admin.connect(NoTls).await.map_err(|e| StoreError::connect(url, e))?;
     let task = tokio::spawn(conn);
-    let exists = client
-        .query_opt("SELECT 1 FROM pg_database WHERE datname = $1", &[&db])
-        .await?
-        .is_some();
+    let exists = client.query_opt("SELECT 1 FROM pg_database WHERE datname = $1", &[&db]).await?.is_some();
     if !exists {
         if let Err(e) = client.batch_execute(&format!("CREATE DATABASE \"{db}\"")).await {
             // Another process created it first: fine.

@@ -86,14 +86,22 @@ impl Store {
                  VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9) ON CONFLICT (id) DO NOTHING",
             )
             .await?;
-        let severity = serde_json::to_value(inc.severity)
-            .ok()
-            .and_then(|v| v.as_str().map(str::to_string))
-            .unwrap_or_default();
+        let severity =
+            serde_json::to_value(inc.severity).ok().and_then(|v| v.as_str().map(str::to_string)).unwrap_or_default();
         let labels = serde_json::to_value(&inc.labels).unwrap_or_default();
         tx.execute(
             &ins_incident,
-            &[&state.run_id, &fp, &inc.service, &inc.host, &inc.error, &severity, &inc.source, &labels, &inc.observed_at],
+            &[
+                &state.run_id,
+                &fp,
+                &inc.service,
+                &inc.host,
+                &inc.error,
+                &severity,
+                &inc.source,
+                &labels,
+                &inc.observed_at,
+            ],
         )
         .await?;
         let ins_run = tx
@@ -105,7 +113,14 @@ impl Store {
         let created = tx
             .execute(
                 &ins_run,
-                &[&state.run_id, &fp, &state.step.as_str(), &(state.seq as i32), &(state.attempt as i32), &state_json(state)],
+                &[
+                    &state.run_id,
+                    &fp,
+                    &state.step.as_str(),
+                    &(state.seq as i32),
+                    &(state.attempt as i32),
+                    &state_json(state),
+                ],
             )
             .await?;
         let outcome = if created == 1 {
@@ -236,10 +251,7 @@ impl Store {
         for r in rows {
             let stage: String = r.get(2);
             let kind: String = r.get(3);
-            let (Ok(stage), Ok(kind)) = (
-                stage.parse(),
-                serde_json::from_value(serde_json::Value::String(kind)),
-            ) else {
+            let (Ok(stage), Ok(kind)) = (stage.parse(), serde_json::from_value(serde_json::Value::String(kind))) else {
                 continue;
             };
             out.push(RunEvent {

@@ -63,14 +63,29 @@ impl Store {
         client
             .execute(
                 &stmt,
-                &[&run, &(ev.attempt as i32), &(ev.regeneration as i32), &ev.score, &ev.verdict.as_str(), &checks, &ev.feedback],
+                &[
+                    &run,
+                    &(ev.attempt as i32),
+                    &(ev.regeneration as i32),
+                    &ev.score,
+                    &ev.verdict.as_str(),
+                    &checks,
+                    &ev.feedback,
+                ],
             )
             .await?;
         Ok(())
     }
 
-    /// Store what this attempt tried and whether it worked.
-    pub async fn record_episode(&self, state: &RunState, success: bool, result: &str) -> Result<(), StoreError> {
+    /// Store what this attempt ran (`commands`: only those that actually ran, so a plan that
+    /// was denied or rejected is never remembered as failing) and whether it worked.
+    pub async fn record_episode(
+        &self,
+        state: &RunState,
+        commands: &[String],
+        success: bool,
+        result: &str,
+    ) -> Result<(), StoreError> {
         let client = self.client().await?;
         let stmt = client
             .prepare_cached(
@@ -79,7 +94,6 @@ impl Store {
             )
             .await?;
         let diagnosis = state.diagnosis().map(|d| d.summary.clone()).unwrap_or_default();
-        let commands: Vec<String> = state.plan.as_ref().map(|p| p.commands.clone()).unwrap_or_default();
         client
             .execute(
                 &stmt,
@@ -90,7 +104,7 @@ impl Store {
                     &state.incident.signature(),
                     &state.incident.error,
                     &diagnosis,
-                    &commands,
+                    &commands.to_vec(),
                     &result,
                     &success,
                 ],
@@ -139,7 +153,16 @@ impl Store {
         client
             .execute(
                 &stmt,
-                &[&req.run_id, &req.plan_hash, &(req.attempt as i32), &req.plan, &req.risk, &req.rule, &req.requested_at, &req.expires_at],
+                &[
+                    &req.run_id,
+                    &req.plan_hash,
+                    &(req.attempt as i32),
+                    &req.plan,
+                    &req.risk,
+                    &req.rule,
+                    &req.requested_at,
+                    &req.expires_at,
+                ],
             )
             .await?;
         Ok(())
@@ -162,7 +185,19 @@ impl Store {
             )
             .await?;
         let n = client
-            .execute(&stmt, &[&d.run_id, &plan_hash, &d.decision.as_str(), &d.by, &d.decided_at, &d.channel, &d.reason, &(seq as i64)])
+            .execute(
+                &stmt,
+                &[
+                    &d.run_id,
+                    &plan_hash,
+                    &d.decision.as_str(),
+                    &d.by,
+                    &d.decided_at,
+                    &d.channel,
+                    &d.reason,
+                    &(seq as i64),
+                ],
+            )
             .await?;
         if n == 1 {
             return Ok(DecideOutcome::Applied);
@@ -229,9 +264,7 @@ impl Store {
                  VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT DO NOTHING",
             )
             .await?;
-        let n = client
-            .execute(&ins, &[&run, &(attempt as i32), &(index as i32), &command, &host, &worker])
-            .await?;
+        let n = client.execute(&ins, &[&run, &(attempt as i32), &(index as i32), &command, &host, &worker]).await?;
         if n == 1 {
             return Ok(Claim::Claimed);
         }
@@ -245,8 +278,8 @@ impl Store {
             .await?;
         let status: Option<String> = row.get(1);
         let Some(status) = status else { return Ok(Claim::Unfinished) };
-        let status: ExecutionStatus = serde_json::from_value(serde_json::Value::String(status))
-            .unwrap_or(ExecutionStatus::Failed);
+        let status: ExecutionStatus =
+            serde_json::from_value(serde_json::Value::String(status)).unwrap_or(ExecutionStatus::Failed);
         let ms: Option<i64> = row.get(4);
         Ok(Claim::Finished(ExecutionRecord {
             attempt,
@@ -268,10 +301,8 @@ impl Store {
                  WHERE run_id = $1 AND attempt = $2 AND idx = $3",
             )
             .await?;
-        let status = serde_json::to_value(rec.status)
-            .ok()
-            .and_then(|v| v.as_str().map(str::to_string))
-            .unwrap_or_default();
+        let status =
+            serde_json::to_value(rec.status).ok().and_then(|v| v.as_str().map(str::to_string)).unwrap_or_default();
         client
             .execute(&stmt, &[&run, &(rec.attempt as i32), &(rec.index as i32), &status, &rec.exit_code, &rec.output])
             .await?;

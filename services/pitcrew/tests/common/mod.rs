@@ -1,0 +1,147 @@
+//! Shared set-up for the end-to-end tests: a real nats-server, a fresh database, the crew
+//! running in-process (or as real `pitcrew worker` processes), and event waits with timeouts.
+
+#![allow(dead_code)]
+
+use futures::FutureExt;
+use pitcrew::{cli, crew};
+use pitcrew_model::{Incident, Severity, Stage};
+use pitcrew_runtime::{Bus, Config, Store};
+use pitcrew_testkit::{Events, TestEnv};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+use uuid::Uuid;
+
+pub const WAIT: Duration = Duration::from_secs(60);
+
+/// A running crew over its own environment.
+pub struct Crew {
+    pub env: TestEnv,
+    pub cfg: Config,
+    /// The config document (worker processes read it from a file).
+    pub toml: String,
+    pub bus: Bus,
+    pub store: Store,
+    pub events: Events,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    task: Option<tokio::task::JoinHandle<anyhow::Result<()>>>,
+}
+
+/// A service whose health is a marker file: `test -f DIR/healthy`, started by `touch`.
+pub fn marker_service(env: &TestEnv, name: &str) -> String {
+    let healthy = env.path(&format!("{name}-healthy"));
+    format!(
+        "[services.{name}]\nhost = \"local\"\nstart = \"touch {healthy}\"\nrestart = \"touch {healthy}\"\n\
+         check = {{ kind = \"command\", command = \"test -f {healthy}\" }}\n"
+    )
+}
+
+impl Crew {
+    /// Start an environment and run `stages` in-process with the config `extra`.
+    pub async fn start(extra: &str, stages: &[Stage]) -> anyhow::Result<Crew> {
+        let env = TestEnv::start().await?;
+        Self::start_in(env, extra, stages).await
+    }
+
+    pub async fn start_in(env: TestEnv, extra: &str, stages: &[Stage]) -> anyhow::Result<Crew> {
+        let extra = extra.replace("{dir}", &env.dir.path().display().to_string());
+        let toml = env.config_toml(&format!("[verify]\nchecks = 2\ninterval_ms = 100\n{extra}"));
+        let cfg = Config::from_toml(&toml)?;
+        let (bus, store) = crew::connect(&cfg).await?;
+        let events = Events::follow(&bus, false).await?;
+        let mut c = Crew { env, cfg, toml, bus, store, events, stop: None, task: None };
+        c.run(stages);
+        Ok(c)
+    }
+
+    /// (Re)start the in-process stages.
+    pub fn run(&mut self, stages: &[Stage]) {
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        let shutdown = async move {
+            let _ = rx.await;
+        }
+        .boxed()
+        .shared();
+        let cfg = self.cfg.clone();
+        let stages = stages.to_vec();
+        self.stop = Some(tx);
+        self.task = Some(tokio::spawn(async move { crew::run(cfg, &stages, shutdown).await }));
+    }
+
+    /// Stop the in-process stages and wait for them to drain.
+    pub async fn shutdown(&mut self) -> anyhow::Result<()> {
+        if let Some(tx) = self.stop.take() {
+            let _ = tx.send(());
+        }
+        if let Some(t) = self.task.take() {
+            tokio::time::timeout(Duration::from_secs(30), t).await???;
+        }
+        Ok(())
+    }
+
+    pub async fn open(&self, service: &str, error: &str) -> anyhow::Result<Uuid> {
+        self.open_with(service, error, None).await
+    }
+
+    pub async fn open_with(&self, service: &str, error: &str, fingerprint: Option<String>) -> anyhow::Result<Uuid> {
+        let i: Incident = cli::incident(service, error, None, Severity::Warning, fingerprint)?;
+        cli::open_incident(&self.bus, &i).await
+    }
+
+    pub async fn db(&self) -> anyhow::Result<tokio_postgres::Client> {
+        self.env.db.client().await
+    }
+
+    /// Write the config to a file for worker processes.
+    pub fn config_file(&self) -> anyhow::Result<std::path::PathBuf> {
+        let path = self.env.dir.path().join("pitcrew.toml");
+        std::fs::write(&path, &self.toml)?;
+        Ok(path)
+    }
+
+    /// Start `pitcrew worker <stages>` as a real process named `name`.
+    pub fn spawn_worker(&self, name: &str, stages: &[&str], env: &[(&str, &str)]) -> anyhow::Result<Worker> {
+        let file = self.config_file()?;
+        let log = std::fs::File::create(self.env.dir.path().join(format!("{name}.log")))?;
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_pitcrew"));
+        cmd.arg("--config").arg(&file).arg("worker").args(stages);
+        cmd.env("PITCREW_WORKER_NAME", name).env_remove("DATABASE_URL").env("PITCREW_LOG", "info");
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        let child = cmd.stdin(Stdio::null()).stdout(Stdio::null()).stderr(log).spawn()?;
+        Ok(Worker { child })
+    }
+}
+
+/// A worker process, killed on drop.
+pub struct Worker {
+    pub child: Child,
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Crew {
+    fn drop(&mut self) {
+        if let Some(tx) = self.stop.take() {
+            let _ = tx.send(());
+        }
+    }
+}
+
+/// One value from a query.
+pub async fn count(db: &tokio_postgres::Client, sql: &str, run: Uuid) -> i64 {
+    db.query_one(sql, &[&run]).await.expect("query").get::<_, i64>(0)
+}
+
+/// Write a file into the test's directory, `{dir}` replaced by the directory.
+pub fn write(env: &TestEnv, name: &str, content: &str) -> String {
+    let path = env.path(name);
+    std::fs::write(&path, content.replace("{dir}", &env.dir.path().display().to_string())).expect("write test file");
+    path
+}

@@ -1,0 +1,163 @@
+//! End to end against a real nats-server and a fresh Postgres database per test: the
+//! remediation graph's paths (resolve, forbid, approve, deny, retry to the limit), dedup.
+
+mod common;
+
+use common::{count, marker_service, write, Crew, WAIT};
+use pitcrew::cli;
+use pitcrew_model::{Decision, EventKind, Stage};
+use pitcrew_testkit::TestEnv;
+
+/// A user playbook whose rules name the test's own commands.
+const PLAYBOOK: &str = r#"
+[[rule]]
+name = "wiped"
+match = "(?i)disk wiped"
+diagnosis = "{service} lost its data disk"
+plans = [["rm -rf /"]]
+
+[[rule]]
+name = "locked"
+match = "(?i)stale lock"
+diagnosis = "{service} is held by a stale lock"
+plans = [["rm -f {dir}/svc.lock", "touch {dir}/svc-healthy"]]
+
+[[rule]]
+name = "cursed"
+match = "(?i)cursed"
+diagnosis = "{service} is cursed"
+plans = [["mkdir {dir}/try-1"], ["mkdir {dir}/try-2"], ["mkdir {dir}/try-3"], ["mkdir {dir}/try-4"]]
+"#;
+
+async fn crew_with_playbook(extra: &str) -> anyhow::Result<Crew> {
+    let env = TestEnv::start().await?;
+    let book = write(&env, "playbook.toml", PLAYBOOK);
+    let svc = marker_service(&env, "svc");
+    let text = format!("[reasoning]\nplaybook_file = \"{book}\"\n{svc}{extra}");
+    Crew::start_in(env, &text, &Stage::ALL).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_incident_is_resolved_end_to_end_with_episode_and_evaluation() -> anyhow::Result<()> {
+    let mut crew = crew_with_playbook("").await?;
+    let run = crew.open("svc", "GET /health: connection refused").await?;
+    let end = crew.events.terminal(run, WAIT).await?;
+    assert_eq!(end.kind, EventKind::Resolved, "{}", end.message);
+    assert!(std::path::Path::new(&crew.env.path("svc-healthy")).exists());
+    let db = crew.db().await?;
+    let status: String = db.query_one("SELECT status FROM runs WHERE id = $1", &[&run]).await?.get(0);
+    assert_eq!(status, "resolved");
+    let ep = db.query_one("SELECT success, commands, attempt FROM episodes WHERE run_id = $1", &[&run]).await?;
+    assert!(ep.get::<_, bool>(0));
+    assert_eq!(ep.get::<_, Vec<String>>(1), vec![format!("touch {}", crew.env.path("svc-healthy"))]);
+    let ev = db.query_one("SELECT verdict, score, checks FROM evaluations WHERE run_id = $1", &[&run]).await?;
+    assert_eq!(ev.get::<_, String>(0), "pass");
+    assert!(ev.get::<_, f64>(1) >= 0.7);
+    assert_eq!(ev.get::<_, serde_json::Value>(2).as_array().map(Vec::len), Some(5));
+    assert_eq!(count(&db, "SELECT count(*) FROM executions WHERE run_id = $1 AND status = 'succeeded'", run).await, 1);
+    // The timeline is stored, in order, one status event per stage visited.
+    let stages: Vec<String> = db
+        .query("SELECT stage FROM run_events WHERE run_id = $1 AND kind = 'status' ORDER BY seq, idx", &[&run])
+        .await?
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(stages, ["intake", "intake", "diagnose", "plan", "evaluate", "approval", "execute", "verify", "report"]);
+    crew.shutdown().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forbidden_plan_is_escalated_and_nothing_runs() -> anyhow::Result<()> {
+    let mut crew = crew_with_playbook("").await?;
+    let run = crew.open("svc", "disk wiped").await?;
+    let end = crew.events.terminal(run, WAIT).await?;
+    assert_eq!(end.kind, EventKind::Escalated);
+    assert!(end.message.contains("policy rejected `rm -rf /`"), "{}", end.message);
+    assert!(end.message.contains("rm-system-path"), "the reason names the rule: {}", end.message);
+    let db = crew.db().await?;
+    assert_eq!(count(&db, "SELECT count(*) FROM executions WHERE run_id = $1", run).await, 0);
+    let status: String = db.query_one("SELECT status FROM runs WHERE id = $1", &[&run]).await?.get(0);
+    assert_eq!(status, "escalated");
+    crew.shutdown().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_critical_plan_parks_until_approved_then_runs() -> anyhow::Result<()> {
+    let mut crew = crew_with_playbook("").await?;
+    let run = crew.open("svc", "stale lock held").await?;
+    let asked = crew.events.kind(run, EventKind::ApprovalRequested, WAIT).await?;
+    assert!(asked.message.contains("waiting for approval"), "{}", asked.message);
+    let db = crew.db().await?;
+    // Parked: waiting, nothing executed, the request stored and on the bridge stream.
+    let status: String = db.query_one("SELECT status FROM runs WHERE id = $1", &[&run]).await?.get(0);
+    assert_eq!(status, "waiting_approval");
+    assert_eq!(count(&db, "SELECT count(*) FROM executions WHERE run_id = $1", run).await, 0);
+    let req = cli::approval_request(&crew.bus, run).await?;
+    assert_eq!(req.plan.len(), 2);
+    assert!(req.rule.contains("rm"), "{}", req.rule);
+    cli::decide(&crew.bus, run, Decision::Approve, "ann", None, "cli").await?;
+    let end = crew.events.terminal(run, WAIT).await?;
+    assert_eq!(end.kind, EventKind::Resolved, "{}", end.message);
+    assert_eq!(count(&db, "SELECT count(*) FROM executions WHERE run_id = $1 AND status = 'succeeded'", run).await, 2);
+    let who: String = db
+        .query_one("SELECT decided_by FROM approvals WHERE run_id = $1 AND decision = 'approve'", &[&run])
+        .await?
+        .get(0);
+    assert_eq!(who, "ann");
+    crew.shutdown().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_denied_plan_is_escalated_and_nothing_runs() -> anyhow::Result<()> {
+    let mut crew = crew_with_playbook("").await?;
+    let run = crew.open("svc", "stale lock held").await?;
+    crew.events.kind(run, EventKind::ApprovalRequested, WAIT).await?;
+    cli::decide(&crew.bus, run, Decision::Deny, "bob", Some("not during the sale".into()), "cli").await?;
+    let end = crew.events.terminal(run, WAIT).await?;
+    assert_eq!(end.kind, EventKind::Escalated);
+    assert!(end.message.contains("denied by bob: not during the sale"), "{}", end.message);
+    let db = crew.db().await?;
+    assert_eq!(count(&db, "SELECT count(*) FROM executions WHERE run_id = $1", run).await, 0);
+    // A late approval of the same plan changes nothing.
+    cli::decide(&crew.bus, run, Decision::Approve, "carol", None, "cli").await?;
+    crew.events.wait(run, |e| e.kind == EventKind::Error && e.message.contains("already decided"), WAIT).await?;
+    assert_eq!(count(&db, "SELECT count(*) FROM executions WHERE run_id = $1", run).await, 0);
+    crew.shutdown().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fault_that_never_recovers_escalates_after_exactly_max_retries() -> anyhow::Result<()> {
+    let mut crew = crew_with_playbook("[limits]\nmax_retries = 3\n").await?;
+    let run = crew.open("svc", "the service is cursed").await?;
+    let end = crew.events.terminal(run, WAIT).await?;
+    assert_eq!(end.kind, EventKind::Escalated);
+    assert!(end.message.contains("after 3 attempt(s): max_retries (3)"), "{}", end.message);
+    let db = crew.db().await?;
+    assert_eq!(count(&db, "SELECT count(DISTINCT attempt) FROM executions WHERE run_id = $1", run).await, 3);
+    assert_eq!(count(&db, "SELECT count(*) FROM episodes WHERE run_id = $1 AND NOT success", run).await, 3);
+    // Each attempt ran a new command: never one that already failed.
+    for i in 1..=3 {
+        assert!(std::path::Path::new(&crew.env.path(&format!("try-{i}"))).is_dir());
+    }
+    assert!(!std::path::Path::new(&crew.env.path("try-4")).exists());
+    crew.shutdown().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_open_run_per_fingerprint() -> anyhow::Result<()> {
+    let mut crew = crew_with_playbook("").await?;
+    let first = crew.open_with("svc", "stale lock held", Some("fp-1".into())).await?;
+    crew.events.kind(first, EventKind::ApprovalRequested, WAIT).await?;
+    let second = crew.open_with("svc", "stale lock held again", Some("fp-1".into())).await?;
+    let dup = crew.events.terminal(second, WAIT).await?;
+    assert_eq!(dup.kind, EventKind::Duplicate);
+    assert!(dup.message.contains(&first.to_string()));
+    let db = crew.db().await?;
+    assert_eq!(count(&db, "SELECT count(*) FROM runs WHERE id = $1", second).await, 0);
+    // Once the first run ends, the fingerprint may open a new run.
+    cli::decide(&crew.bus, first, Decision::Deny, "bob", Some("no".into()), "cli").await?;
+    crew.events.terminal(first, WAIT).await?;
+    let third = crew.open_with("svc", "stale lock held", Some("fp-1".into())).await?;
+    crew.events.kind(third, EventKind::ApprovalRequested, WAIT).await?;
+    crew.shutdown().await
+}
