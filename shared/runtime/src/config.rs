@@ -152,6 +152,9 @@ pub struct StageSettings {
     pub max_deliveries: u64,
 }
 
+/// `PITCREW_*` variables that are not config keys (read elsewhere).
+const NOT_CONFIG: &[&str] = &["log", "log_format", "config", "nats_server", "test_database_url"];
+
 /// Short env names for the settings people change most.
 const ENV_ALIASES: &[(&str, &str)] = &[
     ("nats_url", "nats.url"),
@@ -175,14 +178,17 @@ impl Config {
             None => {}
         }
         fig = fig.merge(Env::raw().only(&["database_url"]).map(|_| "database.url".into())).merge(
-            Env::prefixed("PITCREW_").map(|k| {
+            Env::prefixed("PITCREW_").filter_map(|k| {
                 let k = k.as_str().to_ascii_lowercase();
-                ENV_ALIASES
+                if NOT_CONFIG.contains(&k.as_str()) {
+                    return None;
+                }
+                let key = ENV_ALIASES
                     .iter()
                     .find(|(a, _)| *a == k)
                     .map(|(_, to)| to.to_string())
-                    .unwrap_or_else(|| k.replace("__", "."))
-                    .into()
+                    .unwrap_or_else(|| k.replace("__", "."));
+                Some(key.into())
             }),
         );
         let cfg: Config = fig.extract().map_err(|e| ConfigError(e.to_string()))?;
@@ -287,5 +293,22 @@ mod tests {
         let e = Config::from_toml("[limits]\nmax_retrys = 2\n").unwrap_err();
         assert!(e.to_string().contains("max_retrys"), "{e}");
         assert!(Config::load(Some(Path::new("/nonexistent/pitcrew.toml"))).is_err());
+    }
+
+    #[test]
+    fn environment_overrides_and_ignores_non_config_variables() {
+        // One test touches the environment, so no other test races it.
+        std::env::set_var("PITCREW_LOG", "debug");
+        std::env::set_var("PITCREW_NATS_URL", "nats://10.0.0.9:4222");
+        std::env::set_var("PITCREW_LIMITS__MAX_RETRIES", "7");
+        let c = Config::load(Some(Path::new("/dev/null"))).unwrap();
+        assert_eq!(c.nats.url, "nats://10.0.0.9:4222");
+        assert_eq!(c.limits.max_retries, 7);
+        std::env::set_var("PITCREW_BOGUS", "1");
+        let e = Config::load(Some(Path::new("/dev/null"))).unwrap_err();
+        assert!(e.to_string().contains("bogus"), "{e}");
+        for k in ["PITCREW_LOG", "PITCREW_NATS_URL", "PITCREW_LIMITS__MAX_RETRIES", "PITCREW_BOGUS"] {
+            std::env::remove_var(k);
+        }
     }
 }

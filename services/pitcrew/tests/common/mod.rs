@@ -79,6 +79,15 @@ impl Crew {
         Ok(())
     }
 
+    /// The terminal event of `run`; fails at once if the in-process crew stopped.
+    pub async fn end(&mut self, run: Uuid) -> anyhow::Result<pitcrew_model::RunEvent> {
+        let task = self.task.as_mut().expect("crew running");
+        tokio::select! {
+            e = self.events.terminal(run, WAIT) => e,
+            stopped = task => Err(anyhow::anyhow!("the crew stopped: {stopped:?}")),
+        }
+    }
+
     pub async fn open(&self, service: &str, error: &str) -> anyhow::Result<Uuid> {
         self.open_with(service, error, None).await
     }
@@ -110,19 +119,23 @@ impl Crew {
             cmd.env(k, v);
         }
         let child = cmd.stdin(Stdio::null()).stdout(Stdio::null()).stderr(log).spawn()?;
-        Ok(Worker { child })
+        Ok(Worker { child, log: self.env.dir.path().join(format!("{name}.log")) })
     }
 }
 
 /// A worker process, killed on drop.
 pub struct Worker {
     pub child: Child,
+    log: std::path::PathBuf,
 }
 
 impl Drop for Worker {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+        // Shown by the test runner only when the test fails.
+        let log = std::fs::read_to_string(&self.log).unwrap_or_default();
+        eprintln!("--- {} ---\n{}", self.log.display(), log.lines().rev().take(20).collect::<Vec<_>>().join("\n"));
     }
 }
 

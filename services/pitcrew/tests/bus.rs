@@ -1,0 +1,134 @@
+//! Delivery guarantees against a real nats-server: a stage message delivered twice runs
+//! nothing twice, two processes of one stage share its work, poison goes to the DLQ.
+
+mod common;
+
+use async_nats::header::{HeaderMap, NATS_MESSAGE_ID};
+use common::{count, marker_service, write, Crew, WAIT};
+use futures::StreamExt;
+use pitcrew_model::codec::{CONTENT_TYPE, MSGPACK};
+use pitcrew_model::{EventKind, Stage};
+use pitcrew_testkit::TestEnv;
+use std::time::Duration;
+
+const PLAYBOOK: &str = r#"
+[[rule]]
+name = "once"
+match = "(?i)needs a directory"
+diagnosis = "{service} needs its directory"
+plans = [["mkdir {dir}/made-once", "touch {dir}/svc-healthy"]]
+"#;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stage_message_delivered_twice_executes_nothing_twice() -> anyhow::Result<()> {
+    let env = TestEnv::start().await?;
+    let book = write(&env, "playbook.toml", PLAYBOOK);
+    let text = format!("[reasoning]\nplaybook_file = \"{book}\"\n{}", marker_service(&env, "svc"));
+    // Everything but execute: the run stops at the execute subject.
+    let others: Vec<Stage> = Stage::ALL.into_iter().filter(|s| *s != Stage::Execute).collect();
+    let mut crew = Crew::start_in(env, &text, &others).await?;
+    let run = crew.open("svc", "svc needs a directory").await?;
+    crew.events.wait(run, |e| e.kind == EventKind::Policy, WAIT).await?;
+
+    // Take the execute message as published and publish it again under another id, so the
+    // stream holds it twice: the redelivery a crash after running would cause.
+    let stream = crew.bus.js.get_stream(crew.bus.subjects.stages_stream()).await?;
+    let subject = crew.bus.subjects.stage(Stage::Execute);
+    let original = tokio::time::timeout(WAIT, async {
+        loop {
+            if let Ok(m) = stream.get_last_raw_message_by_subject(&subject).await {
+                return m;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await?;
+    let mut headers = HeaderMap::new();
+    headers.insert(NATS_MESSAGE_ID, "a-second-copy");
+    headers.insert(CONTENT_TYPE, MSGPACK);
+    crew.bus.publish_with_headers(subject.clone(), headers, original.payload.clone()).await?;
+    assert_eq!(stream.get_info().await?.state.messages, 2, "both copies are queued");
+
+    crew.shutdown().await?;
+    crew.run(&Stage::ALL);
+    let end = crew.events.terminal(run, WAIT).await?;
+    assert_eq!(end.kind, EventKind::Resolved, "{}", end.message);
+    // Wait until the second copy is consumed too (work-queue stream empties).
+    tokio::time::timeout(WAIT, async {
+        while stream.get_info().await.map(|i| i.state.messages).unwrap_or(1) > 0 {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await?;
+    let db = crew.db().await?;
+    assert_eq!(count(&db, "SELECT count(*) FROM executions WHERE run_id = $1", run).await, 2);
+    assert_eq!(count(&db, "SELECT count(*) FROM executions WHERE run_id = $1 AND status = 'succeeded'", run).await, 2);
+    // mkdir fails when run twice: the target's own record says it ran once.
+    assert!(std::path::Path::new(&crew.env.path("made-once")).is_dir());
+    assert_eq!(count(&db, "SELECT count(*) FROM run_events WHERE run_id = $1 AND kind = 'execution'", run).await, 2);
+    assert_eq!(count(&db, "SELECT count(*) FROM run_events WHERE run_id = $1 AND kind = 'verification'", run).await, 1);
+    crew.shutdown().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_processes_of_one_stage_share_its_work() -> anyhow::Result<()> {
+    let env = TestEnv::start().await?;
+    let text = marker_service(&env, "svc");
+    let others: Vec<Stage> = Stage::ALL.into_iter().filter(|s| *s != Stage::Diagnose).collect();
+    let mut crew = Crew::start_in(env, &text, &others).await?;
+    let limit = [("PITCREW_STAGE__DIAGNOSE__CONCURRENCY", "1")];
+    let _w1 = crew.spawn_worker("diag-1", &["diagnose"], &limit)?;
+    let _w2 = crew.spawn_worker("diag-2", &["diagnose"], &limit)?;
+    let mut runs = Vec::new();
+    for i in 0..30 {
+        runs.push(crew.open_with("svc", "connection refused", Some(format!("fp-{i}"))).await?);
+    }
+    for run in &runs {
+        let end = crew.end(*run).await?;
+        assert_eq!(end.kind, EventKind::Resolved, "{}", end.message);
+    }
+    let db = crew.db().await?;
+    let rows = db
+        .query(
+            "SELECT worker, count(*) FROM run_events WHERE stage = 'diagnose' AND kind = 'diagnosis' GROUP BY worker",
+            &[],
+        )
+        .await?;
+    let per_worker: Vec<(String, i64)> = rows.iter().map(|r| (r.get(0), r.get(1))).collect();
+    assert_eq!(per_worker.len(), 2, "both processes diagnosed: {per_worker:?}");
+    assert!(per_worker.iter().all(|(w, _)| w.starts_with("diag-")), "{per_worker:?}");
+    assert_eq!(per_worker.iter().map(|(_, n)| n).sum::<i64>(), 30, "each run diagnosed exactly once");
+    crew.shutdown().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_malformed_incident_is_dead_lettered_and_the_worker_keeps_serving() -> anyhow::Result<()> {
+    let env = TestEnv::start().await?;
+    let text = marker_service(&env, "svc");
+    let mut crew = Crew::start_in(env, &text, &Stage::ALL).await?;
+    let client = crew.bus.client.clone();
+    client.publish(crew.bus.subjects.incidents_new(), "{\"service\": \"svc\", \"error\": ".into()).await?;
+    client.publish(crew.bus.subjects.incidents_new(), "{\"service\": \"svc\"}".into()).await?;
+    let good = crew.open("svc", "connection refused").await?;
+    let end = crew.events.terminal(good, WAIT).await?;
+    assert_eq!(end.kind, EventKind::Resolved, "{}", end.message);
+
+    let dlq = crew.bus.js.get_stream(crew.bus.subjects.dlq_stream()).await?;
+    let consumer = dlq
+        .create_consumer(async_nats::jetstream::consumer::pull::OrderedConfig {
+            filter_subject: crew.bus.subjects.dlq("intake"),
+            ..Default::default()
+        })
+        .await?;
+    let mut msgs = consumer.messages().await?;
+    let mut errors = Vec::new();
+    for _ in 0..2 {
+        let m = tokio::time::timeout(WAIT, msgs.next()).await?.expect("dead letter")?;
+        let why = m.headers.as_ref().and_then(|h| h.get("Pitcrew-Error")).map(|v| v.to_string()).unwrap_or_default();
+        errors.push((why, m.payload.clone()));
+    }
+    assert!(errors[0].0.starts_with("bad incident: invalid JSON"), "{:?}", errors[0].0);
+    assert_eq!(&errors[0].1[..], b"{\"service\": \"svc\", \"error\": ", "the original payload is kept");
+    assert!(errors[1].0.contains("missing field `error`"), "{:?}", errors[1].0);
+    crew.shutdown().await
+}
