@@ -91,7 +91,7 @@ impl StageHandler for ApprovalStage {
                         serde_json::to_value(&req).unwrap_or_default(),
                     );
                     state.approval = ApprovalStatus::Waiting { plan_hash: req.plan_hash.clone(), rule };
-                    Ok(Transition::Park(req))
+                    Ok(Transition::Park(Box::new(req)))
                 }
             }
         })

@@ -29,7 +29,7 @@ pub enum Transition {
     /// Send the state to escalate with this reason.
     Escalate(String),
     /// Park the run until a decision arrives for this request.
-    Park(ApprovalRequest),
+    Park(Box<ApprovalRequest>),
     /// The run is over (report and escalate only).
     Done(Outcome),
     /// Nothing follows (a duplicate incident): only the events are kept.

@@ -38,8 +38,3 @@ pub fn failed_commands(state: &RunState, memory: &Memory) -> Vec<String> {
     }
     all
 }
-
-/// Host that commands for this run target.
-pub fn host<'s>(spec: &'s ServiceSpec) -> &'s str {
-    &spec.host
-}

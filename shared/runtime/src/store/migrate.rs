@@ -8,7 +8,7 @@ pub const MIGRATIONS: &[(i32, &str, &str)] =
     &[(1, "init", include_str!("../../../../schemas/migrations/0001_init.sql"))];
 
 /// Arbitrary constant: the advisory lock that serialises migrators.
-const MIGRATION_LOCK: i64 = 0x7069_7463_7265_77;
+const MIGRATION_LOCK: i64 = 0x0070_6974_6372_6577;
 
 /// Apply pending migrations in one transaction under an advisory lock. Returns how many ran.
 pub async fn migrate(client: &mut tokio_postgres::Client) -> Result<usize, StoreError> {
