@@ -78,9 +78,20 @@ impl Decisions {
             ApprovalStatus::Waiting { plan_hash, .. } => Some(plan_hash.clone()),
             _ => None,
         };
-        let plan_hash = d.plan_hash.clone().or(pending.clone()).unwrap_or_default();
         let index = DECISION_EVENT_BASE + (seq % 1_000_000) as u32;
         let mut cx = Cx::new(&self.deps, Stage::Approval, d.run_id, state.seq, index);
+        let Some(plan_hash) = d.plan_hash.clone().or(pending.clone()) else {
+            let why = format!("run is not waiting for an approval (it is {})", run.status.as_str());
+            cx.emit(
+                EventKind::Error,
+                format!("{} by {} ignored: {why}", d.decision.as_str(), d.by),
+                serde_json::to_value(d)?,
+            );
+            let events = cx.take_events();
+            store.insert_events(&events).await?;
+            publish_events(&self.bus, &events).await?;
+            return Ok(());
+        };
         let outcome = store.decide_approval(&plan_hash, d, seq).await?;
         let ignored = match &outcome {
             DecideOutcome::Applied => None,

@@ -69,17 +69,17 @@ impl StageHandler for ApprovalStage {
                 GateDecision::Reject { rule, command, reason } => {
                     cx.emit(
                         EventKind::Policy,
-                        format!("policy: REJECTED `{command}` by rule {rule}: {reason}"),
+                        format!("policy: {reason}"),
                         serde_json::json!({ "decision": "reject", "rule": rule, "command": command }),
                     );
                     state.approval = ApprovalStatus::Rejected { rule: rule.clone() };
-                    Ok(Transition::Escalate(format!("policy rejected `{command}` (rule {rule}: {reason})")))
+                    Ok(Transition::Escalate(format!("policy rejected `{command}`: {reason}")))
                 }
                 GateDecision::NeedsApproval { rule, command, reason } => {
                     let req = request(state, &rule, &reason, cx.config().limits.approval_timeout_secs);
                     cx.emit(
                         EventKind::Policy,
-                        format!("policy: `{command}` needs approval (rule {rule}: {reason})"),
+                        format!("policy: {reason}"),
                         serde_json::json!({ "decision": "needs_approval", "rule": rule, "command": command }),
                     );
                     cx.emit(
@@ -95,5 +95,50 @@ impl StageHandler for ApprovalStage {
                 }
             }
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use pitcrew_model::{Diagnosis, Evidence, Incident, Plan};
+
+    #[test]
+    fn a_request_names_the_exact_plan_the_rule_and_the_deadline() {
+        let mut s = RunState::new(uuid::Uuid::nil(), Incident::new("web", "wedged"));
+        s.diagnosis_log.push(Diagnosis {
+            attempt: 1,
+            summary: "web is wedged".into(),
+            source: "p".into(),
+            grounds: vec![],
+        });
+        s.push_evidence(Evidence {
+            attempt: 1,
+            source: "check".into(),
+            detail: "503".into(),
+            output: String::new(),
+            ok: false,
+        });
+        let plan =
+            Plan { attempt: 1, commands: vec!["kill -9 42".into()], rationale: String::new(), source: String::new() };
+        let hash = plan.hash();
+        s.plan = Some(plan);
+        let r = request(&s, "kill-9", "SIGKILL loses state", 600);
+        assert_eq!(r.plan, vec!["kill -9 42".to_string()]);
+        assert_eq!(r.plan_hash, hash);
+        assert_eq!(r.rule, "kill-9: SIGKILL loses state");
+        assert_eq!(r.diagnosis, "web is wedged");
+        assert_eq!(r.evidence, vec!["check: 503".to_string()]);
+        assert_eq!((r.expires_at - r.requested_at).num_seconds(), 600);
+    }
+
+    #[test]
+    fn the_shipped_policy_sorts_plans_into_allow_approve_reject() {
+        let p = Policy::default_policy();
+        let cmds = |c: &[&str]| c.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        assert_eq!(p.gate(&cmds(&["systemctl restart web"])), GateDecision::Allow);
+        assert!(matches!(p.gate(&cmds(&["kill -9 42", "systemctl start web"])), GateDecision::NeedsApproval { .. }));
+        assert!(matches!(p.gate(&cmds(&["kill -9 42", "rm -rf /"])), GateDecision::Reject { .. }));
+        assert!(matches!(p.gate(&cmds(&["systemctl restart web && rm -rf /tmp/x"])), GateDecision::Reject { .. }));
     }
 }

@@ -48,3 +48,17 @@ impl StageHandler for Escalate {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use pitcrew_model::Incident;
+
+    #[test]
+    fn the_reason_is_never_empty() {
+        let mut s = RunState::new(uuid::Uuid::nil(), Incident::new("web", "down"));
+        assert_eq!(reason(&s), "escalated without a recorded reason");
+        s.escalate("denied by bob");
+        assert_eq!(reason(&s), "denied by bob");
+    }
+}

@@ -57,6 +57,18 @@ pub async fn decide(
         bail!("--by must name who decides");
     }
     let req = approval_request(bus, run).await?;
+    if let Some(prev) = last_decision(bus, run).await {
+        if prev.plan_hash.as_deref() == Some(req.plan_hash.as_str()) {
+            bail!(
+                "plan {} of run {run} was already decided: {} by {} via {} at {}",
+                req.plan_hash,
+                prev.decision.as_str(),
+                prev.by,
+                prev.channel,
+                prev.decided_at.format("%Y-%m-%d %H:%M:%S")
+            );
+        }
+    }
     let d = ApprovalDecision {
         run_id: run,
         decision,
@@ -71,6 +83,13 @@ pub async fn decide(
     Ok(req)
 }
 
+/// The latest decision published for a run, if any.
+async fn last_decision(bus: &Bus, run: Uuid) -> Option<ApprovalDecision> {
+    let stream = bus.js.get_stream(bus.subjects.approvals_stream()).await.ok()?;
+    let msg = stream.get_last_raw_message_by_subject(&bus.subjects.approval_decided(run)).await.ok()?;
+    serde_json::from_slice(&msg.payload).ok()
+}
+
 /// One event as a line for humans.
 pub fn format_event(e: &RunEvent) -> String {
     format!("{} {:<9} {:<18} {}", e.at.format("%H:%M:%S%.3f"), e.stage.as_str(), e.kind.as_str(), e.message)
@@ -82,6 +101,16 @@ pub async fn watch(bus: &Bus, store: Option<&Store>, run: Uuid, timeout: Duratio
         Some(s) => s.incident_exists(run).await.unwrap_or(true),
         None => true,
     };
+    // A finished run is told from Postgres, the system of record (events expire from the bus).
+    if let Some(store) = store {
+        let timeline = store.timeline(run).await.unwrap_or_default();
+        if let Some(end) = timeline.iter().find(|e| e.kind.is_terminal()).cloned() {
+            for e in &timeline {
+                println!("{}", format_event(e));
+            }
+            return Ok(end);
+        }
+    }
     let stream = bus.js.get_stream(bus.subjects.events_stream()).await?;
     let consumer = stream
         .create_consumer(OrderedConfig {

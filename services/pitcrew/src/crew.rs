@@ -83,7 +83,10 @@ pub async fn run(cfg: Config, stages: &[Stage], shutdown: Shutdown) -> anyhow::R
             let consumer = bus.decisions_consumer(settings).await?;
             let decisions = Arc::new(Decisions { bus: bus.clone(), deps: deps.clone() });
             tasks.spawn(consume(consumer, settings, decisions, shutdown.clone(), DRAIN));
-            tasks.spawn(sweep_expired(bus.clone(), deps.clone(), Duration::from_secs(5), shutdown.clone()));
+            // Sweep often enough that a request expires within about a quarter of its timeout.
+            let every = Duration::from_millis(cfg.limits.approval_timeout_secs.saturating_mul(250))
+                .clamp(Duration::from_millis(200), Duration::from_secs(5));
+            tasks.spawn(sweep_expired(bus.clone(), deps.clone(), every, shutdown.clone()));
         }
     }
     let names: Vec<&str> = stages.iter().map(|s| s.as_str()).collect();

@@ -5,7 +5,7 @@ mod common;
 
 use common::{count, marker_service, write, Crew, WAIT};
 use pitcrew::cli;
-use pitcrew_model::{Decision, EventKind, Stage};
+use pitcrew_model::{ApprovalDecision, Decision, EventKind, Stage};
 use pitcrew_testkit::TestEnv;
 
 /// A user playbook whose rules name the test's own commands.
@@ -118,9 +118,29 @@ async fn a_denied_plan_is_escalated_and_nothing_runs() -> anyhow::Result<()> {
     assert!(end.message.contains("denied by bob: not during the sale"), "{}", end.message);
     let db = crew.db().await?;
     assert_eq!(count(&db, "SELECT count(*) FROM executions WHERE run_id = $1", run).await, 0);
-    // A late approval of the same plan changes nothing.
-    cli::decide(&crew.bus, run, Decision::Approve, "carol", None, "cli").await?;
-    crew.events.wait(run, |e| e.kind == EventKind::Error && e.message.contains("already decided"), WAIT).await?;
+    // A late approval of the same plan changes nothing: the CLI refuses it, and a decision
+    // published by any other client is ignored by the crew.
+    let refused = cli::decide(&crew.bus, run, Decision::Approve, "carol", None, "cli").await.unwrap_err();
+    assert!(refused.to_string().contains("already decided: deny by bob"), "{refused}");
+    let late = ApprovalDecision {
+        run_id: run,
+        decision: Decision::Approve,
+        by: "carol".into(),
+        plan_hash: None,
+        reason: None,
+        channel: "script".into(),
+        decided_at: chrono::Utc::now(),
+    };
+    crew.bus.client.publish(crew.bus.subjects.approval_decided(run), serde_json::to_vec(&late)?.into()).await?;
+    crew.events
+        .wait(run, |e| e.kind == EventKind::Error && e.message.contains("not waiting for an approval"), WAIT)
+        .await?;
+    // Naming the plan explicitly: the request was already settled.
+    let named = ApprovalDecision { plan_hash: Some(cli::approval_request(&crew.bus, run).await?.plan_hash), ..late };
+    crew.bus.client.publish(crew.bus.subjects.approval_decided(run), serde_json::to_vec(&named)?.into()).await?;
+    crew.events
+        .wait(run, |e| e.kind == EventKind::Error && e.message.contains("already decided (deny by bob)"), WAIT)
+        .await?;
     assert_eq!(count(&db, "SELECT count(*) FROM executions WHERE run_id = $1", run).await, 0);
     crew.shutdown().await
 }
@@ -159,5 +179,20 @@ async fn one_open_run_per_fingerprint() -> anyhow::Result<()> {
     crew.events.terminal(first, WAIT).await?;
     let third = crew.open_with("svc", "stale lock held", Some("fp-1".into())).await?;
     crew.events.kind(third, EventKind::ApprovalRequested, WAIT).await?;
+    crew.shutdown().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_approval_not_decided_in_time_escalates_the_run() -> anyhow::Result<()> {
+    let mut crew = crew_with_playbook("[limits]\napproval_timeout_secs = 1\n").await?;
+    let run = crew.open("svc", "stale lock held").await?;
+    crew.events.kind(run, EventKind::ApprovalRequested, WAIT).await?;
+    let end = crew.events.terminal(run, WAIT).await?;
+    assert_eq!(end.kind, EventKind::Escalated);
+    assert!(end.message.contains("not decided within 1 s"), "{}", end.message);
+    let db = crew.db().await?;
+    let row = db.query_one("SELECT decision, channel FROM approvals WHERE run_id = $1", &[&run]).await?;
+    assert_eq!((row.get::<_, String>(0).as_str(), row.get::<_, String>(1).as_str()), ("expire", "timeout"));
+    assert_eq!(count(&db, "SELECT count(*) FROM executions WHERE run_id = $1", run).await, 0);
     crew.shutdown().await
 }

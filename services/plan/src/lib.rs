@@ -78,3 +78,32 @@ impl StageHandler for PlanStage {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use pitcrew_model::{Evaluation, Incident, Plan};
+
+    fn with(verdict: Verdict, eval_attempt: u32) -> RunState {
+        let mut s = RunState::new(uuid::Uuid::nil(), Incident::new("web", "down"));
+        s.plan = Some(Plan { attempt: 1, commands: vec!["a".into()], rationale: String::new(), source: String::new() });
+        s.evaluation = Some(Evaluation {
+            attempt: eval_attempt,
+            regeneration: 0,
+            score: 0.5,
+            verdict,
+            checks: Vec::new(),
+            feedback: None,
+        });
+        s
+    }
+
+    #[test]
+    fn only_a_plan_sent_back_in_this_attempt_is_excluded() {
+        assert_eq!(rejected_commands(&with(Verdict::Regenerate, 1)), vec!["a".to_string()]);
+        assert!(rejected_commands(&with(Verdict::Pass, 1)).is_empty());
+        let mut later = with(Verdict::Regenerate, 1);
+        later.attempt = 2;
+        assert!(rejected_commands(&later).is_empty(), "a new attempt starts clean");
+    }
+}

@@ -41,3 +41,23 @@ impl StageHandler for Report {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use pitcrew_model::{Incident, Plan, Verification};
+
+    #[test]
+    fn the_summary_says_what_fixed_it() {
+        let mut s = RunState::new(uuid::Uuid::nil(), Incident::new("web", "down"));
+        s.attempt = 2;
+        s.plan = Some(Plan {
+            attempt: 2,
+            commands: vec!["a".into(), "b".into()],
+            rationale: String::new(),
+            source: String::new(),
+        });
+        s.verification = Some(Verification { attempt: 2, recovered: true, detail: "GET / -> 200".into() });
+        assert_eq!(summary(&s), "resolved web after 2 attempt(s): ran `a ; b`; GET / -> 200");
+    }
+}

@@ -45,7 +45,7 @@ impl Bus {
         let opts = async_nats::ConnectOptions::new()
             .name(format!("pitcrew {}", cfg.worker()))
             .connection_timeout(Duration::from_secs(cfg.nats.connect_timeout_secs.max(1)))
-            .retry_on_initial_connect()
+            // Fail fast at start-up with a readable error; once connected, reconnect forever.
             .max_reconnects(None);
         let connecting = opts.connect(url.as_str());
         let client = tokio::time::timeout(Duration::from_secs(cfg.nats.connect_timeout_secs.max(1)), connecting)

@@ -51,8 +51,13 @@ pub async fn ensure_database(url: &str) -> Result<(), StoreError> {
     let exists = client.query_opt("SELECT 1 FROM pg_database WHERE datname = $1", &[&db]).await?.is_some();
     if !exists {
         if let Err(e) = client.batch_execute(&format!("CREATE DATABASE \"{db}\"")).await {
-            // Another process created it first: fine.
-            if e.code() != Some(&tokio_postgres::error::SqlState::DUPLICATE_DATABASE) {
+            // Another process created it first (concurrent creators can also see a unique
+            // violation on pg_database): fine.
+            let raced = [
+                tokio_postgres::error::SqlState::DUPLICATE_DATABASE,
+                tokio_postgres::error::SqlState::UNIQUE_VIOLATION,
+            ];
+            if !e.code().is_some_and(|c| raced.contains(c)) {
                 return Err(e.into());
             }
         }
