@@ -5,9 +5,11 @@ use futures::future::BoxFuture;
 use pitcrew_model::codec::{self, CONTENT_TYPE, JSON};
 use pitcrew_model::{ApprovalDecision, ApprovalStatus, Decision, EventKind, Stage};
 use pitcrew_runtime::consume::{backoff, Disposition, MessageHandler};
-use pitcrew_runtime::runner::{apply, dead_letter, delivery, header, publish_events, publish_state};
-use pitcrew_runtime::store::{DecideOutcome, RunStatus};
-use pitcrew_runtime::{Bus, Cx, Deps, Transition};
+use pitcrew_runtime::runner::{
+    apply, dead_letter, delivery, exhausted, header, publish_events, publish_state, ApplyError,
+};
+use pitcrew_runtime::store::{DecideOutcome, RunStatus, StoreError};
+use pitcrew_runtime::{Bus, BusError, Cx, Deps, Transition};
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
@@ -17,6 +19,46 @@ use uuid::Uuid;
 pub struct Decisions {
     pub bus: Bus,
     pub deps: Arc<Deps>,
+}
+
+/// Why a decision could not be applied: worth a retry, or never going to work.
+#[derive(Debug, thiserror::Error)]
+enum DecideError {
+    #[error("{0}")]
+    Transient(String),
+    #[error("{0}")]
+    Permanent(String),
+}
+
+impl From<StoreError> for DecideError {
+    fn from(e: StoreError) -> Self {
+        if e.is_transient() {
+            DecideError::Transient(e.to_string())
+        } else {
+            DecideError::Permanent(e.to_string())
+        }
+    }
+}
+
+impl From<ApplyError> for DecideError {
+    fn from(e: ApplyError) -> Self {
+        match e {
+            ApplyError::Store(s) => s.into(),
+            ApplyError::Bus(b) => DecideError::Transient(b.to_string()),
+        }
+    }
+}
+
+impl From<BusError> for DecideError {
+    fn from(e: BusError) -> Self {
+        DecideError::Transient(e.to_string())
+    }
+}
+
+impl From<serde_json::Error> for DecideError {
+    fn from(e: serde_json::Error) -> Self {
+        DecideError::Permanent(e.to_string())
+    }
 }
 
 /// Events about a decision are keyed apart from the stage's own (index >= this).
@@ -35,6 +77,9 @@ impl MessageHandler for Decisions {
 impl Decisions {
     async fn process(&self, msg: &async_nats::jetstream::Message) -> Disposition {
         let (stream, seq, delivered) = delivery(msg);
+        if let Some(why) = exhausted(msg, self.deps.config.stage_settings(Stage::Approval)) {
+            return self.reject(msg, &why, &stream, seq).await;
+        }
         let d: ApprovalDecision = match codec::decode(header(msg, CONTENT_TYPE), &msg.payload) {
             Ok(d) => d,
             Err(e) => return self.reject(msg, &format!("bad approval decision: {e}"), &stream, seq).await,
@@ -52,7 +97,10 @@ impl Decisions {
         }
         match self.decide(&d, seq).await {
             Ok(()) => Disposition::Ack,
-            Err(e) => {
+            Err(DecideError::Permanent(e)) => {
+                self.reject(msg, &format!("decision cannot be applied: {e}"), &stream, seq).await
+            }
+            Err(DecideError::Transient(e)) => {
                 tracing::warn!(run = %d.run_id, error = %e, "applying decision failed: will retry");
                 Disposition::Nak(backoff(delivered))
             }
@@ -67,7 +115,7 @@ impl Decisions {
         }
     }
 
-    async fn decide(&self, d: &ApprovalDecision, seq: u64) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    async fn decide(&self, d: &ApprovalDecision, seq: u64) -> Result<(), DecideError> {
         let store = &self.deps.store;
         let Some(run) = store.load_run(d.run_id).await? else {
             tracing::warn!(run = %d.run_id, "decision for an unknown run: ignored");
@@ -97,8 +145,14 @@ impl Decisions {
             DecideOutcome::Applied => None,
             DecideOutcome::Repeated if run.status == RunStatus::WaitingApproval => None,
             DecideOutcome::Repeated => {
-                // Applied and committed before a crash: make sure the successor was published.
-                if !run.status.is_final() {
+                // Applied and committed before a crash: republish the successor, but only if
+                // the stored state is still the one this decision produced.
+                let produced = match (&state.step, &state.approval) {
+                    (Stage::Execute, ApprovalStatus::Approved { plan_hash: h, .. }) => *h == plan_hash,
+                    (Stage::Escalate, ApprovalStatus::Denied { .. }) => true,
+                    _ => false,
+                };
+                if produced && !run.status.is_final() {
                     publish_state(&self.bus, &state).await?;
                 }
                 return Ok(());

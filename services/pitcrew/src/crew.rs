@@ -90,7 +90,8 @@ pub async fn run(cfg: Config, stages: &[Stage], shutdown: Shutdown) -> anyhow::R
         }
     }
     let names: Vec<&str> = stages.iter().map(|s| s.as_str()).collect();
-    tracing::info!(stages = ?names, worker = %deps.worker, nats = %cfg.nats.url, "crew running");
+    let nats = pitcrew_runtime::config::redact_url(&cfg.nats.url);
+    tracing::info!(stages = ?names, worker = %deps.worker, nats = %nats, "crew running");
     while tasks.join_next().await.is_some() {}
     bus.client.flush().await.ok();
     tracing::info!("crew stopped");

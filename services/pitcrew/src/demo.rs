@@ -9,6 +9,7 @@ use async_nats::jetstream::consumer::{pull::OrderedConfig, DeliverPolicy};
 use futures::{FutureExt, StreamExt};
 use pitcrew_exec::{run_check, LocalExecutor};
 use pitcrew_model::{CheckSpec, Decision, EventKind, RunEvent};
+use pitcrew_runtime::config::redact_url;
 use pitcrew_runtime::natsd::{free_port, NatsServer};
 use pitcrew_runtime::Config;
 use std::collections::HashMap;
@@ -85,7 +86,8 @@ pub async fn run() -> anyhow::Result<()> {
         }
         cfg.database = env.database;
     }
-    println!("demo: nats {} · postgres {}", cfg.nats.url, pitcrew_runtime::config::redact_url(&cfg.database.url));
+    let (nats_url, db_url) = (redact_url(&cfg.nats.url), redact_url(&cfg.database.url));
+    println!("demo: nats {nats_url} · postgres {db_url}");
     for t in &toys {
         toy::start(&exe, t.port, &t.dir).with_context(|| format!("starting toy service {}", t.name))?;
         println!("demo: toy service '{}' listening on 127.0.0.1:{}", t.name, t.port);

@@ -127,8 +127,44 @@ async fn a_malformed_incident_is_dead_lettered_and_the_worker_keeps_serving() ->
         let why = m.headers.as_ref().and_then(|h| h.get("Pitcrew-Error")).map(|v| v.to_string()).unwrap_or_default();
         errors.push((why, m.payload.clone()));
     }
-    assert!(errors[0].0.starts_with("bad incident: invalid JSON"), "{:?}", errors[0].0);
-    assert_eq!(&errors[0].1[..], b"{\"service\": \"svc\", \"error\": ", "the original payload is kept");
-    assert!(errors[1].0.contains("missing field `error`"), "{:?}", errors[1].0);
+    // Both are dead-lettered (in either order: intake handles messages concurrently).
+    errors.sort_by_key(|(_, payload)| payload.len());
+    assert!(errors[1].0.starts_with("bad incident: invalid JSON"), "{:?}", errors[1].0);
+    assert_eq!(&errors[1].1[..], b"{\"service\": \"svc\", \"error\": ", "the original payload is kept");
+    assert!(errors[0].0.contains("missing field `error`"), "{:?}", errors[0].0);
+    crew.shutdown().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_poison_stage_message_is_dead_lettered_and_its_run_escalated() -> anyhow::Result<()> {
+    let env = TestEnv::start().await?;
+    let book = write(&env, "playbook.toml", PLAYBOOK);
+    let text = format!("[reasoning]\nplaybook_file = \"{book}\"\n{}", marker_service(&env, "svc"));
+    // No execute worker: the run waits at the execute subject while we poison its stage.
+    let others: Vec<Stage> = Stage::ALL.into_iter().filter(|s| *s != Stage::Execute).collect();
+    let mut crew = Crew::start_in(env, &text, &others).await?;
+    let run = crew.open("svc", "svc needs a directory").await?;
+    crew.events.wait(run, |e| e.kind == EventKind::Policy, WAIT).await?;
+    let mut headers = HeaderMap::new();
+    headers.insert(NATS_MESSAGE_ID, "garbage-1");
+    headers.insert(CONTENT_TYPE, MSGPACK);
+    headers.insert(pitcrew_runtime::bus::RUN_HEADER, run.to_string().as_str());
+    crew.bus.publish_with_headers(crew.bus.subjects.stage(Stage::Verify), headers, "\u{1}not msgpack".into()).await?;
+    let end = crew.end(run).await?;
+    assert_eq!(end.kind, EventKind::Escalated);
+    assert!(end.message.contains("verify failed: bad run state: invalid MessagePack"), "{}", end.message);
+    let dlq = crew.bus.js.get_stream(crew.bus.subjects.dlq_stream()).await?;
+    let dead = dlq.get_last_raw_message_by_subject(&crew.bus.subjects.dlq("verify")).await?;
+    assert!(std::str::from_utf8(&dead.payload)?.contains("not msgpack"));
+    // The worker keeps serving: the next incident still resolves.
+    crew.shutdown().await?;
+    crew.run(&Stage::ALL);
+    let next = crew.open_with("svc", "connection refused", Some("other".into())).await?;
+    assert_eq!(crew.end(next).await?.kind, EventKind::Resolved);
+    // The escalated run's plan, still queued for execute, never ran.
+    crew.events.wait(run, |e| e.message.contains("already escalated: not executing"), WAIT).await?;
+    let db = crew.db().await?;
+    assert_eq!(count(&db, "SELECT count(*) FROM executions WHERE run_id = $1", run).await, 0);
+    assert!(!std::path::Path::new(&crew.env.path("made-once")).exists());
     crew.shutdown().await
 }

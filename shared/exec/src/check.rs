@@ -90,12 +90,13 @@ async fn http_check(url: &str, expect: u16, timeout: Duration) -> CheckOutcome {
     match tokio::time::timeout(timeout, fetch).await {
         Err(_) => CheckOutcome::new(false, format!("GET {url} failed: timed out after {} ms", timeout.as_millis()), ""),
         Ok(Err(e)) => {
+            // A refused connection is the common case: say it plainly, not reqwest's chain.
+            if io_kind(&e) == Some(std::io::ErrorKind::ConnectionRefused) {
+                return CheckOutcome::new(false, format!("GET {url} failed: connection refused"), "");
+            }
             let mut detail = format!("GET {url} failed: {}", error_chain(&e));
             if e.is_timeout() && !detail.contains("timed out") {
                 detail.push_str(" (timed out)");
-            }
-            if io_kind(&e) == Some(std::io::ErrorKind::ConnectionRefused) {
-                mention_refused(&mut detail);
             }
             CheckOutcome::new(false, detail, "")
         }

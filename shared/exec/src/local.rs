@@ -60,6 +60,7 @@ impl LocalExecutor {
         let stderr = child.stderr.take();
 
         let (mut out, mut err) = (Vec::new(), Vec::new());
+        let mut wait_error = None;
         let (waited, timed_out) = {
             let max = self.max_output;
             let drain = async { tokio::join!(read_capped(stdout, max, &mut out), read_capped(stderr, max, &mut err)) };
@@ -89,13 +90,20 @@ impl LocalExecutor {
                     if !drained {
                         let _ = tokio::time::timeout(KILL_GRACE, &mut drain).await;
                     }
+                    // The command ran (and may have had effects): never report it as
+                    // something to retry. A failed wait is a failed command.
                     if let Some(Err(e)) = other {
-                        return Err(ExecError::Transient(format!("waiting for '{program}': {e}")));
+                        wait_error = Some(format!("\npitcrew: waiting for '{program}' failed: {e}"));
+                        (None, false)
+                    } else {
+                        (None, true)
                     }
-                    (None, true)
                 }
             }
         };
+        if let Some(e) = wait_error {
+            err.extend_from_slice(e.as_bytes());
+        }
         let output = CommandOutput {
             exit_code: waited.and_then(|s| s.code()),
             stdout: String::from_utf8_lossy(&out).into_owned(),

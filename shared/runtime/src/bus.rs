@@ -41,7 +41,8 @@ impl Bus {
     /// Connect, failing fast with a readable error when no server answers.
     pub async fn connect(cfg: &Config) -> Result<Bus, BusError> {
         let url = cfg.nats.url.clone();
-        let err = |e: String| BusError::Connect { url: url.clone(), error: e };
+        // The URL may carry credentials: errors show it redacted.
+        let err = |e: String| BusError::Connect { url: crate::config::redact_url(&url), error: e };
         let opts = async_nats::ConnectOptions::new()
             .name(format!("pitcrew {}", cfg.worker()))
             .connection_timeout(Duration::from_secs(cfg.nats.connect_timeout_secs.max(1)))
@@ -62,7 +63,9 @@ impl Bus {
         let day = Duration::from_secs(86_400);
         let streams = [
             (s.incidents_stream(), s.incidents_new(), stream::RetentionPolicy::Limits, 7 * day, 1 << 30),
-            (s.stages_stream(), s.stages_all(), stream::RetentionPolicy::WorkQueue, 7 * day, 4 << 30),
+            // Work in flight never expires: a full stream refuses new work (discard new)
+            // instead of deleting runs' pending messages.
+            (s.stages_stream(), s.stages_all(), stream::RetentionPolicy::WorkQueue, Duration::ZERO, 4 << 30),
             (s.approvals_stream(), s.approvals_all(), stream::RetentionPolicy::Limits, 90 * day, 1 << 30),
             (s.events_stream(), s.events_all(), stream::RetentionPolicy::Limits, 7 * day, 4 << 30),
             (s.dlq_stream(), s.dlq_all(), stream::RetentionPolicy::Limits, 30 * day, 1 << 30),
@@ -77,6 +80,11 @@ impl Bus {
                 max_message_size: codec::MAX_PAYLOAD as i32 * 2,
                 duplicate_window: Duration::from_secs(120),
                 storage: stream::StorageType::File,
+                discard: if retention == stream::RetentionPolicy::WorkQueue {
+                    stream::DiscardPolicy::New
+                } else {
+                    stream::DiscardPolicy::Old
+                },
                 ..Default::default()
             };
             let mut last = None;

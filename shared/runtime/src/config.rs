@@ -73,8 +73,10 @@ pub struct StageDefaults {
     pub ack_wait_secs: u64,
     /// Unacked messages the server lets the consumer hold, across all processes.
     pub max_ack_pending: i64,
-    /// A message delivered more often than this is dead-lettered.
+    /// A message delivered more often than this, and first published longer than
+    /// `poison_after_secs` ago, is dead-lettered (a transient outage never dead-letters).
     pub max_deliveries: u64,
+    pub poison_after_secs: u64,
 }
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
@@ -128,7 +130,13 @@ impl Default for Config {
                 approval_timeout_secs: 3600,
                 memory_window_secs: 86_400,
             },
-            stages: StageDefaults { concurrency: 32, ack_wait_secs: 30, max_ack_pending: 1024, max_deliveries: 20 },
+            stages: StageDefaults {
+                concurrency: 32,
+                ack_wait_secs: 30,
+                max_ack_pending: 1024,
+                max_deliveries: 20,
+                poison_after_secs: 3600,
+            },
             stage: BTreeMap::new(),
             reasoning: ReasoningConfig { provider: "playbook".into(), playbook_file: None },
             policy: PolicyConfig { file: None },
@@ -150,6 +158,7 @@ pub struct StageSettings {
     pub ack_wait: Duration,
     pub max_ack_pending: i64,
     pub max_deliveries: u64,
+    pub poison_after: Duration,
 }
 
 /// `PITCREW_*` variables that are not config keys (read elsewhere).
@@ -239,6 +248,7 @@ impl Config {
             ack_wait: Duration::from_secs(o.ack_wait_secs.unwrap_or(self.stages.ack_wait_secs).max(1)),
             max_ack_pending: o.max_ack_pending.unwrap_or(self.stages.max_ack_pending),
             max_deliveries: self.stages.max_deliveries.max(1),
+            poison_after: Duration::from_secs(self.stages.poison_after_secs),
         }
     }
 

@@ -4,12 +4,17 @@
 use crate::config::StageSettings;
 use async_nats::jetstream::{self, consumer::PullConsumer, AckKind};
 use futures::future::BoxFuture;
-use futures::StreamExt;
+use futures::{FutureExt, StreamExt};
 use std::future::Future;
+use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
+
+/// How long one pull waits on the server for messages. Also bounds how long a stopping
+/// worker takes to notice shutdown (a pull in progress is finished, never abandoned).
+const FETCH_EXPIRES: Duration = Duration::from_secs(1);
 
 /// What to do with a message once handled. Every path ends in exactly one of these.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -36,7 +41,7 @@ pub fn backoff(delivered: i64) -> Duration {
 }
 
 /// Run `handler` over `consumer` until `shutdown` resolves, then wait up to `drain` for the
-/// messages in hand. Messages still running after the deadline are not acked: JetStream
+/// messages in hand. A panicking handler naks its message instead of killing the worker. Messages still running after the deadline are not acked: JetStream
 /// redelivers them, and every handler is idempotent.
 pub async fn consume<H: MessageHandler>(
     consumer: PullConsumer,
@@ -51,61 +56,71 @@ pub async fn consume<H: MessageHandler>(
     tokio::pin!(shutdown);
     let mut failures = 0u32;
     'outer: loop {
-        let stream = consumer
-            .stream()
-            .max_messages_per_batch(settings.concurrency.min(256))
-            .expires(Duration::from_secs(10))
-            .heartbeat(Duration::from_secs(5))
-            .messages()
-            .await;
-        let mut messages = match stream {
-            Ok(m) => {
+        while let Some(done) = tasks.try_join_next() {
+            if let Err(e) = done {
+                tracing::error!(consumer = %name, error = %e, "message task failed");
+            }
+        }
+        // Pull only what can start now: a message never waits in a client buffer while its
+        // ack timer runs (async-nats' default pull batch would).
+        let first = tokio::select! {
+            p = sem.clone().acquire_owned() => p.expect("semaphore never closed"),
+            _ = &mut shutdown => break 'outer,
+        };
+        let want = 1 + sem.available_permits().min(255);
+        let batch = tokio::select! {
+            b = consumer.fetch().max_messages(want).expires(FETCH_EXPIRES).messages() => b,
+            _ = &mut shutdown => break 'outer,
+        };
+        let mut batch = match batch {
+            Ok(b) => {
                 failures = 0;
-                m
+                b
             }
             Err(e) => {
                 failures += 1;
                 let wait = backoff(failures as i64);
                 tracing::warn!(consumer = %name, error = %e, retry_in_ms = wait.as_millis() as u64, "cannot pull messages");
+                drop(first);
                 tokio::select! {
                     _ = tokio::time::sleep(wait) => continue,
                     _ = &mut shutdown => break 'outer,
                 }
             }
         };
-        loop {
-            while tasks.try_join_next().is_some() {}
-            let permit = tokio::select! {
-                p = sem.clone().acquire_owned() => p.expect("semaphore never closed"),
-                _ = &mut shutdown => break 'outer,
-            };
-            let next = tokio::select! {
-                m = messages.next() => m,
-                _ = &mut shutdown => break 'outer,
-            };
-            match next {
-                Some(Ok(msg)) => {
-                    let handler = handler.clone();
-                    let ack_wait = settings.ack_wait;
-                    tasks.spawn(async move {
-                        let msg = Arc::new(msg);
-                        let keepalive = tokio::spawn(progress(msg.clone(), ack_wait));
-                        let disposition = handler.handle(msg.clone()).await;
-                        keepalive.abort();
-                        settle(&msg, disposition).await;
-                        drop(permit);
-                    });
-                }
-                Some(Err(e)) => {
+        let mut permit = Some(first);
+        // A fetch holds at most `want` messages, and we hold `want` permits' worth: every
+        // message starts at once. Finishing the batch is not raced with shutdown, so none of
+        // the fetched messages is left unsettled (it would wait out its ack timer).
+        while let Some(next) = batch.next().await {
+            let msg = match next {
+                Ok(m) => m,
+                Err(e) => {
                     tracing::warn!(consumer = %name, error = %e, "pull error");
-                    drop(permit);
+                    continue;
                 }
-                None => {
-                    drop(permit);
-                    continue 'outer;
-                }
-            }
+            };
+            let permit = match permit.take() {
+                Some(p) => p,
+                None => sem.clone().acquire_owned().await.expect("semaphore never closed"),
+            };
+            let handler = handler.clone();
+            let ack_wait = settings.ack_wait;
+            tasks.spawn(async move {
+                let msg = Arc::new(msg);
+                let work = AssertUnwindSafe(handler.handle(msg.clone())).catch_unwind();
+                let disposition = tokio::select! {
+                    d = work => d.unwrap_or_else(|_| {
+                        tracing::error!(subject = %msg.subject, "handler panicked: the message will be redelivered");
+                        Disposition::Nak(Duration::from_secs(5))
+                    }),
+                    _ = progress(msg.clone(), ack_wait) => unreachable!("progress never returns"),
+                };
+                settle(&msg, disposition).await;
+                drop(permit);
+            });
         }
+        drop(permit);
     }
     tracing::info!(consumer = %name, in_flight = tasks.len(), "stopping: draining messages in hand");
     let drained = tokio::time::timeout(drain, async { while tasks.join_next().await.is_some() {} }).await;
@@ -116,12 +131,13 @@ pub async fn consume<H: MessageHandler>(
 }
 
 /// Tell the server we are still working, so a long handler is not redelivered mid-flight.
+/// Never returns: it is raced against the handler.
 async fn progress(msg: Arc<jetstream::Message>, ack_wait: Duration) {
     let every = (ack_wait / 3).max(Duration::from_millis(500));
     loop {
         tokio::time::sleep(every).await;
-        if msg.ack_with(AckKind::Progress).await.is_err() {
-            return;
+        if let Err(e) = msg.ack_with(AckKind::Progress).await {
+            tracing::debug!(error = %e, "progress ack failed");
         }
     }
 }

@@ -12,7 +12,11 @@ use futures::future::BoxFuture;
 use pitcrew_model::codec::{self, CONTENT_TYPE, JSON, MSGPACK};
 use pitcrew_model::{EventKind, Incident, Outcome, RunEvent, RunState, Stage, RUN_STATE_VERSION};
 use std::sync::Arc;
+use tracing::Instrument;
 use uuid::Uuid;
+
+/// First event index of runtime events about poison messages.
+const POISON_EVENT_BASE: u32 = 10_000;
 
 /// Failing to commit or publish: always worth a retry.
 #[derive(Debug, thiserror::Error)]
@@ -40,6 +44,23 @@ impl MessageHandler for StageRunner {
     }
 }
 
+/// Why a message has had enough deliveries: more than `max_deliveries` and older than
+/// `poison_after`. A message retried through a database outage is young, so it keeps going.
+pub fn exhausted(msg: &jetstream::Message, settings: crate::config::StageSettings) -> Option<String> {
+    let info = msg.info().ok()?;
+    let age = time::OffsetDateTime::now_utc() - info.published;
+    let age = std::time::Duration::try_from(age).unwrap_or_default();
+    (info.delivered as u64 > settings.max_deliveries && age > settings.poison_after).then(|| {
+        format!(
+            "delivered {} times over {} s without success (limits: {} deliveries, {} s)",
+            info.delivered,
+            age.as_secs(),
+            settings.max_deliveries,
+            settings.poison_after.as_secs()
+        )
+    })
+}
+
 /// Stream name, stream sequence and delivery count of a JetStream message.
 pub fn delivery(msg: &jetstream::Message) -> (String, u64, i64) {
     match msg.info() {
@@ -56,9 +77,8 @@ impl StageRunner {
     async fn process(&self, msg: &jetstream::Message) -> Disposition {
         let stage = self.handler.stage();
         let (stream, stream_seq, delivered) = delivery(msg);
-        let max = self.deps.config.stage_settings(stage).max_deliveries;
-        if delivered as u64 > max {
-            let why = format!("delivered {delivered} times without success (limit {max})");
+        let settings = self.deps.config.stage_settings(stage);
+        if let Some(why) = exhausted(msg, settings) {
             let state = self.decode(msg, &stream, stream_seq).ok();
             return self.poison(msg, state, &why).await;
         }
@@ -74,8 +94,8 @@ impl StageRunner {
             serde_json::json!({ "attempt": state.attempt, "delivered": delivered }),
         );
         let span = tracing::info_span!("stage", stage = %stage, run = %state.run_id, seq = input_seq);
-        let _ = &span;
-        match self.handler.handle(&mut state, &mut cx).await {
+        let handled = self.handler.handle(&mut state, &mut cx).instrument(span).await;
+        match handled {
             Ok(t) => {
                 let events = cx.take_events();
                 match apply(&self.bus, &self.deps, state, t, events).await {
@@ -90,11 +110,7 @@ impl StageRunner {
                 tracing::warn!(stage = %stage, run = %state.run_id, error = %e, delivered, "transient failure: will retry");
                 Disposition::Nak(backoff(delivered))
             }
-            Err(StageError::Poison(e)) => {
-                let mut events = cx.take_events();
-                events.truncate(1);
-                self.poison_with_events(msg, Some(state), &e, events).await
-            }
+            Err(StageError::Poison(e)) => self.poison(msg, Some(state), &e).await,
         }
     }
 
@@ -106,9 +122,12 @@ impl StageRunner {
             let mut incident: Incident = codec::decode(ct, &msg.payload).map_err(|e| format!("bad incident: {e}"))?;
             // A publisher that sets no id gets one derived from the stream position:
             // a redelivery derives the same id, so it cannot open a second run.
-            let id = *incident
-                .id
-                .get_or_insert_with(|| Uuid::new_v5(&Uuid::NAMESPACE_OID, format!("{stream}:{stream_seq}").as_bytes()));
+            // The publish time is part of the key, so a recreated stream (sequences restart)
+            // cannot hand out an old incident's id.
+            let published = msg.info().map(|i| i.published.unix_timestamp_nanos()).unwrap_or(0);
+            let id = *incident.id.get_or_insert_with(|| {
+                Uuid::new_v5(&Uuid::NAMESPACE_OID, format!("{stream}:{stream_seq}:{published}").as_bytes())
+            });
             return Ok(RunState::new(id, incident));
         }
         let state: RunState = codec::decode(ct, &msg.payload).map_err(|e| format!("bad run state: {e}"))?;
@@ -124,19 +143,9 @@ impl StageRunner {
         Ok(state)
     }
 
-    async fn poison(&self, msg: &jetstream::Message, state: Option<RunState>, why: &str) -> Disposition {
-        self.poison_with_events(msg, state, why, Vec::new()).await
-    }
-
     /// Dead-letter the message, then escalate its run (when it has one). Term only once the
     /// dead letter is safely stored; otherwise retry.
-    async fn poison_with_events(
-        &self,
-        msg: &jetstream::Message,
-        state: Option<RunState>,
-        why: &str,
-        mut events: Vec<RunEvent>,
-    ) -> Disposition {
+    async fn poison(&self, msg: &jetstream::Message, state: Option<RunState>, why: &str) -> Disposition {
         let stage = self.handler.stage();
         let (stream, stream_seq, delivered) = delivery(msg);
         tracing::error!(stage = %stage, error = %why, stream_seq, "poison message: dead-lettering");
@@ -159,9 +168,17 @@ impl StageRunner {
             },
         };
         let Some(state) = state else { return Disposition::Term };
-        if stage == Stage::Intake {
+        // Runtime events about a poison message get indexes of their own, so they never
+        // collide with events an earlier delivery stored for the same step.
+        let index = POISON_EVENT_BASE + delivered.clamp(0, 100_000) as u32 * 2;
+        let run_exists = match self.deps.store.load_run(state.run_id).await {
+            Ok(found) => found.is_some(),
+            Err(e) if e.is_transient() => return Disposition::Nak(backoff(delivered)),
+            Err(_) => false,
+        };
+        if stage == Stage::Intake && !run_exists {
             // A refused incident has no run: record why, under its id, for `pitcrew watch`.
-            let mut cx = Cx::new(&self.deps, stage, state.run_id, 0, 0);
+            let mut cx = Cx::new(&self.deps, stage, state.run_id, 0, index);
             cx.emit(EventKind::Rejected, format!("incident refused: {why}"), serde_json::json!({ "error": why }));
             let events = cx.take_events();
             let stored = self.deps.store.insert_events(&events).await;
@@ -171,9 +188,9 @@ impl StageRunner {
             }
             return Disposition::Term;
         }
-        let mut cx = Cx::new(&self.deps, stage, state.run_id, state.seq, events.len() as u32);
+        let mut cx = Cx::new(&self.deps, stage, state.run_id, state.seq, index);
         cx.emit(EventKind::Error, format!("{stage} failed: {why}"), serde_json::json!({ "error": why }));
-        events.extend(cx.take_events());
+        let events = cx.take_events();
         let t = if stage == Stage::Escalate {
             Transition::Done(Outcome::Escalated)
         } else {
@@ -203,23 +220,35 @@ pub async fn apply(
     events: Vec<RunEvent>,
 ) -> Result<(), ApplyError> {
     let store = &deps.store;
+    // A stale input (the run moved on, or is closed) commits nothing and publishes nothing:
+    // a late redelivery must not fork the run.
+    let stale = |run: uuid::Uuid| {
+        tracing::info!(run = %run, "stale delivery: the run has moved on; dropping it");
+        Ok(())
+    };
     match t {
         Transition::To(next) => {
             state.advance(next);
-            store.commit_transition(&state, RunStatus::Open, &events).await?;
+            if !store.commit_transition(&state, RunStatus::Open, &events).await? {
+                return stale(state.run_id);
+            }
             publish_events(bus, &events).await?;
             publish_state(bus, &state).await?;
         }
         Transition::Escalate(reason) => {
             state.escalate(reason);
-            store.commit_transition(&state, RunStatus::Open, &events).await?;
+            if !store.commit_transition(&state, RunStatus::Open, &events).await? {
+                return stale(state.run_id);
+            }
             publish_events(bus, &events).await?;
             publish_state(bus, &state).await?;
         }
         Transition::Park(req) => {
             state.seq += 1;
             store.request_approval(&req).await?;
-            store.commit_transition(&state, RunStatus::WaitingApproval, &events).await?;
+            if !store.commit_transition(&state, RunStatus::WaitingApproval, &events).await? {
+                return stale(state.run_id);
+            }
             publish_events(bus, &events).await?;
             let payload = serde_json::to_vec(&req).expect("approval request serialises");
             let id = format!("{}.{}.request", req.run_id, req.plan_hash);
@@ -232,7 +261,9 @@ pub async fn apply(
                 Outcome::Resolved => RunStatus::Resolved,
                 Outcome::Escalated => RunStatus::Escalated,
             };
-            store.commit_transition(&state, status, &events).await?;
+            if !store.commit_transition(&state, status, &events).await? {
+                return stale(state.run_id);
+            }
             publish_events(bus, &events).await?;
         }
         Transition::Drop => {

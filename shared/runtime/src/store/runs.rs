@@ -150,13 +150,15 @@ impl Store {
     }
 
     /// Record a transition: the run's new state and status, and the events of the step, in one
-    /// transaction. An older transition never overwrites a newer one (seq guard).
+    /// transaction. An older transition never overwrites a newer one, nor anything a closed
+    /// run (seq guard). Returns whether the run took the transition: `false` means the input
+    /// was stale (a newer transition exists) and nothing must follow from it.
     pub async fn commit_transition(
         &self,
         state: &RunState,
         status: RunStatus,
         events: &[RunEvent],
-    ) -> Result<(), StoreError> {
+    ) -> Result<bool, StoreError> {
         let mut client = self.client().await?;
         let tx = client.transaction().await?;
         let upd = tx
@@ -167,22 +169,27 @@ impl Store {
                  WHERE id = $1 AND seq <= $3 AND status NOT IN ('resolved', 'escalated')",
             )
             .await?;
-        tx.execute(
-            &upd,
-            &[
-                &state.run_id,
-                &state.step.as_str(),
-                &(state.seq as i32),
-                &(state.attempt as i32),
-                &state_json(state),
-                &status.as_str(),
-                &state.escalation_reason,
-            ],
-        )
-        .await?;
+        let updated = tx
+            .execute(
+                &upd,
+                &[
+                    &state.run_id,
+                    &state.step.as_str(),
+                    &(state.seq as i32),
+                    &(state.attempt as i32),
+                    &state_json(state),
+                    &status.as_str(),
+                    &state.escalation_reason,
+                ],
+            )
+            .await?;
+        if updated == 0 {
+            tx.rollback().await?;
+            return Ok(false);
+        }
         insert_events(&tx, events).await?;
         tx.commit().await?;
-        Ok(())
+        Ok(true)
     }
 
     /// Store events that belong to no run row (a rejected incident).
