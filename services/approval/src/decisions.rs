@@ -115,6 +115,21 @@ impl Decisions {
         }
     }
 
+    /// Keep a note about a decision that resumes nothing: stored and published.
+    async fn record(
+        &self,
+        mut cx: Cx<'_>,
+        kind: EventKind,
+        message: String,
+        d: &ApprovalDecision,
+    ) -> Result<(), DecideError> {
+        cx.emit(kind, message, serde_json::to_value(d)?);
+        let events = cx.take_events();
+        self.deps.store.insert_events(&events).await?;
+        publish_events(&self.bus, &events).await?;
+        Ok(())
+    }
+
     async fn decide(&self, d: &ApprovalDecision, seq: u64) -> Result<(), DecideError> {
         let store = &self.deps.store;
         let Some(run) = store.load_run(d.run_id).await? else {
@@ -130,15 +145,9 @@ impl Decisions {
         let mut cx = Cx::new(&self.deps, Stage::Approval, d.run_id, state.seq, index);
         let Some(plan_hash) = d.plan_hash.clone().or(pending.clone()) else {
             let why = format!("run is not waiting for an approval (it is {})", run.status.as_str());
-            cx.emit(
-                EventKind::Error,
-                format!("{} by {} ignored: {why}", d.decision.as_str(), d.by),
-                serde_json::to_value(d)?,
-            );
-            let events = cx.take_events();
-            store.insert_events(&events).await?;
-            publish_events(&self.bus, &events).await?;
-            return Ok(());
+            return self
+                .record(cx, EventKind::Error, format!("{} by {} ignored: {why}", d.decision.as_str(), d.by), d)
+                .await;
         };
         let outcome = store.decide_approval(&plan_hash, d, seq).await?;
         let ignored = match &outcome {
@@ -166,30 +175,23 @@ impl Decisions {
         };
         if ignored.is_none() && pending.as_deref() != Some(plan_hash.as_str()) {
             // Decided a request that is not the one the run waits on: recorded, nothing resumes.
-            cx.emit(
-                EventKind::ApprovalDecided,
-                format!(
-                    "{} by {} recorded for plan {plan_hash}, but the run is not waiting on it",
-                    d.decision.as_str(),
-                    d.by
-                ),
-                serde_json::to_value(d)?,
-            );
-            let events = cx.take_events();
-            store.insert_events(&events).await?;
-            publish_events(&self.bus, &events).await?;
-            return Ok(());
+            return self
+                .record(
+                    cx,
+                    EventKind::ApprovalDecided,
+                    format!(
+                        "{} by {} recorded for plan {plan_hash}, but the run is not waiting on it",
+                        d.decision.as_str(),
+                        d.by
+                    ),
+                    d,
+                )
+                .await;
         }
         if let Some(why) = ignored {
-            cx.emit(
-                EventKind::Error,
-                format!("{} by {} ignored: {why}", d.decision.as_str(), d.by),
-                serde_json::to_value(d)?,
-            );
-            let events = cx.take_events();
-            store.insert_events(&events).await?;
-            publish_events(&self.bus, &events).await?;
-            return Ok(());
+            return self
+                .record(cx, EventKind::Error, format!("{} by {} ignored: {why}", d.decision.as_str(), d.by), d)
+                .await;
         }
         let channel = &d.channel;
         let t = match d.decision {

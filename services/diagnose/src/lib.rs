@@ -3,7 +3,7 @@
 
 use futures::future::BoxFuture;
 use pitcrew_exec::run_check;
-use pitcrew_llm::{ReasonError, ReasonInput};
+use pitcrew_llm::ReasonError;
 use pitcrew_model::{EventKind, Evidence, RunState, ServiceSpec, Stage};
 use pitcrew_runtime::{target, Cx, StageError, StageHandler, Transition};
 use std::time::Duration;
@@ -63,28 +63,9 @@ impl StageHandler for Diagnose {
             // A redelivery starts over from the input state: evidence of this attempt is regathered.
             state.evidence.retain(|e| e.attempt != state.attempt);
             gather(state, spec, cx).await;
-            let memory = cx
-                .deps
-                .store
-                .memory(
-                    &state.incident.service,
-                    &state.incident.signature(),
-                    Duration::from_secs(cfg.limits.memory_window_secs),
-                )
-                .await?;
-            let failed = target::failed_commands(state, &memory);
-            let vars = target::template_vars(spec, state);
-            let evidence: Vec<Evidence> = state.current_evidence().cloned().collect();
-            let input = ReasonInput {
-                incident: &state.incident,
-                attempt: state.attempt,
-                evidence: &evidence,
-                vars: &vars,
-                failed_commands: &failed,
-                known_fixes: &memory.fixes,
-                feedback: &[],
-                rejected_commands: &[],
-            };
+            let reasoning = target::ReasonContext::gather(cx.deps, state, spec).await?;
+            let failed = reasoning.failed.clone();
+            let input = reasoning.input(state);
             let diagnosis = match cx.deps.reasoner.diagnose(&input).await {
                 Ok(d) => d,
                 Err(ReasonError::Transient(e)) => return Err(StageError::Transient(e)),

@@ -129,15 +129,7 @@ impl StageHandler for EvaluateStage {
             if state.plan.is_none() {
                 return Err(StageError::Poison("run state reached evaluate without a plan".into()));
             }
-            let memory = cx
-                .deps
-                .store
-                .memory(
-                    &state.incident.service,
-                    &state.incident.signature(),
-                    std::time::Duration::from_secs(cfg.limits.memory_window_secs),
-                )
-                .await?;
+            let memory = target::memory(cx.deps, state).await?;
             let failed = target::failed_commands(state, &memory);
             let mut tools = BTreeMap::new();
             for c in state.plan.iter().flat_map(|p| p.commands.iter()) {

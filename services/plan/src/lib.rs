@@ -2,10 +2,9 @@
 //! already failed for this error, with the evaluator's feedback when regenerating.
 
 use futures::future::BoxFuture;
-use pitcrew_llm::{ReasonError, ReasonInput};
-use pitcrew_model::{ApprovalStatus, EventKind, Evidence, RunState, Stage, Verdict};
+use pitcrew_llm::ReasonError;
+use pitcrew_model::{ApprovalStatus, EventKind, RunState, Stage, Verdict};
 use pitcrew_runtime::{target, Cx, StageError, StageHandler, Transition};
-use std::time::Duration;
 
 /// The plan stage.
 pub struct PlanStage;
@@ -39,29 +38,9 @@ impl StageHandler for PlanStage {
             let Some(diagnosis) = state.diagnosis().cloned() else {
                 return Err(StageError::Poison("run state reached plan without a diagnosis for this attempt".into()));
             };
-            let memory = cx
-                .deps
-                .store
-                .memory(
-                    &state.incident.service,
-                    &state.incident.signature(),
-                    Duration::from_secs(cfg.limits.memory_window_secs),
-                )
-                .await?;
-            let failed = target::failed_commands(state, &memory);
-            let rejected = rejected_commands(state);
-            let vars = target::template_vars(spec, state);
-            let evidence: Vec<Evidence> = state.current_evidence().cloned().collect();
-            let input = ReasonInput {
-                incident: &state.incident,
-                attempt: state.attempt,
-                evidence: &evidence,
-                vars: &vars,
-                failed_commands: &failed,
-                known_fixes: &memory.fixes,
-                feedback: &state.feedback,
-                rejected_commands: &rejected,
-            };
+            let mut reasoning = target::ReasonContext::gather(cx.deps, state, spec).await?;
+            reasoning.rejected = rejected_commands(state);
+            let input = reasoning.input(state);
             let plan = match cx.deps.reasoner.plan(&input, &diagnosis).await {
                 Ok(p) => p,
                 Err(ReasonError::Transient(e)) => return Err(StageError::Transient(e)),

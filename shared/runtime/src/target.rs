@@ -2,9 +2,12 @@
 //! variables for playbook commands, and every command already known to fail.
 
 use crate::config::Config;
-use crate::store::Memory;
-use pitcrew_model::{RunState, ServiceSpec};
+use crate::stage::Deps;
+use crate::store::{Memory, StoreError};
+use pitcrew_llm::ReasonInput;
+use pitcrew_model::{Evidence, RunState, ServiceSpec};
 use std::collections::BTreeMap;
+use std::time::Duration;
 
 /// The inventory entry of the incident's service, or a message saying how to add it.
 pub fn service<'c>(cfg: &'c Config, state: &RunState) -> Result<&'c ServiceSpec, String> {
@@ -37,4 +40,47 @@ pub fn failed_commands(state: &RunState, memory: &Memory) -> Vec<String> {
         }
     }
     all
+}
+
+/// Episodic memory for the run's service and error signature, within the configured window.
+pub async fn memory(deps: &Deps, state: &RunState) -> Result<Memory, StoreError> {
+    let window = Duration::from_secs(deps.config.limits.memory_window_secs);
+    deps.store.memory(&state.incident.service, &state.incident.signature(), window).await
+}
+
+/// Everything a reasoning provider is given about a run, owned so a `ReasonInput` can borrow it.
+pub struct ReasonContext {
+    pub failed: Vec<String>,
+    pub fixes: Vec<Vec<String>>,
+    pub vars: BTreeMap<String, String>,
+    pub evidence: Vec<Evidence>,
+    pub rejected: Vec<String>,
+}
+
+impl ReasonContext {
+    /// Memory, template variables and this attempt's evidence for `state` on `spec`.
+    pub async fn gather(deps: &Deps, state: &RunState, spec: &ServiceSpec) -> Result<Self, StoreError> {
+        let memory = memory(deps, state).await?;
+        Ok(ReasonContext {
+            failed: failed_commands(state, &memory),
+            fixes: memory.fixes,
+            vars: template_vars(spec, state),
+            evidence: state.current_evidence().cloned().collect(),
+            rejected: Vec::new(),
+        })
+    }
+
+    /// The provider's view, with the evaluator's feedback of this attempt.
+    pub fn input<'a>(&'a self, state: &'a RunState) -> ReasonInput<'a> {
+        ReasonInput {
+            incident: &state.incident,
+            attempt: state.attempt,
+            evidence: &self.evidence,
+            vars: &self.vars,
+            failed_commands: &self.failed,
+            known_fixes: &self.fixes,
+            feedback: &state.feedback,
+            rejected_commands: &self.rejected,
+        }
+    }
 }
