@@ -6,7 +6,7 @@ use futures::future::{BoxFuture, FutureExt, Shared};
 use pitcrew_approval::decisions::{sweep_expired, Decisions};
 use pitcrew_approval::gate::ApprovalStage;
 use pitcrew_approval::policy::Policy;
-use pitcrew_exec::LocalExecutor;
+use pitcrew_exec::Fleet;
 use pitcrew_llm::Playbook;
 use pitcrew_model::Stage;
 use pitcrew_runtime::consume::consume;
@@ -71,7 +71,7 @@ pub async fn run(cfg: Config, stages: &[Stage], shutdown: Shutdown) -> anyhow::R
         config: cfg.clone(),
         store,
         reasoner: Arc::new(playbook),
-        executor: Arc::new(LocalExecutor::new(cfg.limits.max_output_bytes)),
+        executor: Arc::new(Fleet::new(cfg.hosts.clone(), cfg.limits.max_output_bytes)),
     });
     let mut tasks = JoinSet::new();
     for &stage in stages {

@@ -3,9 +3,11 @@
 
 pub mod check;
 pub mod local;
+pub mod ssh;
 
 pub use check::{run_check, CheckOutcome};
 pub use local::LocalExecutor;
+pub use ssh::SshExecutor;
 
 use futures::future::BoxFuture;
 use std::time::Duration;
@@ -69,4 +71,40 @@ pub trait Executor: Send + Sync + 'static {
     /// Whether `tool` (a program name like "systemctl") exists on `host`, so planners only
     /// propose commands the host can run. Unknown hosts have no tools.
     fn has_tool<'a>(&'a self, host: &'a str, tool: &'a str) -> BoxFuture<'a, bool>;
+}
+
+/// The executor for a whole inventory: `local` (and localhost) on this machine, every other
+/// host over SSH.
+pub struct Fleet {
+    pub local: LocalExecutor,
+    pub ssh: SshExecutor,
+}
+
+impl Fleet {
+    pub fn new(hosts: std::collections::BTreeMap<String, pitcrew_model::HostSpec>, max_output: usize) -> Self {
+        Fleet { local: LocalExecutor::new(max_output), ssh: SshExecutor::new(hosts, max_output) }
+    }
+}
+
+impl Executor for Fleet {
+    fn run<'a>(
+        &'a self,
+        host: &'a str,
+        command: &'a str,
+        timeout: Duration,
+    ) -> BoxFuture<'a, Result<CommandOutput, ExecError>> {
+        if self.ssh.knows(host) {
+            Box::pin(self.ssh.run_ssh(host, command, timeout))
+        } else {
+            self.local.run(host, command, timeout)
+        }
+    }
+
+    fn has_tool<'a>(&'a self, host: &'a str, tool: &'a str) -> BoxFuture<'a, bool> {
+        if self.ssh.knows(host) {
+            Box::pin(self.ssh.has_tool_ssh(host, tool))
+        } else {
+            self.local.has_tool(host, tool)
+        }
+    }
 }

@@ -137,7 +137,7 @@ impl Executor for LocalExecutor {
     }
 }
 
-fn is_local(host: &str) -> bool {
+pub(crate) fn is_local(host: &str) -> bool {
     LOCAL_HOSTS.contains(&host)
 }
 
@@ -181,7 +181,7 @@ async fn is_executable(path: &std::path::Path) -> bool {
 
 /// Read `pipe` to EOF, keeping the first `max` bytes in `buf` and discarding the rest, so
 /// memory stays bounded while the writer never blocks. Read errors end the stream.
-async fn read_capped<R: AsyncRead + Unpin>(pipe: Option<R>, max: usize, buf: &mut Vec<u8>) {
+pub(crate) async fn read_capped<R: AsyncRead + Unpin>(pipe: Option<R>, max: usize, buf: &mut Vec<u8>) {
     let Some(mut pipe) = pipe else { return };
     let mut chunk = [0u8; 8192];
     loop {

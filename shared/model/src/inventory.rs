@@ -41,6 +41,41 @@ fn default_check_timeout_ms() -> u64 {
 fn default_host() -> String {
     "local".to_string()
 }
+fn default_ssh_port() -> u16 {
+    22
+}
+fn default_connect_timeout() -> u64 {
+    10
+}
+
+/// A machine reached over SSH as a (usually non-root) user with sudo.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HostSpec {
+    /// Hostname or IP address.
+    pub address: String,
+    #[serde(default = "default_ssh_port")]
+    pub port: u16,
+    pub user: String,
+    /// Private key to log in with (default: the ssh client's own).
+    #[serde(default)]
+    pub key_file: Option<String>,
+    /// The known_hosts file the host key is checked against (default: the user's).
+    #[serde(default)]
+    pub known_hosts: Option<String>,
+    /// Accept (and remember) a host key not yet known. Off unless set for this host: an
+    /// unknown key is otherwise refused.
+    #[serde(default)]
+    pub accept_unknown_host_key: bool,
+    /// Programs known to exist on the host (skips a lookup).
+    #[serde(default)]
+    pub tools: Vec<String>,
+    /// Programs known to be missing (e.g. `systemctl` on a host without systemd).
+    #[serde(default)]
+    pub lacks: Vec<String>,
+    #[serde(default = "default_connect_timeout")]
+    pub connect_timeout_secs: u64,
+}
 
 /// One service pitcrew may remediate.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

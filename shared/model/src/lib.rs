@@ -16,7 +16,7 @@ pub mod trim;
 pub use approval::{ApprovalDecision, ApprovalRequest, Decision};
 pub use event::{EventKind, RunEvent};
 pub use incident::{Incident, IncidentError, Severity};
-pub use inventory::{CheckSpec, ServiceSpec};
+pub use inventory::{CheckSpec, HostSpec, ServiceSpec};
 pub use run::{
     ApprovalStatus, Diagnosis, Evaluation, EvaluationCheck, Evidence, ExecutionRecord, ExecutionStatus, Outcome, Plan,
     RunState, SecurityFlag, Verdict, Verification, RUN_STATE_VERSION,

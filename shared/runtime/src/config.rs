@@ -2,7 +2,7 @@
 
 use figment::providers::{Env, Format, Serialized, Toml};
 use figment::Figment;
-use pitcrew_model::{ServiceSpec, Stage};
+use pitcrew_model::{HostSpec, ServiceSpec, Stage};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -26,6 +26,8 @@ pub struct Config {
     pub reasoning: ReasoningConfig,
     pub policy: PolicyConfig,
     pub verify: VerifyConfig,
+    /// The inventory: hosts reached over SSH (services on `local` run on this machine).
+    pub hosts: BTreeMap<String, HostSpec>,
     /// The inventory: services pitcrew may remediate.
     pub services: BTreeMap<String, ServiceSpec>,
 }
@@ -141,6 +143,7 @@ impl Default for Config {
             reasoning: ReasoningConfig { provider: "playbook".into(), playbook_file: None },
             policy: PolicyConfig { file: None },
             verify: VerifyConfig { checks: 3, interval_ms: 500 },
+            hosts: BTreeMap::new(),
             services: BTreeMap::new(),
         }
     }
@@ -231,6 +234,12 @@ impl Config {
                 return bad(format!("[stage.{name}]: unknown stage"));
             }
         }
+        for (name, svc) in &self.services {
+            let local = ["local", "localhost", "127.0.0.1"].contains(&svc.host.as_str());
+            if !local && !self.hosts.contains_key(&svc.host) {
+                return bad(format!("[services.{name}]: host '{}' is not under [hosts]", svc.host));
+            }
+        }
         if self.reasoning.provider != "playbook" {
             return bad(format!(
                 "reasoning.provider '{}' is not available (this build has: playbook)",
@@ -303,6 +312,19 @@ mod tests {
         let e = Config::from_toml("[limits]\nmax_retrys = 2\n").unwrap_err();
         assert!(e.to_string().contains("max_retrys"), "{e}");
         assert!(Config::load(Some(Path::new("/nonexistent/pitcrew.toml"))).is_err());
+    }
+
+    #[test]
+    fn services_name_known_hosts() {
+        let ok = Config::from_toml(
+            "[hosts.pe1]\naddress = \"10.0.0.1\"\nuser = \"sentinel\"\nlacks = [\"systemctl\"]\n\
+             [services.bgp]\nhost = \"pe1\"\n",
+        )
+        .unwrap();
+        assert_eq!(ok.hosts["pe1"].port, 22);
+        assert!(!ok.hosts["pe1"].accept_unknown_host_key, "unknown host keys are refused by default");
+        let e = Config::from_toml("[services.bgp]\nhost = \"pe9\"\n").unwrap_err();
+        assert!(e.to_string().contains("host 'pe9' is not under [hosts]"), "{e}");
     }
 
     #[test]

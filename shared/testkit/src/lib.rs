@@ -2,6 +2,8 @@
 //! and its own freshly created Postgres database (dropped afterwards), so tests run in
 //! parallel without seeing each other. Waits are on events, each with a timeout.
 
+pub mod sshd;
+
 use anyhow::{anyhow, bail, Context};
 use async_nats::jetstream::consumer::{pull::OrderedConfig, DeliverPolicy};
 use futures::StreamExt;

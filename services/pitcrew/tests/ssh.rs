@@ -1,0 +1,97 @@
+//! The ssh executor against a real OpenSSH server: argv quoting, exit codes, deadlines,
+//! output caps, host-key checking, one reused master connection, reconnecting, sudo -n.
+
+use pitcrew_exec::{ExecError, Executor, Fleet};
+use pitcrew_model::HostSpec;
+use pitcrew_testkit::sshd::Sshd;
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+const T: Duration = Duration::from_secs(20);
+
+fn fleet(host: HostSpec, max_output: usize) -> Fleet {
+    Fleet::new(BTreeMap::from([("box".to_string(), host)]), max_output)
+}
+
+#[tokio::test]
+async fn commands_run_as_argv_with_exit_codes() -> anyhow::Result<()> {
+    let sshd = Sshd::start()?;
+    let f = fleet(sshd.host(true), 64 * 1024);
+    let out = f.run("box", "echo hello", T).await?;
+    assert_eq!((out.exit_code, out.stdout.as_str()), (Some(0), "hello\n"));
+    assert_eq!(f.run("box", "sh -c 'exit 3'", T).await?.exit_code, Some(3));
+    // Quoting survives the remote shell: the argv policy approved is the argv that runs.
+    assert_eq!(f.run("box", "printf '%s|' 'a b' c", T).await?.stdout, "a b|c|");
+    assert_eq!(f.run("box", "echo 'a; rm -rf /tmp/x' '$HOME'", T).await?.stdout, "a; rm -rf /tmp/x $HOME\n");
+    match f.run("box", "definitely-not-a-program-xyz", T).await {
+        Err(ExecError::Spawn { error, .. }) => assert!(error.contains("not found on box"), "{error}"),
+        other => panic!("expected a spawn error, got {other:?}"),
+    }
+    assert!(matches!(f.run("nowhere", "true", T).await, Err(ExecError::UnknownHost(_))));
+    Ok(())
+}
+
+#[tokio::test]
+async fn deadlines_and_output_caps_hold() -> anyhow::Result<()> {
+    let sshd = Sshd::start()?;
+    let f = fleet(sshd.host(true), 1024);
+    let started = Instant::now();
+    let out = f.run("box", "sleep 30", Duration::from_secs(1)).await?;
+    assert!(out.timed_out && out.exit_code.is_none(), "{out:?}");
+    assert!(started.elapsed() < Duration::from_secs(10), "{:?}", started.elapsed());
+    let out = f.run("box", "head -c 1000000 /dev/zero", T).await?;
+    assert_eq!(out.exit_code, Some(0));
+    assert!(out.stdout.len() <= 1024, "{}", out.stdout.len());
+    Ok(())
+}
+
+#[tokio::test]
+async fn an_unknown_host_key_is_refused_unless_accepted_for_that_host() -> anyhow::Result<()> {
+    let sshd = Sshd::start()?;
+    let f = fleet(sshd.host(false), 4096);
+    match f.run("box", "true", T).await {
+        Err(ExecError::Spawn { error, .. }) => assert!(error.contains("not trusted"), "{error}"),
+        other => panic!("an unknown host key must be refused, got {other:?}"),
+    }
+    let mut opted_in = sshd.host(false);
+    opted_in.accept_unknown_host_key = true;
+    let f = fleet(opted_in, 4096);
+    assert_eq!(f.run("box", "true", T).await?.exit_code, Some(0));
+    let remembered = std::fs::read_to_string(sshd.path("empty_known_hosts"))?;
+    assert!(remembered.contains("ssh-ed25519"), "the accepted key is remembered: {remembered}");
+    Ok(())
+}
+
+/// The client address and port sshd saw for this command's connection.
+async fn conn(f: &Fleet) -> anyhow::Result<String> {
+    Ok(f.run("box", "sh -c 'echo $SSH_CONNECTION'", T).await?.stdout)
+}
+
+#[tokio::test]
+async fn one_master_connection_is_reused_and_reestablished() -> anyhow::Result<()> {
+    let mut sshd = Sshd::start()?;
+    let f = fleet(sshd.host(true), 4096);
+    let first = conn(&f).await?;
+    for _ in 0..5 {
+        assert_eq!(conn(&f).await?, first, "every command rides the same TCP connection");
+    }
+    sshd.restart()?;
+    let again = conn(&f).await?;
+    assert!(!again.trim().is_empty());
+    assert_ne!(again, first, "a new master connection after the server restarted");
+    Ok(())
+}
+
+#[tokio::test]
+async fn sudo_is_non_interactive_and_tools_are_known() -> anyhow::Result<()> {
+    let sshd = Sshd::start()?;
+    let mut host = sshd.host(true);
+    host.lacks = vec!["systemctl".into()];
+    let f = fleet(host, 4096);
+    let out = f.run("box", "sudo id -u", T).await?;
+    assert_eq!(out.exit_code, Some(0), "{out:?}");
+    assert!(f.has_tool("box", "sh").await);
+    assert!(!f.has_tool("box", "definitely-not-a-program-xyz").await);
+    assert!(!f.has_tool("box", "systemctl").await, "the inventory says the host lacks it");
+    Ok(())
+}

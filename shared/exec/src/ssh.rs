@@ -1,0 +1,184 @@
+//! The ssh executor: commands on inventory hosts over OpenSSH (the `openssh` crate, native
+//! multiplexing). One master connection per host, reused by every command and stage and
+//! re-established when it drops; host keys checked against known_hosts (accepting an unknown
+//! key is a per-host opt-in); argv quoted so the command policy approved is the command that
+//! runs; `sudo` always non-interactive; a deadline enforced on the remote side.
+
+use crate::local::read_capped;
+use crate::{CommandOutput, ExecError};
+use openssh::{KnownHosts, Session, SessionBuilder, Stdio};
+use pitcrew_model::HostSpec;
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::sync::Mutex;
+
+/// Extra time past the remote deadline before we give up on the channel ourselves.
+const LOCAL_GRACE: Duration = Duration::from_secs(5);
+
+/// Commands over SSH to the hosts of the inventory.
+pub struct SshExecutor {
+    hosts: BTreeMap<String, HostSpec>,
+    max_output: usize,
+    /// One master connection per host; the per-host lock serialises (re)connecting.
+    sessions: HashMap<String, Mutex<Option<Arc<Session>>>>,
+    /// Answers of `command -v` per (host, tool).
+    tools: std::sync::Mutex<HashMap<(String, String), bool>>,
+}
+
+/// `sudo` never prompts: a missing sudo rule fails at once instead of hanging the worker.
+pub fn non_interactive_sudo(mut argv: Vec<String>) -> Vec<String> {
+    if argv.first().map(String::as_str) == Some("sudo") && !argv.iter().skip(1).any(|a| a == "-n") {
+        argv.insert(1, "-n".into());
+    }
+    argv
+}
+
+impl SshExecutor {
+    pub fn new(hosts: BTreeMap<String, HostSpec>, max_output: usize) -> Self {
+        let sessions = hosts.keys().map(|h| (h.clone(), Mutex::new(None))).collect();
+        SshExecutor { hosts, max_output, sessions, tools: Default::default() }
+    }
+
+    pub fn knows(&self, host: &str) -> bool {
+        self.hosts.contains_key(host)
+    }
+
+    /// The live master connection to `host`, connecting (again) when there is none or it died.
+    async fn session(&self, host: &str) -> Result<Arc<Session>, ExecError> {
+        let spec = self.hosts.get(host).ok_or_else(|| ExecError::UnknownHost(host.to_string()))?;
+        let slot = self.sessions.get(host).ok_or_else(|| ExecError::UnknownHost(host.to_string()))?;
+        let mut slot = slot.lock().await;
+        if let Some(s) = slot.as_ref() {
+            if s.check().await.is_ok() {
+                return Ok(s.clone());
+            }
+            tracing::warn!(host, "ssh master connection lost: reconnecting");
+        }
+        let mut b = SessionBuilder::default();
+        b.user(spec.user.clone())
+            .port(spec.port)
+            .connect_timeout(Duration::from_secs(spec.connect_timeout_secs.max(1)))
+            .server_alive_interval(Duration::from_secs(15))
+            .known_hosts_check(if spec.accept_unknown_host_key { KnownHosts::Add } else { KnownHosts::Strict });
+        if let Some(k) = &spec.key_file {
+            b.keyfile(k);
+        }
+        if let Some(k) = &spec.known_hosts {
+            b.user_known_hosts_file(k);
+        }
+        let session = b.connect_mux(&spec.address).await.map_err(|e| connect_error(host, spec, e))?;
+        let session = Arc::new(session);
+        *slot = Some(session.clone());
+        tracing::info!(host, address = %spec.address, port = spec.port, "ssh master connection up");
+        Ok(session)
+    }
+
+    /// Run argv on `host` within `timeout`.
+    pub async fn run_ssh(&self, host: &str, command: &str, timeout: Duration) -> Result<CommandOutput, ExecError> {
+        let argv = shell_words::split(command).map_err(|e| ExecError::Parse(e.to_string()))?;
+        if argv.is_empty() {
+            return Err(ExecError::Empty);
+        }
+        let argv = non_interactive_sudo(argv);
+        let session = self.session(host).await?;
+        let started = Instant::now();
+        // The remote `timeout` kills the command at the deadline even if our channel dies.
+        let secs = timeout.as_secs().max(1);
+        let mut cmd = Session::to_command(session.clone(), "timeout");
+        cmd.args(["-k", "2", &format!("{secs}")]).args(&argv);
+        cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
+        let mut child = cmd.spawn().await.map_err(|e| ExecError::Transient(format!("ssh to {host}: {e}")))?;
+        let (stdout, stderr) = (child.stdout().take(), child.stderr().take());
+        let (mut out, mut err) = (Vec::new(), Vec::new());
+        let max = self.max_output;
+        let run = async {
+            let (_, _, status) =
+                tokio::join!(read_capped(stdout, max, &mut out), read_capped(stderr, max, &mut err), child.wait());
+            status
+        };
+        let (exit_code, timed_out) = match tokio::time::timeout(timeout + LOCAL_GRACE, run).await {
+            Err(_) => (None, true),
+            // 124: `timeout` killed it at the deadline (137 when it needed SIGKILL).
+            Ok(Ok(status)) => match status.code() {
+                Some(124) | Some(137) => (None, true),
+                code => (code, false),
+            },
+            Ok(Err(openssh::Error::RemoteProcessTerminated)) => (None, false),
+            Ok(Err(e)) => {
+                // The command may have run: report it as failed, never as something to retry.
+                err.extend_from_slice(format!("\npitcrew: ssh to {host} failed while running: {e}").as_bytes());
+                (None, false)
+            }
+        };
+        let stderr = String::from_utf8_lossy(&err).into_owned();
+        // `timeout` could not start the program: it does not exist on the host.
+        if stderr.starts_with("timeout: failed to run command") && stderr.contains("No such file or directory") {
+            return Err(ExecError::Spawn { program: argv[0].clone(), error: format!("not found on {host}") });
+        }
+        Ok(CommandOutput {
+            exit_code,
+            stdout: String::from_utf8_lossy(&out).into_owned(),
+            stderr,
+            timed_out,
+            duration: started.elapsed(),
+        })
+    }
+
+    /// Whether `tool` exists on `host`: the inventory's word first, else `command -v` (cached).
+    pub async fn has_tool_ssh(&self, host: &str, tool: &str) -> bool {
+        let Some(spec) = self.hosts.get(host) else { return false };
+        let name = tool.rsplit('/').next().unwrap_or(tool);
+        if spec.lacks.iter().any(|t| t == tool || t == name) {
+            return false;
+        }
+        if spec.tools.iter().any(|t| t == tool || t == name) {
+            return true;
+        }
+        let key = (host.to_string(), tool.to_string());
+        if let Some(known) = self.tools.lock().expect("tool cache").get(&key) {
+            return *known;
+        }
+        let Ok(session) = self.session(host).await else { return false };
+        let probe = format!("command -v {}", shell_words::quote(tool));
+        let found = match Session::to_command(session, "sh").args(["-c", &probe]).output().await {
+            Ok(o) => o.status.success(),
+            Err(_) => return false,
+        };
+        self.tools.lock().expect("tool cache").insert(key, found);
+        found
+    }
+}
+
+fn connect_error(host: &str, spec: &HostSpec, e: openssh::Error) -> ExecError {
+    let text = format!("{e}: {}", std::error::Error::source(&e).map(|s| s.to_string()).unwrap_or_default());
+    let lower = text.to_lowercase();
+    if lower.contains("host key verification failed") || lower.contains("no matching host key") {
+        let hint = if spec.accept_unknown_host_key {
+            ""
+        } else {
+            " (add its key to known_hosts, or set accept_unknown_host_key = true for this host)"
+        };
+        return ExecError::Spawn { program: "ssh".into(), error: format!("host key of {host} not trusted{hint}") };
+    }
+    if lower.contains("permission denied") {
+        return ExecError::Spawn { program: "ssh".into(), error: format!("login to {host} as {} refused", spec.user) };
+    }
+    ExecError::Transient(format!("cannot connect to {host} ({}:{}): {text}", spec.address, spec.port))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sudo_never_prompts() {
+        let v = |s: &[&str]| s.iter().map(|x| x.to_string()).collect::<Vec<_>>();
+        assert_eq!(
+            non_interactive_sudo(v(&["sudo", "systemctl", "restart", "x"])),
+            v(&["sudo", "-n", "systemctl", "restart", "x"])
+        );
+        assert_eq!(non_interactive_sudo(v(&["sudo", "-n", "true"])), v(&["sudo", "-n", "true"]));
+        assert_eq!(non_interactive_sudo(v(&["systemctl", "status"])), v(&["systemctl", "status"]));
+    }
+}
