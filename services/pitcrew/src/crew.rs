@@ -119,3 +119,25 @@ pub fn signals() -> Shutdown {
     .boxed()
     .shared()
 }
+
+/// `pitcrew monitor`: check every service with a health check until `shutdown`.
+pub async fn monitor(cfg: Config, shutdown: Shutdown) -> anyhow::Result<()> {
+    let bus = Bus::connect(&cfg).await?;
+    bus.ensure_streams().await?;
+    let executor: Arc<dyn pitcrew_exec::Executor> =
+        Arc::new(Fleet::new(cfg.hosts.clone(), cfg.limits.max_output_bytes));
+    let checked = cfg.services.values().filter(|s| s.check.is_some()).count();
+    if checked == 0 {
+        anyhow::bail!("no service has a health check: add `check = {{ ... }}` under [services.<name>]");
+    }
+    pitcrew_monitor::run(
+        bus,
+        cfg.services.clone(),
+        executor,
+        Duration::from_millis(cfg.monitor.interval_ms.max(100)),
+        Duration::from_secs(cfg.monitor.realert_secs),
+        shutdown,
+    )
+    .await;
+    Ok(())
+}

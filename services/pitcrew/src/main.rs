@@ -35,6 +35,8 @@ enum Command {
         #[arg(required = true, value_name = "STAGE")]
         stages: Vec<Stage>,
     },
+    /// Check every configured service and open an incident when one fails.
+    Monitor,
     /// Start everything it needs and show three runs live: resolved, approved, escalated.
     Demo,
     /// Incidents.
@@ -144,7 +146,7 @@ fn main() -> ExitCode {
     }
     let default_log = match args.command {
         Command::Demo => "warn",
-        Command::Up | Command::Worker { .. } => "info",
+        Command::Up | Command::Worker { .. } | Command::Monitor => "info",
         _ => "warn",
     };
     pitcrew_runtime::telemetry::init(default_log);
@@ -185,6 +187,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
     let cfg = Config::load(args.config.as_deref())?;
     match args.command {
         Command::Up => crew::run(cfg, &Stage::ALL, crew::signals()).await,
+        Command::Monitor => crew::monitor(cfg, crew::signals()).await,
         Command::Worker { stages } => {
             let mut stages = stages;
             stages.sort();

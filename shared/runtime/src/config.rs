@@ -26,6 +26,7 @@ pub struct Config {
     pub reasoning: ReasoningConfig,
     pub policy: PolicyConfig,
     pub verify: VerifyConfig,
+    pub monitor: MonitorConfig,
     /// The inventory: hosts reached over SSH (services on `local` run on this machine).
     pub hosts: BTreeMap<String, HostSpec>,
     /// The inventory: services pitcrew may remediate.
@@ -113,6 +114,16 @@ pub struct VerifyConfig {
     pub interval_ms: u64,
 }
 
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MonitorConfig {
+    /// Time between rounds of checks.
+    pub interval_ms: u64,
+    /// A service still down is reported again this often (intake deduplicates while its
+    /// run is open).
+    pub realert_secs: u64,
+}
+
 impl Default for Config {
     fn default() -> Self {
         Config {
@@ -143,6 +154,7 @@ impl Default for Config {
             reasoning: ReasoningConfig { provider: "playbook".into(), playbook_file: None },
             policy: PolicyConfig { file: None },
             verify: VerifyConfig { checks: 3, interval_ms: 500 },
+            monitor: MonitorConfig { interval_ms: 30_000, realert_secs: 3600 },
             hosts: BTreeMap::new(),
             services: BTreeMap::new(),
         }

@@ -146,10 +146,32 @@ impl Events {
                     bail!("timed out after {timeout:?} waiting on run {run}; its events so far:\n{}", mine.join("\n"))
                 }
             };
-            let e: RunEvent = serde_json::from_slice(&msg.payload)?;
+            // Other publishers share the events stream (the monitor's recoveries): skip them.
+            let Ok(e) = serde_json::from_slice::<RunEvent>(&msg.payload) else { continue };
             let hit = e.run_id == run && want(&e);
             self.seen.push(e.clone());
             if hit {
+                return Ok(e);
+            }
+        }
+    }
+
+    /// The first event of any run matching `want`, within `timeout`.
+    pub async fn wait_any(&mut self, want: impl Fn(&RunEvent) -> bool, timeout: Duration) -> anyhow::Result<RunEvent> {
+        if let Some(e) = self.seen.iter().find(|e| want(e)) {
+            return Ok(e.clone());
+        }
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            let msg = match tokio::time::timeout_at(deadline, self.messages.next()).await {
+                Ok(Some(Ok(m))) => m,
+                Ok(Some(Err(e))) => return Err(anyhow!("event stream: {e}")),
+                Ok(None) => bail!("event stream ended"),
+                Err(_) => bail!("timed out after {timeout:?} waiting for an event"),
+            };
+            let Ok(e) = serde_json::from_slice::<RunEvent>(&msg.payload) else { continue };
+            self.seen.push(e.clone());
+            if want(&e) {
                 return Ok(e);
             }
         }
