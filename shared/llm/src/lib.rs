@@ -9,6 +9,68 @@ use futures::future::BoxFuture;
 use pitcrew_model::{Diagnosis, Evidence, Incident, Plan};
 use std::collections::BTreeMap;
 
+/// What the target host can run: plans are fitted to it.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Target {
+    /// Inventory name of the host (`local` for this machine).
+    pub host: String,
+    /// Programs the host does not have: no plan may use them.
+    pub lacks: Vec<String>,
+    /// The login user is not root: administrative programs run under `sudo`.
+    pub needs_sudo: bool,
+}
+
+/// Programs that administer the system and so need root.
+pub const ADMIN_PROGRAMS: &[&str] = &[
+    "systemctl",
+    "service",
+    "kill",
+    "pkill",
+    "killall",
+    "apt",
+    "apt-get",
+    "yum",
+    "dnf",
+    "journalctl",
+    "ip",
+    "iptables",
+    "nft",
+    "sysctl",
+    "mount",
+    "umount",
+    "logrotate",
+    "vtysh",
+];
+
+/// Fit one rendered command to the target: refuse programs the host lacks, add `sudo` for
+/// administrative programs when the login user is not root (the seeds' ensure_sudo), and
+/// make package managers non-interactive (`-y`).
+pub fn fit_to_target(command: &str, target: &Target) -> Result<String, String> {
+    let mut argv = shell_words::split(command).map_err(|e| format!("'{command}' does not parse: {e}"))?;
+    let has_sudo = argv.first().map(String::as_str) == Some("sudo");
+    let at = if has_sudo { argv.iter().skip(1).position(|a| !a.starts_with('-')).map(|p| p + 1) } else { Some(0) };
+    let Some(at) = at.filter(|i| *i < argv.len()) else { return Err(format!("'{command}' names no program")) };
+    let program = argv[at].rsplit('/').next().unwrap_or(&argv[at]).to_string();
+    if target.lacks.contains(&program) {
+        return Err(format!("needs {program}, which {} lacks", target.host));
+    }
+    // The command's own text is kept unless something must be added (argv stays the same).
+    let mut out = command.to_string();
+    if ["apt", "apt-get", "yum", "dnf"].contains(&program.as_str())
+        && argv
+            .get(at + 1)
+            .is_some_and(|sub| ["install", "remove", "purge", "upgrade", "autoremove"].contains(&sub.as_str()))
+        && !argv.iter().any(|a| a == "-y" || a == "--yes" || a == "--assumeyes")
+    {
+        argv.insert(at + 2, "-y".into());
+        out = shell_words::join(&argv);
+    }
+    if target.needs_sudo && !has_sudo && ADMIN_PROGRAMS.contains(&program.as_str()) {
+        out = format!("sudo {out}");
+    }
+    Ok(out)
+}
+
 /// What a reasoning provider sees. Built by the diagnose/plan stages.
 ///
 /// Borrowed rather than owned so a stage can build one from its run state without cloning
@@ -17,6 +79,8 @@ use std::collections::BTreeMap;
 pub struct ReasonInput<'a> {
     pub incident: &'a Incident,
     pub attempt: u32,
+    /// The host the plan will run on.
+    pub target: &'a Target,
     /// Evidence of the current attempt.
     pub evidence: &'a [Evidence],
     /// Template variables for the target service (`ServiceSpec::template_vars` + evidence
@@ -64,4 +128,27 @@ pub trait Reasoner: Send + Sync + 'static {
         input: &'a ReasonInput<'a>,
         diagnosis: &'a Diagnosis,
     ) -> BoxFuture<'a, Result<Plan, ReasonError>>;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sentinel() -> Target {
+        Target { host: "pe1".into(), lacks: vec!["systemctl".into(), "lsof".into(), "fuser".into()], needs_sudo: true }
+    }
+
+    #[test]
+    fn plans_fit_the_target() {
+        let t = sentinel();
+        assert_eq!(fit_to_target("kill -9 42", &t).unwrap(), "sudo kill -9 42");
+        assert_eq!(fit_to_target("sudo kill -9 42", &t).unwrap(), "sudo kill -9 42");
+        assert_eq!(fit_to_target("apt-get install nginx", &t).unwrap(), "sudo apt-get install -y nginx");
+        assert_eq!(fit_to_target("/opt/web/bin/start --port 8080", &t).unwrap(), "/opt/web/bin/start --port 8080");
+        assert!(fit_to_target("systemctl restart web", &t).unwrap_err().contains("pe1 lacks"));
+        assert!(fit_to_target("sudo -n /bin/systemctl restart web", &t).unwrap_err().contains("systemctl"));
+        let root = Target { host: "local".into(), ..Default::default() };
+        assert_eq!(fit_to_target("systemctl restart web", &root).unwrap(), "systemctl restart web");
+        assert_eq!(fit_to_target("echo 'a b'", &root).unwrap(), "echo 'a b'");
+    }
 }

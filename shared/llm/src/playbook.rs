@@ -193,7 +193,7 @@ fn render_commands(alt: &[String], input: &ReasonInput<'_>) -> Result<Vec<String
             if cmd.is_empty() || cmd.contains(['\n', '\r']) {
                 return Err(format!("'{t}' renders empty or multi-line"));
             }
-            Ok(cmd.to_string())
+            crate::fit_to_target(cmd, input.target)
         })
         .collect()
 }

@@ -4,7 +4,7 @@
 use crate::config::Config;
 use crate::stage::Deps;
 use crate::store::{Memory, StoreError};
-use pitcrew_llm::ReasonInput;
+use pitcrew_llm::{ReasonInput, Target};
 use pitcrew_model::{Evidence, RunState, ServiceSpec};
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -55,6 +55,7 @@ pub struct ReasonContext {
     pub vars: BTreeMap<String, String>,
     pub evidence: Vec<Evidence>,
     pub rejected: Vec<String>,
+    pub target: Target,
 }
 
 impl ReasonContext {
@@ -67,6 +68,7 @@ impl ReasonContext {
             vars: template_vars(spec, state),
             evidence: state.current_evidence().cloned().collect(),
             rejected: Vec::new(),
+            target: target_of(&deps.config, spec),
         })
     }
 
@@ -75,6 +77,7 @@ impl ReasonContext {
         ReasonInput {
             incident: &state.incident,
             attempt: state.attempt,
+            target: &self.target,
             evidence: &self.evidence,
             vars: &self.vars,
             failed_commands: &self.failed,
@@ -82,5 +85,13 @@ impl ReasonContext {
             feedback: &state.feedback,
             rejected_commands: &self.rejected,
         }
+    }
+}
+
+/// What the service's host can run, from the inventory.
+pub fn target_of(cfg: &Config, spec: &ServiceSpec) -> Target {
+    match cfg.hosts.get(&spec.host) {
+        Some(h) => Target { host: spec.host.clone(), lacks: h.lacks.clone(), needs_sudo: h.user != "root" },
+        None => Target { host: spec.host.clone(), lacks: Vec::new(), needs_sudo: false },
     }
 }

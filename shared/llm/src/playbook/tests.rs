@@ -14,6 +14,7 @@ struct Case {
     known: Vec<Vec<String>>,
     feedback: Vec<String>,
     rejected: Vec<String>,
+    target: crate::Target,
 }
 
 impl Case {
@@ -33,6 +34,7 @@ impl Case {
             known: Vec::new(),
             feedback: Vec::new(),
             rejected: Vec::new(),
+            target: crate::Target { host: "local".into(), ..Default::default() },
         }
     }
 
@@ -47,6 +49,7 @@ impl Case {
         ReasonInput {
             incident: &self.incident,
             attempt: 1,
+            target: &self.target,
             evidence: &self.evidence,
             vars: &self.vars,
             failed_commands: &self.failed,
@@ -314,4 +317,18 @@ fn works_as_a_trait_object() {
     let p = futures::executor::block_on(reasoner.plan(&input, &d)).unwrap();
     assert_eq!((reasoner.name(), d.source.as_str()), ("playbook", "playbook:disk-full"));
     assert_eq!(p.commands, vec!["journalctl --vacuum-size=200M"]);
+}
+
+#[test]
+fn plans_use_only_what_the_host_has_and_sudo_when_needed() {
+    // A Sentinel-style host: no systemctl, a non-root login.
+    let mut case = Case::new("connection refused");
+    case.vars.insert("start".into(), "systemctl start toy".into());
+    case.vars.insert("restart".into(), "service toy restart".into());
+    case.target = crate::Target { host: "pe1".into(), lacks: strings(&["systemctl"]), needs_sudo: true };
+    let p = run(&Playbook::default_rules(), &case).1.unwrap();
+    assert_eq!(p.commands, vec!["sudo service toy restart"], "the systemctl alternative is skipped");
+    case.failed = strings(&["sudo service toy restart"]);
+    let err = run(&Playbook::default_rules(), &case).1.unwrap_err().to_string();
+    assert!(err.contains("pe1 lacks"), "{err}");
 }
