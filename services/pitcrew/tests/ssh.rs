@@ -1,6 +1,8 @@
 //! The ssh executor against a real OpenSSH server: argv quoting, exit codes, deadlines,
 //! output caps, host-key checking, one reused master connection, reconnecting, sudo -n.
 
+mod common;
+
 use pitcrew_exec::{ExecError, Executor, Fleet};
 use pitcrew_model::HostSpec;
 use pitcrew_testkit::sshd::Sshd;
@@ -94,4 +96,34 @@ async fn sudo_is_non_interactive_and_tools_are_known() -> anyhow::Result<()> {
     assert!(!f.has_tool("box", "definitely-not-a-program-xyz").await);
     assert!(!f.has_tool("box", "systemctl").await, "the inventory says the host lacks it");
     Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_incident_on_an_ssh_host_is_remediated_over_ssh() -> anyhow::Result<()> {
+    use pitcrew_model::{EventKind, Stage};
+    let sshd = Sshd::start()?;
+    let h = sshd.host(true);
+    let env = pitcrew_testkit::TestEnv::start().await?;
+    let healthy = env.path("box-healthy");
+    let text = format!(
+        "[hosts.box]\naddress = \"{}\"\nport = {}\nuser = \"{}\"\nkey_file = \"{}\"\nknown_hosts = \"{}\"\nlacks = [\"systemctl\"]\n\
+         [services.svc]\nhost = \"box\"\nstart = \"touch {healthy}\"\nrestart = \"touch {healthy}\"\n\
+         check = {{ kind = \"command\", command = \"test -f {healthy}\" }}\n",
+        h.address,
+        h.port,
+        h.user,
+        h.key_file.clone().unwrap_or_default(),
+        h.known_hosts.clone().unwrap_or_default(),
+    );
+    let mut crew = common::Crew::start_in(env, &text, &Stage::ALL).await?;
+    let run = crew.open("svc", "connection refused").await?;
+    let end = crew.end(run).await?;
+    assert_eq!(end.kind, EventKind::Resolved, "{}", end.message);
+    let db = crew.db().await?;
+    let row = db.query_one("SELECT host, command, status FROM executions WHERE run_id = $1", &[&run]).await?;
+    assert_eq!(row.get::<_, String>(0), "box");
+    assert_eq!(row.get::<_, String>(1), format!("touch {healthy}"));
+    assert_eq!(row.get::<_, String>(2), "succeeded");
+    assert!(std::path::Path::new(&healthy).exists(), "the target's own record: the file exists");
+    crew.shutdown().await
 }
