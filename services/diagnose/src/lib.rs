@@ -5,15 +5,22 @@ use futures::future::BoxFuture;
 use pitcrew_exec::{run_check, Executor};
 use pitcrew_llm::ReasonError;
 use pitcrew_model::{EventKind, Evidence, RunState, ServiceSpec, Stage};
+use pitcrew_policy::Policy;
 use pitcrew_runtime::{target, Cx, StageError, StageHandler, Transition};
 use std::time::Duration;
 
 /// The diagnose stage.
 pub struct Diagnose;
 
-/// Read-only evidence for `attempt`: the check's result, then the pidfile. Each item comes
-/// with the timeline line that reports it.
-pub async fn gather(spec: &ServiceSpec, attempt: u32, executor: &dyn Executor) -> Vec<(Evidence, String)> {
+/// Read-only evidence for `attempt`: the check's result, the pidfile, then the service's
+/// evidence commands (log tail, journal, ports, disk, memory), each admitted by the policy's
+/// read-only class first. Each item comes with the timeline line that reports it.
+pub async fn gather(
+    spec: &ServiceSpec,
+    attempt: u32,
+    executor: &dyn Executor,
+    policy: &Policy,
+) -> Vec<(Evidence, String)> {
     let mut found = Vec::new();
     if let Some(check) = &spec.check {
         let out = run_check(check, &spec.host, executor).await;
@@ -25,14 +32,33 @@ pub async fn gather(spec: &ServiceSpec, attempt: u32, executor: &dyn Executor) -
     }
     if let Some(pidfile) = &spec.pidfile {
         let cmd = format!("cat {}", shell_words::quote(pidfile));
-        let (ok, output) = match executor.run(&spec.host, &cmd, Duration::from_secs(10)).await {
-            Ok(o) => (o.success(), if o.success() { o.stdout } else { o.stderr }),
-            Err(e) => (false, e.to_string()),
-        };
+        let (ok, output) = run_evidence(executor, &spec.host, &cmd).await;
         let line = format!("pidfile {pidfile}: {}", if ok { output.trim() } else { "unreadable" });
         found.push((Evidence { attempt, source: "pidfile".into(), detail: cmd, output, ok }, line));
     }
+    for cmd in spec.evidence_commands() {
+        let (ok, output, line) = match policy.read_only(&cmd) {
+            Err(why) => (false, String::new(), format!("`{cmd}` not run: {why}")),
+            Ok(()) => {
+                let (ok, output) = run_evidence(executor, &spec.host, &cmd).await;
+                let first = output.lines().find(|l| pitcrew_model::trim::looks_like_error(l)).or(output.lines().next());
+                let line = format!("`{cmd}`{}: {}", if ok { "" } else { " failed" }, first.unwrap_or("(no output)"));
+                (ok, output, line)
+            }
+        };
+        found.push((Evidence { attempt, source: "command".into(), detail: cmd, output, ok }, line));
+    }
     found
+}
+
+/// Run one evidence command: (succeeded, trimmed output or the error).
+async fn run_evidence(executor: &dyn Executor, host: &str, cmd: &str) -> (bool, String) {
+    let (ok, text) = match executor.run(host, cmd, Duration::from_secs(10)).await {
+        Ok(o) if o.success() => (true, o.stdout),
+        Ok(o) => (false, if o.stderr.is_empty() { o.stdout } else { o.stderr }),
+        Err(e) => (false, e.to_string()),
+    };
+    (ok, pitcrew_model::trim::trim_output(&text, pitcrew_model::run::MAX_OUTPUT))
 }
 
 impl StageHandler for Diagnose {
@@ -53,8 +79,16 @@ impl StageHandler for Diagnose {
             };
             // A redelivery starts over from the input state: evidence of this attempt is regathered.
             state.evidence.retain(|e| e.attempt != state.attempt);
-            for (evidence, line) in gather(spec, state.attempt, cx.deps.executor.as_ref()).await {
-                cx.emit(EventKind::Evidence, line, serde_json::json!({ "source": evidence.source, "ok": evidence.ok }));
+            let found = gather(spec, state.attempt, cx.deps.executor.as_ref(), &cx.deps.policy).await;
+            for (evidence, line) in found {
+                // The timeline keeps the (trimmed) output too.
+                let data = serde_json::json!({
+                    "source": evidence.source,
+                    "command": evidence.detail,
+                    "ok": evidence.ok,
+                    "output": evidence.output,
+                });
+                cx.emit(EventKind::Evidence, line, data);
                 state.push_evidence(evidence);
             }
             let reasoning = target::ReasonContext::gather(cx.deps, state, spec).await?;
@@ -93,6 +127,8 @@ mod tests {
             timeout_ms: 2000,
         });
         s.pidfile = Some(format!("{}/pid", dir.display()));
+        s.log_file = Some(format!("{}/app.log", dir.display()));
+        s.evidence = Some(vec!["df -h".into(), "touch /tmp/never".into()]);
         s
     }
 
@@ -100,19 +136,33 @@ mod tests {
     async fn evidence_is_the_check_and_the_pid() {
         let dir = tempfile::tempdir().unwrap();
         std::fs::write(dir.path().join("pid"), "4242\n").unwrap();
-        let found = gather(&spec(dir.path()), 3, &LocalExecutor::new(4096)).await;
-        assert_eq!(found.len(), 2);
+        let mut log = String::new();
+        for i in 0..200 {
+            log.push_str(&format!("request {i} ok\n"));
+        }
+        log.push_str("ERROR: config invalid: listen address missing\n");
+        std::fs::write(dir.path().join("app.log"), log).unwrap();
+        let found = gather(&spec(dir.path()), 3, &LocalExecutor::new(4096), &Policy::default_policy()).await;
+        assert_eq!(found.len(), 5);
         let (check, line) = &found[0];
         assert!(!check.ok && check.attempt == 3 && line.contains("exited 1"), "{check:?} {line}");
         let (pid, line) = &found[1];
         assert!(pid.ok && pid.output.trim() == "4242" && line.ends_with(": 4242"), "{pid:?} {line}");
+        let (tail, line) = &found[2];
+        assert!(tail.ok && tail.output.lines().count() == 50, "only the last lines: {tail:?}");
+        assert!(line.contains("ERROR: config invalid"), "the line that looks like an error leads: {line}");
+        let (df, _) = &found[3];
+        assert!(df.ok && df.output.contains("Filesystem"), "{df:?}");
+        let (refused, line) = &found[4];
+        assert!(!refused.ok && line.contains("not run") && line.contains("read-only"), "{line}");
+        assert!(!std::path::Path::new("/tmp/never").exists(), "a write is never run as evidence");
     }
 
     #[tokio::test]
     async fn a_missing_pidfile_is_reported_not_fatal() {
         let dir = tempfile::tempdir().unwrap();
         std::fs::write(dir.path().join("up"), "").unwrap();
-        let found = gather(&spec(dir.path()), 1, &LocalExecutor::new(4096)).await;
+        let found = gather(&spec(dir.path()), 1, &LocalExecutor::new(4096), &Policy::default_policy()).await;
         assert!(found[0].0.ok, "the check passes");
         assert!(!found[1].0.ok && found[1].1.ends_with("unreadable"));
     }

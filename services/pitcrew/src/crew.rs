@@ -72,6 +72,7 @@ pub async fn run(cfg: Config, stages: &[Stage], shutdown: Shutdown) -> anyhow::R
         store,
         reasoner: Arc::new(playbook),
         executor: Arc::new(Fleet::new(cfg.hosts.clone(), cfg.limits.max_output_bytes)),
+        policy: Arc::new(policy.clone()),
     });
     let mut tasks = JoinSet::new();
     for &stage in stages {

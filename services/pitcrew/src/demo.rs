@@ -31,7 +31,7 @@ impl Toy {
         let args = format!("--port {} --dir {dir}", self.port);
         format!(
             "[services.{name}]\nhost = \"local\"\nstart = \"{exe} toy start {args}\"\nstop = \"{exe} toy stop {args}\"\n\
-             restart = \"{exe} toy restart {args}\"\npidfile = \"{dir}/pid\"\n\
+             restart = \"{exe} toy restart {args}\"\npidfile = \"{dir}/pid\"\nlog_file = \"{dir}/toy.log\"\n\
              check = {{ kind = \"http\", url = \"http://127.0.0.1:{port}/health\", expect_status = 200, timeout_ms = 1000 }}\n",
             name = self.name,
             port = self.port,

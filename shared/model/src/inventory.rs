@@ -99,6 +99,46 @@ pub struct ServiceSpec {
     /// Extra template variables for playbook commands.
     #[serde(default)]
     pub vars: BTreeMap<String, String>,
+    /// A log file whose last lines diagnose reads as evidence.
+    #[serde(default)]
+    pub log_file: Option<String>,
+    /// A systemd unit whose journal diagnose reads as evidence.
+    #[serde(default)]
+    pub journal_unit: Option<String>,
+    /// Read-only commands diagnose runs as evidence (each must pass the policy's read-only
+    /// class). Default: listening ports, disk and memory headroom; `[]` runs none.
+    #[serde(default)]
+    pub evidence: Option<Vec<String>>,
+}
+
+/// Evidence commands when a service names none: listening ports, disk and memory headroom.
+pub const DEFAULT_EVIDENCE: &[&str] = &["ss -ltn", "df -h", "free -m"];
+
+impl ServiceSpec {
+    /// Every read-only command diagnose runs for this service, in order.
+    pub fn evidence_commands(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        if let Some(f) = &self.log_file {
+            out.push(format!("tail -n 50 {}", shell_quote(f)));
+        }
+        if let Some(u) = &self.journal_unit {
+            out.push(format!("journalctl -u {} -n 50 --no-pager", shell_quote(u)));
+        }
+        match &self.evidence {
+            Some(list) => out.extend(list.iter().cloned()),
+            None => out.extend(DEFAULT_EVIDENCE.iter().map(|c| c.to_string())),
+        }
+        out
+    }
+}
+
+/// Single-quote `s` for a command line unless it is plainly safe.
+fn shell_quote(s: &str) -> String {
+    if !s.is_empty() && s.chars().all(|c| c.is_ascii_alphanumeric() || "/._-@:+=,".contains(c)) {
+        s.to_string()
+    } else {
+        format!("'{}'", s.replace('\'', "'\\''"))
+    }
 }
 
 impl ServiceSpec {
@@ -130,7 +170,11 @@ mod tests {
             restart: None,
             pidfile: None,
             vars: BTreeMap::new(),
+            log_file: Some("/var/log/my web.log".into()),
+            journal_unit: None,
+            evidence: None,
         };
+        assert_eq!(s.evidence_commands(), ["tail -n 50 '/var/log/my web.log'", "ss -ltn", "df -h", "free -m"]);
         let v = s.template_vars("web");
         assert_eq!(v["start"], "/opt/web/start");
         assert_eq!(v["restart"], "systemctl restart web");

@@ -17,6 +17,8 @@ pub struct Deps {
     pub store: Store,
     pub reasoner: Arc<dyn Reasoner>,
     pub executor: Arc<dyn Executor>,
+    /// The policy gate (approval gates plans; diagnose checks evidence commands with it).
+    pub policy: Arc<pitcrew_policy::Policy>,
     /// This process's name (host:pid unless configured).
     pub worker: String,
 }

@@ -252,6 +252,68 @@ impl Policy {
     }
 }
 
+/// Programs evidence may run, each with the first arguments that keep it read-only
+/// (empty: any arguments). Evidence never changes the target.
+const READ_ONLY: &[(&str, &[&str])] = &[
+    ("cat", &[]),
+    ("tail", &[]),
+    ("head", &[]),
+    ("ss", &[]),
+    ("netstat", &[]),
+    ("df", &[]),
+    ("free", &[]),
+    ("uptime", &[]),
+    ("ps", &[]),
+    ("pgrep", &[]),
+    ("journalctl", &[]),
+    ("systemctl", &["status", "is-active", "is-failed", "show", "list-units"]),
+    ("service", &[]),
+    ("ip", &["addr", "address", "a", "route", "r", "link", "l", "neigh", "-br", "-s"]),
+    ("uname", &[]),
+    ("test", &[]),
+];
+
+/// Arguments that make an otherwise read-only program write.
+const WRITING_FLAGS: &[&str] = &["--vacuum-size", "--vacuum-time", "--vacuum-files", "--rotate", "--flush", "-f"];
+
+impl Policy {
+    /// The read-only class, for evidence: the gate must allow the command outright, and its
+    /// program must be one that only reads (`systemctl status`, never `systemctl restart`).
+    pub fn read_only(&self, command: &str) -> Result<(), String> {
+        if let GateDecision::Reject { reason, .. } | GateDecision::NeedsApproval { reason, .. } =
+            self.gate(&[command.to_string()])
+        {
+            return Err(reason);
+        }
+        let argv = shell_words::split(command).map_err(|e| format!("cannot parse `{command}`: {e}"))?;
+        let argv = shell::normalise(&argv);
+        let Some(program) = argv.first() else { return Err("empty command".into()) };
+        let Some((_, subs)) = READ_ONLY.iter().find(|(p, _)| p == program) else {
+            return Err(format!("`{program}` is not in the read-only class (evidence cannot run it)"));
+        };
+        if !subs.is_empty() && !argv.get(1).is_some_and(|a| subs.contains(&a.as_str())) {
+            return Err(format!("`{program}` is read-only only as: {}", subs.join(", ")));
+        }
+        if program == "service" && argv.last().map(String::as_str) != Some("status") {
+            return Err("`service` is read-only only as `service <name> status`".into());
+        }
+        let mutating = ["set", "add", "del", "delete", "change", "replace", "flush", "append"];
+        if program == "ip" && argv.iter().any(|a| mutating.contains(&a.as_str())) {
+            return Err("`ip` is read-only only to show".into());
+        }
+        if program == "journalctl" || program == "tail" {
+            let writes = |a: &String| WRITING_FLAGS.iter().any(|f| a == f || a.starts_with(&format!("{f}=")));
+            if program == "journalctl" && argv.iter().any(writes) {
+                return Err("`journalctl` with a vacuum/rotate/flush flag writes".into());
+            }
+            if program == "tail" && argv.iter().any(|a| a == "-f" || a == "-F" || a == "--follow") {
+                return Err("`tail -f` never ends".into());
+            }
+        }
+        Ok(())
+    }
+}
+
 fn rule_error(class: &'static str, rule: &str, problem: impl Into<String>) -> PolicyError {
     PolicyError::Rule { class, rule: clip(rule, 64), problem: problem.into() }
 }

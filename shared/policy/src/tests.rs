@@ -295,3 +295,34 @@ fn user_file_adds_rules_and_cannot_redefine_defaults() {
     assert!(err.contains("policy.toml") && err.contains("'rm-system-path'") && err.contains("more than once"), "{err}");
     assert!(matches!(Policy::with_user_file(&dir.path().join("absent")), Err(PolicyError::Read { .. })));
 }
+
+#[test]
+fn the_read_only_class_admits_only_commands_that_read() {
+    let p = Policy::default_policy();
+    for ok in [
+        "tail -n 50 /var/log/web.log",
+        "journalctl -u web -n 50 --no-pager",
+        "ss -ltn",
+        "df -h",
+        "free -m",
+        "sudo -n systemctl status web",
+        "service web status",
+        "ip addr",
+        "cat /run/web.pid",
+    ] {
+        assert!(p.read_only(ok).is_ok(), "{ok}: {:?}", p.read_only(ok));
+    }
+    for bad in [
+        "systemctl restart web",
+        "service web restart",
+        "journalctl --vacuum-size=200M",
+        "tail -f /var/log/syslog",
+        "rm -rf /tmp/x",
+        "touch /tmp/x",
+        "cat /etc/shadow",
+        "df -h; reboot",
+        "ip link set eth0 down",
+    ] {
+        assert!(p.read_only(bad).is_err(), "{bad} must not pass as evidence");
+    }
+}
