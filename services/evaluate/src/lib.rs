@@ -3,6 +3,7 @@
 //! decides PASS (>= 0.7), REGENERATE (with feedback, bounded) or BLOCK (< 0.3, escalate).
 
 use futures::future::BoxFuture;
+use pitcrew_exec::ExecError;
 use pitcrew_model::{Evaluation, EvaluationCheck, EventKind, RunState, Stage, Verdict};
 use pitcrew_runtime::{target, Cx, StageError, StageHandler, Transition};
 use std::collections::BTreeMap;
@@ -131,6 +132,9 @@ impl StageHandler for EvaluateStage {
             }
             let memory = target::memory(cx.deps, state).await?;
             let failed = target::failed_commands(state, &memory);
+            if let Err(ExecError::Unreachable(e)) = cx.deps.executor.reachable(&spec.host).await {
+                return Ok(Transition::Escalate(format!("host {} unreachable: {e}", spec.host)));
+            }
             let mut tools = BTreeMap::new();
             for c in state.plan.iter().flat_map(|p| p.commands.iter()) {
                 if let Some(p) = program(c) {

@@ -139,6 +139,16 @@ impl StageHandler for Execute {
                         let started = Instant::now();
                         let rec = match executor.run(&spec.host, command, cfg.command_timeout()).await {
                             Ok(out) => record(state.attempt, index, command, &out),
+                            Err(ExecError::Unreachable(e)) => {
+                                // Nothing ran; the host is gone: a human must look.
+                                store.release_execution(state.run_id, state.attempt, index).await?;
+                                cx.emit(
+                                    EventKind::Error,
+                                    format!("cannot reach {}: {e}", spec.host),
+                                    serde_json::Value::Null,
+                                );
+                                return Ok(Transition::Escalate(format!("host {} unreachable: {e}", spec.host)));
+                            }
                             Err(ExecError::Transient(e)) => {
                                 // Nothing ran: release the claim so the retry can run it.
                                 store.release_execution(state.run_id, state.attempt, index).await?;

@@ -16,6 +16,19 @@ pub fn normalise(incident: &mut Incident) -> Result<(), IncidentError> {
     Ok(())
 }
 
+/// An incident may name the host it saw the fault on: it must be the service's host or one
+/// the inventory knows, else nothing can be run there.
+pub fn known_host(cfg: &pitcrew_runtime::Config, host: &str, service_host: &str) -> Result<(), String> {
+    let local = ["local", "localhost", "127.0.0.1"];
+    if host == service_host || cfg.hosts.contains_key(host) || (local.contains(&host) && local.contains(&service_host))
+    {
+        return Ok(());
+    }
+    Err(format!(
+        "unknown host '{host}': add it under [hosts.{host}] in pitcrew.toml (the service runs on '{service_host}')"
+    ))
+}
+
 impl StageHandler for Intake {
     fn stage(&self) -> Stage {
         Stage::Intake
@@ -45,8 +58,14 @@ impl StageHandler for Intake {
                 format!("run opened for {}: {}", inc.service, inc.error),
                 serde_json::json!({ "service": inc.service, "host": inc.host, "fingerprint": inc.fingerprint, "source": inc.source }),
             );
-            if let Err(why) = pitcrew_runtime::target::service(cx.config(), state) {
-                return Ok(Transition::Escalate(why));
+            let spec = match pitcrew_runtime::target::service(cx.config(), state) {
+                Ok(spec) => spec,
+                Err(why) => return Ok(Transition::Escalate(why)),
+            };
+            if let Some(host) = &state.incident.host {
+                if let Err(why) = known_host(cx.config(), host, &spec.host) {
+                    return Ok(Transition::Escalate(why));
+                }
             }
             Ok(Transition::To(Stage::Diagnose))
         })
@@ -56,6 +75,15 @@ impl StageHandler for Intake {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_incident_names_a_host_the_inventory_knows() {
+        let cfg = pitcrew_runtime::Config::from_toml("[hosts.pe1]\naddress = \"10.0.0.1\"\nuser = \"s\"\n").unwrap();
+        assert!(known_host(&cfg, "pe1", "local").is_ok());
+        assert!(known_host(&cfg, "localhost", "local").is_ok());
+        assert!(known_host(&cfg, "web-7", "web-7").is_ok());
+        assert!(known_host(&cfg, "pe9", "pe1").unwrap_err().contains("unknown host 'pe9'"));
+    }
 
     #[test]
     fn normalise_sets_a_stable_fingerprint_and_refuses_bad_input() {

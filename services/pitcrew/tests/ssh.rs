@@ -127,3 +127,27 @@ async fn an_incident_on_an_ssh_host_is_remediated_over_ssh() -> anyhow::Result<(
     assert!(std::path::Path::new(&healthy).exists(), "the target's own record: the file exists");
     crew.shutdown().await
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreachable_host_escalates_with_a_clear_error_and_no_hang() -> anyhow::Result<()> {
+    use pitcrew_model::{EventKind, Stage};
+    let env = pitcrew_testkit::TestEnv::start().await?;
+    // Nothing listens on this port: every connection is refused.
+    let port = pitcrew_runtime::natsd::free_port()?;
+    let text = format!(
+        "[hosts.gone]\naddress = \"127.0.0.1\"\nport = {port}\nuser = \"nobody\"\nconnect_timeout_secs = 2\n\
+         [services.svc]\nhost = \"gone\"\nstart = \"touch /tmp/x\"\n\
+         check = {{ kind = \"command\", command = \"true\" }}\n"
+    );
+    let mut crew = common::Crew::start_in(env, &text, &Stage::ALL).await?;
+    let started = Instant::now();
+    let run = crew.open("svc", "connection refused").await?;
+    let end = crew.end(run).await?;
+    assert_eq!(end.kind, EventKind::Escalated);
+    assert!(end.message.contains("host gone unreachable"), "{}", end.message);
+    assert!(started.elapsed() < Duration::from_secs(60), "{:?}", started.elapsed());
+    let db = crew.db().await?;
+    let n: i64 = db.query_one("SELECT count(*) FROM executions WHERE run_id = $1", &[&run]).await?.get(0);
+    assert_eq!(n, 0, "nothing is recorded as run on a host that was never reached");
+    crew.shutdown().await
+}

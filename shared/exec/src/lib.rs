@@ -49,6 +49,9 @@ pub enum ExecError {
     /// The host is not known to this executor: the inventory or plan is wrong, do not retry.
     #[error("unknown host '{0}'")]
     UnknownHost(String),
+    /// The host did not answer after a few tries: escalate rather than retry forever.
+    #[error("unreachable: {0}")]
+    Unreachable(String),
     /// Transient infrastructure error (connection lost, out of processes...): retry later.
     #[error("transient: {0}")]
     Transient(String),
@@ -71,6 +74,12 @@ pub trait Executor: Send + Sync + 'static {
     /// Whether `tool` (a program name like "systemctl") exists on `host`, so planners only
     /// propose commands the host can run. Unknown hosts have no tools.
     fn has_tool<'a>(&'a self, host: &'a str, tool: &'a str) -> BoxFuture<'a, bool>;
+
+    /// Whether `host` can be reached at all (an SSH host that stays silent is
+    /// `ExecError::Unreachable`). This machine always can.
+    fn reachable<'a>(&'a self, _host: &'a str) -> BoxFuture<'a, Result<(), ExecError>> {
+        Box::pin(async { Ok(()) })
+    }
 }
 
 /// The executor for a whole inventory: `local` (and localhost) on this machine, every other
@@ -105,6 +114,14 @@ impl Executor for Fleet {
             Box::pin(self.ssh.has_tool_ssh(host, tool))
         } else {
             self.local.has_tool(host, tool)
+        }
+    }
+
+    fn reachable<'a>(&'a self, host: &'a str) -> BoxFuture<'a, Result<(), ExecError>> {
+        if self.ssh.knows(host) {
+            Box::pin(async move { self.ssh.session(host).await.map(|_| ()) })
+        } else {
+            self.local.reachable(host)
         }
     }
 }

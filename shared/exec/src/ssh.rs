@@ -13,6 +13,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::Mutex;
 
+/// Connection attempts before a host counts as unreachable.
+const CONNECT_TRIES: u32 = 3;
+
 /// Extra time past the remote deadline before we give up on the channel ourselves.
 const LOCAL_GRACE: Duration = Duration::from_secs(5);
 
@@ -24,7 +27,12 @@ pub struct SshExecutor {
     sessions: HashMap<String, Mutex<Option<Arc<Session>>>>,
     /// Answers of `command -v` per (host, tool).
     tools: std::sync::Mutex<HashMap<(String, String), bool>>,
+    /// Hosts found unreachable, with when to try them again (callers fail fast till then).
+    down: std::sync::Mutex<HashMap<String, (Instant, String)>>,
 }
+
+/// How long an unreachable host is not tried again.
+const DOWN_FOR: Duration = Duration::from_secs(30);
 
 /// `sudo` never prompts: a missing sudo rule fails at once instead of hanging the worker.
 pub fn non_interactive_sudo(mut argv: Vec<String>) -> Vec<String> {
@@ -37,7 +45,7 @@ pub fn non_interactive_sudo(mut argv: Vec<String>) -> Vec<String> {
 impl SshExecutor {
     pub fn new(hosts: BTreeMap<String, HostSpec>, max_output: usize) -> Self {
         let sessions = hosts.keys().map(|h| (h.clone(), Mutex::new(None))).collect();
-        SshExecutor { hosts, max_output, sessions, tools: Default::default() }
+        SshExecutor { hosts, max_output, sessions, tools: Default::default(), down: Default::default() }
     }
 
     pub fn knows(&self, host: &str) -> bool {
@@ -45,9 +53,14 @@ impl SshExecutor {
     }
 
     /// The live master connection to `host`, connecting (again) when there is none or it died.
-    async fn session(&self, host: &str) -> Result<Arc<Session>, ExecError> {
+    pub async fn session(&self, host: &str) -> Result<Arc<Session>, ExecError> {
         let spec = self.hosts.get(host).ok_or_else(|| ExecError::UnknownHost(host.to_string()))?;
         let slot = self.sessions.get(host).ok_or_else(|| ExecError::UnknownHost(host.to_string()))?;
+        if let Some((until, why)) = self.down.lock().expect("down map").get(host) {
+            if Instant::now() < *until {
+                return Err(ExecError::Unreachable(why.clone()));
+            }
+        }
         let mut slot = slot.lock().await;
         if let Some(s) = slot.as_ref() {
             if s.check().await.is_ok() {
@@ -67,9 +80,29 @@ impl SshExecutor {
         if let Some(k) = &spec.known_hosts {
             b.user_known_hosts_file(k);
         }
-        let session = b.connect_mux(&spec.address).await.map_err(|e| connect_error(host, spec, e))?;
+        // A few quick tries ride out a blip; a host that stays silent is unreachable.
+        let mut tries = 0;
+        let session = loop {
+            tries += 1;
+            match b.connect_mux(&spec.address).await.map_err(|e| connect_error(host, spec, e)) {
+                Ok(s) => break s,
+                Err(ExecError::Transient(e)) if tries < CONNECT_TRIES => {
+                    tracing::warn!(host, tries, error = %e, "ssh connect failed: retrying");
+                    tokio::time::sleep(Duration::from_millis(500 * tries as u64)).await;
+                }
+                Err(ExecError::Transient(e)) => {
+                    self.down
+                        .lock()
+                        .expect("down map")
+                        .insert(host.to_string(), (Instant::now() + DOWN_FOR, e.clone()));
+                    return Err(ExecError::Unreachable(e));
+                }
+                Err(e) => return Err(e),
+            }
+        };
         let session = Arc::new(session);
         *slot = Some(session.clone());
+        self.down.lock().expect("down map").remove(host);
         tracing::info!(host, address = %spec.address, port = spec.port, "ssh master connection up");
         Ok(session)
     }
