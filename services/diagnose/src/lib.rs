@@ -73,10 +73,7 @@ impl StageHandler for Diagnose {
     ) -> BoxFuture<'a, Result<Transition, StageError>> {
         Box::pin(async move {
             let cfg = cx.deps.config.clone();
-            let spec = match target::service(&cfg, state) {
-                Ok(s) => s,
-                Err(why) => return Ok(Transition::Escalate(why)),
-            };
+            let spec = pitcrew_runtime::service_or_escalate!(&cfg, state);
             // A redelivery starts over from the input state: evidence of this attempt is regathered.
             state.evidence.retain(|e| e.attempt != state.attempt);
             let found = gather(spec, state.attempt, cx.deps.executor.as_ref(), &cx.deps.policy).await;

@@ -123,10 +123,7 @@ impl StageHandler for EvaluateStage {
     ) -> BoxFuture<'a, Result<Transition, StageError>> {
         Box::pin(async move {
             let cfg = cx.deps.config.clone();
-            let spec = match target::service(&cfg, state) {
-                Ok(s) => s,
-                Err(why) => return Ok(Transition::Escalate(why)),
-            };
+            let spec = pitcrew_runtime::service_or_escalate!(&cfg, state);
             if state.plan.is_none() {
                 return Err(StageError::Poison("run state reached evaluate without a plan".into()));
             }

@@ -7,7 +7,7 @@ use pitcrew_model::run::MAX_OUTPUT;
 use pitcrew_model::trim::trim_output;
 use pitcrew_model::{ApprovalStatus, EventKind, ExecutionRecord, ExecutionStatus, RunState, Stage};
 use pitcrew_runtime::store::Claim;
-use pitcrew_runtime::{target, Cx, StageError, StageHandler, Transition};
+use pitcrew_runtime::{Cx, StageError, StageHandler, Transition};
 use std::time::Instant;
 
 /// The execute stage.
@@ -97,10 +97,7 @@ impl StageHandler for Execute {
             }
             recorded_approval(state, &run.state).map_err(StageError::Poison)?;
             let cfg = cx.deps.config.clone();
-            let spec = match target::service(&cfg, state) {
-                Ok(s) => s,
-                Err(why) => return Ok(Transition::Escalate(why)),
-            };
+            let spec = pitcrew_runtime::service_or_escalate!(&cfg, state);
             let plan = state.plan.clone().expect("checked by approved()");
             let store = cx.deps.store.clone();
             let executor = cx.deps.executor.clone();

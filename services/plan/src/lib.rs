@@ -31,10 +31,7 @@ impl StageHandler for PlanStage {
     ) -> BoxFuture<'a, Result<Transition, StageError>> {
         Box::pin(async move {
             let cfg = cx.deps.config.clone();
-            let spec = match target::service(&cfg, state) {
-                Ok(s) => s,
-                Err(why) => return Ok(Transition::Escalate(why)),
-            };
+            let spec = pitcrew_runtime::service_or_escalate!(&cfg, state);
             let Some(diagnosis) = state.diagnosis().cloned() else {
                 return Err(StageError::Poison("run state reached plan without a diagnosis for this attempt".into()));
             };

@@ -4,7 +4,7 @@
 use futures::future::BoxFuture;
 use pitcrew_exec::run_check;
 use pitcrew_model::{ApprovalStatus, EventKind, ExecutionStatus, RunState, Stage, Verification};
-use pitcrew_runtime::{target, Cx, StageError, StageHandler, Transition};
+use pitcrew_runtime::{Cx, StageError, StageHandler, Transition};
 use std::time::Duration;
 
 /// The verify stage.
@@ -59,10 +59,7 @@ impl StageHandler for Verify {
     ) -> BoxFuture<'a, Result<Transition, StageError>> {
         Box::pin(async move {
             let cfg = cx.deps.config.clone();
-            let spec = match target::service(&cfg, state) {
-                Ok(s) => s,
-                Err(why) => return Ok(Transition::Escalate(why)),
-            };
+            let spec = pitcrew_runtime::service_or_escalate!(&cfg, state);
             let Some(check) = &spec.check else {
                 return Ok(Transition::Escalate(format!(
                     "no health check configured for '{}': cannot verify the fix",

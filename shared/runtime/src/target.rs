@@ -9,6 +9,18 @@ use pitcrew_model::{Evidence, RunState, ServiceSpec};
 use std::collections::BTreeMap;
 use std::time::Duration;
 
+/// The inventory entry of the run's service, or return `Transition::Escalate` with the
+/// reason from the calling stage handler.
+#[macro_export]
+macro_rules! service_or_escalate {
+    ($cfg:expr, $state:expr) => {
+        match $crate::target::service($cfg, $state) {
+            Ok(spec) => spec,
+            Err(why) => return Ok($crate::Transition::Escalate(why)),
+        }
+    };
+}
+
 /// The inventory entry of the incident's service, or a message saying how to add it.
 pub fn service<'c>(cfg: &'c Config, state: &RunState) -> Result<&'c ServiceSpec, String> {
     let name = &state.incident.service;

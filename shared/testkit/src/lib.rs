@@ -120,40 +120,23 @@ impl Events {
         Ok(Events { messages: consumer.messages().await?, seen: Vec::new() })
     }
 
-    /// The first event of `run` matching `want`, within `timeout`.
+    /// The first event of `run` matching `want`, within `timeout`; on timeout the error lists
+    /// the run's events so far.
     pub async fn wait(
         &mut self,
         run: Uuid,
         want: impl Fn(&RunEvent) -> bool,
         timeout: Duration,
     ) -> anyhow::Result<RunEvent> {
-        if let Some(e) = self.seen.iter().find(|e| e.run_id == run && want(e)) {
-            return Ok(e.clone());
-        }
-        let deadline = tokio::time::Instant::now() + timeout;
-        loop {
-            let msg = match tokio::time::timeout_at(deadline, self.messages.next()).await {
-                Ok(Some(Ok(m))) => m,
-                Ok(Some(Err(e))) => return Err(anyhow!("event stream: {e}")),
-                Ok(None) => bail!("event stream ended"),
-                Err(_) => {
-                    let mine: Vec<String> = self
-                        .seen
-                        .iter()
-                        .filter(|e| e.run_id == run)
-                        .map(|e| format!("{}/{}: {}", e.stage, e.kind.as_str(), e.message))
-                        .collect();
-                    bail!("timed out after {timeout:?} waiting on run {run}; its events so far:\n{}", mine.join("\n"))
-                }
-            };
-            // Other publishers share the events stream (the monitor's recoveries): skip them.
-            let Ok(e) = serde_json::from_slice::<RunEvent>(&msg.payload) else { continue };
-            let hit = e.run_id == run && want(&e);
-            self.seen.push(e.clone());
-            if hit {
-                return Ok(e);
-            }
-        }
+        self.wait_any(|e| e.run_id == run && want(e), timeout).await.map_err(|err| {
+            let mine: Vec<String> = self
+                .seen
+                .iter()
+                .filter(|e| e.run_id == run)
+                .map(|e| format!("{}/{}: {}", e.stage, e.kind.as_str(), e.message))
+                .collect();
+            anyhow!("{err} (run {run}); its events so far:\n{}", mine.join("\n"))
+        })
     }
 
     /// The first event of any run matching `want`, within `timeout`.
@@ -169,6 +152,7 @@ impl Events {
                 Ok(None) => bail!("event stream ended"),
                 Err(_) => bail!("timed out after {timeout:?} waiting for an event"),
             };
+            // Other publishers share the events stream (the monitor's recoveries): skip them.
             let Ok(e) = serde_json::from_slice::<RunEvent>(&msg.payload) else { continue };
             self.seen.push(e.clone());
             if want(&e) {
