@@ -10,6 +10,7 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 const T: Duration = Duration::from_secs(20);
+const WAIT: Duration = Duration::from_secs(60);
 
 fn fleet(host: HostSpec, max_output: usize) -> Fleet {
     Fleet::new(BTreeMap::from([("box".to_string(), host)]), max_output)
@@ -149,5 +150,76 @@ async fn an_unreachable_host_escalates_with_a_clear_error_and_no_hang() -> anyho
     let db = crew.db().await?;
     let n: i64 = db.query_one("SELECT count(*) FROM executions WHERE run_id = $1", &[&run]).await?.get(0);
     assert_eq!(n, 0, "nothing is recorded as run on a host that was never reached");
+    crew.shutdown().await
+}
+
+/// Scenario (a): the service process is killed; the monitor sees it, the crew starts it again
+/// over SSH, verify sees it answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_service_is_restarted_over_ssh_from_the_monitors_incident() -> anyhow::Result<()> {
+    use futures::FutureExt;
+    use pitcrew_model::{EventKind, Stage};
+    let sshd = Sshd::start()?;
+    let h = sshd.host(true);
+    let env = pitcrew_testkit::TestEnv::start().await?;
+    let exe = env!("CARGO_BIN_EXE_pitcrew");
+    let dir = env.path("web");
+    std::fs::create_dir_all(&dir)?;
+    let port = pitcrew_runtime::natsd::free_port()?;
+    let args = format!("--port {port} --dir {dir}");
+    let text = format!(
+        "[monitor]\ninterval_ms = 200\n\
+         [hosts.box]\naddress = \"{}\"\nport = {}\nuser = \"{}\"\nkey_file = \"{}\"\nknown_hosts = \"{}\"\nlacks = [\"systemctl\"]\n\
+         [services.web]\nhost = \"box\"\nstart = \"{exe} toy start {args}\"\nrestart = \"{exe} toy restart {args}\"\n\
+         pidfile = \"{dir}/pid\"\nlog_file = \"{dir}/toy.log\"\n\
+         check = {{ kind = \"http\", url = \"http://127.0.0.1:{port}/health\", timeout_ms = 1000 }}\n",
+        h.address,
+        h.port,
+        h.user,
+        h.key_file.clone().unwrap_or_default(),
+        h.known_hosts.clone().unwrap_or_default(),
+    );
+    let mut crew = common::Crew::start_in(env, &text, &Stage::ALL).await?;
+    pitcrew::toy::start(std::path::Path::new(exe), port, std::path::Path::new(&dir))?;
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let monitor = tokio::spawn(pitcrew::crew::monitor(
+        crew.cfg.clone(),
+        async move {
+            let _ = stopped.await;
+        }
+        .boxed()
+        .shared(),
+    ));
+
+    // The fault: SIGKILL, as a crash would.
+    let pid: i32 = std::fs::read_to_string(format!("{dir}/pid"))?.trim().parse()?;
+    let broke = Instant::now();
+    // SAFETY: kill(2) on the toy's own pid, read from its pidfile.
+    unsafe { libc::kill(pid, libc::SIGKILL) };
+    let opened = crew
+        .events
+        .wait_any(|e| e.kind == EventKind::Status && e.message.starts_with("run opened for web"), WAIT)
+        .await?;
+    let end = crew.end(opened.run_id).await?;
+    let took = broke.elapsed();
+    assert_eq!(end.kind, EventKind::Resolved, "{}", end.message);
+    eprintln!("scenario (a) over ssh: fault to resolved in {:.2} s", took.as_secs_f64());
+    let db = crew.db().await?;
+    let row = db.query_one("SELECT host, status FROM executions WHERE run_id = $1", &[&opened.run_id]).await?;
+    assert_eq!((row.get::<_, String>(0).as_str(), row.get::<_, String>(1).as_str()), ("box", "succeeded"));
+    let ok: bool = db.query_one("SELECT success FROM episodes WHERE run_id = $1", &[&opened.run_id]).await?.get(0);
+    assert!(ok);
+    // The target's own state: a new process answers.
+    let new_pid: i32 = std::fs::read_to_string(format!("{dir}/pid"))?.trim().parse()?;
+    assert_ne!(new_pid, pid);
+    let check = pitcrew_model::CheckSpec::Http {
+        url: format!("http://127.0.0.1:{port}/health"),
+        expect_status: 200,
+        timeout_ms: 1000,
+    };
+    assert!(pitcrew_exec::run_check(&check, "local", &pitcrew_exec::LocalExecutor::new(1024)).await.healthy);
+    let _ = stop.send(());
+    monitor.await??;
+    let _ = pitcrew::toy::stop(port, std::path::Path::new(&dir));
     crew.shutdown().await
 }
