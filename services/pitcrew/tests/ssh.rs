@@ -223,3 +223,58 @@ async fn a_killed_service_is_restarted_over_ssh_from_the_monitors_incident() -> 
     let _ = pitcrew::toy::stop(port, std::path::Path::new(&dir));
     crew.shutdown().await
 }
+
+/// Scenario (e): a fault no allowed command fixes (the service's config is broken): every
+/// attempt runs a new command over SSH, then the run escalates at max_retries.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unfixable_fault_over_ssh_escalates_after_max_retries() -> anyhow::Result<()> {
+    use pitcrew_model::{EventKind, Stage};
+    let sshd = Sshd::start()?;
+    let h = sshd.host(true);
+    let env = pitcrew_testkit::TestEnv::start().await?;
+    let exe = env!("CARGO_BIN_EXE_pitcrew");
+    let dir = env.path("batch");
+    std::fs::create_dir_all(&dir)?;
+    std::fs::write(format!("{dir}/broken"), "")?;
+    let port = pitcrew_runtime::natsd::free_port()?;
+    let args = format!("--port {port} --dir {dir}");
+    let text = format!(
+        "[limits]\nmax_retries = 2\n\
+         [hosts.box]\naddress = \"{}\"\nport = {}\nuser = \"{}\"\nkey_file = \"{}\"\nknown_hosts = \"{}\"\n\
+         [services.batch]\nhost = \"box\"\nstart = \"{exe} toy start {args}\"\nrestart = \"{exe} toy restart {args}\"\n\
+         check = {{ kind = \"http\", url = \"http://127.0.0.1:{port}/health\", timeout_ms = 1000 }}\n",
+        h.address,
+        h.port,
+        h.user,
+        h.key_file.clone().unwrap_or_default(),
+        h.known_hosts.clone().unwrap_or_default(),
+    );
+    let mut crew = common::Crew::start_in(env, &text, &Stage::ALL).await?;
+    let started = Instant::now();
+    let run = crew.open("batch", &format!("GET http://127.0.0.1:{port}/health failed: connection refused")).await?;
+    let end = crew.end(run).await?;
+    eprintln!("scenario (e) over ssh: incident to escalated in {:.2} s", started.elapsed().as_secs_f64());
+    assert_eq!(end.kind, EventKind::Escalated);
+    assert!(end.message.contains("max_retries (2)"), "{}", end.message);
+    let db = crew.db().await?;
+    let rows = db
+        .query("SELECT attempt, host, status, output FROM executions WHERE run_id = $1 ORDER BY attempt", &[&run])
+        .await?;
+    assert_eq!(rows.len(), 2, "one command per attempt");
+    for r in &rows {
+        assert_eq!((r.get::<_, String>(1).as_str(), r.get::<_, String>(2).as_str()), ("box", "failed"));
+        assert!(r.get::<_, String>(3).contains("config invalid"), "the target said why");
+    }
+    let commands: Vec<String> = db
+        .query("SELECT command FROM executions WHERE run_id = $1 ORDER BY attempt", &[&run])
+        .await?
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_ne!(commands[0], commands[1], "a failed command is never repeated");
+    let failed: i64 =
+        db.query_one("SELECT count(*) FROM episodes WHERE run_id = $1 AND NOT success", &[&run]).await?.get(0);
+    assert_eq!(failed, 2);
+    assert!(std::net::TcpStream::connect(("127.0.0.1", port)).is_err(), "the target is still down");
+    crew.shutdown().await
+}
