@@ -87,6 +87,18 @@ fn answer(mut stream: TcpStream, wedged: &Path) -> std::io::Result<()> {
     stream.write_all(response.as_bytes())
 }
 
+/// Bytes of logs the toy tolerates in `dir/logs` before it refuses to start.
+pub const LOG_QUOTA: u64 = 1 << 20;
+
+/// Total size of the regular files directly in `dir` (0 when it does not exist).
+fn logs_size(dir: &Path) -> u64 {
+    std::fs::read_dir(dir)
+        .map(|entries| {
+            entries.flatten().filter_map(|e| e.metadata().ok()).filter(|m| m.is_file()).map(|m| m.len()).sum()
+        })
+        .unwrap_or(0)
+}
+
 /// Start a detached `exe toy serve` (own session, output to `dir/toy.log`) and wait until it
 /// answers. Already answering: Ok, nothing started. `dir/broken` present: refuse, like a
 /// service whose config does not parse. A real start clears `dir/wedged`, as a restart
@@ -98,6 +110,11 @@ pub fn start(exe: &Path, port: u16, dir: &Path) -> anyhow::Result<()> {
     }
     if probe(port).is_some() {
         return Ok(());
+    }
+    // Like a service that needs log space to start: `dir/logs` over its quota refuses.
+    let used = logs_size(&dir.join("logs"));
+    if used > LOG_QUOTA {
+        bail!("no space left for logs: {} holds {used} bytes (quota {LOG_QUOTA})", dir.join("logs").display());
     }
     match std::fs::remove_file(dir.join("wedged")) {
         Err(e) if e.kind() != ErrorKind::NotFound => return Err(e).context("clearing wedged"),

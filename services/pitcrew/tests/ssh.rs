@@ -278,3 +278,62 @@ async fn an_unfixable_fault_over_ssh_escalates_after_max_retries() -> anyhow::Re
     assert!(std::net::TcpStream::connect(("127.0.0.1", port)).is_err(), "the target is still down");
     crew.shutdown().await
 }
+
+/// Scenario (d): the log directory filled past its quota, so the service refuses to start;
+/// deleting logs is critical, so the plan waits for an approver, then runs over SSH.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_log_dir_is_cleared_after_approval_over_ssh() -> anyhow::Result<()> {
+    use pitcrew_model::{Decision, EventKind, Stage};
+    let sshd = Sshd::start()?;
+    let h = sshd.host(true);
+    let env = pitcrew_testkit::TestEnv::start().await?;
+    let exe = env!("CARGO_BIN_EXE_pitcrew");
+    let dir = env.path("app");
+    std::fs::create_dir_all(format!("{dir}/logs"))?;
+    std::fs::write(format!("{dir}/logs/app.log"), vec![b'x'; 2 << 20])?;
+    let port = pitcrew_runtime::natsd::free_port()?;
+    let args = format!("--port {port} --dir {dir}");
+    let book = common::write(
+        &env,
+        "playbook.toml",
+        "[[rule]]\nname = \"logs-full\"\nmatch = \"no space left for logs\"\n\
+         diagnosis = \"{service} cannot start: its log directory is over quota\"\n\
+         plans = [[\"find {log_dir} -name '*.log' -delete\", \"{start}\"]]\n",
+    );
+    let text = format!(
+        "[reasoning]\nplaybook_file = \"{book}\"\n\
+         [hosts.box]\naddress = \"{}\"\nport = {}\nuser = \"{}\"\nkey_file = \"{}\"\nknown_hosts = \"{}\"\n\
+         [services.app]\nhost = \"box\"\nstart = \"{exe} toy start {args}\"\nvars = {{ log_dir = \"{dir}/logs\" }}\n\
+         check = {{ kind = \"http\", url = \"http://127.0.0.1:{port}/health\", timeout_ms = 1000 }}\n",
+        h.address,
+        h.port,
+        h.user,
+        h.key_file.clone().unwrap_or_default(),
+        h.known_hosts.clone().unwrap_or_default(),
+    );
+    let mut crew = common::Crew::start_in(env, &text, &Stage::ALL).await?;
+    // What the service says when it is started: the fault the alert carries.
+    let refused = pitcrew::toy::start(std::path::Path::new(exe), port, std::path::Path::new(&dir)).unwrap_err();
+    let run = crew.open("app", &refused.to_string()).await?;
+    let asked = crew.events.kind(run, EventKind::ApprovalRequested, WAIT).await?;
+    assert!(asked.message.contains("waiting for approval"));
+    let db = crew.db().await?;
+    let none: i64 = db.query_one("SELECT count(*) FROM executions WHERE run_id = $1", &[&run]).await?.get(0);
+    assert_eq!(none, 0, "nothing runs before the approval");
+    let req = pitcrew::cli::decide(&crew.bus, run, Decision::Approve, "ann", None, "cli").await?;
+    assert!(req.rule.contains("find-delete"), "{}", req.rule);
+    let end = crew.end(run).await?;
+    assert_eq!(end.kind, EventKind::Resolved, "{}", end.message);
+    let ran: i64 = db
+        .query_one(
+            "SELECT count(*) FROM executions WHERE run_id = $1 AND host = 'box' AND status = 'succeeded'",
+            &[&run],
+        )
+        .await?
+        .get(0);
+    assert_eq!(ran, 2);
+    assert!(!std::path::Path::new(&format!("{dir}/logs/app.log")).exists(), "the logs are gone");
+    assert!(std::net::TcpStream::connect(("127.0.0.1", port)).is_ok(), "the service answers");
+    let _ = pitcrew::toy::stop(port, std::path::Path::new(&dir));
+    crew.shutdown().await
+}
