@@ -32,8 +32,20 @@ pub async fn gather(
     }
     if let Some(pidfile) = &spec.pidfile {
         let cmd = format!("cat {}", shell_words::quote(pidfile));
-        let (ok, output) = run_evidence(executor, &spec.host, &cmd).await;
-        let line = format!("pidfile {pidfile}: {}", if ok { output.trim() } else { "unreadable" });
+        let (mut ok, output) = run_evidence(executor, &spec.host, &cmd).await;
+        let pid = output.trim().to_string();
+        let mut line = format!("pidfile {pidfile}: {}", if ok { pid.as_str() } else { "unreadable" });
+        // A pid is only evidence if that process still runs: a stale pidfile must never hand
+        // a playbook someone else's pid (`kill -9 {pid}`).
+        if ok {
+            let alive = !pid.is_empty()
+                && pid.chars().all(|c| c.is_ascii_digit())
+                && run_evidence(executor, &spec.host, &format!("ps -p {pid}")).await.0;
+            if !alive {
+                ok = false;
+                line = format!("pidfile {pidfile}: {pid} is stale (no such process)");
+            }
+        }
         found.push((Evidence { attempt, source: "pidfile".into(), detail: cmd, output, ok }, line));
     }
     for cmd in spec.evidence_commands() {
@@ -132,7 +144,7 @@ mod tests {
     #[tokio::test]
     async fn evidence_is_the_check_and_the_pid() {
         let dir = tempfile::tempdir().unwrap();
-        std::fs::write(dir.path().join("pid"), "4242\n").unwrap();
+        std::fs::write(dir.path().join("pid"), format!("{}\n", std::process::id())).unwrap();
         let mut log = String::new();
         for i in 0..200 {
             log.push_str(&format!("request {i} ok\n"));
@@ -144,7 +156,8 @@ mod tests {
         let (check, line) = &found[0];
         assert!(!check.ok && check.attempt == 3 && line.contains("exited 1"), "{check:?} {line}");
         let (pid, line) = &found[1];
-        assert!(pid.ok && pid.output.trim() == "4242" && line.ends_with(": 4242"), "{pid:?} {line}");
+        let me = std::process::id().to_string();
+        assert!(pid.ok && pid.output.trim() == me && line.ends_with(&format!(": {me}")), "{pid:?} {line}");
         let (tail, line) = &found[2];
         assert!(tail.ok && tail.output.lines().count() == 50, "only the last lines: {tail:?}");
         assert!(line.contains("ERROR: config invalid"), "the line that looks like an error leads: {line}");
@@ -153,6 +166,19 @@ mod tests {
         let (refused, line) = &found[4];
         assert!(!refused.ok && line.contains("not run") && line.contains("read-only"), "{line}");
         assert!(!std::path::Path::new("/tmp/never").exists(), "a write is never run as evidence");
+    }
+
+    #[tokio::test]
+    async fn a_stale_pid_is_not_evidence() {
+        let dir = tempfile::tempdir().unwrap();
+        // A pid far above any real one (pid_max is at most 2^22).
+        std::fs::write(dir.path().join("pid"), "99999999\n").unwrap();
+        let found = gather(&spec(dir.path()), 1, &LocalExecutor::new(4096), &Policy::default_policy()).await;
+        let (pid, line) = &found[1];
+        assert!(!pid.ok && line.contains("stale"), "{pid:?} {line}");
+        std::fs::write(dir.path().join("pid"), format!("{}\n", std::process::id())).unwrap();
+        let found = gather(&spec(dir.path()), 1, &LocalExecutor::new(4096), &Policy::default_policy()).await;
+        assert!(found[1].0.ok, "a live pid is evidence: {:?}", found[1]);
     }
 
     #[tokio::test]
