@@ -12,6 +12,18 @@ use std::time::{Duration, Instant};
 const T: Duration = Duration::from_secs(20);
 const WAIT: Duration = Duration::from_secs(60);
 
+/// The `[hosts.<name>]` table for `h`.
+fn host_toml(name: &str, h: &HostSpec) -> String {
+    format!(
+        "[hosts.{name}]\naddress = \"{}\"\nport = {}\nuser = \"{}\"\nkey_file = \"{}\"\nknown_hosts = \"{}\"\n",
+        h.address,
+        h.port,
+        h.user,
+        h.key_file.clone().unwrap_or_default(),
+        h.known_hosts.clone().unwrap_or_default(),
+    )
+}
+
 fn fleet(host: HostSpec, max_output: usize) -> Fleet {
     Fleet::new(BTreeMap::from([("box".to_string(), host)]), max_output)
 }
@@ -107,14 +119,10 @@ async fn an_incident_on_an_ssh_host_is_remediated_over_ssh() -> anyhow::Result<(
     let env = pitcrew_testkit::TestEnv::start().await?;
     let healthy = env.path("box-healthy");
     let text = format!(
-        "[hosts.box]\naddress = \"{}\"\nport = {}\nuser = \"{}\"\nkey_file = \"{}\"\nknown_hosts = \"{}\"\nlacks = [\"systemctl\"]\n\
+        "{host}lacks = [\"systemctl\"]\n\
          [services.svc]\nhost = \"box\"\nstart = \"touch {healthy}\"\nrestart = \"touch {healthy}\"\n\
          check = {{ kind = \"command\", command = \"test -f {healthy}\" }}\n",
-        h.address,
-        h.port,
-        h.user,
-        h.key_file.clone().unwrap_or_default(),
-        h.known_hosts.clone().unwrap_or_default(),
+        host = host_toml("box", &h),
     );
     let mut crew = common::Crew::start_in(env, &text, &Stage::ALL).await?;
     let run = crew.open("svc", "connection refused").await?;
@@ -169,15 +177,11 @@ async fn a_killed_service_is_restarted_over_ssh_from_the_monitors_incident() -> 
     let args = format!("--port {port} --dir {dir}");
     let text = format!(
         "[monitor]\ninterval_ms = 200\n\
-         [hosts.box]\naddress = \"{}\"\nport = {}\nuser = \"{}\"\nkey_file = \"{}\"\nknown_hosts = \"{}\"\nlacks = [\"systemctl\"]\n\
+         {host}lacks = [\"systemctl\"]\n\
          [services.web]\nhost = \"box\"\nstart = \"{exe} toy start {args}\"\nrestart = \"{exe} toy restart {args}\"\n\
          pidfile = \"{dir}/pid\"\nlog_file = \"{dir}/toy.log\"\n\
          check = {{ kind = \"http\", url = \"http://127.0.0.1:{port}/health\", timeout_ms = 1000 }}\n",
-        h.address,
-        h.port,
-        h.user,
-        h.key_file.clone().unwrap_or_default(),
-        h.known_hosts.clone().unwrap_or_default(),
+        host = host_toml("box", &h),
     );
     let mut crew = common::Crew::start_in(env, &text, &Stage::ALL).await?;
     pitcrew::toy::start(std::path::Path::new(exe), port, std::path::Path::new(&dir))?;
@@ -240,14 +244,10 @@ async fn an_unfixable_fault_over_ssh_escalates_after_max_retries() -> anyhow::Re
     let args = format!("--port {port} --dir {dir}");
     let text = format!(
         "[limits]\nmax_retries = 2\n\
-         [hosts.box]\naddress = \"{}\"\nport = {}\nuser = \"{}\"\nkey_file = \"{}\"\nknown_hosts = \"{}\"\n\
+         {host}\
          [services.batch]\nhost = \"box\"\nstart = \"{exe} toy start {args}\"\nrestart = \"{exe} toy restart {args}\"\n\
          check = {{ kind = \"http\", url = \"http://127.0.0.1:{port}/health\", timeout_ms = 1000 }}\n",
-        h.address,
-        h.port,
-        h.user,
-        h.key_file.clone().unwrap_or_default(),
-        h.known_hosts.clone().unwrap_or_default(),
+        host = host_toml("box", &h),
     );
     let mut crew = common::Crew::start_in(env, &text, &Stage::ALL).await?;
     let started = Instant::now();
@@ -302,14 +302,10 @@ async fn a_full_log_dir_is_cleared_after_approval_over_ssh() -> anyhow::Result<(
     );
     let text = format!(
         "[reasoning]\nplaybook_file = \"{book}\"\n\
-         [hosts.box]\naddress = \"{}\"\nport = {}\nuser = \"{}\"\nkey_file = \"{}\"\nknown_hosts = \"{}\"\n\
+         {host}\
          [services.app]\nhost = \"box\"\nstart = \"{exe} toy start {args}\"\nvars = {{ log_dir = \"{dir}/logs\" }}\n\
          check = {{ kind = \"http\", url = \"http://127.0.0.1:{port}/health\", timeout_ms = 1000 }}\n",
-        h.address,
-        h.port,
-        h.user,
-        h.key_file.clone().unwrap_or_default(),
-        h.known_hosts.clone().unwrap_or_default(),
+        host = host_toml("box", &h),
     );
     let mut crew = common::Crew::start_in(env, &text, &Stage::ALL).await?;
     // What the service says when it is started: the fault the alert carries.
