@@ -19,16 +19,22 @@ diagnosis = "{service} needs its directory"
 plans = [["mkdir {dir}/made-once", "touch {dir}/svc-healthy"]]
 "#;
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_stage_message_delivered_twice_executes_nothing_twice() -> anyhow::Result<()> {
+/// A crew running every stage but execute, and a run approved and waiting on the execute
+/// subject.
+async fn held_before_execute() -> anyhow::Result<(Crew, uuid::Uuid)> {
     let env = TestEnv::start().await?;
     let book = write(&env, "playbook.toml", PLAYBOOK);
     let text = format!("[reasoning]\nplaybook_file = \"{book}\"\n{}", marker_service(&env, "svc"));
-    // Everything but execute: the run stops at the execute subject.
     let others: Vec<Stage> = Stage::ALL.into_iter().filter(|s| *s != Stage::Execute).collect();
     let mut crew = Crew::start_in(env, &text, &others).await?;
     let run = crew.open("svc", "svc needs a directory").await?;
     crew.events.wait(run, |e| e.kind == EventKind::Policy, WAIT).await?;
+    Ok((crew, run))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stage_message_delivered_twice_executes_nothing_twice() -> anyhow::Result<()> {
+    let (mut crew, run) = held_before_execute().await?;
 
     // Take the execute message as published and publish it again under another id, so the
     // stream holds it twice: the redelivery a crash after running would cause.
@@ -137,14 +143,7 @@ async fn a_malformed_incident_is_dead_lettered_and_the_worker_keeps_serving() ->
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_poison_stage_message_is_dead_lettered_and_its_run_escalated() -> anyhow::Result<()> {
-    let env = TestEnv::start().await?;
-    let book = write(&env, "playbook.toml", PLAYBOOK);
-    let text = format!("[reasoning]\nplaybook_file = \"{book}\"\n{}", marker_service(&env, "svc"));
-    // No execute worker: the run waits at the execute subject while we poison its stage.
-    let others: Vec<Stage> = Stage::ALL.into_iter().filter(|s| *s != Stage::Execute).collect();
-    let mut crew = Crew::start_in(env, &text, &others).await?;
-    let run = crew.open("svc", "svc needs a directory").await?;
-    crew.events.wait(run, |e| e.kind == EventKind::Policy, WAIT).await?;
+    let (mut crew, run) = held_before_execute().await?;
     let mut headers = HeaderMap::new();
     headers.insert(NATS_MESSAGE_ID, "garbage-1");
     headers.insert(CONTENT_TYPE, MSGPACK);
