@@ -301,6 +301,10 @@ impl Policy {
         if program == "ip" && argv.iter().any(|a| mutating.contains(&a.as_str())) {
             return Err("`ip` is read-only only to show".into());
         }
+        let short_flag = |a: &String, f: char| a.starts_with('-') && !a.starts_with("--") && a.contains(f);
+        if program == "ss" && argv.iter().any(|a| a == "--kill" || short_flag(a, 'K')) {
+            return Err("`ss -K` closes sockets".into());
+        }
         if program == "journalctl" || program == "tail" {
             let writes = |a: &String| WRITING_FLAGS.iter().any(|f| a == f || a.starts_with(&format!("{f}=")));
             if program == "journalctl" && argv.iter().any(writes) {

@@ -303,6 +303,7 @@ fn the_read_only_class_admits_only_commands_that_read() {
         "tail -n 50 /var/log/web.log",
         "journalctl -u web -n 50 --no-pager",
         "ss -ltn",
+        "ss -Hltnp sport = :8080",
         "df -h",
         "free -m",
         "sudo -n systemctl status web",
@@ -322,6 +323,9 @@ fn the_read_only_class_admits_only_commands_that_read() {
         "cat /etc/shadow",
         "df -h; reboot",
         "ip link set eth0 down",
+        "ss -K dport = :22",
+        "ss -tK",
+        "ss --kill",
     ] {
         assert!(p.read_only(bad).is_err(), "{bad} must not pass as evidence");
     }
