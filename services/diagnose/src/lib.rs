@@ -22,8 +22,10 @@ pub async fn gather(
     policy: &Policy,
 ) -> Vec<(Evidence, String)> {
     let mut found = Vec::new();
+    let mut healthy = true;
     if let Some(check) = &spec.check {
         let out = run_check(check, &spec.host, executor).await;
+        healthy = out.healthy;
         let line = format!("check: {}", out.detail);
         found.push((
             Evidence { attempt, source: "check".into(), detail: out.detail, output: out.output, ok: out.healthy },
@@ -48,6 +50,11 @@ pub async fn gather(
         }
         found.push((Evidence { attempt, source: "pidfile".into(), detail: cmd, output, ok }, line));
     }
+    if let (false, Some(port)) = (healthy, spec.port()) {
+        let service_pid = found.iter().find(|(e, _)| e.source == "pidfile" && e.ok).map(|(e, _)| e.output.trim());
+        let service_pid = service_pid.map(str::to_string);
+        found.push(port_holder(spec, port, service_pid.as_deref(), attempt, executor, policy).await);
+    }
     for cmd in spec.evidence_commands() {
         let (ok, output, line) = match policy.read_only(&cmd) {
             Err(why) => (false, String::new(), format!("`{cmd}` not run: {why}")),
@@ -61,6 +68,71 @@ pub async fn gather(
         found.push((Evidence { attempt, source: "command".into(), detail: cmd, output, ok }, line));
     }
     found
+}
+
+/// Who listens on the service's port while its check fails. With a pidfile configured, a
+/// listener that is not the service's own process is a squatter: evidence `port-holder`
+/// (ok), whose output starts `port <port> is held by pid <pid> (<program>), not by the service`
+/// and gives playbooks `{holder_pid}`. Anything else is reported as `port` evidence.
+async fn port_holder(
+    spec: &ServiceSpec,
+    port: u16,
+    service_pid: Option<&str>,
+    attempt: u32,
+    executor: &dyn Executor,
+    policy: &Policy,
+) -> (Evidence, String) {
+    let cmd = format!("ss -Hltnp sport = :{port}");
+    let evidence = |source: &str, ok: bool, output: String| Evidence {
+        attempt,
+        source: source.into(),
+        detail: cmd.clone(),
+        output,
+        ok,
+    };
+    if let Err(why) = policy.read_only(&cmd) {
+        return (evidence("port", false, String::new()), format!("`{cmd}` not run: {why}"));
+    }
+    let (ok, output) = run_evidence(executor, &spec.host, &cmd).await;
+    if !ok {
+        let line = format!("port {port}: `{cmd}` failed: {}", output.lines().next().unwrap_or("(no output)"));
+        return (evidence("port", false, output), line);
+    }
+    let listeners: Vec<&str> = output.lines().filter(|l| !l.trim().is_empty()).collect();
+    if listeners.is_empty() {
+        return (evidence("port", true, output.clone()), format!("port {port}: nothing listens"));
+    }
+    let procs: Vec<(String, String)> = listeners.iter().flat_map(|l| socket_users(l)).collect();
+    let Some((pid, program)) = procs.first().cloned() else {
+        let line = format!("port {port} is held by a process this login cannot see (ss -p shows no pid)");
+        return (evidence("port", true, output.clone()), line);
+    };
+    let ours = service_pid.is_some_and(|sp| procs.iter().any(|(p, _)| p == sp));
+    if spec.pidfile.is_none() || ours {
+        let whose = if ours { "the service's own process" } else { "a process (no pidfile to tell whose)" };
+        let line = format!("port {port} is held by pid {pid} ({program}), {whose}");
+        return (evidence("port", true, output.clone()), line);
+    }
+    let own = match service_pid {
+        Some(sp) => format!("its pidfile names {sp}"),
+        None => "its pidfile names no running process".to_string(),
+    };
+    let line = format!("port {port} is held by pid {pid} ({program}), not by the service ({own})");
+    (evidence("port-holder", true, format!("{line}\n{output}")), line)
+}
+
+/// The (pid, program) pairs of one `ss -p` line: `users:(("nginx",pid=10,fd=6),...)`.
+fn socket_users(line: &str) -> Vec<(String, String)> {
+    let Some(users) = line.split_once("users:(").map(|(_, u)| u) else { return Vec::new() };
+    users
+        .split("),(")
+        .filter_map(|entry| {
+            let entry = entry.trim_start_matches('(');
+            let program = entry.split('"').nth(1).unwrap_or("?").to_string();
+            let pid = entry.split("pid=").nth(1)?.split(|c: char| !c.is_ascii_digit()).next()?;
+            (!pid.is_empty()).then(|| (pid.to_string(), program))
+        })
+        .collect()
 }
 
 /// Run one evidence command: (succeeded, trimmed output or the error).
@@ -188,5 +260,55 @@ mod tests {
         let found = gather(&spec(dir.path()), 1, &LocalExecutor::new(4096), &Policy::default_policy()).await;
         assert!(found[0].0.ok, "the check passes");
         assert!(!found[1].0.ok && found[1].1.ends_with("unreadable"));
+    }
+}
+
+#[cfg(test)]
+mod port_tests {
+    use super::*;
+    use pitcrew_exec::LocalExecutor;
+    use pitcrew_model::CheckSpec;
+
+    #[test]
+    fn ss_users_are_parsed() {
+        let line = r#"LISTEN 0 128 0.0.0.0:80 0.0.0.0:* users:(("nginx",pid=10,fd=6),("nginx",pid=11,fd=6))"#;
+        assert_eq!(socket_users(line), vec![("10".into(), "nginx".into()), ("11".into(), "nginx".into())]);
+        assert!(socket_users("LISTEN 0 128 0.0.0.0:80 0.0.0.0:*").is_empty(), "no users: another login's");
+    }
+
+    #[tokio::test]
+    async fn a_foreign_listener_on_the_port_is_named_with_its_pid() {
+        let dir = tempfile::tempdir().unwrap();
+        // This test process holds the port and does not answer HTTP: the check fails.
+        let squatter = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = squatter.local_addr().unwrap().port();
+        let mut spec: ServiceSpec = serde_json::from_value(serde_json::json!({ "evidence": [] })).unwrap();
+        spec.check = Some(CheckSpec::Http {
+            url: format!("http://127.0.0.1:{port}/health"),
+            expect_status: 200,
+            timeout_ms: 300,
+        });
+        spec.pidfile = Some(dir.path().join("pid").display().to_string());
+        std::fs::write(dir.path().join("pid"), "99999999\n").unwrap();
+        let policy = Policy::default_policy();
+        let found = gather(&spec, 1, &LocalExecutor::new(64 * 1024), &policy).await;
+        let (holder, line) = found.iter().find(|(e, _)| e.source.starts_with("port")).expect("port evidence");
+        let me = std::process::id();
+        assert_eq!(holder.source, "port-holder", "{holder:?} {line}");
+        assert!(line.starts_with(&format!("port {port} is held by pid {me} (")), "{line}");
+        assert!(line.contains("not by the service"), "{line}");
+
+        // The service's own pid on its port is not a squatter.
+        std::fs::write(dir.path().join("pid"), format!("{me}\n")).unwrap();
+        let found = gather(&spec, 1, &LocalExecutor::new(64 * 1024), &policy).await;
+        let (own, line) = found.iter().find(|(e, _)| e.source.starts_with("port")).unwrap();
+        assert_eq!(own.source, "port", "{line}");
+        assert!(line.contains("the service's own process"), "{line}");
+
+        // Nothing listening: said so, no holder.
+        drop(squatter);
+        let found = gather(&spec, 1, &LocalExecutor::new(64 * 1024), &policy).await;
+        let (none, line) = found.iter().find(|(e, _)| e.source.starts_with("port")).unwrap();
+        assert!(none.source == "port" && line.ends_with("nothing listens"), "{line}");
     }
 }

@@ -142,6 +142,36 @@ fn shell_quote(s: &str) -> String {
 }
 
 impl ServiceSpec {
+    /// The TCP port the service listens on: `vars.port`, else the port of its HTTP or TCP
+    /// check (an HTTP URL without one: 80, or 443 for https). None for command checks.
+    pub fn port(&self) -> Option<u16> {
+        if let Some(p) = self.vars.get("port") {
+            return p.trim().parse().ok();
+        }
+        match self.check.as_ref()? {
+            CheckSpec::Http { url, .. } => {
+                let (scheme, rest) = url.split_once("://")?;
+                let authority = rest.split(['/', '?', '#']).next()?;
+                let authority = authority.rsplit_once('@').map_or(authority, |(_, a)| a);
+                // `[::1]:8080` or `host:8080`; a bare IPv6 literal or host has no port.
+                let port = match authority.strip_prefix('[') {
+                    Some(v6) => v6.split_once("]:").map(|(_, p)| p),
+                    None => authority.rsplit_once(':').map(|(_, p)| p),
+                };
+                match port {
+                    Some(p) => p.parse().ok(),
+                    None => match scheme.to_ascii_lowercase().as_str() {
+                        "http" => Some(80),
+                        "https" => Some(443),
+                        _ => None,
+                    },
+                }
+            }
+            CheckSpec::Tcp { address, .. } => address.rsplit_once(':')?.1.parse().ok(),
+            CheckSpec::Command { .. } => None,
+        }
+    }
+
     /// The template variables a playbook may use for this service: `service`, `host`,
     /// `start`, `stop`, `restart` (systemctl defaults when not configured), plus `vars`.
     pub fn template_vars(&self, service: &str) -> BTreeMap<String, String> {
@@ -159,6 +189,27 @@ impl ServiceSpec {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_port_comes_from_vars_or_the_check() {
+        let with = |check: serde_json::Value, vars: serde_json::Value| -> Option<u16> {
+            let s: ServiceSpec = serde_json::from_value(serde_json::json!({ "check": check, "vars": vars })).unwrap();
+            s.port()
+        };
+        let http = |url: &str| with(serde_json::json!({ "kind": "http", "url": url }), serde_json::json!({}));
+        assert_eq!(http("http://127.0.0.1:8080/health"), Some(8080));
+        assert_eq!(http("http://user:pw@web.internal:81"), Some(81));
+        assert_eq!(http("https://web.internal/health"), Some(443));
+        assert_eq!(http("http://web.internal?x=1:2"), Some(80));
+        assert_eq!(http("http://[::1]:9000/"), Some(9000));
+        assert_eq!(http("http://[::1]/"), Some(80));
+        assert_eq!(http("ftp://files"), None);
+        let tcp = serde_json::json!({ "kind": "tcp", "address": "db:5432" });
+        assert_eq!(with(tcp.clone(), serde_json::json!({})), Some(5432));
+        assert_eq!(with(tcp, serde_json::json!({ "port": "6000" })), Some(6000), "vars win");
+        let cmd = serde_json::json!({ "kind": "command", "command": "true" });
+        assert_eq!(with(cmd, serde_json::json!({})), None);
+    }
 
     #[test]
     fn vars_default_to_systemctl() {

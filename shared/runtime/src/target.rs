@@ -29,9 +29,20 @@ pub fn service<'c>(cfg: &'c Config, state: &RunState) -> Result<&'c ServiceSpec,
         .ok_or_else(|| format!("unknown service '{name}': add it under [services.{name}] in pitcrew.toml"))
 }
 
-/// Template variables: the service's, plus `pid` when diagnose read a pidfile this attempt.
+/// Template variables: the service's, plus `pid` when diagnose read a live pid from the
+/// pidfile this attempt, and `holder_pid` when it found another process holding the
+/// service's port.
 pub fn template_vars(spec: &ServiceSpec, state: &RunState) -> BTreeMap<String, String> {
     let mut vars = spec.template_vars(&state.incident.service);
+    if let Some(pid) = state
+        .current_evidence()
+        .filter(|e| e.source == "port-holder" && e.ok)
+        .filter_map(|e| e.output.split_once(" is held by pid ").map(|(_, rest)| rest))
+        .filter_map(|rest| rest.split(|c: char| !c.is_ascii_digit()).next())
+        .find(|p| !p.is_empty() && p.parse::<u32>().is_ok_and(|n| n > 1))
+    {
+        vars.insert("holder_pid".into(), pid.to_string());
+    }
     if let Some(pid) = state
         .current_evidence()
         .filter(|e| e.source == "pidfile" && e.ok)
@@ -105,5 +116,39 @@ pub fn target_of(cfg: &Config, spec: &ServiceSpec) -> Target {
     match cfg.hosts.get(&spec.host) {
         Some(h) => Target { host: spec.host.clone(), lacks: h.lacks.clone(), needs_sudo: h.user != "root" },
         None => Target { host: spec.host.clone(), lacks: Vec::new(), needs_sudo: false },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use pitcrew_model::{Incident, RunState};
+
+    #[test]
+    fn evidence_gives_pid_and_holder_pid_only_when_sound() {
+        let spec: ServiceSpec = serde_json::from_value(serde_json::json!({ "host": "box" })).unwrap();
+        let mut state = RunState::new(uuid::Uuid::now_v7(), Incident::new("web", "connection refused"));
+        let ev = |source: &str, output: &str, ok: bool| Evidence {
+            attempt: state_attempt(),
+            source: source.into(),
+            detail: "-".into(),
+            output: output.into(),
+            ok,
+        };
+        state.push_evidence(ev("pidfile", "123\n", true));
+        state.push_evidence(ev("port-holder", "port 80 is held by pid 4242 (squat), not by the service\n...", true));
+        let vars = template_vars(&spec, &state);
+        assert_eq!((vars["pid"].as_str(), vars["holder_pid"].as_str()), ("123", "4242"));
+
+        let mut state = RunState::new(uuid::Uuid::now_v7(), Incident::new("web", "x"));
+        state.push_evidence(ev("pidfile", "123", false));
+        state.push_evidence(ev("port-holder", "port 80 is held by pid 1 (systemd), not by the service", true));
+        state.push_evidence(ev("port", "port 80 is held by pid 77 (web), the service's own process", true));
+        let vars = template_vars(&spec, &state);
+        assert!(!vars.contains_key("pid") && !vars.contains_key("holder_pid"), "{vars:?}");
+    }
+
+    fn state_attempt() -> u32 {
+        RunState::new(uuid::Uuid::now_v7(), Incident::new("a", "b")).attempt
     }
 }

@@ -300,7 +300,7 @@ fn user_file_is_read_and_errors_name_the_file() {
         .unwrap();
     let book = Playbook::with_user_file(&path).unwrap();
     let names: Vec<&str> = book.rule_names().collect();
-    assert_eq!((names[0], names[1]), ("mine", "process-down"));
+    assert_eq!((names[0], names[1]), ("mine", "port-taken"));
     std::fs::write(&path, "[[rule]]\nname = \"mine\"\nmatch = \"(\"\ndiagnosis = \"d\"\nplans = [[\"a\"]]\n").unwrap();
     let err = Playbook::with_user_file(&path).unwrap_err().to_string();
     assert!(err.contains("playbook.toml") && err.contains("rule 'mine'"), "{err}");
@@ -331,4 +331,37 @@ fn plans_use_only_what_the_host_has_and_sudo_when_needed() {
     case.failed = strings(&["sudo service toy restart"]);
     let err = run(&Playbook::default_rules(), &case).1.unwrap_err().to_string();
     assert!(err.contains("pe1 lacks"), "{err}");
+}
+
+#[test]
+fn a_port_held_by_another_process_is_freed_before_the_start() {
+    let book = Playbook::default_rules();
+    let mut case = Case::new("GET http://127.0.0.1:1/health failed: connection closed").evidence(
+        "ss -Hltnp sport = :1",
+        "port 1 is held by pid 4242 (squatter), not by the service (its pidfile names no running process)",
+    );
+    case.vars.insert("holder_pid".into(), "4242".into());
+    case.target.needs_sudo = true;
+    let (d, p) = run(&book, &case);
+    assert_eq!(d.source, "playbook:port-taken", "the specific cause beats 'connection ...': {d:?}");
+    assert!(d.summary.contains("pid 4242 holds it"), "{}", d.summary);
+    assert_eq!(p.unwrap().commands, strings(&["sudo kill 4242", "/usr/bin/toy start --port 1"]));
+    // Without a pid (another user's process), the alternative cannot render: fall back.
+    case.vars.remove("holder_pid");
+    let (_, p) = run(&book, &case);
+    assert_eq!(p.unwrap().commands, strings(&["/usr/bin/toy restart --port 1"]));
+}
+
+#[test]
+fn an_unreadable_config_gets_its_read_permission_back() {
+    let book = Playbook::default_rules();
+    let mut case = Case::new("connection refused").evidence(
+        "tail -n 50 /srv/toy/toy.log",
+        "toy: refusing to start: cannot read config /srv/toy/toy.conf: Permission denied (os error 13)",
+    );
+    case.vars.insert("config".into(), "/srv/toy/toy.conf".into());
+    case.target.needs_sudo = true;
+    let (d, p) = run(&book, &case);
+    assert_eq!(d.source, "playbook:config-unreadable", "{d:?}");
+    assert_eq!(p.unwrap().commands, strings(&["sudo chmod a+r /srv/toy/toy.conf", "/usr/bin/toy start --port 1"]));
 }
