@@ -38,7 +38,11 @@ enum Command {
     /// Check every configured service and open an incident when one fails.
     Monitor,
     /// Start everything it needs and show three runs live: resolved, approved, escalated.
-    Demo,
+    Demo {
+        /// Instead: repair a killed service over SSH on a private local sshd (needs openssh-server).
+        #[arg(long)]
+        ssh: bool,
+    },
     /// Incidents.
     Incident {
         #[command(subcommand)]
@@ -126,6 +130,11 @@ enum ToyCommand {
         #[arg(long)]
         dir: PathBuf,
     },
+    /// Hold a port without serving it.
+    Squat {
+        #[arg(long)]
+        port: u16,
+    },
 }
 
 fn parse_severity(s: &str) -> Result<Severity, String> {
@@ -145,7 +154,7 @@ fn main() -> ExitCode {
         return report(toy_command(command));
     }
     let default_log = match args.command {
-        Command::Demo => "warn",
+        Command::Demo { .. } => "warn",
         Command::Up | Command::Worker { .. } | Command::Monitor => "info",
         _ => "warn",
     };
@@ -177,12 +186,13 @@ fn toy_command(c: &ToyCommand) -> anyhow::Result<()> {
             toy::stop(*port, dir)?;
             toy::start(&exe, *port, dir)
         }
+        ToyCommand::Squat { port } => toy::squat(*port),
     }
 }
 
 async fn run(args: Args) -> anyhow::Result<()> {
-    if let Command::Demo = args.command {
-        return demo::run().await;
+    if let Command::Demo { ssh } = args.command {
+        return demo::run(ssh).await;
     }
     let cfg = Config::load(args.config.as_deref())?;
     match args.command {
@@ -233,6 +243,6 @@ async fn run(args: Args) -> anyhow::Result<()> {
             println!("migrations: {n} applied, schema at version {}", pitcrew_runtime::store::MIGRATIONS.len());
             Ok(())
         }
-        Command::Demo | Command::Toy { .. } => bail!("unreachable"),
+        Command::Demo { .. } | Command::Toy { .. } => bail!("unreachable"),
     }
 }

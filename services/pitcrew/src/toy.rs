@@ -1,7 +1,10 @@
 //! toy: a tiny real HTTP service the demo breaks and pitcrew repairs.
 //!
 //! Faults are files in the toy's directory, so a demo (or test) can break it from outside:
-//! `wedged` makes `/health` answer 503 until the next start; `broken` makes `start` refuse.
+//! `wedged` makes `/health` answer 503 until the next start; `broken` makes `start` refuse;
+//! `toy.conf`, when present, must be readable by the toy's user or it refuses to start;
+//! `logs/` over [`LOG_QUOTA`] refuses too. Refusals are also appended to `toy.log`, as a
+//! real service logs why it did not come up. `squat` holds a port the way a stray process does.
 
 use anyhow::{bail, Context};
 use std::io::{ErrorKind, Read, Write};
@@ -29,6 +32,7 @@ const IO_TIMEOUT: Duration = Duration::from_secs(2);
 /// GET /health answers 200 "ok", or 503 while `dir/wedged` exists; anything else is 404.
 pub fn serve(port: u16, dir: &Path) -> anyhow::Result<()> {
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    read_config(dir)?;
     let tmp = dir.join("pid.tmp");
     std::fs::write(&tmp, format!("{}\n", std::process::id())).context("writing pid file")?;
     std::fs::rename(&tmp, dir.join("pid")).context("writing pid file")?;
@@ -90,6 +94,36 @@ fn answer(mut stream: TcpStream, wedged: &Path) -> std::io::Result<()> {
 /// Bytes of logs the toy tolerates in `dir/logs` before it refuses to start.
 pub const LOG_QUOTA: u64 = 1 << 20;
 
+/// `dir/toy.conf`, when it exists, must be readable by whoever runs the toy.
+fn read_config(dir: &Path) -> anyhow::Result<()> {
+    let conf = dir.join("toy.conf");
+    match std::fs::read_to_string(&conf) {
+        Err(e) if e.kind() == ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(e).with_context(|| format!("cannot read config {}", conf.display())),
+        Ok(_) => Ok(()),
+    }
+}
+
+/// The reason a start refused, appended to `dir/toy.log` (best effort) and returned.
+fn refuse(dir: &Path, why: String) -> anyhow::Error {
+    if let Ok(mut log) = std::fs::OpenOptions::new().create(true).append(true).open(dir.join("toy.log")) {
+        let _ = writeln!(log, "toy: refusing to start: {why}");
+    }
+    anyhow::anyhow!(why)
+}
+
+/// Hold 127.0.0.1:`port` forever, closing every connection unanswered: a stray process
+/// squatting on a service's port (scenario (b) of the SSH fault suite).
+pub fn squat(port: u16) -> anyhow::Result<()> {
+    let listener =
+        TcpListener::bind((Ipv4Addr::LOCALHOST, port)).with_context(|| format!("binding 127.0.0.1:{port}"))?;
+    eprintln!("toy: squatting on 127.0.0.1:{port} (pid {})", std::process::id());
+    for conn in listener.incoming() {
+        drop(conn);
+    }
+    Ok(())
+}
+
 /// Total size of the regular files directly in `dir` (0 when it does not exist).
 fn logs_size(dir: &Path) -> u64 {
     std::fs::read_dir(dir)
@@ -106,15 +140,22 @@ fn logs_size(dir: &Path) -> u64 {
 pub fn start(exe: &Path, port: u16, dir: &Path) -> anyhow::Result<()> {
     let broken = dir.join("broken");
     if broken.exists() {
-        bail!("config invalid: {} present (listen address missing)", broken.display());
+        return Err(refuse(dir, format!("config invalid: {} present (listen address missing)", broken.display())));
     }
     if probe(port).is_some() {
         return Ok(());
     }
+    if let Err(e) = read_config(dir) {
+        return Err(refuse(dir, format!("{e:#}")));
+    }
     // Like a service that needs log space to start: `dir/logs` over its quota refuses.
     let used = logs_size(&dir.join("logs"));
     if used > LOG_QUOTA {
-        bail!("no space left for logs: {} holds {used} bytes (quota {LOG_QUOTA})", dir.join("logs").display());
+        let logs = dir.join("logs");
+        return Err(refuse(
+            dir,
+            format!("no space left for logs: {} holds {used} bytes (quota {LOG_QUOTA})", logs.display()),
+        ));
     }
     match std::fs::remove_file(dir.join("wedged")) {
         Err(e) if e.kind() != ErrorKind::NotFound => return Err(e).context("clearing wedged"),
