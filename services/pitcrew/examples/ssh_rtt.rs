@@ -1,10 +1,11 @@
 //! Measures the SSH command round trip against a real local sshd: on the reused master
-//! connection versus a fresh connection per command. Prints medians in milliseconds.
+//! connection versus a fresh connection per command, logged in as the fault suite's target
+//! user (as root) or as yourself. Prints medians in milliseconds.
 //!
 //!     cargo run --release -p pitcrew --example ssh_rtt
 
 use pitcrew_exec::{Executor, Fleet};
-use pitcrew_testkit::sshd::Sshd;
+use pitcrew_testkit::sshd::start_target;
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
@@ -15,7 +16,7 @@ fn median(mut v: Vec<f64>) -> f64 {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    let sshd = Sshd::start()?;
+    let sshd = start_target()?;
     let hosts = || BTreeMap::from([("box".to_string(), sshd.host(true))]);
     let t = Duration::from_secs(10);
     let reused = Fleet::new(hosts(), 4096);

@@ -1,11 +1,14 @@
-//! The ssh executor against a real OpenSSH server: argv quoting, exit codes, deadlines,
-//! output caps, host-key checking, one reused master connection, reconnecting, sudo -n.
+//! The ssh executor against a real OpenSSH server, logged in as the dedicated unprivileged
+//! `pitcrew-target` account (see `pitcrew_testkit::sshd`): argv quoting, exit codes,
+//! deadlines, output caps, host-key checking, one reused master connection, reconnecting,
+//! sudo -n within a limited rule. Then the fault suite: each scenario breaks something real
+//! on the target and the whole crew (monitor included) brings it back over SSH, or escalates.
 
 mod common;
 
 use pitcrew_exec::{ExecError, Executor, Fleet};
 use pitcrew_model::HostSpec;
-use pitcrew_testkit::sshd::Sshd;
+use pitcrew_testkit::sshd::{start_target, Sshd};
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
@@ -30,7 +33,7 @@ fn fleet(host: HostSpec, max_output: usize) -> Fleet {
 
 #[tokio::test]
 async fn commands_run_as_argv_with_exit_codes() -> anyhow::Result<()> {
-    let sshd = Sshd::start()?;
+    let sshd = start_target()?;
     let f = fleet(sshd.host(true), 64 * 1024);
     let out = f.run("box", "echo hello", T).await?;
     assert_eq!((out.exit_code, out.stdout.as_str()), (Some(0), "hello\n"));
@@ -48,7 +51,7 @@ async fn commands_run_as_argv_with_exit_codes() -> anyhow::Result<()> {
 
 #[tokio::test]
 async fn deadlines_and_output_caps_hold() -> anyhow::Result<()> {
-    let sshd = Sshd::start()?;
+    let sshd = start_target()?;
     let f = fleet(sshd.host(true), 1024);
     let started = Instant::now();
     let out = f.run("box", "sleep 30", Duration::from_secs(1)).await?;
@@ -62,7 +65,7 @@ async fn deadlines_and_output_caps_hold() -> anyhow::Result<()> {
 
 #[tokio::test]
 async fn an_unknown_host_key_is_refused_unless_accepted_for_that_host() -> anyhow::Result<()> {
-    let sshd = Sshd::start()?;
+    let sshd = start_target()?;
     let f = fleet(sshd.host(false), 4096);
     match f.run("box", "true", T).await {
         Err(ExecError::Spawn { error, .. }) => assert!(error.contains("not trusted"), "{error}"),
@@ -84,7 +87,7 @@ async fn conn(f: &Fleet) -> anyhow::Result<String> {
 
 #[tokio::test]
 async fn one_master_connection_is_reused_and_reestablished() -> anyhow::Result<()> {
-    let mut sshd = Sshd::start()?;
+    let mut sshd = start_target()?;
     let f = fleet(sshd.host(true), 4096);
     let first = conn(&f).await?;
     for _ in 0..5 {
@@ -99,41 +102,188 @@ async fn one_master_connection_is_reused_and_reestablished() -> anyhow::Result<(
 
 #[tokio::test]
 async fn sudo_is_non_interactive_and_tools_are_known() -> anyhow::Result<()> {
-    let sshd = Sshd::start()?;
+    let sshd = start_target()?;
     let mut host = sshd.host(true);
     host.lacks = vec!["systemctl".into()];
     let f = fleet(host, 4096);
     let out = f.run("box", "sudo id -u", T).await?;
-    assert_eq!(out.exit_code, Some(0), "{out:?}");
+    assert_eq!((out.exit_code, out.stdout.as_str()), (Some(0), "0\n"), "{out:?}");
+    if sshd.user != "root" {
+        assert_ne!(f.run("box", "id -u", T).await?.stdout, "0\n", "the login itself is unprivileged");
+        // Outside its sudo rule: refused at once, never a password prompt that hangs.
+        let started = Instant::now();
+        let out = f.run("box", "sudo cat /etc/shadow", T).await?;
+        assert_ne!(out.exit_code, Some(0), "{out:?}");
+        assert!(out.stderr.contains("password is required") || out.stderr.contains("not allowed"), "{out:?}");
+        assert!(started.elapsed() < Duration::from_secs(10));
+    }
     assert!(f.has_tool("box", "sh").await);
     assert!(!f.has_tool("box", "definitely-not-a-program-xyz").await);
     assert!(!f.has_tool("box", "systemctl").await, "the inventory says the host lacks it");
     Ok(())
 }
 
+/// Whether this process may set up the dedicated target account (scenarios that need a
+/// non-root login and its sudo rule are skipped, loudly, for anyone else).
+fn as_root() -> bool {
+    // SAFETY: geteuid(2) cannot fail and touches no memory.
+    let root = unsafe { libc::geteuid() } == 0;
+    if !root {
+        eprintln!("skipped: needs root to log in as the dedicated pitcrew-target account");
+    }
+    root
+}
+
+/// The toy HTTP service on the target: run by the login user from a directory it owns.
+struct Toy {
+    name: &'static str,
+    dir: String,
+    port: u16,
+    exe: String,
+}
+
+impl Toy {
+    fn new(sshd: &Sshd, name: &'static str) -> anyhow::Result<Toy> {
+        let exe = sshd.program(std::path::Path::new(env!("CARGO_BIN_EXE_pitcrew")))?;
+        let dir = sshd.workdir(name)?.display().to_string();
+        Ok(Toy { name, dir, port: pitcrew_runtime::natsd::free_port()?, exe: exe.display().to_string() })
+    }
+
+    fn command(&self, verb: &str) -> String {
+        format!("{} toy {verb} --port {} --dir {}", self.exe, self.port, self.dir)
+    }
+
+    fn file(&self, name: &str) -> String {
+        format!("{}/{name}", self.dir)
+    }
+
+    /// Its `[services.<name>]` table on host `box`, plus `extra` lines.
+    fn service(&self, extra: &str) -> String {
+        format!(
+            "[services.{name}]\nhost = \"box\"\nstart = \"{start}\"\nrestart = \"{restart}\"\n\
+             pidfile = \"{dir}/pid\"\nlog_file = \"{dir}/toy.log\"\n\
+             check = {{ kind = \"http\", url = \"http://127.0.0.1:{port}/health\", timeout_ms = 1000 }}\n{extra}",
+            name = self.name,
+            start = self.command("start"),
+            restart = self.command("restart"),
+            dir = self.dir,
+            port = self.port,
+        )
+    }
+
+    fn pid(&self) -> anyhow::Result<i32> {
+        Ok(std::fs::read_to_string(self.file("pid"))?.trim().parse()?)
+    }
+
+    async fn answers(&self) -> bool {
+        let check = pitcrew_model::CheckSpec::Http {
+            url: format!("http://127.0.0.1:{}/health", self.port),
+            expect_status: 200,
+            timeout_ms: 1000,
+        };
+        pitcrew_exec::run_check(&check, "local", &pitcrew_exec::LocalExecutor::new(1024)).await.healthy
+    }
+
+    /// Wait until nothing accepts on its port (a killed process's socket is gone).
+    async fn wait_closed(&self) -> anyhow::Result<()> {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while std::net::TcpStream::connect(("127.0.0.1", self.port)).is_ok() {
+            anyhow::ensure!(Instant::now() < deadline, "port {} still open 5 s after the kill", self.port);
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        Ok(())
+    }
+}
+
+/// SIGKILL, as a crash would.
+fn crash(pid: i32) {
+    // SAFETY: kill(2) on a pid the test read from the toy's own pidfile.
+    unsafe { libc::kill(pid, libc::SIGKILL) };
+}
+
+/// The inventory of a scenario: the monitor every 200 ms, host `box` (no systemctl), `toy`.
+fn scenario_config(sshd: &Sshd, toy: &Toy, extra: &str) -> String {
+    format!(
+        "[monitor]\ninterval_ms = 200\n{host}lacks = [\"systemctl\"]\n{service}",
+        host = host_toml("box", &sshd.host(true)),
+        service = toy.service(extra),
+    )
+}
+
+/// `pitcrew monitor` in-process until stopped.
+struct Monitor {
+    stop: tokio::sync::oneshot::Sender<()>,
+    task: tokio::task::JoinHandle<anyhow::Result<()>>,
+}
+
+impl Monitor {
+    fn start(crew: &common::Crew) -> Monitor {
+        use futures::FutureExt;
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let shutdown = async move {
+            let _ = stopped.await;
+        };
+        let task = tokio::spawn(pitcrew::crew::monitor(crew.cfg.clone(), shutdown.boxed().shared()));
+        Monitor { stop, task }
+    }
+
+    async fn stop(self) -> anyhow::Result<()> {
+        let _ = self.stop.send(());
+        self.task.await?
+    }
+}
+
+/// The run the monitor opened for `service`.
+async fn monitor_opened(crew: &mut common::Crew, service: &str) -> anyhow::Result<uuid::Uuid> {
+    use pitcrew_model::EventKind;
+    let prefix = format!("run opened for {service}");
+    let e = crew.events.wait_any(|e| e.kind == EventKind::Status && e.message.starts_with(&prefix), WAIT).await?;
+    Ok(e.run_id)
+}
+
+/// (command, status) of every execution of `run` on host box, in order.
+async fn executions(db: &tokio_postgres::Client, run: uuid::Uuid) -> anyhow::Result<Vec<(String, String)>> {
+    let rows = db
+        .query(
+            "SELECT command, coalesce(status, '') FROM executions WHERE run_id = $1 AND host = 'box' \
+             ORDER BY attempt, idx",
+            &[&run],
+        )
+        .await?;
+    Ok(rows.iter().map(|r| (r.get(0), r.get(1))).collect())
+}
+
+/// (success, diagnosis) of every episode of `run`, in order.
+async fn episodes(db: &tokio_postgres::Client, run: uuid::Uuid) -> anyhow::Result<Vec<(bool, String)>> {
+    let rows = db.query("SELECT success, diagnosis FROM episodes WHERE run_id = $1 ORDER BY attempt", &[&run]).await?;
+    Ok(rows.iter().map(|r| (r.get(0), r.get(1))).collect())
+}
+
+fn ok(cmd: String) -> (String, String) {
+    (cmd, "succeeded".to_string())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_incident_on_an_ssh_host_is_remediated_over_ssh() -> anyhow::Result<()> {
     use pitcrew_model::{EventKind, Stage};
-    let sshd = Sshd::start()?;
-    let h = sshd.host(true);
+    let sshd = start_target()?;
     let env = pitcrew_testkit::TestEnv::start().await?;
-    let healthy = env.path("box-healthy");
+    let healthy = format!("{}/healthy", sshd.workdir("svc")?.display());
     let text = format!(
         "{host}lacks = [\"systemctl\"]\n\
          [services.svc]\nhost = \"box\"\nstart = \"touch {healthy}\"\nrestart = \"touch {healthy}\"\n\
          check = {{ kind = \"command\", command = \"test -f {healthy}\" }}\n",
-        host = host_toml("box", &h),
+        host = host_toml("box", &sshd.host(true)),
     );
     let mut crew = common::Crew::start_in(env, &text, &Stage::ALL).await?;
     let run = crew.open("svc", "connection refused").await?;
     let end = crew.end(run).await?;
     assert_eq!(end.kind, EventKind::Resolved, "{}", end.message);
     let db = crew.db().await?;
-    let row = db.query_one("SELECT host, command, status FROM executions WHERE run_id = $1", &[&run]).await?;
-    assert_eq!(row.get::<_, String>(0), "box");
-    assert_eq!(row.get::<_, String>(1), format!("touch {healthy}"));
-    assert_eq!(row.get::<_, String>(2), "succeeded");
-    assert!(std::path::Path::new(&healthy).exists(), "the target's own record: the file exists");
+    assert_eq!(executions(&db, run).await?, vec![ok(format!("touch {healthy}"))]);
+    let meta = std::fs::metadata(&healthy)?;
+    use std::os::unix::fs::MetadataExt;
+    assert_eq!(meta.uid(), sshd.ids().0, "the target's own record: the login user made the file");
     crew.shutdown().await
 }
 
@@ -152,130 +302,172 @@ async fn an_unreachable_host_escalates_with_a_clear_error_and_no_hang() -> anyho
     let started = Instant::now();
     let run = crew.open("svc", "connection refused").await?;
     let end = crew.end(run).await?;
+    let took = started.elapsed();
+    eprintln!("scenario (f) over ssh: incident to escalated in {:.2} s", took.as_secs_f64());
     assert_eq!(end.kind, EventKind::Escalated);
     assert!(end.message.contains("host gone unreachable"), "{}", end.message);
-    assert!(started.elapsed() < Duration::from_secs(60), "{:?}", started.elapsed());
+    assert!(took < Duration::from_secs(60), "{took:?}");
     let db = crew.db().await?;
+    assert!(executions(&db, run).await?.is_empty(), "nothing is recorded as run on a host never reached");
     let n: i64 = db.query_one("SELECT count(*) FROM executions WHERE run_id = $1", &[&run]).await?.get(0);
-    assert_eq!(n, 0, "nothing is recorded as run on a host that was never reached");
+    assert_eq!(n, 0);
+    let ep =
+        db.query_one("SELECT success, cardinality(commands), result FROM episodes WHERE run_id = $1", &[&run]).await?;
+    let (success, ran, result): (bool, i32, String) = (ep.get(0), ep.get(1), ep.get(2));
+    assert!(!success && ran == 0 && result.contains("unreachable"), "the episode remembers the failure: {result}");
     crew.shutdown().await
 }
 
 /// Scenario (a): the service process is killed; the monitor sees it, the crew starts it again
-/// over SSH, verify sees it answer.
+/// over SSH as the login user, verify sees it answer.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_service_is_restarted_over_ssh_from_the_monitors_incident() -> anyhow::Result<()> {
-    use futures::FutureExt;
     use pitcrew_model::{EventKind, Stage};
-    let sshd = Sshd::start()?;
-    let h = sshd.host(true);
+    let sshd = start_target()?;
     let env = pitcrew_testkit::TestEnv::start().await?;
-    let exe = env!("CARGO_BIN_EXE_pitcrew");
-    let dir = env.path("web");
-    std::fs::create_dir_all(&dir)?;
-    let port = pitcrew_runtime::natsd::free_port()?;
-    let args = format!("--port {port} --dir {dir}");
-    let text = format!(
-        "[monitor]\ninterval_ms = 200\n\
-         {host}lacks = [\"systemctl\"]\n\
-         [services.web]\nhost = \"box\"\nstart = \"{exe} toy start {args}\"\nrestart = \"{exe} toy restart {args}\"\n\
-         pidfile = \"{dir}/pid\"\nlog_file = \"{dir}/toy.log\"\n\
-         check = {{ kind = \"http\", url = \"http://127.0.0.1:{port}/health\", timeout_ms = 1000 }}\n",
-        host = host_toml("box", &h),
-    );
-    let mut crew = common::Crew::start_in(env, &text, &Stage::ALL).await?;
-    pitcrew::toy::start(std::path::Path::new(exe), port, std::path::Path::new(&dir))?;
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let monitor = tokio::spawn(pitcrew::crew::monitor(
-        crew.cfg.clone(),
-        async move {
-            let _ = stopped.await;
-        }
-        .boxed()
-        .shared(),
-    ));
+    let toy = Toy::new(&sshd, "web")?;
+    let mut crew = common::Crew::start_in(env, &scenario_config(&sshd, &toy, ""), &Stage::ALL).await?;
+    let target = fleet(sshd.host(true), 64 * 1024);
+    assert_eq!(target.run("box", &toy.command("start"), T).await?.exit_code, Some(0));
+    let monitor = Monitor::start(&crew);
 
-    // The fault: SIGKILL, as a crash would.
-    let pid: i32 = std::fs::read_to_string(format!("{dir}/pid"))?.trim().parse()?;
+    let pid = toy.pid()?;
     let broke = Instant::now();
-    // SAFETY: kill(2) on the toy's own pid, read from its pidfile.
-    unsafe { libc::kill(pid, libc::SIGKILL) };
-    let opened = crew
-        .events
-        .wait_any(|e| e.kind == EventKind::Status && e.message.starts_with("run opened for web"), WAIT)
-        .await?;
-    let end = crew.end(opened.run_id).await?;
+    crash(pid);
+    let run = monitor_opened(&mut crew, "web").await?;
+    let end = crew.end(run).await?;
     let took = broke.elapsed();
     assert_eq!(end.kind, EventKind::Resolved, "{}", end.message);
     eprintln!("scenario (a) over ssh: fault to resolved in {:.2} s", took.as_secs_f64());
     let db = crew.db().await?;
-    let row = db.query_one("SELECT host, status FROM executions WHERE run_id = $1", &[&opened.run_id]).await?;
-    assert_eq!((row.get::<_, String>(0).as_str(), row.get::<_, String>(1).as_str()), ("box", "succeeded"));
-    let ok: bool = db.query_one("SELECT success FROM episodes WHERE run_id = $1", &[&opened.run_id]).await?.get(0);
-    assert!(ok);
-    // The target's own state: a new process answers.
-    let new_pid: i32 = std::fs::read_to_string(format!("{dir}/pid"))?.trim().parse()?;
+    assert_eq!(executions(&db, run).await?, vec![ok(toy.command("start"))]);
+    let eps = episodes(&db, run).await?;
+    assert_eq!(eps.len(), 1);
+    assert!(eps[0].0 && eps[0].1.contains("not running"), "{eps:?}");
+    // The target's own state: a new process, the login user's, answers.
+    let new_pid = toy.pid()?;
     assert_ne!(new_pid, pid);
-    let check = pitcrew_model::CheckSpec::Http {
-        url: format!("http://127.0.0.1:{port}/health"),
-        expect_status: 200,
-        timeout_ms: 1000,
-    };
-    assert!(pitcrew_exec::run_check(&check, "local", &pitcrew_exec::LocalExecutor::new(1024)).await.healthy);
-    let _ = stop.send(());
-    monitor.await??;
-    let _ = pitcrew::toy::stop(port, std::path::Path::new(&dir));
+    use std::os::unix::fs::MetadataExt;
+    assert_eq!(std::fs::metadata(format!("/proc/{new_pid}"))?.uid(), sshd.ids().0);
+    assert!(toy.answers().await);
+    monitor.stop().await?;
+    let _ = pitcrew::toy::stop(toy.port, std::path::Path::new(&toy.dir));
     crew.shutdown().await
 }
 
-/// Scenario (e): a fault no allowed command fixes (the service's config is broken): every
-/// attempt runs a new command over SSH, then the run escalates at max_retries.
+/// Scenario (b): the service crashed and a stray process took its port, so it cannot start:
+/// diagnose finds the squatter in `ss -ltnp`, the plan stops it (sudo kill) and starts the
+/// service.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_unfixable_fault_over_ssh_escalates_after_max_retries() -> anyhow::Result<()> {
+async fn a_port_squatter_is_found_and_stopped_then_the_service_starts() -> anyhow::Result<()> {
     use pitcrew_model::{EventKind, Stage};
-    let sshd = Sshd::start()?;
-    let h = sshd.host(true);
-    let env = pitcrew_testkit::TestEnv::start().await?;
-    let exe = env!("CARGO_BIN_EXE_pitcrew");
-    let dir = env.path("batch");
-    std::fs::create_dir_all(&dir)?;
-    std::fs::write(format!("{dir}/broken"), "")?;
-    let port = pitcrew_runtime::natsd::free_port()?;
-    let args = format!("--port {port} --dir {dir}");
-    let text = format!(
-        "[limits]\nmax_retries = 2\n\
-         {host}\
-         [services.batch]\nhost = \"box\"\nstart = \"{exe} toy start {args}\"\nrestart = \"{exe} toy restart {args}\"\n\
-         check = {{ kind = \"http\", url = \"http://127.0.0.1:{port}/health\", timeout_ms = 1000 }}\n",
-        host = host_toml("box", &h),
-    );
-    let mut crew = common::Crew::start_in(env, &text, &Stage::ALL).await?;
-    let started = Instant::now();
-    let run = crew.open("batch", &format!("GET http://127.0.0.1:{port}/health failed: connection refused")).await?;
-    let end = crew.end(run).await?;
-    eprintln!("scenario (e) over ssh: incident to escalated in {:.2} s", started.elapsed().as_secs_f64());
-    assert_eq!(end.kind, EventKind::Escalated);
-    assert!(end.message.contains("max_retries (2)"), "{}", end.message);
-    let db = crew.db().await?;
-    let rows = db
-        .query("SELECT attempt, host, status, output FROM executions WHERE run_id = $1 ORDER BY attempt", &[&run])
-        .await?;
-    assert_eq!(rows.len(), 2, "one command per attempt");
-    for r in &rows {
-        assert_eq!((r.get::<_, String>(1).as_str(), r.get::<_, String>(2).as_str()), ("box", "failed"));
-        assert!(r.get::<_, String>(3).contains("config invalid"), "the target said why");
+    use std::os::unix::process::CommandExt;
+    if !as_root() {
+        return Ok(());
     }
-    let commands: Vec<String> = db
-        .query("SELECT command FROM executions WHERE run_id = $1 ORDER BY attempt", &[&run])
-        .await?
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
-    assert_ne!(commands[0], commands[1], "a failed command is never repeated");
-    let failed: i64 =
-        db.query_one("SELECT count(*) FROM episodes WHERE run_id = $1 AND NOT success", &[&run]).await?.get(0);
-    assert_eq!(failed, 2);
-    assert!(std::net::TcpStream::connect(("127.0.0.1", port)).is_err(), "the target is still down");
+    let sshd = start_target()?;
+    let env = pitcrew_testkit::TestEnv::start().await?;
+    let toy = Toy::new(&sshd, "web")?;
+    let mut crew = common::Crew::start_in(env, &scenario_config(&sshd, &toy, ""), &Stage::ALL).await?;
+    let target = fleet(sshd.host(true), 64 * 1024);
+    assert_eq!(target.run("box", &toy.command("start"), T).await?.exit_code, Some(0));
+
+    crash(toy.pid()?);
+    toy.wait_closed().await?;
+    let (uid, gid) = sshd.ids();
+    let mut squatter = std::process::Command::new(&toy.exe)
+        .args(["toy", "squat", "--port", &toy.port.to_string()])
+        .uid(uid)
+        .gid(gid)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()?;
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while std::net::TcpStream::connect(("127.0.0.1", toy.port)).is_err() {
+        anyhow::ensure!(Instant::now() < deadline, "the squatter never bound {}", toy.port);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let refused = target.run("box", &toy.command("start"), T).await?;
+    assert_ne!(refused.exit_code, Some(0), "the service cannot start while its port is taken: {refused:?}");
+    // The clock starts once the fault is in place (the refused start above takes 5 s).
+    let broke = Instant::now();
+    let monitor = Monitor::start(&crew);
+
+    let run = monitor_opened(&mut crew, "web").await?;
+    let end = crew.end(run).await?;
+    let took = broke.elapsed();
+    assert_eq!(end.kind, EventKind::Resolved, "{}", end.message);
+    eprintln!("scenario (b) over ssh: fault to resolved in {:.2} s", took.as_secs_f64());
+    let db = crew.db().await?;
+    let expect = vec![ok(format!("sudo kill {}", squatter.id())), ok(toy.command("start"))];
+    assert_eq!(executions(&db, run).await?, expect);
+    let eps = episodes(&db, run).await?;
+    assert_eq!(eps.len(), 1);
+    assert!(eps[0].0 && eps[0].1.contains(&format!("pid {} holds it", squatter.id())), "{eps:?}");
+    // The target's own state: the squatter is gone (SIGTERM) and the service answers.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let status = loop {
+        if let Some(status) = squatter.try_wait()? {
+            break status;
+        }
+        anyhow::ensure!(Instant::now() < deadline, "the squatter still runs");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    use std::os::unix::process::ExitStatusExt;
+    assert_eq!(status.signal(), Some(libc::SIGTERM), "{status:?}");
+    assert!(toy.answers().await);
+    assert_ne!(toy.pid()?, squatter.id() as i32);
+    monitor.stop().await?;
+    let _ = pitcrew::toy::stop(toy.port, std::path::Path::new(&toy.dir));
+    crew.shutdown().await
+}
+
+/// Scenario (c): the service's config (root's, 0644) lost its read permission and the service
+/// was restarted, so it cannot start: the log says why, the plan restores read access
+/// (`sudo chmod a+r`, within the sudo rule) and starts it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_config_that_lost_its_read_permission_is_restored_then_the_service_starts() -> anyhow::Result<()> {
+    use pitcrew_model::{EventKind, Stage};
+    use std::os::unix::fs::PermissionsExt;
+    if !as_root() {
+        return Ok(());
+    }
+    let sshd = start_target()?;
+    let env = pitcrew_testkit::TestEnv::start().await?;
+    let toy = Toy::new(&sshd, "api")?;
+    let conf = toy.file("toy.conf");
+    std::fs::write(&conf, "listen = 127.0.0.1\n")?;
+    std::fs::set_permissions(&conf, std::fs::Permissions::from_mode(0o644))?;
+    let text = scenario_config(&sshd, &toy, &format!("vars = {{ config = \"{conf}\" }}\n"));
+    let mut crew = common::Crew::start_in(env, &text, &Stage::ALL).await?;
+    let target = fleet(sshd.host(true), 64 * 1024);
+    assert_eq!(target.run("box", &toy.command("start"), T).await?.exit_code, Some(0));
+
+    std::fs::set_permissions(&conf, std::fs::Permissions::from_mode(0o600))?;
+    let refused = target.run("box", &toy.command("restart"), T).await?;
+    assert_ne!(refused.exit_code, Some(0));
+    assert!(refused.stderr.contains("Permission denied"), "{refused:?}");
+    let broke = Instant::now();
+    let monitor = Monitor::start(&crew);
+
+    let run = monitor_opened(&mut crew, "api").await?;
+    let end = crew.end(run).await?;
+    let took = broke.elapsed();
+    assert_eq!(end.kind, EventKind::Resolved, "{}", end.message);
+    eprintln!("scenario (c) over ssh: fault to resolved in {:.2} s", took.as_secs_f64());
+    let db = crew.db().await?;
+    assert_eq!(executions(&db, run).await?, vec![ok(format!("sudo chmod a+r {conf}")), ok(toy.command("start"))]);
+    let eps = episodes(&db, run).await?;
+    assert_eq!(eps.len(), 1);
+    assert!(eps[0].0 && eps[0].1.contains("not readable"), "{eps:?}");
+    // The target's own state: readable again, still root's, and the service answers.
+    use std::os::unix::fs::MetadataExt;
+    let meta = std::fs::metadata(&conf)?;
+    assert_eq!((meta.mode() & 0o777, meta.uid()), (0o644, 0));
+    assert!(toy.answers().await);
+    monitor.stop().await?;
+    let _ = pitcrew::toy::stop(toy.port, std::path::Path::new(&toy.dir));
     crew.shutdown().await
 }
 
@@ -284,15 +476,13 @@ async fn an_unfixable_fault_over_ssh_escalates_after_max_retries() -> anyhow::Re
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_full_log_dir_is_cleared_after_approval_over_ssh() -> anyhow::Result<()> {
     use pitcrew_model::{Decision, EventKind, Stage};
-    let sshd = Sshd::start()?;
-    let h = sshd.host(true);
+    let sshd = start_target()?;
     let env = pitcrew_testkit::TestEnv::start().await?;
-    let exe = env!("CARGO_BIN_EXE_pitcrew");
-    let dir = env.path("app");
-    std::fs::create_dir_all(format!("{dir}/logs"))?;
-    std::fs::write(format!("{dir}/logs/app.log"), vec![b'x'; 2 << 20])?;
-    let port = pitcrew_runtime::natsd::free_port()?;
-    let args = format!("--port {port} --dir {dir}");
+    let toy = Toy::new(&sshd, "app")?;
+    let logs = toy.file("logs");
+    std::fs::create_dir_all(&logs)?;
+    std::fs::write(format!("{logs}/app.log"), vec![b'x'; 2 << 20])?;
+    sshd.give(std::path::Path::new(&logs))?;
     let book = common::write(
         &env,
         "playbook.toml",
@@ -301,35 +491,101 @@ async fn a_full_log_dir_is_cleared_after_approval_over_ssh() -> anyhow::Result<(
          plans = [[\"find {log_dir} -name '*.log' -delete\", \"{start}\"]]\n",
     );
     let text = format!(
-        "[reasoning]\nplaybook_file = \"{book}\"\n\
-         {host}\
-         [services.app]\nhost = \"box\"\nstart = \"{exe} toy start {args}\"\nvars = {{ log_dir = \"{dir}/logs\" }}\n\
-         check = {{ kind = \"http\", url = \"http://127.0.0.1:{port}/health\", timeout_ms = 1000 }}\n",
-        host = host_toml("box", &h),
+        "[reasoning]\nplaybook_file = \"{book}\"\n{}",
+        scenario_config(&sshd, &toy, &format!("vars = {{ log_dir = \"{logs}\" }}\n"))
     );
     let mut crew = common::Crew::start_in(env, &text, &Stage::ALL).await?;
-    // What the service says when it is started: the fault the alert carries.
-    let refused = pitcrew::toy::start(std::path::Path::new(exe), port, std::path::Path::new(&dir)).unwrap_err();
-    let run = crew.open("app", &refused.to_string()).await?;
+    let target = fleet(sshd.host(true), 64 * 1024);
+    // What the service says when it is started: the fault the monitor's incident leads to.
+    let refused = target.run("box", &toy.command("start"), T).await?;
+    assert!(refused.stderr.contains("no space left for logs"), "{refused:?}");
+    let broke = Instant::now();
+    let monitor = Monitor::start(&crew);
+    let run = monitor_opened(&mut crew, "app").await?;
     let asked = crew.events.kind(run, EventKind::ApprovalRequested, WAIT).await?;
     assert!(asked.message.contains("waiting for approval"));
     let db = crew.db().await?;
-    let none: i64 = db.query_one("SELECT count(*) FROM executions WHERE run_id = $1", &[&run]).await?.get(0);
-    assert_eq!(none, 0, "nothing runs before the approval");
+    assert!(executions(&db, run).await?.is_empty(), "nothing runs before the approval");
     let req = pitcrew::cli::decide(&crew.bus, run, Decision::Approve, "ann", None, "cli").await?;
     assert!(req.rule.contains("find-delete"), "{}", req.rule);
     let end = crew.end(run).await?;
+    let took = broke.elapsed();
     assert_eq!(end.kind, EventKind::Resolved, "{}", end.message);
-    let ran: i64 = db
-        .query_one(
-            "SELECT count(*) FROM executions WHERE run_id = $1 AND host = 'box' AND status = 'succeeded'",
-            &[&run],
-        )
-        .await?
-        .get(0);
-    assert_eq!(ran, 2);
-    assert!(!std::path::Path::new(&format!("{dir}/logs/app.log")).exists(), "the logs are gone");
-    assert!(std::net::TcpStream::connect(("127.0.0.1", port)).is_ok(), "the service answers");
-    let _ = pitcrew::toy::stop(port, std::path::Path::new(&dir));
+    eprintln!("scenario (d) over ssh: fault to resolved in {:.2} s (approved at once)", took.as_secs_f64());
+    let expect = vec![ok(format!("find {logs} -name '*.log' -delete")), ok(toy.command("start"))];
+    assert_eq!(executions(&db, run).await?, expect);
+    let eps = episodes(&db, run).await?;
+    assert!(eps.len() == 1 && eps[0].0, "{eps:?}");
+    let by: String = db.query_one("SELECT decided_by FROM approvals WHERE run_id = $1", &[&run]).await?.get(0);
+    assert_eq!(by, "ann");
+    assert!(!std::path::Path::new(&format!("{logs}/app.log")).exists(), "the logs are gone");
+    assert!(toy.answers().await, "the service answers");
+    monitor.stop().await?;
+    let _ = pitcrew::toy::stop(toy.port, std::path::Path::new(&toy.dir));
     crew.shutdown().await
+}
+
+/// Scenario (e): a fault no allowed command fixes (the service's config is broken): every
+/// attempt runs a new command over SSH, then the run escalates at max_retries.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unfixable_fault_over_ssh_escalates_after_max_retries() -> anyhow::Result<()> {
+    use pitcrew_model::{EventKind, Stage};
+    let sshd = start_target()?;
+    let env = pitcrew_testkit::TestEnv::start().await?;
+    let toy = Toy::new(&sshd, "batch")?;
+    std::fs::write(toy.file("broken"), "")?;
+    let text = format!("[limits]\nmax_retries = 2\n{}", scenario_config(&sshd, &toy, ""));
+    let mut crew = common::Crew::start_in(env, &text, &Stage::ALL).await?;
+    let broke = Instant::now();
+    let monitor = Monitor::start(&crew);
+    let run = monitor_opened(&mut crew, "batch").await?;
+    let end = crew.end(run).await?;
+    let took = broke.elapsed();
+    eprintln!("scenario (e) over ssh: fault to escalated in {:.2} s", took.as_secs_f64());
+    assert_eq!(end.kind, EventKind::Escalated);
+    assert!(end.message.contains("max_retries (2)"), "{}", end.message);
+    let db = crew.db().await?;
+    let rows = db
+        .query("SELECT command, status, output FROM executions WHERE run_id = $1 ORDER BY attempt, idx", &[&run])
+        .await?;
+    assert_eq!(rows.len(), 2, "one command per attempt");
+    for r in &rows {
+        assert_eq!(r.get::<_, String>(1), "failed");
+        assert!(r.get::<_, String>(2).contains("config invalid"), "the target said why");
+    }
+    let commands: Vec<String> = rows.iter().map(|r| r.get(0)).collect();
+    assert_eq!(commands, vec![toy.command("start"), toy.command("restart")], "a failed command is never repeated");
+    let eps = episodes(&db, run).await?;
+    assert_eq!(eps.iter().filter(|(success, _)| !success).count(), 2, "{eps:?}");
+    assert!(!toy.answers().await, "the target is still down");
+    monitor.stop().await?;
+    crew.shutdown().await
+}
+
+/// `pitcrew demo --ssh`, the real binary: a private sshd logging in as whoever runs it, the
+/// toy killed, the monitor's run resolved over SSH, the execution recorded against demo-box.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_ssh_demo_repairs_a_killed_service_over_ssh() -> anyhow::Result<()> {
+    let db = pitcrew_testkit::TestDb::create().await?;
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_pitcrew"))
+        .args(["demo", "--ssh"])
+        .env("DATABASE_URL", &db.url)
+        .env_remove("PITCREW_NATS_URL")
+        .kill_on_drop(true)
+        .output();
+    let out = tokio::time::timeout(Duration::from_secs(120), out).await??;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    let last = stdout.lines().last().unwrap_or_default();
+    assert!(last.contains(" resolved ") && last.contains("over SSH"), "{last}");
+    let run: uuid::Uuid = last.split_whitespace().nth(2).unwrap_or_default().parse()?;
+    let client = db.client().await?;
+    let rows = client.query("SELECT host, command, status FROM executions WHERE run_id = $1", &[&run]).await?;
+    assert_eq!(rows.len(), 1);
+    let (host, command, status): (String, String, String) = (rows[0].get(0), rows[0].get(1), rows[0].get(2));
+    assert_eq!((host.as_str(), status.as_str()), ("demo-box", "succeeded"));
+    assert!(command.contains(" toy start "), "{command}");
+    let ok: bool = client.query_one("SELECT success FROM episodes WHERE run_id = $1", &[&run]).await?.get(0);
+    assert!(ok);
+    Ok(())
 }

@@ -4,6 +4,7 @@
 pub mod check;
 pub mod local;
 pub mod ssh;
+pub mod sshd;
 
 pub use check::{run_check, CheckOutcome};
 pub use local::LocalExecutor;

@@ -1,20 +1,31 @@
-//! A real OpenSSH server for tests: its own host key, an authorized user key, a known_hosts
-//! file that trusts it, on a free loopback port; killed on drop, restartable.
+//! A private OpenSSH server on loopback, for the SSH demo and the tests: its own host key,
+//! a fresh user key authorised for one login user, a known_hosts file that trusts it, a free
+//! port; killed on drop, restartable. It needs `/usr/sbin/sshd` (Debian: openssh-server).
 
 use anyhow::{bail, Context};
 use pitcrew_model::HostSpec;
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-const SSHD: &str = "/usr/sbin/sshd";
+/// Where Debian's openssh-server puts the daemon.
+pub const SSHD: &str = "/usr/sbin/sshd";
 
-/// A running sshd that accepts the test's key for the current user.
+/// Whether a private sshd can be started here.
+pub fn available() -> bool {
+    Path::new(SSHD).exists()
+}
+
+/// A running sshd that accepts its generated key for one login user.
 pub struct Sshd {
     child: Option<Child>,
     pub port: u16,
     pub dir: tempfile::TempDir,
+    /// The account the key logs in as.
     pub user: String,
+    uid: u32,
+    gid: u32,
 }
 
 fn keygen(path: &Path) -> anyhow::Result<()> {
@@ -31,11 +42,34 @@ fn keygen(path: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// A free TCP port on loopback (the kernel's choice, released before returning).
+fn free_port() -> anyhow::Result<u16> {
+    Ok(std::net::TcpListener::bind(("127.0.0.1", 0))?.local_addr()?.port())
+}
+
+/// `id <flag> <user>` as a number.
+fn id_of(flag: &str, user: &str) -> anyhow::Result<u32> {
+    let out = Command::new("id").args([flag, user]).output().context("running id")?;
+    if !out.status.success() {
+        bail!("no such user '{user}': {}", String::from_utf8_lossy(&out.stderr).trim());
+    }
+    Ok(String::from_utf8(out.stdout)?.trim().parse()?)
+}
+
 impl Sshd {
+    /// An sshd that logs in as the user running this process.
     pub fn start() -> anyhow::Result<Sshd> {
-        if !Path::new(SSHD).exists() {
+        let user = String::from_utf8(Command::new("id").arg("-un").output()?.stdout)?.trim().to_string();
+        Self::start_as(&user)
+    }
+
+    /// An sshd that logs in as `user` (an existing account; starting one for another user
+    /// needs root). Its directory and authorised keys are readable by that user.
+    pub fn start_as(user: &str) -> anyhow::Result<Sshd> {
+        if !available() {
             bail!("{SSHD} not found: install openssh-server (scripts/dev test does)");
         }
+        let (uid, gid) = (id_of("-u", user)?, id_of("-g", user)?);
         // sshd's privilege separation directory (made by the service unit, which tests skip).
         let _ = std::fs::create_dir_all("/run/sshd");
         let dir = tempfile::Builder::new().prefix("pitcrew-sshd-").tempdir()?;
@@ -43,8 +77,10 @@ impl Sshd {
         keygen(&p("host_key"))?;
         keygen(&p("user_key"))?;
         std::fs::copy(p("user_key.pub"), p("authorized_keys"))?;
-        let user = String::from_utf8(Command::new("id").arg("-un").output()?.stdout)?.trim().to_string();
-        let port = pitcrew_runtime::natsd::free_port()?;
+        // sshd reads the authorised keys as the login user; the private key stays ours.
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755))?;
+        std::fs::set_permissions(p("authorized_keys"), std::fs::Permissions::from_mode(0o644))?;
+        let port = free_port()?;
         let host_pub = std::fs::read_to_string(p("host_key.pub"))?;
         let key: Vec<&str> = host_pub.split_whitespace().take(2).collect();
         std::fs::write(p("known_hosts"), format!("[127.0.0.1]:{port} {}\n", key.join(" ")))?;
@@ -60,7 +96,7 @@ impl Sshd {
                 ak = p("authorized_keys").display(),
             ),
         )?;
-        let mut s = Sshd { child: None, port, dir, user };
+        let mut s = Sshd { child: None, port, dir, user: user.to_string(), uid, gid };
         s.spawn()?;
         Ok(s)
     }
@@ -96,6 +132,49 @@ impl Sshd {
 
     pub fn path(&self, name: &str) -> PathBuf {
         self.dir.path().join(name)
+    }
+
+    /// A directory in the server's own, owned by the login user: where a remote service
+    /// keeps its pidfile and logs.
+    pub fn workdir(&self, name: &str) -> anyhow::Result<PathBuf> {
+        let dir = self.path(name);
+        std::fs::create_dir_all(&dir)?;
+        self.give(&dir)?;
+        Ok(dir)
+    }
+
+    /// Hand `path` (and, for a directory, everything in it) to the login user.
+    pub fn give(&self, path: &Path) -> anyhow::Result<()> {
+        std::os::unix::fs::lchown(path, Some(self.uid), Some(self.gid))
+            .with_context(|| format!("chown {} to {}", path.display(), self.user))?;
+        if path.is_dir() {
+            for e in std::fs::read_dir(path)? {
+                self.give(&e?.path())?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The login user's uid and gid.
+    pub fn ids(&self) -> (u32, u32) {
+        (self.uid, self.gid)
+    }
+
+    /// A path the login user can execute `program` at: the program itself when every
+    /// directory above it lets others through, else a copy in the server's directory.
+    pub fn program(&self, program: &Path) -> anyhow::Result<PathBuf> {
+        let open = |p: &Path, bits: u32| p.metadata().is_ok_and(|m| m.mode() & bits == bits || m.uid() == self.uid);
+        let reachable = program.ancestors().skip(1).all(|d| d.as_os_str().is_empty() || open(d, 0o001));
+        if reachable && open(program, 0o005) {
+            return Ok(program.to_path_buf());
+        }
+        let name = program.file_name().context("a program path names a file")?;
+        let copy = self.path(&name.to_string_lossy());
+        if !copy.exists() {
+            std::fs::copy(program, &copy).with_context(|| format!("copying {}", program.display()))?;
+            std::fs::set_permissions(&copy, std::fs::Permissions::from_mode(0o755))?;
+        }
+        Ok(copy)
     }
 
     /// The inventory entry for this server; `trusted` picks the known_hosts that has its key.
