@@ -2,6 +2,11 @@
 //! uses Postgres from DATABASE_URL (creating the database), starts every stage and two toy
 //! services, then shows three runs live: a killed service restarted, a wedged one fixed after
 //! an operator's approval, and a broken one retried to the limit and escalated.
+//!
+//! `pitcrew demo --ssh` does the same over SSH: it starts a private sshd on loopback (it needs
+//! /usr/sbin/sshd), logs in as you with a fresh key and a pinned host key, runs the toy web
+//! service on that "remote" host, kills it, and lets the monitor and the crew bring it back
+//! over SSH.
 
 use crate::{cli, crew, toy};
 use anyhow::{bail, Context};
@@ -27,10 +32,18 @@ struct Toy {
 
 impl Toy {
     fn config(&self, exe: &Path) -> String {
+        self.config_on("local", exe)
+    }
+
+    fn command(&self, exe: &Path, verb: &str) -> String {
+        format!("{} toy {verb} --port {} --dir {}", exe.display(), self.port, self.dir.display())
+    }
+
+    fn config_on(&self, host: &str, exe: &Path) -> String {
         let (exe, dir) = (exe.display(), self.dir.display());
         let args = format!("--port {} --dir {dir}", self.port);
         format!(
-            "[services.{name}]\nhost = \"local\"\nstart = \"{exe} toy start {args}\"\nstop = \"{exe} toy stop {args}\"\n\
+            "[services.{name}]\nhost = \"{host}\"\nstart = \"{exe} toy start {args}\"\nstop = \"{exe} toy stop {args}\"\n\
              restart = \"{exe} toy restart {args}\"\npidfile = \"{dir}/pid\"\nlog_file = \"{dir}/toy.log\"\n\
              check = {{ kind = \"http\", url = \"http://127.0.0.1:{port}/health\", expect_status = 200, timeout_ms = 1000 }}\n",
             name = self.name,
@@ -55,14 +68,40 @@ impl Toy {
     }
 }
 
-pub async fn run() -> anyhow::Result<()> {
+/// The demo's own nats-server, unless PITCREW_NATS_URL names one.
+fn nats() -> anyhow::Result<Option<NatsServer>> {
+    match std::env::var("PITCREW_NATS_URL") {
+        Ok(_) => Ok(None),
+        Err(_) => Ok(Some(NatsServer::start()?)),
+    }
+}
+
+/// The demo's config: `text`, its own nats-server, then the environment overrides as for
+/// every command (PITCREW_NATS_URL, DATABASE_URL, ...).
+fn config(text: &str, nats: &Option<NatsServer>) -> anyhow::Result<Config> {
+    let mut cfg = Config::from_toml(text)?;
+    if let Some(n) = nats {
+        cfg.nats.url = n.url();
+    }
+    if let Ok(env) = Config::load(Some(Path::new("/dev/null"))) {
+        if std::env::var("PITCREW_NATS_URL").is_ok() {
+            cfg.nats.url = env.nats.url;
+        }
+        cfg.database = env.database;
+    }
+    let (nats_url, db_url) = (redact_url(&cfg.nats.url), redact_url(&cfg.database.url));
+    println!("demo: nats {nats_url} · postgres {db_url}");
+    Ok(cfg)
+}
+
+pub async fn run(ssh: bool) -> anyhow::Result<()> {
+    if ssh {
+        return run_ssh().await;
+    }
     let started = Instant::now();
     let exe = std::env::current_exe().context("cannot find my own executable")?;
     let work = tempfile::Builder::new().prefix("pitcrew-demo-").tempdir()?;
-    let nats = match std::env::var("PITCREW_NATS_URL") {
-        Ok(_) => None,
-        Err(_) => Some(NatsServer::start()?),
-    };
+    let nats = nats()?;
     let toys = [
         Toy { name: "web", port: free_port()?, dir: work.path().join("web") },
         Toy { name: "batch", port: free_port()?, dir: work.path().join("batch") },
@@ -74,58 +113,13 @@ pub async fn run() -> anyhow::Result<()> {
         std::fs::create_dir_all(&t.dir)?;
         text.push_str(&t.config(&exe));
     }
-    let mut cfg = Config::from_toml(&text)?;
-    if let Some(n) = &nats {
-        cfg.nats.url = n.url();
-    }
-    // Environment overrides as for every command (PITCREW_NATS_URL, DATABASE_URL, ...).
-    let env = Config::load(Some(Path::new("/dev/null"))).ok();
-    if let Some(env) = env {
-        if std::env::var("PITCREW_NATS_URL").is_ok() {
-            cfg.nats.url = env.nats.url;
-        }
-        cfg.database = env.database;
-    }
-    let (nats_url, db_url) = (redact_url(&cfg.nats.url), redact_url(&cfg.database.url));
-    println!("demo: nats {nats_url} · postgres {db_url}");
+    let cfg = config(&text, &nats)?;
     for t in &toys {
         toy::start(&exe, t.port, &t.dir).with_context(|| format!("starting toy service {}", t.name))?;
         println!("demo: toy service '{}' listening on 127.0.0.1:{}", t.name, t.port);
     }
 
-    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let shutdown = async move {
-        let _ = stop_rx.await;
-    }
-    .boxed()
-    .shared();
-    let (bus, store) = crew::connect(&cfg).await?;
-    let crew_cfg = cfg.clone();
-    let mut crew = tokio::spawn(async move { crew::run(crew_cfg, &pitcrew_model::Stage::ALL, shutdown).await });
-
-    // Print every event of the demo's runs as it happens.
-    let stream = bus.js.get_stream(bus.subjects.events_stream()).await?;
-    let consumer = stream
-        .create_consumer(OrderedConfig {
-            filter_subject: bus.subjects.events_all(),
-            deliver_policy: DeliverPolicy::New,
-            ..Default::default()
-        })
-        .await?;
-    let mut messages = consumer.messages().await?;
-    let (tx, mut rx) = mpsc::channel::<RunEvent>(1024);
-    let labels: std::sync::Arc<std::sync::Mutex<HashMap<Uuid, char>>> = Default::default();
-    let printer_labels = labels.clone();
-    tokio::spawn(async move {
-        while let Some(Ok(m)) = messages.next().await {
-            let Ok(e) = serde_json::from_slice::<RunEvent>(&m.payload) else { continue };
-            let label = printer_labels.lock().unwrap().get(&e.run_id).copied().unwrap_or('?');
-            println!("  ({label}) {}", cli::format_event(&e));
-            if tx.send(e).await.is_err() {
-                return;
-            }
-        }
-    });
+    let Live { bus, store, stop_tx, mut crew, mut rx, labels, .. } = launch(&cfg, false, '?').await?;
 
     let session = Uuid::now_v7().simple().to_string();
     let executor = LocalExecutor::new(64 * 1024);
@@ -163,11 +157,11 @@ pub async fn run() -> anyhow::Result<()> {
         cli::open_incident(&bus, &incident).await?;
         println!("demo ({label}): incident published on {} — run {run}", bus.subjects.incidents_new());
         if label == 'b' {
-            wait_for(&mut rx, &mut crew, run, |k| k == EventKind::ApprovalRequested).await?;
+            wait_for(&mut rx, &mut crew, |e| e.run_id == run && e.kind == EventKind::ApprovalRequested).await?;
             println!("demo ({label}): operator 'demo-operator' approves on {}", bus.subjects.approval_decided(run));
             cli::decide(&bus, run, Decision::Approve, "demo-operator", None, "demo").await?;
         }
-        let end = wait_for(&mut rx, &mut crew, run, |k| k.is_terminal()).await?;
+        let end = wait_for(&mut rx, &mut crew, |e| e.run_id == run && e.kind.is_terminal()).await?;
         outcomes.push((label, run, cli::outcome_of(&end)));
     }
 
@@ -199,12 +193,11 @@ pub async fn run() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Wait for the first event of `run` that `want` accepts.
+/// Wait for the first event that `want` accepts.
 async fn wait_for(
     rx: &mut mpsc::Receiver<RunEvent>,
     crew: &mut tokio::task::JoinHandle<anyhow::Result<()>>,
-    run: Uuid,
-    want: fn(EventKind) -> bool,
+    want: impl Fn(&RunEvent) -> bool,
 ) -> anyhow::Result<RunEvent> {
     let deadline = tokio::time::Instant::now() + Duration::from_secs(90);
     loop {
@@ -217,10 +210,131 @@ async fn wait_for(
             },
         };
         match next {
-            Ok(Some(e)) if e.run_id == run && want(e.kind) => return Ok(e),
+            Ok(Some(e)) if want(&e) => return Ok(e),
             Ok(Some(_)) => continue,
             Ok(None) => bail!("event stream ended"),
-            Err(_) => bail!("run {run} did not finish within 90 s"),
+            Err(_) => bail!("the awaited event did not come within 90 s"),
         }
     }
+}
+
+/// The demo's crew, running in-process, and every event of its runs as it happens.
+struct Live {
+    bus: pitcrew_runtime::Bus,
+    store: pitcrew_runtime::Store,
+    stop_tx: tokio::sync::oneshot::Sender<()>,
+    crew: tokio::task::JoinHandle<anyhow::Result<()>>,
+    monitor: Option<tokio::task::JoinHandle<anyhow::Result<()>>>,
+    rx: mpsc::Receiver<RunEvent>,
+    /// The demo's label for each run; events of other runs print with the default label.
+    labels: std::sync::Arc<std::sync::Mutex<HashMap<Uuid, char>>>,
+}
+
+/// Start every stage (and the monitor, if asked) and print every event as it comes.
+async fn launch(cfg: &Config, monitor: bool, default_label: char) -> anyhow::Result<Live> {
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let shutdown = async move {
+        let _ = stop_rx.await;
+    }
+    .boxed()
+    .shared();
+    let (bus, store) = crew::connect(cfg).await?;
+    let stream = bus.js.get_stream(bus.subjects.events_stream()).await?;
+    let consumer = stream
+        .create_consumer(OrderedConfig {
+            filter_subject: bus.subjects.events_all(),
+            deliver_policy: DeliverPolicy::New,
+            ..Default::default()
+        })
+        .await?;
+    let mut messages = consumer.messages().await?;
+    let (tx, rx) = mpsc::channel::<RunEvent>(1024);
+    let labels: std::sync::Arc<std::sync::Mutex<HashMap<Uuid, char>>> = Default::default();
+    let printer_labels = labels.clone();
+    tokio::spawn(async move {
+        while let Some(Ok(m)) = messages.next().await {
+            let Ok(e) = serde_json::from_slice::<RunEvent>(&m.payload) else { continue };
+            let label = printer_labels.lock().unwrap().get(&e.run_id).copied().unwrap_or(default_label);
+            println!("  ({label}) {}", cli::format_event(&e));
+            if tx.send(e).await.is_err() {
+                return;
+            }
+        }
+    });
+    let crew_cfg = cfg.clone();
+    let crew_stop = shutdown.clone();
+    let crew = tokio::spawn(async move { crew::run(crew_cfg, &pitcrew_model::Stage::ALL, crew_stop).await });
+    let monitor = monitor.then(|| tokio::spawn(crew::monitor(cfg.clone(), shutdown)));
+    Ok(Live { bus, store, stop_tx, crew, monitor, rx, labels })
+}
+
+/// `pitcrew demo --ssh`: scenario (a) of the SSH fault suite against a private local sshd.
+async fn run_ssh() -> anyhow::Result<()> {
+    use pitcrew_exec::sshd::{self, Sshd};
+    use pitcrew_exec::{Executor, Fleet};
+    let started = Instant::now();
+    if !sshd::available() {
+        bail!(
+            "--ssh needs a local OpenSSH server at {}: install it (Debian: apt-get install openssh-server)",
+            sshd::SSHD
+        );
+    }
+    let exe = std::env::current_exe().context("cannot find my own executable")?;
+    let work = tempfile::Builder::new().prefix("pitcrew-demo-").tempdir()?;
+    let sshd = Sshd::start().context("starting a private sshd on loopback")?;
+    let host = sshd.host(true);
+    println!(
+        "demo: private sshd on 127.0.0.1:{} · login {} with a fresh key · its host key pinned in {}",
+        sshd.port,
+        host.user,
+        host.known_hosts.as_deref().unwrap_or("-")
+    );
+    let nats = nats()?;
+    let web = Toy { name: "web", port: free_port()?, dir: work.path().join("web") };
+    std::fs::create_dir_all(&web.dir)?;
+    let mut box_host = host.clone();
+    // The host has no service manager, like the seeds' targets: plans use the toy's own commands.
+    box_host.lacks = vec!["systemctl".into()];
+    let hosts = toml::to_string(&HashMap::from([("hosts", HashMap::from([("demo-box", &box_host)]))]))?;
+    let text = format!(
+        "[limits]\nmax_retries = 2\n[verify]\nchecks = 4\ninterval_ms = 250\n[monitor]\ninterval_ms = 500\n{hosts}\n{}",
+        web.config_on("demo-box", &exe)
+    );
+    let cfg = config(&text, &nats)?;
+    let fleet = Fleet::new(cfg.hosts.clone(), 64 * 1024);
+    let start = fleet.run("demo-box", &web.command(&exe, "start"), Duration::from_secs(20)).await?;
+    if !start.success() {
+        bail!("starting the toy web service over SSH failed: {}", start.stderr.trim());
+    }
+    println!("demo: toy service 'web' started over SSH on demo-box, listening on 127.0.0.1:{}", web.port);
+
+    let Live { store, stop_tx, mut crew, monitor, mut rx, .. } = launch(&cfg, true, 'a').await?;
+    println!("\ndemo (a): the web service on demo-box is killed (SIGKILL); the monitor notices, the crew repairs it over SSH");
+    let broke = Instant::now();
+    web.kill()?;
+    let opened =
+        wait_for(&mut rx, &mut crew, |e| e.kind == EventKind::Status && e.message.starts_with("run opened for web"))
+            .await?;
+    let run = opened.run_id;
+    let end = wait_for(&mut rx, &mut crew, |e| e.run_id == run && e.kind.is_terminal()).await?;
+    let took = broke.elapsed();
+    let outcome = cli::outcome_of(&end);
+
+    println!("\ndemo: what ran on demo-box (from Postgres)");
+    for (command, host, status) in store.executions(run).await? {
+        println!("  {host}  {status:<9}  {command}");
+    }
+    let _ = stop_tx.send(());
+    let _ = tokio::time::timeout(Duration::from_secs(25), crew).await;
+    if let Some(m) = monitor {
+        let _ = tokio::time::timeout(Duration::from_secs(5), m).await;
+    }
+    let _ = fleet.run("demo-box", &web.command(&exe, "stop"), Duration::from_secs(20)).await;
+    drop(nats);
+    eprintln!("demo: finished in {:.1} s", started.elapsed().as_secs_f64());
+    println!("demo: run {run} {outcome} {:.2} s after the fault, over SSH as {}", took.as_secs_f64(), host.user);
+    if outcome != "resolved" {
+        bail!("the run ended {outcome}: {}", end.message);
+    }
+    Ok(())
 }

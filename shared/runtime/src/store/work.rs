@@ -292,6 +292,19 @@ impl Store {
         }))
     }
 
+    /// (command, host, status) of every command run for `run`, in order; status is empty
+    /// while a command is still running.
+    pub async fn executions(&self, run: Uuid) -> Result<Vec<(String, String, String)>, StoreError> {
+        let client = self.client().await?;
+        let stmt = client
+            .prepare_cached(
+                "SELECT command, host, coalesce(status, '') FROM executions WHERE run_id = $1 ORDER BY attempt, idx",
+            )
+            .await?;
+        let rows = client.query(&stmt, &[&run]).await?;
+        Ok(rows.iter().map(|r| (r.get(0), r.get(1), r.get(2))).collect())
+    }
+
     /// Record how a claimed command ended.
     pub async fn finish_execution(&self, run: Uuid, rec: &ExecutionRecord) -> Result<(), StoreError> {
         let client = self.client().await?;
