@@ -3,7 +3,7 @@
 
 use futures::future::BoxFuture;
 use pitcrew_exec::{run_check, Executor};
-use pitcrew_llm::ReasonError;
+use pitcrew_llm::{ReasonError, ToolOutput, ToolSpec, Tools};
 use pitcrew_model::{EventKind, Evidence, RunState, ServiceSpec, Stage};
 use pitcrew_policy::Policy;
 use pitcrew_runtime::{target, Cx, StageError, StageHandler, Transition};
@@ -135,6 +135,88 @@ fn socket_users(line: &str) -> Vec<(String, String)> {
         .collect()
 }
 
+/// Tool calls one diagnosis may make.
+const MAX_TOOL_CALLS: usize = 16;
+
+/// The read-only tools a model may call while diagnosing: `run_command` on the service's host,
+/// admitted by the policy's read-only class. Every call is kept (as `tool` evidence) for the
+/// run state and the timeline.
+pub struct EvidenceTools<'a> {
+    host: &'a str,
+    attempt: u32,
+    executor: &'a dyn Executor,
+    policy: &'a Policy,
+    found: std::sync::Mutex<Vec<(Evidence, String)>>,
+}
+
+impl<'a> EvidenceTools<'a> {
+    pub fn new(host: &'a str, attempt: u32, executor: &'a dyn Executor, policy: &'a Policy) -> Self {
+        EvidenceTools { host, attempt, executor, policy, found: Default::default() }
+    }
+
+    /// Every call made so far, with its timeline line.
+    pub fn take(&self) -> Vec<(Evidence, String)> {
+        std::mem::take(&mut *self.found.lock().unwrap_or_else(|p| p.into_inner()))
+    }
+
+    fn keep(&self, ok: bool, command: &str, output: String, line: String) {
+        let ev = Evidence { attempt: self.attempt, source: "tool".into(), detail: command.into(), output, ok };
+        self.found.lock().unwrap_or_else(|p| p.into_inner()).push((ev, line));
+    }
+
+    async fn run_command(&self, arguments: &str) -> ToolOutput {
+        let refuse = |output: String| ToolOutput { ok: false, output };
+        let command = match serde_json::from_str::<serde_json::Value>(arguments) {
+            Ok(v) => match v.get("command").and_then(|c| c.as_str()) {
+                Some(c) if !c.trim().is_empty() => c.trim().to_string(),
+                _ => return refuse("arguments must be {\"command\": \"...\"}".into()),
+            },
+            Err(e) => return refuse(format!("arguments are not JSON: {e}")),
+        };
+        if self.found.lock().unwrap_or_else(|p| p.into_inner()).len() >= MAX_TOOL_CALLS {
+            return refuse(format!("tool budget spent ({MAX_TOOL_CALLS} calls): answer now"));
+        }
+        if let Err(why) = self.policy.read_only(&command) {
+            self.keep(false, &command, String::new(), format!("tool `{command}` not run: {why}"));
+            return refuse(format!("refused: {why}"));
+        }
+        let (ok, output) = run_evidence(self.executor, self.host, &command).await;
+        let first = output.lines().find(|l| pitcrew_model::trim::looks_like_error(l)).or(output.lines().next());
+        let line = format!("tool `{command}`{}: {}", if ok { "" } else { " failed" }, first.unwrap_or("(no output)"));
+        self.keep(ok, &command, output.clone(), line);
+        ToolOutput { ok, output }
+    }
+}
+
+impl Tools for EvidenceTools<'_> {
+    fn specs(&self) -> Vec<ToolSpec> {
+        vec![ToolSpec {
+            name: "run_command".into(),
+            description: format!(
+                "Run one read-only command on {} (the service's host) and return its output, e.g. \
+                 `ss -ltnp`, `tail -n 100 /var/log/app.log`, `journalctl -u app -n 50 --no-pager`, \
+                 `df -h`, `ps aux`, `cat /etc/app.conf`. Commands that change anything, shells, pipes \
+                 and redirections are refused.",
+                self.host
+            ),
+            parameters: serde_json::json!({
+                "type": "object",
+                "properties": { "command": { "type": "string", "description": "one command line" } },
+                "required": ["command"],
+            }),
+        }]
+    }
+
+    fn call<'b>(&'b self, name: &'b str, arguments: &'b str) -> BoxFuture<'b, ToolOutput> {
+        Box::pin(async move {
+            match name {
+                "run_command" => self.run_command(arguments).await,
+                other => ToolOutput { ok: false, output: format!("unknown tool '{other}'; available: run_command") },
+            }
+        })
+    }
+}
+
 /// Run one evidence command: (succeeded, trimmed output or the error).
 async fn run_evidence(executor: &dyn Executor, host: &str, cmd: &str) -> (bool, String) {
     let (ok, text) = match executor.run(host, cmd, Duration::from_secs(10)).await {
@@ -143,6 +225,20 @@ async fn run_evidence(executor: &dyn Executor, host: &str, cmd: &str) -> (bool, 
         Err(e) => (false, e.to_string()),
     };
     (ok, pitcrew_model::trim::trim_output(&text, pitcrew_model::run::MAX_OUTPUT))
+}
+
+/// Keep evidence in the run state and in the timeline (with its trimmed output).
+fn record(cx: &mut Cx<'_>, state: &mut RunState, found: Vec<(Evidence, String)>) {
+    for (evidence, line) in found {
+        let data = serde_json::json!({
+            "source": evidence.source,
+            "command": evidence.detail,
+            "ok": evidence.ok,
+            "output": evidence.output,
+        });
+        cx.emit(EventKind::Evidence, line, data);
+        state.push_evidence(evidence);
+    }
 }
 
 impl StageHandler for Diagnose {
@@ -161,21 +257,16 @@ impl StageHandler for Diagnose {
             // A redelivery starts over from the input state: evidence of this attempt is regathered.
             state.evidence.retain(|e| e.attempt != state.attempt);
             let found = gather(spec, state.attempt, cx.deps.executor.as_ref(), &cx.deps.policy).await;
-            for (evidence, line) in found {
-                // The timeline keeps the (trimmed) output too.
-                let data = serde_json::json!({
-                    "source": evidence.source,
-                    "command": evidence.detail,
-                    "ok": evidence.ok,
-                    "output": evidence.output,
-                });
-                cx.emit(EventKind::Evidence, line, data);
-                state.push_evidence(evidence);
-            }
+            record(cx, state, found);
             let reasoning = target::ReasonContext::gather(cx.deps, state, spec).await?;
             let failed = reasoning.failed.clone();
-            let input = reasoning.input(state);
-            let diagnosis = match cx.deps.reasoner.diagnose(&input).await {
+            let tools = EvidenceTools::new(&spec.host, state.attempt, cx.deps.executor.as_ref(), &cx.deps.policy);
+            let mut input = reasoning.input(state);
+            input.tools = Some(&tools);
+            let answer = cx.deps.reasoner.diagnose(&input).await;
+            // What the model looked at is evidence too, whatever it concluded.
+            record(cx, state, tools.take());
+            let diagnosis = match answer {
                 Ok(d) => d,
                 Err(ReasonError::Transient(e)) => return Err(StageError::Transient(e)),
                 Err(e) => return Ok(Transition::Escalate(e.to_string())),

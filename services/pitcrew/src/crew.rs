@@ -7,7 +7,7 @@ use pitcrew_approval::decisions::{sweep_expired, Decisions};
 use pitcrew_approval::gate::ApprovalStage;
 use pitcrew_approval::policy::Policy;
 use pitcrew_exec::Fleet;
-use pitcrew_llm::Playbook;
+use pitcrew_llm::{OpenAi, Playbook, Reasoner};
 use pitcrew_model::Stage;
 use pitcrew_runtime::consume::consume;
 use pitcrew_runtime::runner::StageRunner;
@@ -37,7 +37,16 @@ pub fn handler(stage: Stage, policy: &Policy) -> Arc<dyn StageHandler> {
     }
 }
 
-/// Load the reasoning provider and the policy the config names.
+/// The reasoning provider the config names; the playbook is also the openai provider's
+/// fallback for unusable answers.
+pub fn reasoner(cfg: &Config, playbook: Playbook) -> anyhow::Result<Arc<dyn Reasoner>> {
+    Ok(match cfg.reasoning.provider.as_str() {
+        "openai" => Arc::new(OpenAi::new(cfg.reasoning.openai.clone(), playbook).map_err(anyhow::Error::msg)?),
+        _ => Arc::new(playbook),
+    })
+}
+
+/// Load the playbook and the policy the config names.
 pub fn providers(cfg: &Config) -> anyhow::Result<(Playbook, Policy)> {
     let playbook = match &cfg.reasoning.playbook_file {
         Some(p) => Playbook::with_user_file(p).with_context(|| format!("playbook {}", p.display()))?,
@@ -64,13 +73,14 @@ pub async fn connect(cfg: &Config) -> anyhow::Result<(Bus, Store)> {
 /// Run `stages` until `shutdown`, then drain. Returns when every consumer has stopped.
 pub async fn run(cfg: Config, stages: &[Stage], shutdown: Shutdown) -> anyhow::Result<()> {
     let (playbook, policy) = providers(&cfg)?;
+    let reasoner = reasoner(&cfg, playbook)?;
     let (bus, store) = connect(&cfg).await?;
     let cfg = Arc::new(cfg);
     let deps = Arc::new(Deps {
         worker: cfg.worker(),
         config: cfg.clone(),
         store,
-        reasoner: Arc::new(playbook),
+        reasoner,
         executor: Arc::new(Fleet::new(cfg.hosts.clone(), cfg.limits.max_output_bytes)),
         policy: Arc::new(policy.clone()),
     });

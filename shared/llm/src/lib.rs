@@ -1,8 +1,12 @@
-//! Reasoning providers: the `Reasoner` trait the diagnose and plan stages call, and the
-//! offline, deterministic `playbook` provider that is the default and the fallback.
+//! Reasoning providers: the `Reasoner` trait the diagnose and plan stages call, the
+//! offline, deterministic `playbook` provider that is the default and the fallback, and the
+//! `openai` provider for any OpenAI-compatible chat-completions endpoint.
 
+pub mod openai;
+pub mod parse;
 pub mod playbook;
 
+pub use openai::{OpenAi, OpenAiConfig};
 pub use playbook::{Playbook, PlaybookError};
 
 use futures::future::BoxFuture;
@@ -99,6 +103,38 @@ pub struct ReasonInput<'a> {
     pub feedback: &'a [String],
     /// Commands the evaluator rejected in this attempt: do not propose again in this attempt.
     pub rejected_commands: &'a [String],
+    /// Read-only tools a model may call while diagnosing (None: evidence only).
+    pub tools: Option<&'a dyn Tools>,
+}
+
+/// A tool a model may call: its name, what it does, and its JSON Schema parameters.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ToolSpec {
+    pub name: String,
+    pub description: String,
+    pub parameters: serde_json::Value,
+}
+
+/// What a tool call returned: the full output (kept in the timeline) and whether it worked.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ToolOutput {
+    pub ok: bool,
+    pub output: String,
+}
+
+/// Read-only tools for a model's diagnosis, provided by the diagnose stage (it runs them
+/// through the policy's read-only class and the executor, and keeps every result).
+pub trait Tools: Send + Sync {
+    fn specs(&self) -> Vec<ToolSpec>;
+    /// Run `name` with the model's JSON `arguments`; a bad call is an output saying why.
+    fn call<'a>(&'a self, name: &'a str, arguments: &'a str) -> BoxFuture<'a, ToolOutput>;
+}
+
+impl std::fmt::Debug for dyn Tools + '_ {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let names: Vec<String> = self.specs().into_iter().map(|s| s.name).collect();
+        write!(f, "Tools{names:?}")
+    }
 }
 
 /// Why a provider gave no answer; each variant says what the run should do next.

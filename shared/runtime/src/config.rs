@@ -93,10 +93,14 @@ pub struct StageOverride {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ReasoningConfig {
-    /// `playbook` (offline, the default).
+    /// `playbook` (offline, the default) or `openai` (any OpenAI-compatible endpoint; the
+    /// playbook stays the fallback for unusable answers).
     pub provider: String,
     /// User rules, checked before the shipped ones.
     pub playbook_file: Option<PathBuf>,
+    /// `[reasoning.openai]`: endpoint, models, key variable, limits.
+    #[serde(default)]
+    pub openai: pitcrew_llm::OpenAiConfig,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -151,7 +155,11 @@ impl Default for Config {
                 poison_after_secs: 3600,
             },
             stage: BTreeMap::new(),
-            reasoning: ReasoningConfig { provider: "playbook".into(), playbook_file: None },
+            reasoning: ReasoningConfig {
+                provider: "playbook".into(),
+                playbook_file: None,
+                openai: pitcrew_llm::OpenAiConfig::default(),
+            },
             policy: PolicyConfig { file: None },
             verify: VerifyConfig { checks: 3, interval_ms: 500 },
             monitor: MonitorConfig { interval_ms: 30_000, realert_secs: 3600 },
@@ -252,9 +260,9 @@ impl Config {
                 return bad(format!("[services.{name}]: host '{}' is not under [hosts]", svc.host));
             }
         }
-        if self.reasoning.provider != "playbook" {
+        if !["playbook", "openai"].contains(&self.reasoning.provider.as_str()) {
             return bad(format!(
-                "reasoning.provider '{}' is not available (this build has: playbook)",
+                "reasoning.provider '{}' is not available (this build has: playbook, openai)",
                 self.reasoning.provider
             ));
         }

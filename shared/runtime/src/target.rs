@@ -107,6 +107,7 @@ impl ReasonContext {
             known_fixes: &self.fixes,
             feedback: &state.feedback,
             rejected_commands: &self.rejected,
+            tools: None,
         }
     }
 }

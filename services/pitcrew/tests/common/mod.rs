@@ -110,7 +110,26 @@ impl Crew {
 
     /// Start `pitcrew worker <stages>` as a real process named `name`.
     pub fn spawn_worker(&self, name: &str, stages: &[&str], env: &[(&str, &str)]) -> anyhow::Result<Worker> {
+        self.spawn_worker_with(name, stages, env, "")
+    }
+
+    /// Start `pitcrew worker <stages>` whose config is the crew's plus `extra` (a table the
+    /// in-process stages do not have, such as `[reasoning]`).
+    pub fn spawn_worker_with(
+        &self,
+        name: &str,
+        stages: &[&str],
+        env: &[(&str, &str)],
+        extra: &str,
+    ) -> anyhow::Result<Worker> {
         let file = self.config_file()?;
+        let file = if extra.is_empty() {
+            file
+        } else {
+            let own = self.env.dir.path().join(format!("{name}.toml"));
+            std::fs::write(&own, format!("{}\n{extra}", self.toml))?;
+            own
+        };
         let log = std::fs::File::create(self.env.dir.path().join(format!("{name}.log")))?;
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_pitcrew"));
         cmd.arg("--config").arg(&file).arg("worker").args(stages);
@@ -126,7 +145,7 @@ impl Crew {
 /// A worker process, killed on drop.
 pub struct Worker {
     pub child: Child,
-    log: std::path::PathBuf,
+    pub log: std::path::PathBuf,
 }
 
 impl Drop for Worker {

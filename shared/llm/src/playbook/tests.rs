@@ -56,6 +56,7 @@ impl Case {
             known_fixes: &self.known,
             feedback: &self.feedback,
             rejected_commands: &self.rejected,
+            tools: None,
         }
     }
 }

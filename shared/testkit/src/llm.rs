@@ -1,0 +1,204 @@
+//! A scripted OpenAI-compatible server: real HTTP on a loopback port, the real
+//! chat-completions JSON (tool calls included), answering each request with the next reply of
+//! its script and recording what it was sent.
+
+use serde_json::{json, Value};
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpListener;
+
+/// Largest request the server reads.
+const MAX_REQUEST: usize = 4 << 20;
+
+/// One scripted answer.
+#[derive(Debug, Clone)]
+pub struct Reply {
+    status: u16,
+    headers: Vec<(String, String)>,
+    body: Value,
+    delay: Duration,
+}
+
+impl Reply {
+    /// A chat completion whose message says `content`.
+    pub fn answer(content: &str) -> Reply {
+        Reply::completion(json!({ "role": "assistant", "content": content }))
+    }
+
+    /// A chat completion asking for these tool calls: (id, function name, arguments).
+    pub fn tool_calls(calls: &[(&str, &str, Value)]) -> Reply {
+        let calls: Vec<Value> = calls
+            .iter()
+            .map(|(id, name, args)| {
+                json!({ "id": id, "type": "function", "function": { "name": name, "arguments": args.to_string() } })
+            })
+            .collect();
+        Reply::completion(json!({ "role": "assistant", "content": null, "tool_calls": calls }))
+    }
+
+    fn completion(message: Value) -> Reply {
+        let finish = if message.get("tool_calls").is_some() { "tool_calls" } else { "stop" };
+        Reply {
+            status: 200,
+            headers: Vec::new(),
+            body: json!({
+                "id": "chatcmpl-scripted",
+                "object": "chat.completion",
+                "created": 0,
+                "model": "scripted",
+                "choices": [{ "index": 0, "message": message, "finish_reason": finish }],
+            }),
+            delay: Duration::ZERO,
+        }
+    }
+
+    /// An error status with an OpenAI-style error body.
+    pub fn status(status: u16, message: &str) -> Reply {
+        Reply {
+            status,
+            headers: Vec::new(),
+            body: json!({ "error": { "message": message, "type": "scripted" } }),
+            delay: Duration::ZERO,
+        }
+    }
+
+    pub fn header(mut self, name: &str, value: &str) -> Reply {
+        self.headers.push((name.into(), value.into()));
+        self
+    }
+
+    /// Answer only after `d` (a slow or hung endpoint).
+    pub fn delayed(mut self, d: Duration) -> Reply {
+        self.delay = d;
+        self
+    }
+}
+
+/// What the server was sent.
+#[derive(Debug, Clone)]
+pub struct Recorded {
+    pub path: String,
+    /// Header names in lower case.
+    pub headers: Vec<(String, String)>,
+    pub body: Value,
+    pub at: Instant,
+}
+
+impl Recorded {
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers.iter().find(|(k, _)| k == name).map(|(_, v)| v.as_str())
+    }
+}
+
+/// The running server; stops when dropped.
+pub struct ScriptedLlm {
+    /// The API root to configure as `base_url` (`http://127.0.0.1:PORT/v1`).
+    pub base_url: String,
+    script: Arc<Mutex<VecDeque<Reply>>>,
+    seen: Arc<Mutex<Vec<Recorded>>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for ScriptedLlm {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+impl ScriptedLlm {
+    pub async fn start(script: Vec<Reply>) -> anyhow::Result<ScriptedLlm> {
+        let listener = TcpListener::bind("127.0.0.1:0").await?;
+        let base_url = format!("http://{}/v1", listener.local_addr()?);
+        let script = Arc::new(Mutex::new(VecDeque::from(script)));
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let (s, r) = (script.clone(), seen.clone());
+        let task = tokio::spawn(async move {
+            while let Ok((conn, _)) = listener.accept().await {
+                tokio::spawn(serve(conn, s.clone(), r.clone()));
+            }
+        });
+        Ok(ScriptedLlm { base_url, script, seen, task })
+    }
+
+    /// Add a reply at the end of the script.
+    pub fn push(&self, reply: Reply) {
+        self.script.lock().unwrap().push_back(reply);
+    }
+
+    /// Every request so far, in arrival order.
+    pub fn requests(&self) -> Vec<Recorded> {
+        self.seen.lock().unwrap().clone()
+    }
+
+    /// Replies not yet given.
+    pub fn remaining(&self) -> usize {
+        self.script.lock().unwrap().len()
+    }
+}
+
+/// One request per connection (`connection: close`).
+async fn serve(
+    mut conn: tokio::net::TcpStream,
+    script: Arc<Mutex<VecDeque<Reply>>>,
+    seen: Arc<Mutex<Vec<Recorded>>>,
+) -> anyhow::Result<()> {
+    let mut buf = Vec::new();
+    let mut chunk = [0u8; 8192];
+    let head_end = loop {
+        let n = conn.read(&mut chunk).await?;
+        anyhow::ensure!(n > 0, "connection closed before the request head");
+        buf.extend_from_slice(&chunk[..n]);
+        if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+            break i + 4;
+        }
+        anyhow::ensure!(buf.len() < MAX_REQUEST, "request head too large");
+    };
+    let head = String::from_utf8_lossy(&buf[..head_end]).to_string();
+    let mut lines = head.lines();
+    let path = lines.next().unwrap_or("").split_whitespace().nth(1).unwrap_or("").to_string();
+    let headers: Vec<(String, String)> = lines
+        .filter_map(|l| l.split_once(':'))
+        .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_string()))
+        .collect();
+    let len: usize = headers.iter().find(|(k, _)| k == "content-length").and_then(|(_, v)| v.parse().ok()).unwrap_or(0);
+    anyhow::ensure!(len <= MAX_REQUEST, "request body too large");
+    while buf.len() < head_end + len {
+        let n = conn.read(&mut chunk).await?;
+        anyhow::ensure!(n > 0, "connection closed inside the body");
+        buf.extend_from_slice(&chunk[..n]);
+    }
+    let body: Value = serde_json::from_slice(&buf[head_end..head_end + len]).unwrap_or(Value::Null);
+    let prompt_chars: usize = body["messages"]
+        .as_array()
+        .map(|m| m.iter().map(|m| m["content"].as_str().map_or(0, str::len)).sum())
+        .unwrap_or(0);
+    seen.lock().unwrap().push(Recorded { path, headers, body, at: Instant::now() });
+    let reply = script.lock().unwrap().pop_front().unwrap_or_else(|| Reply::status(500, "the script is exhausted"));
+    tokio::time::sleep(reply.delay).await;
+    let mut body = reply.body;
+    if reply.status == 200 {
+        // This server's "tokenizer": four characters a token, as a rough English average.
+        let completion_chars = body["choices"][0]["message"].to_string().len();
+        body["usage"] = json!({
+            "prompt_tokens": prompt_chars.div_ceil(4),
+            "completion_tokens": completion_chars.div_ceil(4),
+            "total_tokens": (prompt_chars + completion_chars).div_ceil(4),
+        });
+    }
+    let text = body.to_string();
+    let mut out = format!(
+        "HTTP/1.1 {} Scripted\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n",
+        reply.status,
+        text.len()
+    );
+    for (k, v) in &reply.headers {
+        out.push_str(&format!("{k}: {v}\r\n"));
+    }
+    out.push_str("\r\n");
+    out.push_str(&text);
+    conn.write_all(out.as_bytes()).await?;
+    conn.shutdown().await?;
+    Ok(())
+}
