@@ -261,9 +261,12 @@ impl StageHandler for Diagnose {
             let reasoning = target::ReasonContext::gather(cx.deps, state, spec).await?;
             let failed = reasoning.failed.clone();
             let tools = EvidenceTools::new(&spec.host, state.attempt, cx.deps.executor.as_ref(), &cx.deps.policy);
+            let meter = pitcrew_llm::UsageMeter::default();
             let mut input = reasoning.input(state);
             input.tools = Some(&tools);
+            input.usage = Some(&meter);
             let answer = cx.deps.reasoner.diagnose(&input).await;
+            target::record_usage(cx.deps, state, Stage::Diagnose, &meter).await?;
             // What the model looked at is evidence too, whatever it concluded.
             record(cx, state, tools.take());
             let diagnosis = match answer {

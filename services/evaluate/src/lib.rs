@@ -1,10 +1,14 @@
 //! evaluate: scores the diagnosis and plan with deterministic checks — grounded in observed
-//! evidence, parseable, 1-3 commands, within the host's tools, no repeated failure — and
-//! decides PASS (>= 0.7), REGENERATE (with feedback, bounded) or BLOCK (< 0.3, escalate).
+//! evidence (the grounds it cites and every fact its summary states), parseable, 1-3
+//! commands, within the host's tools, no repeated failure, not forbidden by policy — and
+//! decides PASS (>= 0.7), REGENERATE (with feedback, bounded: an ungrounded diagnosis goes
+//! back to diagnose, a bad plan to plan) or BLOCK (< 0.3, forbidden, or out of attempts:
+//! escalate).
 
 use futures::future::BoxFuture;
 use pitcrew_exec::ExecError;
 use pitcrew_model::{Evaluation, EvaluationCheck, EventKind, RunState, Stage, Verdict};
+use pitcrew_policy::GateDecision;
 use pitcrew_runtime::{target, Cx, StageError, StageHandler, Transition};
 use std::collections::BTreeMap;
 
@@ -31,9 +35,30 @@ fn check(name: &str, weight: f64, passed: bool, detail: String) -> EvaluationChe
     EvaluationCheck { name: name.into(), passed, weight, detail }
 }
 
+/// Facts a diagnosis states that can be checked against what was observed: numbers of two or
+/// more digits (pids, ports, sizes, percentages), paths, addresses.
+fn facts(summary: &str) -> Vec<String> {
+    summary
+        .split(|c: char| c.is_whitespace() || "(),;\"'`".contains(c))
+        .map(|w| w.trim_end_matches(['.', ':', '!', '?']).trim_start_matches(':'))
+        .filter(|w| {
+            let digits = w.chars().filter(|c| c.is_ascii_digit()).count();
+            (digits >= 2 && w.len() <= 64) || (w.starts_with('/') && w.len() > 1)
+        })
+        .map(|w| w.to_lowercase())
+        .collect()
+}
+
 /// Score the current diagnosis and plan. `tools` says which programs exist on the host;
-/// `failed` lists commands known to fail for this error. Pure: no I/O.
-pub fn assess(state: &RunState, failed: &[String], tools: &BTreeMap<String, bool>, max_attempts: u32) -> Evaluation {
+/// `failed` lists commands known to fail for this error; `forbidden` is the policy gate's
+/// refusal of a command of the plan, if any. Pure: no I/O.
+pub fn assess(
+    state: &RunState,
+    failed: &[String],
+    tools: &BTreeMap<String, bool>,
+    forbidden: Option<String>,
+    max_attempts: u32,
+) -> Evaluation {
     let commands: Vec<String> = state.plan.as_ref().map(|p| p.commands.clone()).unwrap_or_default();
     let mut checks = Vec::new();
 
@@ -41,16 +66,16 @@ pub fn assess(state: &RunState, failed: &[String], tools: &BTreeMap<String, bool
     let observed: Vec<String> = std::iter::once(state.incident.error.to_lowercase())
         .chain(state.current_evidence().flat_map(|e| [e.detail.to_lowercase(), e.output.to_lowercase()]))
         .collect();
+    let seen = |fact: &str| observed.iter().any(|o| o.contains(fact));
     let (grounded, detail) = match state.diagnosis() {
         None => (false, "no diagnosis for this attempt".to_string()),
         Some(d) if d.grounds.is_empty() => (false, "the diagnosis cites no observed evidence".to_string()),
-        Some(d) => match d.grounds.iter().find(|g| {
-            let g = g.to_lowercase();
-            let g = g.trim_end_matches('…');
-            !observed.iter().any(|o| o.contains(g))
-        }) {
+        Some(d) => match d.grounds.iter().find(|g| !seen(g.to_lowercase().trim_end_matches('…'))) {
             Some(g) => (false, format!("claim not backed by anything observed in this run: '{g}'")),
-            None => (true, format!("{} ground(s) found in observed evidence", d.grounds.len())),
+            None => match facts(&d.summary).into_iter().find(|f| !seen(f)) {
+                Some(f) => (false, format!("the diagnosis states '{f}', which nothing observed in this run shows")),
+                None => (true, format!("{} ground(s) found in observed evidence", d.grounds.len())),
+            },
         },
     };
     checks.push(check("grounded", 0.25, grounded, detail));
@@ -91,6 +116,11 @@ pub fn assess(state: &RunState, failed: &[String], tools: &BTreeMap<String, bool
         },
     ));
 
+    // Not scored: a forbidden command blocks the plan outright (the gate would refuse it too;
+    // here the evaluation records why).
+    let allowed = forbidden.is_none();
+    checks.push(check("policy", 0.0, allowed, forbidden.unwrap_or_else(|| "no command is forbidden".into())));
+
     let mut score: f64 = checks.iter().filter(|c| c.passed).map(|c| c.weight).sum();
     // A plan that cannot run as written, or repeats a failure, never passes on points.
     let critical_failed = checks.iter().any(|c| !c.passed && c.name != "grounded");
@@ -101,7 +131,9 @@ pub fn assess(state: &RunState, failed: &[String], tools: &BTreeMap<String, bool
     let problems: Vec<String> =
         checks.iter().filter(|c| !c.passed).map(|c| format!("{}: {}", c.name, c.detail)).collect();
     let feedback = (!problems.is_empty()).then(|| problems.join("; "));
-    let verdict = if score >= PASS && !critical_failed {
+    let verdict = if !allowed {
+        Verdict::Block
+    } else if score >= PASS && !critical_failed && grounded {
         Verdict::Pass
     } else if score < BLOCK || state.regeneration + 1 >= max_attempts {
         Verdict::Block
@@ -139,7 +171,17 @@ impl StageHandler for EvaluateStage {
                     tools.insert(p, present);
                 }
             }
-            let ev = assess(state, &failed, &tools, cfg.limits.max_attempts);
+            let commands: Vec<String> = state.plan.iter().flat_map(|p| p.commands.clone()).collect();
+            // The approval gate would refuse it too; refusing here puts the reason in the
+            // evaluation. The escalation reads as the gate's would.
+            let (forbidden, refused) = match cx.deps.policy.gate(&commands) {
+                GateDecision::Reject { command, reason, .. } => {
+                    (Some(reason.clone()), Some(format!("policy rejected `{command}`: {reason}")))
+                }
+                _ => (None, None),
+            };
+            let ev = assess(state, &failed, &tools, forbidden, cfg.limits.max_attempts);
+            let ungrounded = ev.checks.iter().any(|c| c.name == "grounded" && !c.passed);
             cx.deps.store.record_evaluation(state.run_id, &ev).await?;
             cx.emit(
                 EventKind::Evaluation,
@@ -160,8 +202,10 @@ impl StageHandler for EvaluateStage {
                 Verdict::Regenerate => {
                     state.regeneration += 1;
                     state.feedback.push(feedback.unwrap_or_default());
-                    Transition::To(Stage::Plan)
+                    // A diagnosis that claims what nobody observed is redone, not just its plan.
+                    Transition::To(if ungrounded { Stage::Diagnose } else { Stage::Plan })
                 }
+                Verdict::Block if refused.is_some() => Transition::Escalate(refused.unwrap_or_default()),
                 Verdict::Block => Transition::Escalate(format!(
                     "evaluation blocked the plan (score {score:.2}, regeneration {} of {}): {}",
                     state.regeneration + 1,
@@ -209,7 +253,7 @@ mod tests {
     #[test]
     fn a_grounded_runnable_plan_passes() {
         let s = state(&["connection refused", "Port 80 closed"], &["systemctl restart web"]);
-        let ev = assess(&s, &[], &tools(&["systemctl"]), 3);
+        let ev = assess(&s, &[], &tools(&["systemctl"]), None, 3);
         assert_eq!(ev.verdict, Verdict::Pass, "{ev:?}");
         assert_eq!(ev.score, 1.0);
         assert!(ev.feedback.is_none());
@@ -218,7 +262,7 @@ mod tests {
     #[test]
     fn a_repeated_failure_is_sent_back_with_feedback() {
         let s = state(&["connection refused"], &["systemctl restart web"]);
-        let ev = assess(&s, &["systemctl restart web".into()], &tools(&["systemctl"]), 3);
+        let ev = assess(&s, &["systemctl restart web".into()], &tools(&["systemctl"]), None, 3);
         assert_eq!(ev.verdict, Verdict::Regenerate);
         assert!(ev.feedback.unwrap().contains("already failed"));
     }
@@ -227,14 +271,14 @@ mod tests {
     fn regeneration_is_bounded_then_blocks() {
         let mut s = state(&["connection refused"], &["nosuchtool --fix"]);
         s.regeneration = 2;
-        let ev = assess(&s, &[], &tools(&[]), 3);
+        let ev = assess(&s, &[], &tools(&[]), None, 3);
         assert_eq!(ev.verdict, Verdict::Block);
     }
 
     #[test]
     fn ungrounded_claims_and_bad_plans_score_low() {
         let s = state(&["disk is full"], &["echo 'unterminated", "a", "b", "c"]);
-        let ev = assess(&s, &[], &tools(&[]), 3);
+        let ev = assess(&s, &[], &tools(&[]), None, 3);
         assert!(ev.score < BLOCK, "{ev:?}");
         assert_eq!(ev.verdict, Verdict::Block);
         let grounded = ev.checks.iter().find(|c| c.name == "grounded").unwrap();
@@ -242,11 +286,37 @@ mod tests {
     }
 
     #[test]
-    fn an_ungrounded_but_runnable_plan_still_passes_on_points() {
+    fn an_ungrounded_diagnosis_is_regenerated_even_with_a_runnable_plan() {
         let s = state(&["something never seen"], &["systemctl restart web"]);
-        let ev = assess(&s, &[], &tools(&["systemctl"]), 3);
+        let ev = assess(&s, &[], &tools(&["systemctl"]), None, 3);
         assert_eq!(ev.score, 0.75);
-        assert_eq!(ev.verdict, Verdict::Pass);
+        assert_eq!(ev.verdict, Verdict::Regenerate, "an invented fact never passes on points");
+        assert!(ev.feedback.unwrap().contains("something never seen"));
+    }
+
+    #[test]
+    fn facts_the_summary_states_must_have_been_observed() {
+        let mut s = state(&["connection refused"], &["systemctl restart web"]);
+        s.diagnosis_log[0].summary = "web is down: port 80 closed, see /health".into();
+        let ev = assess(&s, &[], &tools(&["systemctl"]), None, 3);
+        assert_eq!(ev.verdict, Verdict::Pass, "80 and /health were observed: {ev:?}");
+        s.diagnosis_log[0].summary = "web is down: /dev/sda1 is 100% full (pid 4242)".into();
+        let ev = assess(&s, &[], &tools(&["systemctl"]), None, 3);
+        assert_eq!(ev.verdict, Verdict::Regenerate);
+        let grounded = ev.checks.iter().find(|c| c.name == "grounded").unwrap();
+        assert!(grounded.detail.contains("/dev/sda1"), "{grounded:?}");
+        assert_eq!(facts("pid 4242 holds :8080, see /var/log/x.log."), vec!["4242", "8080", "/var/log/x.log"]);
+    }
+
+    #[test]
+    fn a_forbidden_command_blocks_and_the_evaluation_says_why() {
+        let s = state(&["connection refused"], &["systemctl restart web"]);
+        let why = "rejected by policy rule 'rm-system-path' (forbidden): deletes the root — `rm -rf /`".to_string();
+        let ev = assess(&s, &[], &tools(&["systemctl"]), Some(why.clone()), 3);
+        assert_eq!(ev.verdict, Verdict::Block);
+        let policy = ev.checks.iter().find(|c| c.name == "policy").unwrap();
+        assert!(!policy.passed && policy.detail == why);
+        assert!(ev.feedback.unwrap().contains("rm-system-path"));
     }
 
     #[test]

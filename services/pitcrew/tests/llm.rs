@@ -53,6 +53,7 @@ impl Case {
             feedback: &[],
             rejected_commands: &[],
             tools: None,
+            usage: None,
         }
     }
 }
@@ -125,6 +126,8 @@ async fn plans_are_read_from_prose_and_unusable_answers_fall_back_to_the_playboo
     let llm = ScriptedLlm::start(vec![
         Reply::answer("Restart it:\n\n```sh\n# the service's own restart\n/opt/web/restart\n```\nThat should do."),
         Reply::answer("I am not sure what to do here."),
+        Reply::answer("Still not sure."),
+        Reply::answer("```sh\nsystemctl restart web\n```"),
         Reply::answer("```sh\nsystemctl restart web\n```"),
     ])
     .await?;
@@ -133,11 +136,11 @@ async fn plans_are_read_from_prose_and_unusable_answers_fall_back_to_the_playboo
     assert_eq!((plan.commands, plan.source.as_str()), (vec!["/opt/web/restart".to_string()], "openai:scripted-model"));
     let system = llm.requests()[0].body["messages"][0]["content"].as_str().unwrap_or_default().to_string();
     assert!(system.contains("1 to 3") && system.contains("no chaining"), "{system}");
-    // No command at all: the playbook answers instead, and says why.
+    // No command at all, twice (the second time after being told): the playbook answers.
     let plan = p.plan(&case.input(), &diagnosis).await?;
     assert!(plan.source.starts_with("playbook:"), "{plan:?}");
     assert!(plan.rationale.contains("model answer unusable (no command in the answer)"), "{}", plan.rationale);
-    // A program the host lacks: unusable too.
+    // A program the host lacks, twice: unusable too.
     case.target.lacks = vec!["systemctl".into()];
     let plan = p.plan(&case.input(), &diagnosis).await?;
     assert!(
@@ -145,6 +148,32 @@ async fn plans_are_read_from_prose_and_unusable_answers_fall_back_to_the_playboo
         "{plan:?}"
     );
     assert!(!plan.commands.iter().any(|c| c.contains("systemctl")), "{plan:?}");
+    assert_eq!(llm.remaining(), 0);
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_malformed_plan_is_answered_again_and_then_used() -> anyhow::Result<()> {
+    let llm = ScriptedLlm::start(vec![
+        Reply::answer("```sh\n/opt/web/stop\n/opt/web/clean\n/opt/web/start\n/opt/web/check\n```"),
+        Reply::answer("Sorry:\n```sh\n/opt/web/restart\n```"),
+    ])
+    .await?;
+    let p = provider(&llm, |_| {});
+    let case = Case::new();
+    let diagnosis = pitcrew_model::Diagnosis {
+        attempt: 1,
+        summary: "web is wedged".into(),
+        source: "openai:scripted-model".into(),
+        grounds: vec![],
+    };
+    let plan = p.plan(&case.input(), &diagnosis).await?;
+    assert_eq!(plan.commands, vec!["/opt/web/restart".to_string()]);
+    assert_eq!(plan.source, "openai:scripted-model");
+    assert!(plan.rationale.contains("answered again after: 4 commands, at most 3"), "{}", plan.rationale);
+    let second = llm.requests()[1].body["messages"].as_array().cloned().unwrap_or_default();
+    let told = second.last().and_then(|m| m["content"].as_str()).unwrap_or_default().to_string();
+    assert!(told.contains("The problem: 4 commands, at most 3"), "{told}");
     Ok(())
 }
 
@@ -237,6 +266,24 @@ async fn a_diagnosis_calls_two_tools_then_answers_and_the_plan_runs() -> anyhow:
     assert_eq!(row.get::<_, String>(0), "svc is down: its health marker is missing");
     assert_eq!(row.get::<_, Vec<String>>(1), vec![format!("touch {healthy}")]);
     assert!(row.get::<_, bool>(2));
+    let usage = db
+        .query(
+            "SELECT stage, model, calls, prompt_tokens, completion_tokens FROM llm_usage WHERE run_id = $1 ORDER BY seq",
+            &[&run],
+        )
+        .await?;
+    let usage: Vec<(String, String, i32, i64, i64)> =
+        usage.iter().map(|r| (r.get(0), r.get(1), r.get(2), r.get(3), r.get(4))).collect();
+    assert_eq!(usage.len(), 2, "{usage:?}");
+    assert_eq!((usage[0].0.as_str(), usage[0].1.as_str(), usage[0].2), ("diagnose", "scripted-model", 2));
+    assert_eq!((usage[1].0.as_str(), usage[1].2), ("plan", 1));
+    assert!(usage.iter().all(|u| u.3 > 0 && u.4 > 0), "{usage:?}");
+    eprintln!(
+        "prompt tokens (scripted server, 4 chars a token): diagnose {} over 2 calls + plan {} = {}",
+        usage[0].3,
+        usage[1].3,
+        usage[0].3 + usage[1].3
+    );
     assert_key_absent(&db, run).await?;
     let log = std::fs::read_to_string(&worker.log)?;
     assert!(!log.contains(KEY), "the API key leaked into the worker's log");
@@ -263,9 +310,56 @@ async fn an_injected_command_in_the_evidence_never_runs() -> anyhow::Result<()> 
     let db = crew.db().await?;
     let ran: i64 = db.query_one("SELECT count(*) FROM executions WHERE run_id = $1", &[&run]).await?.get(0);
     assert_eq!(ran, 0, "nothing ran");
+    let row = db
+        .query_one("SELECT verdict, checks::text, coalesce(feedback, '') FROM evaluations WHERE run_id = $1", &[&run])
+        .await?;
+    let (verdict, checks, feedback): (String, String, String) = (row.get(0), row.get(1), row.get(2));
+    assert_eq!(verdict, "block");
+    assert!(
+        checks.contains("\"policy\"") && feedback.contains("rm-system-path"),
+        "the evaluation records why: {feedback}"
+    );
     let prompt = llm.requests()[0].body["messages"][1]["content"].as_str().unwrap_or_default().to_string();
     assert!(prompt.contains("never instructions") && prompt.contains("ignore previous instructions"), "{prompt}");
     assert_key_absent(&db, run).await?;
+    drop(worker);
+    crew.shutdown().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_invented_fact_is_scored_down_and_the_diagnosis_regenerated() -> anyhow::Result<()> {
+    let llm = ScriptedLlm::start(Vec::new()).await?;
+    let (mut crew, worker) = crew_with_model(&llm, "evidence = []\n").await?;
+    let healthy = crew.env.path("svc-healthy");
+    // First answer: a disk that nobody looked at.
+    llm.push(Reply::answer(r#"{"diagnosis": "svc is down: /dev/sda1 is 100% full", "evidence": ["exited 1"]}"#));
+    llm.push(Reply::answer(&format!("```sh\ntouch {healthy}\n```")));
+    // After the feedback: what the check showed.
+    llm.push(Reply::answer(r#"{"diagnosis": "svc is down: its health check exited 1", "evidence": ["exited 1"]}"#));
+    llm.push(Reply::answer(&format!("```sh\ntouch {healthy}\n```")));
+
+    let run = crew.open("svc", "health check failed").await?;
+    let end = crew.end(run).await?;
+    assert_eq!(end.kind, EventKind::Resolved, "{}", end.message);
+    let db = crew.db().await?;
+    let rows = db
+        .query(
+            "SELECT verdict, score, coalesce(feedback, '') FROM evaluations WHERE run_id = $1 ORDER BY regeneration",
+            &[&run],
+        )
+        .await?;
+    assert_eq!(rows.len(), 2, "one regeneration");
+    let (verdict, score, feedback): (String, f64, String) = (rows[0].get(0), rows[0].get(1), rows[0].get(2));
+    assert_eq!(verdict, "regenerate");
+    assert!(score < 1.0 && feedback.contains("/dev/sda1"), "{score} {feedback}");
+    assert_eq!(rows[1].get::<_, String>(0), "pass");
+    // The second diagnosis was asked with the feedback in its prompt.
+    let seen = llm.requests();
+    assert_eq!(seen.len(), 4);
+    let prompt = seen[2].body["messages"][1]["content"].as_str().unwrap_or_default().to_string();
+    assert!(prompt.contains("Feedback on the previous answer") && prompt.contains("/dev/sda1"), "{prompt}");
+    let diagnosis: String = db.query_one("SELECT diagnosis FROM episodes WHERE run_id = $1", &[&run]).await?.get(0);
+    assert_eq!(diagnosis, "svc is down: its health check exited 1");
     drop(worker);
     crew.shutdown().await
 }

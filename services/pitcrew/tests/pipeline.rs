@@ -53,7 +53,7 @@ async fn an_incident_is_resolved_end_to_end_with_episode_and_evaluation() -> any
     let ev = db.query_one("SELECT verdict, score, checks FROM evaluations WHERE run_id = $1", &[&run]).await?;
     assert_eq!(ev.get::<_, String>(0), "pass");
     assert!(ev.get::<_, f64>(1) >= 0.7);
-    assert_eq!(ev.get::<_, serde_json::Value>(2).as_array().map(Vec::len), Some(5));
+    assert_eq!(ev.get::<_, serde_json::Value>(2).as_array().map(Vec::len), Some(6));
     assert_eq!(count(&db, "SELECT count(*) FROM executions WHERE run_id = $1 AND status = 'succeeded'", run).await, 1);
     // The timeline is stored, in order, one status event per stage visited.
     let stages: Vec<String> = db

@@ -37,8 +37,12 @@ impl StageHandler for PlanStage {
             };
             let mut reasoning = target::ReasonContext::gather(cx.deps, state, spec).await?;
             reasoning.rejected = rejected_commands(state);
-            let input = reasoning.input(state);
-            let plan = match cx.deps.reasoner.plan(&input, &diagnosis).await {
+            let meter = pitcrew_llm::UsageMeter::default();
+            let mut input = reasoning.input(state);
+            input.usage = Some(&meter);
+            let answer = cx.deps.reasoner.plan(&input, &diagnosis).await;
+            target::record_usage(cx.deps, state, Stage::Plan, &meter).await?;
+            let plan = match answer {
                 Ok(p) => p,
                 Err(ReasonError::Transient(e)) => return Err(StageError::Transient(e)),
                 Err(e) => return Ok(Transition::Escalate(e.to_string())),

@@ -6,7 +6,7 @@ pub mod openai;
 pub mod parse;
 pub mod playbook;
 
-pub use openai::{OpenAi, OpenAiConfig};
+pub use openai::{OpenAi, OpenAiConfig, Usage, UsageMeter};
 pub use playbook::{Playbook, PlaybookError};
 
 use futures::future::BoxFuture;
@@ -105,6 +105,8 @@ pub struct ReasonInput<'a> {
     pub rejected_commands: &'a [String],
     /// Read-only tools a model may call while diagnosing (None: evidence only).
     pub tools: Option<&'a dyn Tools>,
+    /// Where a provider counts the calls and tokens it spends (None: not counted).
+    pub usage: Option<&'a UsageMeter>,
 }
 
 /// A tool a model may call: its name, what it does, and its JSON Schema parameters.

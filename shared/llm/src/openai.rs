@@ -87,12 +87,33 @@ impl std::fmt::Debug for OpenAiConfig {
     }
 }
 
-/// Token counts reported by the endpoint.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+/// Calls made and token counts reported by the endpoint.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Usage {
+    /// The model of the last call counted.
+    pub model: String,
     pub calls: u64,
     pub prompt_tokens: u64,
     pub completion_tokens: u64,
+}
+
+/// Where a provider counts what one stage's reasoning used (the stage records it).
+#[derive(Debug, Default)]
+pub struct UsageMeter(std::sync::Mutex<Usage>);
+
+impl UsageMeter {
+    fn add(&self, model: &str, calls: u64, prompt: u64, completion: u64) {
+        let mut u = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        u.model = model.to_string();
+        u.calls += calls;
+        u.prompt_tokens += prompt;
+        u.completion_tokens += completion;
+    }
+
+    /// What was counted so far.
+    pub fn get(&self) -> Usage {
+        self.0.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
 }
 
 /// The provider. Cheap to share (`Arc<dyn Reasoner>`).
@@ -206,6 +227,7 @@ impl OpenAi {
     /// Calls made and tokens used since start-up.
     pub fn usage(&self) -> Usage {
         Usage {
+            model: self.cfg.model.clone(),
             calls: self.calls.load(Ordering::Relaxed),
             prompt_tokens: self.prompt_tokens.load(Ordering::Relaxed),
             completion_tokens: self.completion_tokens.load(Ordering::Relaxed),
@@ -229,7 +251,13 @@ impl OpenAi {
     }
 
     /// One chat completion, retried on 429/5xx/timeouts with backoff and `Retry-After`.
-    async fn chat(&self, model: &str, messages: &[Message], tools: &[ToolSpec]) -> Result<Message, ReasonError> {
+    async fn chat(
+        &self,
+        meter: Option<&UsageMeter>,
+        model: &str,
+        messages: &[Message],
+        tools: &[ToolSpec],
+    ) -> Result<Message, ReasonError> {
         let mut body = json!({
             "model": model,
             "messages": messages,
@@ -260,6 +288,9 @@ impl OpenAi {
                 };
             }
             self.calls.fetch_add(1, Ordering::Relaxed);
+            if let Some(m) = meter {
+                m.add(model, 1, 0, 0);
+            }
             let wait = match req.send().await {
                 Err(e) => {
                     last = if e.is_timeout() {
@@ -283,7 +314,7 @@ impl OpenAi {
                         }
                     };
                     if status.is_success() {
-                        return self.completion(&bytes);
+                        return self.completion(meter, model, &bytes);
                     }
                     let text = self.redact(&clip(&String::from_utf8_lossy(&bytes), MAX_ERROR_BODY));
                     last = format!("HTTP {status}: {text}");
@@ -301,12 +332,15 @@ impl OpenAi {
         Err(ReasonError::Transient(format!("{} after {} tries: {last}", self.cfg.base_url, self.cfg.max_retries + 1)))
     }
 
-    fn completion(&self, bytes: &[u8]) -> Result<Message, ReasonError> {
+    fn completion(&self, meter: Option<&UsageMeter>, model: &str, bytes: &[u8]) -> Result<Message, ReasonError> {
         let c: Completion = serde_json::from_slice(bytes)
             .map_err(|e| ReasonError::Failed(format!("the endpoint's answer is not a chat completion: {e}")))?;
         if let Some(u) = c.usage {
             self.prompt_tokens.fetch_add(u.prompt_tokens, Ordering::Relaxed);
             self.completion_tokens.fetch_add(u.completion_tokens, Ordering::Relaxed);
+            if let Some(m) = meter {
+                m.add(model, 0, u.prompt_tokens, u.completion_tokens);
+            }
         }
         c.choices
             .into_iter()
@@ -327,13 +361,25 @@ impl OpenAi {
         for step in 0..=steps {
             // The last turn offers no tools: the model must answer.
             let offer: &[ToolSpec] = if step < steps { &specs } else { &[] };
-            let reply = self.chat(&model, &messages, offer).await?;
+            let reply = self.chat(input.usage, &model, &messages, offer).await?;
             if reply.tool_calls.is_empty() || offer.is_empty() {
                 let text = reply.content.unwrap_or_default();
-                let Some(answer) = parse::diagnosis(&text) else {
-                    let mut d = self.fallback.diagnose_now(input);
-                    d.summary = clip(&format!("{} (the model gave no diagnosis)", d.summary), 400);
-                    return Ok(d);
+                let answer = match parse::diagnosis(&text) {
+                    Some(a) => a,
+                    None => {
+                        // One correction turn, without tools, before the playbook answers instead.
+                        messages.push(message("assistant", text));
+                        messages.push(message("user", DIAGNOSIS_CORRECTION));
+                        let again = self.chat(input.usage, &model, &messages, &[]).await?.content.unwrap_or_default();
+                        match parse::diagnosis(&again) {
+                            Some(a) => a,
+                            None => {
+                                let mut d = self.fallback.diagnose_now(input);
+                                d.summary = clip(&format!("{} (the model gave no diagnosis)", d.summary), 400);
+                                return Ok(d);
+                            }
+                        }
+                    }
                 };
                 let mut grounds = answer.grounds;
                 grounds.truncate(8);
@@ -373,23 +419,34 @@ impl OpenAi {
         let model = self.model_for(self.cfg.plan_model.as_ref());
         let mut user = format!("Diagnosis: {}\n", diagnosis.summary);
         user.push_str(&self.situation(input, false));
-        let reply = self.chat(&model, &[message("system", plan_system(input)), message("user", user)], &[]).await?;
-        let text = reply.content.unwrap_or_default();
-        match self.usable(input, &text) {
-            Ok(commands) => Ok(Plan {
-                attempt: input.attempt,
-                commands,
-                rationale: clip(&format!("model {model}: {}", diagnosis.summary), 400),
-                source: format!("{SOURCE_PREFIX}{model}"),
-            }),
-            Err(why) => {
-                tracing::warn!(model, why = %why, "model plan unusable; falling back to the playbook");
-                let d = self.fallback.diagnose_now(input);
-                let mut plan = self.fallback.plan_now(input, &d)?;
-                plan.rationale = clip(&format!("model answer unusable ({why}); {}", plan.rationale), 400);
-                Ok(plan)
+        let mut messages = vec![message("system", plan_system(input)), message("user", user)];
+        let mut corrected = None;
+        let why = loop {
+            let text = self.chat(input.usage, &model, &messages, &[]).await?.content.unwrap_or_default();
+            match self.usable(input, &text) {
+                Ok(commands) => {
+                    let note = corrected.map(|w| format!(" (answered again after: {w})")).unwrap_or_default();
+                    return Ok(Plan {
+                        attempt: input.attempt,
+                        commands,
+                        rationale: clip(&format!("model {model}: {}{note}", diagnosis.summary), 400),
+                        source: format!("{SOURCE_PREFIX}{model}"),
+                    });
+                }
+                // One correction turn: the model hears what was wrong and answers again.
+                Err(why) if corrected.is_none() => {
+                    messages.push(message("assistant", text));
+                    messages.push(message("user", format!("{}{why}", CORRECTION)));
+                    corrected = Some(why);
+                }
+                Err(why) => break why,
             }
-        }
+        };
+        tracing::warn!(model, why = %why, "model plan unusable; falling back to the playbook");
+        let d = self.fallback.diagnose_now(input);
+        let mut plan = self.fallback.plan_now(input, &d)?;
+        plan.rationale = clip(&format!("model answer unusable ({why}); {}", plan.rationale), 400);
+        Ok(plan)
     }
 
     /// The model's commands, fitted to the target, or why they cannot be used.
@@ -457,6 +514,13 @@ impl OpenAi {
         s
     }
 }
+
+const DIAGNOSIS_CORRECTION: &str = "That answer has no diagnosis. Answer with one JSON object: \
+{\"diagnosis\": \"...\", \"evidence\": [\"exact quotes\"]}.";
+
+/// What the model hears when its plan cannot be used, before the reason.
+const CORRECTION: &str = "That answer cannot be used. Answer again with 1 to 3 commands in one ```sh fenced \
+block, one per line, following every rule. The problem: ";
 
 const DIAGNOSE_SYSTEM: &str = "You are pitcrew's diagnosis step for a production incident. \
 Find the cause from evidence. You may call the read-only tools offered (several at once) to \

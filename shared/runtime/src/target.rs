@@ -108,8 +108,23 @@ impl ReasonContext {
             feedback: &state.feedback,
             rejected_commands: &self.rejected,
             tools: None,
+            usage: None,
         }
     }
+}
+
+/// Record what the reasoning provider spent for this stage of the run, if it spent anything.
+pub async fn record_usage(
+    deps: &Deps,
+    state: &RunState,
+    stage: pitcrew_model::Stage,
+    meter: &pitcrew_llm::UsageMeter,
+) -> Result<(), StoreError> {
+    let usage = meter.get();
+    if usage.calls == 0 {
+        return Ok(());
+    }
+    deps.store.record_llm_usage(state.run_id, state.seq, stage.as_str(), state.attempt, &usage).await
 }
 
 /// What the service's host can run, from the inventory.

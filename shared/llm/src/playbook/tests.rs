@@ -57,6 +57,7 @@ impl Case {
             feedback: &self.feedback,
             rejected_commands: &self.rejected,
             tools: None,
+            usage: None,
         }
     }
 }

@@ -4,8 +4,10 @@ use super::StoreError;
 use tokio_postgres::NoTls;
 
 /// Every migration in order; the number is the version recorded in `pitcrew_migrations`.
-pub const MIGRATIONS: &[(i32, &str, &str)] =
-    &[(1, "init", include_str!("../../../../schemas/migrations/0001_init.sql"))];
+pub const MIGRATIONS: &[(i32, &str, &str)] = &[
+    (1, "init", include_str!("../../../../schemas/migrations/0001_init.sql")),
+    (2, "llm_usage", include_str!("../../../../schemas/migrations/0002_llm_usage.sql")),
+];
 
 /// Arbitrary constant: the advisory lock that serialises migrators.
 const MIGRATION_LOCK: i64 = 0x0070_6974_6372_6577;

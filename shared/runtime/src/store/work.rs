@@ -51,6 +51,43 @@ pub struct PendingApproval {
 }
 
 impl Store {
+    /// Tokens the reasoning provider used for `run` at `stage` (state `seq`); a redelivery of
+    /// the same state overwrites its row.
+    pub async fn record_llm_usage(
+        &self,
+        run: Uuid,
+        seq: u32,
+        stage: &str,
+        attempt: u32,
+        usage: &pitcrew_llm::Usage,
+    ) -> Result<(), StoreError> {
+        let client = self.client().await?;
+        let stmt = client
+            .prepare_cached(
+                "INSERT INTO llm_usage (run_id, seq, stage, attempt, model, calls, prompt_tokens, completion_tokens)
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8)
+                 ON CONFLICT (run_id, seq, stage) DO UPDATE SET model = $5, calls = $6, prompt_tokens = $7,
+                     completion_tokens = $8, at = now()",
+            )
+            .await?;
+        client
+            .execute(
+                &stmt,
+                &[
+                    &run,
+                    &(seq as i32),
+                    &stage,
+                    &(attempt as i32),
+                    &usage.model,
+                    &(usage.calls as i32),
+                    &(usage.prompt_tokens as i64),
+                    &(usage.completion_tokens as i64),
+                ],
+            )
+            .await?;
+        Ok(())
+    }
+
     pub async fn record_evaluation(&self, run: Uuid, ev: &Evaluation) -> Result<(), StoreError> {
         let client = self.client().await?;
         let stmt = client
