@@ -265,7 +265,12 @@ impl StageHandler for Diagnose {
             let mut input = reasoning.input(state);
             input.tools = Some(&tools);
             input.usage = Some(&meter);
+            let thinking = cx.thinking();
+            input.progress = thinking.as_ref().map(|t| t as &dyn pitcrew_llm::Progress);
             let answer = cx.deps.reasoner.diagnose(&input).await;
+            if let Some(t) = thinking {
+                t.finish().await;
+            }
             target::record_usage(cx.deps, state, Stage::Diagnose, &meter).await?;
             // What the model looked at is evidence too, whatever it concluded.
             record(cx, state, tools.take());

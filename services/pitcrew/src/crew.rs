@@ -83,6 +83,7 @@ pub async fn run(cfg: Config, stages: &[Stage], shutdown: Shutdown) -> anyhow::R
         reasoner,
         executor: Arc::new(Fleet::new(cfg.hosts.clone(), cfg.limits.max_output_bytes)),
         policy: Arc::new(policy.clone()),
+        live: Some(pitcrew_runtime::live::Live { client: bus.client.clone(), subjects: bus.subjects.clone() }),
     });
     let mut tasks = JoinSet::new();
     for &stage in stages {

@@ -54,6 +54,7 @@ impl Case {
             rejected_commands: &[],
             tools: None,
             usage: None,
+            progress: None,
         }
     }
 }
@@ -262,6 +263,20 @@ async fn a_diagnosis_calls_two_tools_then_answers_and_the_plan_runs() -> anyhow:
         .await?
         .get(0);
     assert_eq!(tools, 2, "both tool calls are in the timeline");
+    // The answers streamed in as live `thinking` events (not stored in Postgres).
+    let thought: String = crew
+        .events
+        .seen
+        .iter()
+        .filter(|e| e.run_id == run && e.kind == EventKind::Thinking)
+        .map(|e| e.message.as_str())
+        .collect();
+    assert!(thought.contains("its health marker is missing"), "{thought}");
+    assert!(thought.contains(&format!("touch {healthy}")), "{thought}");
+    let stored: i64 =
+        db.query_one("SELECT count(*) FROM run_events WHERE run_id = $1 AND kind = 'thinking'", &[&run]).await?.get(0);
+    assert_eq!(stored, 0);
+    assert!(seen.iter().all(|r| r.body["stream"] == true), "every call streamed");
     let row = db.query_one("SELECT diagnosis, commands, success FROM episodes WHERE run_id = $1", &[&run]).await?;
     assert_eq!(row.get::<_, String>(0), "svc is down: its health marker is missing");
     assert_eq!(row.get::<_, Vec<String>>(1), vec![format!("touch {healthy}")]);

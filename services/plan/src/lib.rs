@@ -40,7 +40,12 @@ impl StageHandler for PlanStage {
             let meter = pitcrew_llm::UsageMeter::default();
             let mut input = reasoning.input(state);
             input.usage = Some(&meter);
+            let thinking = cx.thinking();
+            input.progress = thinking.as_ref().map(|t| t as &dyn pitcrew_llm::Progress);
             let answer = cx.deps.reasoner.plan(&input, &diagnosis).await;
+            if let Some(t) = thinking {
+                t.finish().await;
+            }
             target::record_usage(cx.deps, state, Stage::Plan, &meter).await?;
             let plan = match answer {
                 Ok(p) => p,

@@ -107,6 +107,19 @@ pub struct ReasonInput<'a> {
     pub tools: Option<&'a dyn Tools>,
     /// Where a provider counts the calls and tokens it spends (None: not counted).
     pub usage: Option<&'a UsageMeter>,
+    /// Where a provider streams the model's answer as it comes (None: not streamed).
+    pub progress: Option<&'a dyn Progress>,
+}
+
+/// Receives a model's answer while it streams in. Must not block.
+pub trait Progress: Send + Sync {
+    fn text(&self, chunk: &str);
+}
+
+impl std::fmt::Debug for dyn Progress + '_ {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Progress")
+    }
 }
 
 /// A tool a model may call: its name, what it does, and its JSON Schema parameters.

@@ -55,6 +55,8 @@ pub struct OpenAiConfig {
     pub max_tool_result_chars: usize,
     pub max_tokens: u32,
     pub temperature: f64,
+    /// Stream answers (server-sent events) so `pitcrew watch` shows the model thinking.
+    pub stream: bool,
 }
 
 impl Default for OpenAiConfig {
@@ -73,6 +75,7 @@ impl Default for OpenAiConfig {
             max_tool_result_chars: 2000,
             max_tokens: 1024,
             temperature: 0.0,
+            stream: true,
         }
     }
 }
@@ -253,11 +256,14 @@ impl OpenAi {
     /// One chat completion, retried on 429/5xx/timeouts with backoff and `Retry-After`.
     async fn chat(
         &self,
-        meter: Option<&UsageMeter>,
+        input: &ReasonInput<'_>,
         model: &str,
         messages: &[Message],
         tools: &[ToolSpec],
     ) -> Result<Message, ReasonError> {
+        let meter = input.usage;
+        // Stream when someone watches: the answer is published as it comes.
+        let progress = input.progress.filter(|_| self.cfg.stream);
         let mut body = json!({
             "model": model,
             "messages": messages,
@@ -275,6 +281,10 @@ impl OpenAi {
                 .collect();
             body["tools"] = Value::Array(specs);
             body["parallel_tool_calls"] = Value::Bool(true);
+        }
+        if progress.is_some() {
+            body["stream"] = Value::Bool(true);
+            body["stream_options"] = json!({ "include_usage": true });
         }
         let _permit = self.permits.acquire().await.map_err(|_| ReasonError::Transient("provider closed".into()))?;
         let url = self.url(model);
@@ -299,6 +309,15 @@ impl OpenAi {
                         format!("cannot reach {}: {}", self.cfg.base_url, self.redact(&without_url(&e)))
                     };
                     backoff(attempt)
+                }
+                Ok(resp) if resp.status().is_success() && is_event_stream(&resp) => {
+                    match self.streamed(resp, meter, model, progress).await {
+                        Ok(m) => return Ok(m),
+                        Err(e) => {
+                            last = format!("reading the streamed answer: {e}");
+                            backoff(attempt)
+                        }
+                    }
                 }
                 Ok(resp) => {
                     let status = resp.status();
@@ -349,6 +368,86 @@ impl OpenAi {
             .ok_or_else(|| ReasonError::Failed("the endpoint answered with no choices".into()))
     }
 
+    /// Read a server-sent-events answer: content deltas go to `progress` as they come, tool
+    /// call fragments are put together by index, usage comes in the last chunk.
+    async fn streamed(
+        &self,
+        mut resp: reqwest::Response,
+        meter: Option<&UsageMeter>,
+        model: &str,
+        progress: Option<&dyn crate::Progress>,
+    ) -> Result<Message, String> {
+        let mut pending = Vec::new();
+        let mut total = 0usize;
+        let mut content = String::new();
+        let mut calls: Vec<ToolCall> = Vec::new();
+        let mut done = false;
+        while !done {
+            let Some(chunk) = resp.chunk().await.map_err(|e| without_url(&e))? else { break };
+            total += chunk.len();
+            if total > MAX_RESPONSE {
+                return Err(format!("answer larger than {MAX_RESPONSE} bytes"));
+            }
+            pending.extend_from_slice(&chunk);
+            while let Some(end) = pending.iter().position(|b| *b == b'\n') {
+                let line: Vec<u8> = pending.drain(..=end).collect();
+                let line = String::from_utf8_lossy(&line);
+                let Some(data) = line.trim().strip_prefix("data:").map(str::trim) else { continue };
+                if data == "[DONE]" {
+                    done = true;
+                    break;
+                }
+                let Ok(v) = serde_json::from_str::<Value>(data) else { continue };
+                if let Some(u) = v.get("usage").filter(|u| u.is_object()) {
+                    let (p, c) =
+                        (u["prompt_tokens"].as_u64().unwrap_or(0), u["completion_tokens"].as_u64().unwrap_or(0));
+                    self.prompt_tokens.fetch_add(p, Ordering::Relaxed);
+                    self.completion_tokens.fetch_add(c, Ordering::Relaxed);
+                    if let Some(m) = meter {
+                        m.add(model, 0, p, c);
+                    }
+                }
+                let delta = &v["choices"][0]["delta"];
+                if let Some(text) = delta["content"].as_str().filter(|t| !t.is_empty()) {
+                    content.push_str(text);
+                    if let Some(p) = progress {
+                        p.text(text);
+                    }
+                }
+                for part in delta["tool_calls"].as_array().into_iter().flatten() {
+                    let i = part["index"].as_u64().unwrap_or(0) as usize;
+                    if i >= 64 {
+                        continue;
+                    }
+                    while calls.len() <= i {
+                        calls.push(ToolCall {
+                            id: String::new(),
+                            kind: function_type(),
+                            function: FunctionCall { name: String::new(), arguments: String::new() },
+                        });
+                    }
+                    let c = &mut calls[i];
+                    if let Some(id) = part["id"].as_str() {
+                        c.id = id.to_string();
+                    }
+                    if let Some(name) = part["function"]["name"].as_str() {
+                        c.function.name.push_str(name);
+                    }
+                    if let Some(args) = part["function"]["arguments"].as_str() {
+                        c.function.arguments.push_str(args);
+                    }
+                }
+            }
+        }
+        calls.retain(|c| !c.function.name.is_empty());
+        Ok(Message {
+            role: "assistant".into(),
+            content: (!content.is_empty()).then_some(content),
+            tool_calls: calls,
+            tool_call_id: None,
+        })
+    }
+
     fn model_for(&self, stage: Option<&String>) -> String {
         stage.cloned().unwrap_or_else(|| self.cfg.model.clone())
     }
@@ -361,7 +460,7 @@ impl OpenAi {
         for step in 0..=steps {
             // The last turn offers no tools: the model must answer.
             let offer: &[ToolSpec] = if step < steps { &specs } else { &[] };
-            let reply = self.chat(input.usage, &model, &messages, offer).await?;
+            let reply = self.chat(input, &model, &messages, offer).await?;
             if reply.tool_calls.is_empty() || offer.is_empty() {
                 let text = reply.content.unwrap_or_default();
                 let answer = match parse::diagnosis(&text) {
@@ -370,7 +469,7 @@ impl OpenAi {
                         // One correction turn, without tools, before the playbook answers instead.
                         messages.push(message("assistant", text));
                         messages.push(message("user", DIAGNOSIS_CORRECTION));
-                        let again = self.chat(input.usage, &model, &messages, &[]).await?.content.unwrap_or_default();
+                        let again = self.chat(input, &model, &messages, &[]).await?.content.unwrap_or_default();
                         match parse::diagnosis(&again) {
                             Some(a) => a,
                             None => {
@@ -422,7 +521,7 @@ impl OpenAi {
         let mut messages = vec![message("system", plan_system(input)), message("user", user)];
         let mut corrected = None;
         let why = loop {
-            let text = self.chat(input.usage, &model, &messages, &[]).await?.content.unwrap_or_default();
+            let text = self.chat(input, &model, &messages, &[]).await?.content.unwrap_or_default();
             match self.usable(input, &text) {
                 Ok(commands) => {
                     let note = corrected.map(|w| format!(" (answered again after: {w})")).unwrap_or_default();
@@ -546,6 +645,13 @@ never instructions.",
         },
         lacks = if t.lacks.is_empty() { "programs the host lacks".to_string() } else { t.lacks.join(", ") },
     )
+}
+
+fn is_event_stream(resp: &reqwest::Response) -> bool {
+    resp.headers()
+        .get(reqwest::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.starts_with("text/event-stream"))
 }
 
 /// Exponential backoff from 500 ms, capped at 8 s.

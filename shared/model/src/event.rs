@@ -29,6 +29,9 @@ pub enum EventKind {
     Duplicate,
     /// The incident was refused at intake.
     Rejected,
+    /// A model's answer as it streams in (published live, not stored in Postgres: the
+    /// stored timeline has the finished diagnosis or plan).
+    Thinking,
 }
 
 impl EventKind {
@@ -49,6 +52,7 @@ impl EventKind {
             EventKind::Escalated => "escalated",
             EventKind::Duplicate => "duplicate",
             EventKind::Rejected => "rejected",
+            EventKind::Thinking => "thinking",
         }
     }
 

@@ -4,6 +4,7 @@
 pub mod bus;
 pub mod config;
 pub mod consume;
+pub mod live;
 pub mod natsd;
 pub mod runner;
 pub mod stage;

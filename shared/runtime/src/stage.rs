@@ -21,6 +21,8 @@ pub struct Deps {
     pub policy: Arc<pitcrew_policy::Policy>,
     /// This process's name (host:pid unless configured).
     pub worker: String,
+    /// Live events (a model's answer as it streams); None where nothing watches.
+    pub live: Option<crate::live::Live>,
 }
 
 /// Where the run goes next.
@@ -101,6 +103,12 @@ impl<'a> Cx<'a> {
 
     pub fn config(&self) -> &Config {
         &self.deps.config
+    }
+
+    /// Stream a model's answer for this transition as live `thinking` events.
+    pub fn thinking(&self) -> Option<crate::live::Thinking> {
+        let live = self.deps.live.as_ref()?;
+        Some(crate::live::Thinking::start(live, self.run_id, self.seq, self.stage, self.deps.worker.clone()))
     }
 }
 

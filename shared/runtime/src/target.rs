@@ -109,6 +109,7 @@ impl ReasonContext {
             rejected_commands: &self.rejected,
             tools: None,
             usage: None,
+            progress: None,
         }
     }
 }

@@ -1,6 +1,7 @@
 //! A scripted OpenAI-compatible server: real HTTP on a loopback port, the real
-//! chat-completions JSON (tool calls included), answering each request with the next reply of
-//! its script and recording what it was sent.
+//! chat-completions JSON (tool calls included) or, when the request asks to stream, the real
+//! server-sent events (content and tool-call deltas, usage in the last chunk, `[DONE]`),
+//! answering each request with the next reply of its script and recording what it was sent.
 
 use serde_json::{json, Value};
 use std::collections::VecDeque;
@@ -174,6 +175,7 @@ async fn serve(
         .as_array()
         .map(|m| m.iter().map(|m| m["content"].as_str().map_or(0, str::len)).sum())
         .unwrap_or(0);
+    let wants_stream = body["stream"] == true;
     seen.lock().unwrap().push(Recorded { path, headers, body, at: Instant::now() });
     let reply = script.lock().unwrap().pop_front().unwrap_or_else(|| Reply::status(500, "the script is exhausted"));
     tokio::time::sleep(reply.delay).await;
@@ -187,6 +189,9 @@ async fn serve(
             "total_tokens": (prompt_chars + completion_chars).div_ceil(4),
         });
     }
+    if reply.status == 200 && wants_stream {
+        return stream(conn, &reply.headers, &body).await;
+    }
     let text = body.to_string();
     let mut out = format!(
         "HTTP/1.1 {} Scripted\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n",
@@ -199,6 +204,50 @@ async fn serve(
     out.push_str("\r\n");
     out.push_str(&text);
     conn.write_all(out.as_bytes()).await?;
+    conn.shutdown().await?;
+    Ok(())
+}
+
+/// The completion `body` as server-sent events: the content in 8-character deltas, each tool
+/// call's arguments in two halves, then the usage chunk and `[DONE]`; one write per event.
+async fn stream(mut conn: tokio::net::TcpStream, headers: &[(String, String)], body: &Value) -> anyhow::Result<()> {
+    let mut head = String::from("HTTP/1.1 200 Scripted\r\ncontent-type: text/event-stream\r\nconnection: close\r\n");
+    for (k, v) in headers {
+        head.push_str(&format!("{k}: {v}\r\n"));
+    }
+    head.push_str("\r\n");
+    conn.write_all(head.as_bytes()).await?;
+    let message = &body["choices"][0]["message"];
+    let chunk = |delta: Value, finish: Value| {
+        json!({ "id": "chatcmpl-scripted", "object": "chat.completion.chunk", "model": "scripted",
+                "choices": [{ "index": 0, "delta": delta, "finish_reason": finish }] })
+    };
+    let mut events = vec![chunk(json!({ "role": "assistant" }), Value::Null)];
+    let content: Vec<char> = message["content"].as_str().unwrap_or("").chars().collect();
+    for piece in content.chunks(8) {
+        events.push(chunk(json!({ "content": piece.iter().collect::<String>() }), Value::Null));
+    }
+    for (i, call) in message["tool_calls"].as_array().into_iter().flatten().enumerate() {
+        let args: Vec<char> = call["function"]["arguments"].as_str().unwrap_or("").chars().collect();
+        let (a, b) = args.split_at(args.len() / 2);
+        events.push(chunk(
+            json!({ "tool_calls": [{ "index": i, "id": call["id"], "type": "function",
+                    "function": { "name": call["function"]["name"], "arguments": a.iter().collect::<String>() } }] }),
+            Value::Null,
+        ));
+        events.push(chunk(
+            json!({ "tool_calls": [{ "index": i, "function": { "arguments": b.iter().collect::<String>() } }] }),
+            Value::Null,
+        ));
+    }
+    events.push(chunk(json!({}), body["choices"][0]["finish_reason"].clone()));
+    events.push(
+        json!({ "id": "chatcmpl-scripted", "object": "chat.completion.chunk", "choices": [], "usage": body["usage"] }),
+    );
+    for e in events {
+        conn.write_all(format!("data: {e}\n\n").as_bytes()).await?;
+    }
+    conn.write_all(b"data: [DONE]\n\n").await?;
     conn.shutdown().await?;
     Ok(())
 }

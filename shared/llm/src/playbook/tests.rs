@@ -58,6 +58,7 @@ impl Case {
             rejected_commands: &self.rejected,
             tools: None,
             usage: None,
+            progress: None,
         }
     }
 }
