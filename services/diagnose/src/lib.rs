@@ -9,8 +9,14 @@ use pitcrew_policy::Policy;
 use pitcrew_runtime::{target, Cx, StageError, StageHandler, Transition};
 use std::time::Duration;
 
+pub mod web;
+
 /// The diagnose stage.
-pub struct Diagnose;
+#[derive(Default)]
+pub struct Diagnose {
+    /// The configured HTTP tools, built once (their client pools connections).
+    web: std::sync::OnceLock<Option<web::WebTools>>,
+}
 
 /// Read-only evidence for `attempt`: the check's result, the pidfile, then the service's
 /// evidence commands (log tail, journal, ports, disk, memory), each admitted by the policy's
@@ -146,12 +152,40 @@ pub struct EvidenceTools<'a> {
     attempt: u32,
     executor: &'a dyn Executor,
     policy: &'a Policy,
+    web: Option<&'a web::WebTools>,
     found: std::sync::Mutex<Vec<(Evidence, String)>>,
 }
 
 impl<'a> EvidenceTools<'a> {
     pub fn new(host: &'a str, attempt: u32, executor: &'a dyn Executor, policy: &'a Policy) -> Self {
-        EvidenceTools { host, attempt, executor, policy, found: Default::default() }
+        EvidenceTools { host, attempt, executor, policy, web: None, found: Default::default() }
+    }
+
+    /// Also offer the configured HTTP tools.
+    pub fn with_web(mut self, web: Option<&'a web::WebTools>) -> Self {
+        self.web = web;
+        self
+    }
+
+    fn calls(&self) -> usize {
+        self.found.lock().unwrap_or_else(|p| p.into_inner()).len()
+    }
+
+    async fn web_call(&self, web: &web::WebTools, name: &str, arguments: &str) -> ToolOutput {
+        let args: serde_json::Value = match serde_json::from_str(arguments) {
+            Ok(v) => v,
+            Err(e) => return ToolOutput { ok: false, output: format!("arguments are not JSON: {e}") },
+        };
+        if self.calls() >= MAX_TOOL_CALLS {
+            return ToolOutput { ok: false, output: format!("tool budget spent ({MAX_TOOL_CALLS} calls): answer now") };
+        }
+        let (asked, out) = web.call(name, &args).await;
+        let output = pitcrew_model::trim::trim_output(&out.output, pitcrew_model::run::MAX_OUTPUT);
+        let first = output.lines().find(|l| pitcrew_model::trim::looks_like_error(l)).or(output.lines().next());
+        let line =
+            format!("tool {name} {asked}{}: {}", if out.ok { "" } else { " failed" }, first.unwrap_or("(no output)"));
+        self.keep(out.ok, &asked, output.clone(), line);
+        ToolOutput { ok: out.ok, output }
     }
 
     /// Every call made so far, with its timeline line.
@@ -173,7 +207,7 @@ impl<'a> EvidenceTools<'a> {
             },
             Err(e) => return refuse(format!("arguments are not JSON: {e}")),
         };
-        if self.found.lock().unwrap_or_else(|p| p.into_inner()).len() >= MAX_TOOL_CALLS {
+        if self.calls() >= MAX_TOOL_CALLS {
             return refuse(format!("tool budget spent ({MAX_TOOL_CALLS} calls): answer now"));
         }
         if let Err(why) = self.policy.read_only(&command) {
@@ -190,7 +224,7 @@ impl<'a> EvidenceTools<'a> {
 
 impl Tools for EvidenceTools<'_> {
     fn specs(&self) -> Vec<ToolSpec> {
-        vec![ToolSpec {
+        let mut specs = vec![ToolSpec {
             name: "run_command".into(),
             description: format!(
                 "Run one read-only command on {} (the service's host) and return its output, e.g. \
@@ -204,14 +238,25 @@ impl Tools for EvidenceTools<'_> {
                 "properties": { "command": { "type": "string", "description": "one command line" } },
                 "required": ["command"],
             }),
-        }]
+        }];
+        specs.extend(self.web.map(|w| w.specs()).unwrap_or_default());
+        specs
     }
 
     fn call<'b>(&'b self, name: &'b str, arguments: &'b str) -> BoxFuture<'b, ToolOutput> {
         Box::pin(async move {
             match name {
                 "run_command" => self.run_command(arguments).await,
-                other => ToolOutput { ok: false, output: format!("unknown tool '{other}'; available: run_command") },
+                other => match self.web.filter(|w| w.offers(other)) {
+                    Some(w) => self.web_call(w, other, arguments).await,
+                    None => {
+                        let names: Vec<String> = self.specs().into_iter().map(|s| s.name).collect();
+                        ToolOutput {
+                            ok: false,
+                            output: format!("unknown tool '{other}'; available: {}", names.join(", ")),
+                        }
+                    }
+                },
             }
         })
     }
@@ -260,7 +305,9 @@ impl StageHandler for Diagnose {
             record(cx, state, found);
             let reasoning = target::ReasonContext::gather(cx.deps, state, spec).await?;
             let failed = reasoning.failed.clone();
-            let tools = EvidenceTools::new(&spec.host, state.attempt, cx.deps.executor.as_ref(), &cx.deps.policy);
+            let web = self.web.get_or_init(|| web::WebTools::from_config(&cfg)).as_ref();
+            let tools =
+                EvidenceTools::new(&spec.host, state.attempt, cx.deps.executor.as_ref(), &cx.deps.policy).with_web(web);
             let meter = pitcrew_llm::UsageMeter::default();
             let mut input = reasoning.input(state);
             input.tools = Some(&tools);
@@ -409,5 +456,80 @@ mod port_tests {
         let found = gather(&spec, 1, &LocalExecutor::new(64 * 1024), &policy).await;
         let (none, line) = found.iter().find(|(e, _)| e.source.starts_with("port")).unwrap();
         assert!(none.source == "port" && line.ends_with("nothing listens"), "{line}");
+    }
+}
+
+#[cfg(test)]
+mod web_tests {
+    use super::*;
+    use pitcrew_exec::LocalExecutor;
+    use pitcrew_testkit::http::StubHttp;
+    use serde_json::json;
+
+    #[tokio::test]
+    async fn configured_http_tools_query_prometheus_loki_and_inventory_hosts_only() {
+        let stub = StubHttp::start(vec![
+            (
+                "/api/v1/query",
+                200,
+                json!({"status": "success", "data": {"resultType": "vector", "result": [
+                {"metric": {"__name__": "up", "job": "web"}, "value": [1700000000, "0"]}]}}),
+            ),
+            (
+                "/api/v1/query_range",
+                200,
+                json!({"status": "success", "data": {"resultType": "matrix", "result": [
+                {"metric": {"job": "web"}, "values": [[1, "0.5"], [2, "0.9"], [3, "0.7"]]}]}}),
+            ),
+            (
+                "/loki/api/v1/query_range",
+                200,
+                json!({"status": "success", "data": {"resultType": "streams", "result": [
+                {"stream": {"app": "web"}, "values": [["1700000000000000000", "ERROR out of memory"]]}]}}),
+            ),
+            ("/health", 503, json!({"ok": false})),
+        ])
+        .await
+        .unwrap();
+        let text = format!(
+            "[reasoning.tools]\nhttp_probe = true\nprometheus_url = \"{u}\"\nloki_url = \"{u}/\"\n\
+             [services.web]\nhost = \"local\"\ncheck = {{ kind = \"http\", url = \"{u}/health\" }}\n",
+            u = stub.url
+        );
+        let cfg = pitcrew_runtime::Config::from_toml(&text).unwrap();
+        let web = web::WebTools::from_config(&cfg).expect("tools configured");
+        let (exec, policy) = (LocalExecutor::new(4096), Policy::default_policy());
+        let tools = EvidenceTools::new("local", 1, &exec, &policy).with_web(Some(&web));
+        let names: Vec<String> = tools.specs().into_iter().map(|s| s.name).collect();
+        assert_eq!(names, ["run_command", "http_probe", "prometheus_query", "loki_query"]);
+
+        let out = tools.call("prometheus_query", r#"{"query": "up{job=\"web\"} == 0"}"#).await;
+        assert!(out.ok && out.output == "up{job=\"web\"} 0", "{out:?}");
+        let out = tools.call("prometheus_query", r#"{"query": "rate(errors[5m])", "minutes": 30}"#).await;
+        assert!(out.output.contains("min 0.5 max 0.9 last 0.7 (3 points)"), "{out:?}");
+        let out = tools.call("loki_query", r#"{"query": "{app=\"web\"} |= \"ERROR\""}"#).await;
+        assert!(out.ok && out.output.contains("ERROR out of memory"), "{out:?}");
+        let out = tools.call("http_probe", &json!({ "url": format!("{}/health", stub.url) }).to_string()).await;
+        assert!(!out.ok && out.output.starts_with("HTTP 503"), "{out:?}");
+        let out = tools.call("http_probe", r#"{"url": "http://10.255.1.2/admin"}"#).await;
+        assert!(!out.ok && out.output.contains("not a host of the inventory"), "{out:?}");
+
+        let seen = stub.requests();
+        assert!(seen[0].starts_with("/api/v1/query?query=up%7Bjob%3D%22web%22%7D+%3D%3D+0&time="), "{seen:?}");
+        assert!(seen[1].starts_with("/api/v1/query_range?query=rate") && seen[1].contains("&step=30"), "{seen:?}");
+        assert!(
+            seen[2].starts_with("/loki/api/v1/query_range?query=") && seen[2].contains("direction=backward"),
+            "{seen:?}"
+        );
+        assert_eq!(seen.len(), 4, "the refused probe never left the process: {seen:?}");
+        let kept = tools.take();
+        assert_eq!(kept.len(), 5, "every call is evidence for the timeline");
+        assert!(kept[0].1.starts_with("tool prometheus_query PromQL: up"), "{}", kept[0].1);
+    }
+
+    #[test]
+    fn no_http_tool_unless_configured() {
+        let cfg = pitcrew_runtime::Config::from_toml("").unwrap();
+        assert!(web::WebTools::from_config(&cfg).is_none());
     }
 }

@@ -26,7 +26,7 @@ pub const DRAIN: Duration = Duration::from_secs(20);
 pub fn handler(stage: Stage, policy: &Policy) -> Arc<dyn StageHandler> {
     match stage {
         Stage::Intake => Arc::new(pitcrew_intake::Intake),
-        Stage::Diagnose => Arc::new(pitcrew_diagnose::Diagnose),
+        Stage::Diagnose => Arc::new(pitcrew_diagnose::Diagnose::default()),
         Stage::Plan => Arc::new(pitcrew_plan::PlanStage),
         Stage::Evaluate => Arc::new(pitcrew_evaluate::EvaluateStage),
         Stage::Approval => Arc::new(ApprovalStage { policy: policy.clone() }),

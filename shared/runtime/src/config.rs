@@ -101,6 +101,29 @@ pub struct ReasoningConfig {
     /// `[reasoning.openai]`: endpoint, models, key variable, limits.
     #[serde(default)]
     pub openai: pitcrew_llm::OpenAiConfig,
+    /// `[reasoning.tools]`: read-only tools beyond `run_command` a model may call while
+    /// diagnosing, each only when configured.
+    #[serde(default)]
+    pub tools: ToolsConfig,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct ToolsConfig {
+    /// `http_probe`: GET a URL whose host is in the inventory (service checks, [hosts]).
+    pub http_probe: bool,
+    /// `prometheus_query`: PromQL instant and range queries against this Prometheus.
+    pub prometheus_url: Option<String>,
+    /// `loki_query`: LogQL queries against this Loki.
+    pub loki_url: Option<String>,
+    /// Per tool call.
+    pub timeout_secs: u64,
+}
+
+impl Default for ToolsConfig {
+    fn default() -> Self {
+        ToolsConfig { http_probe: false, prometheus_url: None, loki_url: None, timeout_secs: 10 }
+    }
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -159,6 +182,7 @@ impl Default for Config {
                 provider: "playbook".into(),
                 playbook_file: None,
                 openai: pitcrew_llm::OpenAiConfig::default(),
+                tools: ToolsConfig::default(),
             },
             policy: PolicyConfig { file: None },
             verify: VerifyConfig { checks: 3, interval_ms: 500 },

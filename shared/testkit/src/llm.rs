@@ -7,11 +7,8 @@ use serde_json::{json, Value};
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::AsyncWriteExt;
 use tokio::net::TcpListener;
-
-/// Largest request the server reads.
-const MAX_REQUEST: usize = 4 << 20;
 
 /// One scripted answer.
 #[derive(Debug, Clone)]
@@ -145,32 +142,8 @@ async fn serve(
     script: Arc<Mutex<VecDeque<Reply>>>,
     seen: Arc<Mutex<Vec<Recorded>>>,
 ) -> anyhow::Result<()> {
-    let mut buf = Vec::new();
-    let mut chunk = [0u8; 8192];
-    let head_end = loop {
-        let n = conn.read(&mut chunk).await?;
-        anyhow::ensure!(n > 0, "connection closed before the request head");
-        buf.extend_from_slice(&chunk[..n]);
-        if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
-            break i + 4;
-        }
-        anyhow::ensure!(buf.len() < MAX_REQUEST, "request head too large");
-    };
-    let head = String::from_utf8_lossy(&buf[..head_end]).to_string();
-    let mut lines = head.lines();
-    let path = lines.next().unwrap_or("").split_whitespace().nth(1).unwrap_or("").to_string();
-    let headers: Vec<(String, String)> = lines
-        .filter_map(|l| l.split_once(':'))
-        .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_string()))
-        .collect();
-    let len: usize = headers.iter().find(|(k, _)| k == "content-length").and_then(|(_, v)| v.parse().ok()).unwrap_or(0);
-    anyhow::ensure!(len <= MAX_REQUEST, "request body too large");
-    while buf.len() < head_end + len {
-        let n = conn.read(&mut chunk).await?;
-        anyhow::ensure!(n > 0, "connection closed inside the body");
-        buf.extend_from_slice(&chunk[..n]);
-    }
-    let body: Value = serde_json::from_slice(&buf[head_end..head_end + len]).unwrap_or(Value::Null);
+    let crate::http::Request { path, headers, body } = crate::http::read_request(&mut conn).await?;
+    let body: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
     let prompt_chars: usize = body["messages"]
         .as_array()
         .map(|m| m.iter().map(|m| m["content"].as_str().map_or(0, str::len)).sum())
