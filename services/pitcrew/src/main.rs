@@ -40,8 +40,15 @@ enum Command {
     /// Start everything it needs and show three runs live: resolved, approved, escalated.
     Demo {
         /// Instead: repair a killed service over SSH on a private local sshd (needs openssh-server).
-        #[arg(long)]
+        #[arg(long, conflicts_with = "llm")]
         ssh: bool,
+        /// Reason with this OpenAI-compatible endpoint (e.g. http://127.0.0.1:11434/v1); the key,
+        /// if any, from OPENAI_API_KEY.
+        #[arg(long, value_name = "BASE_URL")]
+        llm: Option<String>,
+        /// The model (Azure: deployment) for --llm.
+        #[arg(long, default_value = "gpt-4o-mini", requires = "llm")]
+        model: String,
     },
     /// Incidents.
     Incident {
@@ -191,8 +198,9 @@ fn toy_command(c: &ToyCommand) -> anyhow::Result<()> {
 }
 
 async fn run(args: Args) -> anyhow::Result<()> {
-    if let Command::Demo { ssh } = args.command {
-        return demo::run(ssh).await;
+    if let Command::Demo { ssh, llm, model } = args.command {
+        let llm = llm.map(|base_url| demo::LlmDemo { base_url, model });
+        return demo::run(ssh, llm).await;
     }
     let cfg = Config::load(args.config.as_deref())?;
     match args.command {

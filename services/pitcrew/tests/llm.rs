@@ -378,3 +378,46 @@ async fn an_invented_fact_is_scored_down_and_the_diagnosis_regenerated() -> anyh
     drop(worker);
     crew.shutdown().await
 }
+
+/// `pitcrew demo --llm`: the real binary reasons with the endpoint (here a scripted model
+/// that diagnoses from the incident and never gives a usable plan, so the playbook plans).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_demo_runs_against_an_llm_endpoint() -> anyhow::Result<()> {
+    let llm = ScriptedLlm::start(Vec::new()).await?;
+    llm.respond_with(|body| {
+        let system = body["messages"][0]["content"].as_str().unwrap_or_default();
+        let user = body["messages"][1]["content"].as_str().unwrap_or_default();
+        if system.contains("diagnosis step") {
+            let first = user.lines().next().unwrap_or_default();
+            let error = first.split_once("): ").map(|(_, e)| e).unwrap_or(first);
+            let service = first.split_whitespace().nth(2).unwrap_or("the service");
+            Reply::answer(&json!({ "diagnosis": format!("{service} is unhealthy"), "evidence": [error] }).to_string())
+        } else {
+            Reply::answer("I would look into it.")
+        }
+    });
+    let db = pitcrew_testkit::TestDb::create().await?;
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_pitcrew"))
+        .args(["demo", "--llm", &llm.base_url, "--model", "scripted-model"])
+        .env("DATABASE_URL", &db.url)
+        .env_remove("PITCREW_NATS_URL")
+        .env_remove("OPENAI_API_KEY")
+        .kill_on_drop(true)
+        .output();
+    let out = tokio::time::timeout(Duration::from_secs(180), out).await??;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(stdout.contains("reasoning with scripted-model at"), "{stdout}");
+    assert_eq!(stdout.lines().last(), Some("demo: 3 runs, 2 resolved, 1 escalated"), "{stdout}");
+    assert!(
+        stdout.contains("diagnosis          web is unhealthy"),
+        "the model's diagnosis is in the timeline: {stdout}"
+    );
+    let client = db.client().await?;
+    let row = client.query_one("SELECT count(DISTINCT run_id), sum(calls) FROM llm_usage", &[]).await?;
+    let (runs, calls): (i64, i64) = (row.get(0), row.get(1));
+    assert_eq!(runs, 3, "every run reasoned with the model");
+    assert!(calls >= 9, "diagnose and plan (with its correction turn) per attempt: {calls}");
+    assert!(llm.requests().iter().all(|r| r.body["model"] == "scripted-model" && r.header("authorization").is_none()));
+    Ok(())
+}

@@ -96,8 +96,12 @@ pub struct ScriptedLlm {
     pub base_url: String,
     script: Arc<Mutex<VecDeque<Reply>>>,
     seen: Arc<Mutex<Vec<Recorded>>>,
+    responder: Arc<Mutex<Option<Responder>>>,
     task: tokio::task::JoinHandle<()>,
 }
+
+/// Computes a reply from the request body once the script is exhausted.
+pub type Responder = Arc<dyn Fn(&Value) -> Reply + Send + Sync>;
 
 impl Drop for ScriptedLlm {
     fn drop(&mut self) {
@@ -111,13 +115,19 @@ impl ScriptedLlm {
         let base_url = format!("http://{}/v1", listener.local_addr()?);
         let script = Arc::new(Mutex::new(VecDeque::from(script)));
         let seen = Arc::new(Mutex::new(Vec::new()));
-        let (s, r) = (script.clone(), seen.clone());
+        let responder: Arc<Mutex<Option<Responder>>> = Arc::new(Mutex::new(None));
+        let (s, r, f) = (script.clone(), seen.clone(), responder.clone());
         let task = tokio::spawn(async move {
             while let Ok((conn, _)) = listener.accept().await {
-                tokio::spawn(serve(conn, s.clone(), r.clone()));
+                tokio::spawn(serve(conn, s.clone(), r.clone(), f.clone()));
             }
         });
-        Ok(ScriptedLlm { base_url, script, seen, task })
+        Ok(ScriptedLlm { base_url, script, seen, responder, task })
+    }
+
+    /// Answer with `f(request body)` whenever the script is exhausted.
+    pub fn respond_with(&self, f: impl Fn(&Value) -> Reply + Send + Sync + 'static) {
+        *self.responder.lock().unwrap() = Some(Arc::new(f));
     }
 
     /// Add a reply at the end of the script.
@@ -141,6 +151,7 @@ async fn serve(
     mut conn: tokio::net::TcpStream,
     script: Arc<Mutex<VecDeque<Reply>>>,
     seen: Arc<Mutex<Vec<Recorded>>>,
+    responder: Arc<Mutex<Option<Responder>>>,
 ) -> anyhow::Result<()> {
     let crate::http::Request { path, headers, body } = crate::http::read_request(&mut conn).await?;
     let body: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
@@ -149,8 +160,10 @@ async fn serve(
         .map(|m| m.iter().map(|m| m["content"].as_str().map_or(0, str::len)).sum())
         .unwrap_or(0);
     let wants_stream = body["stream"] == true;
+    let computed = responder.lock().unwrap().clone().map(|f| f(&body));
     seen.lock().unwrap().push(Recorded { path, headers, body, at: Instant::now() });
-    let reply = script.lock().unwrap().pop_front().unwrap_or_else(|| Reply::status(500, "the script is exhausted"));
+    let scripted = script.lock().unwrap().pop_front();
+    let reply = scripted.or(computed).unwrap_or_else(|| Reply::status(500, "the script is exhausted"));
     tokio::time::sleep(reply.delay).await;
     let mut body = reply.body;
     if reply.status == 200 {
