@@ -49,16 +49,23 @@ fn facts(summary: &str) -> Vec<String> {
         .collect()
 }
 
-/// Score the current diagnosis and plan. `tools` says which programs exist on the host;
-/// `failed` lists commands known to fail for this error; `forbidden` is the policy gate's
-/// refusal of a command of the plan, if any. Pure: no I/O.
-pub fn assess(
-    state: &RunState,
-    failed: &[String],
-    tools: &BTreeMap<String, bool>,
-    forbidden: Option<String>,
-    max_attempts: u32,
-) -> Evaluation {
+/// A judge scoring below this sends the plan back.
+pub const JUDGE_PASS: f64 = 0.5;
+
+/// What evaluate knows beyond the run state: which programs exist on the host, commands known
+/// to fail for this error, the policy gate's refusal of a command (if any), and the optional
+/// judge's verdict (`Err`: it was asked and could not answer).
+#[derive(Debug, Default)]
+pub struct Findings {
+    pub tools: BTreeMap<String, bool>,
+    pub failed: Vec<String>,
+    pub forbidden: Option<String>,
+    pub judge: Option<Result<pitcrew_llm::Judgement, String>>,
+}
+
+/// Score the current diagnosis and plan. Pure: no I/O.
+pub fn assess(state: &RunState, found: &Findings, max_attempts: u32) -> Evaluation {
+    let (failed, tools, forbidden) = (&found.failed, &found.tools, found.forbidden.clone());
     let commands: Vec<String> = state.plan.as_ref().map(|p| p.commands.clone()).unwrap_or_default();
     let mut checks = Vec::new();
 
@@ -121,9 +128,25 @@ pub fn assess(
     let allowed = forbidden.is_none();
     checks.push(check("policy", 0.0, allowed, forbidden.unwrap_or_else(|| "no command is forbidden".into())));
 
-    let mut score: f64 = checks.iter().filter(|c| c.passed).map(|c| c.weight).sum();
+    // The judge's objection sends the plan back (its reason is the feedback); a judge that
+    // could not answer is noted, not held against the plan.
+    let judged_ok = match &found.judge {
+        None => true,
+        Some(Ok(j)) => {
+            let ok = j.score >= JUDGE_PASS;
+            checks.push(check("judge", 0.2, ok, format!("scored {:.2}: {}", j.score, j.reason)));
+            ok
+        }
+        Some(Err(e)) => {
+            checks.push(check("judge", 0.0, true, format!("not consulted: {e}")));
+            true
+        }
+    };
+
+    let total: f64 = checks.iter().map(|c| c.weight).sum();
+    let mut score: f64 = checks.iter().filter(|c| c.passed).map(|c| c.weight).sum::<f64>() / total.max(f64::EPSILON);
     // A plan that cannot run as written, or repeats a failure, never passes on points.
-    let critical_failed = checks.iter().any(|c| !c.passed && c.name != "grounded");
+    let critical_failed = checks.iter().any(|c| !c.passed && c.name != "grounded" && c.name != "judge");
     if critical_failed {
         score *= 0.5;
     }
@@ -133,7 +156,7 @@ pub fn assess(
     let feedback = (!problems.is_empty()).then(|| problems.join("; "));
     let verdict = if !allowed {
         Verdict::Block
-    } else if score >= PASS && !critical_failed && grounded {
+    } else if score >= PASS && !critical_failed && grounded && judged_ok {
         Verdict::Pass
     } else if score < BLOCK || state.regeneration + 1 >= max_attempts {
         Verdict::Block
@@ -141,6 +164,26 @@ pub fn assess(
         Verdict::Regenerate
     };
     Evaluation { attempt: state.attempt, regeneration: state.regeneration, score, verdict, checks, feedback }
+}
+
+/// Ask the provider's judge about this attempt's diagnosis and plan (recording its usage).
+async fn judge(
+    cx: &mut Cx<'_>,
+    state: &RunState,
+    spec: &pitcrew_model::ServiceSpec,
+) -> Result<Option<Result<pitcrew_llm::Judgement, String>>, StageError> {
+    let (Some(diagnosis), Some(plan)) = (state.diagnosis().cloned(), state.plan.clone()) else { return Ok(None) };
+    let reasoning = target::ReasonContext::gather(cx.deps, state, spec).await?;
+    let meter = pitcrew_llm::UsageMeter::default();
+    let mut input = reasoning.input(state);
+    input.usage = Some(&meter);
+    let verdict = cx.deps.reasoner.judge(&input, &diagnosis, &plan).await;
+    target::record_usage(cx.deps, state, Stage::Evaluate, &meter).await?;
+    Ok(match verdict {
+        Ok(Some(j)) => Some(Ok(j)),
+        Ok(None) => None,
+        Err(e) => Some(Err(e.to_string())),
+    })
 }
 
 impl StageHandler for EvaluateStage {
@@ -180,7 +223,9 @@ impl StageHandler for EvaluateStage {
                 }
                 _ => (None, None),
             };
-            let ev = assess(state, &failed, &tools, forbidden, cfg.limits.max_attempts);
+            let judge = if cfg.reasoning.judge { judge(cx, state, spec).await? } else { None };
+            let found = Findings { tools, failed, forbidden, judge };
+            let ev = assess(state, &found, cfg.limits.max_attempts);
             let ungrounded = ev.checks.iter().any(|c| c.name == "grounded" && !c.passed);
             cx.deps.store.record_evaluation(state.run_id, &ev).await?;
             cx.emit(
@@ -250,10 +295,37 @@ mod tests {
         ["systemctl", "touch", "kill", "nosuchtool"].iter().map(|t| (t.to_string(), present.contains(t))).collect()
     }
 
+    fn found(failed: &[&str], present: &[&str], forbidden: Option<String>) -> Findings {
+        Findings {
+            tools: tools(present),
+            failed: failed.iter().map(|f| f.to_string()).collect(),
+            forbidden,
+            judge: None,
+        }
+    }
+
+    #[test]
+    fn the_judge_is_weighed_and_its_objection_sends_the_plan_back() {
+        let s = state(&["connection refused"], &["systemctl restart web"]);
+        let mut f = found(&[], &["systemctl"], None);
+        f.judge = Some(Ok(pitcrew_llm::Judgement { score: 0.9, reason: "sound".into() }));
+        let ev = assess(&s, &f, 3);
+        assert_eq!((ev.verdict, ev.score), (Verdict::Pass, 1.0));
+        f.judge = Some(Ok(pitcrew_llm::Judgement { score: 0.1, reason: "restarting will not free the disk".into() }));
+        let ev = assess(&s, &f, 3);
+        assert_eq!(ev.verdict, Verdict::Regenerate);
+        assert!((ev.score - 1.0 / 1.2).abs() < 0.001, "{}", ev.score);
+        assert!(ev.feedback.unwrap().contains("restarting will not free the disk"));
+        f.judge = Some(Err("reasoning provider unavailable: timeout".into()));
+        let ev = assess(&s, &f, 3);
+        assert_eq!(ev.verdict, Verdict::Pass, "an unavailable judge is noted, not held against the plan");
+        assert!(ev.checks.iter().any(|c| c.name == "judge" && c.detail.starts_with("not consulted")));
+    }
+
     #[test]
     fn a_grounded_runnable_plan_passes() {
         let s = state(&["connection refused", "Port 80 closed"], &["systemctl restart web"]);
-        let ev = assess(&s, &[], &tools(&["systemctl"]), None, 3);
+        let ev = assess(&s, &found(&[], &["systemctl"], None), 3);
         assert_eq!(ev.verdict, Verdict::Pass, "{ev:?}");
         assert_eq!(ev.score, 1.0);
         assert!(ev.feedback.is_none());
@@ -262,7 +334,7 @@ mod tests {
     #[test]
     fn a_repeated_failure_is_sent_back_with_feedback() {
         let s = state(&["connection refused"], &["systemctl restart web"]);
-        let ev = assess(&s, &["systemctl restart web".into()], &tools(&["systemctl"]), None, 3);
+        let ev = assess(&s, &found(&["systemctl restart web"], &["systemctl"], None), 3);
         assert_eq!(ev.verdict, Verdict::Regenerate);
         assert!(ev.feedback.unwrap().contains("already failed"));
     }
@@ -271,14 +343,14 @@ mod tests {
     fn regeneration_is_bounded_then_blocks() {
         let mut s = state(&["connection refused"], &["nosuchtool --fix"]);
         s.regeneration = 2;
-        let ev = assess(&s, &[], &tools(&[]), None, 3);
+        let ev = assess(&s, &found(&[], &[], None), 3);
         assert_eq!(ev.verdict, Verdict::Block);
     }
 
     #[test]
     fn ungrounded_claims_and_bad_plans_score_low() {
         let s = state(&["disk is full"], &["echo 'unterminated", "a", "b", "c"]);
-        let ev = assess(&s, &[], &tools(&[]), None, 3);
+        let ev = assess(&s, &found(&[], &[], None), 3);
         assert!(ev.score < BLOCK, "{ev:?}");
         assert_eq!(ev.verdict, Verdict::Block);
         let grounded = ev.checks.iter().find(|c| c.name == "grounded").unwrap();
@@ -288,7 +360,7 @@ mod tests {
     #[test]
     fn an_ungrounded_diagnosis_is_regenerated_even_with_a_runnable_plan() {
         let s = state(&["something never seen"], &["systemctl restart web"]);
-        let ev = assess(&s, &[], &tools(&["systemctl"]), None, 3);
+        let ev = assess(&s, &found(&[], &["systemctl"], None), 3);
         assert_eq!(ev.score, 0.75);
         assert_eq!(ev.verdict, Verdict::Regenerate, "an invented fact never passes on points");
         assert!(ev.feedback.unwrap().contains("something never seen"));
@@ -298,10 +370,10 @@ mod tests {
     fn facts_the_summary_states_must_have_been_observed() {
         let mut s = state(&["connection refused"], &["systemctl restart web"]);
         s.diagnosis_log[0].summary = "web is down: port 80 closed, see /health".into();
-        let ev = assess(&s, &[], &tools(&["systemctl"]), None, 3);
+        let ev = assess(&s, &found(&[], &["systemctl"], None), 3);
         assert_eq!(ev.verdict, Verdict::Pass, "80 and /health were observed: {ev:?}");
         s.diagnosis_log[0].summary = "web is down: /dev/sda1 is 100% full (pid 4242)".into();
-        let ev = assess(&s, &[], &tools(&["systemctl"]), None, 3);
+        let ev = assess(&s, &found(&[], &["systemctl"], None), 3);
         assert_eq!(ev.verdict, Verdict::Regenerate);
         let grounded = ev.checks.iter().find(|c| c.name == "grounded").unwrap();
         assert!(grounded.detail.contains("/dev/sda1"), "{grounded:?}");
@@ -312,7 +384,7 @@ mod tests {
     fn a_forbidden_command_blocks_and_the_evaluation_says_why() {
         let s = state(&["connection refused"], &["systemctl restart web"]);
         let why = "rejected by policy rule 'rm-system-path' (forbidden): deletes the root — `rm -rf /`".to_string();
-        let ev = assess(&s, &[], &tools(&["systemctl"]), Some(why.clone()), 3);
+        let ev = assess(&s, &found(&[], &["systemctl"], Some(why.clone())), 3);
         assert_eq!(ev.verdict, Verdict::Block);
         let policy = ev.checks.iter().find(|c| c.name == "policy").unwrap();
         assert!(!policy.passed && policy.detail == why);

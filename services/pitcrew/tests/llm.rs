@@ -181,28 +181,27 @@ async fn a_malformed_plan_is_answered_again_and_then_used() -> anyhow::Result<()
 /// The crew with diagnose and plan in a worker process whose reasoning is the scripted model
 /// (the key is in that process's environment only), every other stage in-process.
 async fn crew_with_model(llm: &ScriptedLlm, extra: &str) -> anyhow::Result<(common::Crew, common::Worker)> {
+    crew_with(llm, extra, false).await
+}
+
+/// As `crew_with_model`; with `judge`, evaluate runs in the model's worker and asks the judge.
+async fn crew_with(llm: &ScriptedLlm, extra: &str, judge: bool) -> anyhow::Result<(common::Crew, common::Worker)> {
     let env = pitcrew_testkit::TestEnv::start().await?;
     let text = format!("{}{extra}", common::marker_service(&env, "svc"));
-    let crew = common::Crew::start_in(
-        env,
-        &text,
-        &[
-            Stage::Intake,
-            Stage::Evaluate,
-            Stage::Approval,
-            Stage::Execute,
-            Stage::Verify,
-            Stage::Report,
-            Stage::Escalate,
-        ],
-    )
-    .await?;
+    let mut local = vec![Stage::Intake, Stage::Approval, Stage::Execute, Stage::Verify, Stage::Report, Stage::Escalate];
+    let mut remote = vec!["diagnose", "plan"];
+    if judge {
+        remote.push("evaluate");
+    } else {
+        local.push(Stage::Evaluate);
+    }
+    let crew = common::Crew::start_in(env, &text, &local).await?;
     let reasoning = format!(
-        "[reasoning]\nprovider = \"openai\"\n[reasoning.openai]\nbase_url = \"{}\"\nmodel = \"scripted-model\"\n\
-         api_key_env = \"PCTEST_OPENAI_KEY\"\nmax_retries = 1\n",
+        "[reasoning]\nprovider = \"openai\"\njudge = {judge}\n[reasoning.openai]\nbase_url = \"{}\"\n\
+         model = \"scripted-model\"\napi_key_env = \"PCTEST_OPENAI_KEY\"\nmax_retries = 1\n",
         llm.base_url
     );
-    let worker = crew.spawn_worker_with("llm", &["diagnose", "plan"], &[("PCTEST_OPENAI_KEY", KEY)], &reasoning)?;
+    let worker = crew.spawn_worker_with("llm", &remote, &[("PCTEST_OPENAI_KEY", KEY)], &reasoning)?;
     Ok((crew, worker))
 }
 
@@ -420,4 +419,65 @@ async fn the_demo_runs_against_an_llm_endpoint() -> anyhow::Result<()> {
     assert!(calls >= 9, "diagnose and plan (with its correction turn) per attempt: {calls}");
     assert!(llm.requests().iter().all(|r| r.body["model"] == "scripted-model" && r.header("authorization").is_none()));
     Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_judge_sends_a_weak_plan_back_with_its_reason() -> anyhow::Result<()> {
+    let llm = ScriptedLlm::start(Vec::new()).await?;
+    let (mut crew, worker) = crew_with(&llm, "", true).await?;
+    let healthy = crew.env.path("svc-healthy");
+    llm.push(Reply::answer(r#"{"diagnosis": "svc is down: its health check exited 1", "evidence": ["exited 1"]}"#));
+    llm.push(Reply::answer("```sh\nls /\n```"));
+    llm.push(Reply::answer(r#"{"score": 0.1, "reason": "listing / does not bring svc back"}"#));
+    llm.push(Reply::answer(&format!("```sh\ntouch {healthy}\n```")));
+    llm.push(Reply::answer(r#"{"score": 0.9, "reason": "creates the marker the check wants"}"#));
+
+    let run = crew.open("svc", "health check failed").await?;
+    let end = crew.end(run).await?;
+    assert_eq!(end.kind, EventKind::Resolved, "{}", end.message);
+    let db = crew.db().await?;
+    let rows = db
+        .query(
+            "SELECT verdict, coalesce(feedback, '') FROM evaluations WHERE run_id = $1 ORDER BY regeneration",
+            &[&run],
+        )
+        .await?;
+    let verdicts: Vec<(String, String)> = rows.iter().map(|r| (r.get(0), r.get(1))).collect();
+    assert_eq!(verdicts.len(), 2, "{verdicts:?}");
+    assert_eq!(verdicts[0].0, "regenerate");
+    assert!(verdicts[0].1.contains("listing / does not bring svc back"), "{verdicts:?}");
+    assert_eq!(verdicts[1].0, "pass");
+    let seen = llm.requests();
+    assert_eq!(seen.len(), 5);
+    let second_plan = seen[3].body["messages"][1]["content"].as_str().unwrap_or_default().to_string();
+    assert!(second_plan.contains("listing / does not bring svc back"), "the feedback reached the model: {second_plan}");
+    let judged: i64 = db
+        .query_one("SELECT coalesce(sum(calls), 0) FROM llm_usage WHERE run_id = $1 AND stage = 'evaluate'", &[&run])
+        .await?
+        .get(0);
+    assert_eq!(judged, 2);
+    let ran: Vec<String> =
+        db.query("SELECT command FROM executions WHERE run_id = $1", &[&run]).await?.iter().map(|r| r.get(0)).collect();
+    assert_eq!(ran, vec![format!("touch {healthy}")], "the rejected plan never ran");
+    drop(worker);
+    crew.shutdown().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_model_call_is_kept_alive_by_progress_acks() -> anyhow::Result<()> {
+    let llm = ScriptedLlm::start(Vec::new()).await?;
+    // The message's ack deadline (1 s) is shorter than the model takes to answer (3 s).
+    let (mut crew, worker) = crew_with_model(&llm, "[stages]\nack_wait_secs = 1\n").await?;
+    let healthy = crew.env.path("svc-healthy");
+    llm.push(
+        Reply::answer(r#"{"diagnosis": "svc is down: its health check exited 1", "evidence": ["exited 1"]}"#)
+            .delayed(Duration::from_secs(3)),
+    );
+    llm.push(Reply::answer(&format!("```sh\ntouch {healthy}\n```")));
+    let run = crew.open("svc", "health check failed").await?;
+    let end = crew.end(run).await?;
+    assert_eq!(end.kind, EventKind::Resolved, "{}", end.message);
+    assert_eq!(llm.requests().len(), 2, "no redelivery started a second diagnosis");
+    drop(worker);
+    crew.shutdown().await
 }

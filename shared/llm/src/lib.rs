@@ -7,6 +7,7 @@ pub mod parse;
 pub mod playbook;
 
 pub use openai::{OpenAi, OpenAiConfig, Usage, UsageMeter};
+
 pub use playbook::{Playbook, PlaybookError};
 
 use futures::future::BoxFuture;
@@ -182,6 +183,24 @@ pub trait Reasoner: Send + Sync + 'static {
         input: &'a ReasonInput<'a>,
         diagnosis: &'a Diagnosis,
     ) -> BoxFuture<'a, Result<Plan, ReasonError>>;
+
+    /// An independent review of a diagnosis and plan (evaluate's optional judge). None: this
+    /// provider cannot judge.
+    fn judge<'a>(
+        &'a self,
+        _input: &'a ReasonInput<'a>,
+        _diagnosis: &'a Diagnosis,
+        _plan: &'a Plan,
+    ) -> BoxFuture<'a, Result<Option<Judgement>, ReasonError>> {
+        Box::pin(async { Ok(None) })
+    }
+}
+
+/// A judge's verdict on a diagnosis and plan: a score in [0, 1] and why.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Judgement {
+    pub score: f64,
+    pub reason: String,
 }
 
 #[cfg(test)]

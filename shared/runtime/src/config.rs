@@ -105,6 +105,10 @@ pub struct ReasoningConfig {
     /// diagnosing, each only when configured.
     #[serde(default)]
     pub tools: ToolsConfig,
+    /// Evaluate also asks the provider to judge each diagnosis and plan (the openai provider
+    /// can; a judge that scores below 0.5 sends the plan back with its reason).
+    #[serde(default)]
+    pub judge: bool,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -183,6 +187,7 @@ impl Default for Config {
                 playbook_file: None,
                 openai: pitcrew_llm::OpenAiConfig::default(),
                 tools: ToolsConfig::default(),
+                judge: false,
             },
             policy: PolicyConfig { file: None },
             verify: VerifyConfig { checks: 3, interval_ms: 500 },
