@@ -133,10 +133,29 @@ async fn plans_are_read_from_prose_and_unusable_answers_fall_back_to_the_playboo
     ])
     .await?;
     let p = provider(&llm, |_| {});
+    case.target = Target {
+        host: "pe1".into(),
+        user: "sentinel".into(),
+        needs_sudo: true,
+        has: vec!["ss".into()],
+        lacks: vec!["lsof".into()],
+    };
     let plan = p.plan(&case.input(), &diagnosis).await?;
     assert_eq!((plan.commands, plan.source.as_str()), (vec!["/opt/web/restart".to_string()], "openai:scripted-model"));
-    let system = llm.requests()[0].body["messages"][0]["content"].as_str().unwrap_or_default().to_string();
-    assert!(system.contains("1 to 3") && system.contains("no chaining"), "{system}");
+    let first = &llm.requests()[0].body["messages"];
+    let system = first[0]["content"].as_str().unwrap_or_default().to_string();
+    assert!(system.contains("1 to 3") && system.contains("no chaining") && system.contains("-y"), "{system}");
+    assert!(
+        system.contains("prefix administrative commands with sudo") && system.contains("do not use lsof"),
+        "{system}"
+    );
+    let user = first[1]["content"].as_str().unwrap_or_default().to_string();
+    assert!(
+        user.contains("Target: login sentinel, not root: use sudo for admin commands; has: ss; lacks: lsof"),
+        "{user}"
+    );
+    assert!(user.contains("restart: /opt/web/restart"), "the service's own commands are offered: {user}");
+    case.target = Target { host: "local".into(), ..Default::default() };
     // No command at all, twice (the second time after being told): the playbook answers.
     let plan = p.plan(&case.input(), &diagnosis).await?;
     assert!(plan.source.starts_with("playbook:"), "{plan:?}");

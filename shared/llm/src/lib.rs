@@ -23,6 +23,10 @@ pub struct Target {
     pub lacks: Vec<String>,
     /// The login user is not root: administrative programs run under `sudo`.
     pub needs_sudo: bool,
+    /// The login user's name (empty: this machine's own user).
+    pub user: String,
+    /// Programs the inventory says the host has.
+    pub has: Vec<String>,
 }
 
 /// Programs that administer the system and so need root.
@@ -208,7 +212,12 @@ mod tests {
     use super::*;
 
     fn sentinel() -> Target {
-        Target { host: "pe1".into(), lacks: vec!["systemctl".into(), "lsof".into(), "fuser".into()], needs_sudo: true }
+        Target {
+            host: "pe1".into(),
+            lacks: vec!["systemctl".into(), "lsof".into(), "fuser".into()],
+            needs_sudo: true,
+            ..Default::default()
+        }
     }
 
     #[test]

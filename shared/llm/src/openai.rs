@@ -607,10 +607,14 @@ impl OpenAi {
             format!("{:?}", i.severity).to_lowercase(),
             clip(&i.error, 1000)
         );
+        let t = input.target;
+        let list = |v: &[String]| if v.is_empty() { "-".to_string() } else { v.join(", ") };
         s.push_str(&format!(
-            "Target: login {}; lacks: {}\n",
-            if input.target.needs_sudo { "is not root (use sudo for admin commands)" } else { "is root" },
-            if input.target.lacks.is_empty() { "-".to_string() } else { input.target.lacks.join(", ") }
+            "Target: login {}{}; has: {}; lacks: {}\n",
+            if t.user.is_empty() { "(this machine's user)" } else { t.user.as_str() },
+            if t.needs_sudo { ", not root: use sudo for admin commands" } else { "" },
+            list(&t.has),
+            list(&t.lacks),
         ));
         if !diagnosing {
             let known: Vec<String> = ["start", "stop", "restart", "pid", "holder_pid", "config", "log_dir"]

@@ -131,8 +131,14 @@ pub async fn record_usage(
 /// What the service's host can run, from the inventory.
 pub fn target_of(cfg: &Config, spec: &ServiceSpec) -> Target {
     match cfg.hosts.get(&spec.host) {
-        Some(h) => Target { host: spec.host.clone(), lacks: h.lacks.clone(), needs_sudo: h.user != "root" },
-        None => Target { host: spec.host.clone(), lacks: Vec::new(), needs_sudo: false },
+        Some(h) => Target {
+            host: spec.host.clone(),
+            lacks: h.lacks.clone(),
+            needs_sudo: h.user != "root",
+            user: h.user.clone(),
+            has: h.tools.clone(),
+        },
+        None => Target { host: spec.host.clone(), ..Default::default() },
     }
 }
 

@@ -328,7 +328,8 @@ fn plans_use_only_what_the_host_has_and_sudo_when_needed() {
     let mut case = Case::new("connection refused");
     case.vars.insert("start".into(), "systemctl start toy".into());
     case.vars.insert("restart".into(), "service toy restart".into());
-    case.target = crate::Target { host: "pe1".into(), lacks: strings(&["systemctl"]), needs_sudo: true };
+    case.target =
+        crate::Target { host: "pe1".into(), lacks: strings(&["systemctl"]), needs_sudo: true, ..Default::default() };
     let p = run(&Playbook::default_rules(), &case).1.unwrap();
     assert_eq!(p.commands, vec!["sudo service toy restart"], "the systemctl alternative is skipped");
     case.failed = strings(&["sudo service toy restart"]);
