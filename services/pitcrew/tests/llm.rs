@@ -500,3 +500,23 @@ async fn a_slow_model_call_is_kept_alive_by_progress_acks() -> anyhow::Result<()
     drop(worker);
     crew.shutdown().await
 }
+
+#[tokio::test]
+async fn calls_beyond_the_providers_limit_wait_their_turn() -> anyhow::Result<()> {
+    let slow = || Reply::answer(DIAGNOSIS).delayed(Duration::from_millis(800));
+    let llm = ScriptedLlm::start(vec![slow(), slow(), slow()]).await?;
+    let p = provider(&llm, |c| c.max_concurrent = 1);
+    let case = Case::new();
+    let input = case.input();
+    let started = Instant::now();
+    let (a, b, c) = tokio::join!(p.diagnose(&input), p.diagnose(&input), p.diagnose(&input));
+    assert!(a.is_ok() && b.is_ok() && c.is_ok());
+    let seen = llm.requests();
+    assert_eq!(seen.len(), 3);
+    for pair in seen.windows(2) {
+        let gap = pair[1].at - pair[0].at;
+        assert!(gap >= Duration::from_millis(750), "one call at a time: requests {gap:?} apart");
+    }
+    assert!(started.elapsed() >= Duration::from_millis(2400));
+    Ok(())
+}
