@@ -122,16 +122,19 @@ impl StageHandler for Execute {
                     .await?
                 {
                     Claim::Finished(rec) => rec,
-                    Claim::Unfinished => ExecutionRecord {
-                        attempt: state.attempt,
-                        index,
-                        command: command.clone(),
-                        status: ExecutionStatus::Interrupted,
-                        exit_code: None,
-                        output: "started by an earlier delivery that never finished: not run again; verify decides"
-                            .into(),
-                        duration_ms: 0,
-                    },
+                    Claim::Unfinished => {
+                        store.mark_interrupted(state.run_id, state.attempt, index).await?;
+                        ExecutionRecord {
+                            attempt: state.attempt,
+                            index,
+                            command: command.clone(),
+                            status: ExecutionStatus::Interrupted,
+                            exit_code: None,
+                            output: "started by an earlier delivery that never finished: not run again; verify decides"
+                                .into(),
+                            duration_ms: 0,
+                        }
+                    }
                     Claim::Claimed => {
                         let started = Instant::now();
                         let rec = match executor.run(&spec.host, command, cfg.command_timeout()).await {

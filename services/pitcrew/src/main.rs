@@ -142,6 +142,15 @@ enum ToyCommand {
         #[arg(long)]
         port: u16,
     },
+    /// Append `tag` to `file` (the target's own record of what ran), then create `touch`.
+    Mark {
+        #[arg(long)]
+        file: PathBuf,
+        #[arg(long)]
+        tag: String,
+        #[arg(long)]
+        touch: Option<PathBuf>,
+    },
 }
 
 fn parse_severity(s: &str) -> Result<Severity, String> {
@@ -194,6 +203,7 @@ fn toy_command(c: &ToyCommand) -> anyhow::Result<()> {
             toy::start(&exe, *port, dir)
         }
         ToyCommand::Squat { port } => toy::squat(*port),
+        ToyCommand::Mark { file, tag, touch } => toy::mark(file, tag, touch.as_deref()),
     }
 }
 

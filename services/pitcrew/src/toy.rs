@@ -124,6 +124,17 @@ pub fn squat(port: u16) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Append `tag` and a newline to `file` in one write (O_APPEND: concurrent marks never
+/// interleave), then create `touch` if given: a command whose every run leaves a trace.
+pub fn mark(file: &Path, tag: &str, touch: Option<&Path>) -> anyhow::Result<()> {
+    let mut f = std::fs::OpenOptions::new().create(true).append(true).open(file)?;
+    f.write_all(format!("{tag}\n").as_bytes())?;
+    if let Some(t) = touch {
+        std::fs::OpenOptions::new().create(true).truncate(false).write(true).open(t)?;
+    }
+    Ok(())
+}
+
 /// Total size of the regular files directly in `dir` (0 when it does not exist).
 fn logs_size(dir: &Path) -> u64 {
     std::fs::read_dir(dir)

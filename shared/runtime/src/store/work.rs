@@ -329,6 +329,21 @@ impl Store {
         }))
     }
 
+    /// Record that a claimed command's outcome is unknown (its worker died while it ran): only
+    /// while nothing finished it, so a late finish by a live worker is never overwritten.
+    pub async fn mark_interrupted(&self, run: Uuid, attempt: u32, index: u32) -> Result<(), StoreError> {
+        let client = self.client().await?;
+        let stmt = client
+            .prepare_cached(
+                "UPDATE executions SET status = 'interrupted', finished_at = now(),
+                     output = 'started by an earlier delivery that never finished: not run again'
+                 WHERE run_id = $1 AND attempt = $2 AND idx = $3 AND status IS NULL",
+            )
+            .await?;
+        client.execute(&stmt, &[&run, &(attempt as i32), &(index as i32)]).await?;
+        Ok(())
+    }
+
     /// (command, host, status) of every command run for `run`, in order; status is empty
     /// while a command is still running.
     pub async fn executions(&self, run: Uuid) -> Result<Vec<(String, String, String)>, StoreError> {

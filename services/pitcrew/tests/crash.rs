@@ -1,0 +1,172 @@
+//! Crash safety under load: a batch of 200 incidents through worker processes (offline
+//! providers, the local executor) while workers are SIGKILLed and restarted, or the
+//! nats-server is restarted. After each: every run has exactly one terminal state, the DLQ is
+//! empty, and no command ran twice for the same run and attempt — checked in the executions
+//! table and against the target's own record of what ran (`toy mark` appends a line per run).
+
+mod common;
+
+use common::{Crew, Worker};
+use pitcrew_model::Stage;
+use pitcrew_testkit::TestEnv;
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+const N: usize = 200;
+const DEADLINE: Duration = Duration::from_secs(240);
+
+/// N services, each healthy once its marker exists; start and restart leave a line in the
+/// shared record `ran.log`.
+fn inventory(env: &TestEnv) -> String {
+    let exe = env!("CARGO_BIN_EXE_pitcrew");
+    let dir = env.dir.path().display().to_string();
+    let mut text = String::new();
+    for i in 0..N {
+        let mark = |verb: &str| format!("{exe} toy mark --file {dir}/ran.log --tag s{i}-{verb} --touch {dir}/s{i}-up");
+        text.push_str(&format!(
+            "[services.s{i}]\nhost = \"local\"\nstart = \"{}\"\nrestart = \"{}\"\nevidence = []\n\
+             check = {{ kind = \"command\", command = \"test -f {dir}/s{i}-up\" }}\n",
+            mark("start"),
+            mark("restart"),
+        ));
+    }
+    text
+}
+
+fn all_stages() -> Vec<&'static str> {
+    Stage::ALL.iter().map(|s| s.as_str()).collect()
+}
+
+/// A pseudo-random number below `n` (uuid v4 bytes are random).
+fn below(n: u64) -> u64 {
+    let b = uuid::Uuid::new_v4();
+    u64::from_le_bytes(b.as_bytes()[..8].try_into().unwrap_or([0; 8])) % n.max(1)
+}
+
+/// Runs that reached a terminal state.
+async fn finished(db: &tokio_postgres::Client) -> anyhow::Result<i64> {
+    Ok(db.query_one("SELECT count(*) FROM runs WHERE status IN ('resolved', 'escalated')", &[]).await?.get(0))
+}
+
+/// Open the batch: one incident per service.
+async fn open_batch(crew: &Crew) -> anyhow::Result<()> {
+    for i in 0..N {
+        crew.open(&format!("s{i}"), "connection refused").await?;
+    }
+    Ok(())
+}
+
+/// Everything the batch must hold once it is over.
+async fn check_batch(crew: &Crew) -> anyhow::Result<()> {
+    let db = crew.db().await?;
+    let statuses = db.query("SELECT status, count(*) FROM runs GROUP BY status", &[]).await?;
+    let statuses: BTreeMap<String, i64> = statuses.iter().map(|r| (r.get(0), r.get(1))).collect();
+    assert_eq!(statuses.get("resolved").copied().unwrap_or(0), N as i64, "every run resolved: {statuses:?}");
+    let doubled: i64 = db
+        .query_one(
+            "SELECT count(*) FROM (SELECT run_id FROM run_events WHERE kind IN ('resolved', 'escalated')
+             GROUP BY run_id HAVING count(*) <> 1) d",
+            &[],
+        )
+        .await?
+        .get(0);
+    assert_eq!(doubled, 0, "exactly one terminal event per run");
+    let ended: i64 = db
+        .query_one("SELECT count(DISTINCT run_id) FROM run_events WHERE kind IN ('resolved', 'escalated')", &[])
+        .await?
+        .get(0);
+    assert_eq!(ended, N as i64);
+
+    let mut dlq = crew.bus.js.get_stream(crew.bus.subjects.dlq_stream()).await?;
+    assert_eq!(dlq.info().await?.state.messages, 0, "the DLQ is empty");
+
+    // The target's own record against the executions table: a command that finished ran
+    // exactly once; one interrupted by a kill ran at most once (it is never started again).
+    let record = std::fs::read_to_string(crew.env.path("ran.log"))?;
+    let mut ran: BTreeMap<String, i64> = BTreeMap::new();
+    for line in record.lines() {
+        *ran.entry(line.to_string()).or_default() += 1;
+    }
+    let rows = db
+        .query(
+            "SELECT substring(command from '--tag ([^ ]+)'),
+                    count(*) FILTER (WHERE status IN ('succeeded', 'failed')),
+                    count(*) FILTER (WHERE status = 'interrupted')
+             FROM executions GROUP BY 1",
+            &[],
+        )
+        .await?;
+    assert!(!rows.is_empty());
+    let mut interrupted = 0;
+    for r in &rows {
+        let (tag, done, cut): (String, i64, i64) = (r.get(0), r.get(1), r.get(2));
+        let lines = ran.remove(&tag).unwrap_or(0);
+        assert!(done <= lines && lines <= done + cut, "{tag}: ran {lines} times, {done} finished, {cut} interrupted");
+        interrupted += cut;
+    }
+    assert!(ran.is_empty(), "commands ran that no execution row records: {ran:?}");
+    let repeated: i64 = db
+        .query_one(
+            "SELECT count(*) FROM (SELECT run_id, attempt, command FROM executions
+             GROUP BY 1, 2, 3 HAVING count(*) > 1) d",
+            &[],
+        )
+        .await?
+        .get(0);
+    assert_eq!(repeated, 0, "no command twice in one run and attempt");
+    eprintln!("batch of {N}: all resolved, {} distinct commands ran, {interrupted} interrupted by kills", rows.len());
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn workers_killed_at_random_lose_nothing_and_repeat_nothing() -> anyhow::Result<()> {
+    let env = TestEnv::start().await?;
+    let text = inventory(&env);
+    let crew = Crew::start_in(env, &text, &[]).await?;
+    let stages = all_stages();
+    let mut workers: Vec<Worker> =
+        vec![crew.spawn_worker("w0-0", &stages, &[])?, crew.spawn_worker("w1-0", &stages, &[])?];
+    open_batch(&crew).await?;
+    let db = crew.db().await?;
+    let started = Instant::now();
+    let mut kills = 0;
+    while finished(&db).await? < N as i64 {
+        anyhow::ensure!(started.elapsed() < DEADLINE, "batch not done in {DEADLINE:?} ({kills} kills)");
+        tokio::time::sleep(Duration::from_millis(200 + below(600))).await;
+        if kills < 12 {
+            let k = below(2) as usize;
+            let _ = workers[k].child.kill();
+            let _ = workers[k].child.wait();
+            kills += 1;
+            workers[k] = crew.spawn_worker(&format!("w{k}-{kills}"), &stages, &[])?;
+        }
+    }
+    eprintln!("SIGKILLed a worker {kills} times; batch done in {:.1} s", started.elapsed().as_secs_f64());
+    assert!(kills >= 3, "the batch outlived several kills ({kills})");
+    check_batch(&crew).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_nats_restart_mid_batch_loses_nothing_and_repeats_nothing() -> anyhow::Result<()> {
+    let env = TestEnv::start().await?;
+    let text = inventory(&env);
+    let mut crew = Crew::start_in(env, &text, &[]).await?;
+    let stages = all_stages();
+    let _workers = [crew.spawn_worker("w0", &stages, &[])?, crew.spawn_worker("w1", &stages, &[])?];
+    open_batch(&crew).await?;
+    let db = crew.db().await?;
+    let started = Instant::now();
+    while finished(&db).await? < (N / 4) as i64 {
+        anyhow::ensure!(started.elapsed() < DEADLINE, "the batch never got going");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let at = finished(&db).await?;
+    crew.env.nats.restart()?;
+    eprintln!("nats-server restarted with {at} of {N} runs finished");
+    while finished(&db).await? < N as i64 {
+        anyhow::ensure!(started.elapsed() < DEADLINE, "batch not done in {DEADLINE:?} after the restart");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    eprintln!("batch done in {:.1} s", started.elapsed().as_secs_f64());
+    check_batch(&crew).await
+}
