@@ -4,6 +4,7 @@
 
 pub mod http;
 pub mod llm;
+pub mod pg;
 pub mod sshd;
 
 use anyhow::{anyhow, bail, Context};
@@ -25,11 +26,17 @@ pub fn admin_url() -> String {
 pub struct TestDb {
     pub url: String,
     name: String,
+    admin: String,
 }
 
 impl TestDb {
     pub async fn create() -> anyhow::Result<TestDb> {
-        let admin = admin_url();
+        Self::create_on(&admin_url()).await
+    }
+
+    /// A fresh database on the server `admin` names.
+    pub async fn create_on(admin: &str) -> anyhow::Result<TestDb> {
+        let admin = admin.to_string();
         let name = format!("pitcrew_test_{}", Uuid::new_v4().simple());
         let (client, conn) = tokio_postgres::connect(&admin, NoTls)
             .await
@@ -39,7 +46,7 @@ impl TestDb {
         let mut cfg: tokio_postgres::Config = admin.parse()?;
         cfg.dbname(&name);
         let url = replace_db(&admin, &name);
-        Ok(TestDb { url, name })
+        Ok(TestDb { url, name, admin })
     }
 
     /// A plain client on the test database, for assertions.
@@ -63,7 +70,7 @@ fn replace_db(url: &str, db: &str) -> String {
 impl Drop for TestDb {
     fn drop(&mut self) {
         let name = self.name.clone();
-        let admin = admin_url();
+        let admin = self.admin.clone();
         // Drop from a thread of its own: Drop may run inside or outside a runtime.
         let _ = std::thread::spawn(move || {
             let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().ok()?;
@@ -86,8 +93,13 @@ pub struct TestEnv {
 
 impl TestEnv {
     pub async fn start() -> anyhow::Result<TestEnv> {
+        Self::start_on(&admin_url()).await
+    }
+
+    /// As `start`, with the database on the Postgres server `admin` names.
+    pub async fn start_on(admin: &str) -> anyhow::Result<TestEnv> {
         let nats = NatsServer::start()?;
-        let db = TestDb::create().await?;
+        let db = TestDb::create_on(admin).await?;
         let dir = tempfile::Builder::new().prefix("pitcrew-test-").tempdir()?;
         Ok(TestEnv { nats, db, dir })
     }
