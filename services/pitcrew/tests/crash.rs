@@ -201,3 +201,42 @@ async fn postgres_down_for_ten_seconds_mid_batch_loses_nothing_and_repeats_nothi
     eprintln!("batch done in {:.1} s", started.elapsed().as_secs_f64());
     check_batch(&crew).await
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_sigtermed_mid_batch_drains_and_exits_cleanly() -> anyhow::Result<()> {
+    let env = TestEnv::start().await?;
+    let text = inventory(&env);
+    let crew = Crew::start_in(env, &text, &[]).await?;
+    let stages = all_stages();
+    let mut w0 = crew.spawn_worker("w0", &stages, &[])?;
+    let _w1 = crew.spawn_worker("w1", &stages, &[])?;
+    open_batch(&crew).await?;
+    let db = crew.db().await?;
+    let started = Instant::now();
+    while finished(&db).await? < (N / 4) as i64 {
+        anyhow::ensure!(started.elapsed() < DEADLINE, "the batch never got going");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // SAFETY: kill(2) on our own child's pid.
+    unsafe { libc::kill(w0.child.id() as i32, libc::SIGTERM) };
+    let asked = Instant::now();
+    let status = loop {
+        if let Some(s) = w0.child.try_wait()? {
+            break s;
+        }
+        anyhow::ensure!(asked.elapsed() < Duration::from_secs(45), "the worker did not exit within 45 s of SIGTERM");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    eprintln!("w0 exited {status} {:.2} s after SIGTERM", asked.elapsed().as_secs_f64());
+    assert!(status.success(), "a graceful shutdown exits 0: {status}");
+    let log = std::fs::read_to_string(&w0.log)?;
+    assert!(log.contains("finishing messages in hand"), "{log}");
+    while finished(&db).await? < N as i64 {
+        anyhow::ensure!(started.elapsed() < DEADLINE, "batch not done in {DEADLINE:?} with one worker left");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    check_batch(&crew).await?;
+    let cut: i64 = db.query_one("SELECT count(*) FROM executions WHERE status = 'interrupted'", &[]).await?.get(0);
+    assert_eq!(cut, 0, "a drained worker leaves no command half-done");
+    Ok(())
+}
