@@ -3,6 +3,11 @@
 //! fixed rate or as fast as possible, waits for every run to end, and prints one JSON line:
 //! completed runs per second, end-to-end latency percentiles, per-stage latency (from the
 //! timeline's timestamps) and errors.
+//!
+//! With `--llm-latency-ms N` diagnose and plan reason with an OpenAI-compatible server the tool
+//! starts (real HTTP) that answers every call after N ms, modelling LLM-bound stages; with
+//! `--diagnose-processes K` diagnose runs in K `pitcrew worker diagnose` processes instead of
+//! this one. The peak RSS of this process is reported.
 
 use anyhow::{bail, Context};
 use clap::Parser;
@@ -10,6 +15,7 @@ use futures::FutureExt;
 use pitcrew::{cli, crew};
 use pitcrew_model::{EventKind, RunEvent, Severity, Stage};
 use pitcrew_runtime::Config;
+use pitcrew_testkit::llm::{Reply, ScriptedLlm};
 use pitcrew_testkit::{Events, TestEnv};
 use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
@@ -33,6 +39,13 @@ struct Args {
     /// Give up waiting for runs after this many seconds.
     #[arg(long, default_value_t = 300)]
     timeout: u64,
+    /// Reason with a simulated LLM answering each call after this many milliseconds (0: the
+    /// offline playbook).
+    #[arg(long, default_value_t = 0)]
+    llm_latency_ms: u64,
+    /// Run diagnose in this many `pitcrew worker diagnose` processes (0: in this process).
+    #[arg(long, default_value_t = 0)]
+    diagnose_processes: usize,
 }
 
 const PLAYBOOK: &str = r#"
@@ -42,6 +55,23 @@ match = "disk wiped"
 diagnosis = "{service} lost its disk"
 plans = [["rm -rf /"]]
 "#;
+
+/// A child process killed when dropped.
+struct KillOnDrop(std::process::Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// This process's peak resident set (VmHWM), in MiB.
+fn peak_rss_mb() -> Option<f64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let kb: f64 = status.lines().find(|l| l.starts_with("VmHWM:"))?.split_whitespace().nth(1)?.parse().ok()?;
+    Some((kb / 1024.0 * 10.0).round() / 10.0)
+}
 
 fn percentile(sorted: &[f64], p: f64) -> f64 {
     if sorted.is_empty() {
@@ -64,13 +94,47 @@ async fn main() -> anyhow::Result<()> {
     std::fs::write(&book, PLAYBOOK)?;
     let healthy = env.path("healthy");
     std::fs::write(&healthy, "")?;
-    let cfg = Config::from_toml(&env.config_toml(&format!(
-        "[stages]\nconcurrency = {c}\nmax_ack_pending = {p}\n[reasoning]\nplaybook_file = \"{book}\"\n\
-         [verify]\nchecks = 1\n[services.svc]\nhost = \"local\"\nstart = \"touch {healthy}\"\n\
+    // The simulated LLM: a grounded diagnosis quoting the incident, and the playbook's plan.
+    let llm = if args.llm_latency_ms > 0 {
+        let llm = ScriptedLlm::start(Vec::new()).await?;
+        let (delay, healthy) = (Duration::from_millis(args.llm_latency_ms), healthy.clone());
+        llm.respond_with(move |body| {
+            let system = body["messages"][0]["content"].as_str().unwrap_or_default();
+            let user = body["messages"][1]["content"].as_str().unwrap_or_default();
+            let first = user.lines().find(|l| l.starts_with("Incident:")).unwrap_or_default();
+            let error = first.split_once("): ").map(|(_, e)| e).unwrap_or(first);
+            let answer = if system.contains("diagnosis step") {
+                serde_json::json!({ "diagnosis": "svc is unhealthy", "evidence": [error] }).to_string()
+            } else if error.contains("disk wiped") {
+                "```sh\nrm -rf /\n```".to_string()
+            } else {
+                format!("```sh\ntouch {healthy}\n```")
+            };
+            Reply::answer(&answer).delayed(delay)
+        });
+        Some(llm)
+    } else {
+        None
+    };
+    let reasoning = match &llm {
+        Some(l) => format!(
+            "[reasoning]\nprovider = \"openai\"\nplaybook_file = \"{book}\"\n[reasoning.openai]\nbase_url = \"{}\"\n\
+             model = \"simulated\"\napi_key_env = \"\"\nmax_concurrent = {}\ntimeout_secs = 120\nstream = false\n",
+            l.base_url,
+            args.concurrency * 2
+        ),
+        None => format!("[reasoning]\nplaybook_file = \"{book}\"\n"),
+    };
+    // LLM-bound runs skip the evidence commands so the model's latency is what is measured.
+    let evidence = if llm.is_some() { "evidence = []\n" } else { "" };
+    let text = env.config_toml(&format!(
+        "[stages]\nconcurrency = {c}\nmax_ack_pending = {p}\n{reasoning}\
+         [verify]\nchecks = 1\n[services.svc]\nhost = \"local\"\nstart = \"touch {healthy}\"\n{evidence}\
          check = {{ kind = \"command\", command = \"test -f {healthy}\" }}\n",
         c = args.concurrency,
         p = (args.concurrency * 4).max(256),
-    )))?;
+    ));
+    let cfg = Config::from_toml(&text)?;
     let (bus, _store) = crew::connect(&cfg).await?;
     let mut events = Events::follow(&bus, false).await?;
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
@@ -80,7 +144,30 @@ async fn main() -> anyhow::Result<()> {
     .boxed()
     .shared();
     let crew_cfg = cfg.clone();
-    let crew_task = tokio::spawn(async move { crew::run(crew_cfg, &Stage::ALL, shutdown).await });
+    let here: Vec<Stage> =
+        Stage::ALL.into_iter().filter(|s| args.diagnose_processes == 0 || *s != Stage::Diagnose).collect();
+    let crew_task = tokio::spawn(async move { crew::run(crew_cfg, &here, shutdown).await });
+    let mut workers = Vec::new();
+    if args.diagnose_processes > 0 {
+        let exe = std::env::current_exe()?.with_file_name("pitcrew");
+        if !exe.exists() {
+            bail!("--diagnose-processes needs {} (cargo build --release -p pitcrew)", exe.display());
+        }
+        let file = env.path("pitcrew.toml");
+        std::fs::write(&file, &text)?;
+        for k in 0..args.diagnose_processes {
+            let log = std::fs::File::create(env.path(&format!("diagnose-{k}.log")))?;
+            let child = std::process::Command::new(&exe)
+                .args(["--config", &file, "worker", "diagnose"])
+                .env("PITCREW_WORKER_NAME", format!("diagnose-{k}"))
+                .env_remove("DATABASE_URL")
+                .stdin(std::process::Stdio::null())
+                .stdout(std::process::Stdio::null())
+                .stderr(log)
+                .spawn()?;
+            workers.push(KillOnDrop(child));
+        }
+    }
 
     eprintln!(
         "loadtest: publishing {} incidents ({}/s)",
@@ -146,6 +233,8 @@ async fn main() -> anyhow::Result<()> {
     }
     let _ = stop.send(());
     let _ = tokio::time::timeout(Duration::from_secs(30), crew_task).await;
+    drop(workers);
+    let llm_calls = llm.as_ref().map(|l| l.requests().len());
     let stages: serde_json::Map<String, serde_json::Value> =
         stage_ms.into_iter().map(|(k, v)| (k, summary(v))).collect();
     println!(
@@ -160,6 +249,10 @@ async fn main() -> anyhow::Result<()> {
             "outcomes": outcomes,
             "errors": errors,
             "concurrency": args.concurrency,
+            "llm_latency_ms": args.llm_latency_ms,
+            "llm_calls": llm_calls,
+            "diagnose_processes": args.diagnose_processes,
+            "peak_rss_mb": peak_rss_mb(),
         })
     );
     Ok(())
