@@ -199,6 +199,17 @@ impl Policy {
                     continue;
                 }
             };
+            // Invisible characters and look-alike letters make a command read as something
+            // it is not (`rм`, `ｒｍ`, `r\u{200b}m`).
+            if let Some(c) = cmd.chars().find(|c| is_invisible(*c)) {
+                let why = format!("contains the invisible character U+{:04X}", c as u32);
+                forbidden.push(hit("invisible-character", FORBIDDEN, why));
+            }
+            let program = shell::normalise(&argv).into_iter().next().unwrap_or_default();
+            if !program.is_ascii() {
+                let why = format!("the program name '{program}' is not plain ASCII (a look-alike of another?)");
+                forbidden.push(hit("non-ascii-program", FORBIDDEN, why));
+            }
             if let Some(construct) = shell::find_construct(cmd) {
                 let why = format!(
                     "shell construct '{construct}' outside quotes: commands run one per line, \
@@ -316,6 +327,11 @@ impl Policy {
         }
         Ok(())
     }
+}
+
+/// Zero-width, joiner, direction and other format characters that render as nothing.
+fn is_invisible(c: char) -> bool {
+    matches!(c as u32, 0x00AD | 0x180E | 0x200B..=0x200F | 0x202A..=0x202E | 0x2060..=0x2064 | 0x2066..=0x206F | 0xFEFF)
 }
 
 fn rule_error(class: &'static str, rule: &str, problem: impl Into<String>) -> PolicyError {

@@ -28,6 +28,9 @@ pub(crate) fn find_construct(raw: &str) -> Option<&'static str> {
             (_, '\\') => i += 1, // the next character is literal
             (_, '`') => return Some("`"),
             (_, '$') if next == Some('(') => return Some("$("),
+            // Nothing runs through a shell, so `$IFS`, `$HOME`, `${x}` would reach the program
+            // literally: a command written for expansion is not what it seems.
+            (_, '$') if next.is_some_and(|c| c.is_ascii_alphabetic() || c == '_' || c == '{') => return Some("$VAR"),
             (Quote::Double, '"') => quote = Quote::None,
             (Quote::Double, _) => {}
             (Quote::None, '\'') => quote = Quote::Single,

