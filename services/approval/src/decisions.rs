@@ -149,6 +149,15 @@ impl Decisions {
                 .record(cx, EventKind::Error, format!("{} by {} ignored: {why}", d.decision.as_str(), d.by), d)
                 .await;
         };
+        // Only a configured approver decides; the sweeper's expiry only ever escalates.
+        if d.decision != Decision::Expire {
+            if let Some(why) = self.deps.config.refuse_approver(&d.by) {
+                tracing::warn!(run = %d.run_id, by = %d.by, channel = %d.channel, "decision refused: {why}");
+                return self
+                    .record(cx, EventKind::Error, format!("{} by {} refused: {why}", d.decision.as_str(), d.by), d)
+                    .await;
+            }
+        }
         let outcome = store.decide_approval(&plan_hash, d, seq).await?;
         let ignored = match &outcome {
             DecideOutcome::Applied => None,

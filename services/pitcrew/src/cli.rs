@@ -44,9 +44,11 @@ pub async fn approval_request(bus: &Bus, run: Uuid) -> anyhow::Result<ApprovalRe
     serde_json::from_slice(&msg.payload).context("approval request unreadable")
 }
 
-/// Publish a decision for the run's pending plan on the bridge subject.
+/// Publish a decision for the run's pending plan on the bridge subject. With the store, a
+/// plan already decided is refused here with who decided it (the crew would ignore it).
 pub async fn decide(
     bus: &Bus,
+    store: Option<&Store>,
     run: Uuid,
     decision: Decision,
     by: &str,
@@ -57,15 +59,12 @@ pub async fn decide(
         bail!("--by must name who decides");
     }
     let req = approval_request(bus, run).await?;
-    if let Some(prev) = last_decision(bus, run).await {
-        if prev.plan_hash.as_deref() == Some(req.plan_hash.as_str()) {
+    if let Some(store) = store {
+        if let Some((prev, who, via, when)) = store.approval_decision(run, &req.plan_hash).await? {
             bail!(
-                "plan {} of run {run} was already decided: {} by {} via {} at {}",
+                "plan {} of run {run} was already decided: {prev} by {who} via {via} at {}",
                 req.plan_hash,
-                prev.decision.as_str(),
-                prev.by,
-                prev.channel,
-                prev.decided_at.format("%Y-%m-%d %H:%M:%S")
+                when.format("%Y-%m-%d %H:%M:%S")
             );
         }
     }
@@ -81,13 +80,6 @@ pub async fn decide(
     let id = format!("{run}.{}.{}.{by}", req.plan_hash, decision.as_str());
     bus.publish(bus.subjects.approval_decided(run), &id, JSON, Some(run), serde_json::to_vec(&d)?.into()).await?;
     Ok(req)
-}
-
-/// The latest decision published for a run, if any.
-async fn last_decision(bus: &Bus, run: Uuid) -> Option<ApprovalDecision> {
-    let stream = bus.js.get_stream(bus.subjects.approvals_stream()).await.ok()?;
-    let msg = stream.get_last_raw_message_by_subject(&bus.subjects.approval_decided(run)).await.ok()?;
-    serde_json::from_slice(&msg.payload).ok()
 }
 
 /// One event as a line for humans.

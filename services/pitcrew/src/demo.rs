@@ -128,7 +128,8 @@ pub async fn run(ssh: bool, llm: Option<LlmDemo>) -> anyhow::Result<()> {
         Toy { name: "batch", port: free_port()?, dir: work.path().join("batch") },
     ];
     let mut text = String::from(
-        "[limits]\nmax_retries = 2\napproval_timeout_secs = 300\n[verify]\nchecks = 4\ninterval_ms = 250\n",
+        "[limits]\nmax_retries = 2\napproval_timeout_secs = 300\n[verify]\nchecks = 4\ninterval_ms = 250\n\
+         [approvers]\ndemo-operator = \"approver\"\n",
     );
     for t in &toys {
         std::fs::create_dir_all(&t.dir)?;
@@ -192,7 +193,7 @@ pub async fn run(ssh: bool, llm: Option<LlmDemo>) -> anyhow::Result<()> {
         .await?;
         while end.kind == EventKind::ApprovalRequested {
             println!("demo ({label}): operator 'demo-operator' approves on {}", bus.subjects.approval_decided(run));
-            cli::decide(&bus, run, Decision::Approve, "demo-operator", None, "demo").await?;
+            cli::decide(&bus, Some(&store), run, Decision::Approve, "demo-operator", None, "demo").await?;
             end = wait_for(&mut rx, &mut crew, |e| {
                 e.run_id == run && (e.kind == EventKind::ApprovalRequested || e.kind.is_terminal())
             })

@@ -243,14 +243,22 @@ async fn run(args: Args) -> anyhow::Result<()> {
             Ok(())
         }
         Command::Approve { run, by } => {
+            if let Some(why) = cfg.refuse_approver(&by) {
+                bail!("{why}");
+            }
             let bus = Bus::connect(&cfg).await?;
-            let req = cli::decide(&bus, run, Decision::Approve, &by, None, "cli").await?;
+            let store = cli::store(&cfg).await.ok();
+            let req = cli::decide(&bus, store.as_ref(), run, Decision::Approve, &by, None, "cli").await?;
             println!("approved plan {} of run {run}: {}", req.plan_hash, req.plan.join(" ; "));
             Ok(())
         }
         Command::Deny { run, by, reason } => {
+            if let Some(why) = cfg.refuse_approver(&by) {
+                bail!("{why}");
+            }
             let bus = Bus::connect(&cfg).await?;
-            let req = cli::decide(&bus, run, Decision::Deny, &by, Some(reason), "cli").await?;
+            let store = cli::store(&cfg).await.ok();
+            let req = cli::decide(&bus, store.as_ref(), run, Decision::Deny, &by, Some(reason), "cli").await?;
             println!("denied plan {} of run {run}", req.plan_hash);
             Ok(())
         }

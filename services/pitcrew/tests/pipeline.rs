@@ -95,7 +95,23 @@ async fn a_critical_plan_parks_until_approved_then_runs() -> anyhow::Result<()> 
     let req = cli::approval_request(&crew.bus, run).await?;
     assert_eq!(req.plan.len(), 2);
     assert!(req.rule.contains("rm"), "{}", req.rule);
-    cli::decide(&crew.bus, run, Decision::Approve, "ann", None, "cli").await?;
+    // Someone not under [approvers], straight on the bridge subject: refused, nothing changes.
+    let forged = ApprovalDecision {
+        run_id: run,
+        decision: Decision::Approve,
+        by: "mallory".into(),
+        plan_hash: Some(req.plan_hash.clone()),
+        reason: None,
+        channel: "script".into(),
+        decided_at: chrono::Utc::now(),
+    };
+    crew.bus.client.publish(crew.bus.subjects.approval_decided(run), serde_json::to_vec(&forged)?.into()).await?;
+    let refused = crew.events.wait(run, |e| e.kind == EventKind::Error && e.message.contains("refused"), WAIT).await?;
+    assert!(refused.message.contains("mallory is not a configured approver"), "{}", refused.message);
+    let status: String = db.query_one("SELECT status FROM runs WHERE id = $1", &[&run]).await?.get(0);
+    assert_eq!(status, "waiting_approval");
+    assert_eq!(count(&db, "SELECT count(*) FROM approvals WHERE run_id = $1 AND decision IS NOT NULL", run).await, 0);
+    cli::decide(&crew.bus, Some(&crew.store), run, Decision::Approve, "ann", None, "cli").await?;
     let end = crew.events.terminal(run, WAIT).await?;
     assert_eq!(end.kind, EventKind::Resolved, "{}", end.message);
     assert_eq!(count(&db, "SELECT count(*) FROM executions WHERE run_id = $1 AND status = 'succeeded'", run).await, 2);
@@ -112,7 +128,8 @@ async fn a_denied_plan_is_escalated_and_nothing_runs() -> anyhow::Result<()> {
     let mut crew = crew_with_playbook("").await?;
     let run = crew.open("svc", "stale lock held").await?;
     crew.events.kind(run, EventKind::ApprovalRequested, WAIT).await?;
-    cli::decide(&crew.bus, run, Decision::Deny, "bob", Some("not during the sale".into()), "cli").await?;
+    cli::decide(&crew.bus, Some(&crew.store), run, Decision::Deny, "bob", Some("not during the sale".into()), "cli")
+        .await?;
     let end = crew.events.terminal(run, WAIT).await?;
     assert_eq!(end.kind, EventKind::Escalated);
     assert!(end.message.contains("denied by bob: not during the sale"), "{}", end.message);
@@ -120,7 +137,8 @@ async fn a_denied_plan_is_escalated_and_nothing_runs() -> anyhow::Result<()> {
     assert_eq!(count(&db, "SELECT count(*) FROM executions WHERE run_id = $1", run).await, 0);
     // A late approval of the same plan changes nothing: the CLI refuses it, and a decision
     // published by any other client is ignored by the crew.
-    let refused = cli::decide(&crew.bus, run, Decision::Approve, "carol", None, "cli").await.unwrap_err();
+    let refused =
+        cli::decide(&crew.bus, Some(&crew.store), run, Decision::Approve, "carol", None, "cli").await.unwrap_err();
     assert!(refused.to_string().contains("already decided: deny by bob"), "{refused}");
     let late = ApprovalDecision {
         run_id: run,
@@ -175,7 +193,7 @@ async fn one_open_run_per_fingerprint() -> anyhow::Result<()> {
     let db = crew.db().await?;
     assert_eq!(count(&db, "SELECT count(*) FROM runs WHERE id = $1", second).await, 0);
     // Once the first run ends, the fingerprint may open a new run.
-    cli::decide(&crew.bus, first, Decision::Deny, "bob", Some("no".into()), "cli").await?;
+    cli::decide(&crew.bus, Some(&crew.store), first, Decision::Deny, "bob", Some("no".into()), "cli").await?;
     crew.events.terminal(first, WAIT).await?;
     let third = crew.open_with("svc", "stale lock held", Some("fp-1".into())).await?;
     crew.events.kind(third, EventKind::ApprovalRequested, WAIT).await?;

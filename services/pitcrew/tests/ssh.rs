@@ -506,7 +506,7 @@ async fn a_full_log_dir_is_cleared_after_approval_over_ssh() -> anyhow::Result<(
     assert!(asked.message.contains("waiting for approval"));
     let db = crew.db().await?;
     assert!(executions(&db, run).await?.is_empty(), "nothing runs before the approval");
-    let req = pitcrew::cli::decide(&crew.bus, run, Decision::Approve, "ann", None, "cli").await?;
+    let req = pitcrew::cli::decide(&crew.bus, Some(&crew.store), run, Decision::Approve, "ann", None, "cli").await?;
     assert!(req.rule.contains("find-delete"), "{}", req.rule);
     let end = crew.end(run).await?;
     let took = broke.elapsed();

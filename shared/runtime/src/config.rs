@@ -31,6 +31,9 @@ pub struct Config {
     pub hosts: BTreeMap<String, HostSpec>,
     /// The inventory: services pitcrew may remediate.
     pub services: BTreeMap<String, ServiceSpec>,
+    /// Who may decide approvals: name -> role (`approver` or `admin`). A decision from
+    /// anyone else is refused and changes nothing.
+    pub approvers: BTreeMap<String, String>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -194,7 +197,25 @@ impl Default for Config {
             monitor: MonitorConfig { interval_ms: 30_000, realert_secs: 3600 },
             hosts: BTreeMap::new(),
             services: BTreeMap::new(),
+            approvers: BTreeMap::new(),
         }
+    }
+}
+
+/// Roles that may decide approvals.
+pub const APPROVER_ROLES: &[&str] = &["approver", "admin"];
+
+impl Config {
+    /// Why `name` may not decide approvals, or None when `[approvers]` lists them.
+    pub fn refuse_approver(&self, name: &str) -> Option<String> {
+        if self.approvers.contains_key(name) {
+            return None;
+        }
+        Some(if self.approvers.is_empty() {
+            format!("{name} is not a configured approver (no [approvers] are configured: add `{name} = \"approver\"`)")
+        } else {
+            format!("{name} is not a configured approver")
+        })
     }
 }
 
@@ -287,6 +308,11 @@ impl Config {
             let local = ["local", "localhost", "127.0.0.1"].contains(&svc.host.as_str());
             if !local && !self.hosts.contains_key(&svc.host) {
                 return bad(format!("[services.{name}]: host '{}' is not under [hosts]", svc.host));
+            }
+        }
+        for (name, role) in &self.approvers {
+            if !APPROVER_ROLES.contains(&role.as_str()) {
+                return bad(format!("[approvers] {name} = \"{role}\": the role must be one of {APPROVER_ROLES:?}"));
             }
         }
         if !["playbook", "openai"].contains(&self.reasoning.provider.as_str()) {

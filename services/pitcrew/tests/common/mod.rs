@@ -45,7 +45,11 @@ impl Crew {
 
     pub async fn start_in(env: TestEnv, extra: &str, stages: &[Stage]) -> anyhow::Result<Crew> {
         let extra = extra.replace("{dir}", &env.dir.path().display().to_string());
-        let toml = env.config_toml(&format!("[verify]\nchecks = 2\ninterval_ms = 100\n{extra}"));
+        // The tests' cast of approvers; anyone else is refused.
+        let toml = env.config_toml(&format!(
+            "[verify]\nchecks = 2\ninterval_ms = 100\n[approvers]\nann = \"approver\"\nbob = \"approver\"\n\
+             carol = \"admin\"\n{extra}"
+        ));
         let cfg = Config::from_toml(&toml)?;
         let (bus, store) = crew::connect(&cfg).await?;
         let events = Events::follow(&bus, false).await?;

@@ -260,6 +260,23 @@ impl Store {
         })
     }
 
+    /// The decision recorded for a plan, if any: (decision, by, channel, when).
+    pub async fn approval_decision(
+        &self,
+        run: Uuid,
+        plan_hash: &str,
+    ) -> Result<Option<(String, String, String, chrono::DateTime<chrono::Utc>)>, StoreError> {
+        let client = self.client().await?;
+        let row = client
+            .query_opt(
+                "SELECT decision, decided_by, coalesce(channel, ''), decided_at FROM approvals
+                 WHERE run_id = $1 AND plan_hash = $2 AND decision IS NOT NULL",
+                &[&run, &plan_hash],
+            )
+            .await?;
+        Ok(row.map(|r| (r.get(0), r.get(1), r.get(2), r.get(3))))
+    }
+
     /// Pending approvals (all, or only those past their deadline), oldest first.
     pub async fn pending_approvals(&self, only_expired: bool, limit: i64) -> Result<Vec<PendingApproval>, StoreError> {
         let client = self.client().await?;
