@@ -161,6 +161,103 @@ pub async fn incidents(store: &Store, limit: i64) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `pitcrew approvals`: pending approvals, oldest first, with their age, rule and plan.
+pub async fn approvals(store: &Store, limit: i64) -> anyhow::Result<()> {
+    let pending = store.pending_approvals(false, limit).await?;
+    if pending.is_empty() {
+        println!("no pending approvals");
+        return Ok(());
+    }
+    let now = chrono::Utc::now();
+    println!("{:<36}  {:>8}  {:>10}  {:<20}  plan", "run", "age", "expires in", "flagged by rule");
+    for p in pending {
+        let age = (now - p.requested_at).num_seconds().max(0);
+        let left = (p.expires_at - now).num_seconds();
+        println!(
+            "{}  {:>8}  {:>10}  {:<20}  {}",
+            p.run_id,
+            human_secs(age),
+            if left > 0 { human_secs(left) } else { "expired".into() },
+            // The stored rule reads `<name>: <why>`; the name fits the table.
+            pitcrew_model::trim::clip(p.rule.split(':').next().unwrap_or(&p.rule), 20),
+            pitcrew_model::trim::clip(&p.commands.join(" ; "), 100)
+        );
+    }
+    Ok(())
+}
+
+fn human_secs(s: i64) -> String {
+    match s {
+        s if s < 120 => format!("{s}s"),
+        s if s < 7200 => format!("{}m", s / 60),
+        s => format!("{}h", s / 3600),
+    }
+}
+
+/// `pitcrew show <run>`: the run's incident, diagnosis, plan, policy decisions, approval
+/// trail, executions and outcome, from Postgres.
+pub async fn show(store: &Store, run: Uuid) -> anyhow::Result<()> {
+    let Some(stored) = store.load_run(run).await? else {
+        bail!("unknown run {run}: no run with this id (`pitcrew incidents` lists runs)");
+    };
+    let s = &stored.state;
+    println!("run {run}: {} at stage {} (attempt {})", stored.status.as_str(), s.step.as_str(), s.attempt);
+    println!("incident: {} on {}: {}", s.incident.service, s.incident.host.as_deref().unwrap_or("-"), s.incident.error);
+    if let Some(r) = &stored.reason {
+        println!("outcome: {r}");
+    }
+    for d in &s.diagnosis_log {
+        println!("diagnosis (attempt {}, {}): {}", d.attempt, d.source, d.summary);
+    }
+    if let Some(p) = &s.plan {
+        println!("plan (attempt {}, {}, hash {}):", p.attempt, p.source, p.hash());
+        for c in &p.commands {
+            println!("  {c}");
+        }
+    }
+    let timeline = store.timeline(run).await?;
+    let decisions: Vec<&RunEvent> = timeline
+        .iter()
+        .filter(|e| matches!(e.kind, EventKind::Policy | EventKind::Evaluation | EventKind::ApprovalRequested))
+        .collect();
+    if !decisions.is_empty() {
+        println!("policy and evaluation:");
+        for e in decisions {
+            println!("  {}", format_event(e));
+        }
+    }
+    let approvals = store.approvals_of(run).await?;
+    if !approvals.is_empty() {
+        println!("approval trail:");
+        for a in approvals {
+            println!(
+                "  {} requested for plan {} (rule {}): {}",
+                a.requested_at.format("%Y-%m-%d %H:%M:%S"),
+                a.plan_hash,
+                a.rule,
+                a.commands.join(" ; ")
+            );
+            match (&a.decision, &a.by) {
+                (Some(d), Some(by)) => println!(
+                    "  {} {d} by {by} via {}{}",
+                    a.decided_at.map(|t| t.format("%Y-%m-%d %H:%M:%S").to_string()).unwrap_or_default(),
+                    a.channel.as_deref().unwrap_or("-"),
+                    a.reason.as_deref().map(|r| format!(": {r}")).unwrap_or_default()
+                ),
+                _ => println!("  (undecided)"),
+            }
+        }
+    }
+    let ran = store.executions(run).await?;
+    if !ran.is_empty() {
+        println!("executions:");
+        for (command, host, status) in ran {
+            println!("  {host}  {:<11}  {command}", if status.is_empty() { "running" } else { &status });
+        }
+    }
+    Ok(())
+}
+
 /// Outcome word of a terminal event.
 pub fn outcome_of(e: &RunEvent) -> &'static str {
     match e.kind {

@@ -81,6 +81,13 @@ enum Command {
         #[arg(long, default_value_t = 20)]
         limit: i64,
     },
+    /// Pending approvals with their age and the rule that flagged them.
+    Approvals {
+        #[arg(long, default_value_t = 50)]
+        limit: i64,
+    },
+    /// A run's plan, policy decisions, approval trail and executions.
+    Show { run: Uuid },
     /// Apply database migrations.
     Migrate,
     /// The demo's toy service (used by the demo's remediation commands).
@@ -263,6 +270,8 @@ async fn run(args: Args) -> anyhow::Result<()> {
             Ok(())
         }
         Command::Incidents { limit } => cli::incidents(&cli::store(&cfg).await?, limit).await,
+        Command::Approvals { limit } => cli::approvals(&cli::store(&cfg).await?, limit).await,
+        Command::Show { run } => cli::show(&cli::store(&cfg).await?, run).await,
         Command::Migrate => {
             let store = cli::store(&cfg).await?;
             let n = store.migrate().await?;

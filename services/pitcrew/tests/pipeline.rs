@@ -111,10 +111,19 @@ async fn a_critical_plan_parks_until_approved_then_runs() -> anyhow::Result<()> 
     let status: String = db.query_one("SELECT status FROM runs WHERE id = $1", &[&run]).await?.get(0);
     assert_eq!(status, "waiting_approval");
     assert_eq!(count(&db, "SELECT count(*) FROM approvals WHERE run_id = $1 AND decision IS NOT NULL", run).await, 0);
+    let pending = crew.cli(&["approvals"])?;
+    let line = pending.lines().find(|l| l.starts_with(&run.to_string())).unwrap_or_default();
+    assert!(line.contains(" rm ") && line.contains(&req.plan[0]), "{pending}");
     cli::decide(&crew.bus, Some(&crew.store), run, Decision::Approve, "ann", None, "cli").await?;
     let end = crew.events.terminal(run, WAIT).await?;
     assert_eq!(end.kind, EventKind::Resolved, "{}", end.message);
     assert_eq!(count(&db, "SELECT count(*) FROM executions WHERE run_id = $1 AND status = 'succeeded'", run).await, 2);
+    assert_eq!(crew.cli(&["approvals"])?.trim(), "no pending approvals");
+    let shown = crew.cli(&["show", &run.to_string()])?;
+    for want in ["run ", "resolved", "approval trail:", "approve by ann via cli", "executions:", &req.plan[0]] {
+        assert!(shown.contains(want), "`pitcrew show` lacks {want:?}:\n{shown}");
+    }
+    assert!(shown.contains("needs approval by policy rule"), "the policy decision names its rule:\n{shown}");
     let who: String = db
         .query_one("SELECT decided_by FROM approvals WHERE run_id = $1 AND decision = 'approve'", &[&run])
         .await?

@@ -112,6 +112,18 @@ impl Crew {
         Ok(path)
     }
 
+    /// Run the `pitcrew` binary with this crew's config; its stdout, or an error with stderr.
+    pub fn cli(&self, args: &[&str]) -> anyhow::Result<String> {
+        let out = Command::new(env!("CARGO_BIN_EXE_pitcrew"))
+            .arg("--config")
+            .arg(self.config_file()?)
+            .args(args)
+            .env_remove("DATABASE_URL")
+            .output()?;
+        anyhow::ensure!(out.status.success(), "pitcrew {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        Ok(String::from_utf8(out.stdout)?)
+    }
+
     /// Start `pitcrew worker <stages>` as a real process named `name`.
     pub fn spawn_worker(&self, name: &str, stages: &[&str], env: &[(&str, &str)]) -> anyhow::Result<Worker> {
         self.spawn_worker_with(name, stages, env, "")

@@ -50,6 +50,20 @@ pub struct PendingApproval {
     pub expires_at: DateTime<Utc>,
 }
 
+/// One approval request of a run and its decision, if any.
+#[derive(Debug, Clone)]
+pub struct ApprovalRow {
+    pub plan_hash: String,
+    pub rule: String,
+    pub commands: Vec<String>,
+    pub requested_at: DateTime<Utc>,
+    pub decision: Option<String>,
+    pub by: Option<String>,
+    pub channel: Option<String>,
+    pub decided_at: Option<DateTime<Utc>>,
+    pub reason: Option<String>,
+}
+
 impl Store {
     /// Tokens the reasoning provider used for `run` at `stage` (state `seq`); a redelivery of
     /// the same state overwrites its row.
@@ -275,6 +289,33 @@ impl Store {
             )
             .await?;
         Ok(row.map(|r| (r.get(0), r.get(1), r.get(2), r.get(3))))
+    }
+
+    /// Every approval request of a run, oldest first: (plan hash, rule, commands, requested,
+    /// decision, by, channel, when, reason).
+    pub async fn approvals_of(&self, run: Uuid) -> Result<Vec<ApprovalRow>, StoreError> {
+        let client = self.client().await?;
+        let rows = client
+            .query(
+                "SELECT plan_hash, rule, commands, requested_at, decision, decided_by, channel, decided_at, reason
+                 FROM approvals WHERE run_id = $1 ORDER BY requested_at",
+                &[&run],
+            )
+            .await?;
+        Ok(rows
+            .iter()
+            .map(|r| ApprovalRow {
+                plan_hash: r.get(0),
+                rule: r.get(1),
+                commands: r.get(2),
+                requested_at: r.get(3),
+                decision: r.get(4),
+                by: r.get(5),
+                channel: r.get(6),
+                decided_at: r.get(7),
+                reason: r.get(8),
+            })
+            .collect())
     }
 
     /// Pending approvals (all, or only those past their deadline), oldest first.
