@@ -180,7 +180,10 @@ impl<'a> EvidenceTools<'a> {
             return ToolOutput { ok: false, output: format!("tool budget spent ({MAX_TOOL_CALLS} calls): answer now") };
         }
         let (asked, out) = web.call(name, &args).await;
-        let output = pitcrew_model::trim::trim_output(&out.output, pitcrew_model::run::MAX_OUTPUT);
+        let output = pitcrew_model::trim::trim_output(
+            &pitcrew_model::redact::redact(&out.output),
+            pitcrew_model::run::MAX_OUTPUT,
+        );
         let first = output.lines().find(|l| pitcrew_model::trim::looks_like_error(l)).or(output.lines().next());
         let line =
             format!("tool {name} {asked}{}: {}", if out.ok { "" } else { " failed" }, first.unwrap_or("(no output)"));
@@ -269,7 +272,8 @@ async fn run_evidence(executor: &dyn Executor, host: &str, cmd: &str) -> (bool, 
         Ok(o) => (false, if o.stderr.is_empty() { o.stdout } else { o.stderr }),
         Err(e) => (false, e.to_string()),
     };
-    (ok, pitcrew_model::trim::trim_output(&text, pitcrew_model::run::MAX_OUTPUT))
+    // Redacted before it is evidence, a timeline line or a model's tool result.
+    (ok, pitcrew_model::trim::trim_output(&pitcrew_model::redact::redact(&text), pitcrew_model::run::MAX_OUTPUT))
 }
 
 /// Keep evidence in the run state and in the timeline (with its trimmed output).

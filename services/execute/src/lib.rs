@@ -64,7 +64,7 @@ pub fn record(attempt: u32, index: u32, command: &str, out: &CommandOutput) -> E
         command: command.to_string(),
         status,
         exit_code: out.exit_code,
-        output: trim_output(&text, MAX_OUTPUT),
+        output: trim_output(&pitcrew_model::redact::redact(&text), MAX_OUTPUT),
         duration_ms: out.duration.as_millis() as u64,
     }
 }

@@ -101,7 +101,11 @@ impl Incident {
     /// Check every bound and name; trims surrounding whitespace first.
     pub fn validate(&mut self) -> Result<(), IncidentError> {
         self.service = self.service.trim().to_string();
-        self.error = self.error.trim().to_string();
+        // An alert may quote a secret; nothing downstream keeps it.
+        self.error = crate::redact::redact(self.error.trim()).into_owned();
+        for v in self.labels.values_mut() {
+            *v = crate::redact::redact(v).into_owned();
+        }
         if self.service.is_empty() {
             return Err(IncidentError::EmptyService);
         }

@@ -7,6 +7,7 @@ pub mod codec;
 pub mod event;
 pub mod incident;
 pub mod inventory;
+pub mod redact;
 pub mod run;
 pub mod schema;
 pub mod stage;

@@ -78,14 +78,17 @@ impl<'a> Cx<'a> {
     }
 
     /// Add a timeline event (stored and published once the step commits).
-    pub fn emit(&mut self, kind: EventKind, message: impl Into<String>, data: serde_json::Value) {
+    pub fn emit(&mut self, kind: EventKind, message: impl Into<String>, mut data: serde_json::Value) {
+        // Secrets never reach the timeline, the bus or Postgres.
+        pitcrew_model::redact::redact_json(&mut data);
+        let message = pitcrew_model::redact::redact(&message.into()).into_owned();
         self.events.push(RunEvent {
             run_id: self.run_id,
             seq: self.seq,
             index: self.next_index,
             stage: self.stage,
             kind,
-            message: pitcrew_model::trim::clip(&message.into(), 2000),
+            message: pitcrew_model::trim::clip(&message, 2000),
             data,
             worker: self.deps.worker.clone(),
             at: Utc::now(),

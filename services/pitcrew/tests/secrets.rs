@@ -1,0 +1,72 @@
+//! Secrets planted in an alert, a log the crew reads as evidence and a command's output never
+//! reach a log line, an event or a Postgres row.
+
+mod common;
+
+use common::{write, Crew};
+use pitcrew_model::{EventKind, Stage};
+use pitcrew_testkit::TestEnv;
+
+const SECRETS: &[&str] = &["hunter2-ABC", "tok-XYZ-123456", "pa55-SECRET", "MIIsecretKEYdata", "AKIAIOSFODNN7EXAMPLE"];
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn planted_secrets_reach_no_log_event_or_row() -> anyhow::Result<()> {
+    let env = TestEnv::start().await?;
+    let creds = write(&env, "creds.txt", "db_password=hunter2-ABC\nAuthorization: Bearer tok-XYZ-123456\n");
+    let log = write(
+        &env,
+        "svc.log",
+        "starting\nERROR login failed for postgres://app:pa55-SECRET@db/app\n\
+         -----BEGIN RSA PRIVATE KEY-----\nMIIsecretKEYdata\n-----END RSA PRIVATE KEY-----\n",
+    );
+    let book = write(
+        &env,
+        "playbook.toml",
+        "[[rule]]\nname = \"drill\"\nmatch = \"secrets drill\"\ndiagnosis = \"{service} leaks: {error}\"\n\
+         plans = [[\"cat {creds}\", \"{start}\"]]\n",
+    );
+    let text = format!(
+        "[reasoning]\nplaybook_file = \"{book}\"\n{}log_file = \"{log}\"\nvars = {{ creds = \"{creds}\" }}\n",
+        common::marker_service(&env, "svc")
+    );
+    let mut crew = Crew::start_in(env, &text, &[]).await?;
+    let stages: Vec<&str> = Stage::ALL.iter().map(|s| s.as_str()).collect();
+    let worker = crew.spawn_worker("w", &stages, &[("PITCREW_LOG", "debug")])?;
+    let run = crew.open("svc", "secrets drill: api_key=AKIAIOSFODNN7EXAMPLE leaked").await?;
+    let end = crew.events.terminal(run, common::WAIT).await?;
+    assert_eq!(end.kind, EventKind::Resolved, "{}", end.message);
+
+    let db = crew.db().await?;
+    let output: String =
+        db.query_one("SELECT output FROM executions WHERE run_id = $1 AND idx = 0", &[&run]).await?.get(0);
+    assert!(output.contains("db_password=[REDACTED]") && output.contains("Bearer [REDACTED]"), "{output}");
+    let everything: String = db
+        .query_one(
+            "SELECT concat_ws(' ',
+               (SELECT string_agg(message || data::text, ' ') FROM run_events WHERE run_id = $1),
+               (SELECT string_agg(state::text || coalesce(reason, ''), ' ') FROM runs WHERE id = $1),
+               (SELECT string_agg(command || coalesce(output, ''), ' ') FROM executions WHERE run_id = $1),
+               (SELECT string_agg(error || diagnosis || result, ' ') FROM episodes WHERE run_id = $1),
+               (SELECT string_agg(error || labels::text, ' ') FROM incidents WHERE id = $1),
+               (SELECT string_agg(checks::text || coalesce(feedback, ''), ' ') FROM evaluations WHERE run_id = $1))",
+            &[&run],
+        )
+        .await?
+        .get(0);
+    assert!(everything.contains("[REDACTED]"), "the redaction ran");
+    assert!(everything.contains("ERROR login failed"), "the useful part of the evidence is kept");
+    for s in SECRETS {
+        assert!(!everything.contains(s), "{s} reached Postgres");
+    }
+    let events: String = crew.events.seen.iter().map(|e| format!("{} {}", e.message, e.data)).collect();
+    for s in SECRETS {
+        assert!(!events.contains(s), "{s} reached the bus");
+    }
+    let logged = std::fs::read_to_string(&worker.log)?;
+    assert!(logged.contains(&run.to_string()), "the worker logged the run at debug level");
+    for s in SECRETS {
+        assert!(!logged.contains(s), "{s} reached the worker's log");
+    }
+    drop(worker);
+    crew.shutdown().await
+}

@@ -1,0 +1,104 @@
+//! Secrets out of everything pitcrew keeps: command output, evidence, tool results and
+//! timeline events are redacted before they are logged, published or stored. Values of
+//! password/token/key assignments, Authorization headers, bearer tokens, credentials in URLs,
+//! private key blocks and well-known token shapes become `[REDACTED]`.
+
+use regex::Regex;
+use std::borrow::Cow;
+use std::sync::LazyLock;
+
+/// What replaces a secret.
+pub const MARK: &str = "[REDACTED]";
+
+struct Pattern {
+    re: Regex,
+    /// The replacement, with `$n` groups kept (the key, the separator).
+    with: &'static str,
+}
+
+static PATTERNS: LazyLock<Vec<Pattern>> = LazyLock::new(|| {
+    let p = |re: &str, with: &'static str| Pattern { re: Regex::new(re).expect("redaction pattern"), with };
+    vec![
+        p(
+            r"(?s)-----BEGIN [A-Z0-9 ]*PRIVATE KEY-----.*?(?:-----END [A-Z0-9 ]*PRIVATE KEY-----|\z)",
+            "[REDACTED PRIVATE KEY]",
+        ),
+        p(r"(?i)\b((?:proxy-)?authorization\s*:\s*)(?:(basic|bearer|token|digest)\s+)?\S+", "${1}${2} [REDACTED]"),
+        p(r"(?i)\b(bearer\s+)[A-Za-z0-9\-._~+/]+=*", "${1}[REDACTED]"),
+        p(
+            r#"(?i)\b((?:[a-z0-9_-]*[_-])?(?:password|passwd|pwd|pass|secret|token|api[_-]?key|apikey|access[_-]?key|private[_-]?key|credentials?)["']?\s*[:=]\s*["']?)[^\s"',;&]+"#,
+            "${1}[REDACTED]",
+        ),
+        p(r"(?i)(--?(?:password|passwd|token|secret|api-key|apikey)\s+)\S+", "${1}[REDACTED]"),
+        p(r"(?i)\b([a-z][a-z0-9+.-]*://[^/\s:@]+:)[^/\s@]+@", "${1}[REDACTED]@"),
+        p(r"\bAKIA[0-9A-Z]{16}\b", MARK),
+        p(r"\bsk-[A-Za-z0-9_-]{16,}", MARK),
+        p(r"\bxox[abprs]-[A-Za-z0-9-]{10,}", MARK),
+        p(r"\bgh[pousr]_[A-Za-z0-9]{20,}", MARK),
+        p(r"\bglpat-[A-Za-z0-9_-]{20,}", MARK),
+        p(r"\beyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}", MARK),
+    ]
+});
+
+/// `text` with every secret it shows replaced.
+pub fn redact(text: &str) -> Cow<'_, str> {
+    let mut out = Cow::Borrowed(text);
+    for p in PATTERNS.iter() {
+        if p.re.is_match(&out) {
+            out = Cow::Owned(p.re.replace_all(&out, p.with).into_owned());
+        }
+    }
+    out
+}
+
+/// Redact every string inside a JSON value, in place.
+pub fn redact_json(v: &mut serde_json::Value) {
+    match v {
+        serde_json::Value::String(s) => {
+            if let Cow::Owned(r) = redact(s) {
+                *s = r;
+            }
+        }
+        serde_json::Value::Array(items) => items.iter_mut().for_each(redact_json),
+        serde_json::Value::Object(map) => map.values_mut().for_each(redact_json),
+        _ => {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn secrets_are_replaced_and_the_rest_kept() {
+        let cases = [
+            ("db password=hunter2 ok", "db password=[REDACTED] ok"),
+            ("DB_PASSWORD: \"s3cr3t\"", "DB_PASSWORD: \"[REDACTED]\""),
+            ("api_key=abcd1234&x=1", "api_key=[REDACTED]&x=1"),
+            ("Authorization: Bearer eyJabc.def", "Authorization: Bearer [REDACTED]"),
+            ("curl -H 'Authorization: Basic dXNlcjpwYXNz'", "curl -H 'Authorization: Basic [REDACTED]"),
+            ("postgres://app:pa55w0rd@db:5432/app", "postgres://app:[REDACTED]@db:5432/app"),
+            ("key AKIAIOSFODNN7EXAMPLE used", "key [REDACTED] used"),
+            ("OPENAI sk-proj-abcdefghijklmnop1234", "OPENAI [REDACTED]"),
+            ("slack xoxb-123456789012-abcdefghij", "slack [REDACTED]"),
+            ("mysqladmin --password s3cret status", "mysqladmin --password [REDACTED] status"),
+            (
+                "-----BEGIN RSA PRIVATE KEY-----\nMIIE\n-----END RSA PRIVATE KEY-----\nafter",
+                "[REDACTED PRIVATE KEY]\nafter",
+            ),
+        ];
+        for (input, want) in cases {
+            assert_eq!(redact(input), want, "{input}");
+        }
+        for plain in ["connection refused", "passed: 3 tests", "token bucket full", "GET /health -> 503"] {
+            assert!(matches!(redact(plain), Cow::Borrowed(_)), "{plain} is left alone");
+        }
+    }
+
+    #[test]
+    fn json_strings_are_redacted_in_place() {
+        let mut v = serde_json::json!({ "output": "password=x1", "list": ["token: y2", 3], "n": 1 });
+        redact_json(&mut v);
+        assert_eq!(v, serde_json::json!({ "output": "password=[REDACTED]", "list": ["token: [REDACTED]", 3], "n": 1 }));
+    }
+}
