@@ -158,6 +158,15 @@ impl Decisions {
                     .await;
             }
         }
+        // A plan that needs several approvers runs on the last approval of its quorum.
+        if d.decision == Decision::Approve && pending.as_deref() == Some(plan_hash.as_str()) {
+            if let Some((votes, quorum)) = store.vote(d.run_id, &plan_hash, &d.by, &d.channel).await? {
+                if votes < quorum {
+                    let msg = format!("approve by {} via {} counted: {votes} of {quorum} approvals", d.by, d.channel);
+                    return self.record(cx, EventKind::ApprovalDecided, msg, d).await;
+                }
+            }
+        }
         let outcome = store.decide_approval(&plan_hash, d, seq).await?;
         let ignored = match &outcome {
             DecideOutcome::Applied => None,

@@ -13,7 +13,7 @@ pub struct ApprovalStage {
 }
 
 /// Build the request a human is asked to decide.
-pub fn request(state: &RunState, rule: &str, reason: &str, timeout_secs: u64) -> ApprovalRequest {
+pub fn request(state: &RunState, rule: &str, reason: &str, timeout_secs: u64, quorum: u32) -> ApprovalRequest {
     let plan = state.plan.as_ref().expect("the gate only requests approval for a plan");
     let now = Utc::now();
     ApprovalRequest {
@@ -34,6 +34,7 @@ pub fn request(state: &RunState, rule: &str, reason: &str, timeout_secs: u64) ->
             .collect(),
         requested_at: now,
         expires_at: now + chrono::Duration::seconds(timeout_secs.min(i64::MAX as u64 / 2) as i64),
+        quorum,
     }
 }
 
@@ -76,7 +77,8 @@ impl StageHandler for ApprovalStage {
                     Ok(Transition::Escalate(format!("policy rejected `{command}`: {reason}")))
                 }
                 GateDecision::NeedsApproval { rule, command, reason } => {
-                    let req = request(state, &rule, &reason, cx.config().limits.approval_timeout_secs);
+                    let quorum = self.policy.quorum(&plan.commands);
+                    let req = request(state, &rule, &reason, cx.config().limits.approval_timeout_secs, quorum);
                     cx.emit(
                         EventKind::Policy,
                         format!("policy: {reason}"),
@@ -123,7 +125,7 @@ mod tests {
             Plan { attempt: 1, commands: vec!["kill -9 42".into()], rationale: String::new(), source: String::new() };
         let hash = plan.hash();
         s.plan = Some(plan);
-        let r = request(&s, "kill-9", "SIGKILL loses state", 600);
+        let r = request(&s, "kill-9", "SIGKILL loses state", 600, 1);
         assert_eq!(r.plan, vec!["kill -9 42".to_string()]);
         assert_eq!(r.plan_hash, hash);
         assert_eq!(r.rule, "kill-9: SIGKILL loses state");

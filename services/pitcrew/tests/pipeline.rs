@@ -223,3 +223,53 @@ async fn an_approval_not_decided_in_time_escalates_the_run() -> anyhow::Result<(
     assert_eq!(count(&db, "SELECT count(*) FROM executions WHERE run_id = $1", run).await, 0);
     crew.shutdown().await
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_two_person_rule_runs_the_plan_only_after_two_distinct_approvers() -> anyhow::Result<()> {
+    let env = TestEnv::start().await?;
+    let policy = write(
+        &env,
+        "policy.toml",
+        "[[critical]]\nname = \"two-person-rm\"\nreason = \"deleting needs two people\"\npattern = '^rm\\s'\nquorum = 2\n",
+    );
+    let book = write(&env, "playbook.toml", PLAYBOOK);
+    let svc = marker_service(&env, "svc");
+    let text = format!("[reasoning]\nplaybook_file = \"{book}\"\n[policy]\nfile = \"{policy}\"\n{svc}");
+    let mut crew = Crew::start_in(env, &text, &Stage::ALL).await?;
+    let run = crew.open("svc", "stale lock held").await?;
+    crew.events.kind(run, EventKind::ApprovalRequested, WAIT).await?;
+    let req = cli::approval_request(&crew.bus, run).await?;
+    assert_eq!(req.quorum, 2, "{req:?}");
+    let db = crew.db().await?;
+
+    cli::decide(&crew.bus, Some(&crew.store), run, Decision::Approve, "ann", None, "cli").await?;
+    crew.events.wait(run, |e| e.message.contains("approve by ann via cli counted: 1 of 2"), WAIT).await?;
+    // The same approver again is still one approval (published straight to the subject).
+    let again = ApprovalDecision {
+        run_id: run,
+        decision: Decision::Approve,
+        by: "ann".into(),
+        plan_hash: Some(req.plan_hash.clone()),
+        reason: None,
+        channel: "chat".into(),
+        decided_at: chrono::Utc::now(),
+    };
+    crew.bus.client.publish(crew.bus.subjects.approval_decided(run), serde_json::to_vec(&again)?.into()).await?;
+    crew.events.wait(run, |e| e.message.contains("approve by ann via chat counted: 1 of 2"), WAIT).await?;
+    let status: String = db.query_one("SELECT status FROM runs WHERE id = $1", &[&run]).await?.get(0);
+    assert_eq!(status, "waiting_approval");
+    assert_eq!(count(&db, "SELECT count(*) FROM executions WHERE run_id = $1", run).await, 0);
+
+    cli::decide(&crew.bus, Some(&crew.store), run, Decision::Approve, "bob", None, "cli").await?;
+    let end = crew.events.terminal(run, WAIT).await?;
+    assert_eq!(end.kind, EventKind::Resolved, "{}", end.message);
+    let voters: Vec<String> = db
+        .query("SELECT approver FROM approval_votes WHERE run_id = $1 ORDER BY approver", &[&run])
+        .await?
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(voters, ["ann", "bob"]);
+    assert_eq!(count(&db, "SELECT count(*) FROM executions WHERE run_id = $1 AND status = 'succeeded'", run).await, 2);
+    crew.shutdown().await
+}

@@ -25,6 +25,13 @@ pub struct ApprovalRequest {
     pub requested_at: DateTime<Utc>,
     /// Undecided by then, the run escalates.
     pub expires_at: DateTime<Utc>,
+    /// Distinct approvers needed before the plan runs (one deny is enough to stop it).
+    #[serde(default = "one")]
+    pub quorum: u32,
+}
+
+fn one() -> u32 {
+    1
 }
 
 /// What an approver said.

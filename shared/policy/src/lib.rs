@@ -28,8 +28,18 @@ const REGEX_SIZE_LIMIT: usize = 1 << 20;
 pub const FORBIDDEN: &str = "forbidden";
 pub const CRITICAL: &str = "critical";
 /// Rules implemented in code; policy files may not reuse their names.
-const BUILT_IN: &[&str] =
-    &["shell-construct", "unparseable", "empty-command", "command-too-long", "empty-plan", "too-many-commands"];
+const BUILT_IN: &[&str] = &[
+    "shell-construct",
+    "unparseable",
+    "empty-command",
+    "command-too-long",
+    "empty-plan",
+    "too-many-commands",
+    "invisible-character",
+    "non-ascii-program",
+];
+/// Most distinct approvers a rule may require.
+const MAX_QUORUM: u32 = 5;
 
 /// Why a policy could not be loaded; rule errors name the rule and the problem.
 #[derive(Debug, thiserror::Error)]
@@ -93,6 +103,8 @@ struct Rule {
     name: String,
     reason: String,
     pattern: Regex,
+    /// Distinct approvers a plan this critical rule flags needs (1 unless the rule says).
+    quorum: u32,
 }
 
 /// The rules, loaded and compiled once. Forbidden rules are always checked before critical.
@@ -108,6 +120,8 @@ struct RawRule {
     name: String,
     reason: String,
     pattern: String,
+    #[serde(default)]
+    quorum: Option<u32>,
 }
 
 impl Policy {
@@ -229,6 +243,17 @@ impl Policy {
         }
         forbidden.extend(critical);
         forbidden
+    }
+
+    /// Distinct approvers the plan needs: the largest quorum of the critical rules it hits
+    /// (1 when none asks for more).
+    pub fn quorum(&self, commands: &[String]) -> u32 {
+        self.findings(commands)
+            .iter()
+            .filter(|f| f.class == CRITICAL)
+            .filter_map(|f| self.critical.iter().find(|r| r.name == f.rule).map(|r| r.quorum))
+            .max()
+            .unwrap_or(1)
     }
 
     /// Reject if any forbidden finding, else NeedsApproval if any critical, else Allow.
@@ -369,7 +394,15 @@ fn parse_class(class: &'static str, value: toml::Value) -> Result<Vec<Rule>, Pol
         if pattern.is_match("") {
             return Err(rule_error(class, &label, "pattern matches empty text, so it would match every command"));
         }
-        rules.push(Rule { name: raw.name, reason: raw.reason, pattern });
+        let quorum = match raw.quorum {
+            None => 1,
+            Some(_) if class != CRITICAL => {
+                return Err(rule_error(class, &label, "quorum applies to critical rules only (they are approved)"))
+            }
+            Some(q) if (1..=MAX_QUORUM).contains(&q) => q,
+            Some(q) => return Err(rule_error(class, &label, format!("quorum {q} is not within 1-{MAX_QUORUM}"))),
+        };
+        rules.push(Rule { name: raw.name, reason: raw.reason, pattern, quorum });
     }
     Ok(rules)
 }

@@ -376,3 +376,18 @@ fn the_read_only_class_admits_only_commands_that_read() {
         assert!(p.read_only(bad).is_err(), "{bad} must not pass as evidence");
     }
 }
+
+#[test]
+fn a_critical_rule_may_require_several_approvers() {
+    let rule = |class: &str, extra: &str| {
+        format!("[[{class}]]\nname = \"two\"\nreason = \"needs two\"\npattern = '^rm\\s'\n{extra}")
+    };
+    let p = Policy::from_toml(&rule("critical", "quorum = 2")).unwrap();
+    assert_eq!(p.quorum(&plan(&["rm -f /tmp/lock", "touch /tmp/x"])), 2);
+    assert_eq!(p.quorum(&plan(&["touch /tmp/x"])), 1);
+    let err = Policy::from_toml(&rule("forbidden", "quorum = 2")).unwrap_err().to_string();
+    assert!(err.contains("critical rules only"), "{err}");
+    let err = Policy::from_toml(&rule("critical", "quorum = 9")).unwrap_err().to_string();
+    assert!(err.contains("not within 1-5"), "{err}");
+    assert_eq!(Policy::default_policy().quorum(&plan(&["kill -9 42"])), 1);
+}

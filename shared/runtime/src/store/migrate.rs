@@ -7,6 +7,7 @@ use tokio_postgres::NoTls;
 pub const MIGRATIONS: &[(i32, &str, &str)] = &[
     (1, "init", include_str!("../../../../schemas/migrations/0001_init.sql")),
     (2, "llm_usage", include_str!("../../../../schemas/migrations/0002_llm_usage.sql")),
+    (3, "approval_quorum", include_str!("../../../../schemas/migrations/0003_approval_quorum.sql")),
 ];
 
 /// Arbitrary constant: the advisory lock that serialises migrators.

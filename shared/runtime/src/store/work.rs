@@ -197,8 +197,8 @@ impl Store {
         let client = self.client().await?;
         let stmt = client
             .prepare_cached(
-                "INSERT INTO approvals (run_id, plan_hash, attempt, commands, risk, rule, requested_at, expires_at)
-                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8) ON CONFLICT DO NOTHING",
+                "INSERT INTO approvals (run_id, plan_hash, attempt, commands, risk, rule, requested_at, expires_at, quorum)
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9) ON CONFLICT DO NOTHING",
             )
             .await?;
         client
@@ -213,10 +213,43 @@ impl Store {
                     &req.rule,
                     &req.requested_at,
                     &req.expires_at,
+                    &(req.quorum as i32),
                 ],
             )
             .await?;
         Ok(())
+    }
+
+    /// Count `by`'s approval of a pending request that needs a quorum: (distinct approvals so
+    /// far, quorum), or None when the request is not pending (decided, or never made). An
+    /// approver who already voted is counted once.
+    pub async fn vote(
+        &self,
+        run: Uuid,
+        plan_hash: &str,
+        by: &str,
+        channel: &str,
+    ) -> Result<Option<(i64, i64)>, StoreError> {
+        let client = self.client().await?;
+        let quorum = client
+            .query_opt(
+                "SELECT quorum FROM approvals WHERE run_id = $1 AND plan_hash = $2 AND decision IS NULL",
+                &[&run, &plan_hash],
+            )
+            .await?;
+        let Some(quorum) = quorum.map(|r| i64::from(r.get::<_, i32>(0))) else { return Ok(None) };
+        client
+            .execute(
+                "INSERT INTO approval_votes (run_id, plan_hash, approver, channel) VALUES ($1, $2, $3, $4)
+                 ON CONFLICT DO NOTHING",
+                &[&run, &plan_hash, &by, &channel],
+            )
+            .await?;
+        let votes: i64 = client
+            .query_one("SELECT count(*) FROM approval_votes WHERE run_id = $1 AND plan_hash = $2", &[&run, &plan_hash])
+            .await?
+            .get(0);
+        Ok(Some((votes, quorum)))
     }
 
     /// Settle the request for `plan_hash` with `d`, only if it is still pending.
