@@ -48,6 +48,15 @@ async fn finished(db: &tokio_postgres::Client) -> anyhow::Result<i64> {
     Ok(db.query_one("SELECT count(*) FROM runs WHERE status IN ('resolved', 'escalated')", &[]).await?.get(0))
 }
 
+/// Wait until at least `n` runs finished; past the deadline, fail saying `what`.
+async fn wait_finished(db: &tokio_postgres::Client, n: usize, started: Instant, what: &str) -> anyhow::Result<()> {
+    while finished(db).await? < n as i64 {
+        anyhow::ensure!(started.elapsed() < DEADLINE, "{what} ({} of {n} finished)", finished(db).await?);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    Ok(())
+}
+
 /// Open the batch: one incident per service.
 async fn open_batch(crew: &Crew) -> anyhow::Result<()> {
     for i in 0..N {
@@ -156,17 +165,11 @@ async fn a_nats_restart_mid_batch_loses_nothing_and_repeats_nothing() -> anyhow:
     open_batch(&crew).await?;
     let db = crew.db().await?;
     let started = Instant::now();
-    while finished(&db).await? < (N / 4) as i64 {
-        anyhow::ensure!(started.elapsed() < DEADLINE, "the batch never got going");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    wait_finished(&db, N / 4, started, "the batch never got going").await?;
     let at = finished(&db).await?;
     crew.env.nats.restart()?;
     eprintln!("nats-server restarted with {at} of {N} runs finished");
-    while finished(&db).await? < N as i64 {
-        anyhow::ensure!(started.elapsed() < DEADLINE, "batch not done in {DEADLINE:?} after the restart");
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    wait_finished(&db, N, started, "batch not done after the restart").await?;
     eprintln!("batch done in {:.1} s", started.elapsed().as_secs_f64());
     check_batch(&crew).await
 }
@@ -181,23 +184,13 @@ async fn postgres_down_for_ten_seconds_mid_batch_loses_nothing_and_repeats_nothi
     let _workers = [crew.spawn_worker("w0", &stages, &[])?, crew.spawn_worker("w1", &stages, &[])?];
     open_batch(&crew).await?;
     let started = Instant::now();
-    {
-        let db = crew.db().await?;
-        while finished(&db).await? < (N / 4) as i64 {
-            anyhow::ensure!(started.elapsed() < DEADLINE, "the batch never got going");
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    }
+    wait_finished(&crew.db().await?, N / 4, started, "the batch never got going").await?;
     pg.stop();
     eprintln!("postgres stopped at {:.1} s", started.elapsed().as_secs_f64());
     tokio::time::sleep(Duration::from_secs(10)).await;
     pg.restart()?;
     eprintln!("postgres back at {:.1} s", started.elapsed().as_secs_f64());
-    let db = crew.db().await?;
-    while finished(&db).await? < N as i64 {
-        anyhow::ensure!(started.elapsed() < DEADLINE, "batch not done in {DEADLINE:?} after the outage");
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    wait_finished(&crew.db().await?, N, started, "batch not done after the outage").await?;
     eprintln!("batch done in {:.1} s", started.elapsed().as_secs_f64());
     check_batch(&crew).await
 }
@@ -213,10 +206,7 @@ async fn a_worker_sigtermed_mid_batch_drains_and_exits_cleanly() -> anyhow::Resu
     open_batch(&crew).await?;
     let db = crew.db().await?;
     let started = Instant::now();
-    while finished(&db).await? < (N / 4) as i64 {
-        anyhow::ensure!(started.elapsed() < DEADLINE, "the batch never got going");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    wait_finished(&db, N / 4, started, "the batch never got going").await?;
     // SAFETY: kill(2) on our own child's pid.
     unsafe { libc::kill(w0.child.id() as i32, libc::SIGTERM) };
     let asked = Instant::now();
@@ -231,10 +221,7 @@ async fn a_worker_sigtermed_mid_batch_drains_and_exits_cleanly() -> anyhow::Resu
     assert!(status.success(), "a graceful shutdown exits 0: {status}");
     let log = std::fs::read_to_string(&w0.log)?;
     assert!(log.contains("finishing messages in hand"), "{log}");
-    while finished(&db).await? < N as i64 {
-        anyhow::ensure!(started.elapsed() < DEADLINE, "batch not done in {DEADLINE:?} with one worker left");
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    wait_finished(&db, N, started, "batch not done with one worker left").await?;
     check_batch(&crew).await?;
     let cut: i64 = db.query_one("SELECT count(*) FROM executions WHERE status = 'interrupted'", &[]).await?.get(0);
     assert_eq!(cut, 0, "a drained worker leaves no command half-done");

@@ -233,6 +233,23 @@ impl Monitor {
     }
 }
 
+/// The crew over `text`, with the toy already started over SSH by the login user.
+async fn crew_with_toy_running(sshd: &Sshd, toy: &Toy, text: &str) -> anyhow::Result<(common::Crew, Fleet)> {
+    let env = pitcrew_testkit::TestEnv::start().await?;
+    let crew = common::Crew::start_in(env, text, &pitcrew_model::Stage::ALL).await?;
+    let target = fleet(sshd.host(true), 64 * 1024);
+    let out = target.run("box", &toy.command("start"), T).await?;
+    anyhow::ensure!(out.exit_code == Some(0), "the toy did not start over SSH: {out:?}");
+    Ok((crew, target))
+}
+
+/// Stop the monitor and the toy, then the crew.
+async fn finish(monitor: Monitor, toy: &Toy, mut crew: common::Crew) -> anyhow::Result<()> {
+    monitor.stop().await?;
+    let _ = pitcrew::toy::stop(toy.port, std::path::Path::new(&toy.dir));
+    crew.shutdown().await
+}
+
 /// The run the monitor opened for `service`.
 async fn monitor_opened(crew: &mut common::Crew, service: &str) -> anyhow::Result<uuid::Uuid> {
     use pitcrew_model::EventKind;
@@ -322,13 +339,10 @@ async fn an_unreachable_host_escalates_with_a_clear_error_and_no_hang() -> anyho
 /// over SSH as the login user, verify sees it answer.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_service_is_restarted_over_ssh_from_the_monitors_incident() -> anyhow::Result<()> {
-    use pitcrew_model::{EventKind, Stage};
+    use pitcrew_model::EventKind;
     let sshd = start_target()?;
-    let env = pitcrew_testkit::TestEnv::start().await?;
     let toy = Toy::new(&sshd, "web")?;
-    let mut crew = common::Crew::start_in(env, &scenario_config(&sshd, &toy, ""), &Stage::ALL).await?;
-    let target = fleet(sshd.host(true), 64 * 1024);
-    assert_eq!(target.run("box", &toy.command("start"), T).await?.exit_code, Some(0));
+    let (mut crew, _target) = crew_with_toy_running(&sshd, &toy, &scenario_config(&sshd, &toy, "")).await?;
     let monitor = Monitor::start(&crew);
 
     let pid = toy.pid()?;
@@ -350,9 +364,7 @@ async fn a_killed_service_is_restarted_over_ssh_from_the_monitors_incident() -> 
     use std::os::unix::fs::MetadataExt;
     assert_eq!(std::fs::metadata(format!("/proc/{new_pid}"))?.uid(), sshd.ids().0);
     assert!(toy.answers().await);
-    monitor.stop().await?;
-    let _ = pitcrew::toy::stop(toy.port, std::path::Path::new(&toy.dir));
-    crew.shutdown().await
+    finish(monitor, &toy, crew).await
 }
 
 /// Scenario (b): the service crashed and a stray process took its port, so it cannot start:
@@ -360,17 +372,14 @@ async fn a_killed_service_is_restarted_over_ssh_from_the_monitors_incident() -> 
 /// service.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_port_squatter_is_found_and_stopped_then_the_service_starts() -> anyhow::Result<()> {
-    use pitcrew_model::{EventKind, Stage};
+    use pitcrew_model::EventKind;
     use std::os::unix::process::CommandExt;
     if !as_root() {
         return Ok(());
     }
     let sshd = start_target()?;
-    let env = pitcrew_testkit::TestEnv::start().await?;
     let toy = Toy::new(&sshd, "web")?;
-    let mut crew = common::Crew::start_in(env, &scenario_config(&sshd, &toy, ""), &Stage::ALL).await?;
-    let target = fleet(sshd.host(true), 64 * 1024);
-    assert_eq!(target.run("box", &toy.command("start"), T).await?.exit_code, Some(0));
+    let (mut crew, target) = crew_with_toy_running(&sshd, &toy, &scenario_config(&sshd, &toy, "")).await?;
 
     crash(toy.pid()?);
     toy.wait_closed().await?;
@@ -418,9 +427,7 @@ async fn a_port_squatter_is_found_and_stopped_then_the_service_starts() -> anyho
     assert_eq!(status.signal(), Some(libc::SIGTERM), "{status:?}");
     assert!(toy.answers().await);
     assert_ne!(toy.pid()?, squatter.id() as i32);
-    monitor.stop().await?;
-    let _ = pitcrew::toy::stop(toy.port, std::path::Path::new(&toy.dir));
-    crew.shutdown().await
+    finish(monitor, &toy, crew).await
 }
 
 /// Scenario (c): the service's config (root's, 0644) lost its read permission and the service
@@ -428,21 +435,18 @@ async fn a_port_squatter_is_found_and_stopped_then_the_service_starts() -> anyho
 /// (`sudo chmod a+r`, within the sudo rule) and starts it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_config_that_lost_its_read_permission_is_restored_then_the_service_starts() -> anyhow::Result<()> {
-    use pitcrew_model::{EventKind, Stage};
+    use pitcrew_model::EventKind;
     use std::os::unix::fs::PermissionsExt;
     if !as_root() {
         return Ok(());
     }
     let sshd = start_target()?;
-    let env = pitcrew_testkit::TestEnv::start().await?;
     let toy = Toy::new(&sshd, "api")?;
     let conf = toy.file("toy.conf");
     std::fs::write(&conf, "listen = 127.0.0.1\n")?;
     std::fs::set_permissions(&conf, std::fs::Permissions::from_mode(0o644))?;
     let text = scenario_config(&sshd, &toy, &format!("vars = {{ config = \"{conf}\" }}\n"));
-    let mut crew = common::Crew::start_in(env, &text, &Stage::ALL).await?;
-    let target = fleet(sshd.host(true), 64 * 1024);
-    assert_eq!(target.run("box", &toy.command("start"), T).await?.exit_code, Some(0));
+    let (mut crew, target) = crew_with_toy_running(&sshd, &toy, &text).await?;
 
     std::fs::set_permissions(&conf, std::fs::Permissions::from_mode(0o600))?;
     let refused = target.run("box", &toy.command("restart"), T).await?;
@@ -466,9 +470,7 @@ async fn a_config_that_lost_its_read_permission_is_restored_then_the_service_sta
     let meta = std::fs::metadata(&conf)?;
     assert_eq!((meta.mode() & 0o777, meta.uid()), (0o644, 0));
     assert!(toy.answers().await);
-    monitor.stop().await?;
-    let _ = pitcrew::toy::stop(toy.port, std::path::Path::new(&toy.dir));
-    crew.shutdown().await
+    finish(monitor, &toy, crew).await
 }
 
 /// Scenario (d): the log directory filled past its quota, so the service refuses to start;
@@ -520,9 +522,7 @@ async fn a_full_log_dir_is_cleared_after_approval_over_ssh() -> anyhow::Result<(
     assert_eq!(by, "ann");
     assert!(!std::path::Path::new(&format!("{logs}/app.log")).exists(), "the logs are gone");
     assert!(toy.answers().await, "the service answers");
-    monitor.stop().await?;
-    let _ = pitcrew::toy::stop(toy.port, std::path::Path::new(&toy.dir));
-    crew.shutdown().await
+    finish(monitor, &toy, crew).await
 }
 
 /// Scenario (e): a fault no allowed command fixes (the service's config is broken): every
