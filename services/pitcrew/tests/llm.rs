@@ -224,6 +224,25 @@ async fn crew_with(llm: &ScriptedLlm, extra: &str, judge: bool) -> anyhow::Resul
     Ok((crew, worker))
 }
 
+/// Open an incident on `svc` and wait for its run to resolve.
+async fn resolved(crew: &mut common::Crew) -> anyhow::Result<uuid::Uuid> {
+    let run = crew.open("svc", "health check failed").await?;
+    let end = crew.end(run).await?;
+    anyhow::ensure!(end.kind == EventKind::Resolved, "not resolved: {}", end.message);
+    Ok(run)
+}
+
+/// (verdict, score, feedback) of each evaluation of `run`, in order.
+async fn evaluations(db: &tokio_postgres::Client, run: uuid::Uuid) -> anyhow::Result<Vec<(String, f64, String)>> {
+    let rows = db
+        .query(
+            "SELECT verdict, score, coalesce(feedback, '') FROM evaluations WHERE run_id = $1 ORDER BY regeneration",
+            &[&run],
+        )
+        .await?;
+    Ok(rows.iter().map(|r| (r.get(0), r.get(1), r.get(2))).collect())
+}
+
 const KEY: &str = "sk-test-b7f3c1d9e2a84f6b";
 
 /// Nothing stored for `run` holds the key.
@@ -252,9 +271,7 @@ async fn a_diagnosis_calls_two_tools_then_answers_and_the_plan_runs() -> anyhow:
     llm.push(Reply::answer(r#"{"diagnosis": "svc is down: its health marker is missing", "evidence": ["exited 1"]}"#));
     llm.push(Reply::answer(&format!("Bring it back:\n```sh\ntouch {healthy}\n```")));
 
-    let run = crew.open("svc", "health check failed").await?;
-    let end = crew.end(run).await?;
-    assert_eq!(end.kind, EventKind::Resolved, "{}", end.message);
+    let run = resolved(&mut crew).await?;
 
     let seen = llm.requests();
     assert_eq!(seen.len(), 3, "two diagnose turns and one plan call");
@@ -371,21 +388,14 @@ async fn an_invented_fact_is_scored_down_and_the_diagnosis_regenerated() -> anyh
     llm.push(Reply::answer(r#"{"diagnosis": "svc is down: its health check exited 1", "evidence": ["exited 1"]}"#));
     llm.push(Reply::answer(&format!("```sh\ntouch {healthy}\n```")));
 
-    let run = crew.open("svc", "health check failed").await?;
-    let end = crew.end(run).await?;
-    assert_eq!(end.kind, EventKind::Resolved, "{}", end.message);
+    let run = resolved(&mut crew).await?;
     let db = crew.db().await?;
-    let rows = db
-        .query(
-            "SELECT verdict, score, coalesce(feedback, '') FROM evaluations WHERE run_id = $1 ORDER BY regeneration",
-            &[&run],
-        )
-        .await?;
-    assert_eq!(rows.len(), 2, "one regeneration");
-    let (verdict, score, feedback): (String, f64, String) = (rows[0].get(0), rows[0].get(1), rows[0].get(2));
+    let rows = evaluations(&db, run).await?;
+    assert_eq!(rows.len(), 2, "one regeneration: {rows:?}");
+    let (verdict, score, feedback) = &rows[0];
     assert_eq!(verdict, "regenerate");
-    assert!(score < 1.0 && feedback.contains("/dev/sda1"), "{score} {feedback}");
-    assert_eq!(rows[1].get::<_, String>(0), "pass");
+    assert!(*score < 1.0 && feedback.contains("/dev/sda1"), "{score} {feedback}");
+    assert_eq!(rows[1].0, "pass");
     // The second diagnosis was asked with the feedback in its prompt.
     let seen = llm.requests();
     assert_eq!(seen.len(), 4);
@@ -451,20 +461,12 @@ async fn the_judge_sends_a_weak_plan_back_with_its_reason() -> anyhow::Result<()
     llm.push(Reply::answer(&format!("```sh\ntouch {healthy}\n```")));
     llm.push(Reply::answer(r#"{"score": 0.9, "reason": "creates the marker the check wants"}"#));
 
-    let run = crew.open("svc", "health check failed").await?;
-    let end = crew.end(run).await?;
-    assert_eq!(end.kind, EventKind::Resolved, "{}", end.message);
+    let run = resolved(&mut crew).await?;
     let db = crew.db().await?;
-    let rows = db
-        .query(
-            "SELECT verdict, coalesce(feedback, '') FROM evaluations WHERE run_id = $1 ORDER BY regeneration",
-            &[&run],
-        )
-        .await?;
-    let verdicts: Vec<(String, String)> = rows.iter().map(|r| (r.get(0), r.get(1))).collect();
+    let verdicts = evaluations(&db, run).await?;
     assert_eq!(verdicts.len(), 2, "{verdicts:?}");
     assert_eq!(verdicts[0].0, "regenerate");
-    assert!(verdicts[0].1.contains("listing / does not bring svc back"), "{verdicts:?}");
+    assert!(verdicts[0].2.contains("listing / does not bring svc back"), "{verdicts:?}");
     assert_eq!(verdicts[1].0, "pass");
     let seen = llm.requests();
     assert_eq!(seen.len(), 5);
@@ -493,9 +495,7 @@ async fn a_slow_model_call_is_kept_alive_by_progress_acks() -> anyhow::Result<()
             .delayed(Duration::from_secs(3)),
     );
     llm.push(Reply::answer(&format!("```sh\ntouch {healthy}\n```")));
-    let run = crew.open("svc", "health check failed").await?;
-    let end = crew.end(run).await?;
-    assert_eq!(end.kind, EventKind::Resolved, "{}", end.message);
+    resolved(&mut crew).await?;
     assert_eq!(llm.requests().len(), 2, "no redelivery started a second diagnosis");
     drop(worker);
     crew.shutdown().await
