@@ -114,9 +114,15 @@ async fn a_critical_plan_parks_until_approved_then_runs() -> anyhow::Result<()> 
     let pending = crew.cli(&["approvals"])?;
     let line = pending.lines().find(|l| l.starts_with(&run.to_string())).unwrap_or_default();
     assert!(line.contains(" rm ") && line.contains(&req.plan[0]), "{pending}");
+    let decided = chrono::Utc::now();
     cli::decide(&crew.bus, Some(&crew.store), run, Decision::Approve, "ann", None, "cli").await?;
     let end = crew.events.terminal(run, WAIT).await?;
     assert_eq!(end.kind, EventKind::Resolved, "{}", end.message);
+    let first: chrono::DateTime<chrono::Utc> =
+        db.query_one("SELECT min(started_at) FROM executions WHERE run_id = $1", &[&run]).await?.get(0);
+    let ms = (first - decided).num_microseconds().unwrap_or(0) as f64 / 1000.0;
+    assert!(ms > 0.0, "the first command started after the decision: {ms} ms");
+    eprintln!("decision published to first command started: {ms:.1} ms");
     assert_eq!(count(&db, "SELECT count(*) FROM executions WHERE run_id = $1 AND status = 'succeeded'", run).await, 2);
     assert_eq!(crew.cli(&["approvals"])?.trim(), "no pending approvals");
     let shown = crew.cli(&["show", &run.to_string()])?;
