@@ -217,7 +217,7 @@ impl StageHandler for EvaluateStage {
             let commands: Vec<String> = state.plan.iter().flat_map(|p| p.commands.clone()).collect();
             // The approval gate would refuse it too; refusing here puts the reason in the
             // evaluation. The escalation reads as the gate's would.
-            let (forbidden, refused) = match cx.deps.policy.gate(&commands) {
+            let (forbidden, refused) = match cx.deps.policy.gate_on(&spec.host, &commands) {
                 GateDecision::Reject { command, reason, .. } => {
                     (Some(reason.clone()), Some(format!("policy rejected `{command}`: {reason}")))
                 }

@@ -279,3 +279,47 @@ async fn a_two_person_rule_runs_the_plan_only_after_two_distinct_approvers() -> 
     assert_eq!(count(&db, "SELECT count(*) FROM executions WHERE run_id = $1 AND status = 'succeeded'", run).await, 2);
     crew.shutdown().await
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pending_approval_survives_a_restart_of_every_pitcrew_process() -> anyhow::Result<()> {
+    let mut crew = crew_with_playbook("").await?;
+    let run = crew.open("svc", "stale lock held").await?;
+    crew.events.kind(run, EventKind::ApprovalRequested, WAIT).await?;
+    // Every stage stops (the approval sweeper and decision consumer with them) ...
+    crew.shutdown().await?;
+    let db = crew.db().await?;
+    let status: String = db.query_one("SELECT status FROM runs WHERE id = $1", &[&run]).await?.get(0);
+    assert_eq!(status, "waiting_approval");
+    // ... the decision arrives while nothing runs, and the crew comes back.
+    cli::decide(&crew.bus, Some(&crew.store), run, Decision::Approve, "ann", None, "cli").await?;
+    crew.run(&Stage::ALL);
+    let end = crew.events.terminal(run, WAIT).await?;
+    assert_eq!(end.kind, EventKind::Resolved, "{}", end.message);
+    assert_eq!(count(&db, "SELECT count(*) FROM executions WHERE run_id = $1 AND status = 'succeeded'", run).await, 2);
+    crew.shutdown().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hosts_allow_list_refuses_programs_it_does_not_name() -> anyhow::Result<()> {
+    let env = TestEnv::start().await?;
+    let policy = write(&env, "policy.toml", "[hosts.local]\nallow = [\"touch\"]\n");
+    let book = write(&env, "playbook.toml", PLAYBOOK);
+    let svc = marker_service(&env, "svc");
+    let text = format!("[reasoning]\nplaybook_file = \"{book}\"\n[policy]\nfile = \"{policy}\"\n{svc}");
+    let mut crew = Crew::start_in(env, &text, &Stage::ALL).await?;
+    // The plan starts with `rm -f <lock>`: rm is not on local's list.
+    let run = crew.open("svc", "stale lock held").await?;
+    let end = crew.events.terminal(run, WAIT).await?;
+    assert_eq!(end.kind, EventKind::Escalated);
+    assert!(
+        end.message.contains("host-allow-list") && end.message.contains("rm is not on local's allow-list"),
+        "{}",
+        end.message
+    );
+    let db = crew.db().await?;
+    assert_eq!(count(&db, "SELECT count(*) FROM executions WHERE run_id = $1", run).await, 0);
+    // A plan of listed programs only still runs.
+    let ok = crew.open_with("svc", "connection refused", Some("fp-allowed".into())).await?;
+    assert_eq!(crew.events.terminal(ok, WAIT).await?.kind, EventKind::Resolved);
+    crew.shutdown().await
+}

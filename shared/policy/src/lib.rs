@@ -37,6 +37,8 @@ const BUILT_IN: &[&str] = &[
     "too-many-commands",
     "invisible-character",
     "non-ascii-program",
+    "host-allow-list",
+    "host-sudo-list",
 ];
 /// Most distinct approvers a rule may require.
 const MAX_QUORUM: u32 = 5;
@@ -112,6 +114,17 @@ struct Rule {
 pub struct Policy {
     forbidden: Vec<Rule>,
     critical: Vec<Rule>,
+    /// `[hosts.<name>]`: what plans may run on that host.
+    hosts: std::collections::BTreeMap<String, HostRules>,
+}
+
+/// `[hosts.<name>]`: `allow` lists the programs plans may run there (absent: any the rules
+/// permit); `sudo` lists the programs that may run under sudo there (absent: any).
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct HostRules {
+    allow: Option<Vec<String>>,
+    sudo: Option<Vec<String>>,
 }
 
 #[derive(Deserialize)]
@@ -136,14 +149,19 @@ impl Policy {
             return Err(PolicyError::TooLarge);
         }
         let table: toml::Table = toml::from_str(text).map_err(|e| PolicyError::Toml(e.to_string()))?;
-        let mut policy = Policy { forbidden: Vec::new(), critical: Vec::new() };
+        let mut policy = Policy { forbidden: Vec::new(), critical: Vec::new(), hosts: Default::default() };
         for (key, value) in table {
             match key.as_str() {
                 FORBIDDEN => policy.forbidden = parse_class(FORBIDDEN, value)?,
                 CRITICAL => policy.critical = parse_class(CRITICAL, value)?,
+                "hosts" => {
+                    policy.hosts = value
+                        .try_into()
+                        .map_err(|e: toml::de::Error| PolicyError::Toml(format!("[hosts.<name>]: {e}")))?
+                }
                 other => {
                     return Err(PolicyError::Toml(format!(
-                        "unknown key '{other}' (expected [[forbidden]] and [[critical]] tables)"
+                        "unknown key '{other}' (expected [[forbidden]], [[critical]] and [hosts.<name>] tables)"
                     )))
                 }
             }
@@ -164,6 +182,7 @@ impl Policy {
         let mut policy = Policy::default_policy();
         policy.forbidden.extend(user.forbidden);
         policy.critical.extend(user.critical);
+        policy.hosts = user.hosts;
         policy.check_unique().map_err(in_file)?;
         Ok(policy)
     }
@@ -182,6 +201,39 @@ impl Policy {
             }
         }
         Ok(())
+    }
+
+    /// All findings for a plan that runs on `host`: the rules', then the host's allow-lists.
+    pub fn findings_on(&self, host: &str, commands: &[String]) -> Vec<Finding> {
+        let mut all = self.findings(commands);
+        let Some(rules) = self.hosts.get(host) else { return all };
+        let mut host_findings = Vec::new();
+        for command in commands {
+            let Ok(argv) = shell_words::split(command.trim()) else { continue };
+            let written_sudo = argv.first().map(String::as_str) == Some("sudo");
+            let program = shell::normalise(&argv).into_iter().next().unwrap_or_default();
+            let listed = |list: &[String]| list.iter().any(|p| p == &program || shell::base(p) == program);
+            let hit = |rule: &str, reason: String| Finding {
+                command: command.clone(),
+                rule: rule.to_string(),
+                class: FORBIDDEN.to_string(),
+                reason,
+            };
+            if let Some(allow) = &rules.allow {
+                if !listed(allow) {
+                    host_findings.push(hit("host-allow-list", format!("{program} is not on {host}'s allow-list")));
+                }
+            }
+            if let (true, Some(sudo)) = (written_sudo, &rules.sudo) {
+                if !listed(sudo) {
+                    host_findings.push(hit("host-sudo-list", format!("{program} may not run under sudo on {host}")));
+                }
+            }
+        }
+        // Forbidden findings lead.
+        let split = all.iter().position(|f| f.class != FORBIDDEN).unwrap_or(all.len());
+        all.splice(split..split, host_findings);
+        all
     }
 
     /// All findings for a plan (for security flags), forbidden first, then in command order.
@@ -259,6 +311,11 @@ impl Policy {
     /// Reject if any forbidden finding, else NeedsApproval if any critical, else Allow.
     /// An empty plan, or one longer than the plan contract, is rejected.
     pub fn gate(&self, commands: &[String]) -> GateDecision {
+        self.gate_on("", commands)
+    }
+
+    /// As `gate`, for a plan that runs on `host` (its `[hosts.<name>]` lists apply).
+    pub fn gate_on(&self, host: &str, commands: &[String]) -> GateDecision {
         if commands.is_empty() {
             let reason = "rejected by policy rule 'empty-plan': the plan has no commands".to_string();
             return GateDecision::Reject { rule: "empty-plan".into(), command: String::new(), reason };
@@ -271,7 +328,7 @@ impl Policy {
             let command = commands[MAX_PLAN_COMMANDS].clone();
             return GateDecision::Reject { rule: "too-many-commands".into(), command, reason };
         }
-        let Some(first) = self.findings(commands).into_iter().next() else {
+        let Some(first) = self.findings_on(host, commands).into_iter().next() else {
             return GateDecision::Allow;
         };
         let describe = |verdict: &str| {

@@ -111,6 +111,11 @@ const WRAPPERS: &[Wrapper] = &[
 /// Wrappers unwrapped at most this many times (`sudo env nice cmd` is three).
 const MAX_UNWRAP: usize = 8;
 
+/// The last path component of a program (`/usr/bin/rm` -> `rm`).
+pub(crate) fn base(program: &str) -> &str {
+    basename(program)
+}
+
 fn basename(program: &str) -> &str {
     program.rsplit('/').next().unwrap_or(program)
 }

@@ -391,3 +391,27 @@ fn a_critical_rule_may_require_several_approvers() {
     assert!(err.contains("not within 1-5"), "{err}");
     assert_eq!(Policy::default_policy().quorum(&plan(&["kill -9 42"])), 1);
 }
+
+#[test]
+fn a_host_may_allow_only_some_programs_and_some_under_sudo() {
+    let p = Policy::from_toml(
+        "[hosts.pe1]\nallow = [\"systemctl\", \"/opt/app/bin/start\", \"kill\"]\nsudo = [\"systemctl\"]\n",
+    )
+    .unwrap();
+    let on = |cmds: &[&str]| p.gate_on("pe1", &plan(cmds));
+    assert_eq!(on(&["systemctl restart app", "/opt/app/bin/start --port 1"]), GateDecision::Allow);
+    assert_eq!(on(&["sudo -n systemctl restart app"]), GateDecision::Allow);
+    match on(&["touch /tmp/x"]) {
+        GateDecision::Reject { rule, reason, .. } => {
+            assert_eq!(rule, "host-allow-list");
+            assert!(reason.contains("touch is not on pe1's allow-list"), "{reason}");
+        }
+        other => panic!("{other:?}"),
+    }
+    match on(&["sudo kill 42"]) {
+        GateDecision::Reject { rule, .. } => assert_eq!(rule, "host-sudo-list"),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(p.gate_on("other-host", &plan(&["touch /tmp/x"])), GateDecision::Allow, "lists are per host");
+    assert!(Policy::from_toml("[hosts.pe1]\nallowed = []\n").is_err(), "unknown keys are refused");
+}
