@@ -118,6 +118,7 @@ async fn a_critical_plan_parks_until_approved_then_runs() -> anyhow::Result<()> 
     cli::decide(&crew.bus, Some(&crew.store), run, Decision::Approve, "ann", None, "cli").await?;
     let end = crew.events.terminal(run, WAIT).await?;
     assert_eq!(end.kind, EventKind::Resolved, "{}", end.message);
+    assert!(end.message.contains("approved by ann (policy rule rm)"), "the report names who and why: {}", end.message);
     let first: chrono::DateTime<chrono::Utc> =
         db.query_one("SELECT min(started_at) FROM executions WHERE run_id = $1", &[&run]).await?.get(0);
     let ms = (first - decided).num_microseconds().unwrap_or(0) as f64 / 1000.0;

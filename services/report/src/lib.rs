@@ -1,7 +1,7 @@
 //! report: the run is resolved. Closes it and says what fixed it.
 
 use futures::future::BoxFuture;
-use pitcrew_model::{EventKind, Outcome, RunState, Stage};
+use pitcrew_model::{ApprovalStatus, EventKind, Outcome, RunState, Stage};
 use pitcrew_runtime::{Cx, StageError, StageHandler, Transition};
 
 /// The report stage (terminal).
@@ -11,7 +11,24 @@ pub struct Report;
 pub fn summary(state: &RunState) -> String {
     let plan = state.plan.as_ref().map(|p| p.commands.join(" ; ")).unwrap_or_else(|| "nothing".into());
     let check = state.verification.as_ref().map(|v| v.detail.as_str()).unwrap_or("-");
-    format!("resolved {} after {} attempt(s): ran `{plan}`; {check}", state.incident.service, state.attempt)
+    // Who let it run, and the policy rule that asked them.
+    let approval = match &state.approval {
+        ApprovalStatus::Approved { by, .. } => {
+            let rules = policy_rules(state);
+            let why = if rules.is_empty() { String::new() } else { format!(" (policy rule {})", rules.join(", ")) };
+            format!(" approved by {by}{why};")
+        }
+        _ => String::new(),
+    };
+    format!("resolved {} after {} attempt(s): ran `{plan}`;{approval} {check}", state.incident.service, state.attempt)
+}
+
+/// The policy rules that flagged this attempt's plan.
+fn policy_rules(state: &RunState) -> Vec<String> {
+    let mut rules: Vec<String> =
+        state.security_flags.iter().filter(|f| f.attempt == state.attempt).map(|f| f.rule.clone()).collect();
+    rules.dedup();
+    rules
 }
 
 impl StageHandler for Report {
@@ -34,6 +51,7 @@ impl StageHandler for Report {
                     "diagnosis": state.diagnosis().map(|d| d.summary.clone()),
                     "commands": state.plan.as_ref().map(|p| p.commands.clone()),
                     "approval": state.approval,
+                    "policy_rules": policy_rules(state),
                     "elapsed_ms": elapsed,
                 }),
             );
@@ -59,5 +77,16 @@ mod tests {
         });
         s.verification = Some(Verification { attempt: 2, recovered: true, detail: "GET / -> 200".into() });
         assert_eq!(summary(&s), "resolved web after 2 attempt(s): ran `a ; b`; GET / -> 200");
+        s.approval = ApprovalStatus::Approved { by: "ann".into(), plan_hash: "h".into() };
+        s.security_flags.push(pitcrew_model::SecurityFlag {
+            attempt: 2,
+            command: "a".into(),
+            rule: "kill-9".into(),
+            class: "critical".into(),
+        });
+        assert_eq!(
+            summary(&s),
+            "resolved web after 2 attempt(s): ran `a ; b`; approved by ann (policy rule kill-9); GET / -> 200"
+        );
     }
 }
