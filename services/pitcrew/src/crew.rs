@@ -86,6 +86,14 @@ pub async fn run(cfg: Config, stages: &[Stage], shutdown: Shutdown) -> anyhow::R
         live: Some(pitcrew_runtime::live::Live { client: bus.client.clone(), subjects: bus.subjects.clone() }),
     });
     let mut tasks = JoinSet::new();
+    if let Some(listen) = &cfg.metrics.listen {
+        let listener = tokio::net::TcpListener::bind(listen)
+            .await
+            .with_context(|| format!("[metrics] listen = \"{listen}\": cannot bind"))?;
+        tracing::info!(listen = %listener.local_addr()?, "serving Prometheus metrics at /metrics");
+        let stop = shutdown.clone();
+        tokio::spawn(pitcrew_runtime::metrics::serve(listener, stop));
+    }
     for &stage in stages {
         let settings = cfg.stage_settings(stage);
         let consumer = bus.stage_consumer(stage, settings).await?;

@@ -324,3 +324,50 @@ async fn a_hosts_allow_list_refuses_programs_it_does_not_name() -> anyhow::Resul
     assert_eq!(crew.events.terminal(ok, WAIT).await?.kind, EventKind::Resolved);
     crew.shutdown().await
 }
+
+/// The Prometheus text of `url`, as (series, value) pairs; every line must parse.
+async fn scrape(url: &str) -> anyhow::Result<Vec<(String, f64)>> {
+    let text = reqwest::get(url).await?.error_for_status()?.text().await?;
+    let mut out = Vec::new();
+    for line in text.lines().filter(|l| !l.is_empty()) {
+        if line.starts_with("# HELP ") || line.starts_with("# TYPE ") {
+            continue;
+        }
+        let (series, value) = line.rsplit_once(' ').ok_or_else(|| anyhow::anyhow!("not a sample: {line}"))?;
+        let name = series.split('{').next().unwrap_or_default();
+        anyhow::ensure!(
+            !name.is_empty() && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_'),
+            "bad metric name in {line}"
+        );
+        anyhow::ensure!(!series.contains('{') || series.ends_with('}'), "bad labels in {line}");
+        out.push((series.to_string(), value.parse()?));
+    }
+    Ok(out)
+}
+
+fn sample(samples: &[(String, f64)], series: &str) -> f64 {
+    samples.iter().find(|(s, _)| s == series).map(|(_, v)| *v).unwrap_or(0.0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_parse_as_prometheus_text_and_move_as_runs_complete() -> anyhow::Result<()> {
+    let port = pitcrew_runtime::natsd::free_port()?;
+    let mut crew = crew_with_playbook(&format!("[metrics]\nlisten = \"127.0.0.1:{port}\"\n")).await?;
+    let url = format!("http://127.0.0.1:{port}/metrics");
+    let first = crew.open("svc", "GET /health: connection refused").await?;
+    assert_eq!(crew.events.terminal(first, WAIT).await?.kind, EventKind::Resolved);
+    let before = scrape(&url).await?;
+    let acked = "pitcrew_messages_total{consumer=\"diagnose\",outcome=\"ack\"}";
+    let resolved = "pitcrew_runs_finished_total{outcome=\"resolved\"}";
+    assert!(sample(&before, acked) >= 1.0, "{before:?}");
+    assert!(sample(&before, resolved) >= 1.0, "{before:?}");
+    assert!(sample(&before, "pitcrew_handling_seconds_count{consumer=\"verify\"}") >= 1.0);
+    let second = crew.open_with("svc", "GET /health: connection refused", Some("fp-second".into())).await?;
+    assert_eq!(crew.events.terminal(second, WAIT).await?.kind, EventKind::Resolved);
+    let after = scrape(&url).await?;
+    assert!(sample(&after, acked) > sample(&before, acked), "the counters move");
+    assert!(sample(&after, resolved) > sample(&before, resolved));
+    let missing = reqwest::get(format!("http://127.0.0.1:{port}/other")).await?;
+    assert_eq!(missing.status().as_u16(), 404);
+    crew.shutdown().await
+}

@@ -34,6 +34,15 @@ pub struct Config {
     /// Who may decide approvals: name -> role (`approver` or `admin`). A decision from
     /// anyone else is refused and changes nothing.
     pub approvers: BTreeMap<String, String>,
+    pub metrics: MetricsConfig,
+}
+
+/// `[metrics]`: the Prometheus endpoint of each worker process.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MetricsConfig {
+    /// `host:port` to serve `GET /metrics` on (off when unset).
+    pub listen: Option<String>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -198,6 +207,7 @@ impl Default for Config {
             hosts: BTreeMap::new(),
             services: BTreeMap::new(),
             approvers: BTreeMap::new(),
+            metrics: MetricsConfig::default(),
         }
     }
 }

@@ -106,7 +106,10 @@ pub async fn consume<H: MessageHandler>(
             };
             let handler = handler.clone();
             let ack_wait = settings.ack_wait;
+            let metric_name = name.clone();
             tasks.spawn(async move {
+                let began = std::time::Instant::now();
+                crate::metrics::started(&metric_name);
                 let msg = Arc::new(msg);
                 let work = AssertUnwindSafe(handler.handle(msg.clone())).catch_unwind();
                 let disposition = tokio::select! {
@@ -116,7 +119,13 @@ pub async fn consume<H: MessageHandler>(
                     }),
                     _ = progress(msg.clone(), ack_wait) => unreachable!("progress never returns"),
                 };
+                let outcome = match disposition {
+                    Disposition::Ack => "ack",
+                    Disposition::Nak(_) => "nak",
+                    Disposition::Term => "term",
+                };
                 settle(&msg, disposition).await;
+                crate::metrics::finished(&metric_name, outcome, began.elapsed());
                 drop(permit);
             });
         }

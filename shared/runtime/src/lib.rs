@@ -5,6 +5,7 @@ pub mod bus;
 pub mod config;
 pub mod consume;
 pub mod live;
+pub mod metrics;
 pub mod natsd;
 pub mod runner;
 pub mod stage;

@@ -282,6 +282,9 @@ pub async fn publish_state(bus: &Bus, state: &RunState) -> Result<(), BusError> 
 
 /// Publish events to `pitcrew.events.<run>.<kind>`, all at once, then wait for every ack.
 pub async fn publish_events(bus: &Bus, events: &[RunEvent]) -> Result<(), BusError> {
+    for e in events.iter().filter(|e| e.kind.is_terminal()) {
+        crate::metrics::run_finished(e.kind.as_str());
+    }
     let mut acks = Vec::with_capacity(events.len());
     for e in events {
         let subject = bus.subjects.event(e.run_id, e.kind.as_str());
