@@ -55,7 +55,7 @@ impl StageHandler for ApprovalStage {
             let attempt = state.attempt;
             state.security_flags.retain(|f| f.attempt != attempt);
             // The host's own allow-lists apply too ([hosts.<name>] in the policy file).
-            let host = cx.config().services.get(&state.incident.service).map(|s| s.host.clone()).unwrap_or_default();
+            let host = pitcrew_runtime::target::service(cx.config(), state).map(|s| s.host.clone()).unwrap_or_default();
             for f in self.policy.findings_on(&host, &plan.commands) {
                 state.security_flags.push(SecurityFlag { attempt, command: f.command, rule: f.rule, class: f.class });
             }

@@ -66,8 +66,7 @@ pub async fn gather(
             Err(why) => (false, String::new(), format!("`{cmd}` not run: {why}")),
             Ok(()) => {
                 let (ok, output) = run_evidence(executor, &spec.host, &cmd).await;
-                let first = output.lines().find(|l| pitcrew_model::trim::looks_like_error(l)).or(output.lines().next());
-                let line = format!("`{cmd}`{}: {}", if ok { "" } else { " failed" }, first.unwrap_or("(no output)"));
+                let line = evidence_line(&format!("`{cmd}`"), ok, &output);
                 (ok, output, line)
             }
         };
@@ -167,8 +166,13 @@ impl<'a> EvidenceTools<'a> {
         self
     }
 
-    fn calls(&self) -> usize {
-        self.found.lock().unwrap_or_else(|p| p.into_inner()).len()
+    /// The refusal once this diagnosis made all the tool calls it may.
+    fn budget_spent(&self) -> Option<ToolOutput> {
+        let calls = self.found.lock().unwrap_or_else(|p| p.into_inner()).len();
+        (calls >= MAX_TOOL_CALLS).then(|| ToolOutput {
+            ok: false,
+            output: format!("tool budget spent ({MAX_TOOL_CALLS} calls): answer now"),
+        })
     }
 
     async fn web_call(&self, web: &web::WebTools, name: &str, arguments: &str) -> ToolOutput {
@@ -176,17 +180,12 @@ impl<'a> EvidenceTools<'a> {
             Ok(v) => v,
             Err(e) => return ToolOutput { ok: false, output: format!("arguments are not JSON: {e}") },
         };
-        if self.calls() >= MAX_TOOL_CALLS {
-            return ToolOutput { ok: false, output: format!("tool budget spent ({MAX_TOOL_CALLS} calls): answer now") };
+        if let Some(spent) = self.budget_spent() {
+            return spent;
         }
         let (asked, out) = web.call(name, &args).await;
-        let output = pitcrew_model::trim::trim_output(
-            &pitcrew_model::redact::redact(&out.output),
-            pitcrew_model::run::MAX_OUTPUT,
-        );
-        let first = output.lines().find(|l| pitcrew_model::trim::looks_like_error(l)).or(output.lines().next());
-        let line =
-            format!("tool {name} {asked}{}: {}", if out.ok { "" } else { " failed" }, first.unwrap_or("(no output)"));
+        let output = pitcrew_model::redact::kept(&out.output, pitcrew_model::run::MAX_OUTPUT);
+        let line = evidence_line(&format!("tool {name} {asked}"), out.ok, &output);
         self.keep(out.ok, &asked, output.clone(), line);
         ToolOutput { ok: out.ok, output }
     }
@@ -210,16 +209,15 @@ impl<'a> EvidenceTools<'a> {
             },
             Err(e) => return refuse(format!("arguments are not JSON: {e}")),
         };
-        if self.calls() >= MAX_TOOL_CALLS {
-            return refuse(format!("tool budget spent ({MAX_TOOL_CALLS} calls): answer now"));
+        if let Some(spent) = self.budget_spent() {
+            return spent;
         }
         if let Err(why) = self.policy.read_only(&command) {
             self.keep(false, &command, String::new(), format!("tool `{command}` not run: {why}"));
             return refuse(format!("refused: {why}"));
         }
         let (ok, output) = run_evidence(self.executor, self.host, &command).await;
-        let first = output.lines().find(|l| pitcrew_model::trim::looks_like_error(l)).or(output.lines().next());
-        let line = format!("tool `{command}`{}: {}", if ok { "" } else { " failed" }, first.unwrap_or("(no output)"));
+        let line = evidence_line(&format!("tool `{command}`"), ok, &output);
         self.keep(ok, &command, output.clone(), line);
         ToolOutput { ok, output }
     }
@@ -273,7 +271,14 @@ async fn run_evidence(executor: &dyn Executor, host: &str, cmd: &str) -> (bool, 
         Err(e) => (false, e.to_string()),
     };
     // Redacted before it is evidence, a timeline line or a model's tool result.
-    (ok, pitcrew_model::trim::trim_output(&pitcrew_model::redact::redact(&text), pitcrew_model::run::MAX_OUTPUT))
+    (ok, pitcrew_model::redact::kept(&text, pitcrew_model::run::MAX_OUTPUT))
+}
+
+/// The timeline line for one piece of evidence: what ran, whether it failed, and its first
+/// line that looks like an error (else its first line).
+fn evidence_line(what: &str, ok: bool, output: &str) -> String {
+    let first = output.lines().find(|l| pitcrew_model::trim::looks_like_error(l)).or(output.lines().next());
+    format!("{what}{}: {}", if ok { "" } else { " failed" }, first.unwrap_or("(no output)"))
 }
 
 /// Keep evidence in the run state and in the timeline (with its trimmed output).

@@ -168,17 +168,16 @@ pub fn assess(state: &RunState, found: &Findings, max_attempts: u32) -> Evaluati
 
 /// Ask the provider's judge about this attempt's diagnosis and plan (recording its usage).
 async fn judge(
-    cx: &mut Cx<'_>,
+    deps: &pitcrew_runtime::Deps,
     state: &RunState,
-    spec: &pitcrew_model::ServiceSpec,
+    reasoning: &target::ReasonContext,
 ) -> Result<Option<Result<pitcrew_llm::Judgement, String>>, StageError> {
     let (Some(diagnosis), Some(plan)) = (state.diagnosis().cloned(), state.plan.clone()) else { return Ok(None) };
-    let reasoning = target::ReasonContext::gather(cx.deps, state, spec).await?;
     let meter = pitcrew_llm::UsageMeter::default();
     let mut input = reasoning.input(state);
     input.usage = Some(&meter);
-    let verdict = cx.deps.reasoner.judge(&input, &diagnosis, &plan).await;
-    target::record_usage(cx.deps, state, Stage::Evaluate, &meter).await?;
+    let verdict = deps.reasoner.judge(&input, &diagnosis, &plan).await;
+    target::record_usage(deps, state, Stage::Evaluate, &meter).await?;
     Ok(match verdict {
         Ok(Some(j)) => Some(Ok(j)),
         Ok(None) => None,
@@ -202,8 +201,9 @@ impl StageHandler for EvaluateStage {
             if state.plan.is_none() {
                 return Err(StageError::Poison("run state reached evaluate without a plan".into()));
             }
-            let memory = target::memory(cx.deps, state).await?;
-            let failed = target::failed_commands(state, &memory);
+            // Memory (commands known to fail) and, for the judge, everything a provider sees.
+            let reasoning = target::ReasonContext::gather(cx.deps, state, spec).await?;
+            let failed = reasoning.failed.clone();
             if let Err(ExecError::Unreachable(e)) = cx.deps.executor.reachable(&spec.host).await {
                 return Ok(Transition::Escalate(format!("host {} unreachable: {e}", spec.host)));
             }
@@ -223,7 +223,7 @@ impl StageHandler for EvaluateStage {
                 }
                 _ => (None, None),
             };
-            let judge = if cfg.reasoning.judge { judge(cx, state, spec).await? } else { None };
+            let judge = if cfg.reasoning.judge { judge(cx.deps, state, &reasoning).await? } else { None };
             let found = Findings { tools, failed, forbidden, judge };
             let ev = assess(state, &found, cfg.limits.max_attempts);
             let ungrounded = ev.checks.iter().any(|c| c.name == "grounded" && !c.passed);

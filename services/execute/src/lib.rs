@@ -4,7 +4,6 @@
 use futures::future::BoxFuture;
 use pitcrew_exec::{CommandOutput, ExecError};
 use pitcrew_model::run::MAX_OUTPUT;
-use pitcrew_model::trim::trim_output;
 use pitcrew_model::{ApprovalStatus, EventKind, ExecutionRecord, ExecutionStatus, RunState, Stage};
 use pitcrew_runtime::store::Claim;
 use pitcrew_runtime::{Cx, StageError, StageHandler, Transition};
@@ -64,7 +63,7 @@ pub fn record(attempt: u32, index: u32, command: &str, out: &CommandOutput) -> E
         command: command.to_string(),
         status,
         exit_code: out.exit_code,
-        output: trim_output(&pitcrew_model::redact::redact(&text), MAX_OUTPUT),
+        output: pitcrew_model::redact::kept(&text, MAX_OUTPUT),
         duration_ms: out.duration.as_millis() as u64,
     }
 }

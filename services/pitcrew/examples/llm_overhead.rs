@@ -48,20 +48,7 @@ async fn main() -> anyhow::Result<()> {
     let incident = Incident::new("web", "GET http://127.0.0.1:8080/health failed: connection refused");
     let target = Target { host: "local".into(), ..Default::default() };
     let vars = BTreeMap::from([("service".to_string(), "web".to_string())]);
-    let input = ReasonInput {
-        incident: &incident,
-        attempt: 1,
-        target: &target,
-        evidence: &[],
-        vars: &vars,
-        failed_commands: &[],
-        known_fixes: &[],
-        feedback: &[],
-        rejected_commands: &[],
-        tools: None,
-        usage: None,
-        progress: None,
-    };
+    let input = ReasonInput::new(&incident, &target, &vars);
     let mut through = Vec::with_capacity(N);
     for _ in 0..N {
         let t = Instant::now();

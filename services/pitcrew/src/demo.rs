@@ -103,15 +103,14 @@ pub struct LlmDemo {
 
 impl LlmDemo {
     /// The `[reasoning]` tables; the key comes from OPENAI_API_KEY when it is set.
-    fn config(&self) -> String {
+    fn config(&self) -> anyhow::Result<String> {
         let key =
             if std::env::var("OPENAI_API_KEY").is_ok_and(|k| !k.trim().is_empty()) { "OPENAI_API_KEY" } else { "" };
-        let quote = |v: &str| v.replace('\\', "\\\\").replace('"', "\\\"");
-        format!(
-            "[reasoning]\nprovider = \"openai\"\n[reasoning.openai]\nbase_url = \"{}\"\nmodel = \"{}\"\napi_key_env = \"{key}\"\n",
-            quote(&self.base_url),
-            quote(&self.model)
-        )
+        let tables = serde_json::json!({ "reasoning": {
+            "provider": "openai",
+            "openai": { "base_url": self.base_url, "model": self.model, "api_key_env": key },
+        }});
+        Ok(toml::to_string(&tables)?)
     }
 }
 
@@ -136,7 +135,7 @@ pub async fn run(ssh: bool, llm: Option<LlmDemo>) -> anyhow::Result<()> {
         text.push_str(&t.config(&exe));
     }
     if let Some(l) = &llm {
-        text.push_str(&l.config());
+        text.push_str(&l.config()?);
         println!(
             "demo: reasoning with {} at {} (the playbook answers when the model's answer is unusable)",
             l.model, l.base_url

@@ -57,12 +57,17 @@ async fn wait_finished(db: &tokio_postgres::Client, n: usize, started: Instant, 
     Ok(())
 }
 
-/// Open the batch: one incident per service.
-async fn open_batch(crew: &Crew) -> anyhow::Result<()> {
+/// The batch under way in `env`: no stage in this process, every stage in two worker
+/// processes (`w0`, `w1`), one incident per service published.
+async fn batch_under_way(env: TestEnv) -> anyhow::Result<(Crew, Vec<Worker>)> {
+    let text = inventory(&env);
+    let crew = Crew::start_in(env, &text, &[]).await?;
+    let stages = all_stages();
+    let workers = vec![crew.spawn_worker("w0", &stages, &[])?, crew.spawn_worker("w1", &stages, &[])?];
     for i in 0..N {
         crew.open(&format!("s{i}"), "connection refused").await?;
     }
-    Ok(())
+    Ok((crew, workers))
 }
 
 /// Everything the batch must hold once it is over.
@@ -129,13 +134,8 @@ async fn check_batch(crew: &Crew) -> anyhow::Result<()> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn workers_killed_at_random_lose_nothing_and_repeat_nothing() -> anyhow::Result<()> {
-    let env = TestEnv::start().await?;
-    let text = inventory(&env);
-    let crew = Crew::start_in(env, &text, &[]).await?;
+    let (crew, mut workers) = batch_under_way(TestEnv::start().await?).await?;
     let stages = all_stages();
-    let mut workers: Vec<Worker> =
-        vec![crew.spawn_worker("w0-0", &stages, &[])?, crew.spawn_worker("w1-0", &stages, &[])?];
-    open_batch(&crew).await?;
     let db = crew.db().await?;
     let started = Instant::now();
     let mut kills = 0;
@@ -157,12 +157,7 @@ async fn workers_killed_at_random_lose_nothing_and_repeat_nothing() -> anyhow::R
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_nats_restart_mid_batch_loses_nothing_and_repeats_nothing() -> anyhow::Result<()> {
-    let env = TestEnv::start().await?;
-    let text = inventory(&env);
-    let mut crew = Crew::start_in(env, &text, &[]).await?;
-    let stages = all_stages();
-    let _workers = [crew.spawn_worker("w0", &stages, &[])?, crew.spawn_worker("w1", &stages, &[])?];
-    open_batch(&crew).await?;
+    let (mut crew, _workers) = batch_under_way(TestEnv::start().await?).await?;
     let db = crew.db().await?;
     let started = Instant::now();
     wait_finished(&db, N / 4, started, "the batch never got going").await?;
@@ -177,12 +172,7 @@ async fn a_nats_restart_mid_batch_loses_nothing_and_repeats_nothing() -> anyhow:
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_down_for_ten_seconds_mid_batch_loses_nothing_and_repeats_nothing() -> anyhow::Result<()> {
     let mut pg = pitcrew_testkit::pg::PrivatePostgres::start()?;
-    let env = TestEnv::start_on(&pg.admin_url()).await?;
-    let text = inventory(&env);
-    let crew = Crew::start_in(env, &text, &[]).await?;
-    let stages = all_stages();
-    let _workers = [crew.spawn_worker("w0", &stages, &[])?, crew.spawn_worker("w1", &stages, &[])?];
-    open_batch(&crew).await?;
+    let (crew, _workers) = batch_under_way(TestEnv::start_on(&pg.admin_url()).await?).await?;
     let started = Instant::now();
     wait_finished(&crew.db().await?, N / 4, started, "the batch never got going").await?;
     pg.stop();
@@ -197,13 +187,8 @@ async fn postgres_down_for_ten_seconds_mid_batch_loses_nothing_and_repeats_nothi
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_sigtermed_mid_batch_drains_and_exits_cleanly() -> anyhow::Result<()> {
-    let env = TestEnv::start().await?;
-    let text = inventory(&env);
-    let crew = Crew::start_in(env, &text, &[]).await?;
-    let stages = all_stages();
-    let mut w0 = crew.spawn_worker("w0", &stages, &[])?;
-    let _w1 = crew.spawn_worker("w1", &stages, &[])?;
-    open_batch(&crew).await?;
+    let (crew, mut workers) = batch_under_way(TestEnv::start().await?).await?;
+    let w0 = &mut workers[0];
     let db = crew.db().await?;
     let started = Instant::now();
     wait_finished(&db, N / 4, started, "the batch never got going").await?;

@@ -42,20 +42,7 @@ impl Case {
     }
 
     fn input(&self) -> ReasonInput<'_> {
-        ReasonInput {
-            incident: &self.incident,
-            attempt: 1,
-            target: &self.target,
-            evidence: &[],
-            vars: &self.vars,
-            failed_commands: &[],
-            known_fixes: &[],
-            feedback: &[],
-            rejected_commands: &[],
-            tools: None,
-            usage: None,
-            progress: None,
-        }
+        ReasonInput::new(&self.incident, &self.target, &self.vars)
     }
 }
 

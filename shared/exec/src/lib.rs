@@ -3,6 +3,7 @@
 
 pub mod check;
 pub mod local;
+pub mod process;
 pub mod ssh;
 pub mod sshd;
 

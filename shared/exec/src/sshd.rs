@@ -7,7 +7,7 @@ use pitcrew_model::HostSpec;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// Where Debian's openssh-server puts the daemon.
 pub const SSHD: &str = "/usr/sbin/sshd";
@@ -42,20 +42,7 @@ fn keygen(path: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// A free TCP port on loopback (the kernel's choice, released before returning).
-fn free_port() -> anyhow::Result<u16> {
-    Ok(std::net::TcpListener::bind(("127.0.0.1", 0))?.local_addr()?.port())
-}
-
 /// `id <flag> <user>` as a number.
-fn id_of(flag: &str, user: &str) -> anyhow::Result<u32> {
-    let out = Command::new("id").args([flag, user]).output().context("running id")?;
-    if !out.status.success() {
-        bail!("no such user '{user}': {}", String::from_utf8_lossy(&out.stderr).trim());
-    }
-    Ok(String::from_utf8(out.stdout)?.trim().parse()?)
-}
-
 impl Sshd {
     /// An sshd that logs in as the user running this process.
     pub fn start() -> anyhow::Result<Sshd> {
@@ -69,7 +56,7 @@ impl Sshd {
         if !available() {
             bail!("{SSHD} not found: install openssh-server (scripts/dev test does)");
         }
-        let (uid, gid) = (id_of("-u", user)?, id_of("-g", user)?);
+        let (uid, gid) = crate::process::account_ids(user).map_err(anyhow::Error::msg)?;
         // sshd's privilege separation directory (made by the service unit, which tests skip).
         let _ = std::fs::create_dir_all("/run/sshd");
         let dir = tempfile::Builder::new().prefix("pitcrew-sshd-").tempdir()?;
@@ -80,7 +67,7 @@ impl Sshd {
         // sshd reads the authorised keys as the login user; the private key stays ours.
         std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755))?;
         std::fs::set_permissions(p("authorized_keys"), std::fs::Permissions::from_mode(0o644))?;
-        let port = free_port()?;
+        let port = crate::process::free_port()?;
         let host_pub = std::fs::read_to_string(p("host_key.pub"))?;
         let key: Vec<&str> = host_pub.split_whitespace().take(2).collect();
         std::fs::write(p("known_hosts"), format!("[127.0.0.1]:{port} {}\n", key.join(" ")))?;
@@ -102,7 +89,7 @@ impl Sshd {
     }
 
     fn spawn(&mut self) -> anyhow::Result<()> {
-        let log = std::fs::File::create(self.path("sshd.log"))?;
+        let log_file = std::fs::File::create(self.path("sshd.log"))?;
         let child = Command::new(SSHD)
             .arg("-D")
             .arg("-e")
@@ -110,24 +97,13 @@ impl Sshd {
             .arg(self.path("sshd_config"))
             .stdin(Stdio::null())
             .stdout(Stdio::null())
-            .stderr(log)
+            .stderr(log_file)
             .spawn()
             .context("starting sshd")?;
-        self.child = Some(child);
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while Instant::now() < deadline {
-            if std::net::TcpStream::connect(("127.0.0.1", self.port)).is_ok() {
-                return Ok(());
-            }
-            if let Some(Ok(Some(status))) = self.child.as_mut().map(|c| c.try_wait()) {
-                bail!(
-                    "sshd exited with {status}: {}",
-                    std::fs::read_to_string(self.path("sshd.log")).unwrap_or_default()
-                );
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        bail!("sshd not listening on {} after 10 s", self.port)
+        let (port, log) = (self.port, self.path("sshd.log"));
+        let child = self.child.insert(child);
+        crate::process::wait_ready("sshd", child, &log, Duration::from_secs(10), || crate::process::listening(port))
+            .map_err(anyhow::Error::msg)
     }
 
     pub fn path(&self, name: &str) -> PathBuf {

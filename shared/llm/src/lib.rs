@@ -116,6 +116,27 @@ pub struct ReasonInput<'a> {
     pub progress: Option<&'a dyn Progress>,
 }
 
+impl<'a> ReasonInput<'a> {
+    /// Attempt 1 of `incident` on `target` with `vars`: no evidence, memory, feedback, tools
+    /// or meters (fill in what a caller has).
+    pub fn new(incident: &'a Incident, target: &'a Target, vars: &'a BTreeMap<String, String>) -> Self {
+        ReasonInput {
+            incident,
+            attempt: 1,
+            target,
+            evidence: &[],
+            vars,
+            failed_commands: &[],
+            known_fixes: &[],
+            feedback: &[],
+            rejected_commands: &[],
+            tools: None,
+            usage: None,
+            progress: None,
+        }
+    }
+}
+
 /// Receives a model's answer while it streams in. Must not block.
 pub trait Progress: Send + Sync {
     fn text(&self, chunk: &str);

@@ -14,7 +14,6 @@ use pitcrew_model::trim::{clip, trim_output};
 use pitcrew_model::{Diagnosis, Plan};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::Semaphore;
@@ -129,9 +128,8 @@ pub struct OpenAi {
     http: reqwest::Client,
     permits: Arc<Semaphore>,
     fallback: Playbook,
-    calls: AtomicU64,
-    prompt_tokens: AtomicU64,
-    completion_tokens: AtomicU64,
+    /// Everything this provider spent since start-up.
+    total: UsageMeter,
 }
 
 impl std::fmt::Debug for OpenAi {
@@ -224,19 +222,20 @@ impl OpenAi {
             key,
             http,
             fallback,
-            calls: AtomicU64::new(0),
-            prompt_tokens: AtomicU64::new(0),
-            completion_tokens: AtomicU64::new(0),
+            total: UsageMeter::default(),
         })
     }
 
     /// Calls made and tokens used since start-up.
     pub fn usage(&self) -> Usage {
-        Usage {
-            model: self.cfg.model.clone(),
-            calls: self.calls.load(Ordering::Relaxed),
-            prompt_tokens: self.prompt_tokens.load(Ordering::Relaxed),
-            completion_tokens: self.completion_tokens.load(Ordering::Relaxed),
+        self.total.get()
+    }
+
+    /// Count calls and tokens, in this provider's totals and in the stage's meter.
+    fn tally(&self, meter: Option<&UsageMeter>, model: &str, calls: u64, prompt: u64, completion: u64) {
+        self.total.add(model, calls, prompt, completion);
+        if let Some(m) = meter {
+            m.add(model, calls, prompt, completion);
         }
     }
 
@@ -300,10 +299,7 @@ impl OpenAi {
                     None => req.bearer_auth(k),
                 };
             }
-            self.calls.fetch_add(1, Ordering::Relaxed);
-            if let Some(m) = meter {
-                m.add(model, 1, 0, 0);
-            }
+            self.tally(meter, model, 1, 0, 0);
             let wait = match req.send().await {
                 Err(e) => {
                     last = if e.is_timeout() {
@@ -325,25 +321,21 @@ impl OpenAi {
                 Ok(resp) => {
                     let status = resp.status();
                     let retry_after = retry_after(resp.headers());
-                    let bytes = match read_capped(resp).await {
-                        Ok(b) => b,
+                    match read_capped(resp).await {
                         Err(e) => {
                             last = format!("reading the answer: {e}");
-                            if attempt < self.cfg.max_retries {
-                                tokio::time::sleep(backoff(attempt)).await;
-                            }
-                            continue;
+                            backoff(attempt)
                         }
-                    };
-                    if status.is_success() {
-                        return self.completion(meter, model, &bytes);
+                        Ok(bytes) if status.is_success() => return self.completion(meter, model, &bytes),
+                        Ok(bytes) => {
+                            let text = self.redact(&clip(&String::from_utf8_lossy(&bytes), MAX_ERROR_BODY));
+                            last = format!("HTTP {status}: {text}");
+                            if status.as_u16() != 429 && !status.is_server_error() {
+                                return Err(ReasonError::Failed(format!("{} answered {last}", self.cfg.base_url)));
+                            }
+                            retry_after.unwrap_or_else(|| backoff(attempt))
+                        }
                     }
-                    let text = self.redact(&clip(&String::from_utf8_lossy(&bytes), MAX_ERROR_BODY));
-                    last = format!("HTTP {status}: {text}");
-                    if status.as_u16() != 429 && !status.is_server_error() {
-                        return Err(ReasonError::Failed(format!("{} answered {last}", self.cfg.base_url)));
-                    }
-                    retry_after.unwrap_or_else(|| backoff(attempt))
                 }
             };
             if attempt < self.cfg.max_retries {
@@ -358,11 +350,7 @@ impl OpenAi {
         let c: Completion = serde_json::from_slice(bytes)
             .map_err(|e| ReasonError::Failed(format!("the endpoint's answer is not a chat completion: {e}")))?;
         if let Some(u) = c.usage {
-            self.prompt_tokens.fetch_add(u.prompt_tokens, Ordering::Relaxed);
-            self.completion_tokens.fetch_add(u.completion_tokens, Ordering::Relaxed);
-            if let Some(m) = meter {
-                m.add(model, 0, u.prompt_tokens, u.completion_tokens);
-            }
+            self.tally(meter, model, 0, u.prompt_tokens, u.completion_tokens);
         }
         c.choices
             .into_iter()
@@ -404,11 +392,7 @@ impl OpenAi {
                 if let Some(u) = v.get("usage").filter(|u| u.is_object()) {
                     let (p, c) =
                         (u["prompt_tokens"].as_u64().unwrap_or(0), u["completion_tokens"].as_u64().unwrap_or(0));
-                    self.prompt_tokens.fetch_add(p, Ordering::Relaxed);
-                    self.completion_tokens.fetch_add(c, Ordering::Relaxed);
-                    if let Some(m) = meter {
-                        m.add(model, 0, p, c);
-                    }
+                    self.tally(meter, model, 0, p, c);
                 }
                 let delta = &v["choices"][0]["delta"];
                 if let Some(text) = delta["content"].as_str().filter(|t| !t.is_empty()) {
@@ -565,10 +549,7 @@ impl OpenAi {
         }
         let text = self.chat(input, &model, &[message("system", JUDGE_SYSTEM), message("user", user)], &[]).await?;
         let text = text.content.unwrap_or_default();
-        let json = match (text.find('{'), text.rfind('}')) {
-            (Some(a), Some(b)) if a < b => serde_json::from_str::<Value>(&text[a..=b]).ok(),
-            _ => None,
-        };
+        let json = parse::json_object::<Value>(&text);
         let Some(score) = json.as_ref().and_then(|j| j["score"].as_f64()).filter(|s| s.is_finite()) else {
             return Err(ReasonError::Failed(format!("the judge gave no score: {}", clip(&text, 200))));
         };
@@ -588,8 +569,8 @@ impl OpenAi {
         let mut out = Vec::new();
         for c in raw {
             let fitted = fit_to_target(&c, input.target)?;
-            let never = input.failed_commands.iter().chain(input.rejected_commands);
-            if never.clone().any(|f| f.trim() == fitted || f.trim() == c) {
+            let mut never = input.failed_commands.iter().chain(input.rejected_commands);
+            if never.any(|f| f.trim() == fitted || f.trim() == c) {
                 return Err(format!("`{fitted}` already failed or was rejected"));
             }
             out.push(fitted);

@@ -125,14 +125,17 @@ struct DiagnosisJson {
     evidence: Vec<String>,
 }
 
+/// The one JSON object an answer holds (fenced or surrounded by prose): from its first `{`
+/// to its last `}`, if that parses as `T`.
+pub fn json_object<T: serde::de::DeserializeOwned>(answer: &str) -> Option<T> {
+    let (a, b) = (answer.find('{')?, answer.rfind('}')?);
+    (a < b).then(|| serde_json::from_str(&answer[a..=b]).ok()).flatten()
+}
+
 /// Read `{"diagnosis": ..., "evidence": [...]}` (fenced or surrounded by prose), else take
 /// the text itself as the summary. None when there is nothing to read.
 pub fn diagnosis(answer: &str) -> Option<DiagnosisAnswer> {
-    let json = match (answer.find('{'), answer.rfind('}')) {
-        (Some(a), Some(b)) if a < b => serde_json::from_str::<DiagnosisJson>(&answer[a..=b]).ok(),
-        _ => None,
-    };
-    if let Some(j) = json {
+    if let Some(j) = json_object::<DiagnosisJson>(answer) {
         let summary = j.diagnosis.trim().to_string();
         if summary.is_empty() {
             return None;

@@ -51,6 +51,12 @@ pub fn redact(text: &str) -> Cow<'_, str> {
     out
 }
 
+/// Command output as pitcrew keeps it: secrets redacted, then trimmed to `max` bytes (head
+/// plus error-looking lines).
+pub fn kept(text: &str, max: usize) -> String {
+    crate::trim::trim_output(&redact(text), max)
+}
+
 /// Redact every string inside a JSON value, in place.
 pub fn redact_json(v: &mut serde_json::Value) {
     match v {

@@ -273,7 +273,7 @@ impl RunState {
 
     /// Add evidence, keeping the list and each output bounded.
     pub fn push_evidence(&mut self, mut ev: Evidence) {
-        ev.output = crate::trim::trim_output(&crate::redact::redact(&ev.output), MAX_OUTPUT);
+        ev.output = crate::redact::kept(&ev.output, MAX_OUTPUT);
         ev.detail = crate::redact::redact(&ev.detail).into_owned();
         self.evidence.push(ev);
         if self.evidence.len() > MAX_EVIDENCE {

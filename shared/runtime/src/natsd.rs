@@ -1,10 +1,9 @@
 //! A nats-server child process on a free port with a temporary store: for `pitcrew demo` and
 //! tests. Finds a server new enough for the JetStream features pitcrew uses (>= 2.10).
 
-use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// Why no server could be started; the message says how to get one.
 #[derive(Debug, thiserror::Error)]
@@ -46,19 +45,12 @@ impl NatsServer {
             .stderr(log)
             .spawn()
             .map_err(|e| NatsdError::Start(format!("{}: {e}", self.binary.display())))?;
-        self.child = Some(child);
-        let deadline = Instant::now() + Duration::from_secs(15);
-        while Instant::now() < deadline {
-            if std::net::TcpStream::connect(("127.0.0.1", self.port)).is_ok() {
-                return Ok(());
-            }
-            if let Some(Ok(Some(status))) = self.child.as_mut().map(|c| c.try_wait()) {
-                let log = std::fs::read_to_string(self.store.path().join("nats.log")).unwrap_or_default();
-                return Err(NatsdError::Start(format!("exited with {status}: {}", log.trim())));
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        Err(NatsdError::Start(format!("not listening on port {} after 15 s", self.port)))
+        let (port, log) = (self.port, self.store.path().join("nats.log"));
+        let child = self.child.insert(child);
+        pitcrew_exec::process::wait_ready("nats-server", child, &log, Duration::from_secs(15), || {
+            pitcrew_exec::process::listening(port)
+        })
+        .map_err(NatsdError::Start)
     }
 
     pub fn url(&self) -> String {
@@ -91,9 +83,7 @@ impl Drop for NatsServer {
 }
 
 /// A port free right now on 127.0.0.1.
-pub fn free_port() -> std::io::Result<u16> {
-    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
-}
+pub use pitcrew_exec::process::free_port;
 
 /// `$PITCREW_NATS_SERVER`, else the first nats-server on PATH that is >= 2.10.
 pub fn find_binary() -> Result<PathBuf, NatsdError> {

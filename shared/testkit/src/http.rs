@@ -46,6 +46,26 @@ pub async fn read_request(conn: &mut TcpStream) -> anyhow::Result<Request> {
     Ok(Request { path, headers, body: buf[head_end..head_end + len].to_vec() })
 }
 
+/// Write one JSON response with `headers` and close the connection.
+pub async fn write_json(
+    conn: &mut TcpStream,
+    status: u16,
+    headers: &[(String, String)],
+    body: &str,
+) -> std::io::Result<()> {
+    let mut out = format!(
+        "HTTP/1.1 {status} Stub\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n",
+        body.len()
+    );
+    for (k, v) in headers {
+        out.push_str(&format!("{k}: {v}\r\n"));
+    }
+    out.push_str("\r\n");
+    out.push_str(body);
+    conn.write_all(out.as_bytes()).await?;
+    conn.shutdown().await
+}
+
 /// The running stub; stops when dropped.
 pub struct StubHttp {
     /// `http://127.0.0.1:PORT`
@@ -81,12 +101,7 @@ impl StubHttp {
                         .find(|(p, _, _)| *p == path)
                         .map(|(_, s, b)| (*s, b.clone()))
                         .unwrap_or((404, "{\"status\":\"error\",\"error\":\"no such route\"}".into()));
-                    let out = format!(
-                        "HTTP/1.1 {status} Stub\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
-                        body.len()
-                    );
-                    let _ = conn.write_all(out.as_bytes()).await;
-                    let _ = conn.shutdown().await;
+                    let _ = write_json(&mut conn, status, &[], &body).await;
                 });
             }
         });

@@ -178,19 +178,7 @@ async fn serve(
     if reply.status == 200 && wants_stream {
         return stream(conn, &reply.headers, &body).await;
     }
-    let text = body.to_string();
-    let mut out = format!(
-        "HTTP/1.1 {} Scripted\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n",
-        reply.status,
-        text.len()
-    );
-    for (k, v) in &reply.headers {
-        out.push_str(&format!("{k}: {v}\r\n"));
-    }
-    out.push_str("\r\n");
-    out.push_str(&text);
-    conn.write_all(out.as_bytes()).await?;
-    conn.shutdown().await?;
+    crate::http::write_json(&mut conn, reply.status, &reply.headers, &body.to_string()).await?;
     Ok(())
 }
 

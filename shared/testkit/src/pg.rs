@@ -28,21 +28,14 @@ fn bin_dir() -> anyhow::Result<PathBuf> {
     versions.pop().map(|(_, p)| p).context("no PostgreSQL server binaries under /usr/lib/postgresql")
 }
 
-fn id_of(flag: &str, user: &str) -> anyhow::Result<u32> {
-    let out = Command::new("id").args([flag, user]).output()?;
-    if !out.status.success() {
-        bail!("no '{user}' account to run PostgreSQL as");
-    }
-    Ok(String::from_utf8(out.stdout)?.trim().parse()?)
-}
-
 impl PrivatePostgres {
     pub fn start() -> anyhow::Result<PrivatePostgres> {
         let bin = bin_dir()?;
         let dir = tempfile::Builder::new().prefix("pitcrew-pg-").tempdir()?;
         // SAFETY: geteuid(2) cannot fail and touches no memory.
         let ids = if unsafe { libc::geteuid() } == 0 {
-            Some((id_of("-u", "postgres")?, id_of("-g", "postgres")?))
+            let ids = pitcrew_exec::process::account_ids("postgres");
+            Some(ids.map_err(|e| anyhow::anyhow!("PostgreSQL must run as the postgres account: {e}"))?)
         } else {
             None
         };
@@ -79,7 +72,7 @@ impl PrivatePostgres {
     }
 
     fn spawn(&mut self) -> anyhow::Result<()> {
-        let log = std::fs::File::create(self.dir.path().join("postgres.log"))?;
+        let log_file = std::fs::File::create(self.dir.path().join("postgres.log"))?;
         let sockets = self.dir.path().display().to_string();
         let child = self
             .command("postgres")
@@ -89,30 +82,19 @@ impl PrivatePostgres {
             .args(["-c", "listen_addresses=127.0.0.1", "-c", "fsync=off", "-c", "max_connections=200"])
             .stdin(Stdio::null())
             .stdout(Stdio::null())
-            .stderr(log)
+            .stderr(log_file)
             .spawn()
             .context("starting postgres")?;
-        self.child = Some(child);
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while Instant::now() < deadline {
-            if std::net::TcpStream::connect(("127.0.0.1", self.port)).is_ok() {
-                // Accepting TCP is not accepting queries: wait for pg_isready.
-                let ready = self
-                    .command("pg_isready")
-                    .args(["-h", "127.0.0.1", "-p", &self.port.to_string(), "-q"])
-                    .status()
-                    .is_ok_and(|s| s.success());
-                if ready {
-                    return Ok(());
-                }
-            }
-            if let Some(Ok(Some(status))) = self.child.as_mut().map(|c| c.try_wait()) {
-                let log = std::fs::read_to_string(self.dir.path().join("postgres.log")).unwrap_or_default();
-                bail!("postgres exited with {status}: {log}");
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        bail!("postgres not ready on {} after 30 s", self.port)
+        let log = self.dir.path().join("postgres.log");
+        // Accepting TCP is not accepting queries: ready once pg_isready says so.
+        let mut isready = self.command("pg_isready");
+        isready.args(["-h", "127.0.0.1", "-p", &self.port.to_string(), "-q"]);
+        let port = self.port;
+        let child = self.child.insert(child);
+        pitcrew_exec::process::wait_ready("postgres", child, &log, Duration::from_secs(30), || {
+            pitcrew_exec::process::listening(port) && isready.status().is_ok_and(|s| s.success())
+        })
+        .map_err(anyhow::Error::msg)
     }
 
     /// The server's `postgres` database, to create test databases on.
