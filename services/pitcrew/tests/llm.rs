@@ -507,3 +507,39 @@ async fn calls_beyond_the_providers_limit_wait_their_turn() -> anyhow::Result<()
     assert!(started.elapsed() >= Duration::from_millis(2400));
     Ok(())
 }
+
+#[tokio::test]
+async fn each_stage_asks_its_own_model_and_the_prompt_carries_memory() -> anyhow::Result<()> {
+    let llm = ScriptedLlm::start(vec![Reply::answer(DIAGNOSIS), Reply::answer("```sh\n/opt/web/start\n```")]).await?;
+    let p = provider(&llm, |c| {
+        c.diagnose_model = Some("small-diagnoser".into());
+        c.plan_model = Some("big-planner".into());
+    });
+    let case = Case::new();
+    let failed = vec!["/opt/web/restart".to_string()];
+    let fixes = vec![vec!["/opt/web/start".to_string()]];
+    let feedback = vec!["the last plan repeated a failed command".to_string()];
+    let mut input = case.input();
+    (input.failed_commands, input.known_fixes, input.feedback) = (&failed, &fixes, &feedback);
+    let d = p.diagnose(&input).await?;
+    assert_eq!(d.source, "openai:small-diagnoser");
+    let plan = p.plan(&input, &d).await?;
+    assert_eq!(
+        (plan.source.as_str(), plan.commands.clone()),
+        ("openai:big-planner", vec!["/opt/web/start".to_string()])
+    );
+    let seen = llm.requests();
+    assert_eq!(
+        (seen[0].body["model"].as_str(), seen[1].body["model"].as_str()),
+        (Some("small-diagnoser"), Some("big-planner"))
+    );
+    let prompt = seen[0].body["messages"][1]["content"].as_str().unwrap_or_default().to_string();
+    for want in [
+        "already failed for this error (never propose them): /opt/web/restart",
+        "A fix that worked before for this error: /opt/web/start",
+        "Feedback on the previous answer: the last plan repeated a failed command",
+    ] {
+        assert!(prompt.contains(want), "the prompt lacks {want:?}:\n{prompt}");
+    }
+    Ok(())
+}

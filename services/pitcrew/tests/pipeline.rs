@@ -371,3 +371,22 @@ async fn metrics_parse_as_prometheus_text_and_move_as_runs_complete() -> anyhow:
     assert_eq!(missing.status().as_u16(), 404);
     crew.shutdown().await
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_incident_for_an_unknown_service_escalates_with_a_clear_error() -> anyhow::Result<()> {
+    let mut crew = crew_with_playbook("").await?;
+    let run = crew.open("nosuch", "connection refused").await?;
+    let end = crew.events.terminal(run, WAIT).await?;
+    assert_eq!(end.kind, EventKind::Escalated);
+    assert!(
+        end.message.contains("unknown service 'nosuch': add it under [services.nosuch]"),
+        "the reason says what to do: {}",
+        end.message
+    );
+    let db = crew.db().await?;
+    assert_eq!(count(&db, "SELECT count(*) FROM executions WHERE run_id = $1", run).await, 0);
+    // The crew is unharmed: the next incident is handled.
+    let ok = crew.open("svc", "GET /health: connection refused").await?;
+    assert_eq!(crew.events.terminal(ok, WAIT).await?.kind, EventKind::Resolved);
+    crew.shutdown().await
+}
