@@ -4,7 +4,8 @@ use anyhow::{anyhow, bail, Context};
 use async_nats::jetstream::consumer::{pull::OrderedConfig, DeliverPolicy};
 use futures::StreamExt;
 use pitcrew_model::codec::JSON;
-use pitcrew_model::{ApprovalDecision, ApprovalRequest, Decision, EventKind, Incident, RunEvent, Severity};
+use pitcrew_model::{EventKind, Incident, RunEvent, Severity};
+pub use pitcrew_runtime::approvals::{approval_request, decide};
 use pitcrew_runtime::{Bus, Config, Store};
 use std::time::Duration;
 use uuid::Uuid;
@@ -32,54 +33,6 @@ pub fn incident(
     i.source = Some("cli".into());
     i.validate()?;
     Ok(i)
-}
-
-/// The latest approval request of a run, from the bridge stream.
-pub async fn approval_request(bus: &Bus, run: Uuid) -> anyhow::Result<ApprovalRequest> {
-    let stream = bus.js.get_stream(bus.subjects.approvals_stream()).await?;
-    let msg = stream
-        .get_last_raw_message_by_subject(&bus.subjects.approval_requested(run))
-        .await
-        .map_err(|_| anyhow!("no approval request for run {run} (is the id right? `pitcrew incidents` lists runs)"))?;
-    serde_json::from_slice(&msg.payload).context("approval request unreadable")
-}
-
-/// Publish a decision for the run's pending plan on the bridge subject. With the store, a
-/// plan already decided is refused here with who decided it (the crew would ignore it).
-pub async fn decide(
-    bus: &Bus,
-    store: Option<&Store>,
-    run: Uuid,
-    decision: Decision,
-    by: &str,
-    reason: Option<String>,
-    channel: &str,
-) -> anyhow::Result<ApprovalRequest> {
-    if by.trim().is_empty() {
-        bail!("--by must name who decides");
-    }
-    let req = approval_request(bus, run).await?;
-    if let Some(store) = store {
-        if let Some((prev, who, via, when)) = store.approval_decision(run, &req.plan_hash).await? {
-            bail!(
-                "plan {} of run {run} was already decided: {prev} by {who} via {via} at {}",
-                req.plan_hash,
-                when.format("%Y-%m-%d %H:%M:%S")
-            );
-        }
-    }
-    let d = ApprovalDecision {
-        run_id: run,
-        decision,
-        by: by.to_string(),
-        plan_hash: Some(req.plan_hash.clone()),
-        reason,
-        channel: channel.to_string(),
-        decided_at: chrono::Utc::now(),
-    };
-    let id = format!("{run}.{}.{}.{by}", req.plan_hash, decision.as_str());
-    bus.publish(bus.subjects.approval_decided(run), &id, JSON, Some(run), serde_json::to_vec(&d)?.into()).await?;
-    Ok(req)
 }
 
 /// One event as a line for humans.

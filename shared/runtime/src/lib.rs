@@ -1,6 +1,7 @@
 //! pitcrew's runtime, shared by every stage: configuration, the bus (NATS JetStream), the store
 //! (Postgres), telemetry, and the runner that turns a stage's decision into durable effects.
 
+pub mod approvals;
 pub mod bus;
 pub mod config;
 pub mod consume;

@@ -1,0 +1,81 @@
+//! Deciding approvals, shared by every channel (CLI, gateway, chat bridges): find the run's
+//! pending request on the bridge stream and publish a decision for its exact plan hash.
+
+use crate::{Bus, Store};
+use anyhow::{anyhow, bail, Context};
+use pitcrew_model::codec::JSON;
+use pitcrew_model::{ApprovalDecision, ApprovalRequest, Decision};
+use uuid::Uuid;
+
+/// The latest approval request of a run, from the bridge stream.
+pub async fn approval_request(bus: &Bus, run: Uuid) -> anyhow::Result<ApprovalRequest> {
+    let stream = bus.js.get_stream(bus.subjects.approvals_stream()).await?;
+    let msg = stream
+        .get_last_raw_message_by_subject(&bus.subjects.approval_requested(run))
+        .await
+        .map_err(|_| anyhow!("no approval request for run {run} (is the id right? `pitcrew incidents` lists runs)"))?;
+    serde_json::from_slice(&msg.payload).context("approval request unreadable")
+}
+
+/// A decision as a channel received it.
+#[derive(Debug, Clone)]
+pub struct DecisionInput<'a> {
+    pub run: Uuid,
+    /// The plan the decider saw (a chat button or API call carries it): refused when the run
+    /// now waits on another plan. None: whatever plan the run waits on (the CLI).
+    pub plan_hash: Option<&'a str>,
+    pub decision: Decision,
+    pub by: &'a str,
+    pub reason: Option<String>,
+    pub channel: &'a str,
+}
+
+/// Publish a decision for the run's pending plan on the bridge subject. With the store, a
+/// plan already decided is refused here with who decided it (the crew would ignore it).
+pub async fn decide(
+    bus: &Bus,
+    store: Option<&Store>,
+    run: Uuid,
+    decision: Decision,
+    by: &str,
+    reason: Option<String>,
+    channel: &str,
+) -> anyhow::Result<ApprovalRequest> {
+    submit(bus, store, DecisionInput { run, plan_hash: None, decision, by, reason, channel }).await
+}
+
+/// Publish `input` on `pitcrew.approvals.decided.<run>` once it names the pending plan and,
+/// with the store, that plan is still undecided. Returns the request decided.
+pub async fn submit(bus: &Bus, store: Option<&Store>, input: DecisionInput<'_>) -> anyhow::Result<ApprovalRequest> {
+    let DecisionInput { run, plan_hash, decision, by, reason, channel } = input;
+    if by.trim().is_empty() {
+        bail!("--by must name who decides");
+    }
+    let req = approval_request(bus, run).await?;
+    if let Some(seen) = plan_hash {
+        if seen != req.plan_hash {
+            bail!("stale plan: run {run} now waits on plan {}, not {seen}", req.plan_hash);
+        }
+    }
+    if let Some(store) = store {
+        if let Some((prev, who, via, when)) = store.approval_decision(run, &req.plan_hash).await? {
+            bail!(
+                "plan {} of run {run} was already decided: {prev} by {who} via {via} at {}",
+                req.plan_hash,
+                when.format("%Y-%m-%d %H:%M:%S")
+            );
+        }
+    }
+    let d = ApprovalDecision {
+        run_id: run,
+        decision,
+        by: by.to_string(),
+        plan_hash: Some(req.plan_hash.clone()),
+        reason,
+        channel: channel.to_string(),
+        decided_at: chrono::Utc::now(),
+    };
+    let id = format!("{run}.{}.{}.{by}", req.plan_hash, decision.as_str());
+    bus.publish(bus.subjects.approval_decided(run), &id, JSON, Some(run), serde_json::to_vec(&d)?.into()).await?;
+    Ok(req)
+}
