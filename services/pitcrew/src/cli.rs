@@ -1,6 +1,6 @@
 //! The operator commands: open an incident, watch a run, approve or deny, list runs, migrate.
 
-use anyhow::{anyhow, bail, Context};
+use anyhow::{anyhow, bail};
 use async_nats::jetstream::consumer::{pull::OrderedConfig, DeliverPolicy};
 use futures::StreamExt;
 use pitcrew_model::codec::JSON;
