@@ -61,7 +61,8 @@ pub async fn gather(
         let service_pid = service_pid.map(str::to_string);
         found.push(port_holder(spec, port, service_pid.as_deref(), attempt, executor, policy).await);
     }
-    for cmd in spec.evidence_commands() {
+    // The evidence commands are independent: run them at once (kept in their order).
+    let commands = spec.evidence_commands().into_iter().map(|cmd| async move {
         let (ok, output, line) = match policy.read_only(&cmd) {
             Err(why) => (false, String::new(), format!("`{cmd}` not run: {why}")),
             Ok(()) => {
@@ -70,8 +71,9 @@ pub async fn gather(
                 (ok, output, line)
             }
         };
-        found.push((Evidence { attempt, source: "command".into(), detail: cmd, output, ok }, line));
-    }
+        (Evidence { attempt, source: "command".into(), detail: cmd, output, ok }, line)
+    });
+    found.extend(futures::future::join_all(commands).await);
     found
 }
 

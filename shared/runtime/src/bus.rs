@@ -29,6 +29,18 @@ pub enum BusError {
     Publish { subject: String, error: String },
 }
 
+/// The headers every pitcrew message carries: a deterministic message id (JetStream drops a
+/// duplicate within the stream's window), the content type and, when it has one, the run.
+pub fn headers(msg_id: &str, content_type: &str, run: Option<uuid::Uuid>) -> HeaderMap {
+    let mut headers = HeaderMap::new();
+    headers.insert(NATS_MESSAGE_ID, msg_id);
+    headers.insert(CONTENT_TYPE, content_type);
+    if let Some(run) = run {
+        headers.insert(RUN_HEADER, run.to_string().as_str());
+    }
+    headers
+}
+
 /// A connected bus: the client, its JetStream context and the subject names.
 #[derive(Clone)]
 pub struct Bus {
@@ -164,13 +176,7 @@ impl Bus {
         run: Option<uuid::Uuid>,
         payload: Bytes,
     ) -> Result<(), BusError> {
-        let mut headers = HeaderMap::new();
-        headers.insert(NATS_MESSAGE_ID, msg_id);
-        headers.insert(CONTENT_TYPE, content_type);
-        if let Some(run) = run {
-            headers.insert(RUN_HEADER, run.to_string().as_str());
-        }
-        self.publish_with_headers(subject, headers, payload).await
+        self.publish_with_headers(subject, headers(msg_id, content_type, run), payload).await
     }
 
     /// Publish with caller-built headers and wait for the stream's ack.

@@ -232,16 +232,14 @@ pub async fn apply(
             if !store.commit_transition(&state, RunStatus::Open, &events).await? {
                 return stale(state.run_id);
             }
-            publish_events(bus, &events).await?;
-            publish_state(bus, &state).await?;
+            publish_batch(bus, &events, Some(&state)).await?;
         }
         Transition::Escalate(reason) => {
             state.escalate(reason);
             if !store.commit_transition(&state, RunStatus::Open, &events).await? {
                 return stale(state.run_id);
             }
-            publish_events(bus, &events).await?;
-            publish_state(bus, &state).await?;
+            publish_batch(bus, &events, Some(&state)).await?;
         }
         Transition::Park(req) => {
             state.seq += 1;
@@ -276,31 +274,46 @@ pub async fn apply(
 
 /// Publish a state to the stage it is addressed to.
 pub async fn publish_state(bus: &Bus, state: &RunState) -> Result<(), BusError> {
-    let payload = codec::to_msgpack(state);
-    bus.publish(bus.subjects.stage(state.step), &state.msg_id(), MSGPACK, Some(state.run_id), payload.into()).await
+    publish_batch(bus, &[], Some(state)).await
 }
 
 /// Publish events to `pitcrew.events.<run>.<kind>`, all at once, then wait for every ack.
 pub async fn publish_events(bus: &Bus, events: &[RunEvent]) -> Result<(), BusError> {
+    publish_batch(bus, events, None).await
+}
+
+/// Publish the events, then the successor state, without waiting in between, then wait for
+/// every ack: one round trip to the server for the lot. One connection keeps their order, so
+/// the next stage's events still follow this stage's in the stream.
+pub async fn publish_batch(bus: &Bus, events: &[RunEvent], state: Option<&RunState>) -> Result<(), BusError> {
     for e in events.iter().filter(|e| e.kind.is_terminal()) {
         crate::metrics::run_finished(e.kind.as_str());
     }
-    let mut acks = Vec::with_capacity(events.len());
+    let mut acks = Vec::with_capacity(events.len() + 1);
+    let failed = |subject: &str, err: String| BusError::Publish { subject: subject.to_string(), error: err };
     for e in events {
         let subject = bus.subjects.event(e.run_id, e.kind.as_str());
-        let mut headers = HeaderMap::new();
-        headers.insert(NATS_MESSAGE_ID, e.msg_id().as_str());
-        headers.insert(CONTENT_TYPE, JSON);
         let payload = serde_json::to_vec(e).expect("event serialises");
+        let ack = bus
+            .js
+            .publish_with_headers(subject.clone(), crate::bus::headers(&e.msg_id(), JSON, None), payload.into())
+            .await
+            .map_err(|err| failed(&subject, err.to_string()))?;
+        acks.push((subject, ack));
+    }
+    if let Some(state) = state {
+        let subject = bus.subjects.stage(state.step);
+        let payload = codec::to_msgpack(state);
+        let headers = crate::bus::headers(&state.msg_id(), MSGPACK, Some(state.run_id));
         let ack = bus
             .js
             .publish_with_headers(subject.clone(), headers, payload.into())
             .await
-            .map_err(|err| BusError::Publish { subject: subject.clone(), error: err.to_string() })?;
+            .map_err(|err| failed(&subject, err.to_string()))?;
         acks.push((subject, ack));
     }
     for (subject, ack) in acks {
-        ack.await.map_err(|err| BusError::Publish { subject, error: err.to_string() })?;
+        ack.await.map_err(|err| failed(&subject, err.to_string()))?;
     }
     Ok(())
 }

@@ -159,19 +159,31 @@ impl Store {
         status: RunStatus,
         events: &[RunEvent],
     ) -> Result<bool, StoreError> {
-        let mut client = self.client().await?;
-        let tx = client.transaction().await?;
-        let upd = tx
+        // One statement, so one round trip and atomic without BEGIN/COMMIT: the events are
+        // written only when the run took the transition.
+        let client = self.client().await?;
+        let stmt = client
             .prepare_cached(
-                "UPDATE runs SET stage = $2, seq = $3, attempt = $4, state = $5, status = $6, reason = $7,
-                        updated_at = now(),
-                        finished_at = CASE WHEN $6 IN ('resolved', 'escalated') THEN now() ELSE NULL END
-                 WHERE id = $1 AND seq <= $3 AND status NOT IN ('resolved', 'escalated')",
+                "WITH upd AS (
+                     UPDATE runs SET stage = $2, seq = $3, attempt = $4, state = $5, status = $6, reason = $7,
+                            updated_at = now(),
+                            finished_at = CASE WHEN $6 IN ('resolved', 'escalated') THEN now() ELSE NULL END
+                     WHERE id = $1 AND seq <= $3 AND status NOT IN ('resolved', 'escalated')
+                     RETURNING id),
+                 ins AS (
+                     INSERT INTO run_events (run_id, seq, idx, stage, kind, message, data, worker, at)
+                     SELECT e.* FROM unnest($8::uuid[], $9::int4[], $10::int4[], $11::text[], $12::text[],
+                                            $13::text[], $14::jsonb[], $15::text[], $16::timestamptz[])
+                          AS e(run_id, seq, idx, stage, kind, message, data, worker, at)
+                     WHERE EXISTS (SELECT 1 FROM upd)
+                     ON CONFLICT DO NOTHING)
+                 SELECT count(*) FROM upd",
             )
             .await?;
-        let updated = tx
-            .execute(
-                &upd,
+        let cols = EventColumns::of(events);
+        let updated: i64 = client
+            .query_one(
+                &stmt,
                 &[
                     &state.run_id,
                     &state.step.as_str(),
@@ -180,25 +192,26 @@ impl Store {
                     &state_json(state),
                     &status.as_str(),
                     &state.escalation_reason,
+                    &cols.run_id,
+                    &cols.seq,
+                    &cols.idx,
+                    &cols.stage,
+                    &cols.kind,
+                    &cols.message,
+                    &cols.data,
+                    &cols.worker,
+                    &cols.at,
                 ],
             )
-            .await?;
-        if updated == 0 {
-            tx.rollback().await?;
-            return Ok(false);
-        }
-        insert_events(&tx, events).await?;
-        tx.commit().await?;
-        Ok(true)
+            .await?
+            .get(0);
+        Ok(updated == 1)
     }
 
     /// Store events that belong to no run row (a rejected incident).
     pub async fn insert_events(&self, events: &[RunEvent]) -> Result<(), StoreError> {
-        let mut client = self.client().await?;
-        let tx = client.transaction().await?;
-        insert_events(&tx, events).await?;
-        tx.commit().await?;
-        Ok(())
+        let client = self.client().await?;
+        insert_events(&client, events).await
     }
 
     pub async fn load_run(&self, run: Uuid) -> Result<Option<StoredRun>, StoreError> {
@@ -277,32 +290,50 @@ impl Store {
     }
 }
 
-async fn insert_events(tx: &deadpool_postgres::Transaction<'_>, events: &[RunEvent]) -> Result<(), StoreError> {
+/// Events as columns, for one `unnest` insert (one round trip for any number of events).
+struct EventColumns<'e> {
+    run_id: Vec<Uuid>,
+    seq: Vec<i32>,
+    idx: Vec<i32>,
+    stage: Vec<&'static str>,
+    kind: Vec<&'static str>,
+    message: Vec<&'e str>,
+    data: Vec<&'e serde_json::Value>,
+    worker: Vec<&'e str>,
+    at: Vec<DateTime<Utc>>,
+}
+
+impl<'e> EventColumns<'e> {
+    fn of(events: &'e [RunEvent]) -> Self {
+        EventColumns {
+            run_id: events.iter().map(|e| e.run_id).collect(),
+            seq: events.iter().map(|e| e.seq as i32).collect(),
+            idx: events.iter().map(|e| e.index as i32).collect(),
+            stage: events.iter().map(|e| e.stage.as_str()).collect(),
+            kind: events.iter().map(|e| e.kind.as_str()).collect(),
+            message: events.iter().map(|e| e.message.as_str()).collect(),
+            data: events.iter().map(|e| &e.data).collect(),
+            worker: events.iter().map(|e| e.worker.as_str()).collect(),
+            at: events.iter().map(|e| e.at).collect(),
+        }
+    }
+}
+
+async fn insert_events(client: &deadpool_postgres::Object, events: &[RunEvent]) -> Result<(), StoreError> {
     if events.is_empty() {
         return Ok(());
     }
-    let stmt = tx
+    let stmt = client
         .prepare_cached(
             "INSERT INTO run_events (run_id, seq, idx, stage, kind, message, data, worker, at)
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9) ON CONFLICT DO NOTHING",
+             SELECT * FROM unnest($1::uuid[], $2::int4[], $3::int4[], $4::text[], $5::text[], $6::text[],
+                                  $7::jsonb[], $8::text[], $9::timestamptz[])
+             ON CONFLICT DO NOTHING",
         )
         .await?;
-    for e in events {
-        tx.execute(
-            &stmt,
-            &[
-                &e.run_id,
-                &(e.seq as i32),
-                &(e.index as i32),
-                &e.stage.as_str(),
-                &e.kind.as_str(),
-                &e.message,
-                &e.data,
-                &e.worker,
-                &e.at,
-            ],
-        )
+    let c = EventColumns::of(events);
+    client
+        .execute(&stmt, &[&c.run_id, &c.seq, &c.idx, &c.stage, &c.kind, &c.message, &c.data, &c.worker, &c.at])
         .await?;
-    }
     Ok(())
 }

@@ -185,8 +185,11 @@ impl Store {
             )
             .await?;
         let secs = window.as_secs_f64();
-        let failed = client.query(&failed, &[&service, &signature, &secs]).await?;
-        let fixes = client.query(&fixes, &[&service, &signature]).await?;
+        // Both on one connection at once: tokio-postgres pipelines them (one round trip).
+        type Arg<'a> = &'a (dyn tokio_postgres::types::ToSql + Sync);
+        let (failed_args, fixes_args): ([Arg; 3], [Arg; 2]) = ([&service, &signature, &secs], [&service, &signature]);
+        let (failed, fixes) =
+            futures::try_join!(client.query(&failed, &failed_args), client.query(&fixes, &fixes_args))?;
         Ok(Memory {
             failed: failed.iter().map(|r| r.get(0)).collect(),
             fixes: fixes.iter().map(|r| r.get(0)).collect(),
