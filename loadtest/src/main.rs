@@ -46,6 +46,14 @@ struct Args {
     /// Run diagnose in this many `pitcrew worker diagnose` processes (0: in this process).
     #[arg(long, default_value_t = 0)]
     diagnose_processes: usize,
+    /// Runs diagnose holds at once per process (default: --concurrency). Set it low with a
+    /// simulated LLM to make diagnose the bottleneck and see how a second process scales it.
+    #[arg(long)]
+    diagnose_concurrency: Option<usize>,
+    /// Skip the service's default evidence commands (`ss -ltn`, `df -h`, `free -m`): what is
+    /// left is the orchestration itself (the health check, the fix and verify still run).
+    #[arg(long)]
+    no_evidence: bool,
 }
 
 const PLAYBOOK: &str = r#"
@@ -126,9 +134,13 @@ async fn main() -> anyhow::Result<()> {
         None => format!("[reasoning]\nplaybook_file = \"{book}\"\n"),
     };
     // LLM-bound runs skip the evidence commands so the model's latency is what is measured.
-    let evidence = if llm.is_some() { "evidence = []\n" } else { "" };
+    let evidence = if llm.is_some() || args.no_evidence { "evidence = []\n" } else { "" };
+    let diagnose = match args.diagnose_concurrency {
+        Some(n) => format!("[stage.diagnose]\nconcurrency = {n}\n"),
+        None => String::new(),
+    };
     let text = env.config_toml(&format!(
-        "[stages]\nconcurrency = {c}\nmax_ack_pending = {p}\n{reasoning}\
+        "[stages]\nconcurrency = {c}\nmax_ack_pending = {p}\n{diagnose}{reasoning}\
          [verify]\nchecks = 1\n[services.svc]\nhost = \"local\"\nstart = \"touch {healthy}\"\n{evidence}\
          check = {{ kind = \"command\", command = \"test -f {healthy}\" }}\n",
         c = args.concurrency,
@@ -252,6 +264,8 @@ async fn main() -> anyhow::Result<()> {
             "llm_latency_ms": args.llm_latency_ms,
             "llm_calls": llm_calls,
             "diagnose_processes": args.diagnose_processes,
+            "diagnose_concurrency": args.diagnose_concurrency,
+            "evidence_commands": !(args.no_evidence || llm.is_some()),
             "peak_rss_mb": peak_rss_mb(),
         })
     );
