@@ -81,6 +81,33 @@ fn peak_rss_mb() -> Option<f64> {
     Some((kb / 1024.0 * 10.0).round() / 10.0)
 }
 
+/// CPU time (user + system) of this process and of its reaped children (the commands the
+/// crew ran), in ms, from getrusage.
+fn cpu_ms() -> (f64, f64) {
+    let of = |who| {
+        // SAFETY: getrusage only writes the struct we hand it.
+        let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+        if unsafe { libc::getrusage(who, &mut ru) } != 0 {
+            return 0.0;
+        }
+        let ms = |t: libc::timeval| t.tv_sec as f64 * 1000.0 + t.tv_usec as f64 / 1000.0;
+        ms(ru.ru_utime) + ms(ru.ru_stime)
+    };
+    (of(libc::RUSAGE_SELF), of(libc::RUSAGE_CHILDREN))
+}
+
+/// Busy CPU time of the whole machine so far (every process: Postgres and nats-server too),
+/// in ms, from /proc/stat.
+fn machine_busy_ms() -> Option<f64> {
+    let stat = std::fs::read_to_string("/proc/stat").ok()?;
+    let cpu: Vec<f64> = stat.lines().next()?.split_whitespace().skip(1).filter_map(|v| v.parse().ok()).collect();
+    // user nice system idle iowait irq softirq steal: busy = all but idle and iowait.
+    let busy: f64 = cpu.iter().take(8).enumerate().filter(|(i, _)| *i != 3 && *i != 4).map(|(_, v)| v).sum();
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+    Some(busy * 1000.0 / hz.max(1.0))
+}
+
 fn percentile(sorted: &[f64], p: f64) -> f64 {
     if sorted.is_empty() {
         return 0.0;
@@ -187,6 +214,8 @@ async fn main() -> anyhow::Result<()> {
         if args.rate > 0.0 { args.rate.to_string() } else { "max".into() }
     );
     let started = Instant::now();
+    let (cpu_self0, cpu_children0) = cpu_ms();
+    let machine0 = machine_busy_ms();
     let mut sent: HashMap<Uuid, chrono::DateTime<chrono::Utc>> = HashMap::with_capacity(args.incidents);
     let mut errors = 0usize;
     for i in 0..args.incidents {
@@ -232,6 +261,16 @@ async fn main() -> anyhow::Result<()> {
         }
     }
     let elapsed = started.elapsed().as_secs_f64();
+    let (cpu_self1, cpu_children1) = cpu_ms();
+    let machine1 = machine_busy_ms();
+    let per_run = |ms: f64| ((ms / e2e.len().max(1) as f64) * 100.0).round() / 100.0;
+    // What one run costs in CPU: this process (the crew and the tool), the commands it ran,
+    // and the whole machine (adds Postgres and nats-server; only meaningful on a quiet one).
+    let cpu = serde_json::json!({
+        "crew": per_run(cpu_self1 - cpu_self0),
+        "commands": per_run(cpu_children1 - cpu_children0),
+        "machine": machine0.zip(machine1).map(|(a, b)| per_run(b - a)),
+    });
     for e in &events.seen {
         timelines.entry(e.run_id).or_default().push(e.clone());
     }
@@ -267,6 +306,7 @@ async fn main() -> anyhow::Result<()> {
             "diagnose_concurrency": args.diagnose_concurrency,
             "evidence_commands": !(args.no_evidence || llm.is_some()),
             "peak_rss_mb": peak_rss_mb(),
+            "cpu_ms_per_run": cpu,
         })
     );
     Ok(())
