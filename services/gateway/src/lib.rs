@@ -73,7 +73,8 @@ impl Gateway {
     /// Check `[gateway]` and build the shared state.
     pub fn new(cfg: Config, bus: Bus, store: Store, shutdown: Shutdown) -> anyhow::Result<Arc<Gateway>> {
         let keys = Keys::from_config(&cfg.gateway.keys).map_err(|e| anyhow::anyhow!("bad configuration: {e}"))?;
-        if !(cfg.gateway.rate_per_sec > 0.0) || cfg.gateway.body_limit_bytes == 0 {
+        if !cfg.gateway.rate_per_sec.is_finite() || cfg.gateway.rate_per_sec <= 0.0 || cfg.gateway.body_limit_bytes == 0
+        {
             anyhow::bail!("bad configuration: [gateway] rate_per_sec and body_limit_bytes must be above 0");
         }
         Ok(Arc::new(Gateway {
