@@ -48,7 +48,7 @@ async fn main() -> anyhow::Result<()> {
             "wrk.method = \"POST\"\nwrk.path = \"/v1/incidents\"\n\
              wrk.headers[\"Content-Type\"] = \"application/json\"\nwrk.headers[\"Authorization\"] = \"Bearer {KEY}\"\n\
              counter = 0\nrequest = function()\n  counter = counter + 1\n  \
-             return wrk.format(nil, nil, nil, '{{\"service\":\"web\",\"error\":\"connection refused \" .. counter .. \"\"}}')\nend\n"
+             return wrk.format(nil, nil, nil, '{{\"service\":\"web\",\"error\":\"connection refused ' .. counter .. '\"}}')\nend\n"
         ),
     )?;
     println!("gateway at {url} for {secs} s");

@@ -1,8 +1,9 @@
 //! Live streams as Server-Sent Events. A run's stream replays its past events from JetStream
 //! (an ordered consumer from the start) and follows live ones until a terminal event; the
 //! all-runs stream follows from now (or `since`, or `Last-Event-ID`) with a kind/run filter.
-//! Each client has a bounded buffer filled without waiting: a client that falls behind is
-//! dropped (it reconnects with `Last-Event-ID`), so no client ever blocks the bus or another.
+//! Each client has its own consumer, task and bounded buffer: a client whose buffer stays
+//! full for `SLOW_CLIENT` is dropped (it reconnects with `Last-Event-ID`), so no client ever
+//! blocks the bus, the crew or another client.
 
 use crate::body::{bad_query, run_id};
 use crate::error::ApiError;
@@ -19,7 +20,7 @@ use serde::Deserialize;
 use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::sync::mpsc::{self, error::TrySendError};
+use tokio::sync::mpsc::{self, error::SendTimeoutError, error::TrySendError};
 use uuid::Uuid;
 
 /// Live streams open at once; more are refused with 503.
@@ -27,6 +28,8 @@ pub const MAX_STREAMS: usize = 1024;
 /// How long a run id that is not known yet (an incident just posted) is waited for.
 const UNKNOWN_GRACE: Duration = Duration::from_secs(3);
 const KEEP_ALIVE: Duration = Duration::from_secs(15);
+/// A client whose buffer stays full this long is dropped.
+pub const SLOW_CLIENT: Duration = Duration::from_secs(5);
 
 type EventStream = Sse<KeepAliveStream<std::pin::Pin<Box<dyn Stream<Item = Result<Event, Infallible>> + Send>>>>;
 
@@ -158,13 +161,24 @@ async fn follow(
                 .id(seq.to_string())
                 .event(event.kind.as_str())
                 .data(String::from_utf8_lossy(&msg.payload));
-            match tx.try_send(sse) {
-                Ok(()) => {}
-                Err(TrySendError::Full(_)) => {
-                    tracing::warn!(run = %event.run_id, "live stream client too slow: dropped (it may reconnect with Last-Event-ID)");
-                    break;
-                }
-                Err(TrySendError::Closed(_)) => break,
+            let sent = match tx.try_send(sse) {
+                Ok(()) => true,
+                // A full buffer: the client gets a moment to catch up (a burst), then is dropped.
+                Err(TrySendError::Full(sse)) => match tx.send_timeout(sse, SLOW_CLIENT).await {
+                    Ok(()) => true,
+                    Err(SendTimeoutError::Timeout(_)) => {
+                        tracing::warn!(
+                            run = %event.run_id,
+                            "live stream client too slow: dropped (it may reconnect with Last-Event-ID)"
+                        );
+                        false
+                    }
+                    Err(SendTimeoutError::Closed(_)) => false,
+                },
+                Err(TrySendError::Closed(_)) => false,
+            };
+            if !sent {
+                break;
             }
             if until_terminal && event.kind.is_terminal() {
                 break;

@@ -51,6 +51,7 @@ struct Api {
     crew: Crew,
     url: String,
     http: reqwest::Client,
+    gw: std::sync::Arc<Gateway>,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
 }
 
@@ -63,7 +64,10 @@ impl Drop for Api {
 }
 
 /// Start a gateway over `cfg`, `bus` and `store`; returns its URL and its stop switch.
-async fn start_gateway(crew: &Crew, cfg: Config) -> anyhow::Result<(String, tokio::sync::oneshot::Sender<()>)> {
+async fn start_gateway(
+    crew: &Crew,
+    cfg: Config,
+) -> anyhow::Result<(String, std::sync::Arc<Gateway>, tokio::sync::oneshot::Sender<()>)> {
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
     let shutdown = async move {
         let _ = rx.await;
@@ -73,8 +77,8 @@ async fn start_gateway(crew: &Crew, cfg: Config) -> anyhow::Result<(String, toki
     let gw = Gateway::new(cfg, crew.bus.clone(), crew.store.clone(), shutdown)?;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let url = format!("http://{}", listener.local_addr()?);
-    tokio::spawn(pitcrew_gateway::serve(gw, listener));
-    Ok((url, tx))
+    tokio::spawn(pitcrew_gateway::serve(gw.clone(), listener));
+    Ok((url, gw, tx))
 }
 
 impl Api {
@@ -84,8 +88,8 @@ impl Api {
         let svc = marker_service(&env, "svc");
         let text = format!("[reasoning]\nplaybook_file = \"{book}\"\n{svc}{}", gateway_toml(rate));
         let crew = Crew::start_in(env, &text, stages).await?;
-        let (url, stop) = start_gateway(&crew, crew.cfg.clone()).await?;
-        Ok(Api { crew, url, http: reqwest::Client::new(), stop: Some(stop) })
+        let (url, gw, stop) = start_gateway(&crew, crew.cfg.clone()).await?;
+        Ok(Api { crew, url, http: reqwest::Client::new(), gw, stop: Some(stop) })
     }
 
     fn req(&self, method: reqwest::Method, path: &str, owner: Option<&str>) -> reqwest::RequestBuilder {
@@ -489,5 +493,73 @@ async fn a_key_over_its_rate_gets_429_with_retry_after_and_readiness_follows_nat
     assert_ne!(body["nats"], "ok", "{body}");
     assert_eq!(body["postgres"], "ok", "{body}");
     assert_eq!(api.req(reqwest::Method::GET, "/healthz", None).send().await?.status(), StatusCode::OK);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_live_stream_client_is_dropped_and_blocks_no_one() -> anyhow::Result<()> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let api = Api::start(&[], "").await?;
+    // A client that asks for every event and then reads nothing, with a tiny receive window.
+    let addr: std::net::SocketAddr = api.url.trim_start_matches("http://").parse()?;
+    let socket = tokio::net::TcpSocket::new_v4()?;
+    socket.set_recv_buffer_size(4096)?;
+    let mut slow = socket.connect(addr).await?;
+    slow.write_all(
+        format!(
+            "GET /v1/events HTTP/1.1\r\nHost: {addr}\r\nAuthorization: Bearer {}\r\nConnection: close\r\n\r\n",
+            key("rita")
+        )
+        .as_bytes(),
+    )
+    .await?;
+    let mut fast = Sse::new(api.stream("/v1/events", "rita").await?);
+    // 8000 events of 2 KiB: far more than the slow client's socket buffers and its 64 events.
+    let n = 8000;
+    let last = Uuid::new_v4();
+    for i in 0..=n {
+        let run = if i == n { last } else { Uuid::new_v4() };
+        let e = RunEvent {
+            run_id: run,
+            seq: 0,
+            index: 0,
+            stage: Stage::Intake,
+            kind: EventKind::Status,
+            message: "x".repeat(2048),
+            data: Value::Null,
+            worker: "test".into(),
+            at: chrono::Utc::now(),
+        };
+        api.crew.bus.client.publish(api.crew.bus.subjects.event(run, "status"), serde_json::to_vec(&e)?.into()).await?;
+    }
+    api.crew.bus.client.flush().await?;
+    // The fast client gets everything, to the last event, while the slow one stalls.
+    let mut got = 0;
+    loop {
+        let (_, _, e) = fast.next().await?.expect("the fast stream stays open");
+        got += 1;
+        if e.run_id == last {
+            break;
+        }
+    }
+    assert_eq!(got, n + 1);
+    let health = api.req(reqwest::Method::GET, "/healthz", None).send().await?;
+    assert_eq!(health.status(), StatusCode::OK);
+    // The slow client is dropped once its buffer stayed full for SLOW_CLIENT: one stream is left.
+    let open = |gw: &Gateway| pitcrew_gateway::events::MAX_STREAMS - gw.streams.available_permits();
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while open(&api.gw) > 1 {
+        assert!(tokio::time::Instant::now() < deadline, "the slow client was never dropped");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // What it can still read ends well before the last event.
+    let mut seen = Vec::new();
+    let read = tokio::time::timeout(WAIT, slow.read_to_end(&mut seen)).await;
+    assert!(read.is_ok(), "the slow client's stream was closed");
+    let text = String::from_utf8_lossy(&seen);
+    assert!(text.starts_with("HTTP/1.1 200"), "{}", &text[..text.len().min(200)]);
+    let events = text.matches("event: status").count();
+    assert!(events < n, "the slow client was cut off after {events} events");
+    assert!(!text.contains(&last.to_string()));
     Ok(())
 }
