@@ -563,3 +563,54 @@ async fn a_slow_live_stream_client_is_dropped_and_blocks_no_one() -> anyhow::Res
     assert!(!text.contains(&last.to_string()));
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_gateway_process_logs_and_audits_requests_but_never_a_key() -> anyhow::Result<()> {
+    let api = Api::start(&[], "").await?;
+    let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+    let log_path = api.crew.env.dir.path().join("gateway.log");
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_pitcrew"))
+        .arg("--config")
+        .arg(api.crew.config_file()?)
+        .arg("gateway")
+        .env("PITCREW_GATEWAY__LISTEN", format!("127.0.0.1:{port}"))
+        .env("PITCREW_LOG", "debug")
+        .env_remove("DATABASE_URL")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::fs::File::create(&log_path)?)
+        .spawn()?;
+    let url = format!("http://127.0.0.1:{port}");
+    let http = reqwest::Client::new();
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while http.get(format!("{url}/readyz")).send().await.map(|r| r.status() != StatusCode::OK).unwrap_or(true) {
+        assert!(tokio::time::Instant::now() < deadline, "{}", std::fs::read_to_string(&log_path)?);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let opened = http
+        .post(format!("{url}/v1/incidents"))
+        .bearer_auth(key("otto"))
+        .json(&json!({"service": "svc", "error": "connection refused"}))
+        .send()
+        .await?;
+    assert_eq!(opened.status(), StatusCode::ACCEPTED);
+    let wrong = http.post(format!("{url}/v1/incidents")).bearer_auth("wrong-key-XYZ-123").send().await?;
+    assert_eq!(wrong.status(), StatusCode::UNAUTHORIZED);
+    let read = http.get(format!("{url}/v1/runs")).header("x-api-key", key("rita")).send().await?;
+    assert_eq!(read.status(), StatusCode::OK);
+    let _ = child.kill();
+    let _ = child.wait();
+    let log = std::fs::read_to_string(&log_path)?;
+    assert!(log.contains("audit") && log.contains("otto"), "{log}");
+    for k in KEYS.iter().map(|k| k.2).chain(["wrong-key-XYZ-123"]) {
+        assert!(!log.contains(k), "a key reached the log:\n{log}");
+    }
+    let db = api.crew.db().await?;
+    let rows: Vec<(String, i32)> = db
+        .query("SELECT principal, status FROM gateway_audit ORDER BY id", &[])
+        .await?
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    assert_eq!(rows, [("otto".to_string(), 202), ("anonymous".to_string(), 401)], "reads are not audited");
+    Ok(())
+}
