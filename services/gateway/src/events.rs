@@ -60,11 +60,43 @@ pub async fn run_events(
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+    if resume.is_none() {
+        if let Some(stored) = stored_replay(&gw, run).await? {
+            return Ok(stored);
+        }
+    }
     let deliver = match resume {
         Some(seq) => DeliverPolicy::ByStartSequence { start_sequence: seq + 1 },
         None => DeliverPolicy::All,
     };
     follow(&gw, vec![gw.bus.subjects.events_of(run)], deliver, None, true).await
+}
+
+/// A finished run whose events have expired from the bus (7 days) is replayed from its
+/// stored timeline in Postgres, the system of record; None when the bus still has them.
+async fn stored_replay(gw: &Gateway, run: Uuid) -> Result<Option<EventStream>, ApiError> {
+    let timeline = gw.store.timeline(run).await?;
+    if !timeline.iter().any(|e| e.kind.is_terminal()) {
+        return Ok(None);
+    }
+    let stream =
+        gw.bus.js.get_stream(gw.bus.subjects.events_stream()).await.map_err(|e| ApiError::unavailable("NATS", e))?;
+    let mut on_bus = stream
+        .info_with_subjects(gw.bus.subjects.events_of(run))
+        .await
+        .map_err(|e| ApiError::unavailable("NATS", e))?;
+    if on_bus.next().await.is_some() {
+        return Ok(None);
+    }
+    let events: Vec<Result<Event, Infallible>> = timeline
+        .iter()
+        .filter_map(|e| {
+            serde_json::to_string(e).ok().map(|data| Ok(Event::default().event(e.kind.as_str()).data(data)))
+        })
+        .collect();
+    let body: std::pin::Pin<Box<dyn Stream<Item = Result<Event, Infallible>> + Send>> =
+        Box::pin(futures::stream::iter(events));
+    Ok(Some(Sse::new(body).keep_alive(KeepAlive::new().interval(KEEP_ALIVE))))
 }
 
 #[derive(Debug, Default, Deserialize)]

@@ -404,6 +404,18 @@ async fn a_run_streams_its_past_then_live_events_and_is_approved_over_http() -> 
         )
         .await?;
     assert_eq!(later["runs"].as_array().map(Vec::len), Some(0), "{later}");
+    // Once the run's events are gone from the bus (they expire), its stream is the stored
+    // timeline, ending with the run.
+    let stream = api.crew.bus.js.get_stream(api.crew.bus.subjects.events_stream()).await?;
+    stream.purge().filter(api.crew.bus.subjects.events_of(run)).await.map_err(|e| anyhow::anyhow!("purge: {e}"))?;
+    let mut stored = Sse::new(api.stream(&format!("/v1/runs/{run}/events"), "rita").await?);
+    let mut kinds = Vec::new();
+    while let Some((id, _, e)) = stored.next().await? {
+        assert!(id.is_empty(), "stored events have no stream id");
+        kinds.push(e.kind);
+    }
+    assert_eq!(kinds.len(), rec["timeline"].as_array().map(Vec::len).unwrap_or_default(), "{kinds:?}");
+    assert_eq!((kinds.first(), kinds.last()), (Some(&EventKind::Status), Some(&EventKind::Resolved)));
     // A decision on a decided plan is refused with who decided it.
     let (status, body) = api.post(&format!("/v1/runs/{run}/deny"), "carol", &json!({"reason": "late"})).await?;
     assert_eq!(status, StatusCode::CONFLICT);
