@@ -112,11 +112,17 @@ pub fn router(gw: Arc<Gateway>) -> Router {
         .layer(Extension(body::BodyLimit(limit)))
         .layer(DefaultBodyLimit::max(limit))
         .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
         .with_state(gw)
 }
 
 async fn not_found() -> error::ApiError {
     error::ApiError::NotFound("no such route (GET /v1/openapi.json lists them)".into())
+}
+
+async fn method_not_allowed() -> Response {
+    let body = json!({ "error": "method not allowed on this route (GET /v1/openapi.json lists them)" });
+    (StatusCode::METHOD_NOT_ALLOWED, Json(body)).into_response()
 }
 
 async fn healthz() -> Json<serde_json::Value> {

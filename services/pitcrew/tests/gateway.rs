@@ -463,6 +463,16 @@ async fn malformed_and_oversized_bodies_are_refused_precisely_and_nothing_is_pub
         assert_eq!(status, StatusCode::BAD_REQUEST, "{q}: {err}");
         assert!(err["error"].is_string());
     }
+    for (method, path, want) in [
+        (reqwest::Method::GET, "/v1/incidents", StatusCode::METHOD_NOT_ALLOWED),
+        (reqwest::Method::DELETE, "/v1/runs", StatusCode::METHOD_NOT_ALLOWED),
+        (reqwest::Method::GET, "/v2/nothing", StatusCode::NOT_FOUND),
+    ] {
+        let resp = api.req(method.clone(), path, Some("rita")).send().await?;
+        assert_eq!(resp.status(), want, "{method} {path}");
+        let err: Value = resp.json().await?;
+        assert!(err["error"].is_string(), "{err}");
+    }
     let (status, err) = api.get(&format!("/v1/runs/{}", Uuid::new_v4()), "rita").await?;
     assert_eq!(status, StatusCode::NOT_FOUND);
     assert!(err["error"].as_str().unwrap_or_default().contains("no incident with this id"), "{err}");
