@@ -210,6 +210,9 @@ fn presented_key(req: &Request) -> Option<&str> {
     h.get("x-api-key").and_then(|v| v.to_str().ok()).map(str::trim)
 }
 
+/// The rate-limit bucket of requests without a valid key (a name no owner has in practice).
+const UNAUTHENTICATED: &str = "\0unauthenticated";
+
 fn mutating(m: &Method) -> bool {
     !matches!(*m, Method::GET | Method::HEAD | Method::OPTIONS)
 }
@@ -287,13 +290,21 @@ fn authorise(gw: &Gateway, req: &Request, access: Access) -> Result<Option<Calle
     if access == Access::Public {
         return Ok(None);
     }
+    // Requests without a valid key share one bucket: guessing keys is as slow as one key.
+    let refused = |e: ApiError| match gw.limiter.take(UNAUTHENTICATED) {
+        Ok(()) => e,
+        Err(wait) => ApiError::RateLimited {
+            key: "(requests without a valid key)".into(),
+            retry_after: wait.as_secs_f64().ceil().max(1.0) as u64,
+        },
+    };
     let Some(key) = presented_key(req).filter(|k| !k.is_empty()) else {
-        return Err(ApiError::Unauthorized(
+        return Err(refused(ApiError::Unauthorized(
             "missing API key: send `Authorization: Bearer <key>` (or `X-API-Key: <key>`)".into(),
-        ));
+        )));
     };
     let Some(caller) = gw.keys.authenticate(key) else {
-        return Err(ApiError::Unauthorized("unknown API key".into()));
+        return Err(refused(ApiError::Unauthorized("unknown API key".into())));
     };
     if !caller.role.may(access) {
         return Err(ApiError::Forbidden(format!(

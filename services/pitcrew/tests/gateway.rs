@@ -504,6 +504,14 @@ async fn a_key_over_its_rate_gets_429_with_retry_after_and_readiness_follows_nat
     let err: Value = resp.json().await?;
     assert!(err["error"].as_str().unwrap_or_default().contains("rate limit exceeded for key 'rita'"), "{err}");
     assert_eq!(api.get("/v1/runs", "carol").await?.0, StatusCode::OK, "another key has its own bucket");
+    // Guessing keys is limited like one key.
+    for _ in 0..3 {
+        let r = api.req(reqwest::Method::GET, "/v1/runs", None).bearer_auth("guess").send().await?;
+        assert_eq!(r.status(), StatusCode::UNAUTHORIZED);
+    }
+    let r = api.req(reqwest::Method::GET, "/v1/runs", None).bearer_auth("guess").send().await?;
+    assert_eq!(r.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert!(r.headers().contains_key("retry-after"));
     let ready = api.req(reqwest::Method::GET, "/readyz", None).send().await?;
     assert_eq!(ready.status(), StatusCode::OK);
     let body: Value = ready.json().await?;
