@@ -242,6 +242,12 @@ async fn every_route_refuses_no_key_and_the_wrong_role_and_admits_the_right_one(
     assert_eq!(status, StatusCode::ACCEPTED, "{body}");
     let run: Uuid = body["run_id"].as_str().unwrap_or_default().parse()?;
     api.crew.end(run).await?;
+    // The same incident again (a client's retry): nothing published, the same run named.
+    let again = json!({"id": run, "service": "svc", "error": "connection refused"});
+    let (status, body) = api.post("/v1/incidents", "otto", &again).await?;
+    assert_eq!((status, &body["outcome"], &body["run_id"]), (StatusCode::OK, &json!("already_received"), &json!(run)));
+    let mut incidents = api.crew.bus.js.get_stream(api.crew.bus.subjects.incidents_stream()).await?;
+    assert_eq!(incidents.info().await?.state.messages, 1);
 
     let doc: Value = serde_json::from_str(pitcrew_gateway::OPENAPI)?;
     let mut checked = 0;
