@@ -470,9 +470,15 @@ mod tests {
         std::env::set_var("PITCREW_LOG", "debug");
         std::env::set_var("PITCREW_NATS_URL", "nats://10.0.0.9:4222");
         std::env::set_var("PITCREW_LIMITS__MAX_RETRIES", "7");
+        std::env::set_var("PITCREW_GATEWAY__KEYS__ALICE__ROLE", "admin");
+        std::env::set_var("PITCREW_GATEWAY__KEYS__ALICE__SHA256", "ab12");
         let c = Config::load(Some(Path::new("/dev/null"))).unwrap();
         assert_eq!(c.nats.url, "nats://10.0.0.9:4222");
         assert_eq!(c.limits.max_retries, 7);
+        assert_eq!(c.gateway.keys["alice"], ApiKey { role: "admin".into(), sha256: "ab12".into() });
+        assert_eq!(c.gateway.listen, "127.0.0.1:8088", "the rest of [gateway] keeps its defaults");
+        std::env::remove_var("PITCREW_GATEWAY__KEYS__ALICE__ROLE");
+        std::env::remove_var("PITCREW_GATEWAY__KEYS__ALICE__SHA256");
         std::env::set_var("PITCREW_BOGUS", "1");
         let e = Config::load(Some(Path::new("/dev/null"))).unwrap_err();
         assert!(e.to_string().contains("bogus"), "{e}");
