@@ -410,6 +410,11 @@ async fn a_run_streams_its_past_then_live_events_and_is_approved_over_http() -> 
         )
         .await?;
     assert_eq!(later["runs"].as_array().map(Vec::len), Some(0), "{later}");
+    // The all-runs stream replays from a time, for one run and kind.
+    let since = (chrono::Utc::now() - chrono::Duration::minutes(5)).to_rfc3339().replace('+', "%2B");
+    let mut past = Sse::new(api.stream(&format!("/v1/events?run={run}&kind=status&since={since}"), "rita").await?);
+    let (_, kind, e) = past.next().await?.expect("replayed from the start time");
+    assert_eq!((kind.as_str(), e.run_id, e.stage), ("status", run, Stage::Intake));
     // Once the run's events are gone from the bus (they expire), its stream is the stored
     // timeline, ending with the run.
     let stream = api.crew.bus.js.get_stream(api.crew.bus.subjects.events_stream()).await?;
