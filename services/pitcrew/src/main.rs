@@ -90,6 +90,11 @@ enum Command {
     Show { run: Uuid },
     /// Apply database migrations.
     Migrate,
+    /// The HTTP API: Alertmanager webhook, incidents, runs, approvals, live events ([gateway]).
+    Gateway {
+        #[command(subcommand)]
+        command: Option<GatewayCommand>,
+    },
     /// The demo's toy service (used by the demo's remediation commands).
     #[command(hide = true)]
     Toy {
@@ -116,6 +121,17 @@ enum IncidentCommand {
         #[arg(long)]
         watch: bool,
     },
+}
+
+#[derive(Subcommand)]
+enum GatewayCommand {
+    /// Serve the API on `[gateway] listen` (the default).
+    Serve,
+    /// Read an API key from standard input and print the SHA-256 that
+    /// `[gateway.keys.<name>] sha256` holds (the key never appears in arguments or config).
+    HashKey,
+    /// Make a new random API key; print it (once) and its SHA-256.
+    NewKey,
 }
 
 #[derive(Subcommand)]
@@ -179,6 +195,7 @@ fn main() -> ExitCode {
     let default_log = match args.command {
         Command::Demo { .. } => "warn",
         Command::Up | Command::Worker { .. } | Command::Monitor => "info",
+        Command::Gateway { command: None | Some(GatewayCommand::Serve) } => "info",
         _ => "warn",
     };
     pitcrew_runtime::telemetry::init(default_log);
@@ -187,6 +204,18 @@ fn main() -> ExitCode {
         Err(e) => return report(Err(e.into())),
     };
     report(rt.block_on(run(args)))
+}
+
+/// `pitcrew gateway hash-key`: the key from stdin (one line), its hex SHA-256 on stdout.
+fn gateway_hash_key() -> anyhow::Result<()> {
+    let mut line = String::new();
+    std::io::stdin().read_line(&mut line).context("cannot read the key from standard input")?;
+    let key = line.trim_end_matches(['\r', '\n']);
+    if key.trim().is_empty() {
+        bail!("no key on standard input: `printf %s \"$KEY\" | pitcrew gateway hash-key`");
+    }
+    println!("{}", pitcrew_gateway::access::hash_key(key));
+    Ok(())
 }
 
 fn report(res: anyhow::Result<()>) -> ExitCode {
@@ -219,8 +248,19 @@ async fn run(args: Args) -> anyhow::Result<()> {
         let llm = llm.map(|base_url| demo::LlmDemo { base_url, model });
         return demo::run(ssh, llm).await;
     }
+    match &args.command {
+        Command::Gateway { command: Some(GatewayCommand::HashKey) } => return gateway_hash_key(),
+        Command::Gateway { command: Some(GatewayCommand::NewKey) } => {
+            let key = format!("pck_{}{}", Uuid::new_v4().simple(), Uuid::new_v4().simple());
+            println!("key:    {key}\nsha256: {}", pitcrew_gateway::access::hash_key(&key));
+            println!("add to pitcrew.toml: [gateway.keys.<owner>] role = \"...\", sha256 = \"<the sha256 above>\"");
+            return Ok(());
+        }
+        _ => {}
+    }
     let cfg = Config::load(args.config.as_deref())?;
     match args.command {
+        Command::Gateway { .. } => pitcrew_gateway::run(cfg, crew::signals()).await,
         Command::Up => crew::run(cfg, &Stage::ALL, crew::signals()).await,
         Command::Monitor => crew::monitor(cfg, crew::signals()).await,
         Command::Worker { stages } => {

@@ -35,6 +35,57 @@ pub struct Config {
     /// anyone else is refused and changes nothing.
     pub approvers: BTreeMap<String, String>,
     pub metrics: MetricsConfig,
+    /// `[gateway]`: the HTTP API (`pitcrew gateway`).
+    #[serde(default)]
+    pub gateway: GatewayConfig,
+}
+
+/// `[gateway]`: the HTTP API, its keys and how Alertmanager labels map to incidents.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct GatewayConfig {
+    /// `host:port` the gateway listens on.
+    pub listen: String,
+    /// Largest request body accepted; larger ones get 413.
+    pub body_limit_bytes: usize,
+    /// Requests per second each key may make on average (a token bucket refilled at this rate).
+    pub rate_per_sec: f64,
+    /// Requests a key may make at once before the rate applies.
+    pub rate_burst: u32,
+    /// Events buffered per live stream client; a client that falls this far behind is dropped.
+    pub sse_buffer: usize,
+    /// Alert labels tried in order for the incident's service (`service`, then `job`).
+    pub service_labels: Vec<String>,
+    /// Alert labels tried in order for the incident's host; a trailing `:port` is dropped.
+    pub host_labels: Vec<String>,
+    /// API keys by owner name. Only the SHA-256 of each key is stored; the owner is who
+    /// decides approvals made with it (and must then be under `[approvers]`).
+    pub keys: BTreeMap<String, ApiKey>,
+}
+
+/// One API key: its role and the hex SHA-256 of the key (`pitcrew gateway hash-key`).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct ApiKey {
+    /// `readonly`, `operator`, `approver` or `admin`.
+    pub role: String,
+    /// Hex SHA-256 of the key: the key itself is never stored.
+    pub sha256: String,
+}
+
+impl Default for GatewayConfig {
+    fn default() -> Self {
+        GatewayConfig {
+            listen: "127.0.0.1:8088".into(),
+            body_limit_bytes: 256 * 1024,
+            rate_per_sec: 20.0,
+            rate_burst: 40,
+            sse_buffer: 256,
+            service_labels: vec!["service".into(), "job".into()],
+            host_labels: vec!["host".into(), "instance".into()],
+            keys: BTreeMap::new(),
+        }
+    }
 }
 
 /// `[metrics]`: the Prometheus endpoint of each worker process.
@@ -208,6 +259,7 @@ impl Default for Config {
             services: BTreeMap::new(),
             approvers: BTreeMap::new(),
             metrics: MetricsConfig::default(),
+            gateway: GatewayConfig::default(),
         }
     }
 }
@@ -418,9 +470,15 @@ mod tests {
         std::env::set_var("PITCREW_LOG", "debug");
         std::env::set_var("PITCREW_NATS_URL", "nats://10.0.0.9:4222");
         std::env::set_var("PITCREW_LIMITS__MAX_RETRIES", "7");
+        std::env::set_var("PITCREW_GATEWAY__KEYS__ALICE__ROLE", "admin");
+        std::env::set_var("PITCREW_GATEWAY__KEYS__ALICE__SHA256", "ab12");
         let c = Config::load(Some(Path::new("/dev/null"))).unwrap();
         assert_eq!(c.nats.url, "nats://10.0.0.9:4222");
         assert_eq!(c.limits.max_retries, 7);
+        assert_eq!(c.gateway.keys["alice"], ApiKey { role: "admin".into(), sha256: "ab12".into() });
+        assert_eq!(c.gateway.listen, "127.0.0.1:8088", "the rest of [gateway] keeps its defaults");
+        std::env::remove_var("PITCREW_GATEWAY__KEYS__ALICE__ROLE");
+        std::env::remove_var("PITCREW_GATEWAY__KEYS__ALICE__SHA256");
         std::env::set_var("PITCREW_BOGUS", "1");
         let e = Config::load(Some(Path::new("/dev/null"))).unwrap_err();
         assert!(e.to_string().contains("bogus"), "{e}");

@@ -2,10 +2,12 @@
 //! and every write keyed so that a redelivered stage writes nothing twice.
 
 mod migrate;
+mod query;
 mod runs;
 mod work;
 
 pub use migrate::{ensure_database, migrate as apply_migrations, MIGRATIONS};
+pub use query::{AuditEntry, EvaluationRow, ExecutionRow, RunFilter};
 pub use runs::{OpenRun, RunStatus, RunSummary, StoredRun};
 pub use work::{Claim, DecideOutcome, Memory, PendingApproval};
 
