@@ -35,6 +35,58 @@ pub struct Config {
     /// anyone else is refused and changes nothing.
     pub approvers: BTreeMap<String, String>,
     pub metrics: MetricsConfig,
+    /// `[bridge.*]`: chat bridges carrying approval requests to people and decisions back.
+    #[serde(default)]
+    pub bridge: BridgeConfig,
+}
+
+/// `[bridge]`: the chat bridges (`pitcrew bridge <kind>`), each off until configured.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BridgeConfig {
+    /// `[bridge.slack]`: `pitcrew bridge slack` (any Slack-compatible Web API).
+    pub slack: Option<SlackConfig>,
+}
+
+/// `[bridge.slack]`: where requests are posted, where Slack calls back, and who is who.
+/// The secrets themselves are never in the config: it names the variables holding them.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SlackConfig {
+    /// The Web API base (`chat.postMessage` and `chat.update` are called under it).
+    pub api_url: String,
+    /// The channel id (or name) requests are posted to.
+    pub channel: String,
+    /// The variable holding the bot token (`xoxb-...`).
+    pub token_env: String,
+    /// The variable holding the app's signing secret (verifies Slack's callbacks).
+    pub signing_secret_env: String,
+    /// `host:port` of the interactivity endpoint (`POST /slack/interactions`).
+    pub listen: String,
+    /// Slack user id -> approver name (which must be under `[approvers]`).
+    pub users: BTreeMap<String, String>,
+    /// The durable consumer of approval requests: a restarted bridge resumes where it stopped.
+    pub durable: String,
+    /// Requests posted at once.
+    pub concurrency: usize,
+    /// Per Slack API call.
+    pub timeout_secs: u64,
+}
+
+impl Default for SlackConfig {
+    fn default() -> Self {
+        SlackConfig {
+            api_url: "https://slack.com/api".into(),
+            channel: String::new(),
+            token_env: "SLACK_BOT_TOKEN".into(),
+            signing_secret_env: "SLACK_SIGNING_SECRET".into(),
+            listen: "127.0.0.1:3000".into(),
+            users: BTreeMap::new(),
+            durable: "slack-bridge".into(),
+            concurrency: 4,
+            timeout_secs: 10,
+        }
+    }
 }
 
 /// `[metrics]`: the Prometheus endpoint of each worker process.
@@ -208,6 +260,7 @@ impl Default for Config {
             services: BTreeMap::new(),
             approvers: BTreeMap::new(),
             metrics: MetricsConfig::default(),
+            bridge: BridgeConfig::default(),
         }
     }
 }
@@ -226,6 +279,31 @@ impl Config {
         } else {
             format!("{name} is not a configured approver")
         })
+    }
+}
+
+impl SlackConfig {
+    fn validate(&self, cfg: &Config) -> Result<(), String> {
+        if self.channel.trim().is_empty() {
+            return Err("[bridge.slack] channel is required: the channel id requests are posted to".into());
+        }
+        if !self.api_url.starts_with("http://") && !self.api_url.starts_with("https://") {
+            return Err(format!("[bridge.slack] api_url '{}' must be an http(s) URL", self.api_url));
+        }
+        if self.durable.is_empty() || !self.durable.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_') {
+            return Err(format!("[bridge.slack] durable '{}' must be letters, digits, '-' or '_'", self.durable));
+        }
+        if self.concurrency == 0 {
+            return Err("[bridge.slack] concurrency must be at least 1".into());
+        }
+        for (user, approver) in &self.users {
+            if !cfg.approvers.contains_key(approver) {
+                return Err(format!(
+                    "[bridge.slack.users] {user} = \"{approver}\": {approver} is not under [approvers]"
+                ));
+            }
+        }
+        Ok(())
     }
 }
 
@@ -325,6 +403,9 @@ impl Config {
                 return bad(format!("[approvers] {name} = \"{role}\": the role must be one of {APPROVER_ROLES:?}"));
             }
         }
+        if let Some(slack) = &self.bridge.slack {
+            slack.validate(self).map_err(ConfigError)?;
+        }
         if !["playbook", "openai"].contains(&self.reasoning.provider.as_str()) {
             return bad(format!(
                 "reasoning.provider '{}' is not available (this build has: playbook, openai)",
@@ -410,6 +491,25 @@ mod tests {
         assert!(!ok.hosts["pe1"].accept_unknown_host_key, "unknown host keys are refused by default");
         let e = Config::from_toml("[services.bgp]\nhost = \"pe9\"\n").unwrap_err();
         assert!(e.to_string().contains("host 'pe9' is not under [hosts]"), "{e}");
+    }
+
+    #[test]
+    fn slack_users_must_be_approvers() {
+        let ok = Config::from_toml(
+            "[approvers]\nann = \"approver\"\n[bridge.slack]\nchannel = \"C1\"\n[bridge.slack.users]\nU1 = \"ann\"\n",
+        )
+        .unwrap();
+        let slack = ok.bridge.slack.unwrap();
+        assert_eq!(slack.users["U1"], "ann");
+        assert_eq!(slack.token_env, "SLACK_BOT_TOKEN", "defaults fill what the table leaves out");
+        assert!(Config::default().bridge.slack.is_none(), "no bridge unless configured");
+        let e =
+            Config::from_toml("[bridge.slack]\nchannel = \"C1\"\n[bridge.slack.users]\nU1 = \"zed\"\n").unwrap_err();
+        assert!(e.to_string().contains("zed is not under [approvers]"), "{e}");
+        let e = Config::from_toml("[bridge.slack]\nlisten = \"127.0.0.1:1\"\n").unwrap_err();
+        assert!(e.to_string().contains("channel is required"), "{e}");
+        let e = Config::from_toml("[bridge.slack]\nchannel = \"C1\"\ntoken = \"xoxb\"\n").unwrap_err();
+        assert!(e.to_string().contains("token"), "a secret in the file is an unknown key: {e}");
     }
 
     #[test]

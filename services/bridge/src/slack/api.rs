@@ -1,0 +1,163 @@
+//! The Slack Web API calls the bridge makes (`chat.postMessage`, `chat.update`, and answers on
+//! an interaction's `response_url`), each bounded in time and in the size of what it reads,
+//! with every failure sorted into "retry later" or "will never work".
+
+use crate::secret::Secret;
+use serde_json::Value;
+use std::time::Duration;
+
+/// Largest Slack answer read.
+const MAX_ANSWER: usize = 256 * 1024;
+
+/// Slack `error` codes worth another try later.
+const TRANSIENT: &[&str] = &["ratelimited", "internal_error", "fatal_error", "service_unavailable", "request_timeout"];
+/// Slack `error` codes that mean the token is wrong: retried slowly, since the fix (a new
+/// token and a restart) must not lose the requests in between.
+const AUTH: &[&str] = &["not_authed", "invalid_auth", "token_revoked", "token_expired", "account_inactive"];
+
+/// A Slack call failed; the variant says what the caller does.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ApiError {
+    /// Slack is busy, down or unreachable: try again after `after`.
+    #[error("{why} (retrying in {} s)", after.as_secs())]
+    Retry { after: Duration, why: String },
+    /// This call will never succeed as it is (bad channel, bad request, bad endpoint).
+    #[error("{0}")]
+    Permanent(String),
+}
+
+/// A client of one Slack-compatible Web API with one bot token.
+#[derive(Clone)]
+pub struct SlackApi {
+    http: reqwest::Client,
+    base: String,
+    token: Secret,
+}
+
+impl SlackApi {
+    pub fn new(base: &str, token: Secret, timeout: Duration) -> anyhow::Result<SlackApi> {
+        let http = reqwest::Client::builder()
+            .timeout(timeout)
+            .connect_timeout(timeout.min(Duration::from_secs(5)))
+            .redirect(reqwest::redirect::Policy::none())
+            .user_agent(concat!("pitcrew-bridge/", env!("CARGO_PKG_VERSION")))
+            .build()?;
+        Ok(SlackApi { http, base: base.trim_end_matches('/').to_string(), token })
+    }
+
+    /// `chat.postMessage`: returns Slack's answer (`channel` and `ts` name the message).
+    pub async fn post_message(&self, body: &Value) -> Result<Value, ApiError> {
+        self.call("chat.postMessage", body).await
+    }
+
+    /// `chat.update` of the message `ts` in `channel`.
+    pub async fn update(&self, body: &Value) -> Result<Value, ApiError> {
+        self.call("chat.update", body).await
+    }
+
+    /// Answer an interaction on its `response_url` (no token: the URL is the credential).
+    /// Only URLs of Slack's hooks host or of the configured API's host are called.
+    pub async fn respond(&self, response_url: &str, body: &Value) -> Result<(), ApiError> {
+        if !self.may_respond_to(response_url) {
+            return Err(ApiError::Permanent(format!("response_url {response_url} is not on Slack's hooks host")));
+        }
+        let resp = self.http.post(response_url).json(body).send().await.map_err(|e| net("response_url", &e))?;
+        let status = resp.status();
+        if !status.is_success() {
+            return Err(ApiError::Permanent(format!("response_url answered HTTP {status}")));
+        }
+        Ok(())
+    }
+
+    fn may_respond_to(&self, url: &str) -> bool {
+        let origin = |u: &str| -> Option<String> {
+            let (scheme, rest) = u.split_once("://")?;
+            Some(format!("{scheme}://{}/", rest.split('/').next()?))
+        };
+        url.starts_with("https://hooks.slack.com/") || (origin(url).is_some() && origin(url) == origin(&self.base))
+    }
+
+    async fn call(&self, method: &str, body: &Value) -> Result<Value, ApiError> {
+        let url = format!("{}/{method}", self.base);
+        let resp = self
+            .http
+            .post(&url)
+            .bearer_auth(self.token.expose())
+            .json(body)
+            .send()
+            .await
+            .map_err(|e| net(method, &e))?;
+        let status = resp.status();
+        if status.as_u16() == 429 {
+            let after = resp
+                .headers()
+                .get("retry-after")
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| v.trim().parse::<u64>().ok())
+                .unwrap_or(30)
+                .clamp(1, 900);
+            return Err(ApiError::Retry { after: Duration::from_secs(after), why: format!("{method}: rate limited") });
+        }
+        if status.is_server_error() {
+            return Err(ApiError::Retry { after: Duration::from_secs(10), why: format!("{method}: HTTP {status}") });
+        }
+        if !status.is_success() {
+            return Err(ApiError::Permanent(format!("{method}: HTTP {status} from {} (is api_url right?)", self.base)));
+        }
+        let body = read_bounded(resp).await.map_err(|why| ApiError::Retry {
+            after: Duration::from_secs(10),
+            why: format!("{method}: reading the answer: {why}"),
+        })?;
+        let answer: Value = serde_json::from_slice(&body).map_err(|e| {
+            ApiError::Permanent(format!("{method}: the answer is not JSON ({e}): is api_url a Slack API?"))
+        })?;
+        if answer.get("ok").and_then(Value::as_bool) == Some(true) {
+            return Ok(answer);
+        }
+        let code = answer.get("error").and_then(Value::as_str).unwrap_or("no error given").to_string();
+        if TRANSIENT.contains(&code.as_str()) {
+            return Err(ApiError::Retry {
+                after: Duration::from_secs(30),
+                why: format!("{method}: Slack says {code}"),
+            });
+        }
+        if AUTH.contains(&code.as_str()) {
+            return Err(ApiError::Retry {
+                after: Duration::from_secs(60),
+                why: format!("{method}: Slack says {code}: check the bot token"),
+            });
+        }
+        Err(ApiError::Permanent(format!("{method}: Slack refused it: {code}")))
+    }
+}
+
+fn net(method: &str, e: &reqwest::Error) -> ApiError {
+    let kind = if e.is_timeout() { "timed out" } else { "cannot reach Slack" };
+    ApiError::Retry { after: Duration::from_secs(5), why: format!("{method}: {kind}: {e}") }
+}
+
+async fn read_bounded(mut resp: reqwest::Response) -> Result<Vec<u8>, String> {
+    let mut buf = Vec::new();
+    while let Some(chunk) = resp.chunk().await.map_err(|e| e.to_string())? {
+        if buf.len() + chunk.len() > MAX_ANSWER {
+            return Err(format!("answer larger than {MAX_ANSWER} bytes"));
+        }
+        buf.extend_from_slice(&chunk);
+    }
+    Ok(buf)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn responds_only_to_slack_hooks_or_the_api_host() {
+        let api = SlackApi::new("http://127.0.0.1:9/api", Secret::new("t"), Duration::from_secs(1)).unwrap();
+        assert!(api.may_respond_to("https://hooks.slack.com/actions/T1/2/3"));
+        assert!(api.may_respond_to("http://127.0.0.1:9/response/1"));
+        assert!(!api.may_respond_to("http://127.0.0.1:10/response/1"));
+        assert!(!api.may_respond_to("https://hooks.slack.com.evil.example/x"));
+        assert!(!api.may_respond_to("file:///etc/passwd"));
+    }
+}
