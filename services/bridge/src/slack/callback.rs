@@ -116,6 +116,13 @@ async fn interactions(State(app): State<Arc<App>>, headers: HeaderMap, body: Byt
         return StatusCode::OK.into_response();
     }
     let user = interaction.user.as_ref().map(|u| u.id.as_str()).unwrap_or("");
+    // For the log: the run the button names, if it names one.
+    let run = interaction
+        .actions
+        .first()
+        .and_then(|a| message::parse_button_value(a.value.as_deref()?).ok())
+        .map(|(run, _)| run.to_string())
+        .unwrap_or_default();
     match app.decide(&interaction, user).await {
         Ok(None) => StatusCode::OK.into_response(),
         Ok(Some(note)) => {
@@ -123,7 +130,7 @@ async fn interactions(State(app): State<Arc<App>>, headers: HeaderMap, body: Byt
             Json(message::ephemeral(&note)).into_response()
         }
         Err(why) => {
-            tracing::warn!(slack_user = %user, reason = %why, "Slack decision refused: nothing changed");
+            tracing::warn!(slack_user = %user, %run, reason = %why, "Slack decision refused: nothing changed");
             app.answer(&interaction, &why);
             Json(message::ephemeral(&why)).into_response()
         }
