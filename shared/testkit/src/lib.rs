@@ -5,6 +5,7 @@
 pub mod http;
 pub mod llm;
 pub mod pg;
+pub mod slack;
 pub mod sshd;
 
 use anyhow::{anyhow, bail, Context};

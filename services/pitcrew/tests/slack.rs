@@ -1,0 +1,424 @@
+//! The Slack bridge end to end: a real nats-server and a fresh database, the crew in-process,
+//! the bridge as a real `pitcrew bridge slack` process, and a fake Slack Web API (real HTTP,
+//! Slack's wire format) that records every call. Callbacks are signed as Slack signs them.
+
+mod common;
+
+use common::{count, marker_service, write, Crew, WAIT};
+use futures::TryStreamExt;
+use pitcrew::cli;
+use pitcrew_model::{EventKind, Stage};
+use pitcrew_testkit::slack::{slack_signature, Call, FakeSlack};
+use pitcrew_testkit::TestEnv;
+use serde_json::{json, Value};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+use uuid::Uuid;
+
+const TOKEN: &str = "xoxb-4242-test-bot-token-never-logged";
+const SIGNING_SECRET: &str = "8f742231b10e8888abcd99yyyzzz85a5-test";
+const CHANNEL: &str = "C0OPS";
+
+/// A plan that policy marks critical (`rm`), so the run waits for a decision.
+const PLAYBOOK: &str = r#"
+[[rule]]
+name = "locked"
+match = "(?i)stale lock"
+diagnosis = "{service} is held by a stale lock"
+plans = [["rm -f {dir}/svc.lock", "touch {dir}/svc-healthy"]]
+"#;
+
+/// The crew, the fake Slack and the port the bridge listens on.
+async fn setup() -> anyhow::Result<(Crew, FakeSlack, u16)> {
+    let slack = FakeSlack::start(TOKEN).await?;
+    let env = TestEnv::start().await?;
+    let port = pitcrew_runtime::natsd::free_port()?;
+    let book = write(&env, "playbook.toml", PLAYBOOK);
+    let svc = marker_service(&env, "svc");
+    let text = format!(
+        "[reasoning]\nplaybook_file = \"{book}\"\n{svc}\
+         [bridge.slack]\napi_url = \"{}\"\nchannel = \"{CHANNEL}\"\nlisten = \"127.0.0.1:{port}\"\ntimeout_secs = 5\n\
+         [bridge.slack.users]\nU0ANN = \"ann\"\nU0BOB = \"bob\"\n",
+        slack.api_url()
+    );
+    let crew = Crew::start_in(env, &text, &Stage::ALL).await?;
+    Ok((crew, slack, port))
+}
+
+/// `pitcrew bridge slack` as a real process, its log in the test directory.
+struct Bridge {
+    child: Child,
+    log: PathBuf,
+    url: String,
+}
+
+impl Bridge {
+    /// Start it and wait until its endpoint answers.
+    async fn start(crew: &Crew, port: u16, name: &str) -> anyhow::Result<Bridge> {
+        let log = crew.env.dir.path().join(format!("{name}.log"));
+        let child = Command::new(env!("CARGO_BIN_EXE_pitcrew"))
+            .arg("--config")
+            .arg(crew.config_file()?)
+            .args(["bridge", "slack"])
+            .env("SLACK_BOT_TOKEN", TOKEN)
+            .env("SLACK_SIGNING_SECRET", SIGNING_SECRET)
+            .env("PITCREW_LOG", "debug")
+            .env_remove("DATABASE_URL")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log)?)
+            .spawn()?;
+        let mut bridge = Bridge { child, log, url: format!("http://127.0.0.1:{port}") };
+        let http = reqwest::Client::new();
+        let deadline = tokio::time::Instant::now() + WAIT;
+        loop {
+            if let Ok(r) = http.get(format!("{}/healthz", bridge.url)).send().await {
+                anyhow::ensure!(r.status() == 200, "healthz: {}", r.status());
+                return Ok(bridge);
+            }
+            if let Some(status) = bridge.child.try_wait()? {
+                anyhow::bail!("the bridge exited ({status}):\n{}", bridge.log_text());
+            }
+            anyhow::ensure!(tokio::time::Instant::now() < deadline, "the bridge never served:\n{}", bridge.log_text());
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// SIGTERM, wait for a clean exit, return its log.
+    async fn stop(mut self) -> anyhow::Result<String> {
+        // SAFETY: signalling our own child by its pid.
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        let status = loop {
+            if let Some(s) = self.child.try_wait()? {
+                break s;
+            }
+            anyhow::ensure!(tokio::time::Instant::now() < deadline, "the bridge ignored SIGTERM");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        let log = self.log_text();
+        anyhow::ensure!(status.success(), "the bridge exited with {status}:\n{log}");
+        Ok(log)
+    }
+
+    fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// POST a callback body with Slack's headers; (status, body).
+    async fn callback(&self, body: &str, timestamp: i64, signature: &str) -> anyhow::Result<(u16, String)> {
+        let r = reqwest::Client::new()
+            .post(format!("{}/slack/interactions", self.url))
+            .header("content-type", "application/x-www-form-urlencoded")
+            .header("x-slack-request-timestamp", timestamp.to_string())
+            .header("x-slack-signature", signature)
+            .body(body.to_string())
+            .send()
+            .await?;
+        Ok((r.status().as_u16(), r.text().await?))
+    }
+
+    /// A click signed with the real signing secret, sent now.
+    async fn click(&self, body: &str) -> anyhow::Result<(u16, String)> {
+        let now = chrono::Utc::now().timestamp();
+        self.callback(body, now, &slack_signature(SIGNING_SECRET, &now.to_string(), body.as_bytes())).await
+    }
+}
+
+impl Drop for Bridge {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        eprintln!(
+            "--- {} ---\n{}",
+            self.log.display(),
+            self.log_text().lines().rev().take(30).collect::<Vec<_>>().join("\n")
+        );
+    }
+}
+
+/// The form body Slack sends when `user` clicks the button `action` carrying `value` on the
+/// message `ts`.
+fn interaction(user: &str, action: &str, value: &str, ts: &str, response_url: &str) -> String {
+    let payload = json!({
+        "type": "block_actions",
+        "user": {"id": user, "username": user.to_lowercase(), "team_id": "T0TEAM"},
+        "api_app_id": "A0APP",
+        "team": {"id": "T0TEAM", "domain": "example"},
+        "container": {"type": "message", "message_ts": ts, "channel_id": CHANNEL, "is_ephemeral": false},
+        "channel": {"id": CHANNEL, "name": "ops"},
+        "message": {"type": "message", "ts": ts, "text": "Approval needed"},
+        "response_url": response_url,
+        "trigger_id": "123.456.abc",
+        "actions": [{
+            "action_id": action, "block_id": "pitcrew_approval", "value": value, "type": "button",
+            "action_ts": "1700000000.000200", "text": {"type": "plain_text", "text": action}
+        }],
+    });
+    format!("payload={}", form_urlencoded::byte_serialize(payload.to_string().as_bytes()).collect::<String>())
+}
+
+/// The value of the button `action_id` in a posted message.
+fn button(post: &Call, action_id: &str) -> String {
+    post.body["blocks"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|b| b["type"] == "actions")
+        .flat_map(|b| b["elements"].as_array().cloned().unwrap_or_default())
+        .find(|e| e["action_id"] == action_id)
+        .and_then(|e| e["value"].as_str().map(String::from))
+        .unwrap_or_default()
+}
+
+/// The successful chat.postMessage of `run`.
+async fn posted(slack: &FakeSlack, run: Uuid) -> anyhow::Result<Call> {
+    let of_run = |c: &Call| c.method() == "chat.postMessage" && c.ok() && c.body.to_string().contains(&run.to_string());
+    let calls = slack.wait_for(&format!("the request of run {run} posted"), |cs| cs.iter().any(of_run), WAIT).await?;
+    Ok(calls.into_iter().find(of_run).expect("waited for it"))
+}
+
+/// How many decisions were published on the run's bridge subject.
+async fn decisions_published(crew: &Crew, run: Uuid) -> anyhow::Result<u64> {
+    let stream = crew.bus.js.get_stream(crew.bus.subjects.approvals_stream()).await?;
+    let subject = crew.bus.subjects.approval_decided(run);
+    let mut subjects = stream.info_with_subjects(&subject).await?;
+    let mut n = 0;
+    while let Some((s, c)) = subjects.try_next().await? {
+        if s == subject {
+            n += c as u64;
+        }
+    }
+    Ok(n)
+}
+
+/// A refused click changed nothing: still waiting, the request undecided, no decision on
+/// the bridge subject, no command run, the Slack message not updated.
+async fn unchanged(crew: &Crew, slack: &FakeSlack, run: Uuid) -> anyhow::Result<()> {
+    let db = crew.db().await?;
+    let status: String = db.query_one("SELECT status FROM runs WHERE id = $1", &[&run]).await?.get(0);
+    assert_eq!(status, "waiting_approval");
+    assert_eq!(count(&db, "SELECT count(*) FROM approvals WHERE run_id = $1 AND decision IS NULL", run).await, 1);
+    assert_eq!(count(&db, "SELECT count(*) FROM approvals WHERE run_id = $1 AND decision IS NOT NULL", run).await, 0);
+    assert_eq!(count(&db, "SELECT count(*) FROM executions WHERE run_id = $1", run).await, 0);
+    assert_eq!(decisions_published(crew, run).await?, 0, "no decision reached the bridge subject");
+    assert!(slack.calls_to("chat.update").is_empty(), "the message was not updated");
+    Ok(())
+}
+
+/// Neither secret is in the bridge's logs, the run's events or any row of any table.
+async fn secrets_kept(crew: &Crew, logs: &[String]) -> anyhow::Result<()> {
+    for secret in [TOKEN, SIGNING_SECRET] {
+        for log in logs {
+            assert!(!log.contains(secret), "a secret is in the bridge's log");
+        }
+        for e in &crew.events.seen {
+            assert!(!serde_json::to_string(e)?.contains(secret), "a secret is in an event");
+        }
+        let db = crew.db().await?;
+        let tables = db
+            .query("SELECT table_name::text FROM information_schema.tables WHERE table_schema = 'public'", &[])
+            .await?;
+        assert!(tables.len() >= 5, "the schema is there to search");
+        for t in tables {
+            let table: String = t.get(0);
+            let sql = format!("SELECT count(*) FROM \"{table}\" t WHERE strpos(t::text, $1) > 0");
+            let n: i64 = db.query_one(&sql, &[&secret]).await?.get(0);
+            assert_eq!(n, 0, "a secret is in table {table}");
+        }
+    }
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_signed_slack_approval_runs_the_plan_and_forged_stale_or_second_clicks_change_nothing() -> anyhow::Result<()>
+{
+    let (mut crew, slack, port) = setup().await?;
+    let bridge = Bridge::start(&crew, port, "bridge").await?;
+    let run = crew.open("svc", "stale lock held").await?;
+    crew.events.kind(run, EventKind::ApprovalRequested, WAIT).await?;
+    let req = cli::approval_request(&crew.bus, run).await?;
+
+    // The request is posted once, with the bot token, to the channel, buttons naming the plan.
+    let post = posted(&slack, run).await?;
+    assert_eq!(post.authorization.as_deref(), Some(format!("Bearer {TOKEN}").as_str()));
+    assert_eq!(post.body["channel"], CHANNEL);
+    let shown = post.body["blocks"].to_string();
+    for want in [req.plan[0].as_str(), req.plan[1].as_str(), "critical", req.rule.as_str(), "stale lock"] {
+        assert!(shown.contains(want), "the message lacks {want:?}: {shown}");
+    }
+    let value = button(&post, "approve");
+    assert_eq!(value, format!("{run}:{}", req.plan_hash));
+    assert_eq!(button(&post, "deny"), value);
+    let ts = post.answer["ts"].as_str().expect("Slack named the message").to_string();
+    let approve = interaction("U0ANN", "approve", &value, &ts, &slack.response_url(1));
+
+    // A bad signature: 401, nothing changes.
+    let now = chrono::Utc::now().timestamp();
+    let forged = slack_signature("not-the-signing-secret", &now.to_string(), approve.as_bytes());
+    let (status, text) = bridge.callback(&approve, now, &forged).await?;
+    assert_eq!(status, 401, "{text}");
+    assert!(text.contains("bad signature"), "{text}");
+    // A body changed after signing: same.
+    let signed = slack_signature(SIGNING_SECRET, &now.to_string(), approve.as_bytes());
+    let tampered = interaction("U0BOB", "approve", &value, &ts, &slack.response_url(1));
+    let (status, text) = bridge.callback(&tampered, now, &signed).await?;
+    assert_eq!((status, text.contains("bad signature")), (401, true), "{text}");
+    unchanged(&crew, &slack, run).await?;
+
+    // A replayed request: correctly signed, six minutes old.
+    let old = now - 360;
+    let (status, text) =
+        bridge.callback(&approve, old, &slack_signature(SIGNING_SECRET, &old.to_string(), approve.as_bytes())).await?;
+    assert_eq!(status, 401, "{text}");
+    assert!(text.contains("more than 300 s") && text.contains("replay"), "{text}");
+    unchanged(&crew, &slack, run).await?;
+
+    // A Slack user who is not mapped to an approver: refused with the reason, shown to them.
+    let eve = interaction("U0EVE", "approve", &value, &ts, &slack.response_url(2));
+    let (status, text) = bridge.click(&eve).await?;
+    assert_eq!(status, 200, "{text}");
+    let answer: Value = serde_json::from_str(&text)?;
+    assert_eq!(answer["response_type"], "ephemeral");
+    assert_eq!(answer["replace_original"], false);
+    let reason = answer["text"].as_str().unwrap_or_default();
+    assert!(reason.contains("Slack user U0EVE is not mapped to an approver"), "{reason}");
+    let told = |cs: &[Call]| cs.iter().any(|c| c.path == "/response/2" && c.body["text"] == reason);
+    slack.wait_for("the refusal on the response_url", told, WAIT).await?;
+    unchanged(&crew, &slack, run).await?;
+
+    // A button of a plan the run no longer waits on.
+    let stale =
+        interaction("U0ANN", "approve", &format!("{run}:00aa11bb22cc33dd44ee55ff"), &ts, &slack.response_url(3));
+    let (status, text) = bridge.click(&stale).await?;
+    assert_eq!(status, 200, "{text}");
+    let reason: Value = serde_json::from_str(&text)?;
+    assert!(reason["text"].as_str().unwrap_or_default().contains("stale plan"), "{text}");
+    assert!(reason["text"].as_str().unwrap_or_default().contains(&req.plan_hash), "names the plan pending: {text}");
+    unchanged(&crew, &slack, run).await?;
+
+    // The real click: published, the run resumes and executes, the message shows the outcome.
+    let (status, text) = bridge.click(&approve).await?;
+    assert_eq!((status, text.as_str()), (200, ""), "a decision is acknowledged with an empty 200");
+    let end = crew.end(run).await?;
+    assert_eq!(end.kind, EventKind::Resolved, "{}", end.message);
+    assert!(end.message.contains("approved by ann"), "{}", end.message);
+    let db = crew.db().await?;
+    assert_eq!(count(&db, "SELECT count(*) FROM executions WHERE run_id = $1 AND status = 'succeeded'", run).await, 2);
+    let row = db.query_one("SELECT decision, decided_by, channel FROM approvals WHERE run_id = $1", &[&run]).await?;
+    assert_eq!(
+        (row.get::<_, String>(0), row.get::<_, String>(1), row.get::<_, String>(2)),
+        ("approve".into(), "ann".into(), "slack".into())
+    );
+    let updated = |cs: &[Call]| cs.iter().any(|c| c.method() == "chat.update" && c.ok());
+    let calls = slack.wait_for("the message updated", updated, WAIT).await?;
+    let update = calls.iter().find(|c| c.method() == "chat.update").expect("waited for it");
+    assert_eq!(update.authorization.as_deref(), Some(format!("Bearer {TOKEN}").as_str()));
+    assert_eq!((update.body["channel"].as_str(), update.body["ts"].as_str()), (Some(CHANNEL), Some(ts.as_str())));
+    assert!(update.body["text"].as_str().unwrap_or_default().starts_with("Approved by ann"), "{}", update.body);
+    assert!(!update.body["blocks"].to_string().contains("\"actions\""), "the buttons are gone: {}", update.body);
+    assert_eq!(decisions_published(&crew, run).await?, 1);
+
+    // A second decision on the same plan: refused, naming who decided; nothing changes.
+    let second = interaction("U0BOB", "deny", &value, &ts, &slack.response_url(4));
+    let (status, text) = bridge.click(&second).await?;
+    assert_eq!(status, 200, "{text}");
+    let reason: Value = serde_json::from_str(&text)?;
+    assert!(
+        reason["text"].as_str().unwrap_or_default().contains("already decided: approve by ann via slack"),
+        "{text}"
+    );
+    assert_eq!(decisions_published(&crew, run).await?, 1);
+    let row = db.query_one("SELECT decision, decided_by FROM approvals WHERE run_id = $1", &[&run]).await?;
+    assert_eq!((row.get::<_, String>(0), row.get::<_, String>(1)), ("approve".into(), "ann".into()));
+    assert_eq!(slack.calls_to("chat.update").len(), 1);
+    assert_eq!(slack.calls_to("chat.postMessage").len(), 1, "posted exactly once");
+
+    // A body over the limit is refused before anything reads it.
+    let (status, _) = bridge.click(&"x".repeat(100 * 1024)).await?;
+    assert_eq!(status, 413);
+
+    let log = bridge.stop().await?;
+    assert!(log.contains("Slack decision published") && log.contains("Slack decision refused"), "{log}");
+    assert!(log.contains("U0EVE"), "a refusal names who clicked: {log}");
+    secrets_kept(&crew, &[log]).await?;
+    crew.shutdown().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_bridge_posts_what_arrived_while_it_was_down_and_nothing_twice() -> anyhow::Result<()> {
+    let (mut crew, slack, port) = setup().await?;
+    let first = Bridge::start(&crew, port, "bridge-1").await?;
+    let a = crew.open_with("svc", "stale lock held", Some("fp-a".into())).await?;
+    crew.events.kind(a, EventKind::ApprovalRequested, WAIT).await?;
+    posted(&slack, a).await?;
+    let log_1 = first.stop().await?;
+
+    // While the bridge is down a second request arrives; Slack will rate-limit its first post.
+    slack.fail_next("chat.postMessage", 429, &[("retry-after", "1")], json!({"ok": false, "error": "ratelimited"}));
+    let b = crew.open_with("svc", "stale lock held", Some("fp-b".into())).await?;
+    crew.events.kind(b, EventKind::ApprovalRequested, WAIT).await?;
+    assert_eq!(slack.calls_to("chat.postMessage").len(), 1, "nothing is posted while the bridge is down");
+
+    let second = Bridge::start(&crew, port, "bridge-2").await?;
+    let post_b = posted(&slack, b).await?;
+    // Once the consumer holds nothing, no other post can come.
+    let stream = crew.bus.js.get_stream(crew.bus.subjects.approvals_stream()).await?;
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        let info = stream.consumer_info("slack-bridge").await?;
+        if info.num_pending == 0 && info.num_ack_pending == 0 {
+            break;
+        }
+        anyhow::ensure!(tokio::time::Instant::now() < deadline, "the bridge's consumer never settled: {info:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let posts = slack.calls_to("chat.postMessage");
+    let of = |run: Uuid| posts.iter().filter(|c| c.body.to_string().contains(&run.to_string())).collect::<Vec<_>>();
+    assert_eq!(of(a).len(), 1, "the request posted before the restart is not posted again");
+    let tries_b: Vec<(u16, bool)> = of(b).iter().map(|c| (c.status, c.ok())).collect();
+    assert_eq!(tries_b, [(429, false), (200, true)], "rate-limited once, then posted once");
+
+    // The restarted bridge decides too: Bob denies in Slack, the run escalates, nothing runs.
+    let ts = post_b.answer["ts"].as_str().unwrap_or_default().to_string();
+    let deny = interaction("U0BOB", "deny", &button(&post_b, "deny"), &ts, &slack.response_url(1));
+    let (status, text) = second.click(&deny).await?;
+    assert_eq!(status, 200, "{text}");
+    let end = crew.end(b).await?;
+    assert_eq!(end.kind, EventKind::Escalated, "{}", end.message);
+    assert!(end.message.contains("denied by bob: denied in Slack by bob"), "{}", end.message);
+    let db = crew.db().await?;
+    assert_eq!(count(&db, "SELECT count(*) FROM executions WHERE run_id = $1", b).await, 0);
+    let denied = |cs: &[Call]| {
+        cs.iter().any(|c| {
+            c.method() == "chat.update" && c.body["text"].as_str().is_some_and(|t| t.starts_with("Denied by bob"))
+        })
+    };
+    slack.wait_for("the message updated with the denial", denied, WAIT).await?;
+    let status: String = db.query_one("SELECT status FROM runs WHERE id = $1", &[&a]).await?.get(0);
+    assert_eq!(status, "waiting_approval", "the other run still waits");
+
+    let log_2 = second.stop().await?;
+    assert!(log_2.contains("cannot post the approval request yet"), "the 429 is logged: {log_2}");
+    secrets_kept(&crew, &[log_1, log_2]).await?;
+    crew.shutdown().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_bridge_refuses_to_start_without_its_secrets() -> anyhow::Result<()> {
+    let (crew, _slack, _port) = setup().await?;
+    let out = Command::new(env!("CARGO_BIN_EXE_pitcrew"))
+        .arg("--config")
+        .arg(crew.config_file()?)
+        .args(["bridge", "slack"])
+        .env_remove("SLACK_BOT_TOKEN")
+        .env("SLACK_SIGNING_SECRET", SIGNING_SECRET)
+        .env_remove("DATABASE_URL")
+        .output()?;
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("the Slack bot token is not set: export SLACK_BOT_TOKEN"), "{err}");
+    assert!(!err.contains(SIGNING_SECRET), "{err}");
+    Ok(())
+}
