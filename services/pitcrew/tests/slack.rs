@@ -193,6 +193,20 @@ async fn decisions_published(crew: &Crew, run: Uuid) -> anyhow::Result<u64> {
     Ok(n)
 }
 
+/// Wait until the bridge's consumer holds nothing: no post can come any more.
+async fn settled(crew: &Crew) -> anyhow::Result<()> {
+    let stream = crew.bus.js.get_stream(crew.bus.subjects.approvals_stream()).await?;
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        let info = stream.consumer_info("slack-bridge").await?;
+        if info.num_pending == 0 && info.num_ack_pending == 0 {
+            return Ok(());
+        }
+        anyhow::ensure!(tokio::time::Instant::now() < deadline, "the bridge's consumer never settled: {info:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
 /// A refused click changed nothing: still waiting, the request undecided, no decision on
 /// the bridge subject, no command run, the Slack message not updated.
 async fn unchanged(crew: &Crew, slack: &FakeSlack, run: Uuid) -> anyhow::Result<()> {
@@ -363,17 +377,7 @@ async fn a_restarted_bridge_posts_what_arrived_while_it_was_down_and_nothing_twi
 
     let second = Bridge::start(&crew, port, "bridge-2").await?;
     let post_b = posted(&slack, b).await?;
-    // Once the consumer holds nothing, no other post can come.
-    let stream = crew.bus.js.get_stream(crew.bus.subjects.approvals_stream()).await?;
-    let deadline = tokio::time::Instant::now() + WAIT;
-    loop {
-        let info = stream.consumer_info("slack-bridge").await?;
-        if info.num_pending == 0 && info.num_ack_pending == 0 {
-            break;
-        }
-        anyhow::ensure!(tokio::time::Instant::now() < deadline, "the bridge's consumer never settled: {info:?}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    settled(&crew).await?;
     let posts = slack.calls_to("chat.postMessage");
     let of = |run: Uuid| posts.iter().filter(|c| c.body.to_string().contains(&run.to_string())).collect::<Vec<_>>();
     assert_eq!(of(a).len(), 1, "the request posted before the restart is not posted again");
@@ -399,8 +403,26 @@ async fn a_restarted_bridge_posts_what_arrived_while_it_was_down_and_nothing_twi
     let status: String = db.query_one("SELECT status FROM runs WHERE id = $1", &[&a]).await?.get(0);
     assert_eq!(status, "waiting_approval", "the other run still waits");
 
+    // A request Slack can never take (the channel is gone) is dropped with a clear error,
+    // not retried forever.
+    slack.fail_next("chat.postMessage", 200, &[], json!({"ok": false, "error": "channel_not_found"}));
+    let c = crew.open_with("svc", "stale lock held", Some("fp-c".into())).await?;
+    crew.events.kind(c, EventKind::ApprovalRequested, WAIT).await?;
+    let tried_c = |cs: &[Call]| {
+        cs.iter().any(|x| x.method() == "chat.postMessage" && x.body.to_string().contains(&c.to_string()))
+    };
+    slack.wait_for("the request of run c tried", tried_c, WAIT).await?;
+    settled(&crew).await?;
+    let tries_c =
+        slack.calls_to("chat.postMessage").iter().filter(|x| x.body.to_string().contains(&c.to_string())).count();
+    assert_eq!(tries_c, 1, "a permanent refusal is not retried");
+
     let log_2 = second.stop().await?;
     assert!(log_2.contains("cannot post the approval request yet"), "the 429 is logged: {log_2}");
+    assert!(
+        log_2.contains("approval request cannot be posted to Slack: dropped") && log_2.contains("channel_not_found"),
+        "a dropped request is logged with Slack's reason: {log_2}"
+    );
     secrets_kept(&crew, &[log_1, log_2]).await?;
     crew.shutdown().await
 }
