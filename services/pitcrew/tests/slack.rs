@@ -354,7 +354,7 @@ async fn a_signed_slack_approval_runs_the_plan_and_forged_stale_or_second_clicks
     assert_eq!(status, 413);
 
     let log = bridge.stop().await?;
-    assert!(log.contains("Slack decision published") && log.contains("Slack decision refused"), "{log}");
+    assert!(log.contains("chat decision published") && log.contains("Slack decision refused"), "{log}");
     assert!(log.contains("U0EVE"), "a refusal names who clicked: {log}");
     secrets_kept(&crew, &[log]).await?;
     crew.shutdown().await
@@ -420,7 +420,7 @@ async fn a_restarted_bridge_posts_what_arrived_while_it_was_down_and_nothing_twi
     let log_2 = second.stop().await?;
     assert!(log_2.contains("cannot post the approval request yet"), "the 429 is logged: {log_2}");
     assert!(
-        log_2.contains("approval request cannot be posted to Slack: dropped") && log_2.contains("channel_not_found"),
+        log_2.contains("approval request cannot be posted: dropped") && log_2.contains("channel_not_found"),
         "a dropped request is logged with Slack's reason: {log_2}"
     );
     secrets_kept(&crew, &[log_1, log_2]).await?;

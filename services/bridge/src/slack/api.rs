@@ -2,29 +2,20 @@
 //! an interaction's `response_url`), each bounded in time and in the size of what it reads,
 //! with every failure sorted into "retry later" or "will never work".
 
+use crate::outbound::{self, net, read_bounded, retry_status, ApiError};
+use crate::post::Chat;
 use crate::secret::Secret;
+use futures::future::BoxFuture;
+use futures::FutureExt;
+use pitcrew_model::ApprovalRequest;
 use serde_json::Value;
 use std::time::Duration;
-
-/// Largest Slack answer read.
-const MAX_ANSWER: usize = 256 * 1024;
 
 /// Slack `error` codes worth another try later.
 const TRANSIENT: &[&str] = &["ratelimited", "internal_error", "fatal_error", "service_unavailable", "request_timeout"];
 /// Slack `error` codes that mean the token is wrong: retried slowly, since the fix (a new
 /// token and a restart) must not lose the requests in between.
 const AUTH: &[&str] = &["not_authed", "invalid_auth", "token_revoked", "token_expired", "account_inactive"];
-
-/// A Slack call failed; the variant says what the caller does.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum ApiError {
-    /// Slack is busy, down or unreachable: try again after `after`.
-    #[error("{why} (retrying in {} s)", after.as_secs())]
-    Retry { after: Duration, why: String },
-    /// This call will never succeed as it is (bad channel, bad request, bad endpoint).
-    #[error("{0}")]
-    Permanent(String),
-}
 
 /// A client of one Slack-compatible Web API with one bot token.
 #[derive(Clone)]
@@ -36,12 +27,7 @@ pub struct SlackApi {
 
 impl SlackApi {
     pub fn new(base: &str, token: Secret, timeout: Duration) -> anyhow::Result<SlackApi> {
-        let http = reqwest::Client::builder()
-            .timeout(timeout)
-            .connect_timeout(timeout.min(Duration::from_secs(5)))
-            .redirect(reqwest::redirect::Policy::none())
-            .user_agent(concat!("pitcrew-bridge/", env!("CARGO_PKG_VERSION")))
-            .build()?;
+        let http = outbound::client(timeout)?;
         Ok(SlackApi { http, base: base.trim_end_matches('/').to_string(), token })
     }
 
@@ -70,11 +56,8 @@ impl SlackApi {
     }
 
     fn may_respond_to(&self, url: &str) -> bool {
-        let origin = |u: &str| -> Option<String> {
-            let (scheme, rest) = u.split_once("://")?;
-            Some(format!("{scheme}://{}/", rest.split('/').next()?))
-        };
-        url.starts_with("https://hooks.slack.com/") || (origin(url).is_some() && origin(url) == origin(&self.base))
+        let origin = outbound::origin(url);
+        url.starts_with("https://hooks.slack.com/") || (origin.is_some() && origin == outbound::origin(&self.base))
     }
 
     async fn call(&self, method: &str, body: &Value) -> Result<Value, ApiError> {
@@ -87,20 +70,10 @@ impl SlackApi {
             .send()
             .await
             .map_err(|e| net(method, &e))?;
+        if let Some(retry) = retry_status(method, &resp) {
+            return Err(retry);
+        }
         let status = resp.status();
-        if status.as_u16() == 429 {
-            let after = resp
-                .headers()
-                .get("retry-after")
-                .and_then(|v| v.to_str().ok())
-                .and_then(|v| v.trim().parse::<u64>().ok())
-                .unwrap_or(30)
-                .clamp(1, 900);
-            return Err(ApiError::Retry { after: Duration::from_secs(after), why: format!("{method}: rate limited") });
-        }
-        if status.is_server_error() {
-            return Err(ApiError::Retry { after: Duration::from_secs(10), why: format!("{method}: HTTP {status}") });
-        }
         if !status.is_success() {
             return Err(ApiError::Permanent(format!("{method}: HTTP {status} from {} (is api_url right?)", self.base)));
         }
@@ -131,20 +104,25 @@ impl SlackApi {
     }
 }
 
-fn net(method: &str, e: &reqwest::Error) -> ApiError {
-    let kind = if e.is_timeout() { "timed out" } else { "cannot reach Slack" };
-    ApiError::Retry { after: Duration::from_secs(5), why: format!("{method}: {kind}: {e}") }
+/// Posting to one channel through `chat.postMessage`.
+pub struct SlackChat {
+    pub api: SlackApi,
+    pub channel: String,
 }
 
-async fn read_bounded(mut resp: reqwest::Response) -> Result<Vec<u8>, String> {
-    let mut buf = Vec::new();
-    while let Some(chunk) = resp.chunk().await.map_err(|e| e.to_string())? {
-        if buf.len() + chunk.len() > MAX_ANSWER {
-            return Err(format!("answer larger than {MAX_ANSWER} bytes"));
-        }
-        buf.extend_from_slice(&chunk);
+impl Chat for SlackChat {
+    fn name(&self) -> &'static str {
+        "slack"
     }
-    Ok(buf)
+
+    fn post<'a>(&'a self, req: &'a ApprovalRequest) -> BoxFuture<'a, Result<String, ApiError>> {
+        async move {
+            let answer = self.api.post_message(&super::message::request(&self.channel, req)).await?;
+            let field = |k: &str| answer.get(k).and_then(Value::as_str).unwrap_or("?").to_string();
+            Ok(format!("channel {} ts {}", field("channel"), field("ts")))
+        }
+        .boxed()
+    }
 }
 
 #[cfg(test)]

@@ -6,6 +6,7 @@
 use super::api::SlackApi;
 use super::message::{self, APPROVE, DENY};
 use super::signature;
+use crate::decide::{decide, Click, Outcome};
 use crate::secret::Secret;
 use axum::body::Bytes;
 use axum::extract::{DefaultBodyLimit, State};
@@ -14,7 +15,6 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use pitcrew_model::Decision;
-use pitcrew_runtime::approvals::{submit, DecisionInput};
 use pitcrew_runtime::{Bus, Config, Store};
 use serde::Deserialize;
 use std::collections::BTreeMap;
@@ -149,9 +149,6 @@ impl App {
     /// Publish the clicker's decision. Ok(None): decided (the message is being updated);
     /// Ok(Some(note)): counted, with a note for the clicker; Err: refused, with the reason.
     async fn decide(&self, i: &Interaction, user: &str) -> Result<Option<String>, String> {
-        if user.is_empty() {
-            return Err("the interaction names no Slack user".into());
-        }
         let action = i.actions.first().ok_or("the interaction carries no action")?;
         let decision = match action.action_id.as_str() {
             APPROVE => Decision::Approve,
@@ -164,30 +161,18 @@ impl App {
             }
         };
         let (run, plan_hash) = message::parse_button_value(action.value.as_deref().unwrap_or(""))?;
-        let approver = self.users.get(user).ok_or_else(|| {
-            format!("Slack user {user} is not mapped to an approver (add it under [bridge.slack.users])")
-        })?;
-        if let Some(why) = self.cfg.refuse_approver(approver) {
-            return Err(why);
-        }
-        let reason = (decision == Decision::Deny).then(|| format!("denied in Slack by {approver}"));
-        let input =
-            DecisionInput { run, plan_hash: Some(&plan_hash), decision, by: approver, reason, channel: "slack" };
-        let req = submit(&self.bus, Some(&self.store), input).await.map_err(|e| format!("{e:#}"))?;
-        tracing::info!(slack_user = %user, %approver, %run, plan = %plan_hash, decision = decision.as_str(), "Slack decision published");
-        if decision == Decision::Approve && req.quorum > 1 {
-            return Ok(Some(format!(
-                "Your approval of plan {plan_hash} is counted: it runs once {} distinct approvers approve.",
-                req.quorum
-            )));
-        }
+        let click = Click { chat: "slack", user, run, plan_hash: &plan_hash, decision };
+        let (req, approver) = match decide(&self.bus, &self.store, &self.cfg, &self.users, click).await? {
+            Outcome::Counted { note } => return Ok(Some(note)),
+            Outcome::Decided { req, approver } => (req, approver),
+        };
         let channel = i.channel.as_ref().map(|c| c.id.clone()).or_else(|| i.container.as_ref()?.channel_id.clone());
         let ts = i.message.as_ref().map(|m| m.ts.clone()).or_else(|| i.container.as_ref()?.message_ts.clone());
         let (Some(channel), Some(ts)) = (channel, ts) else {
             tracing::warn!(%run, "the interaction names no message: it is not updated");
             return Ok(None);
         };
-        let body = message::decided(&channel, &ts, &req, decision, approver, user);
+        let body = message::decided(&channel, &ts, &req, decision, &approver, user);
         self.follow_up(move |api| async move {
             match api.update(&body).await {
                 Ok(_) => tracing::info!(%run, %channel, %ts, "Slack message updated with the outcome"),

@@ -6,21 +6,16 @@
 pub mod api;
 pub mod callback;
 pub mod message;
-pub mod post;
 pub mod signature;
 
 use crate::secret::Secret;
 use crate::Shutdown;
 use anyhow::Context;
-use pitcrew_runtime::config::{SlackConfig, StageSettings};
-use pitcrew_runtime::consume::consume;
-use pitcrew_runtime::{Bus, Config, Store};
+use pitcrew_runtime::config::SlackConfig;
+use pitcrew_runtime::Config;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::net::TcpListener;
-
-/// How long a stopping bridge waits for the posts in hand.
-pub const DRAIN: Duration = Duration::from_secs(10);
 
 /// The bridge's two secrets, read from the variables the config names.
 #[derive(Debug, Clone)]
@@ -63,28 +58,11 @@ pub async fn run_from_env(cfg: Config, shutdown: Shutdown) -> anyhow::Result<()>
 /// Run both halves until `shutdown`: post requests, serve callbacks on `listener`.
 pub async fn run(cfg: Config, secrets: Secrets, listener: TcpListener, shutdown: Shutdown) -> anyhow::Result<()> {
     let slack = settings(&cfg)?.clone();
-    let bus = Bus::connect(&cfg).await?;
-    bus.ensure_streams().await?;
-    let store = Store::connect(&cfg.database).await?;
-    if cfg.database.migrate_on_start {
-        store.migrate().await?;
-    }
+    let (bus, store) = crate::connect(&cfg).await?;
     let api = api::SlackApi::new(&slack.api_url, secrets.token, Duration::from_secs(slack.timeout_secs.max(1)))?;
-    let consumer = post::requests_consumer(&bus, &slack.durable, (slack.concurrency as i64) * 4).await?;
-    let poster = Arc::new(post::Poster {
-        api: api.clone(),
-        store: store.clone(),
-        channel: slack.channel.clone(),
-        durable: slack.durable.clone(),
-    });
-    let posting_settings = StageSettings {
-        concurrency: slack.concurrency.max(1),
-        ack_wait: post::ACK_WAIT,
-        max_ack_pending: (slack.concurrency as i64) * 4,
-        max_deliveries: u64::MAX,
-        poison_after: Duration::MAX,
-    };
-    let posting = tokio::spawn(consume(consumer, posting_settings, poster, shutdown.clone(), DRAIN));
+    let chat = api::SlackChat { api: api.clone(), channel: slack.channel.clone() };
+    let posting =
+        crate::post::spawn(&bus, store.clone(), chat, &slack.durable, slack.concurrency, shutdown.clone()).await?;
     let cfg = Arc::new(cfg);
     let app = Arc::new(callback::App::new(bus.clone(), store, cfg.clone(), api, secrets.signing_secret));
     let listen = listener.local_addr()?;
