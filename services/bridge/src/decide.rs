@@ -25,7 +25,7 @@ pub struct Click<'a> {
 #[derive(Debug, Clone)]
 pub enum Outcome {
     /// The plan is decided: show who decided on the message.
-    Decided { req: ApprovalRequest, approver: String },
+    Decided { req: Box<ApprovalRequest>, approver: String },
     /// One approval of several needed: tell the clicker, leave the buttons.
     Counted { note: String },
 }
@@ -76,5 +76,5 @@ pub async fn decide(
             ),
         });
     }
-    Ok(Outcome::Decided { req, approver: approver.to_string() })
+    Ok(Outcome::Decided { req: Box::new(req), approver: approver.to_string() })
 }

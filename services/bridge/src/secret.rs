@@ -9,11 +9,12 @@ pub struct Secret(String);
 
 /// A secret variable is missing or empty; the message names the variable, never a value.
 #[derive(Debug, thiserror::Error)]
-#[error("{what} is not set: export {var} (the variable named by {key} in [bridge.slack])")]
+#[error("{what} is not set: export {var} (the variable named by {key} in [bridge.{bridge}])")]
 pub struct MissingSecret {
     pub what: &'static str,
     pub var: String,
     pub key: &'static str,
+    pub bridge: &'static str,
 }
 
 impl Secret {
@@ -22,10 +23,15 @@ impl Secret {
     }
 
     /// Read `var`; missing or blank is an error naming what it should hold.
-    pub fn from_env(var: &str, what: &'static str, key: &'static str) -> Result<Secret, MissingSecret> {
+    pub fn from_env(
+        var: &str,
+        what: &'static str,
+        key: &'static str,
+        bridge: &'static str,
+    ) -> Result<Secret, MissingSecret> {
         match std::env::var(var) {
             Ok(v) if !v.trim().is_empty() => Ok(Secret(v.trim().to_string())),
-            _ => Err(MissingSecret { what, var: var.to_string(), key }),
+            _ => Err(MissingSecret { what, var: var.to_string(), key, bridge }),
         }
     }
 
@@ -55,7 +61,8 @@ mod tests {
         let s = Secret::new("xoxb-very-secret");
         assert_eq!(format!("{s:?} {s}"), "[redacted] [redacted]");
         assert_eq!(s.expose(), "xoxb-very-secret");
-        let e = Secret::from_env("PITCREW_BRIDGE_TEST_UNSET_VAR", "the Slack bot token", "token_env").unwrap_err();
+        let e =
+            Secret::from_env("PITCREW_BRIDGE_TEST_UNSET_VAR", "the Slack bot token", "token_env", "slack").unwrap_err();
         assert_eq!(
             e.to_string(),
             "the Slack bot token is not set: export PITCREW_BRIDGE_TEST_UNSET_VAR (the variable named by token_env in [bridge.slack])"

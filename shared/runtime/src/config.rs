@@ -46,6 +46,49 @@ pub struct Config {
 pub struct BridgeConfig {
     /// `[bridge.slack]`: `pitcrew bridge slack` (any Slack-compatible Web API).
     pub slack: Option<SlackConfig>,
+    /// `[bridge.mattermost]`: `pitcrew bridge mattermost` (Mattermost's REST API v4).
+    pub mattermost: Option<MattermostConfig>,
+}
+
+/// `[bridge.mattermost]`: where requests are posted, the URL Mattermost calls back, who is who.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct MattermostConfig {
+    /// The server (`POST {url}/api/v4/posts`).
+    pub url: String,
+    /// The channel id requests are posted to.
+    pub channel_id: String,
+    /// The variable holding the bot's access token.
+    pub token_env: String,
+    /// The variable holding the secret the buttons' context is signed with (Mattermost does
+    /// not sign its calls: each button carries an HMAC of its run, plan and action instead).
+    pub action_secret_env: String,
+    /// `host:port` of the action endpoint (`POST /mattermost/actions`).
+    pub listen: String,
+    /// How Mattermost reaches that endpoint: buttons call `{public_url}/mattermost/actions`.
+    pub public_url: String,
+    /// Mattermost user id -> approver name (which must be under `[approvers]`).
+    pub users: BTreeMap<String, String>,
+    pub durable: String,
+    pub concurrency: usize,
+    pub timeout_secs: u64,
+}
+
+impl Default for MattermostConfig {
+    fn default() -> Self {
+        MattermostConfig {
+            url: String::new(),
+            channel_id: String::new(),
+            token_env: "MATTERMOST_TOKEN".into(),
+            action_secret_env: "MATTERMOST_ACTION_SECRET".into(),
+            listen: "127.0.0.1:3001".into(),
+            public_url: String::new(),
+            users: BTreeMap::new(),
+            durable: "mattermost-bridge".into(),
+            concurrency: 4,
+            timeout_secs: 10,
+        }
+    }
 }
 
 /// `[bridge.slack]`: where requests are posted, where Slack calls back, and who is who.
@@ -287,24 +330,47 @@ impl SlackConfig {
         if self.channel.trim().is_empty() {
             return Err("[bridge.slack] channel is required: the channel id requests are posted to".into());
         }
-        if !self.api_url.starts_with("http://") && !self.api_url.starts_with("https://") {
-            return Err(format!("[bridge.slack] api_url '{}' must be an http(s) URL", self.api_url));
-        }
-        if self.durable.is_empty() || !self.durable.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_') {
-            return Err(format!("[bridge.slack] durable '{}' must be letters, digits, '-' or '_'", self.durable));
-        }
-        if self.concurrency == 0 {
-            return Err("[bridge.slack] concurrency must be at least 1".into());
-        }
-        for (user, approver) in &self.users {
-            if !cfg.approvers.contains_key(approver) {
-                return Err(format!(
-                    "[bridge.slack.users] {user} = \"{approver}\": {approver} is not under [approvers]"
-                ));
-            }
-        }
-        Ok(())
+        check_bridge("slack", &[("api_url", &self.api_url)], &self.durable, self.concurrency, &self.users, cfg)
     }
+}
+
+impl MattermostConfig {
+    fn validate(&self, cfg: &Config) -> Result<(), String> {
+        if self.channel_id.trim().is_empty() {
+            return Err("[bridge.mattermost] channel_id is required: the channel requests are posted to".into());
+        }
+        let urls = [("url", self.url.as_str()), ("public_url", self.public_url.as_str())];
+        check_bridge("mattermost", &urls, &self.durable, self.concurrency, &self.users, cfg)
+    }
+}
+
+/// What every `[bridge.<kind>]` needs: http(s) URLs, a durable name NATS accepts, and users
+/// who are configured approvers.
+fn check_bridge(
+    kind: &str,
+    urls: &[(&str, &str)],
+    durable: &str,
+    concurrency: usize,
+    users: &BTreeMap<String, String>,
+    cfg: &Config,
+) -> Result<(), String> {
+    for (key, url) in urls {
+        if !url.starts_with("http://") && !url.starts_with("https://") {
+            return Err(format!("[bridge.{kind}] {key} '{url}' must be an http(s) URL"));
+        }
+    }
+    if durable.is_empty() || !durable.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_') {
+        return Err(format!("[bridge.{kind}] durable '{durable}' must be letters, digits, '-' or '_'"));
+    }
+    if concurrency == 0 {
+        return Err(format!("[bridge.{kind}] concurrency must be at least 1"));
+    }
+    for (user, approver) in users {
+        if !cfg.approvers.contains_key(approver) {
+            return Err(format!("[bridge.{kind}.users] {user} = \"{approver}\": {approver} is not under [approvers]"));
+        }
+    }
+    Ok(())
 }
 
 /// The config could not be read; the message names the file or variable.
@@ -405,6 +471,9 @@ impl Config {
         }
         if let Some(slack) = &self.bridge.slack {
             slack.validate(self).map_err(ConfigError)?;
+        }
+        if let Some(mm) = &self.bridge.mattermost {
+            mm.validate(self).map_err(ConfigError)?;
         }
         if !["playbook", "openai"].contains(&self.reasoning.provider.as_str()) {
             return bad(format!(
@@ -510,6 +579,8 @@ mod tests {
         assert!(e.to_string().contains("channel is required"), "{e}");
         let e = Config::from_toml("[bridge.slack]\nchannel = \"C1\"\ntoken = \"xoxb\"\n").unwrap_err();
         assert!(e.to_string().contains("token"), "a secret in the file is an unknown key: {e}");
+        let e = Config::from_toml("[bridge.mattermost]\nurl = \"http://mm\"\nchannel_id = \"c1\"\n").unwrap_err();
+        assert!(e.to_string().contains("public_url '' must be an http(s) URL"), "{e}");
     }
 
     #[test]

@@ -27,11 +27,12 @@ pub struct Secrets {
 impl Secrets {
     pub fn from_env(slack: &SlackConfig) -> anyhow::Result<Secrets> {
         Ok(Secrets {
-            token: Secret::from_env(&slack.token_env, "the Slack bot token", "token_env")?,
+            token: Secret::from_env(&slack.token_env, "the Slack bot token", "token_env", "slack")?,
             signing_secret: Secret::from_env(
                 &slack.signing_secret_env,
                 "the Slack signing secret",
                 "signing_secret_env",
+                "slack",
             )?,
         })
     }
