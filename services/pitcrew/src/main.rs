@@ -108,6 +108,9 @@ enum BridgeCommand {
     /// Post each approval request to a Slack-compatible API with Approve/Deny buttons and
     /// serve the interactive callback (bot token and signing secret from the environment).
     Slack,
+    /// Post each approval request to a Mattermost channel with Approve/Deny buttons and serve
+    /// their action calls (bot token and action secret from the environment).
+    Mattermost,
 }
 
 #[derive(Subcommand)]
@@ -237,6 +240,9 @@ async fn run(args: Args) -> anyhow::Result<()> {
         Command::Monitor => crew::monitor(cfg, crew::signals()).await,
         Command::Bridge { command: BridgeCommand::Slack } => {
             pitcrew_bridge::slack::run_from_env(cfg, crew::signals()).await
+        }
+        Command::Bridge { command: BridgeCommand::Mattermost } => {
+            pitcrew_bridge::mattermost::run_from_env(cfg, crew::signals()).await
         }
         Command::Worker { stages } => {
             let mut stages = stages;
