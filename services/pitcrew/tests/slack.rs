@@ -1,6 +1,7 @@
-//! The Slack bridge end to end: a real nats-server and a fresh database, the crew in-process,
-//! the bridge as a real `pitcrew bridge slack` process, and a fake Slack Web API (real HTTP,
-//! Slack's wire format) that records every call. Callbacks are signed as Slack signs them.
+//! The chat bridges end to end: a real nats-server and a fresh database, the crew in-process,
+//! the bridge as a real `pitcrew bridge slack|mattermost` process, and a fake chat API (real
+//! HTTP, Slack's or Mattermost's wire format) that records every call. Slack callbacks are
+//! signed as Slack signs them; Mattermost action calls carry the button's context.
 
 mod common;
 
@@ -19,6 +20,8 @@ use uuid::Uuid;
 const TOKEN: &str = "xoxb-4242-test-bot-token-never-logged";
 const SIGNING_SECRET: &str = "8f742231b10e8888abcd99yyyzzz85a5-test";
 const CHANNEL: &str = "C0OPS";
+const MM_TOKEN: &str = "mm-bot-token-5f0c2a9e7d1b4c3a";
+const MM_ACTION_SECRET: &str = "mm-action-secret-9a8b7c6d5e4f";
 
 /// A plan that policy marks critical (`rm`), so the run waits for a decision.
 const PLAYBOOK: &str = r#"
@@ -32,21 +35,25 @@ plans = [["rm -f {dir}/svc.lock", "touch {dir}/svc-healthy"]]
 /// The crew, the fake Slack and the port the bridge listens on.
 async fn setup() -> anyhow::Result<(Crew, FakeSlack, u16)> {
     let slack = FakeSlack::start(TOKEN).await?;
-    let env = TestEnv::start().await?;
     let port = pitcrew_runtime::natsd::free_port()?;
-    let book = write(&env, "playbook.toml", PLAYBOOK);
-    let svc = marker_service(&env, "svc");
-    let text = format!(
-        "[reasoning]\nplaybook_file = \"{book}\"\n{svc}\
-         [bridge.slack]\napi_url = \"{}\"\nchannel = \"{CHANNEL}\"\nlisten = \"127.0.0.1:{port}\"\ntimeout_secs = 5\n\
+    let bridge = format!(
+        "[bridge.slack]\napi_url = \"{}\"\nchannel = \"{CHANNEL}\"\nlisten = \"127.0.0.1:{port}\"\ntimeout_secs = 5\n\
          [bridge.slack.users]\nU0ANN = \"ann\"\nU0BOB = \"bob\"\n",
         slack.api_url()
     );
-    let crew = Crew::start_in(env, &text, &Stage::ALL).await?;
-    Ok((crew, slack, port))
+    Ok((crew_with(&bridge).await?, slack, port))
 }
 
-/// `pitcrew bridge slack` as a real process, its log in the test directory.
+/// The crew with the critical-plan playbook and `bridge` (a `[bridge.*]` table).
+async fn crew_with(bridge: &str) -> anyhow::Result<Crew> {
+    let env = TestEnv::start().await?;
+    let book = write(&env, "playbook.toml", PLAYBOOK);
+    let svc = marker_service(&env, "svc");
+    let text = format!("[reasoning]\nplaybook_file = \"{book}\"\n{svc}{bridge}");
+    Crew::start_in(env, &text, &Stage::ALL).await
+}
+
+/// `pitcrew bridge <kind>` as a real process, its log in the test directory.
 struct Bridge {
     child: Child,
     log: PathBuf,
@@ -54,15 +61,26 @@ struct Bridge {
 }
 
 impl Bridge {
-    /// Start it and wait until its endpoint answers.
+    /// Start the Slack bridge and wait until its endpoint answers.
     async fn start(crew: &Crew, port: u16, name: &str) -> anyhow::Result<Bridge> {
+        let secrets = [("SLACK_BOT_TOKEN", TOKEN), ("SLACK_SIGNING_SECRET", SIGNING_SECRET)];
+        Self::start_kind(crew, port, name, "slack", &secrets).await
+    }
+
+    /// Start `pitcrew bridge <kind>` with `secrets` in its environment.
+    async fn start_kind(
+        crew: &Crew,
+        port: u16,
+        name: &str,
+        kind: &str,
+        secrets: &[(&str, &str)],
+    ) -> anyhow::Result<Bridge> {
         let log = crew.env.dir.path().join(format!("{name}.log"));
         let child = Command::new(env!("CARGO_BIN_EXE_pitcrew"))
             .arg("--config")
             .arg(crew.config_file()?)
-            .args(["bridge", "slack"])
-            .env("SLACK_BOT_TOKEN", TOKEN)
-            .env("SLACK_SIGNING_SECRET", SIGNING_SECRET)
+            .args(["bridge", kind])
+            .envs(secrets.iter().copied())
             .env("PITCREW_LOG", "debug")
             .env_remove("DATABASE_URL")
             .stdin(Stdio::null())
@@ -116,6 +134,17 @@ impl Bridge {
             .body(body.to_string())
             .send()
             .await?;
+        Ok((r.status().as_u16(), r.text().await?))
+    }
+
+    /// A Mattermost action call: `user` clicked the button whose context is `context`.
+    async fn action(&self, user: &str, context: &Value) -> anyhow::Result<(u16, String)> {
+        let call = json!({
+            "user_id": user, "user_name": user.trim_end_matches('0'), "channel_id": "chan0ops", "channel_name": "ops",
+            "team_id": "team0", "team_domain": "example", "post_id": "post0", "trigger_id": "trigger0",
+            "type": "", "data_source": "", "context": context,
+        });
+        let r = reqwest::Client::new().post(format!("{}/mattermost/actions", self.url)).json(&call).send().await?;
         Ok((r.status().as_u16(), r.text().await?))
     }
 
@@ -174,7 +203,12 @@ fn button(post: &Call, action_id: &str) -> String {
 
 /// The successful chat.postMessage of `run`.
 async fn posted(slack: &FakeSlack, run: Uuid) -> anyhow::Result<Call> {
-    let of_run = |c: &Call| c.method() == "chat.postMessage" && c.ok() && c.body.to_string().contains(&run.to_string());
+    posted_with(slack, "chat.postMessage", run).await
+}
+
+/// The successful call of `method` (`chat.postMessage`, `v4/posts`) about `run`.
+async fn posted_with(slack: &FakeSlack, method: &str, run: Uuid) -> anyhow::Result<Call> {
+    let of_run = |c: &Call| c.method() == method && c.ok() && c.body.to_string().contains(&run.to_string());
     let calls = slack.wait_for(&format!("the request of run {run} posted"), |cs| cs.iter().any(of_run), WAIT).await?;
     Ok(calls.into_iter().find(of_run).expect("waited for it"))
 }
@@ -221,9 +255,13 @@ async fn unchanged(crew: &Crew, slack: &FakeSlack, run: Uuid) -> anyhow::Result<
     Ok(())
 }
 
-/// Neither secret is in the bridge's logs, the run's events or any row of any table.
+/// Neither Slack secret is in the bridge's logs, the run's events or any row of any table.
 async fn secrets_kept(crew: &Crew, logs: &[String]) -> anyhow::Result<()> {
-    for secret in [TOKEN, SIGNING_SECRET] {
+    secrets_kept_of(crew, logs, &[TOKEN, SIGNING_SECRET]).await
+}
+
+async fn secrets_kept_of(crew: &Crew, logs: &[String], secrets: &[&str]) -> anyhow::Result<()> {
+    for &secret in secrets {
         for log in logs {
             assert!(!log.contains(secret), "a secret is in the bridge's log");
         }
@@ -443,4 +481,81 @@ async fn the_bridge_refuses_to_start_without_its_secrets() -> anyhow::Result<()>
     assert!(err.contains("the Slack bot token is not set: export SLACK_BOT_TOKEN"), "{err}");
     assert!(!err.contains(SIGNING_SECRET), "{err}");
     Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_mattermost_click_runs_the_plan_and_forged_or_second_clicks_change_nothing() -> anyhow::Result<()> {
+    let mm = FakeSlack::start_mattermost(MM_TOKEN).await?;
+    let port = pitcrew_runtime::natsd::free_port()?;
+    let public = format!("http://127.0.0.1:{port}");
+    let bridge = format!(
+        "[bridge.mattermost]\nurl = \"{}\"\nchannel_id = \"chan0ops\"\nlisten = \"127.0.0.1:{port}\"\n\
+         public_url = \"{public}\"\ntimeout_secs = 5\n[bridge.mattermost.users]\nmmann0 = \"ann\"\nmmbob0 = \"bob\"\n",
+        mm.url
+    );
+    let mut crew = crew_with(&bridge).await?;
+    let secrets = [("MATTERMOST_TOKEN", MM_TOKEN), ("MATTERMOST_ACTION_SECRET", MM_ACTION_SECRET)];
+    let bridge = Bridge::start_kind(&crew, port, "mattermost", "mattermost", &secrets).await?;
+    let run = crew.open("svc", "stale lock held").await?;
+    crew.events.kind(run, EventKind::ApprovalRequested, WAIT).await?;
+    let req = cli::approval_request(&crew.bus, run).await?;
+
+    // Posted with the bot token; the buttons call the bridge back with a signed context,
+    // never the secret itself.
+    let post = posted_with(&mm, "v4/posts", run).await?;
+    assert_eq!(post.authorization.as_deref(), Some(format!("Bearer {MM_TOKEN}").as_str()));
+    assert_eq!(post.body["channel_id"], "chan0ops");
+    let text = post.body.to_string();
+    assert!(text.contains(&req.plan[0]) && text.contains(&req.rule), "{text}");
+    assert!(!text.contains(MM_ACTION_SECRET), "the action secret never leaves the bridge");
+    let actions = &post.body["props"]["attachments"][0]["actions"];
+    assert_eq!(actions[0]["integration"]["url"], format!("{public}/mattermost/actions"));
+    let (approve, deny) = (actions[0]["integration"]["context"].clone(), actions[1]["integration"]["context"].clone());
+    assert_eq!((approve["action"].as_str(), deny["action"].as_str()), (Some("approve"), Some("deny")));
+    assert_eq!(approve["plan_hash"], req.plan_hash.as_str());
+
+    // The Deny button's context turned into an approval: refused, nothing changes.
+    let mut turned = deny.clone();
+    turned["action"] = json!("approve");
+    let (status, text) = bridge.action("mmann0", &turned).await?;
+    assert_eq!(status, 401, "{text}");
+    assert!(text.contains("bad button context"), "{text}");
+    unchanged(&crew, &mm, run).await?;
+
+    // A Mattermost user who is not mapped to an approver.
+    let (status, text) = bridge.action("mmeve0", &approve).await?;
+    assert_eq!(status, 200, "{text}");
+    let answer: Value = serde_json::from_str(&text)?;
+    let reason = answer["ephemeral_text"].as_str().unwrap_or_default();
+    assert!(reason.contains("Mattermost user mmeve0 is not mapped to an approver"), "{text}");
+    assert!(answer.get("update").is_none(), "the post stays as it is: {text}");
+    unchanged(&crew, &mm, run).await?;
+
+    // Ann approves: the run resumes and executes; the post shows who decided, buttons gone.
+    let (status, text) = bridge.action("mmann0", &approve).await?;
+    assert_eq!(status, 200, "{text}");
+    let answer: Value = serde_json::from_str(&text)?;
+    let updated = &answer["update"]["props"]["attachments"][0];
+    assert!(updated.get("actions").is_none(), "the buttons are gone: {text}");
+    assert!(updated["fields"].to_string().contains("Approved by ann"), "{text}");
+    let end = crew.end(run).await?;
+    assert_eq!(end.kind, EventKind::Resolved, "{}", end.message);
+    let db = crew.db().await?;
+    assert_eq!(count(&db, "SELECT count(*) FROM executions WHERE run_id = $1 AND status = 'succeeded'", run).await, 2);
+    let row = db.query_one("SELECT decided_by, channel FROM approvals WHERE run_id = $1", &[&run]).await?;
+    assert_eq!((row.get::<_, String>(0), row.get::<_, String>(1)), ("ann".into(), "mattermost".into()));
+
+    // Bob's Deny after that: refused, naming who decided.
+    let (status, text) = bridge.action("mmbob0", &deny).await?;
+    assert_eq!(status, 200, "{text}");
+    let answer: Value = serde_json::from_str(&text)?;
+    let reason = answer["ephemeral_text"].as_str().unwrap_or_default();
+    assert!(reason.contains("already decided: approve by ann via mattermost"), "{text}");
+    assert_eq!(decisions_published(&crew, run).await?, 1);
+    assert_eq!(mm.calls_to("v4/posts").len(), 1, "posted exactly once");
+
+    let log = bridge.stop().await?;
+    assert!(log.contains("chat decision published") && log.contains("mmeve0"), "{log}");
+    secrets_kept_of(&crew, &[log], &[MM_TOKEN, MM_ACTION_SECRET]).await?;
+    crew.shutdown().await
 }

@@ -1,7 +1,8 @@
-//! A fake Slack Web API for tests: real HTTP on a loopback port speaking Slack's wire format
-//! (`chat.postMessage`, `chat.update`, interaction `response_url`s), every call recorded with
-//! its Authorization header and Slack's answer. Failures can be scripted (e.g. a 429 with
-//! Retry-After). Plus Slack's request signature, computed independently of the bridge's.
+//! A fake chat API for tests: real HTTP on a loopback port speaking Slack's wire format
+//! (`chat.postMessage`, `chat.update`, interaction `response_url`s) or Mattermost's
+//! (`POST /api/v4/posts`), every call recorded with its Authorization header and the answer.
+//! Failures can be scripted (e.g. a 429 with Retry-After). Plus Slack's request signature,
+//! computed independently of the bridge's.
 
 use crate::http::{read_request, write_json};
 use serde_json::{json, Value};
@@ -24,14 +25,14 @@ pub struct Call {
 }
 
 impl Call {
-    /// The Web API method (`chat.postMessage`), or the path for other calls.
+    /// The Web API method (`chat.postMessage`, `v4/posts`), or the path for other calls.
     pub fn method(&self) -> &str {
         self.path.strip_prefix("/api/").unwrap_or(&self.path)
     }
 
-    /// Slack said ok.
+    /// The chat took it (Slack: 200 and ok; Mattermost: 201).
     pub fn ok(&self) -> bool {
-        self.status == 200 && self.answer["ok"] == true
+        (self.status == 200 && self.answer["ok"] == true) || self.status == 201
     }
 }
 
@@ -40,6 +41,7 @@ type Scripted = (String, u16, Vec<(String, String)>, Value);
 
 #[derive(Default)]
 struct Shared {
+    mattermost: bool,
     calls: Mutex<Vec<Call>>,
     script: Mutex<VecDeque<Scripted>>,
     next_ts: Mutex<u64>,
@@ -64,9 +66,19 @@ impl FakeSlack {
     /// Start answering; Web API calls must carry `Authorization: Bearer <token>` (Slack's
     /// `invalid_auth` otherwise).
     pub async fn start(token: &str) -> anyhow::Result<FakeSlack> {
+        Self::start_as(token, false).await
+    }
+
+    /// Start answering as a Mattermost server: `POST /api/v4/posts` with
+    /// `Authorization: Bearer <token>` creates a post (201 with its id).
+    pub async fn start_mattermost(token: &str) -> anyhow::Result<FakeSlack> {
+        Self::start_as(token, true).await
+    }
+
+    async fn start_as(token: &str, mattermost: bool) -> anyhow::Result<FakeSlack> {
         let listener = TcpListener::bind("127.0.0.1:0").await?;
         let url = format!("http://{}", listener.local_addr()?);
-        let shared = Arc::new(Shared::default());
+        let shared = Arc::new(Shared { mattermost, ..Shared::default() });
         let (changed, _) = watch::channel(0usize);
         let (state, tx, token) = (shared.clone(), changed.clone(), format!("Bearer {token}"));
         let task = tokio::spawn(async move {
@@ -162,6 +174,9 @@ fn answer(
             return (status, headers, body);
         }
     }
+    if state.mattermost {
+        return mattermost(state, method, authorization == Some(token), body);
+    }
     if authorization != Some(token) {
         let error = if authorization.is_none() { "not_authed" } else { "invalid_auth" };
         return (200, vec![], json!({"ok": false, "error": error}));
@@ -183,6 +198,32 @@ fn answer(
         }
         "chat.postMessage" | "chat.update" => (200, vec![], json!({"ok": false, "error": "channel_not_found"})),
         _ => (200, vec![], json!({"ok": false, "error": "unknown_method"})),
+    }
+}
+
+fn mattermost(state: &Shared, method: &str, authorized: bool, body: &Value) -> (u16, Vec<(String, String)>, Value) {
+    let error = |status: u16, id: &str, message: &str| {
+        (
+            status,
+            vec![],
+            json!({"id": id, "message": message, "detailed_error": "", "request_id": "fake", "status_code": status}),
+        )
+    };
+    if !authorized {
+        return error(401, "api.context.session_expired.app_error", "Invalid or expired session, please login again.");
+    }
+    match method {
+        "v4/posts" if body["channel_id"].is_string() => {
+            let mut n = state.next_ts.lock().unwrap();
+            *n += 1;
+            let post = json!({
+                "id": format!("post{:022}", *n), "create_at": 1_700_000_000_000u64 + *n, "user_id": "botuser",
+                "channel_id": body["channel_id"], "message": body["message"], "props": body["props"],
+            });
+            (201, vec![], post)
+        }
+        "v4/posts" => error(400, "api.post.create_post.channel_id.app_error", "Invalid channel id."),
+        _ => error(404, "api.context.404.app_error", "Sorry, we could not find the page."),
     }
 }
 
