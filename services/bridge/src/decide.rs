@@ -69,12 +69,27 @@ pub async fn decide(
     let req = submit(bus, Some(store), input).await.map_err(|e| format!("{e:#}"))?;
     tracing::info!(chat, user, approver, %run, plan = plan_hash, decision = decision.as_str(), "chat decision published");
     if decision == Decision::Approve && req.quorum > 1 {
-        return Ok(Outcome::Counted {
-            note: format!(
-                "Your approval of plan {plan_hash} is counted: it runs once {} distinct approvers approve.",
-                req.quorum
-            ),
+        // The crew counts the votes; this click completes the quorum when the approvers
+        // already counted and this one are enough (a vote still in flight counts later).
+        let mut voters = store.approval_voters(run, plan_hash).await.unwrap_or_else(|e| {
+            tracing::warn!(%run, error = %e, "cannot read the votes so far: the message is left as it is");
+            Vec::new()
         });
+        if !voters.iter().any(|v| v == approver) {
+            voters.push(approver.to_string());
+        }
+        voters.sort();
+        if (voters.len() as u32) < req.quorum {
+            return Ok(Outcome::Counted {
+                note: format!(
+                    "Your approval of plan {plan_hash} is counted ({} of {}): it runs once {} distinct approvers approve.",
+                    voters.len(),
+                    req.quorum,
+                    req.quorum
+                ),
+            });
+        }
+        return Ok(Outcome::Decided { req: Box::new(req), approver: voters.join(", ") });
     }
     Ok(Outcome::Decided { req: Box::new(req), approver: approver.to_string() })
 }

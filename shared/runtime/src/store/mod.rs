@@ -3,6 +3,7 @@
 
 mod migrate;
 mod runs;
+mod votes;
 mod work;
 
 pub use migrate::{ensure_database, migrate as apply_migrations, MIGRATIONS};
