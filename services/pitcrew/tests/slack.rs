@@ -34,6 +34,11 @@ plans = [["rm -f {dir}/svc.lock", "touch {dir}/svc-healthy"]]
 
 /// The crew, the fake Slack and the port the bridge listens on.
 async fn setup() -> anyhow::Result<(Crew, FakeSlack, u16)> {
+    setup_with_policy(None).await
+}
+
+/// As `setup`, with a policy file of these rules.
+async fn setup_with_policy(policy: Option<&str>) -> anyhow::Result<(Crew, FakeSlack, u16)> {
     let slack = FakeSlack::start(TOKEN).await?;
     let port = pitcrew_runtime::natsd::free_port()?;
     let bridge = format!(
@@ -41,15 +46,20 @@ async fn setup() -> anyhow::Result<(Crew, FakeSlack, u16)> {
          [bridge.slack.users]\nU0ANN = \"ann\"\nU0BOB = \"bob\"\n",
         slack.api_url()
     );
-    Ok((crew_with(&bridge).await?, slack, port))
+    Ok((crew_with(&bridge, policy).await?, slack, port))
 }
 
-/// The crew with the critical-plan playbook and `bridge` (a `[bridge.*]` table).
-async fn crew_with(bridge: &str) -> anyhow::Result<Crew> {
+/// The crew with the critical-plan playbook, `policy` rules if any, and `bridge` (a
+/// `[bridge.*]` table).
+async fn crew_with(bridge: &str, policy: Option<&str>) -> anyhow::Result<Crew> {
     let env = TestEnv::start().await?;
     let book = write(&env, "playbook.toml", PLAYBOOK);
+    let policy = match policy {
+        Some(rules) => format!("[policy]\nfile = \"{}\"\n", write(&env, "policy.toml", rules)),
+        None => String::new(),
+    };
     let svc = marker_service(&env, "svc");
-    let text = format!("[reasoning]\nplaybook_file = \"{book}\"\n{svc}{bridge}");
+    let text = format!("[reasoning]\nplaybook_file = \"{book}\"\n{policy}{svc}{bridge}");
     Crew::start_in(env, &text, &Stage::ALL).await
 }
 
@@ -493,7 +503,7 @@ async fn a_mattermost_click_runs_the_plan_and_forged_or_second_clicks_change_not
          public_url = \"{public}\"\ntimeout_secs = 5\n[bridge.mattermost.users]\nmmann0 = \"ann\"\nmmbob0 = \"bob\"\n",
         mm.url
     );
-    let mut crew = crew_with(&bridge).await?;
+    let mut crew = crew_with(&bridge, None).await?;
     let secrets = [("MATTERMOST_TOKEN", MM_TOKEN), ("MATTERMOST_ACTION_SECRET", MM_ACTION_SECRET)];
     let bridge = Bridge::start_kind(&crew, port, "mattermost", "mattermost", &secrets).await?;
     let run = crew.open("svc", "stale lock held").await?;
@@ -557,5 +567,54 @@ async fn a_mattermost_click_runs_the_plan_and_forged_or_second_clicks_change_not
     let log = bridge.stop().await?;
     assert!(log.contains("chat decision published") && log.contains("mmeve0"), "{log}");
     secrets_kept_of(&crew, &[log], &[MM_TOKEN, MM_ACTION_SECRET]).await?;
+    crew.shutdown().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_two_person_rule_in_slack_counts_the_first_click_and_runs_after_the_second() -> anyhow::Result<()> {
+    let two_person = "[[critical]]\nname = \"two-person-rm\"\nreason = \"deleting needs two people\"\n\
+                      pattern = '^rm\\s'\nquorum = 2\n";
+    let (mut crew, slack, port) = setup_with_policy(Some(two_person)).await?;
+    let bridge = Bridge::start(&crew, port, "bridge").await?;
+    let run = crew.open("svc", "stale lock held").await?;
+    crew.events.kind(run, EventKind::ApprovalRequested, WAIT).await?;
+    let post = posted(&slack, run).await?;
+    assert!(post.body["blocks"].to_string().contains("2 distinct approvers"), "{}", post.body);
+    let ts = post.answer["ts"].as_str().unwrap_or_default().to_string();
+    let value = button(&post, "approve");
+
+    // Ann's click counts, the buttons stay for the second approver, nothing runs yet.
+    let (status, text) = bridge.click(&interaction("U0ANN", "approve", &value, &ts, &slack.response_url(1))).await?;
+    assert_eq!(status, 200, "{text}");
+    let note: Value = serde_json::from_str(&text)?;
+    assert!(
+        note["text"].as_str().unwrap_or_default().contains("counted (1 of 2): it runs once 2 distinct approvers"),
+        "{text}"
+    );
+    crew.events.wait(run, |e| e.message.contains("approve by ann via slack counted: 1 of 2"), WAIT).await?;
+    let db = crew.db().await?;
+    assert_eq!(count(&db, "SELECT count(*) FROM executions WHERE run_id = $1", run).await, 0);
+    assert!(slack.calls_to("chat.update").is_empty(), "the buttons stay");
+
+    // Bob's click completes the quorum: the plan runs and the message shows it.
+    let (status, text) = bridge.click(&interaction("U0BOB", "approve", &value, &ts, &slack.response_url(2))).await?;
+    assert_eq!((status, text.as_str()), (200, ""));
+    let end = crew.end(run).await?;
+    assert_eq!(end.kind, EventKind::Resolved, "{}", end.message);
+    let voters: Vec<String> = db
+        .query("SELECT approver || '/' || channel FROM approval_votes WHERE run_id = $1 ORDER BY approver", &[&run])
+        .await?
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(voters, ["ann/slack", "bob/slack"]);
+    let updated = |cs: &[Call]| {
+        cs.iter().any(|c| {
+            c.method() == "chat.update"
+                && c.body["text"].as_str().is_some_and(|t| t.starts_with("Approved by ann, bob"))
+        })
+    };
+    slack.wait_for("the message updated", updated, WAIT).await?;
+    bridge.stop().await?;
     crew.shutdown().await
 }
