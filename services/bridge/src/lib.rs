@@ -4,6 +4,7 @@
 //! was decided, and the chat message itself carries the run and plan it is about.
 
 pub mod decide;
+pub mod inbound;
 pub mod mattermost;
 pub mod outbound;
 pub mod post;

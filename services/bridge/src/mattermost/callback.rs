@@ -6,9 +6,9 @@
 use super::message::{self, Context};
 use crate::decide::{decide, Click, Outcome};
 use crate::secret::Secret;
-use axum::body::Bytes;
-use axum::extract::{DefaultBodyLimit, State};
-use axum::http::StatusCode;
+use axum::body::Body;
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
@@ -16,9 +16,6 @@ use pitcrew_runtime::{Bus, Config, Store};
 use serde::Deserialize;
 use std::collections::BTreeMap;
 use std::sync::Arc;
-
-/// Largest action call accepted; larger is 413.
-pub const MAX_BODY: usize = 64 * 1024;
 
 /// What the endpoint needs.
 pub struct App {
@@ -32,11 +29,7 @@ pub struct App {
 
 /// `POST /mattermost/actions` and `GET /healthz`.
 pub fn router(app: Arc<App>) -> Router {
-    Router::new()
-        .route("/mattermost/actions", post(actions))
-        .route("/healthz", get(|| async { "ok" }))
-        .layer(DefaultBodyLimit::max(MAX_BODY))
-        .with_state(app)
+    Router::new().route("/mattermost/actions", post(actions)).route("/healthz", get(|| async { "ok" })).with_state(app)
 }
 
 /// The parts of Mattermost's action call the bridge reads.
@@ -47,7 +40,11 @@ struct ActionCall {
     context: Context,
 }
 
-async fn actions(State(app): State<Arc<App>>, body: Bytes) -> Response {
+async fn actions(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -> Response {
+    let body = match crate::inbound::read_body(&headers, body).await {
+        Ok(b) => b,
+        Err(refused) => return refused,
+    };
     let call: ActionCall = match serde_json::from_slice(&body) {
         Ok(c) => c,
         Err(e) => {

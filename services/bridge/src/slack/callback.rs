@@ -8,8 +8,8 @@ use super::message::{self, APPROVE, DENY};
 use super::signature;
 use crate::decide::{decide, Click, Outcome};
 use crate::secret::Secret;
-use axum::body::Bytes;
-use axum::extract::{DefaultBodyLimit, State};
+use axum::body::Body;
+use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -21,8 +21,6 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use tokio::sync::Semaphore;
 
-/// Largest callback accepted (Slack's interaction payloads are a few KiB); larger is 413.
-pub const MAX_BODY: usize = 64 * 1024;
 /// Message updates and ephemeral answers in flight at once; beyond it they are skipped.
 const MAX_FOLLOW_UPS: usize = 32;
 
@@ -50,7 +48,6 @@ pub fn router(app: Arc<App>) -> Router {
     Router::new()
         .route("/slack/interactions", post(interactions))
         .route("/healthz", get(|| async { "ok" }))
-        .layer(DefaultBodyLimit::max(MAX_BODY))
         .with_state(app)
 }
 
@@ -90,7 +87,11 @@ struct Action {
     value: Option<String>,
 }
 
-async fn interactions(State(app): State<Arc<App>>, headers: HeaderMap, body: Bytes) -> Response {
+async fn interactions(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -> Response {
+    let body = match crate::inbound::read_body(&headers, body).await {
+        Ok(b) => b,
+        Err(refused) => return refused,
+    };
     let header = |name: &str| headers.get(name).and_then(|v| v.to_str().ok());
     let now = chrono::Utc::now().timestamp();
     let verified = signature::verify(
