@@ -27,10 +27,10 @@ pub fn client(timeout: Duration) -> anyhow::Result<reqwest::Client> {
         .build()?)
 }
 
-/// A failed send: worth a retry.
-pub fn net(method: &str, e: &reqwest::Error) -> ApiError {
+/// A failed send: worth a retry. The URL is left out (a webhook's URL is its secret).
+pub fn net(method: &str, e: reqwest::Error) -> ApiError {
     let kind = if e.is_timeout() { "timed out" } else { "cannot reach the chat API" };
-    ApiError::Retry { after: Duration::from_secs(5), why: format!("{method}: {kind}: {e}") }
+    ApiError::Retry { after: Duration::from_secs(5), why: format!("{method}: {kind}: {}", e.without_url()) }
 }
 
 /// 429 (after its Retry-After, default 30 s) and 5xx are retried; None for anything else.

@@ -104,6 +104,10 @@ pub struct SlackConfig {
     pub token_env: String,
     /// The variable holding the app's signing secret (verifies Slack's callbacks).
     pub signing_secret_env: String,
+    /// Post through an incoming webhook instead of `chat.postMessage`: the variable holding
+    /// its URL (a secret). The bot token is then optional; without it a decided message is
+    /// replaced through the interaction's `response_url`.
+    pub webhook_url_env: Option<String>,
     /// `host:port` of the interactivity endpoint (`POST /slack/interactions`).
     pub listen: String,
     /// Slack user id -> approver name (which must be under `[approvers]`).
@@ -123,6 +127,7 @@ impl Default for SlackConfig {
             channel: String::new(),
             token_env: "SLACK_BOT_TOKEN".into(),
             signing_secret_env: "SLACK_SIGNING_SECRET".into(),
+            webhook_url_env: None,
             listen: "127.0.0.1:3000".into(),
             users: BTreeMap::new(),
             durable: "slack-bridge".into(),
@@ -327,8 +332,10 @@ impl Config {
 
 impl SlackConfig {
     fn validate(&self, cfg: &Config) -> Result<(), String> {
-        if self.channel.trim().is_empty() {
-            return Err("[bridge.slack] channel is required: the channel id requests are posted to".into());
+        if self.channel.trim().is_empty() && self.webhook_url_env.is_none() {
+            return Err("[bridge.slack] channel is required: the channel id requests are posted to \
+                        (or webhook_url_env, to post through an incoming webhook)"
+                .into());
         }
         check_bridge("slack", &[("api_url", &self.api_url)], &self.durable, self.concurrency, &self.users, cfg)
     }

@@ -34,7 +34,7 @@ impl MattermostApi {
             .json(body)
             .send()
             .await
-            .map_err(|e| net(method, &e))?;
+            .map_err(|e| net(method, e))?;
         if let Some(retry) = retry_status(method, &resp) {
             return Err(retry);
         }

@@ -17,23 +17,43 @@ const TRANSIENT: &[&str] = &["ratelimited", "internal_error", "fatal_error", "se
 /// token and a restart) must not lose the requests in between.
 const AUTH: &[&str] = &["not_authed", "invalid_auth", "token_revoked", "token_expired", "account_inactive"];
 
-/// A client of one Slack-compatible Web API with one bot token.
+/// Slack's answers to an incoming webhook that mean its URL no longer works: retried
+/// slowly, like a bad token.
+const WEBHOOK_GONE: &[&str] = &["no_service", "invalid_token", "no_team", "team_disabled"];
+
+/// A client of one Slack-compatible Web API with a bot token, an incoming webhook, or both.
 #[derive(Clone)]
 pub struct SlackApi {
     http: reqwest::Client,
     base: String,
-    token: Secret,
+    token: Option<Secret>,
+    webhook: Option<Secret>,
 }
 
 impl SlackApi {
-    pub fn new(base: &str, token: Secret, timeout: Duration) -> anyhow::Result<SlackApi> {
+    pub fn new(
+        base: &str,
+        token: Option<Secret>,
+        webhook: Option<Secret>,
+        timeout: Duration,
+    ) -> anyhow::Result<SlackApi> {
+        anyhow::ensure!(token.is_some() || webhook.is_some(), "the Slack bridge needs a bot token or a webhook");
         let http = outbound::client(timeout)?;
-        Ok(SlackApi { http, base: base.trim_end_matches('/').to_string(), token })
+        Ok(SlackApi { http, base: base.trim_end_matches('/').to_string(), token, webhook })
     }
 
-    /// `chat.postMessage`: returns Slack's answer (`channel` and `ts` name the message).
+    /// Post a message: through the incoming webhook when there is one (Slack's answer is then
+    /// `{"ok":true}` alone), else `chat.postMessage` (`channel` and `ts` name the message).
     pub async fn post_message(&self, body: &Value) -> Result<Value, ApiError> {
-        self.call("chat.postMessage", body).await
+        match &self.webhook {
+            Some(hook) => self.post_webhook(hook, body).await,
+            None => self.call("chat.postMessage", body).await,
+        }
+    }
+
+    /// Messages can be edited with `chat.update` (there is a bot token).
+    pub fn can_update(&self) -> bool {
+        self.token.is_some()
     }
 
     /// `chat.update` of the message `ts` in `channel`.
@@ -45,9 +65,9 @@ impl SlackApi {
     /// Only URLs of Slack's hooks host or of the configured API's host are called.
     pub async fn respond(&self, response_url: &str, body: &Value) -> Result<(), ApiError> {
         if !self.may_respond_to(response_url) {
-            return Err(ApiError::Permanent(format!("response_url {response_url} is not on Slack's hooks host")));
+            return Err(ApiError::Permanent("the response_url is not on Slack's hooks host: not called".into()));
         }
-        let resp = self.http.post(response_url).json(body).send().await.map_err(|e| net("response_url", &e))?;
+        let resp = self.http.post(response_url).json(body).send().await.map_err(|e| net("response_url", e))?;
         let status = resp.status();
         if !status.is_success() {
             return Err(ApiError::Permanent(format!("response_url answered HTTP {status}")));
@@ -60,16 +80,39 @@ impl SlackApi {
         url.starts_with("https://hooks.slack.com/") || (origin.is_some() && origin == outbound::origin(&self.base))
     }
 
+    async fn post_webhook(&self, hook: &Secret, body: &Value) -> Result<Value, ApiError> {
+        let method = "incoming webhook";
+        let mut body = body.clone();
+        // An app's webhook posts to its own channel.
+        if let Some(fields) = body.as_object_mut() {
+            fields.remove("channel");
+        }
+        let resp = self.http.post(hook.expose()).json(&body).send().await.map_err(|e| net(method, e))?;
+        if let Some(retry) = retry_status(method, &resp) {
+            return Err(retry);
+        }
+        let status = resp.status();
+        let text = read_bounded(resp).await.unwrap_or_default();
+        let said: String = String::from_utf8_lossy(&text).trim().chars().take(200).collect();
+        if status.is_success() {
+            return Ok(serde_json::json!({"ok": true}));
+        }
+        if WEBHOOK_GONE.contains(&said.as_str()) {
+            return Err(ApiError::Retry {
+                after: Duration::from_secs(60),
+                why: format!("{method}: HTTP {status}: {said}: check the webhook URL"),
+            });
+        }
+        Err(ApiError::Permanent(format!("{method}: HTTP {status}: Slack refused it: {said}")))
+    }
+
     async fn call(&self, method: &str, body: &Value) -> Result<Value, ApiError> {
+        let Some(token) = &self.token else {
+            return Err(ApiError::Permanent(format!("{method} needs a bot token: set token_env's variable")));
+        };
         let url = format!("{}/{method}", self.base);
-        let resp = self
-            .http
-            .post(&url)
-            .bearer_auth(self.token.expose())
-            .json(body)
-            .send()
-            .await
-            .map_err(|e| net(method, &e))?;
+        let resp =
+            self.http.post(&url).bearer_auth(token.expose()).json(body).send().await.map_err(|e| net(method, e))?;
         if let Some(retry) = retry_status(method, &resp) {
             return Err(retry);
         }
@@ -118,6 +161,9 @@ impl Chat for SlackChat {
     fn post<'a>(&'a self, req: &'a ApprovalRequest) -> BoxFuture<'a, Result<String, ApiError>> {
         async move {
             let answer = self.api.post_message(&super::message::request(&self.channel, req)).await?;
+            if self.api.webhook.is_some() {
+                return Ok("the incoming webhook's channel".to_string());
+            }
             let field = |k: &str| answer.get(k).and_then(Value::as_str).unwrap_or("?").to_string();
             Ok(format!("channel {} ts {}", field("channel"), field("ts")))
         }
@@ -131,7 +177,8 @@ mod tests {
 
     #[test]
     fn responds_only_to_slack_hooks_or_the_api_host() {
-        let api = SlackApi::new("http://127.0.0.1:9/api", Secret::new("t"), Duration::from_secs(1)).unwrap();
+        let api =
+            SlackApi::new("http://127.0.0.1:9/api", Some(Secret::new("t")), None, Duration::from_secs(1)).unwrap();
         assert!(api.may_respond_to("https://hooks.slack.com/actions/T1/2/3"));
         assert!(api.may_respond_to("http://127.0.0.1:9/response/1"));
         assert!(!api.may_respond_to("http://127.0.0.1:10/response/1"));

@@ -167,6 +167,21 @@ impl App {
             Outcome::Counted { note } => return Ok(Some(note)),
             Outcome::Decided { req, approver } => (req, approver),
         };
+        if !self.api.can_update() {
+            // No bot token (posting through a webhook): replace it through the response_url.
+            let Some(url) = i.response_url.clone() else {
+                tracing::warn!(%run, "no bot token and no response_url: the message is not updated");
+                return Ok(None);
+            };
+            let body = message::replaced(&req, decision, &approver, user);
+            self.follow_up(move |api| async move {
+                match api.respond(&url, &body).await {
+                    Ok(()) => tracing::info!(%run, "Slack message replaced with the outcome"),
+                    Err(e) => tracing::warn!(%run, error = %e, "cannot replace the Slack message with the outcome"),
+                }
+            });
+            return Ok(None);
+        }
         let channel = i.channel.as_ref().map(|c| c.id.clone()).or_else(|| i.container.as_ref()?.channel_id.clone());
         let ts = i.message.as_ref().map(|m| m.ts.clone()).or_else(|| i.container.as_ref()?.message_ts.clone());
         let (Some(channel), Some(ts)) = (channel, ts) else {

@@ -56,6 +56,18 @@ pub fn decided(
     json!({"channel": channel, "ts": ts, "text": format!("{verb} by {approver}: {}", fallback(req)), "blocks": blocks})
 }
 
+/// A `response_url` answer replacing the message with the outcome (when there is no bot
+/// token for `chat.update`).
+pub fn replaced(req: &ApprovalRequest, decision: Decision, approver: &str, user: &str) -> Value {
+    let mut body = decided("", "", req, decision, approver, user);
+    if let Some(fields) = body.as_object_mut() {
+        fields.remove("channel");
+        fields.remove("ts");
+        fields.insert("replace_original".into(), json!(true));
+    }
+    body
+}
+
 /// An answer only the clicker sees, leaving the message as it is.
 pub fn ephemeral(text: &str) -> Value {
     json!({"response_type": "ephemeral", "replace_original": false, "text": text})

@@ -17,24 +17,31 @@ use std::sync::Arc;
 use std::time::Duration;
 use tokio::net::TcpListener;
 
-/// The bridge's two secrets, read from the variables the config names.
+/// The bridge's secrets, read from the variables the config names.
 #[derive(Debug, Clone)]
 pub struct Secrets {
-    pub token: Secret,
+    /// Required unless posting through a webhook.
+    pub token: Option<Secret>,
     pub signing_secret: Secret,
+    /// The incoming webhook's URL, when `webhook_url_env` names one.
+    pub webhook_url: Option<Secret>,
 }
 
 impl Secrets {
     pub fn from_env(slack: &SlackConfig) -> anyhow::Result<Secrets> {
-        Ok(Secrets {
-            token: Secret::from_env(&slack.token_env, "the Slack bot token", "token_env", "slack")?,
-            signing_secret: Secret::from_env(
-                &slack.signing_secret_env,
-                "the Slack signing secret",
-                "signing_secret_env",
-                "slack",
-            )?,
-        })
+        let webhook_url = match &slack.webhook_url_env {
+            Some(var) => Some(Secret::from_env(var, "the Slack incoming webhook URL", "webhook_url_env", "slack")?),
+            None => None,
+        };
+        let token = Secret::from_env(&slack.token_env, "the Slack bot token", "token_env", "slack");
+        let token = match (token, &webhook_url) {
+            (Ok(t), _) => Some(t),
+            (Err(_), Some(_)) => None,
+            (Err(missing), None) => return Err(missing.into()),
+        };
+        let signing_secret =
+            Secret::from_env(&slack.signing_secret_env, "the Slack signing secret", "signing_secret_env", "slack")?;
+        Ok(Secrets { token, signing_secret, webhook_url })
     }
 }
 
@@ -60,7 +67,8 @@ pub async fn run_from_env(cfg: Config, shutdown: Shutdown) -> anyhow::Result<()>
 pub async fn run(cfg: Config, secrets: Secrets, listener: TcpListener, shutdown: Shutdown) -> anyhow::Result<()> {
     let slack = settings(&cfg)?.clone();
     let (bus, store) = crate::connect(&cfg).await?;
-    let api = api::SlackApi::new(&slack.api_url, secrets.token, Duration::from_secs(slack.timeout_secs.max(1)))?;
+    let timeout = Duration::from_secs(slack.timeout_secs.max(1));
+    let api = api::SlackApi::new(&slack.api_url, secrets.token, secrets.webhook_url, timeout)?;
     let chat = api::SlackChat { api: api.clone(), channel: slack.channel.clone() };
     let posting =
         crate::post::spawn(&bus, store.clone(), chat, &slack.durable, slack.concurrency, shutdown.clone()).await?;
@@ -68,7 +76,7 @@ pub async fn run(cfg: Config, secrets: Secrets, listener: TcpListener, shutdown:
     let app = Arc::new(callback::App::new(bus.clone(), store, cfg.clone(), api, secrets.signing_secret));
     let listen = listener.local_addr()?;
     tracing::info!(
-        %listen, api = %slack.api_url, channel = %slack.channel, users = slack.users.len(), durable = %slack.durable,
+        %listen, api = %slack.api_url, channel = %slack.channel, webhook = slack.webhook_url_env.is_some(), users = slack.users.len(), durable = %slack.durable,
         "slack bridge running: posting approval requests, callbacks on POST /slack/interactions"
     );
     let served = axum::serve(listener, callback::router(app)).with_graceful_shutdown(shutdown).await;
