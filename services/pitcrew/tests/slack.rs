@@ -618,3 +618,45 @@ async fn a_two_person_rule_in_slack_counts_the_first_click_and_runs_after_the_se
     bridge.stop().await?;
     crew.shutdown().await
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn through_an_incoming_webhook_the_decided_message_is_replaced_on_its_response_url() -> anyhow::Result<()> {
+    let slack = FakeSlack::start(TOKEN).await?;
+    let port = pitcrew_runtime::natsd::free_port()?;
+    let bridge = format!(
+        "[bridge.slack]\nwebhook_url_env = \"SLACK_WEBHOOK_URL\"\napi_url = \"{}\"\nlisten = \"127.0.0.1:{port}\"\n\
+         timeout_secs = 5\n[bridge.slack.users]\nU0ANN = \"ann\"\n",
+        slack.api_url()
+    );
+    let mut crew = crew_with(&bridge, None).await?;
+    let hook = slack.webhook_url();
+    // No bot token: the webhook posts, the response_url updates.
+    let secrets = [("SLACK_WEBHOOK_URL", hook.as_str()), ("SLACK_SIGNING_SECRET", SIGNING_SECRET)];
+    let bridge = Bridge::start_kind(&crew, port, "bridge", "slack", &secrets).await?;
+    let run = crew.open("svc", "stale lock held").await?;
+    crew.events.kind(run, EventKind::ApprovalRequested, WAIT).await?;
+    let hooked = |c: &Call| c.path.starts_with("/services/") && c.ok() && c.body.to_string().contains(&run.to_string());
+    let calls = slack.wait_for("the request posted to the webhook", |cs| cs.iter().any(hooked), WAIT).await?;
+    let post = calls.into_iter().find(hooked).expect("waited for it");
+    assert_eq!(post.authorization, None, "the webhook's URL is its credential");
+    let value = button(&post, "approve");
+    assert!(value.starts_with(&run.to_string()), "{}", post.body);
+
+    let (status, text) = bridge.click(&interaction("U0ANN", "approve", &value, "", &slack.response_url(7))).await?;
+    assert_eq!((status, text.as_str()), (200, ""));
+    let end = crew.end(run).await?;
+    assert_eq!(end.kind, EventKind::Resolved, "{}", end.message);
+    let replaced = |cs: &[Call]| {
+        cs.iter().any(|c| {
+            c.path == "/response/7"
+                && c.body["replace_original"] == true
+                && c.body["text"].as_str().is_some_and(|t| t.starts_with("Approved by ann"))
+        })
+    };
+    slack.wait_for("the message replaced on the response_url", replaced, WAIT).await?;
+    assert!(slack.calls_to("chat.postMessage").is_empty() && slack.calls_to("chat.update").is_empty());
+    let log = bridge.stop().await?;
+    assert!(log.contains("approval request posted"), "{log}");
+    secrets_kept_of(&crew, &[log], &[hook.as_str(), "hook0secret0xyzzy1234", SIGNING_SECRET]).await?;
+    crew.shutdown().await
+}

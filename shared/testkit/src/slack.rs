@@ -30,11 +30,14 @@ impl Call {
         self.path.strip_prefix("/api/").unwrap_or(&self.path)
     }
 
-    /// The chat took it (Slack: 200 and ok; Mattermost: 201).
+    /// The chat took it (Slack: 200 and ok, or a webhook's `ok`; Mattermost: 201).
     pub fn ok(&self) -> bool {
-        (self.status == 200 && self.answer["ok"] == true) || self.status == 201
+        (self.status == 200 && (self.answer["ok"] == true || self.answer == "ok")) || self.status == 201
     }
 }
+
+/// The fake's incoming webhook path (its last segment is the secret part).
+const WEBHOOK_PATH: &str = "/services/T0TEAM/B0HOOK/hook0secret0xyzzy1234";
 
 /// A scripted answer for the next call of a method.
 type Scripted = (String, u16, Vec<(String, String)>, Value);
@@ -97,7 +100,12 @@ impl FakeSlack {
                         answer: answer.clone(),
                     });
                     tx.send_modify(|n| *n += 1);
-                    let _ = write_json(&mut conn, status, &headers, &answer.to_string()).await;
+                    // Slack's webhooks answer plain text (`ok`, `no_service`).
+                    let text = match &answer {
+                        Value::String(t) => t.clone(),
+                        other => other.to_string(),
+                    };
+                    let _ = write_json(&mut conn, status, &headers, &text).await;
                 });
             }
         });
@@ -107,6 +115,11 @@ impl FakeSlack {
     /// The Web API base to configure as `[bridge.slack] api_url`.
     pub fn api_url(&self) -> String {
         format!("{}/api", self.url)
+    }
+
+    /// The app's incoming webhook: its path is the credential (`no_service` for any other).
+    pub fn webhook_url(&self) -> String {
+        format!("{}{WEBHOOK_PATH}", self.url)
     }
 
     /// A `response_url` on this fake, as Slack puts in each interaction.
@@ -163,6 +176,14 @@ fn answer(
 ) -> (u16, Vec<(String, String)>, Value) {
     if path.starts_with("/response/") {
         return (200, vec![], json!({"ok": true}));
+    }
+    if let Some(hook) = path.strip_prefix("/services/") {
+        let ok = format!("/services/{hook}") == WEBHOOK_PATH;
+        return match (ok, body["blocks"].is_array() || body["text"].is_string()) {
+            (false, _) => (404, vec![], json!("no_service")),
+            (true, false) => (400, vec![], json!("invalid_payload")),
+            (true, true) => (200, vec![], json!("ok")),
+        };
     }
     let Some(method) = path.strip_prefix("/api/") else {
         return (404, vec![], json!({"ok": false, "error": "not_found"}));
