@@ -361,6 +361,7 @@ async fn a_signed_slack_approval_runs_the_plan_and_forged_stale_or_second_clicks
     unchanged(&crew, &slack, run).await?;
 
     // The real click: published, the run resumes and executes, the message shows the outcome.
+    let clicked = chrono::Utc::now();
     let (status, text) = bridge.click(&approve).await?;
     assert_eq!((status, text.as_str()), (200, ""), "a decision is acknowledged with an empty 200");
     let end = crew.end(run).await?;
@@ -368,6 +369,11 @@ async fn a_signed_slack_approval_runs_the_plan_and_forged_stale_or_second_clicks
     assert!(end.message.contains("approved by ann"), "{}", end.message);
     let db = crew.db().await?;
     assert_eq!(count(&db, "SELECT count(*) FROM executions WHERE run_id = $1 AND status = 'succeeded'", run).await, 2);
+    let first: chrono::DateTime<chrono::Utc> =
+        db.query_one("SELECT min(started_at) FROM executions WHERE run_id = $1", &[&run]).await?.get(0);
+    let ms = (first - clicked).num_microseconds().unwrap_or(0) as f64 / 1000.0;
+    assert!(ms > 0.0, "the first command started after the click: {ms} ms");
+    eprintln!("Slack click sent to first command started: {ms:.1} ms");
     let row = db.query_one("SELECT decision, decided_by, channel FROM approvals WHERE run_id = $1", &[&run]).await?;
     assert_eq!(
         (row.get::<_, String>(0), row.get::<_, String>(1), row.get::<_, String>(2)),
