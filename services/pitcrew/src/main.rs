@@ -37,6 +37,11 @@ enum Command {
     },
     /// Check every configured service and open an incident when one fails.
     Monitor,
+    /// Carry approval requests to a chat and decisions back ([bridge.<kind>] in the config).
+    Bridge {
+        #[command(subcommand)]
+        command: BridgeCommand,
+    },
     /// Start everything it needs and show three runs live: resolved, approved, escalated.
     Demo {
         /// Instead: repair a killed service over SSH on a private local sshd (needs openssh-server).
@@ -101,6 +106,16 @@ enum Command {
         #[command(subcommand)]
         command: ToyCommand,
     },
+}
+
+#[derive(Subcommand)]
+enum BridgeCommand {
+    /// Post each approval request to a Slack-compatible API with Approve/Deny buttons and
+    /// serve the interactive callback (bot token and signing secret from the environment).
+    Slack,
+    /// Post each approval request to a Mattermost channel with Approve/Deny buttons and serve
+    /// their action calls (bot token and action secret from the environment).
+    Mattermost,
 }
 
 #[derive(Subcommand)]
@@ -194,7 +209,7 @@ fn main() -> ExitCode {
     }
     let default_log = match args.command {
         Command::Demo { .. } => "warn",
-        Command::Up | Command::Worker { .. } | Command::Monitor => "info",
+        Command::Up | Command::Worker { .. } | Command::Monitor | Command::Bridge { .. } => "info",
         Command::Gateway { command: None | Some(GatewayCommand::Serve) } => "info",
         _ => "warn",
     };
@@ -263,6 +278,12 @@ async fn run(args: Args) -> anyhow::Result<()> {
         Command::Gateway { .. } => pitcrew_gateway::run(cfg, crew::signals()).await,
         Command::Up => crew::run(cfg, &Stage::ALL, crew::signals()).await,
         Command::Monitor => crew::monitor(cfg, crew::signals()).await,
+        Command::Bridge { command: BridgeCommand::Slack } => {
+            pitcrew_bridge::slack::run_from_env(cfg, crew::signals()).await
+        }
+        Command::Bridge { command: BridgeCommand::Mattermost } => {
+            pitcrew_bridge::mattermost::run_from_env(cfg, crew::signals()).await
+        }
         Command::Worker { stages } => {
             let mut stages = stages;
             stages.sort();

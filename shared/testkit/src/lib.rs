@@ -6,6 +6,7 @@ pub mod alertmanager;
 pub mod http;
 pub mod llm;
 pub mod pg;
+pub mod slack;
 pub mod sshd;
 
 use anyhow::{anyhow, bail, Context};

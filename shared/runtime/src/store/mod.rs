@@ -4,6 +4,7 @@
 mod migrate;
 mod query;
 mod runs;
+mod votes;
 mod work;
 
 pub use migrate::{ensure_database, migrate as apply_migrations, MIGRATIONS};
