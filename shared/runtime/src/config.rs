@@ -35,6 +35,31 @@ pub struct Config {
     /// anyone else is refused and changes nothing.
     pub approvers: BTreeMap<String, String>,
     pub metrics: MetricsConfig,
+    /// `[telemetry]`: OpenTelemetry trace export (off unless `otlp_endpoint` is set).
+    #[serde(default)]
+    pub telemetry: TelemetryConfig,
+}
+
+/// `[telemetry]`: where spans go. Off by default; an unreachable collector never stops
+/// pitcrew (it warns once and drops spans until the collector answers).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct TelemetryConfig {
+    /// OTLP/HTTP collector, e.g. `http://127.0.0.1:4318` (`/v1/traces` is added unless the
+    /// URL already ends with it). Unset: no export (traceparent headers still flow through).
+    pub otlp_endpoint: Option<String>,
+    /// `service.name` of the exported spans.
+    pub service_name: String,
+    /// Fraction of new traces sampled (a continued trace follows its parent's decision).
+    pub sample_ratio: f64,
+    /// Per export request.
+    pub export_timeout_secs: u64,
+}
+
+impl Default for TelemetryConfig {
+    fn default() -> Self {
+        TelemetryConfig { otlp_endpoint: None, service_name: "pitcrew".into(), sample_ratio: 1.0, export_timeout_secs: 10 }
+    }
 }
 
 /// `[metrics]`: the Prometheus endpoint of each worker process.
@@ -208,6 +233,7 @@ impl Default for Config {
             services: BTreeMap::new(),
             approvers: BTreeMap::new(),
             metrics: MetricsConfig::default(),
+            telemetry: TelemetryConfig::default(),
         }
     }
 }
@@ -330,6 +356,9 @@ impl Config {
                 "reasoning.provider '{}' is not available (this build has: playbook, openai)",
                 self.reasoning.provider
             ));
+        }
+        if !(0.0..=1.0).contains(&self.telemetry.sample_ratio) {
+            return bad(format!("telemetry.sample_ratio = {} must be between 0 and 1", self.telemetry.sample_ratio));
         }
         Ok(())
     }
