@@ -84,6 +84,17 @@ pub struct Collector {
     pub consumers: Vec<(String, String)>,
 }
 
+/// The server's view of a durable consumer (one request).
+pub async fn consumer_info(
+    bus: &crate::Bus,
+    stream: &str,
+    name: &str,
+) -> Result<async_nats::jetstream::consumer::Info, String> {
+    let c: async_nats::jetstream::consumer::PullConsumer =
+        bus.js.get_consumer_from_stream(name, stream).await.map_err(|e| e.to_string())?;
+    Ok(c.cached_info().clone())
+}
+
 /// How long a scrape waits on JetStream and Postgres.
 const COLLECT_TIMEOUT: Duration = Duration::from_secs(2);
 
@@ -91,15 +102,10 @@ impl Collector {
     /// Refresh the scrape-time gauges.
     pub async fn collect(&self) {
         for (stream, name) in &self.consumers {
-            let read = async {
-                let mut c: async_nats::jetstream::consumer::PullConsumer =
-                    self.bus.js.get_consumer_from_stream(name, stream).await.map_err(|e| e.to_string())?;
-                c.info().await.map(|i| (i.num_pending, i.num_ack_pending)).map_err(|e| e.to_string())
-            };
-            match tokio::time::timeout(COLLECT_TIMEOUT, read).await {
-                Ok(Ok((pending, ack_pending))) => {
-                    CONSUMER_PENDING.set(&[name], pending as f64);
-                    CONSUMER_ACK_PENDING.set(&[name], ack_pending as f64);
+            match tokio::time::timeout(COLLECT_TIMEOUT, consumer_info(&self.bus, stream, name)).await {
+                Ok(Ok(info)) => {
+                    CONSUMER_PENDING.set(&[name], info.num_pending as f64);
+                    CONSUMER_ACK_PENDING.set(&[name], info.num_ack_pending as f64);
                 }
                 _ => SCRAPE_ERRORS.inc(&["jetstream"]),
             }

@@ -193,3 +193,27 @@ pub fn write(env: &TestEnv, name: &str, content: &str) -> String {
     std::fs::write(&path, content.replace("{dir}", &env.dir.path().display().to_string())).expect("write test file");
     path
 }
+
+/// The Prometheus text of `url`, as (series, value) pairs; every line must parse.
+pub async fn scrape(url: &str) -> anyhow::Result<Vec<(String, f64)>> {
+    let text = reqwest::get(url).await?.error_for_status()?.text().await?;
+    let mut out = Vec::new();
+    for line in text.lines().filter(|l| !l.is_empty()) {
+        if line.starts_with("# HELP ") || line.starts_with("# TYPE ") {
+            continue;
+        }
+        let (series, value) = line.rsplit_once(' ').ok_or_else(|| anyhow::anyhow!("not a sample: {line}"))?;
+        let name = series.split('{').next().unwrap_or_default();
+        anyhow::ensure!(
+            !name.is_empty() && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_'),
+            "bad metric name in {line}"
+        );
+        anyhow::ensure!(!series.contains('{') || series.ends_with('}'), "bad labels in {line}");
+        out.push((series.to_string(), value.parse()?));
+    }
+    Ok(out)
+}
+
+pub fn sample(samples: &[(String, f64)], series: &str) -> f64 {
+    samples.iter().find(|(s, _)| s == series).map(|(_, v)| *v).unwrap_or(0.0)
+}
