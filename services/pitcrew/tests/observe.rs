@@ -5,104 +5,14 @@
 
 mod common;
 
-use common::{sample, scrape, Crew, Worker};
+use common::otlp::{Receiver, Span};
+use common::{sample, scrape, stop, Crew};
 use pitcrew_model::EventKind;
-use pitcrew_testkit::http::{read_request, write_json};
 use pitcrew_testkit::llm::{Reply, ScriptedLlm};
-use serde_json::{json, Value};
-use std::collections::{BTreeMap, BTreeSet};
-use std::sync::{Arc, Mutex};
+use serde_json::json;
+use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 use uuid::Uuid;
-
-/// One exported span: the process it came from (`service.name`), name, trace id and attributes.
-#[derive(Debug, Clone)]
-struct Span {
-    service: String,
-    name: String,
-    trace: String,
-    attrs: BTreeMap<String, String>,
-}
-
-/// A real OTLP/HTTP receiver (JSON encoding) on a loopback port: every span posted to
-/// `/v1/traces` is kept.
-struct Receiver {
-    url: String,
-    spans: Arc<Mutex<Vec<Span>>>,
-    posts: Arc<Mutex<usize>>,
-}
-
-fn text_of(v: &Value) -> String {
-    let v = &v["value"];
-    v["stringValue"]
-        .as_str()
-        .map(str::to_string)
-        .or_else(|| v["intValue"].as_str().map(str::to_string))
-        .or_else(|| v["intValue"].as_i64().map(|i| i.to_string()))
-        .or_else(|| v["boolValue"].as_bool().map(|b| b.to_string()))
-        .unwrap_or_default()
-}
-
-fn attrs(list: &Value) -> BTreeMap<String, String> {
-    list.as_array()
-        .into_iter()
-        .flatten()
-        .map(|a| (a["key"].as_str().unwrap_or_default().to_string(), text_of(a)))
-        .collect()
-}
-
-/// The spans of one `ExportTraceServiceRequest` in its JSON encoding.
-fn spans_of(body: &Value) -> Vec<Span> {
-    let mut out = Vec::new();
-    for rs in body["resourceSpans"].as_array().into_iter().flatten() {
-        let service = attrs(&rs["resource"]["attributes"]).get("service.name").cloned().unwrap_or_default();
-        for ss in rs["scopeSpans"].as_array().into_iter().flatten() {
-            for s in ss["spans"].as_array().into_iter().flatten() {
-                out.push(Span {
-                    service: service.clone(),
-                    name: s["name"].as_str().unwrap_or_default().to_string(),
-                    trace: s["traceId"].as_str().unwrap_or_default().to_string(),
-                    attrs: attrs(&s["attributes"]),
-                });
-            }
-        }
-    }
-    out
-}
-
-impl Receiver {
-    async fn start() -> anyhow::Result<Receiver> {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-        let url = format!("http://{}", listener.local_addr()?);
-        let spans = Arc::new(Mutex::new(Vec::new()));
-        let posts = Arc::new(Mutex::new(0));
-        let (kept, counted) = (spans.clone(), posts.clone());
-        tokio::spawn(async move {
-            while let Ok((mut conn, _)) = listener.accept().await {
-                let (kept, counted) = (kept.clone(), counted.clone());
-                tokio::spawn(async move {
-                    let Ok(req) = read_request(&mut conn).await else { return };
-                    let json_body = req.headers.iter().any(|(k, v)| k == "content-type" && v.contains("json"));
-                    let parsed = serde_json::from_slice::<Value>(&req.body);
-                    let (status, answer) = match (req.path.as_str(), json_body, parsed) {
-                        ("/v1/traces", true, Ok(body)) => {
-                            kept.lock().unwrap().extend(spans_of(&body));
-                            *counted.lock().unwrap() += 1;
-                            (200, "{}".to_string())
-                        }
-                        (path, _, _) => (400, json!({ "error": format!("unexpected request to {path}") }).to_string()),
-                    };
-                    let _ = write_json(&mut conn, status, &[], &answer).await;
-                });
-            }
-        });
-        Ok(Receiver { url, spans, posts })
-    }
-
-    fn spans(&self) -> Vec<Span> {
-        self.spans.lock().unwrap().clone()
-    }
-}
 
 /// An OpenAI-compatible model: diagnose first asks for one read-only command (a tool call),
 /// then answers with a diagnosis quoting the incident; plan answers with the fix.
@@ -123,18 +33,6 @@ async fn model(healthy: String) -> anyhow::Result<ScriptedLlm> {
         Reply::answer(&format!("```sh\ntouch {healthy}\n```"))
     });
     Ok(llm)
-}
-
-/// SIGTERM a worker and wait for it to exit (it flushes its spans on the way out).
-fn stop(w: &mut Worker) -> anyhow::Result<()> {
-    // SAFETY: kill(2) on our own child's pid.
-    unsafe { libc::kill(w.child.id() as i32, libc::SIGTERM) };
-    let asked = Instant::now();
-    while w.child.try_wait()?.is_none() {
-        anyhow::ensure!(asked.elapsed() < Duration::from_secs(30), "worker did not exit within 30 s of SIGTERM");
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    Ok(())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -220,7 +118,7 @@ async fn a_run_through_three_workers_is_one_trace_and_metrics_move() -> anyhow::
         tokio::time::sleep(Duration::from_millis(100)).await;
     };
     let spans = receiver.spans();
-    assert_eq!(services.len(), 3, "stage spans of the run from w1, w2 and w3: {services:?} ({} posts)", *receiver.posts.lock().unwrap());
+    assert_eq!(services.len(), 3, "stage spans of the run from w1, w2 and w3: {services:?} ({} posts)", receiver.posts());
     assert_eq!(traces.len(), 1, "one trace for the whole run: {traces:?}");
     let trace = traces.into_iter().next().unwrap_or_default();
     let of_run: Vec<&Span> = spans.iter().filter(|s| s.trace == trace).collect();

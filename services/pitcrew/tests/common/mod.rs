@@ -3,13 +3,15 @@
 
 #![allow(dead_code)]
 
+pub mod otlp;
+
 use futures::FutureExt;
 use pitcrew::{cli, crew};
 use pitcrew_model::{Incident, Severity, Stage};
 use pitcrew_runtime::{Bus, Config, Store};
 use pitcrew_testkit::{Events, TestEnv};
 use std::process::{Child, Command, Stdio};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use uuid::Uuid;
 
 pub const WAIT: Duration = Duration::from_secs(60);
@@ -216,4 +218,16 @@ pub async fn scrape(url: &str) -> anyhow::Result<Vec<(String, f64)>> {
 
 pub fn sample(samples: &[(String, f64)], series: &str) -> f64 {
     samples.iter().find(|(s, _)| s == series).map(|(_, v)| *v).unwrap_or(0.0)
+}
+
+/// SIGTERM a worker and wait for it to exit (it flushes its spans on the way out).
+pub fn stop(w: &mut Worker) -> anyhow::Result<()> {
+    // SAFETY: kill(2) on our own child's pid.
+    unsafe { libc::kill(w.child.id() as i32, libc::SIGTERM) };
+    let asked = Instant::now();
+    while w.child.try_wait()?.is_none() {
+        anyhow::ensure!(asked.elapsed() < Duration::from_secs(30), "worker did not exit within 30 s of SIGTERM");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    Ok(())
 }
