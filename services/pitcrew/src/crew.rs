@@ -127,7 +127,8 @@ pub async fn run(cfg: Config, stages: &[Stage], shutdown: Shutdown) -> anyhow::R
 pub fn consumers_of(bus: &Bus, stages: &[Stage]) -> Vec<(String, String)> {
     let mut out = Vec::new();
     for &stage in stages {
-        let stream = if stage == Stage::Intake { bus.subjects.incidents_stream() } else { bus.subjects.stages_stream() };
+        let stream =
+            if stage == Stage::Intake { bus.subjects.incidents_stream() } else { bus.subjects.stages_stream() };
         out.push((stream, stage.as_str().to_string()));
         if stage == Stage::Approval {
             out.push((bus.subjects.approvals_stream(), "approval-decisions".to_string()));

@@ -79,8 +79,8 @@ pub async fn frame(bus: &Bus, store: Option<&Store>, prev: &mut HashMap<String, 
             Ok(runs) => {
                 let _ = writeln!(
                     out,
-                    "{:<36}  {:<12} {:<16} {:<9} {:>7}  {:<8}  {}",
-                    "RUN", "SERVICE", "STATUS", "STAGE", "ATTEMPT", "UPDATED", "ERROR"
+                    "{:<36}  {:<12} {:<16} {:<9} {:>7}  {:<8}  ERROR",
+                    "RUN", "SERVICE", "STATUS", "STAGE", "ATTEMPT", "UPDATED"
                 );
                 for r in runs {
                     let _ = writeln!(

@@ -42,8 +42,7 @@ async fn a_run_through_three_workers_is_one_trace_and_metrics_move() -> anyhow::
     let svc = common::marker_service(&env, "svc");
     let llm = model(env.path("svc-healthy")).await?;
     let mut crew = Crew::start_in(env, &svc, &[]).await?;
-    let ports: Vec<u16> =
-        (0..3).map(|_| pitcrew_runtime::natsd::free_port()).collect::<Result<_, _>>()?;
+    let ports: Vec<u16> = (0..3).map(|_| pitcrew_runtime::natsd::free_port()).collect::<Result<_, _>>()?;
     let worker = |name: &str, port: u16, stages: &[&str], reasoning: &str| {
         let extra = format!(
             "{reasoning}[metrics]\nlisten = \"127.0.0.1:{port}\"\n\
@@ -109,7 +108,8 @@ async fn a_run_through_three_workers_is_one_trace_and_metrics_move() -> anyhow::
     let deadline = Instant::now() + Duration::from_secs(20);
     let (traces, services) = loop {
         let spans = receiver.spans();
-        let stages: Vec<&Span> = spans.iter().filter(|s| s.name == "stage" && s.attrs.get("run") == Some(&id)).collect();
+        let stages: Vec<&Span> =
+            spans.iter().filter(|s| s.name == "stage" && s.attrs.get("run") == Some(&id)).collect();
         let traces: BTreeSet<String> = stages.iter().map(|s| s.trace.clone()).collect();
         let services: BTreeSet<String> = stages.iter().map(|s| s.service.clone()).collect();
         if services.len() == 3 || Instant::now() > deadline {
@@ -118,7 +118,12 @@ async fn a_run_through_three_workers_is_one_trace_and_metrics_move() -> anyhow::
         tokio::time::sleep(Duration::from_millis(100)).await;
     };
     let spans = receiver.spans();
-    assert_eq!(services.len(), 3, "stage spans of the run from w1, w2 and w3: {services:?} ({} posts)", receiver.posts());
+    assert_eq!(
+        services.len(),
+        3,
+        "stage spans of the run from w1, w2 and w3: {services:?} ({} posts)",
+        receiver.posts()
+    );
     assert_eq!(traces.len(), 1, "one trace for the whole run: {traces:?}");
     let trace = traces.into_iter().next().unwrap_or_default();
     let of_run: Vec<&Span> = spans.iter().filter(|s| s.trace == trace).collect();
@@ -128,13 +133,19 @@ async fn a_run_through_three_workers_is_one_trace_and_metrics_move() -> anyhow::
     for stage in ["intake", "diagnose", "plan", "evaluate", "approval", "execute", "verify", "report"] {
         assert!(stages.contains(stage), "{stage} handled in the trace: {stages:?}");
     }
-    let intake = of_run.iter().find(|s| s.name == "stage" && s.attrs.get("stage").map(String::as_str) == Some("intake"));
-    assert_eq!(intake.and_then(|s| s.attrs.get("attempt")).map(String::as_str), Some("1"), "the stage span has the attempt");
+    let intake =
+        of_run.iter().find(|s| s.name == "stage" && s.attrs.get("stage").map(String::as_str) == Some("intake"));
+    assert_eq!(
+        intake.and_then(|s| s.attrs.get("attempt")).map(String::as_str),
+        Some("1"),
+        "the stage span has the attempt"
+    );
     assert!(named("db_write") >= 8, "Postgres writes in the trace: {}", named("db_write"));
     assert!(named("command") >= 2, "evidence and the fix in the trace: {}", named("command"));
     assert!(named("llm_call") >= 3, "model calls in the trace: {}", named("llm_call"));
     assert!(named("tool_call") >= 1, "the model's tool call in the trace");
-    let fix = of_run.iter().find(|s| s.name == "command" && s.attrs.get("command").is_some_and(|c| c.starts_with("touch")));
+    let fix =
+        of_run.iter().find(|s| s.name == "command" && s.attrs.get("command").is_some_and(|c| c.starts_with("touch")));
     assert_eq!(fix.map(|s| s.service.as_str()), Some("w2"), "execute ran the fix in w2");
     // The second run is a trace of its own.
     let second_traces: BTreeSet<&str> = spans

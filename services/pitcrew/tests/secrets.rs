@@ -34,10 +34,8 @@ async fn planted_secrets_reach_no_log_event_or_row() -> anyhow::Result<()> {
     let stages: Vec<&str> = Stage::ALL.iter().map(|s| s.as_str()).collect();
     let receiver = Receiver::start().await?;
     let port = pitcrew_runtime::natsd::free_port()?;
-    let sinks = format!(
-        "[telemetry]\notlp_endpoint = \"{}\"\n[metrics]\nlisten = \"127.0.0.1:{port}\"\n",
-        receiver.url
-    );
+    let sinks =
+        format!("[telemetry]\notlp_endpoint = \"{}\"\n[metrics]\nlisten = \"127.0.0.1:{port}\"\n", receiver.url);
     let env = [("PITCREW_LOG", "debug"), ("OTEL_BSP_SCHEDULE_DELAY", "100")];
     let mut worker = crew.spawn_worker_with("w", &stages, &env, &sinks)?;
     let run = crew.open("svc", "secrets drill: api_key=AKIAIOSFODNN7EXAMPLE leaked").await?;

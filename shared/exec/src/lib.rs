@@ -31,7 +31,12 @@ static COMMAND_SECONDS: Histogram = Histogram::new(
 
 /// Run one command inside a `command` span (its line redacted: it may carry a secret) and
 /// count it by exit class.
-pub(crate) async fn observed<F>(executor: &'static str, host: &str, command: &str, run: F) -> Result<CommandOutput, ExecError>
+pub(crate) async fn observed<F>(
+    executor: &'static str,
+    host: &str,
+    command: &str,
+    run: F,
+) -> Result<CommandOutput, ExecError>
 where
     F: Future<Output = Result<CommandOutput, ExecError>>,
 {

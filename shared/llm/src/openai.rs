@@ -339,7 +339,8 @@ impl OpenAi {
                 outcome = tracing::field::Empty,
             );
             let began = std::time::Instant::now();
-            let (step, outcome) = self.attempt(req, meter, model, progress, attempt, &mut last).instrument(span.clone()).await;
+            let (step, outcome) =
+                self.attempt(req, meter, model, progress, attempt, &mut last).instrument(span.clone()).await;
             span.record("outcome", outcome);
             LLM_CALLS.inc(&["openai", model, outcome]);
             LLM_SECONDS.observe(&["openai", model], began.elapsed().as_secs_f64());

@@ -14,8 +14,7 @@ use std::sync::{LazyLock, Mutex, MutexGuard};
 pub const MAX_SERIES: usize = 512;
 
 /// Upper bounds of latency buckets, in seconds (a millisecond to a minute).
-pub const LATENCY_BUCKETS: &[f64] =
-    &[0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0];
+pub const LATENCY_BUCKETS: &[f64] = &[0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0];
 
 /// Upper bounds for waits measured in minutes and hours (approval decisions).
 pub const WAIT_BUCKETS: &[f64] = &[1.0, 5.0, 15.0, 30.0, 60.0, 300.0, 900.0, 1800.0, 3600.0, 14_400.0, 86_400.0];
@@ -79,7 +78,8 @@ impl Family {
         let mut s = store();
         let (_, series) = s.families.entry(self.name).or_insert_with(|| (self, BTreeMap::new()));
         // Look up by borrowed values first: the common case allocates nothing.
-        if let Some((_, found)) = series.iter_mut().find(|(k, _)| k.iter().map(String::as_str).eq(values.iter().copied()))
+        if let Some((_, found)) =
+            series.iter_mut().find(|(k, _)| k.iter().map(String::as_str).eq(values.iter().copied()))
         {
             return Some(f(found));
         }

@@ -58,7 +58,12 @@ pub struct TelemetryConfig {
 
 impl Default for TelemetryConfig {
     fn default() -> Self {
-        TelemetryConfig { otlp_endpoint: None, service_name: "pitcrew".into(), sample_ratio: 1.0, export_timeout_secs: 10 }
+        TelemetryConfig {
+            otlp_endpoint: None,
+            service_name: "pitcrew".into(),
+            sample_ratio: 1.0,
+            export_timeout_secs: 10,
+        }
     }
 }
 

@@ -21,7 +21,8 @@ static HANDLING: Histogram = Histogram::new(
     &["consumer"],
     LATENCY_BUCKETS,
 );
-static RUNS: Counter = Counter::new("pitcrew_runs_finished_total", "Runs this process ended, by outcome.", &["outcome"]);
+static RUNS: Counter =
+    Counter::new("pitcrew_runs_finished_total", "Runs this process ended, by outcome.", &["outcome"]);
 static APPROVALS_PENDING: Gauge =
     Gauge::new("pitcrew_approvals_pending", "Approval requests waiting for a decision (read from Postgres).", &[]);
 static DECISION: Histogram = Histogram::new(

@@ -106,4 +106,3 @@ impl Receiver {
         self.bodies.lock().unwrap().clone()
     }
 }
-
