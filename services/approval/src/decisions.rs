@@ -95,8 +95,12 @@ impl Decisions {
                 )
                 .await;
         }
-        // The decision continues the trace its publisher (the gateway, a bot) sent along.
-        let parent = pitcrew_runtime::trace::traceparent(msg.headers.as_ref());
+        // The decision resumes the run in the run's own trace (its request carries it); failing
+        // that, in the trace its publisher (the gateway, a bot) sent along.
+        let parent = match pitcrew_runtime::approvals::request_traceparent(&self.bus, d.run_id).await {
+            Some(tp) => Some(tp),
+            None => pitcrew_runtime::trace::traceparent(msg.headers.as_ref()),
+        };
         let span = tracing::info_span!(
             "approval_decision",
             run = %d.run_id,

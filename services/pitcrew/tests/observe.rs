@@ -187,3 +187,36 @@ async fn an_unreachable_collector_is_reported_once_and_runs_go_on() -> anyhow::R
     drop(w);
     crew.shutdown().await
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_parked_for_approval_stays_one_trace() -> anyhow::Result<()> {
+    let receiver = Receiver::start().await?;
+    let env = pitcrew_testkit::TestEnv::start().await?;
+    // `rm` is critical in the shipped policy: the run parks until someone approves.
+    let book = common::write(
+        &env,
+        "playbook.toml",
+        "[[rule]]\nname = \"locked\"\nmatch = \"stale lock\"\ndiagnosis = \"{service} is held by a stale lock\"\n\
+         plans = [[\"rm -f {dir}/svc.lock\", \"touch {dir}/svc-healthy\"]]\n",
+    );
+    let text = format!("[reasoning]\nplaybook_file = \"{book}\"\n{}", common::marker_service(&env, "svc"));
+    let mut crew = Crew::start_in(env, &text, &[]).await?;
+    let extra = format!("[telemetry]\notlp_endpoint = \"{}\"\nservice_name = \"w\"\n", receiver.url);
+    let stages: Vec<&str> = pitcrew_model::Stage::ALL.iter().map(|s| s.as_str()).collect();
+    let mut w = crew.spawn_worker_with("w", &stages, &[("OTEL_BSP_SCHEDULE_DELAY", "100")], &extra)?;
+    let run = crew.open("svc", "stale lock held").await?;
+    crew.events.kind(run, EventKind::ApprovalRequested, common::WAIT).await?;
+    crew.cli(&["approve", &run.to_string(), "--by", "ann"])?;
+    assert_eq!(crew.events.terminal(run, common::WAIT).await?.kind, EventKind::Resolved);
+    stop(&mut w)?;
+    let id = run.to_string();
+    let spans = receiver.spans();
+    let of_run: Vec<&Span> = spans.iter().filter(|s| s.attrs.get("run") == Some(&id)).collect();
+    let traces: BTreeSet<&str> = of_run.iter().map(|s| s.trace.as_str()).collect();
+    assert_eq!(traces.len(), 1, "before and after the approval, one trace: {traces:?}");
+    let stages: BTreeSet<&str> = of_run.iter().filter_map(|s| s.attrs.get("stage").map(String::as_str)).collect();
+    assert!(stages.contains("approval") && stages.contains("execute") && stages.contains("report"), "{stages:?}");
+    assert!(of_run.iter().any(|s| s.name == "approval_decision"), "the decision is in the trace");
+    drop(w);
+    crew.shutdown().await
+}
