@@ -58,6 +58,11 @@ struct Args {
     /// a collector.
     #[arg(long)]
     otlp_sink: bool,
+    /// Install the log subscriber with this filter (e.g. `info`, what a worker runs with):
+    /// spans are then recorded for the log lines even without export. Default: no logging
+    /// (warn when exporting).
+    #[arg(long, value_name = "FILTER")]
+    log: Option<String>,
 }
 
 /// What the in-tool OTLP receiver saw.
@@ -134,16 +139,19 @@ async fn main() -> anyhow::Result<()> {
     // Span export, when asked for: logs stay at warn so only export's cost is added.
     let sink = if args.otlp_sink { Some(otlp_sink().await?) } else { None };
     let endpoint = args.otlp_endpoint.clone().or_else(|| sink.as_ref().map(|(url, _)| url.clone()));
-    let mut telemetry = match &endpoint {
-        Some(url) => {
-            let cfg = pitcrew_runtime::config::TelemetryConfig {
-                otlp_endpoint: Some(url.clone()),
-                service_name: "pitcrew-loadtest".into(),
-                ..Default::default()
-            };
-            Some(pitcrew_runtime::telemetry::init_with("warn", &cfg)?)
+    let mut telemetry = if endpoint.is_some() || args.log.is_some() {
+        let cfg = pitcrew_runtime::config::TelemetryConfig {
+            otlp_endpoint: endpoint.clone(),
+            service_name: "pitcrew-loadtest".into(),
+            ..Default::default()
+        };
+        // The tool's filter wins over PITCREW_LOG / RUST_LOG.
+        if let Some(filter) = &args.log {
+            std::env::set_var("PITCREW_LOG", filter);
         }
-        None => None,
+        Some(pitcrew_runtime::telemetry::init_with("warn", &cfg)?)
+    } else {
+        None
     };
     let env = TestEnv::start().await.context("starting nats-server and a fresh database")?;
     let book = env.path("playbook.toml");
@@ -329,6 +337,7 @@ async fn main() -> anyhow::Result<()> {
             "diagnose_processes": args.diagnose_processes,
             "peak_rss_mb": peak_rss_mb(),
             "otlp": otlp,
+            "log": args.log,
         })
     );
     Ok(())

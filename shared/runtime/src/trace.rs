@@ -7,7 +7,9 @@
 //! spans, the incoming header is passed on unchanged, so a trace survives a hop through a
 //! process without an exporter, at the cost of one string copy.
 //!
-//! The gateway continues an HTTP caller's trace with [`continue_http`].
+//! The gateway continues an HTTP caller's trace: `let tp = continue_http(&span, req.headers());`
+//! then runs the request with `carrying(tp, work.instrument(span))`, so what it publishes
+//! carries the caller's trace whether or not the gateway exports spans itself.
 
 use async_nats::header::HeaderMap;
 use opentelemetry::propagation::{Extractor, Injector, TextMapPropagator};
