@@ -94,6 +94,7 @@ async fn a_run_through_three_workers_is_one_trace_and_metrics_move() -> anyhow::
 
     // `pitcrew top --once`: every stage's consumer and the recent runs.
     let top = crew.cli(&["top", "--once"])?;
+    eprintln!("{top}");
     for stage in pitcrew_model::Stage::ALL {
         assert!(top.lines().any(|l| l.starts_with(stage.as_str())), "{stage} missing from:\n{top}");
     }
