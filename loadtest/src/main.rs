@@ -63,6 +63,14 @@ struct Args {
     /// (warn when exporting).
     #[arg(long, value_name = "FILTER")]
     log: Option<String>,
+    /// Runs diagnose holds at once per process (default: --concurrency). Set it low with a
+    /// simulated LLM to make diagnose the bottleneck and see how a second process scales it.
+    #[arg(long)]
+    diagnose_concurrency: Option<usize>,
+    /// Skip the service's default evidence commands (`ss -ltn`, `df -h`, `free -m`): what is
+    /// left is the orchestration itself (the health check, the fix and verify still run).
+    #[arg(long)]
+    no_evidence: bool,
 }
 
 /// What the in-tool OTLP receiver saw.
@@ -118,6 +126,33 @@ fn peak_rss_mb() -> Option<f64> {
     let status = std::fs::read_to_string("/proc/self/status").ok()?;
     let kb: f64 = status.lines().find(|l| l.starts_with("VmHWM:"))?.split_whitespace().nth(1)?.parse().ok()?;
     Some((kb / 1024.0 * 10.0).round() / 10.0)
+}
+
+/// CPU time (user + system) of this process and of its reaped children (the commands the
+/// crew ran), in ms, from getrusage.
+fn cpu_ms() -> (f64, f64) {
+    let of = |who| {
+        // SAFETY: getrusage only writes the struct we hand it.
+        let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+        if unsafe { libc::getrusage(who, &mut ru) } != 0 {
+            return 0.0;
+        }
+        let ms = |t: libc::timeval| t.tv_sec as f64 * 1000.0 + t.tv_usec as f64 / 1000.0;
+        ms(ru.ru_utime) + ms(ru.ru_stime)
+    };
+    (of(libc::RUSAGE_SELF), of(libc::RUSAGE_CHILDREN))
+}
+
+/// Busy CPU time of the whole machine so far (every process: Postgres and nats-server too),
+/// in ms, from /proc/stat.
+fn machine_busy_ms() -> Option<f64> {
+    let stat = std::fs::read_to_string("/proc/stat").ok()?;
+    let cpu: Vec<f64> = stat.lines().next()?.split_whitespace().skip(1).filter_map(|v| v.parse().ok()).collect();
+    // user nice system idle iowait irq softirq steal: busy = all but idle and iowait.
+    let busy: f64 = cpu.iter().take(8).enumerate().filter(|(i, _)| *i != 3 && *i != 4).map(|(_, v)| v).sum();
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+    Some(busy * 1000.0 / hz.max(1.0))
 }
 
 fn percentile(sorted: &[f64], p: f64) -> f64 {
@@ -190,9 +225,13 @@ async fn main() -> anyhow::Result<()> {
         None => format!("[reasoning]\nplaybook_file = \"{book}\"\n"),
     };
     // LLM-bound runs skip the evidence commands so the model's latency is what is measured.
-    let evidence = if llm.is_some() { "evidence = []\n" } else { "" };
+    let evidence = if llm.is_some() || args.no_evidence { "evidence = []\n" } else { "" };
+    let diagnose = match args.diagnose_concurrency {
+        Some(n) => format!("[stage.diagnose]\nconcurrency = {n}\n"),
+        None => String::new(),
+    };
     let text = env.config_toml(&format!(
-        "[stages]\nconcurrency = {c}\nmax_ack_pending = {p}\n{reasoning}\
+        "[stages]\nconcurrency = {c}\nmax_ack_pending = {p}\n{diagnose}{reasoning}\
          [verify]\nchecks = 1\n[services.svc]\nhost = \"local\"\nstart = \"touch {healthy}\"\n{evidence}\
          check = {{ kind = \"command\", command = \"test -f {healthy}\" }}\n",
         c = args.concurrency,
@@ -244,6 +283,8 @@ async fn main() -> anyhow::Result<()> {
         if args.rate > 0.0 { args.rate.to_string() } else { "max".into() }
     );
     let started = Instant::now();
+    let (cpu_self0, cpu_children0) = cpu_ms();
+    let machine0 = machine_busy_ms();
     let mut sent: HashMap<Uuid, chrono::DateTime<chrono::Utc>> = HashMap::with_capacity(args.incidents);
     let mut errors = 0usize;
     for i in 0..args.incidents {
@@ -289,6 +330,16 @@ async fn main() -> anyhow::Result<()> {
         }
     }
     let elapsed = started.elapsed().as_secs_f64();
+    let (cpu_self1, cpu_children1) = cpu_ms();
+    let machine1 = machine_busy_ms();
+    let per_run = |ms: f64| ((ms / e2e.len().max(1) as f64) * 100.0).round() / 100.0;
+    // What one run costs in CPU: this process (the crew and the tool), the commands it ran,
+    // and the whole machine (adds Postgres and nats-server; only meaningful on a quiet one).
+    let cpu = serde_json::json!({
+        "crew": per_run(cpu_self1 - cpu_self0),
+        "commands": per_run(cpu_children1 - cpu_children0),
+        "machine": machine0.zip(machine1).map(|(a, b)| per_run(b - a)),
+    });
     for e in &events.seen {
         timelines.entry(e.run_id).or_default().push(e.clone());
     }
@@ -335,7 +386,10 @@ async fn main() -> anyhow::Result<()> {
             "llm_latency_ms": args.llm_latency_ms,
             "llm_calls": llm_calls,
             "diagnose_processes": args.diagnose_processes,
+            "diagnose_concurrency": args.diagnose_concurrency,
+            "evidence_commands": !(args.no_evidence || llm.is_some()),
             "peak_rss_mb": peak_rss_mb(),
+            "cpu_ms_per_run": cpu,
             "otlp": otlp,
             "log": args.log,
         })

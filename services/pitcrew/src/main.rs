@@ -40,6 +40,11 @@ enum Command {
     },
     /// Check every configured service and open an incident when one fails.
     Monitor,
+    /// Carry approval requests to a chat and decisions back ([bridge.<kind>] in the config).
+    Bridge {
+        #[command(subcommand)]
+        command: BridgeCommand,
+    },
     /// Start everything it needs and show three runs live: resolved, approved, escalated.
     Demo {
         /// Instead: repair a killed service over SSH on a private local sshd (needs openssh-server).
@@ -104,12 +109,27 @@ enum Command {
     },
     /// Apply database migrations.
     Migrate,
+    /// The HTTP API: Alertmanager webhook, incidents, runs, approvals, live events ([gateway]).
+    Gateway {
+        #[command(subcommand)]
+        command: Option<GatewayCommand>,
+    },
     /// The demo's toy service (used by the demo's remediation commands).
     #[command(hide = true)]
     Toy {
         #[command(subcommand)]
         command: ToyCommand,
     },
+}
+
+#[derive(Subcommand)]
+enum BridgeCommand {
+    /// Post each approval request to a Slack-compatible API with Approve/Deny buttons and
+    /// serve the interactive callback (bot token and signing secret from the environment).
+    Slack,
+    /// Post each approval request to a Mattermost channel with Approve/Deny buttons and serve
+    /// their action calls (bot token and action secret from the environment).
+    Mattermost,
 }
 
 #[derive(Subcommand)]
@@ -130,6 +150,17 @@ enum IncidentCommand {
         #[arg(long)]
         watch: bool,
     },
+}
+
+#[derive(Subcommand)]
+enum GatewayCommand {
+    /// Serve the API on `[gateway] listen` (the default).
+    Serve,
+    /// Read an API key from standard input and print the SHA-256 that
+    /// `[gateway.keys.<name>] sha256` holds (the key never appears in arguments or config).
+    HashKey,
+    /// Make a new random API key; print it (once) and its SHA-256.
+    NewKey,
 }
 
 #[derive(Subcommand)]
@@ -196,12 +227,17 @@ fn main() -> ExitCode {
     }
     let default_log = match args.command {
         Command::Demo { .. } => "warn",
-        Command::Up | Command::Worker { .. } | Command::Monitor => "info",
+        Command::Up | Command::Worker { .. } | Command::Monitor | Command::Bridge { .. } => "info",
+        Command::Gateway { command: None | Some(GatewayCommand::Serve) } => "info",
         _ => "warn",
     };
-    // The demo needs no config; everything else reads it first, so span export can be set up
-    // with the logs (and configuration errors are one line on stderr).
-    let (cfg, mut guard) = if matches!(args.command, Command::Demo { .. }) {
+    // The demo and the key helpers need no config; everything else reads it first, so span
+    // export can be set up with the logs (and configuration errors are one line on stderr).
+    let no_config = matches!(
+        args.command,
+        Command::Demo { .. } | Command::Gateway { command: Some(GatewayCommand::HashKey | GatewayCommand::NewKey) }
+    );
+    let (cfg, mut guard) = if no_config {
         pitcrew_runtime::telemetry::init(default_log);
         (None, None)
     } else {
@@ -224,6 +260,18 @@ fn main() -> ExitCode {
         g.shutdown();
     }
     report(res)
+}
+
+/// `pitcrew gateway hash-key`: the key from stdin (one line), its hex SHA-256 on stdout.
+fn gateway_hash_key() -> anyhow::Result<()> {
+    let mut line = String::new();
+    std::io::stdin().read_line(&mut line).context("cannot read the key from standard input")?;
+    let key = line.trim_end_matches(['\r', '\n']);
+    if key.trim().is_empty() {
+        bail!("no key on standard input: `printf %s \"$KEY\" | pitcrew gateway hash-key`");
+    }
+    println!("{}", pitcrew_gateway::access::hash_key(key));
+    Ok(())
 }
 
 fn report(res: anyhow::Result<()>) -> ExitCode {
@@ -256,10 +304,27 @@ async fn run(args: Args, cfg: Option<Config>) -> anyhow::Result<()> {
         let llm = llm.map(|base_url| demo::LlmDemo { base_url, model });
         return demo::run(ssh, llm).await;
     }
+    match &args.command {
+        Command::Gateway { command: Some(GatewayCommand::HashKey) } => return gateway_hash_key(),
+        Command::Gateway { command: Some(GatewayCommand::NewKey) } => {
+            let key = format!("pck_{}{}", Uuid::new_v4().simple(), Uuid::new_v4().simple());
+            println!("key:    {key}\nsha256: {}", pitcrew_gateway::access::hash_key(&key));
+            println!("add to pitcrew.toml: [gateway.keys.<owner>] role = \"...\", sha256 = \"<the sha256 above>\"");
+            return Ok(());
+        }
+        _ => {}
+    }
     let Some(cfg) = cfg else { bail!("no configuration loaded") };
     match args.command {
+        Command::Gateway { .. } => pitcrew_gateway::run(cfg, crew::signals()).await,
         Command::Up => crew::run(cfg, &Stage::ALL, crew::signals()).await,
         Command::Monitor => crew::monitor(cfg, crew::signals()).await,
+        Command::Bridge { command: BridgeCommand::Slack } => {
+            pitcrew_bridge::slack::run_from_env(cfg, crew::signals()).await
+        }
+        Command::Bridge { command: BridgeCommand::Mattermost } => {
+            pitcrew_bridge::mattermost::run_from_env(cfg, crew::signals()).await
+        }
         Command::Worker { stages } => {
             let mut stages = stages;
             stages.sort();

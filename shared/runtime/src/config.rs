@@ -38,6 +38,12 @@ pub struct Config {
     /// `[telemetry]`: OpenTelemetry trace export (off unless `otlp_endpoint` is set).
     #[serde(default)]
     pub telemetry: TelemetryConfig,
+    /// `[gateway]`: the HTTP API (`pitcrew gateway`).
+    #[serde(default)]
+    pub gateway: GatewayConfig,
+    /// `[bridge.*]`: chat bridges carrying approval requests to people and decisions back.
+    #[serde(default)]
+    pub bridge: BridgeConfig,
 }
 
 /// `[telemetry]`: where spans go. Off by default; an unreachable collector never stops
@@ -63,6 +69,151 @@ impl Default for TelemetryConfig {
             service_name: "pitcrew".into(),
             sample_ratio: 1.0,
             export_timeout_secs: 10,
+        }
+    }
+}
+
+/// `[gateway]`: the HTTP API, its keys and how Alertmanager labels map to incidents.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct GatewayConfig {
+    /// `host:port` the gateway listens on.
+    pub listen: String,
+    /// Largest request body accepted; larger ones get 413.
+    pub body_limit_bytes: usize,
+    /// Requests per second each key may make on average (a token bucket refilled at this rate).
+    pub rate_per_sec: f64,
+    /// Requests a key may make at once before the rate applies.
+    pub rate_burst: u32,
+    /// Events buffered per live stream client; a client that falls this far behind is dropped.
+    pub sse_buffer: usize,
+    /// Alert labels tried in order for the incident's service (`service`, then `job`).
+    pub service_labels: Vec<String>,
+    /// Alert labels tried in order for the incident's host; a trailing `:port` is dropped.
+    pub host_labels: Vec<String>,
+    /// API keys by owner name. Only the SHA-256 of each key is stored; the owner is who
+    /// decides approvals made with it (and must then be under `[approvers]`).
+    pub keys: BTreeMap<String, ApiKey>,
+}
+
+/// One API key: its role and the hex SHA-256 of the key (`pitcrew gateway hash-key`).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct ApiKey {
+    /// `readonly`, `operator`, `approver` or `admin`.
+    pub role: String,
+    /// Hex SHA-256 of the key: the key itself is never stored.
+    pub sha256: String,
+}
+
+impl Default for GatewayConfig {
+    fn default() -> Self {
+        GatewayConfig {
+            listen: "127.0.0.1:8088".into(),
+            body_limit_bytes: 256 * 1024,
+            rate_per_sec: 20.0,
+            rate_burst: 40,
+            sse_buffer: 256,
+            service_labels: vec!["service".into(), "job".into()],
+            host_labels: vec!["host".into(), "instance".into()],
+            keys: BTreeMap::new(),
+        }
+    }
+}
+
+/// `[bridge]`: the chat bridges (`pitcrew bridge <kind>`), each off until configured.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BridgeConfig {
+    /// `[bridge.slack]`: `pitcrew bridge slack` (any Slack-compatible Web API).
+    pub slack: Option<SlackConfig>,
+    /// `[bridge.mattermost]`: `pitcrew bridge mattermost` (Mattermost's REST API v4).
+    pub mattermost: Option<MattermostConfig>,
+}
+
+/// `[bridge.mattermost]`: where requests are posted, the URL Mattermost calls back, who is who.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct MattermostConfig {
+    /// The server (`POST {url}/api/v4/posts`).
+    pub url: String,
+    /// The channel id requests are posted to.
+    pub channel_id: String,
+    /// The variable holding the bot's access token.
+    pub token_env: String,
+    /// The variable holding the secret the buttons' context is signed with (Mattermost does
+    /// not sign its calls: each button carries an HMAC of its run, plan and action instead).
+    pub action_secret_env: String,
+    /// `host:port` of the action endpoint (`POST /mattermost/actions`).
+    pub listen: String,
+    /// How Mattermost reaches that endpoint: buttons call `{public_url}/mattermost/actions`.
+    pub public_url: String,
+    /// Mattermost user id -> approver name (which must be under `[approvers]`).
+    pub users: BTreeMap<String, String>,
+    pub durable: String,
+    pub concurrency: usize,
+    pub timeout_secs: u64,
+}
+
+impl Default for MattermostConfig {
+    fn default() -> Self {
+        MattermostConfig {
+            url: String::new(),
+            channel_id: String::new(),
+            token_env: "MATTERMOST_TOKEN".into(),
+            action_secret_env: "MATTERMOST_ACTION_SECRET".into(),
+            listen: "127.0.0.1:3001".into(),
+            public_url: String::new(),
+            users: BTreeMap::new(),
+            durable: "mattermost-bridge".into(),
+            concurrency: 4,
+            timeout_secs: 10,
+        }
+    }
+}
+
+/// `[bridge.slack]`: where requests are posted, where Slack calls back, and who is who.
+/// The secrets themselves are never in the config: it names the variables holding them.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SlackConfig {
+    /// The Web API base (`chat.postMessage` and `chat.update` are called under it).
+    pub api_url: String,
+    /// The channel id (or name) requests are posted to.
+    pub channel: String,
+    /// The variable holding the bot token (`xoxb-...`).
+    pub token_env: String,
+    /// The variable holding the app's signing secret (verifies Slack's callbacks).
+    pub signing_secret_env: String,
+    /// Post through an incoming webhook instead of `chat.postMessage`: the variable holding
+    /// its URL (a secret). The bot token is then optional; without it a decided message is
+    /// replaced through the interaction's `response_url`.
+    pub webhook_url_env: Option<String>,
+    /// `host:port` of the interactivity endpoint (`POST /slack/interactions`).
+    pub listen: String,
+    /// Slack user id -> approver name (which must be under `[approvers]`).
+    pub users: BTreeMap<String, String>,
+    /// The durable consumer of approval requests: a restarted bridge resumes where it stopped.
+    pub durable: String,
+    /// Requests posted at once.
+    pub concurrency: usize,
+    /// Per Slack API call.
+    pub timeout_secs: u64,
+}
+
+impl Default for SlackConfig {
+    fn default() -> Self {
+        SlackConfig {
+            api_url: "https://slack.com/api".into(),
+            channel: String::new(),
+            token_env: "SLACK_BOT_TOKEN".into(),
+            signing_secret_env: "SLACK_SIGNING_SECRET".into(),
+            webhook_url_env: None,
+            listen: "127.0.0.1:3000".into(),
+            users: BTreeMap::new(),
+            durable: "slack-bridge".into(),
+            concurrency: 4,
+            timeout_secs: 10,
         }
     }
 }
@@ -238,6 +389,8 @@ impl Default for Config {
             services: BTreeMap::new(),
             approvers: BTreeMap::new(),
             metrics: MetricsConfig::default(),
+            gateway: GatewayConfig::default(),
+            bridge: BridgeConfig::default(),
             telemetry: TelemetryConfig::default(),
         }
     }
@@ -258,6 +411,56 @@ impl Config {
             format!("{name} is not a configured approver")
         })
     }
+}
+
+impl SlackConfig {
+    fn validate(&self, cfg: &Config) -> Result<(), String> {
+        if self.channel.trim().is_empty() && self.webhook_url_env.is_none() {
+            return Err("[bridge.slack] channel is required: the channel id requests are posted to \
+                        (or webhook_url_env, to post through an incoming webhook)"
+                .into());
+        }
+        check_bridge("slack", &[("api_url", &self.api_url)], &self.durable, self.concurrency, &self.users, cfg)
+    }
+}
+
+impl MattermostConfig {
+    fn validate(&self, cfg: &Config) -> Result<(), String> {
+        if self.channel_id.trim().is_empty() {
+            return Err("[bridge.mattermost] channel_id is required: the channel requests are posted to".into());
+        }
+        let urls = [("url", self.url.as_str()), ("public_url", self.public_url.as_str())];
+        check_bridge("mattermost", &urls, &self.durable, self.concurrency, &self.users, cfg)
+    }
+}
+
+/// What every `[bridge.<kind>]` needs: http(s) URLs, a durable name NATS accepts, and users
+/// who are configured approvers.
+fn check_bridge(
+    kind: &str,
+    urls: &[(&str, &str)],
+    durable: &str,
+    concurrency: usize,
+    users: &BTreeMap<String, String>,
+    cfg: &Config,
+) -> Result<(), String> {
+    for (key, url) in urls {
+        if !url.starts_with("http://") && !url.starts_with("https://") {
+            return Err(format!("[bridge.{kind}] {key} '{url}' must be an http(s) URL"));
+        }
+    }
+    if durable.is_empty() || !durable.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_') {
+        return Err(format!("[bridge.{kind}] durable '{durable}' must be letters, digits, '-' or '_'"));
+    }
+    if concurrency == 0 {
+        return Err(format!("[bridge.{kind}] concurrency must be at least 1"));
+    }
+    for (user, approver) in users {
+        if !cfg.approvers.contains_key(approver) {
+            return Err(format!("[bridge.{kind}.users] {user} = \"{approver}\": {approver} is not under [approvers]"));
+        }
+    }
+    Ok(())
 }
 
 /// The config could not be read; the message names the file or variable.
@@ -356,6 +559,12 @@ impl Config {
                 return bad(format!("[approvers] {name} = \"{role}\": the role must be one of {APPROVER_ROLES:?}"));
             }
         }
+        if let Some(slack) = &self.bridge.slack {
+            slack.validate(self).map_err(ConfigError)?;
+        }
+        if let Some(mm) = &self.bridge.mattermost {
+            mm.validate(self).map_err(ConfigError)?;
+        }
         if !["playbook", "openai"].contains(&self.reasoning.provider.as_str()) {
             return bad(format!(
                 "reasoning.provider '{}' is not available (this build has: playbook, openai)",
@@ -447,14 +656,41 @@ mod tests {
     }
 
     #[test]
+    fn slack_users_must_be_approvers() {
+        let ok = Config::from_toml(
+            "[approvers]\nann = \"approver\"\n[bridge.slack]\nchannel = \"C1\"\n[bridge.slack.users]\nU1 = \"ann\"\n",
+        )
+        .unwrap();
+        let slack = ok.bridge.slack.unwrap();
+        assert_eq!(slack.users["U1"], "ann");
+        assert_eq!(slack.token_env, "SLACK_BOT_TOKEN", "defaults fill what the table leaves out");
+        assert!(Config::default().bridge.slack.is_none(), "no bridge unless configured");
+        let e =
+            Config::from_toml("[bridge.slack]\nchannel = \"C1\"\n[bridge.slack.users]\nU1 = \"zed\"\n").unwrap_err();
+        assert!(e.to_string().contains("zed is not under [approvers]"), "{e}");
+        let e = Config::from_toml("[bridge.slack]\nlisten = \"127.0.0.1:1\"\n").unwrap_err();
+        assert!(e.to_string().contains("channel is required"), "{e}");
+        let e = Config::from_toml("[bridge.slack]\nchannel = \"C1\"\ntoken = \"xoxb\"\n").unwrap_err();
+        assert!(e.to_string().contains("token"), "a secret in the file is an unknown key: {e}");
+        let e = Config::from_toml("[bridge.mattermost]\nurl = \"http://mm\"\nchannel_id = \"c1\"\n").unwrap_err();
+        assert!(e.to_string().contains("public_url '' must be an http(s) URL"), "{e}");
+    }
+
+    #[test]
     fn environment_overrides_and_ignores_non_config_variables() {
         // One test touches the environment, so no other test races it.
         std::env::set_var("PITCREW_LOG", "debug");
         std::env::set_var("PITCREW_NATS_URL", "nats://10.0.0.9:4222");
         std::env::set_var("PITCREW_LIMITS__MAX_RETRIES", "7");
+        std::env::set_var("PITCREW_GATEWAY__KEYS__ALICE__ROLE", "admin");
+        std::env::set_var("PITCREW_GATEWAY__KEYS__ALICE__SHA256", "ab12");
         let c = Config::load(Some(Path::new("/dev/null"))).unwrap();
         assert_eq!(c.nats.url, "nats://10.0.0.9:4222");
         assert_eq!(c.limits.max_retries, 7);
+        assert_eq!(c.gateway.keys["alice"], ApiKey { role: "admin".into(), sha256: "ab12".into() });
+        assert_eq!(c.gateway.listen, "127.0.0.1:8088", "the rest of [gateway] keeps its defaults");
+        std::env::remove_var("PITCREW_GATEWAY__KEYS__ALICE__ROLE");
+        std::env::remove_var("PITCREW_GATEWAY__KEYS__ALICE__SHA256");
         std::env::set_var("PITCREW_BOGUS", "1");
         let e = Config::load(Some(Path::new("/dev/null"))).unwrap_err();
         assert!(e.to_string().contains("bogus"), "{e}");

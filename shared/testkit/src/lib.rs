@@ -2,9 +2,11 @@
 //! and its own freshly created Postgres database (dropped afterwards), so tests run in
 //! parallel without seeing each other. Waits are on events, each with a timeout.
 
+pub mod alertmanager;
 pub mod http;
 pub mod llm;
 pub mod pg;
+pub mod slack;
 pub mod sshd;
 
 use anyhow::{anyhow, bail, Context};

@@ -8,6 +8,7 @@ pub const MIGRATIONS: &[(i32, &str, &str)] = &[
     (1, "init", include_str!("../../../../schemas/migrations/0001_init.sql")),
     (2, "llm_usage", include_str!("../../../../schemas/migrations/0002_llm_usage.sql")),
     (3, "approval_quorum", include_str!("../../../../schemas/migrations/0003_approval_quorum.sql")),
+    (4, "gateway_audit", include_str!("../../../../schemas/migrations/0004_gateway_audit.sql")),
 ];
 
 /// Arbitrary constant: the advisory lock that serialises migrators.

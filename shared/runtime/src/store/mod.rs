@@ -3,10 +3,13 @@
 
 mod migrate;
 mod observe;
+mod query;
 mod runs;
+mod votes;
 mod work;
 
 pub use migrate::{ensure_database, migrate as apply_migrations, MIGRATIONS};
+pub use query::{AuditEntry, EvaluationRow, ExecutionRow, RunFilter};
 pub use runs::{OpenRun, RunStatus, RunSummary, StoredRun};
 pub use work::{Claim, DecideOutcome, Memory, PendingApproval};
 

@@ -69,8 +69,9 @@ pub struct RunSummary {
     pub updated_at: DateTime<Utc>,
 }
 
-fn state_json(state: &RunState) -> serde_json::Value {
-    serde_json::to_value(state).expect("run state serialises to JSON")
+/// The state as a jsonb parameter, serialised straight into the wire buffer.
+fn state_json(state: &RunState) -> tokio_postgres::types::Json<&RunState> {
+    tokio_postgres::types::Json(state)
 }
 
 impl Store {

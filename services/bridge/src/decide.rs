@@ -1,0 +1,95 @@
+//! A click turned into a decision, the same for every chat: the chat user mapped to an
+//! approver, the approver checked against `[approvers]`, and the decision published through
+//! the runtime, which refuses a stale plan and a plan already decided. Refusals are errors
+//! whose text is shown to the clicker as is.
+
+use pitcrew_model::{ApprovalRequest, Decision};
+use pitcrew_runtime::approvals::{submit, DecisionInput};
+use pitcrew_runtime::{Bus, Config, Store};
+use std::collections::BTreeMap;
+use uuid::Uuid;
+
+/// What a button said, and who clicked it.
+#[derive(Debug, Clone)]
+pub struct Click<'a> {
+    /// `slack`, `mattermost`: the decision's channel.
+    pub chat: &'static str,
+    /// The chat's user id.
+    pub user: &'a str,
+    pub run: Uuid,
+    pub plan_hash: &'a str,
+    pub decision: Decision,
+}
+
+/// What the clicker is told after a click that counted.
+#[derive(Debug, Clone)]
+pub enum Outcome {
+    /// The plan is decided: show who decided on the message.
+    Decided { req: Box<ApprovalRequest>, approver: String },
+    /// One approval of several needed: tell the clicker, leave the buttons.
+    Counted { note: String },
+}
+
+/// The approver behind a chat user, or why there is none.
+pub fn approver<'a>(
+    cfg: &Config,
+    users: &'a BTreeMap<String, String>,
+    chat: &str,
+    user: &str,
+) -> Result<&'a str, String> {
+    if user.is_empty() {
+        return Err("the click names no user".into());
+    }
+    let approver = users.get(user).ok_or_else(|| {
+        let label = if chat == "slack" { "Slack" } else { "Mattermost" };
+        format!("{label} user {user} is not mapped to an approver (add it under [bridge.{chat}.users])")
+    })?;
+    match cfg.refuse_approver(approver) {
+        Some(why) => Err(why),
+        None => Ok(approver),
+    }
+}
+
+/// Publish the click's decision, or refuse it with the reason.
+pub async fn decide(
+    bus: &Bus,
+    store: &Store,
+    cfg: &Config,
+    users: &BTreeMap<String, String>,
+    click: Click<'_>,
+) -> Result<Outcome, String> {
+    let Click { chat, user, run, plan_hash, decision } = click;
+    if !matches!(decision, Decision::Approve | Decision::Deny) {
+        return Err("only approve and deny can be clicked".into());
+    }
+    let approver = approver(cfg, users, chat, user)?;
+    let label = if chat == "slack" { "Slack" } else { "Mattermost" };
+    let reason = (decision == Decision::Deny).then(|| format!("denied in {label} by {approver}"));
+    let input = DecisionInput { run, plan_hash: Some(plan_hash), decision, by: approver, reason, channel: chat };
+    let req = submit(bus, Some(store), input).await.map_err(|e| format!("{e:#}"))?;
+    tracing::info!(chat, user, approver, %run, plan = plan_hash, decision = decision.as_str(), "chat decision published");
+    if decision == Decision::Approve && req.quorum > 1 {
+        // The crew counts the votes; this click completes the quorum when the approvers
+        // already counted and this one are enough (a vote still in flight counts later).
+        let mut voters = store.approval_voters(run, plan_hash).await.unwrap_or_else(|e| {
+            tracing::warn!(%run, error = %e, "cannot read the votes so far: the message is left as it is");
+            Vec::new()
+        });
+        if !voters.iter().any(|v| v == approver) {
+            voters.push(approver.to_string());
+        }
+        voters.sort();
+        if (voters.len() as u32) < req.quorum {
+            return Ok(Outcome::Counted {
+                note: format!(
+                    "Your approval of plan {plan_hash} is counted ({} of {}): it runs once {} distinct approvers approve.",
+                    voters.len(),
+                    req.quorum,
+                    req.quorum
+                ),
+            });
+        }
+        return Ok(Outcome::Decided { req: Box::new(req), approver: voters.join(", ") });
+    }
+    Ok(Outcome::Decided { req: Box::new(req), approver: approver.to_string() })
+}

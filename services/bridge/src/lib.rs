@@ -1,0 +1,26 @@
+//! Chat bridges: approval requests posted where people talk, their decisions taken from the
+//! message's buttons and published on the bridge subject like any other channel's. A bridge
+//! keeps no state of its own: the durable consumer remembers what was posted, Postgres what
+//! was decided, and the chat message itself carries the run and plan it is about.
+
+pub mod decide;
+pub mod inbound;
+pub mod mattermost;
+pub mod outbound;
+pub mod post;
+pub mod secret;
+pub mod slack;
+
+/// A shutdown signal every task can await (the crew's `signals()` is one).
+pub type Shutdown = futures::future::Shared<futures::future::BoxFuture<'static, ()>>;
+
+/// Connect to NATS and Postgres, prepare streams and schema (as every pitcrew process does).
+pub async fn connect(cfg: &pitcrew_runtime::Config) -> anyhow::Result<(pitcrew_runtime::Bus, pitcrew_runtime::Store)> {
+    let bus = pitcrew_runtime::Bus::connect(cfg).await?;
+    bus.ensure_streams().await?;
+    let store = pitcrew_runtime::Store::connect(&cfg.database).await?;
+    if cfg.database.migrate_on_start {
+        store.migrate().await?;
+    }
+    Ok((bus, store))
+}

@@ -1,0 +1,73 @@
+//! The action endpoint Mattermost calls when someone clicks Approve or Deny: check the
+//! button's signed context, map the Mattermost user to an approver, publish the decision
+//! through the runtime, and answer with the updated post. Every refusal changes nothing and
+//! is answered with its reason, shown only to the clicker.
+
+use super::message::{self, Context};
+use crate::decide::{decide, Click, Outcome};
+use crate::secret::Secret;
+use axum::body::Body;
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use pitcrew_runtime::{Bus, Config, Store};
+use serde::Deserialize;
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+/// What the endpoint needs.
+pub struct App {
+    pub bus: Bus,
+    pub store: Store,
+    pub cfg: Arc<Config>,
+    /// Mattermost user id -> approver name.
+    pub users: BTreeMap<String, String>,
+    pub action_secret: Secret,
+}
+
+/// `POST /mattermost/actions` and `GET /healthz`.
+pub fn router(app: Arc<App>) -> Router {
+    Router::new().route("/mattermost/actions", post(actions)).route("/healthz", get(|| async { "ok" })).with_state(app)
+}
+
+/// The parts of Mattermost's action call the bridge reads.
+#[derive(Debug, Deserialize)]
+struct ActionCall {
+    #[serde(default)]
+    user_id: String,
+    context: Context,
+}
+
+async fn actions(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -> Response {
+    let body = match crate::inbound::read_body(&headers, body).await {
+        Ok(b) => b,
+        Err(refused) => return refused,
+    };
+    let call: ActionCall = match serde_json::from_slice(&body) {
+        Ok(c) => c,
+        Err(e) => {
+            let why = format!("not a Mattermost action call from a pitcrew button: {e}");
+            tracing::warn!(reason = %why, "Mattermost action refused: unreadable");
+            return (StatusCode::BAD_REQUEST, why).into_response();
+        }
+    };
+    let (user, run) = (call.user_id.as_str(), call.context.run);
+    let decision = match call.context.verify(&app.action_secret) {
+        Ok(d) => d,
+        Err(why) => {
+            tracing::warn!(mattermost_user = %user, %run, reason = %why, "Mattermost action refused: not authenticated");
+            return (StatusCode::UNAUTHORIZED, why).into_response();
+        }
+    };
+    let click = Click { chat: "mattermost", user, run, plan_hash: &call.context.plan_hash, decision };
+    match decide(&app.bus, &app.store, &app.cfg, &app.users, click).await {
+        Ok(Outcome::Decided { req, approver }) => Json(message::decided(&req, decision, &approver)).into_response(),
+        Ok(Outcome::Counted { note }) => Json(message::ephemeral(&note)).into_response(),
+        Err(why) => {
+            tracing::warn!(mattermost_user = %user, %run, reason = %why, "Mattermost decision refused: nothing changed");
+            Json(message::ephemeral(&why)).into_response()
+        }
+    }
+}

@@ -1,0 +1,139 @@
+//! What the bridge says in Mattermost: an approval request as a message attachment with
+//! Approve/Deny buttons. Mattermost does not sign its action calls, so each button's context
+//! carries an HMAC of its action, run and plan made with the bridge's action secret: only a
+//! button this bridge made can decide, and only what it says.
+
+use crate::secret::Secret;
+use pitcrew_model::{ApprovalRequest, Decision};
+use ring::hmac;
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+use uuid::Uuid;
+
+const TEXT_MAX: usize = 3500;
+
+/// A button's context: what it decides, and the proof this bridge made it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Context {
+    pub action: String,
+    pub run: Uuid,
+    pub plan_hash: String,
+    pub mac: String,
+}
+
+impl Context {
+    pub fn new(secret: &Secret, action: &str, run: Uuid, plan_hash: &str) -> Context {
+        let key = hmac::Key::new(hmac::HMAC_SHA256, secret.expose().as_bytes());
+        let tag = hmac::sign(&key, signed(action, run, plan_hash).as_bytes());
+        Context { action: action.into(), run, plan_hash: plan_hash.into(), mac: hex::encode(tag.as_ref()) }
+    }
+
+    /// The decision, if the MAC is this bridge's (checked in constant time).
+    pub fn verify(&self, secret: &Secret) -> Result<Decision, String> {
+        let bad = || "bad button context: it was not made by this bridge (wrong or changed MAC)".to_string();
+        let tag = hex::decode(&self.mac).map_err(|_| bad())?;
+        let key = hmac::Key::new(hmac::HMAC_SHA256, secret.expose().as_bytes());
+        hmac::verify(&key, signed(&self.action, self.run, &self.plan_hash).as_bytes(), &tag).map_err(|_| bad())?;
+        match self.action.as_str() {
+            "approve" => Ok(Decision::Approve),
+            "deny" => Ok(Decision::Deny),
+            other => Err(format!("unknown action '{other}': only approve and deny")),
+        }
+    }
+}
+
+fn signed(action: &str, run: Uuid, plan_hash: &str) -> String {
+    format!("pitcrew/mattermost/v1:{action}:{run}:{plan_hash}")
+}
+
+/// `POST /api/v4/posts` body for `req` in `channel_id`.
+pub fn request(channel_id: &str, action_url: &str, secret: &Secret, req: &ApprovalRequest) -> Value {
+    let button = |action: &str, name: &str, style: &str| {
+        json!({"id": action, "name": name, "style": style, "type": "button",
+               "integration": {"url": action_url, "context": Context::new(secret, action, req.run_id, &req.plan_hash)}})
+    };
+    let mut attachment = describe(req);
+    attachment["actions"] = json!([button("approve", "Approve", "good"), button("deny", "Deny", "danger")]);
+    json!({"channel_id": channel_id, "message": "", "props": {"attachments": [attachment]}})
+}
+
+/// The action call's answer once decided: the post as it was, buttons replaced by the outcome.
+pub fn decided(req: &ApprovalRequest, decision: Decision, approver: &str) -> Value {
+    let verb = if decision == Decision::Approve { "Approved" } else { "Denied" };
+    let mut attachment = describe(req);
+    attachment["color"] = json!(if decision == Decision::Approve { "#2eb67d" } else { "#d9534f" });
+    if let Some(fields) = attachment["fields"].as_array_mut() {
+        fields.push(json!({"short": false, "title": "Decision", "value": format!(
+            "{verb} by {approver} at {}", chrono::Utc::now().format("%Y-%m-%d %H:%M:%S UTC")
+        )}));
+    }
+    json!({"update": {"message": "", "props": {"attachments": [attachment]}}})
+}
+
+/// An answer only the clicker sees; the post stays as it is.
+pub fn ephemeral(text: &str) -> Value {
+    json!({"ephemeral_text": text})
+}
+
+fn describe(req: &ApprovalRequest) -> Value {
+    let host = req.host.as_deref().map(|h| format!(" on {h}")).unwrap_or_default();
+    let commands: Vec<String> = req.plan.iter().map(|c| c.replace("```", "'''")).collect();
+    let mut text = format!(
+        "**Error:** {}\n**Diagnosis:** {}\n**Commands:**\n```\n{}\n```",
+        clip(&req.error, 500),
+        clip(&req.diagnosis, 1000),
+        clip(&commands.join("\n"), 1500)
+    );
+    for e in req.evidence.iter().take(3) {
+        text.push_str(&format!("\n> {}", clip(e, 300)));
+    }
+    let mut fields = vec![
+        json!({"short": true, "title": "Risk", "value": req.risk}),
+        json!({"short": true, "title": "Policy rule", "value": req.rule}),
+        json!({"short": true, "title": "Attempt", "value": req.attempt.to_string()}),
+        json!({"short": true, "title": "Expires", "value": req.expires_at.format("%Y-%m-%d %H:%M UTC").to_string()}),
+        json!({"short": false, "title": "Run", "value": format!("`{}` plan `{}`", req.run_id, req.plan_hash)}),
+    ];
+    if req.quorum > 1 {
+        fields.push(json!({"short": true, "title": "Needs", "value": format!("{} distinct approvers", req.quorum)}));
+    }
+    json!({
+        "fallback": clip(&format!("Approval needed for {}: {}", req.service, req.plan.join(" ; ")), 500),
+        "color": "#e8a33d",
+        "title": clip(&format!("Approval needed: {}{host}", req.service), 200),
+        "text": clip(&text, TEXT_MAX),
+        "fields": fields,
+    })
+}
+
+fn clip(s: &str, max: usize) -> String {
+    if s.chars().count() <= max {
+        return s.to_string();
+    }
+    let mut out: String = s.chars().take(max.saturating_sub(1)).collect();
+    out.push('…');
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_context_decides_only_what_it_was_made_for() {
+        let secret = Secret::new("action-secret");
+        let run = Uuid::now_v7();
+        let approve = Context::new(&secret, "approve", run, "ab12");
+        assert_eq!(approve.verify(&secret), Ok(Decision::Approve));
+        assert_eq!(Context::new(&secret, "deny", run, "ab12").verify(&secret), Ok(Decision::Deny));
+        assert!(approve.verify(&Secret::new("other")).is_err(), "another secret");
+        let turned = Context { action: "deny".into(), ..approve.clone() };
+        assert!(turned.verify(&secret).unwrap_err().contains("bad button context"));
+        let moved = Context { plan_hash: "cd34".into(), ..approve.clone() };
+        assert!(moved.verify(&secret).is_err());
+        let other_run = Context { run: Uuid::now_v7(), ..approve.clone() };
+        assert!(other_run.verify(&secret).is_err());
+        let junk = Context { mac: "zz".into(), ..approve };
+        assert!(junk.verify(&secret).is_err());
+    }
+}

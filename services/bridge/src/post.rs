@@ -1,0 +1,145 @@
+//! Posting: a durable JetStream consumer of `<prefix>.approvals.requested.*` that posts each
+//! request to a chat, acked only once the chat said ok. The consumer's position is a bridge's
+//! only memory: a restarted bridge posts what arrived while it was down, and nothing twice.
+
+use crate::outbound::ApiError;
+use crate::Shutdown;
+use async_nats::jetstream::{self, consumer};
+use futures::future::BoxFuture;
+use futures::FutureExt;
+use pitcrew_model::ApprovalRequest;
+use pitcrew_runtime::config::StageSettings;
+use pitcrew_runtime::consume::{backoff, consume, Disposition, MessageHandler};
+use pitcrew_runtime::{Bus, Store};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// How long a chat may take before the server redelivers a request (progress acks extend it).
+pub const ACK_WAIT: Duration = Duration::from_secs(30);
+/// How long a stopping bridge waits for the posts in hand.
+pub const DRAIN: Duration = Duration::from_secs(10);
+
+/// A chat approval requests are posted to.
+pub trait Chat: Send + Sync + 'static {
+    /// For logs: `slack`, `mattermost`.
+    fn name(&self) -> &'static str;
+    /// Post `req` with its buttons; on success, where it landed (for the log).
+    fn post<'a>(&'a self, req: &'a ApprovalRequest) -> BoxFuture<'a, Result<String, ApiError>>;
+}
+
+/// Post every approval request to `chat` from the durable consumer `durable` until
+/// `shutdown`, at most `concurrency` at once.
+pub async fn spawn<C: Chat>(
+    bus: &Bus,
+    store: Store,
+    chat: C,
+    durable: &str,
+    concurrency: usize,
+    shutdown: Shutdown,
+) -> anyhow::Result<tokio::task::JoinHandle<()>> {
+    let concurrency = concurrency.max(1);
+    let max_ack_pending = concurrency as i64 * 4;
+    let consumer = requests_consumer(bus, durable, max_ack_pending).await?;
+    let settings = StageSettings {
+        concurrency,
+        ack_wait: ACK_WAIT,
+        max_ack_pending,
+        max_deliveries: u64::MAX,
+        poison_after: Duration::MAX,
+    };
+    let poster = Arc::new(Poster { chat, store, durable: durable.to_string() });
+    Ok(tokio::spawn(consume(consumer, settings, poster, shutdown, DRAIN)))
+}
+
+/// The bridge's durable consumer of approval requests, created if missing.
+pub async fn requests_consumer(
+    bus: &Bus,
+    durable: &str,
+    max_ack_pending: i64,
+) -> anyhow::Result<consumer::PullConsumer> {
+    let stream_name = bus.subjects.approvals_stream();
+    let stream = bus.js.get_stream(&stream_name).await.map_err(|e| {
+        anyhow::anyhow!("JetStream stream {stream_name}: {e} (a nats-server >= 2.10 with -js is required)")
+    })?;
+    let config = consumer::pull::Config {
+        durable_name: Some(durable.to_string()),
+        filter_subject: format!("{}.approvals.requested.*", bus.subjects.prefix()),
+        ack_policy: consumer::AckPolicy::Explicit,
+        ack_wait: ACK_WAIT,
+        max_deliver: -1,
+        max_ack_pending,
+        ..Default::default()
+    };
+    stream.create_consumer(config).await.map_err(|e| {
+        anyhow::anyhow!(
+            "consumer {durable} on {stream_name}: {e} (is another bridge using this name with other settings?)"
+        )
+    })
+}
+
+/// Posts each approval request to one chat.
+struct Poster<C> {
+    chat: C,
+    store: Store,
+    durable: String,
+}
+
+impl<C: Chat> MessageHandler for Poster<C> {
+    fn name(&self) -> String {
+        self.durable.clone()
+    }
+
+    fn handle(self: Arc<Self>, msg: Arc<jetstream::Message>) -> BoxFuture<'static, Disposition> {
+        async move { self.post(&msg).await }.boxed()
+    }
+}
+
+impl<C: Chat> Poster<C> {
+    async fn post(&self, msg: &jetstream::Message) -> Disposition {
+        let chat = self.chat.name();
+        let delivered = msg.info().map(|i| i.delivered).unwrap_or(1);
+        let req: ApprovalRequest = match serde_json::from_slice(&msg.payload) {
+            Ok(r) => r,
+            Err(e) => {
+                tracing::error!(chat, subject = %msg.subject, error = %e, "approval request unreadable: not posted");
+                return Disposition::Term;
+            }
+        };
+        let run = req.run_id;
+        // Settled already (decided elsewhere, or expired while the bridge was down): nobody
+        // needs to be asked any more.
+        match self.store.approval_decision(run, &req.plan_hash).await {
+            Ok(Some((decision, by, via, _))) => {
+                tracing::info!(chat, %run, plan = %req.plan_hash, %decision, %by, %via, "approval request already decided: not posted");
+                return Disposition::Ack;
+            }
+            Ok(None) => {}
+            Err(e) => {
+                tracing::warn!(chat, %run, error = %e, "cannot check whether the request is decided: retrying");
+                return Disposition::Nak(backoff(delivered));
+            }
+        }
+        if req.expires_at < chrono::Utc::now() {
+            tracing::info!(chat, %run, plan = %req.plan_hash, "approval request expired: not posted");
+            return Disposition::Ack;
+        }
+        match self.chat.post(&req).await {
+            Ok(at) => {
+                tracing::info!(chat, %run, plan = %req.plan_hash, %at, "approval request posted");
+                Disposition::Ack
+            }
+            Err(ApiError::Retry { after, why }) => {
+                let wait = after.max(backoff(delivered));
+                tracing::warn!(chat, %run, error = %why, retry_in_s = wait.as_secs(), delivered, "cannot post the approval request yet");
+                Disposition::Nak(wait)
+            }
+            Err(ApiError::Permanent(why)) => {
+                tracing::error!(
+                    chat, %run, plan = %req.plan_hash, error = %why,
+                    "approval request cannot be posted: dropped (decide it with `pitcrew approve|deny`)"
+                );
+                Disposition::Term
+            }
+        }
+    }
+}

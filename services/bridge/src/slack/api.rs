@@ -1,0 +1,188 @@
+//! The Slack Web API calls the bridge makes (`chat.postMessage`, `chat.update`, and answers on
+//! an interaction's `response_url`), each bounded in time and in the size of what it reads,
+//! with every failure sorted into "retry later" or "will never work".
+
+use crate::outbound::{self, net, read_bounded, retry_status, ApiError};
+use crate::post::Chat;
+use crate::secret::Secret;
+use futures::future::BoxFuture;
+use futures::FutureExt;
+use pitcrew_model::ApprovalRequest;
+use serde_json::Value;
+use std::time::Duration;
+
+/// Slack `error` codes worth another try later.
+const TRANSIENT: &[&str] = &["ratelimited", "internal_error", "fatal_error", "service_unavailable", "request_timeout"];
+/// Slack `error` codes that mean the token is wrong: retried slowly, since the fix (a new
+/// token and a restart) must not lose the requests in between.
+const AUTH: &[&str] = &["not_authed", "invalid_auth", "token_revoked", "token_expired", "account_inactive"];
+
+/// Slack's answers to an incoming webhook that mean its URL no longer works: retried
+/// slowly, like a bad token.
+const WEBHOOK_GONE: &[&str] = &["no_service", "invalid_token", "no_team", "team_disabled"];
+
+/// A client of one Slack-compatible Web API with a bot token, an incoming webhook, or both.
+#[derive(Clone)]
+pub struct SlackApi {
+    http: reqwest::Client,
+    base: String,
+    token: Option<Secret>,
+    webhook: Option<Secret>,
+}
+
+impl SlackApi {
+    pub fn new(
+        base: &str,
+        token: Option<Secret>,
+        webhook: Option<Secret>,
+        timeout: Duration,
+    ) -> anyhow::Result<SlackApi> {
+        anyhow::ensure!(token.is_some() || webhook.is_some(), "the Slack bridge needs a bot token or a webhook");
+        let http = outbound::client(timeout)?;
+        Ok(SlackApi { http, base: base.trim_end_matches('/').to_string(), token, webhook })
+    }
+
+    /// Post a message: through the incoming webhook when there is one (Slack's answer is then
+    /// `{"ok":true}` alone), else `chat.postMessage` (`channel` and `ts` name the message).
+    pub async fn post_message(&self, body: &Value) -> Result<Value, ApiError> {
+        match &self.webhook {
+            Some(hook) => self.post_webhook(hook, body).await,
+            None => self.call("chat.postMessage", body).await,
+        }
+    }
+
+    /// Messages can be edited with `chat.update` (there is a bot token).
+    pub fn can_update(&self) -> bool {
+        self.token.is_some()
+    }
+
+    /// `chat.update` of the message `ts` in `channel`.
+    pub async fn update(&self, body: &Value) -> Result<Value, ApiError> {
+        self.call("chat.update", body).await
+    }
+
+    /// Answer an interaction on its `response_url` (no token: the URL is the credential).
+    /// Only URLs of Slack's hooks host or of the configured API's host are called.
+    pub async fn respond(&self, response_url: &str, body: &Value) -> Result<(), ApiError> {
+        if !self.may_respond_to(response_url) {
+            return Err(ApiError::Permanent("the response_url is not on Slack's hooks host: not called".into()));
+        }
+        let resp = self.http.post(response_url).json(body).send().await.map_err(|e| net("response_url", e))?;
+        let status = resp.status();
+        if !status.is_success() {
+            return Err(ApiError::Permanent(format!("response_url answered HTTP {status}")));
+        }
+        Ok(())
+    }
+
+    fn may_respond_to(&self, url: &str) -> bool {
+        let origin = outbound::origin(url);
+        url.starts_with("https://hooks.slack.com/") || (origin.is_some() && origin == outbound::origin(&self.base))
+    }
+
+    async fn post_webhook(&self, hook: &Secret, body: &Value) -> Result<Value, ApiError> {
+        let method = "incoming webhook";
+        let mut body = body.clone();
+        // An app's webhook posts to its own channel.
+        if let Some(fields) = body.as_object_mut() {
+            fields.remove("channel");
+        }
+        let resp = self.http.post(hook.expose()).json(&body).send().await.map_err(|e| net(method, e))?;
+        if let Some(retry) = retry_status(method, &resp) {
+            return Err(retry);
+        }
+        let status = resp.status();
+        let text = read_bounded(resp).await.unwrap_or_default();
+        let said: String = String::from_utf8_lossy(&text).trim().chars().take(200).collect();
+        if status.is_success() {
+            return Ok(serde_json::json!({"ok": true}));
+        }
+        if WEBHOOK_GONE.contains(&said.as_str()) {
+            return Err(ApiError::Retry {
+                after: Duration::from_secs(60),
+                why: format!("{method}: HTTP {status}: {said}: check the webhook URL"),
+            });
+        }
+        Err(ApiError::Permanent(format!("{method}: HTTP {status}: Slack refused it: {said}")))
+    }
+
+    async fn call(&self, method: &str, body: &Value) -> Result<Value, ApiError> {
+        let Some(token) = &self.token else {
+            return Err(ApiError::Permanent(format!("{method} needs a bot token: set token_env's variable")));
+        };
+        let url = format!("{}/{method}", self.base);
+        let resp =
+            self.http.post(&url).bearer_auth(token.expose()).json(body).send().await.map_err(|e| net(method, e))?;
+        if let Some(retry) = retry_status(method, &resp) {
+            return Err(retry);
+        }
+        let status = resp.status();
+        if !status.is_success() {
+            return Err(ApiError::Permanent(format!("{method}: HTTP {status} from {} (is api_url right?)", self.base)));
+        }
+        let body = read_bounded(resp).await.map_err(|why| ApiError::Retry {
+            after: Duration::from_secs(10),
+            why: format!("{method}: reading the answer: {why}"),
+        })?;
+        let answer: Value = serde_json::from_slice(&body).map_err(|e| {
+            ApiError::Permanent(format!("{method}: the answer is not JSON ({e}): is api_url a Slack API?"))
+        })?;
+        if answer.get("ok").and_then(Value::as_bool) == Some(true) {
+            return Ok(answer);
+        }
+        let code = answer.get("error").and_then(Value::as_str).unwrap_or("no error given").to_string();
+        if TRANSIENT.contains(&code.as_str()) {
+            return Err(ApiError::Retry {
+                after: Duration::from_secs(30),
+                why: format!("{method}: Slack says {code}"),
+            });
+        }
+        if AUTH.contains(&code.as_str()) {
+            return Err(ApiError::Retry {
+                after: Duration::from_secs(60),
+                why: format!("{method}: Slack says {code}: check the bot token"),
+            });
+        }
+        Err(ApiError::Permanent(format!("{method}: Slack refused it: {code}")))
+    }
+}
+
+/// Posting to one channel through `chat.postMessage`.
+pub struct SlackChat {
+    pub api: SlackApi,
+    pub channel: String,
+}
+
+impl Chat for SlackChat {
+    fn name(&self) -> &'static str {
+        "slack"
+    }
+
+    fn post<'a>(&'a self, req: &'a ApprovalRequest) -> BoxFuture<'a, Result<String, ApiError>> {
+        async move {
+            let answer = self.api.post_message(&super::message::request(&self.channel, req)).await?;
+            if self.api.webhook.is_some() {
+                return Ok("the incoming webhook's channel".to_string());
+            }
+            let field = |k: &str| answer.get(k).and_then(Value::as_str).unwrap_or("?").to_string();
+            Ok(format!("channel {} ts {}", field("channel"), field("ts")))
+        }
+        .boxed()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn responds_only_to_slack_hooks_or_the_api_host() {
+        let api =
+            SlackApi::new("http://127.0.0.1:9/api", Some(Secret::new("t")), None, Duration::from_secs(1)).unwrap();
+        assert!(api.may_respond_to("https://hooks.slack.com/actions/T1/2/3"));
+        assert!(api.may_respond_to("http://127.0.0.1:9/response/1"));
+        assert!(!api.may_respond_to("http://127.0.0.1:10/response/1"));
+        assert!(!api.may_respond_to("https://hooks.slack.com.evil.example/x"));
+        assert!(!api.may_respond_to("file:///etc/passwd"));
+    }
+}

@@ -1,0 +1,195 @@
+//! Prometheus Alertmanager's webhook payload (version 4) and how an alert becomes an
+//! incident: the service and host from configurable labels, the error from the annotations,
+//! and an id derived from the alert's fingerprint and start, so a re-sent alert (Alertmanager
+//! retries and repeats) names the same run.
+
+use chrono::{DateTime, SecondsFormat, Utc};
+use pitcrew_model::trim::clip;
+use pitcrew_model::{Incident, Severity};
+use pitcrew_runtime::config::GatewayConfig;
+use serde::Deserialize;
+use std::collections::BTreeMap;
+use uuid::Uuid;
+
+/// The webhook body. Unknown fields are ignored: Alertmanager adds fields over versions.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Payload {
+    pub version: String,
+    #[serde(default)]
+    pub group_key: String,
+    #[serde(default)]
+    pub truncated_alerts: u64,
+    pub status: String,
+    #[serde(default)]
+    pub receiver: String,
+    pub alerts: Vec<Alert>,
+}
+
+/// One alert of the group.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Alert {
+    pub status: String,
+    #[serde(default)]
+    pub labels: BTreeMap<String, String>,
+    #[serde(default)]
+    pub annotations: BTreeMap<String, String>,
+    pub starts_at: DateTime<Utc>,
+    #[serde(default)]
+    pub ends_at: Option<DateTime<Utc>>,
+    #[serde(default)]
+    pub generator_url: String,
+    pub fingerprint: String,
+}
+
+/// What to do with one alert, decided before anything is written.
+#[derive(Debug, Clone)]
+pub enum Action {
+    /// Open (or find) the run of this incident.
+    Fire(Incident),
+    /// Record on the alert's run that the source says it is over.
+    Resolve { run: Uuid, fingerprint: String, ends_at: Option<DateTime<Utc>> },
+}
+
+/// Namespace of alert-derived incident ids.
+const NAMESPACE: Uuid = Uuid::from_u128(0x6a1f_2b1c_9d4e_4c7a_8f3b_5e2d_1c0a_9b77);
+
+/// The run id of an alert: the same alert (fingerprint and start) always maps to the same run.
+pub fn run_id(fingerprint: &str, starts_at: DateTime<Utc>) -> Uuid {
+    let key = format!("alertmanager:{fingerprint}:{}", starts_at.to_rfc3339_opts(SecondsFormat::Nanos, true));
+    Uuid::new_v5(&NAMESPACE, key.as_bytes())
+}
+
+/// Check the payload and turn each alert into an action; the error names the alert and what
+/// is wrong, and nothing is done for any alert when one is refused.
+pub fn actions(p: &Payload, cfg: &GatewayConfig, services: &dyn Fn(&str) -> bool) -> Result<Vec<Action>, String> {
+    if p.version != "4" {
+        return Err(format!(
+            "unsupported Alertmanager payload version '{}': pitcrew reads version 4",
+            clip(&p.version, 16)
+        ));
+    }
+    if p.alerts.is_empty() {
+        return Err("the payload has no alerts".into());
+    }
+    let mut out = Vec::with_capacity(p.alerts.len());
+    for (i, a) in p.alerts.iter().enumerate() {
+        let name = a.labels.get("alertname").map(String::as_str).unwrap_or("-");
+        let at = format!("alerts[{i}] (alertname {}, fingerprint {})", clip(name, 64), clip(&a.fingerprint, 32));
+        if a.fingerprint.trim().is_empty() || a.fingerprint.len() > 64 {
+            return Err(format!("alerts[{i}]: 'fingerprint' must be 1-64 characters"));
+        }
+        match a.status.as_str() {
+            "firing" => out.push(Action::Fire(incident(a, cfg, services).map_err(|e| format!("{at}: {e}"))?)),
+            "resolved" => out.push(Action::Resolve {
+                run: run_id(&a.fingerprint, a.starts_at),
+                fingerprint: a.fingerprint.clone(),
+                ends_at: a.ends_at,
+            }),
+            other => return Err(format!("{at}: status '{}' is neither firing nor resolved", clip(other, 16))),
+        }
+    }
+    Ok(out)
+}
+
+fn first_label<'a>(a: &'a Alert, names: &[String]) -> Option<&'a str> {
+    names.iter().find_map(|n| a.labels.get(n).map(|v| v.trim()).filter(|v| !v.is_empty()))
+}
+
+/// `10.0.0.5:9100` → `10.0.0.5`: the instance label names a scrape target, not a host.
+fn strip_port(host: &str) -> &str {
+    match host.rsplit_once(':') {
+        Some((h, port)) if !h.is_empty() && !port.is_empty() && port.chars().all(|c| c.is_ascii_digit()) => h,
+        _ => host,
+    }
+}
+
+fn incident(a: &Alert, cfg: &GatewayConfig, services: &dyn Fn(&str) -> bool) -> Result<Incident, String> {
+    let service = first_label(a, &cfg.service_labels).ok_or_else(|| {
+        format!("none of the labels {:?} names the service ([gateway] service_labels)", cfg.service_labels)
+    })?;
+    if !services(service) {
+        return Err(format!(
+            "unknown service '{}': add [services.{}] to the inventory or map another label",
+            clip(service, 64),
+            clip(service, 64)
+        ));
+    }
+    let alertname = a.labels.get("alertname").map(String::as_str).unwrap_or("alert");
+    let text = ["summary", "description", "message"].iter().find_map(|k| a.annotations.get(*k)).map(|s| s.trim());
+    let error = match text {
+        Some(t) if !t.is_empty() => format!("{alertname}: {t}"),
+        _ => format!("{alertname} is firing"),
+    };
+    let severity = match a.labels.get("severity").map(|s| s.to_ascii_lowercase()).as_deref() {
+        Some("critical" | "page" | "error" | "high") => Severity::Critical,
+        Some("info" | "none" | "low") => Severity::Info,
+        _ => Severity::Warning,
+    };
+    let mut inc = Incident {
+        id: Some(run_id(&a.fingerprint, a.starts_at)),
+        service: service.to_string(),
+        host: first_label(a, &cfg.host_labels).map(|h| strip_port(h).to_string()),
+        error: clip(&error, pitcrew_model::incident::MAX_ERROR_LEN - 16),
+        severity,
+        source: Some("alertmanager".into()),
+        fingerprint: Some(format!("am-{}", a.fingerprint.trim())),
+        labels: a.labels.clone(),
+        observed_at: Some(a.starts_at),
+    };
+    inc.validate().map_err(|e| e.to_string())?;
+    Ok(inc)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn payload(labels: &str, status: &str) -> Payload {
+        serde_json::from_str(&format!(
+            r#"{{"version":"4","groupKey":"g","status":"{status}","receiver":"pitcrew","groupLabels":{{}},
+               "commonLabels":{{}},"commonAnnotations":{{}},"externalURL":"http://am","truncatedAlerts":0,
+               "alerts":[{{"status":"{status}","labels":{labels},"annotations":{{"summary":"connection refused"}},
+               "startsAt":"2026-11-22T07:00:00.123Z","endsAt":"0001-01-01T00:00:00Z",
+               "generatorURL":"http://prom","fingerprint":"4c1f9e2a"}}]}}"#
+        ))
+        .unwrap()
+    }
+
+    #[test]
+    fn a_firing_alert_becomes_a_stable_incident() {
+        let cfg = GatewayConfig::default();
+        let known = |s: &str| s == "web";
+        let p =
+            payload(r#"{"alertname":"WebDown","job":"web","instance":"10.0.0.5:9100","severity":"page"}"#, "firing");
+        let a = actions(&p, &cfg, &known).unwrap();
+        let Action::Fire(i) = &a[0] else { panic!("{a:?}") };
+        assert_eq!((i.service.as_str(), i.host.as_deref()), ("web", Some("10.0.0.5")));
+        assert_eq!(i.error, "WebDown: connection refused");
+        assert_eq!(i.severity, Severity::Critical);
+        assert_eq!(i.fingerprint.as_deref(), Some("am-4c1f9e2a"));
+        let again = actions(&p, &cfg, &known).unwrap();
+        let Action::Fire(j) = &again[0] else { panic!() };
+        assert_eq!(i.id, j.id, "a re-sent alert names the same run");
+        let resolved = payload(r#"{"alertname":"WebDown","job":"web"}"#, "resolved");
+        let Action::Resolve { run, .. } = &actions(&resolved, &cfg, &known).unwrap()[0] else { panic!() };
+        assert_eq!(Some(*run), i.id, "the resolved alert names the firing alert's run");
+    }
+
+    #[test]
+    fn refusals_name_the_alert_and_the_rule() {
+        let cfg = GatewayConfig::default();
+        let known = |s: &str| s == "web";
+        let p = payload(r#"{"alertname":"Disk"}"#, "firing");
+        let e = actions(&p, &cfg, &known).unwrap_err();
+        assert!(e.contains("alerts[0] (alertname Disk") && e.contains("service_labels"), "{e}");
+        let p = payload(r#"{"alertname":"Disk","service":"db"}"#, "firing");
+        assert!(actions(&p, &cfg, &known).unwrap_err().contains("unknown service 'db'"));
+        let mut p = payload(r#"{"service":"web"}"#, "firing");
+        p.version = "3".into();
+        assert!(actions(&p, &cfg, &known).unwrap_err().contains("version '3'"));
+        let p = payload(r#"{"service":"web"}"#, "pending");
+        assert!(actions(&p, &cfg, &known).unwrap_err().contains("status 'pending'"));
+    }
+}

@@ -1,0 +1,82 @@
+//! Reading requests: JSON bodies within the size limit (413 past it, 415 for another media
+//! type, 400 naming the line, column and field that are wrong), run ids and query strings,
+//! each refused with a JSON error.
+
+use crate::error::ApiError;
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{FromRequest, Request};
+use axum::http::StatusCode;
+use serde::de::DeserializeOwned;
+use uuid::Uuid;
+
+/// A JSON body parsed into `T`.
+pub struct JsonBody<T>(pub T);
+
+/// The body as bytes, within the limit; a JSON `Content-Type` when there is a body.
+pub struct RawJson(pub Bytes);
+
+fn too_large(limit: usize) -> ApiError {
+    ApiError::TooLarge(format!("request body is larger than the {limit}-byte limit ([gateway] body_limit_bytes)"))
+}
+
+impl<S: Send + Sync> FromRequest<S> for RawJson {
+    type Rejection = ApiError;
+
+    async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
+        let limit = req.extensions().get::<BodyLimit>().map(|l| l.0).unwrap_or(0);
+        let ct = req.headers().get("content-type").and_then(|v| v.to_str().ok()).map(str::to_string);
+        let bytes = Bytes::from_request(req, state).await.map_err(|e: BytesRejection| {
+            if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
+                too_large(limit)
+            } else {
+                ApiError::BadRequest(format!("request body unreadable: {}", e.body_text()))
+            }
+        })?;
+        if !bytes.is_empty() {
+            let json = ct.as_deref().map(|c| {
+                let c = c.split(';').next().unwrap_or("").trim().to_ascii_lowercase();
+                c == "application/json" || c.ends_with("+json")
+            });
+            if json != Some(true) {
+                return Err(ApiError::UnsupportedMediaType(format!(
+                    "send the body as JSON with `Content-Type: application/json` (got {})",
+                    ct.as_deref().unwrap_or("no Content-Type")
+                )));
+            }
+        }
+        Ok(RawJson(bytes))
+    }
+}
+
+impl<T: DeserializeOwned, S: Send + Sync> FromRequest<S> for JsonBody<T> {
+    type Rejection = ApiError;
+
+    async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
+        let RawJson(bytes) = RawJson::from_request(req, state).await?;
+        parse(&bytes).map(JsonBody)
+    }
+}
+
+/// Parse a JSON document; the error says where and what is wrong.
+pub fn parse<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
+    if bytes.iter().all(u8::is_ascii_whitespace) {
+        return Err(ApiError::BadRequest("request body is empty: a JSON document is required".into()));
+    }
+    serde_json::from_slice(bytes).map_err(|e| ApiError::BadRequest(format!("invalid JSON body: {e}")))
+}
+
+/// The configured body limit, made known to the extractors.
+#[derive(Debug, Clone, Copy)]
+pub struct BodyLimit(pub usize);
+
+/// A run id from the path.
+pub fn run_id(s: &str) -> Result<Uuid, ApiError> {
+    s.parse()
+        .map_err(|_| ApiError::BadRequest(format!("'{}' is not a run id (a UUID)", pitcrew_model::trim::clip(s, 64))))
+}
+
+/// A query string that did not parse, as a JSON error naming the parameter.
+pub fn bad_query(e: axum::extract::rejection::QueryRejection) -> ApiError {
+    ApiError::BadRequest(format!("bad query: {}", e.body_text()))
+}

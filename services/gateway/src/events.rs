@@ -1,0 +1,223 @@
+//! Live streams as Server-Sent Events. A run's stream replays its past events from JetStream
+//! (an ordered consumer from the start) and follows live ones until a terminal event; the
+//! all-runs stream follows from now (or `since`, or `Last-Event-ID`) with a kind/run filter.
+//! Each client has its own consumer, task and bounded buffer: a client whose buffer stays
+//! full for `SLOW_CLIENT` is dropped (it reconnects with `Last-Event-ID`), so no client ever
+//! blocks the bus, the crew or another client.
+
+use crate::body::{bad_query, run_id};
+use crate::error::ApiError;
+use crate::Gateway;
+use async_nats::jetstream::consumer::{pull::OrderedConfig, DeliverPolicy};
+use axum::extract::rejection::QueryRejection;
+use axum::extract::{Path, Query, State};
+use axum::http::HeaderMap;
+use axum::response::sse::{Event, KeepAlive, KeepAliveStream, Sse};
+use chrono::{DateTime, Utc};
+use futures::{Stream, StreamExt};
+use pitcrew_model::{EventKind, RunEvent};
+use serde::Deserialize;
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::mpsc::{self, error::SendTimeoutError, error::TrySendError};
+use uuid::Uuid;
+
+/// Live streams open at once; more are refused with 503.
+pub const MAX_STREAMS: usize = 1024;
+/// How long a run id that is not known yet (an incident just posted) is waited for.
+const UNKNOWN_GRACE: Duration = Duration::from_secs(3);
+const KEEP_ALIVE: Duration = Duration::from_secs(15);
+/// A client whose buffer stays full this long is dropped.
+pub const SLOW_CLIENT: Duration = Duration::from_secs(5);
+
+type EventStream = Sse<KeepAliveStream<std::pin::Pin<Box<dyn Stream<Item = Result<Event, Infallible>> + Send>>>>;
+
+fn last_event_id(headers: &HeaderMap) -> Result<Option<u64>, ApiError> {
+    match headers.get("last-event-id").map(|v| v.to_str().unwrap_or("").trim()) {
+        None | Some("") => Ok(None),
+        Some(v) => v.parse::<u64>().map(Some).map_err(|_| {
+            ApiError::BadRequest(format!(
+                "Last-Event-ID '{}' is not an event id of this stream",
+                pitcrew_model::trim::clip(v, 32)
+            ))
+        }),
+    }
+}
+
+/// `GET /v1/runs/{id}/events`
+pub async fn run_events(
+    State(gw): State<Arc<Gateway>>,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+) -> Result<EventStream, ApiError> {
+    let run = run_id(&id)?;
+    let resume = last_event_id(&headers)?;
+    let deadline = tokio::time::Instant::now() + UNKNOWN_GRACE;
+    while !gw.store.incident_exists(run).await? {
+        if tokio::time::Instant::now() >= deadline {
+            return Err(ApiError::NotFound(format!("unknown run {run}: no incident with this id")));
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    if resume.is_none() {
+        if let Some(stored) = stored_replay(&gw, run).await? {
+            return Ok(stored);
+        }
+    }
+    let deliver = match resume {
+        Some(seq) => DeliverPolicy::ByStartSequence { start_sequence: seq + 1 },
+        None => DeliverPolicy::All,
+    };
+    follow(&gw, vec![gw.bus.subjects.events_of(run)], deliver, None, true).await
+}
+
+/// A finished run whose events have expired from the bus (7 days) is replayed from its
+/// stored timeline in Postgres, the system of record; None when the bus still has them.
+async fn stored_replay(gw: &Gateway, run: Uuid) -> Result<Option<EventStream>, ApiError> {
+    let timeline = gw.store.timeline(run).await?;
+    if !timeline.iter().any(|e| e.kind.is_terminal()) {
+        return Ok(None);
+    }
+    let stream =
+        gw.bus.js.get_stream(gw.bus.subjects.events_stream()).await.map_err(|e| ApiError::unavailable("NATS", e))?;
+    let mut on_bus = stream
+        .info_with_subjects(gw.bus.subjects.events_of(run))
+        .await
+        .map_err(|e| ApiError::unavailable("NATS", e))?;
+    if on_bus.next().await.is_some() {
+        return Ok(None);
+    }
+    let events: Vec<Result<Event, Infallible>> = timeline
+        .iter()
+        .filter_map(|e| {
+            serde_json::to_string(e).ok().map(|data| Ok(Event::default().event(e.kind.as_str()).data(data)))
+        })
+        .collect();
+    let body: std::pin::Pin<Box<dyn Stream<Item = Result<Event, Infallible>> + Send>> =
+        Box::pin(futures::stream::iter(events));
+    Ok(Some(Sse::new(body).keep_alive(KeepAlive::new().interval(KEEP_ALIVE))))
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EventsQuery {
+    /// Comma-separated event kinds.
+    kind: Option<String>,
+    run: Option<Uuid>,
+    since: Option<DateTime<Utc>>,
+}
+
+/// `GET /v1/events?kind=&run=&since=`
+pub async fn all_events(
+    State(gw): State<Arc<Gateway>>,
+    q: Result<Query<EventsQuery>, QueryRejection>,
+    headers: HeaderMap,
+) -> Result<EventStream, ApiError> {
+    let Query(q) = q.map_err(bad_query)?;
+    let mut kinds = Vec::new();
+    for k in q.kind.iter().flat_map(|k| k.split(',')).map(str::trim).filter(|k| !k.is_empty()) {
+        let kind: EventKind = serde_json::from_value(serde_json::Value::String(k.to_string())).map_err(|_| {
+            ApiError::BadRequest(format!("kind '{}' is not an event kind", pitcrew_model::trim::clip(k, 32)))
+        })?;
+        kinds.push(kind);
+    }
+    let prefix = gw.bus.subjects.prefix().to_string();
+    let run = q.run.map(|r| r.to_string()).unwrap_or_else(|| "*".into());
+    let subjects = if kinds.is_empty() {
+        vec![format!("{prefix}.events.{run}.>")]
+    } else {
+        kinds.iter().map(|k| format!("{prefix}.events.{run}.{}", k.as_str())).collect()
+    };
+    let deliver = match (last_event_id(&headers)?, q.since) {
+        (Some(seq), _) => DeliverPolicy::ByStartSequence { start_sequence: seq + 1 },
+        (None, Some(t)) => DeliverPolicy::ByStartTime {
+            start_time: time::OffsetDateTime::from_unix_timestamp_nanos(i128::from(
+                t.timestamp_nanos_opt().unwrap_or(0),
+            ))
+            .map_err(|_| ApiError::BadRequest("since is out of range".into()))?,
+        },
+        (None, None) => DeliverPolicy::New,
+    };
+    follow(&gw, subjects, deliver, Some(kinds), false).await
+}
+
+/// Open an ordered consumer and feed its events to a bounded per-client channel from a task
+/// of its own; the response streams the channel. The task ends on a terminal event (when
+/// `until_terminal`), a full buffer (a slow client), a gone client or shutdown.
+async fn follow(
+    gw: &Arc<Gateway>,
+    filter_subjects: Vec<String>,
+    deliver_policy: DeliverPolicy,
+    kinds: Option<Vec<EventKind>>,
+    until_terminal: bool,
+) -> Result<EventStream, ApiError> {
+    let permit = gw
+        .streams
+        .clone()
+        .try_acquire_owned()
+        .map_err(|_| ApiError::Unavailable(format!("{MAX_STREAMS} live streams are open already: retry later")))?;
+    let stream =
+        gw.bus.js.get_stream(gw.bus.subjects.events_stream()).await.map_err(|e| ApiError::unavailable("NATS", e))?;
+    let consumer = stream
+        .create_consumer(OrderedConfig { filter_subjects, deliver_policy, ..Default::default() })
+        .await
+        .map_err(|e| ApiError::unavailable("NATS", e))?;
+    let mut messages = consumer.messages().await.map_err(|e| ApiError::unavailable("NATS", e))?;
+    let (tx, rx) = mpsc::channel::<Event>(gw.cfg.gateway.sse_buffer.max(1));
+    let mut shutdown = gw.shutdown.clone();
+    tokio::spawn(async move {
+        let _permit = permit;
+        loop {
+            let msg = tokio::select! {
+                _ = &mut shutdown => break,
+                _ = tx.closed() => break,
+                m = messages.next() => m,
+            };
+            let msg = match msg {
+                Some(Ok(m)) => m,
+                Some(Err(e)) => {
+                    tracing::warn!(error = %e, "event stream failed: closing the client's stream");
+                    break;
+                }
+                None => break,
+            };
+            let Ok(event) = serde_json::from_slice::<RunEvent>(&msg.payload) else { continue };
+            if let Some(kinds) = &kinds {
+                if !kinds.is_empty() && !kinds.contains(&event.kind) {
+                    continue;
+                }
+            }
+            let seq = msg.info().map(|i| i.stream_sequence).unwrap_or(0);
+            let sse = Event::default()
+                .id(seq.to_string())
+                .event(event.kind.as_str())
+                .data(String::from_utf8_lossy(&msg.payload));
+            let sent = match tx.try_send(sse) {
+                Ok(()) => true,
+                // A full buffer: the client gets a moment to catch up (a burst), then is dropped.
+                Err(TrySendError::Full(sse)) => match tx.send_timeout(sse, SLOW_CLIENT).await {
+                    Ok(()) => true,
+                    Err(SendTimeoutError::Timeout(_)) => {
+                        tracing::warn!(
+                            run = %event.run_id,
+                            "live stream client too slow: dropped (it may reconnect with Last-Event-ID)"
+                        );
+                        false
+                    }
+                    Err(SendTimeoutError::Closed(_)) => false,
+                },
+                Err(TrySendError::Closed(_)) => false,
+            };
+            if !sent {
+                break;
+            }
+            if until_terminal && event.kind.is_terminal() {
+                break;
+            }
+        }
+    });
+    let body = futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|e| (Ok(e), rx)) });
+    let body: std::pin::Pin<Box<dyn Stream<Item = Result<Event, Infallible>> + Send>> = Box::pin(body);
+    Ok(Sse::new(body).keep_alive(KeepAlive::new().interval(KEEP_ALIVE)))
+}

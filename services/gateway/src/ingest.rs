@@ -1,0 +1,164 @@
+//! Ingestion: pitcrew's own incident JSON and Alertmanager's webhook, each checked whole
+//! before anything is published, and idempotent: an incident whose id was already received
+//! is not published again, and JetStream drops a repeat within its duplicate window (the
+//! message id is the incident id).
+
+use crate::access::AuditRun;
+use crate::alertmanager::{self, Action, Payload};
+use crate::body::JsonBody;
+use crate::error::{ApiError, Outcome};
+use crate::Gateway;
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use pitcrew_model::codec::JSON;
+use pitcrew_model::{EventKind, Incident, RunEvent, Stage};
+use serde_json::json;
+use std::sync::Arc;
+use uuid::Uuid;
+
+/// Index of the "alert resolved at the source" event in its run's timeline: clear of the
+/// stage events (and of live thinking events), so a re-sent resolution writes nothing twice.
+pub const RESOLVED_EVENT_INDEX: u32 = 2_000_000;
+
+/// Whether the incident was published now or had been received before.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Received {
+    Published,
+    Existing,
+}
+
+impl Received {
+    fn as_str(self) -> &'static str {
+        match self {
+            Received::Published => "accepted",
+            Received::Existing => "already_received",
+        }
+    }
+}
+
+impl Gateway {
+    /// Publish a checked incident on `incidents.new` unless its id is already known.
+    pub async fn open(&self, incident: &Incident) -> Result<(Uuid, Received), ApiError> {
+        let id = incident.id.ok_or_else(|| ApiError::BadRequest("incident has no id".into()))?;
+        if self.store.incident_exists(id).await? {
+            return Ok((id, Received::Existing));
+        }
+        let payload = serde_json::to_vec(incident).map_err(|e| ApiError::unavailable("encoding", e))?;
+        self.bus
+            .publish(self.bus.subjects.incidents_new(), &id.to_string(), JSON, Some(id), payload.into())
+            .await
+            .map_err(|e| ApiError::unavailable("NATS", e))?;
+        Ok((id, Received::Published))
+    }
+
+    fn check_service(&self, service: &str) -> Result<(), ApiError> {
+        if self.cfg.services.contains_key(service) {
+            return Ok(());
+        }
+        Err(ApiError::Unprocessable(format!(
+            "unknown service '{}': add [services.{}] to the inventory",
+            pitcrew_model::trim::clip(service, 64),
+            pitcrew_model::trim::clip(service, 64)
+        )))
+    }
+}
+
+/// `POST /v1/incidents`: pitcrew's own incident JSON.
+pub async fn post_incident(
+    State(gw): State<Arc<Gateway>>,
+    JsonBody(mut incident): JsonBody<Incident>,
+) -> Result<Response, ApiError> {
+    incident.validate().map_err(|e| ApiError::Unprocessable(e.to_string()))?;
+    gw.check_service(&incident.service)?;
+    incident.id.get_or_insert_with(Uuid::now_v7);
+    incident.source.get_or_insert_with(|| "http".into());
+    let (id, received) = gw.open(&incident).await?;
+    let status = if received == Received::Published { StatusCode::ACCEPTED } else { StatusCode::OK };
+    let mut resp = (status, Json(json!({ "run_id": id, "outcome": received.as_str() }))).into_response();
+    resp.extensions_mut().insert(AuditRun(id));
+    resp.extensions_mut().insert(Outcome(format!("incident {id} for {}: {}", incident.service, received.as_str())));
+    Ok(resp)
+}
+
+/// `POST /v1/alerts/alertmanager`: Alertmanager's webhook (version 4).
+pub async fn post_alertmanager(
+    State(gw): State<Arc<Gateway>>,
+    JsonBody(payload): JsonBody<Payload>,
+) -> Result<Response, ApiError> {
+    let known = |s: &str| gw.cfg.services.contains_key(s);
+    let actions = alertmanager::actions(&payload, &gw.cfg.gateway, &known).map_err(ApiError::Unprocessable)?;
+    let mut results = Vec::with_capacity(actions.len());
+    let (mut opened, mut resolved) = (0, 0);
+    for action in &actions {
+        match action {
+            Action::Fire(incident) => {
+                let (id, received) = gw.open(incident).await?;
+                opened += usize::from(received == Received::Published);
+                results.push(json!({
+                    "fingerprint": incident.fingerprint, "status": "firing", "run_id": id, "outcome": received.as_str()
+                }));
+            }
+            Action::Resolve { run, fingerprint, ends_at } => {
+                let outcome = gw.record_resolved(*run, fingerprint, *ends_at).await?;
+                resolved += usize::from(outcome == "recorded");
+                results.push(json!({
+                    "fingerprint": format!("am-{fingerprint}"), "status": "resolved", "run_id": run, "outcome": outcome
+                }));
+            }
+        }
+    }
+    let note = format!(
+        "alertmanager group {} ({} alerts): {opened} incident(s) published, {resolved} resolution(s) recorded",
+        pitcrew_model::trim::clip(&payload.group_key, 120),
+        actions.len()
+    );
+    let mut resp = (StatusCode::OK, Json(json!({ "alerts": results }))).into_response();
+    if let [Action::Fire(Incident { id: Some(id), .. }) | Action::Resolve { run: id, .. }] = actions.as_slice() {
+        resp.extensions_mut().insert(AuditRun(*id));
+    }
+    resp.extensions_mut().insert(Outcome(note));
+    Ok(resp)
+}
+
+impl Gateway {
+    /// Record on a run that its alert resolved at the source: a `status` event, stored and
+    /// published with a fixed key so a repeat writes nothing twice. Returns `recorded`, or
+    /// `no_run` when no incident has this id (the firing alert was never received).
+    async fn record_resolved(
+        &self,
+        run: Uuid,
+        fingerprint: &str,
+        ends_at: Option<chrono::DateTime<chrono::Utc>>,
+    ) -> Result<&'static str, ApiError> {
+        if !self.store.incident_exists(run).await? {
+            return Ok("no_run");
+        }
+        let ended = ends_at.map(|t| t.to_rfc3339()).unwrap_or_else(|| "-".into());
+        let event = RunEvent {
+            run_id: run,
+            seq: 0,
+            index: RESOLVED_EVENT_INDEX,
+            stage: Stage::Intake,
+            kind: EventKind::Status,
+            message: format!("alert resolved at the source (alertmanager, ended {ended})"),
+            data: json!({ "alert": "resolved", "source": "alertmanager", "fingerprint": format!("am-{fingerprint}"), "ends_at": ends_at }),
+            worker: self.worker.clone(),
+            at: chrono::Utc::now(),
+        };
+        self.store.insert_events(std::slice::from_ref(&event)).await?;
+        let payload = serde_json::to_vec(&event).map_err(|e| ApiError::unavailable("encoding", e))?;
+        self.bus
+            .publish(
+                self.bus.subjects.event(run, event.kind.as_str()),
+                &event.msg_id(),
+                JSON,
+                Some(run),
+                payload.into(),
+            )
+            .await
+            .map_err(|e| ApiError::unavailable("NATS", e))?;
+        Ok("recorded")
+    }
+}

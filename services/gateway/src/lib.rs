@@ -1,0 +1,211 @@
+//! gateway: pitcrew's HTTP API. Ingests Alertmanager webhooks and pitcrew incidents onto
+//! `incidents.new`, serves runs, approvals and decisions from Postgres and the bridge
+//! subject, streams run events as Server-Sent Events, and guards it all with API keys
+//! (hashed, per-key rate limits, every mutating request audited). The OpenAPI document in
+//! `schemas/openapi.json` is served as is and says what each route needs.
+
+pub mod access;
+pub mod alertmanager;
+pub mod body;
+pub mod error;
+pub mod events;
+pub mod ingest;
+pub mod runs;
+
+use access::{Access, Keys, RateLimiter};
+use anyhow::Context;
+use axum::extract::{DefaultBodyLimit, State};
+use axum::http::{header, Method, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Extension, Json, Router};
+use futures::future::{BoxFuture, Shared};
+use pitcrew_runtime::{Bus, Config, Store};
+use serde_json::json;
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::Semaphore;
+
+/// The OpenAPI document, served at `GET /v1/openapi.json`.
+pub const OPENAPI: &str = include_str!("../../../schemas/openapi.json");
+
+/// A shutdown signal every task can await.
+pub type Shutdown = Shared<BoxFuture<'static, ()>>;
+
+/// Everything a request needs.
+pub struct Gateway {
+    pub cfg: Arc<Config>,
+    pub bus: Bus,
+    pub store: Store,
+    pub keys: Keys,
+    pub limiter: RateLimiter,
+    /// What each (method, route) needs, from the OpenAPI document.
+    pub access: HashMap<(Method, String), Access>,
+    /// Live streams open at once.
+    pub streams: Arc<Semaphore>,
+    /// This process's name on the events it writes.
+    pub worker: String,
+    pub shutdown: Shutdown,
+}
+
+/// Each route's access from the OpenAPI document's `x-pitcrew-access`; the error names an
+/// operation without one.
+pub fn access_table() -> anyhow::Result<HashMap<(Method, String), Access>> {
+    let doc: serde_json::Value = serde_json::from_str(OPENAPI).context("schemas/openapi.json is not JSON")?;
+    let mut out = HashMap::new();
+    let paths = doc["paths"].as_object().context("openapi.json has no paths")?;
+    for (path, ops) in paths {
+        for (method, op) in ops.as_object().into_iter().flatten() {
+            let Ok(m) = method.to_ascii_uppercase().parse::<Method>() else { continue };
+            let access = op["x-pitcrew-access"]
+                .as_str()
+                .and_then(Access::parse)
+                .with_context(|| format!("openapi.json: {method} {path} lacks a valid x-pitcrew-access"))?;
+            out.insert((m, path.clone()), access);
+        }
+    }
+    Ok(out)
+}
+
+impl Gateway {
+    /// Check `[gateway]` and build the shared state.
+    pub fn new(cfg: Config, bus: Bus, store: Store, shutdown: Shutdown) -> anyhow::Result<Arc<Gateway>> {
+        let keys = Keys::from_config(&cfg.gateway.keys).map_err(|e| anyhow::anyhow!("bad configuration: {e}"))?;
+        if !cfg.gateway.rate_per_sec.is_finite() || cfg.gateway.rate_per_sec <= 0.0 || cfg.gateway.body_limit_bytes == 0
+        {
+            anyhow::bail!("bad configuration: [gateway] rate_per_sec and body_limit_bytes must be above 0");
+        }
+        Ok(Arc::new(Gateway {
+            limiter: RateLimiter::new(&cfg.gateway),
+            keys,
+            access: access_table()?,
+            streams: Arc::new(Semaphore::new(events::MAX_STREAMS)),
+            worker: format!("gateway:{}", cfg.worker()),
+            cfg: Arc::new(cfg),
+            bus,
+            store,
+            shutdown,
+        }))
+    }
+}
+
+/// Every route. The access each needs is looked up by the guard from the OpenAPI document.
+pub fn router(gw: Arc<Gateway>) -> Router {
+    let limit = gw.cfg.gateway.body_limit_bytes;
+    Router::new()
+        .route("/healthz", get(healthz))
+        .route("/readyz", get(readyz))
+        .route("/v1/openapi.json", get(openapi))
+        .route("/v1/alerts/alertmanager", post(ingest::post_alertmanager))
+        .route("/v1/incidents", post(ingest::post_incident))
+        .route("/v1/runs", get(runs::list))
+        .route("/v1/runs/{id}", get(runs::get))
+        .route("/v1/runs/{id}/events", get(events::run_events))
+        .route("/v1/runs/{id}/approve", post(runs::approve))
+        .route("/v1/runs/{id}/deny", post(runs::deny))
+        .route("/v1/approvals", get(runs::pending))
+        .route("/v1/ask", post(runs::ask))
+        .route("/v1/events", get(events::all_events))
+        .layer(axum::middleware::from_fn_with_state(gw.clone(), access::guard))
+        .layer(Extension(body::BodyLimit(limit)))
+        .layer(DefaultBodyLimit::max(limit))
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .with_state(gw)
+}
+
+async fn not_found() -> error::ApiError {
+    error::ApiError::NotFound("no such route (GET /v1/openapi.json lists them)".into())
+}
+
+async fn method_not_allowed() -> Response {
+    let body = json!({ "error": "method not allowed on this route (GET /v1/openapi.json lists them)" });
+    (StatusCode::METHOD_NOT_ALLOWED, Json(body)).into_response()
+}
+
+async fn healthz() -> Json<serde_json::Value> {
+    Json(json!({ "status": "ok" }))
+}
+
+/// Ready when NATS (JetStream answers) and Postgres (a query answers) do, each within 2 s.
+async fn readyz(State(gw): State<Arc<Gateway>>) -> Response {
+    let wait = Duration::from_secs(2);
+    let nats = match tokio::time::timeout(wait, gw.bus.js.get_stream(gw.bus.subjects.incidents_stream())).await {
+        Ok(Ok(_)) => "ok".to_string(),
+        Ok(Err(e)) => format!("JetStream: {e}"),
+        Err(_) => "JetStream did not answer within 2 s".to_string(),
+    };
+    let postgres = match tokio::time::timeout(wait, gw.store.ping()).await {
+        Ok(Ok(())) => "ok".to_string(),
+        Ok(Err(e)) => e.to_string(),
+        Err(_) => "Postgres did not answer within 2 s".to_string(),
+    };
+    let ready = nats == "ok" && postgres == "ok";
+    let status = if ready { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
+    let body = json!({ "status": if ready { "ready" } else { "not ready" }, "nats": nats, "postgres": postgres });
+    (status, Json(body)).into_response()
+}
+
+async fn openapi() -> Response {
+    ([(header::CONTENT_TYPE, "application/json")], OPENAPI).into_response()
+}
+
+/// Serve on `listener` until `shutdown`; live streams end with it.
+pub async fn serve(gw: Arc<Gateway>, listener: tokio::net::TcpListener) -> anyhow::Result<()> {
+    let shutdown = gw.shutdown.clone();
+    let app = router(gw).into_make_service_with_connect_info::<SocketAddr>();
+    axum::serve(listener, app).with_graceful_shutdown(shutdown).await.context("gateway server failed")
+}
+
+/// `pitcrew gateway`: connect, bind `[gateway] listen` and serve until `shutdown`.
+pub async fn run(cfg: Config, shutdown: Shutdown) -> anyhow::Result<()> {
+    let bus = Bus::connect(&cfg).await?;
+    bus.ensure_streams().await?;
+    let store = Store::connect(&cfg.database).await?;
+    if cfg.database.migrate_on_start {
+        store.migrate().await?;
+    }
+    if cfg.gateway.keys.is_empty() {
+        tracing::warn!("no [gateway.keys] configured: every route but health and the OpenAPI document answers 401");
+    }
+    let listen = cfg.gateway.listen.clone();
+    let gw = Gateway::new(cfg, bus, store, shutdown)?;
+    let listener = tokio::net::TcpListener::bind(&listen)
+        .await
+        .with_context(|| format!("[gateway] listen = \"{listen}\": cannot bind"))?;
+    tracing::info!(listen = %listener.local_addr()?, "gateway serving");
+    serve(gw, listener).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::BTreeSet;
+
+    /// (METHOD, path) of every `.route(...)` in `router` above, read from this file.
+    fn routed() -> BTreeSet<(String, String)> {
+        let src = include_str!("lib.rs");
+        let mut out = BTreeSet::new();
+        for line in src.lines().map(str::trim).filter(|l| l.starts_with(".route(\"")) {
+            let path = line.split('"').nth(1).unwrap_or_default().to_string();
+            let rest = line.split("\", ").nth(1).unwrap_or_default();
+            let method = rest.split('(').next().unwrap_or_default().to_ascii_uppercase();
+            out.insert((method, path));
+        }
+        out
+    }
+
+    #[test]
+    fn the_openapi_document_lists_exactly_the_routes_served_with_their_access() {
+        let table = access_table().unwrap();
+        let documented: BTreeSet<(String, String)> =
+            table.keys().map(|(m, p)| (m.as_str().to_string(), p.clone())).collect();
+        let served = routed();
+        assert_eq!(served.len(), 13, "{served:?}");
+        assert_eq!(documented, served, "schemas/openapi.json and the router disagree");
+        assert_eq!(table[&(Method::POST, "/v1/runs/{id}/approve".to_string())], Access::Decide);
+        assert_eq!(table[&(Method::GET, "/healthz".to_string())], Access::Public);
+    }
+}

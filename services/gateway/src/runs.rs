@@ -1,0 +1,248 @@
+//! The run API: list and filter runs, a run's full record, pending approvals, approve and
+//! deny (the key's owner decides, through the same `approvals::submit` as every channel),
+//! and questions (investigation mode, not built yet: 501).
+
+use crate::access::{AuditRun, Caller};
+use crate::body::{bad_query, parse, run_id, RawJson};
+use crate::error::{ApiError, Outcome};
+use crate::Gateway;
+use axum::extract::rejection::QueryRejection;
+use axum::extract::{Path, Query, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::{Extension, Json};
+use chrono::{DateTime, Utc};
+use pitcrew_model::Decision;
+use pitcrew_runtime::approvals::{self, DecisionInput};
+use pitcrew_runtime::store::RunFilter;
+use serde::Deserialize;
+use serde_json::{json, Value};
+use std::sync::Arc;
+
+/// Most runs or approvals one request lists.
+pub const MAX_LIST: i64 = 500;
+
+const STATUSES: &[&str] = &["open", "waiting_approval", "resolved", "escalated"];
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RunsQuery {
+    status: Option<String>,
+    service: Option<String>,
+    since: Option<DateTime<Utc>>,
+    until: Option<DateTime<Utc>>,
+    limit: Option<i64>,
+}
+
+fn limit(l: Option<i64>) -> Result<i64, ApiError> {
+    match l.unwrap_or(50) {
+        l @ 1..=MAX_LIST => Ok(l),
+        l => Err(ApiError::BadRequest(format!("limit {l} is out of range: 1-{MAX_LIST}"))),
+    }
+}
+
+/// `GET /v1/runs?status=&service=&since=&until=&limit=`
+pub async fn list(
+    State(gw): State<Arc<Gateway>>,
+    q: Result<Query<RunsQuery>, QueryRejection>,
+) -> Result<Json<Value>, ApiError> {
+    let Query(q) = q.map_err(bad_query)?;
+    if let Some(s) = &q.status {
+        if !STATUSES.contains(&s.as_str()) {
+            return Err(ApiError::BadRequest(format!("status '{s}' is not one of {STATUSES:?}")));
+        }
+    }
+    let filter =
+        RunFilter { status: q.status, service: q.service, since: q.since, until: q.until, limit: limit(q.limit)? };
+    let runs = gw.store.list_runs(&filter).await?;
+    let runs: Vec<Value> = runs
+        .into_iter()
+        .map(|r| {
+            json!({
+                "id": r.id, "service": r.service, "error": r.error, "status": r.status, "stage": r.stage,
+                "attempt": r.attempt, "reason": r.reason, "created_at": r.created_at, "updated_at": r.updated_at,
+            })
+        })
+        .collect();
+    Ok(Json(json!({ "runs": runs })))
+}
+
+/// `GET /v1/runs/{id}`: incident, state, timeline, evaluations, approvals, executions, report.
+pub async fn get(State(gw): State<Arc<Gateway>>, Path(id): Path<String>) -> Result<Json<Value>, ApiError> {
+    let run = run_id(&id)?;
+    let Some(stored) = gw.store.load_run(run).await? else {
+        let why = if gw.store.incident_exists(run).await? {
+            "the incident was received but has no run of its own (a duplicate of an open run, or not opened yet)"
+        } else {
+            "no incident with this id"
+        };
+        return Err(ApiError::NotFound(format!("unknown run {run}: {why}")));
+    };
+    let times = gw.store.run_times(run).await?;
+    let timeline = gw.store.timeline(run).await?;
+    let evaluations = gw.store.evaluations_of(run).await?;
+    let approvals: Vec<Value> = gw
+        .store
+        .approvals_of(run)
+        .await?
+        .into_iter()
+        .map(|a| {
+            json!({
+                "plan_hash": a.plan_hash, "rule": a.rule, "commands": a.commands, "requested_at": a.requested_at,
+                "decision": a.decision, "by": a.by, "channel": a.channel, "decided_at": a.decided_at, "reason": a.reason,
+            })
+        })
+        .collect();
+    let executions = gw.store.execution_rows(run).await?;
+    let report = timeline
+        .iter()
+        .rev()
+        .find(|e| e.kind.is_terminal())
+        .map(|e| json!({ "outcome": e.kind.as_str(), "summary": e.message, "details": e.data, "at": e.at }));
+    Ok(Json(json!({
+        "id": run,
+        "status": stored.status.as_str(),
+        "stage": stored.state.step.as_str(),
+        "attempt": stored.state.attempt,
+        "reason": stored.reason,
+        "created_at": times.map(|t| t.0),
+        "updated_at": times.map(|t| t.1),
+        "finished_at": times.and_then(|t| t.2),
+        "incident": stored.state.incident,
+        "state": stored.state,
+        "timeline": timeline,
+        "evaluations": evaluations,
+        "approvals": approvals,
+        "executions": executions,
+        "report": report,
+    })))
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LimitQuery {
+    limit: Option<i64>,
+}
+
+/// `GET /v1/approvals`: pending approvals, oldest first.
+pub async fn pending(
+    State(gw): State<Arc<Gateway>>,
+    q: Result<Query<LimitQuery>, QueryRejection>,
+) -> Result<Json<Value>, ApiError> {
+    let Query(q) = q.map_err(bad_query)?;
+    let pending = gw.store.pending_approvals(false, limit(q.limit)?).await?;
+    let list: Vec<Value> = pending
+        .into_iter()
+        .map(|p| {
+            json!({
+                "run_id": p.run_id, "plan_hash": p.plan_hash, "rule": p.rule, "commands": p.commands,
+                "requested_at": p.requested_at, "expires_at": p.expires_at,
+            })
+        })
+        .collect();
+    Ok(Json(json!({ "approvals": list })))
+}
+
+/// The body of approve and deny; every field optional for approve, `reason` required to deny.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DecisionBody {
+    /// The plan the decider saw: refused (409) when the run now waits on another.
+    plan_hash: Option<String>,
+    reason: Option<String>,
+}
+
+/// `POST /v1/runs/{id}/approve`
+pub async fn approve(
+    gw: State<Arc<Gateway>>,
+    caller: Extension<Caller>,
+    id: Path<String>,
+    body: RawJson,
+) -> Result<Response, ApiError> {
+    decide(gw, caller, id, body, Decision::Approve).await
+}
+
+/// `POST /v1/runs/{id}/deny`
+pub async fn deny(
+    gw: State<Arc<Gateway>>,
+    caller: Extension<Caller>,
+    id: Path<String>,
+    body: RawJson,
+) -> Result<Response, ApiError> {
+    decide(gw, caller, id, body, Decision::Deny).await
+}
+
+async fn decide(
+    State(gw): State<Arc<Gateway>>,
+    Extension(caller): Extension<Caller>,
+    Path(id): Path<String>,
+    RawJson(body): RawJson,
+    decision: Decision,
+) -> Result<Response, ApiError> {
+    let run = run_id(&id)?;
+    let body: DecisionBody =
+        if body.iter().all(u8::is_ascii_whitespace) { DecisionBody::default() } else { parse(&body)? };
+    let reason = body.reason.map(|r| r.trim().to_string()).filter(|r| !r.is_empty());
+    if decision == Decision::Deny && reason.is_none() {
+        return Err(ApiError::Unprocessable("a denial needs a reason: send {\"reason\": \"...\"}".into()));
+    }
+    if let Some(r) = &reason {
+        if r.len() > 1000 {
+            return Err(ApiError::Unprocessable(format!("reason is {} bytes, more than the 1000 allowed", r.len())));
+        }
+    }
+    if let Some(why) = gw.cfg.refuse_approver(&caller.name) {
+        return Err(ApiError::Forbidden(format!(
+            "key owner {why}: the owner of a deciding key must be under [approvers]"
+        )));
+    }
+    // Checked here to answer with the right status; `submit` checks again.
+    let req = approvals::approval_request(&gw.bus, run).await.map_err(|_| {
+        ApiError::NotFound(format!("run {run} has no approval request (`GET /v1/approvals` lists pending ones)"))
+    })?;
+    if let Some(seen) = &body.plan_hash {
+        if *seen != req.plan_hash {
+            return Err(ApiError::Conflict(format!(
+                "stale plan: run {run} now waits on plan {}, not {seen}",
+                req.plan_hash
+            )));
+        }
+    }
+    if let Some((prev, who, via, when)) = gw.store.approval_decision(run, &req.plan_hash).await? {
+        return Err(ApiError::Conflict(format!(
+            "plan {} of run {run} was already decided: {prev} by {who} via {via} at {}",
+            req.plan_hash,
+            when.format("%Y-%m-%d %H:%M:%S")
+        )));
+    }
+    let input = DecisionInput {
+        run,
+        plan_hash: Some(&req.plan_hash),
+        decision,
+        by: &caller.name,
+        reason: reason.clone(),
+        channel: "http",
+    };
+    let req =
+        approvals::submit(&gw.bus, Some(&gw.store), input).await.map_err(|e| ApiError::Conflict(format!("{e:#}")))?;
+    let mut resp = (
+        StatusCode::ACCEPTED,
+        Json(json!({
+            "run_id": run, "decision": decision.as_str(), "by": caller.name, "plan_hash": req.plan_hash,
+            "plan": req.plan, "quorum": req.quorum,
+        })),
+    )
+        .into_response();
+    resp.extensions_mut().insert(AuditRun(run));
+    resp.extensions_mut().insert(Outcome(format!("{} plan {} of run {run}", decision.as_str(), req.plan_hash)));
+    Ok(resp)
+}
+
+/// `POST /v1/ask`: investigation mode does not exist yet.
+pub async fn ask(RawJson(_): RawJson) -> ApiError {
+    ApiError::NotImplemented(
+        "investigation mode (questions rather than alerts) is not available in this version of pitcrew: \
+         open an incident with POST /v1/incidents instead"
+            .into(),
+    )
+}

@@ -1,0 +1,657 @@
+//! The gateway over a real crew (nats-server, a fresh Postgres database) and a real
+//! Prometheus Alertmanager: alerts become exactly one run each, every route's access, live
+//! event streams, approvals over HTTP, malformed and oversized bodies, rate limits, readiness.
+
+mod common;
+
+use common::{count, marker_service, write, Crew, WAIT};
+use futures::FutureExt;
+use pitcrew_gateway::access::{hash_key, Access, Role};
+use pitcrew_gateway::Gateway;
+use pitcrew_model::{EventKind, RunEvent, Stage};
+use pitcrew_runtime::Config;
+use pitcrew_testkit::alertmanager::{Alertmanager, Timing};
+use pitcrew_testkit::TestEnv;
+use reqwest::StatusCode;
+use serde_json::{json, Value};
+use std::time::Duration;
+use uuid::Uuid;
+
+/// (owner, role, key). ann and carol are under the crew's [approvers]; eve is not.
+const KEYS: &[(&str, &str, &str)] = &[
+    ("rita", "readonly", "key-rita-readonly-0001"),
+    ("otto", "operator", "key-otto-operator-0002"),
+    ("ann", "approver", "key-ann-approver-0003"),
+    ("carol", "admin", "key-carol-admin-0004"),
+    ("eve", "approver", "key-eve-approver-0005"),
+];
+
+fn key(owner: &str) -> &'static str {
+    KEYS.iter().find(|(o, _, _)| *o == owner).map(|(_, _, k)| *k).expect("a test key")
+}
+
+const PLAYBOOK: &str = r#"
+[[rule]]
+name = "locked"
+match = "(?i)stale lock"
+diagnosis = "{service} is held by a stale lock"
+plans = [["rm -f {dir}/svc.lock", "touch {dir}/svc-healthy"]]
+"#;
+
+fn gateway_toml(rate: &str) -> String {
+    let mut t = format!("[gateway]\nbody_limit_bytes = 4096\n{rate}\nsse_buffer = 64\n");
+    for (owner, role, k) in KEYS {
+        t.push_str(&format!("[gateway.keys.{owner}]\nrole = \"{role}\"\nsha256 = \"{}\"\n", hash_key(k)));
+    }
+    t
+}
+
+/// A crew running `stages` and a gateway in-process on a random port.
+struct Api {
+    crew: Crew,
+    url: String,
+    http: reqwest::Client,
+    gw: std::sync::Arc<Gateway>,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+}
+
+impl Drop for Api {
+    fn drop(&mut self) {
+        if let Some(tx) = self.stop.take() {
+            let _ = tx.send(());
+        }
+    }
+}
+
+/// Start a gateway over `cfg`, `bus` and `store`; returns its URL and its stop switch.
+async fn start_gateway(
+    crew: &Crew,
+    cfg: Config,
+) -> anyhow::Result<(String, std::sync::Arc<Gateway>, tokio::sync::oneshot::Sender<()>)> {
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let shutdown = async move {
+        let _ = rx.await;
+    }
+    .boxed()
+    .shared();
+    let gw = Gateway::new(cfg, crew.bus.clone(), crew.store.clone(), shutdown)?;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let url = format!("http://{}", listener.local_addr()?);
+    tokio::spawn(pitcrew_gateway::serve(gw.clone(), listener));
+    Ok((url, gw, tx))
+}
+
+impl Api {
+    async fn start(stages: &[Stage], rate: &str) -> anyhow::Result<Api> {
+        let env = TestEnv::start().await?;
+        let book = write(&env, "playbook.toml", PLAYBOOK);
+        let svc = marker_service(&env, "svc");
+        let text = format!("[reasoning]\nplaybook_file = \"{book}\"\n{svc}{}", gateway_toml(rate));
+        let crew = Crew::start_in(env, &text, stages).await?;
+        let (url, gw, stop) = start_gateway(&crew, crew.cfg.clone()).await?;
+        Ok(Api { crew, url, http: reqwest::Client::new(), gw, stop: Some(stop) })
+    }
+
+    fn req(&self, method: reqwest::Method, path: &str, owner: Option<&str>) -> reqwest::RequestBuilder {
+        let r = self.http.request(method, format!("{}{path}", self.url)).timeout(Duration::from_secs(30));
+        match owner {
+            Some(o) => r.bearer_auth(key(o)),
+            None => r,
+        }
+    }
+
+    /// A streaming GET: no overall timeout (each read has one).
+    async fn stream(&self, path: &str, owner: &str) -> anyhow::Result<reqwest::Response> {
+        Ok(self.http.get(format!("{}{path}", self.url)).bearer_auth(key(owner)).send().await?)
+    }
+
+    async fn get(&self, path: &str, owner: &str) -> anyhow::Result<(StatusCode, Value)> {
+        let resp = self.req(reqwest::Method::GET, path, Some(owner)).send().await?;
+        Ok((resp.status(), resp.json().await?))
+    }
+
+    async fn post(&self, path: &str, owner: &str, body: &Value) -> anyhow::Result<(StatusCode, Value)> {
+        let resp = self.req(reqwest::Method::POST, path, Some(owner)).json(body).send().await?;
+        Ok((resp.status(), resp.json().await?))
+    }
+}
+
+/// Reads Server-Sent Events from a streaming response.
+struct Sse {
+    body: reqwest::Response,
+    buf: String,
+}
+
+impl Sse {
+    fn new(resp: reqwest::Response) -> Sse {
+        Sse { body: resp, buf: String::new() }
+    }
+
+    /// The next event's (id, kind, RunEvent), or None when the stream ended.
+    async fn next(&mut self) -> anyhow::Result<Option<(String, String, RunEvent)>> {
+        loop {
+            if let Some(end) = self.buf.find("\n\n") {
+                let block: String = self.buf.drain(..end + 2).collect();
+                let (mut id, mut kind, mut data) = (String::new(), String::new(), String::new());
+                for line in block.lines() {
+                    if let Some(v) = line.strip_prefix("id:") {
+                        id = v.trim().to_string();
+                    } else if let Some(v) = line.strip_prefix("event:") {
+                        kind = v.trim().to_string();
+                    } else if let Some(v) = line.strip_prefix("data:") {
+                        data.push_str(v.trim_start());
+                    }
+                }
+                if data.is_empty() {
+                    continue; // a keep-alive comment
+                }
+                return Ok(Some((id, kind, serde_json::from_str(&data)?)));
+            }
+            match tokio::time::timeout(WAIT, self.body.chunk()).await {
+                Err(_) => anyhow::bail!("no event within {WAIT:?}"),
+                Ok(chunk) => match chunk? {
+                    None => return Ok(None),
+                    Some(chunk) => self.buf.push_str(&String::from_utf8_lossy(&chunk)),
+                },
+            }
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_alertmanager_alert_opens_exactly_one_run_and_its_resolution_is_recorded() -> anyhow::Result<()> {
+    let mut api = Api::start(&Stage::ALL, "").await?;
+    let am = Alertmanager::start(&format!("{}/v1/alerts/alertmanager", api.url), key("otto"), &Timing::default())?;
+    let starts = chrono::Utc::now() - chrono::Duration::seconds(5);
+    let alert = |ends: Option<chrono::DateTime<chrono::Utc>>| {
+        let mut a = json!({
+            "labels": { "alertname": "SvcDown", "service": "svc", "instance": "127.0.0.1:9100", "severity": "critical" },
+            "annotations": { "summary": "GET /health: connection refused" },
+            "startsAt": starts.to_rfc3339(),
+        });
+        if let Some(e) = ends {
+            a["endsAt"] = json!(e.to_rfc3339());
+        }
+        json!([a])
+    };
+    am.post_alerts(&alert(None)).await?;
+    let opened = api.crew.events.wait_any(|e| e.kind == EventKind::Status && e.stage == Stage::Intake, WAIT).await?;
+    let run = opened.run_id;
+    let end = api.crew.end(run).await?;
+    assert_eq!(end.kind, EventKind::Resolved, "{}", end.message);
+    // Alertmanager re-sends the unchanged group every repeat_interval (2 s): wait for two
+    // more deliveries, each answered 200 and publishing nothing.
+    let db = api.crew.db().await?;
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        let n: i64 = db
+            .query_one(
+                "SELECT count(*) FROM gateway_audit WHERE path = '/v1/alerts/alertmanager' AND status = 200",
+                &[],
+            )
+            .await?
+            .get(0);
+        if n >= 3 {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "Alertmanager delivered {n} times; its log:\n{}", am.log());
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let outcomes: Vec<String> = db
+        .query("SELECT outcome FROM gateway_audit WHERE path = '/v1/alerts/alertmanager' ORDER BY id", &[])
+        .await?
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert!(outcomes[0].contains("1 incident(s) published"), "{outcomes:?}");
+    assert!(outcomes[1..].iter().all(|o| o.contains("0 incident(s) published")), "{outcomes:?}");
+    let principals: i64 =
+        db.query_one("SELECT count(*) FROM gateway_audit WHERE principal <> 'otto'", &[]).await?.get(0);
+    assert_eq!(principals, 0, "Alertmanager authenticated with the operator's key");
+    assert_eq!(db.query_one("SELECT count(*) FROM runs", &[]).await?.get::<_, i64>(0), 1, "exactly one run");
+    assert_eq!(db.query_one("SELECT count(*) FROM incidents", &[]).await?.get::<_, i64>(0), 1);
+    let (svc, host, source, fp): (String, Option<String>, Option<String>, String) = {
+        let r = db.query_one("SELECT service, host, source, fingerprint FROM incidents WHERE id = $1", &[&run]).await?;
+        (r.get(0), r.get(1), r.get(2), r.get(3))
+    };
+    assert_eq!((svc.as_str(), host.as_deref(), source.as_deref()), ("svc", Some("127.0.0.1"), Some("alertmanager")));
+    assert!(fp.starts_with("am-"), "{fp}");
+
+    // The source resolves the alert: recorded on the run, once.
+    am.post_alerts(&alert(Some(chrono::Utc::now() - chrono::Duration::seconds(1)))).await?;
+    let rec = api
+        .crew
+        .events
+        .wait(run, |e| e.kind == EventKind::Status && e.data["alert"] == "resolved", WAIT)
+        .await
+        .map_err(|e| anyhow::anyhow!("{e}\nAlertmanager log:\n{}", am.log()))?;
+    assert!(rec.message.contains("alert resolved at the source"), "{}", rec.message);
+    let stored =
+        count(&db, "SELECT count(*) FROM run_events WHERE run_id = $1 AND data->>'alert' = 'resolved'", run).await;
+    assert_eq!(stored, 1);
+    assert_eq!(db.query_one("SELECT count(*) FROM runs", &[]).await?.get::<_, i64>(0), 1);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_route_refuses_no_key_and_the_wrong_role_and_admits_the_right_one() -> anyhow::Result<()> {
+    let mut api = Api::start(&Stage::ALL, "").await?;
+    // A finished run to read.
+    let (status, body) =
+        api.post("/v1/incidents", "otto", &json!({"service": "svc", "error": "connection refused"})).await?;
+    assert_eq!(status, StatusCode::ACCEPTED, "{body}");
+    let run: Uuid = body["run_id"].as_str().unwrap_or_default().parse()?;
+    api.crew.end(run).await?;
+    // The same incident again (a client's retry): nothing published, the same run named.
+    let again = json!({"id": run, "service": "svc", "error": "connection refused"});
+    let (status, body) = api.post("/v1/incidents", "otto", &again).await?;
+    assert_eq!((status, &body["outcome"], &body["run_id"]), (StatusCode::OK, &json!("already_received"), &json!(run)));
+    let mut incidents = api.crew.bus.js.get_stream(api.crew.bus.subjects.incidents_stream()).await?;
+    assert_eq!(incidents.info().await?.state.messages, 1);
+
+    let doc: Value = serde_json::from_str(pitcrew_gateway::OPENAPI)?;
+    let mut checked = 0;
+    for (path, ops) in doc["paths"].as_object().expect("paths") {
+        for (method, op) in ops.as_object().expect("operations") {
+            let access = Access::parse(op["x-pitcrew-access"].as_str().expect("access")).expect("known access");
+            let path = path.replace("{id}", &run.to_string());
+            let method: reqwest::Method = method.to_ascii_uppercase().parse()?;
+            // A body that passes no handler's checks: only access decides 401/403.
+            let send = |owner: Option<&str>| {
+                api.req(method.clone(), &path, owner).header("content-type", "application/json").body("{}").send()
+            };
+            let anon = send(None).await?;
+            if access == Access::Public {
+                assert_eq!(anon.status(), StatusCode::OK, "{method} {path} is public");
+                continue;
+            }
+            assert_eq!(anon.status(), StatusCode::UNAUTHORIZED, "{method} {path} without a key");
+            let err: Value = anon.json().await?;
+            assert!(err["error"].as_str().unwrap_or_default().contains("missing API key"), "{err}");
+            for owner in ["rita", "otto", "ann", "carol"] {
+                let role = Role::parse(KEYS.iter().find(|k| k.0 == owner).unwrap().1).unwrap();
+                let resp = send(Some(owner)).await?;
+                let status = resp.status();
+                if role.may(access) {
+                    assert!(
+                        status != StatusCode::UNAUTHORIZED && status != StatusCode::FORBIDDEN,
+                        "{method} {path} as {owner} ({role:?}): {status}"
+                    );
+                } else {
+                    assert_eq!(status, StatusCode::FORBIDDEN, "{method} {path} as {owner} ({role:?})");
+                    let err: Value = resp.json().await?;
+                    assert!(err["error"].as_str().unwrap_or_default().contains("needs role"), "{err}");
+                }
+                checked += 1;
+            }
+            let wrong = api.req(method.clone(), &path, None).bearer_auth("not-a-key").send().await?;
+            assert_eq!(wrong.status(), StatusCode::UNAUTHORIZED, "{method} {path} with an unknown key");
+        }
+    }
+    assert!(checked >= 40, "every operation was tried with every role ({checked})");
+    // X-API-Key works too; an approver who is not under [approvers] may not decide.
+    let r = api.req(reqwest::Method::GET, "/v1/runs", None).header("x-api-key", key("rita")).send().await?;
+    assert_eq!(r.status(), StatusCode::OK);
+    let (status, body) = api.post(&format!("/v1/runs/{run}/approve"), "eve", &json!({})).await?;
+    assert_eq!(status, StatusCode::FORBIDDEN);
+    assert!(body["error"].as_str().unwrap_or_default().contains("eve is not a configured approver"), "{body}");
+    // Every mutating request was audited, refusals too, by owner: never a key.
+    let db = api.crew.db().await?;
+    let audited: i64 = db.query_one("SELECT count(*) FROM gateway_audit", &[]).await?.get(0);
+    assert!(audited >= 20, "{audited}");
+    let anon: i64 = db
+        .query_one("SELECT count(*) FROM gateway_audit WHERE principal = 'anonymous' AND status = 401", &[])
+        .await?
+        .get(0);
+    assert!(anon >= 5, "{anon}");
+    let all: String = db
+        .query_one("SELECT string_agg(concat_ws(' ', principal, role, path, outcome), ' ') FROM gateway_audit", &[])
+        .await?
+        .get(0);
+    for (_, _, k) in KEYS {
+        assert!(!all.contains(k), "a key reached the audit trail");
+    }
+    // The document served is the one in schemas/ (the access rules above come from it).
+    let served = api.req(reqwest::Method::GET, "/v1/openapi.json", None).send().await?.text().await?;
+    let file = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../schemas/openapi.json"))?;
+    assert_eq!(served, file);
+    // The helper prints the hash the config holds.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_pitcrew"))
+        .args(["gateway", "hash-key"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .and_then(|mut c| {
+            use std::io::Write;
+            c.stdin.take().expect("stdin").write_all(b"key-rita-readonly-0001\n")?;
+            c.wait_with_output()
+        })?;
+    assert_eq!(String::from_utf8(out.stdout)?.trim(), hash_key(key("rita")));
+    api.crew.shutdown().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_streams_its_past_then_live_events_and_is_approved_over_http() -> anyhow::Result<()> {
+    let mut api = Api::start(&Stage::ALL, "").await?;
+    let all = api.stream("/v1/events?kind=resolved,approval_decided", "rita").await?;
+    assert_eq!(all.status(), StatusCode::OK);
+    let mut all = Sse::new(all);
+    let (status, body) =
+        api.post("/v1/incidents", "otto", &json!({"service": "svc", "error": "stale lock held"})).await?;
+    assert_eq!(status, StatusCode::ACCEPTED, "{body}");
+    let run: Uuid = body["run_id"].as_str().unwrap_or_default().parse()?;
+    api.crew.events.kind(run, EventKind::ApprovalRequested, WAIT).await?;
+    let (status, pending) = api.get("/v1/approvals", "rita").await?;
+    assert_eq!(status, StatusCode::OK);
+    let plan_hash = pending["approvals"][0]["plan_hash"].as_str().unwrap_or_default().to_string();
+    assert_eq!(pending["approvals"][0]["run_id"], json!(run), "{pending}");
+
+    // The stream replays the past (intake first, up to the approval request) ...
+    let resp = api.stream(&format!("/v1/runs/{run}/events"), "rita").await?;
+    assert_eq!(resp.status(), StatusCode::OK);
+    assert_eq!(resp.headers()["content-type"], "text/event-stream");
+    let mut sse = Sse::new(resp);
+    let mut kinds = Vec::new();
+    loop {
+        let (id, kind, e) = sse.next().await?.expect("replayed events");
+        assert!(id.parse::<u64>().is_ok() && kind == e.kind.as_str() && e.run_id == run);
+        kinds.push(e.kind);
+        if e.kind == EventKind::ApprovalRequested {
+            break;
+        }
+    }
+    assert_eq!(kinds[0], EventKind::Status);
+    // ... refuses stale and reasonless decisions ...
+    let (status, body) = api.post(&format!("/v1/runs/{run}/approve"), "ann", &json!({"plan_hash": "0ld"})).await?;
+    assert_eq!(status, StatusCode::CONFLICT);
+    assert!(body["error"].as_str().unwrap_or_default().contains("stale plan"), "{body}");
+    let (status, body) = api.post(&format!("/v1/runs/{run}/deny"), "ann", &json!({})).await?;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert!(body["error"].as_str().unwrap_or_default().contains("needs a reason"), "{body}");
+    // ... then follows live events as the approval lets the plan run, and ends with the run.
+    let (status, body) = api.post(&format!("/v1/runs/{run}/approve"), "ann", &json!({"plan_hash": plan_hash})).await?;
+    assert_eq!(status, StatusCode::ACCEPTED, "{body}");
+    let mut live = Vec::new();
+    while let Some((_, _, e)) = sse.next().await? {
+        live.push(e.kind);
+    }
+    assert!(live.contains(&EventKind::Execution), "{live:?}");
+    assert_eq!(live.last(), Some(&EventKind::Resolved), "the stream ends with the run: {live:?}");
+    // The all-runs stream, filtered, saw the decision and the end.
+    let (_, _, first) = all.next().await?.expect("filtered events");
+    assert_eq!((first.run_id, first.kind), (run, EventKind::ApprovalDecided));
+    let (_, _, second) = all.next().await?.expect("filtered events");
+    assert_eq!((second.run_id, second.kind), (run, EventKind::Resolved));
+
+    // The full record.
+    let (status, rec) = api.get(&format!("/v1/runs/{run}"), "rita").await?;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(rec["status"], "resolved");
+    assert_eq!(rec["incident"]["service"], "svc");
+    assert_eq!(rec["approvals"][0]["decision"], "approve");
+    assert_eq!(rec["approvals"][0]["by"], "ann");
+    assert_eq!(rec["approvals"][0]["channel"], "http");
+    assert_eq!(rec["executions"].as_array().map(Vec::len), Some(2));
+    assert!(!rec["evaluations"].as_array().expect("evaluations").is_empty());
+    assert!(rec["timeline"].as_array().expect("timeline").len() >= 8);
+    assert_eq!(rec["report"]["outcome"], "resolved");
+    assert!(rec["report"]["summary"].as_str().unwrap_or_default().contains("approved by ann"), "{}", rec["report"]);
+    let (_, listed) = api.get("/v1/runs?status=resolved&service=svc&limit=5", "rita").await?;
+    assert_eq!(listed["runs"][0]["id"], json!(run));
+    let (_, none) = api.get("/v1/runs?status=open", "rita").await?;
+    assert_eq!(none["runs"].as_array().map(Vec::len), Some(0));
+    let (_, later) = api
+        .get(
+            &format!(
+                "/v1/runs?since={}",
+                (chrono::Utc::now() + chrono::Duration::hours(1)).to_rfc3339().replace('+', "%2B")
+            ),
+            "rita",
+        )
+        .await?;
+    assert_eq!(later["runs"].as_array().map(Vec::len), Some(0), "{later}");
+    // The all-runs stream replays from a time, for one run and kind.
+    let since = (chrono::Utc::now() - chrono::Duration::minutes(5)).to_rfc3339().replace('+', "%2B");
+    let mut past = Sse::new(api.stream(&format!("/v1/events?run={run}&kind=status&since={since}"), "rita").await?);
+    let (_, kind, e) = past.next().await?.expect("replayed from the start time");
+    assert_eq!((kind.as_str(), e.run_id, e.stage), ("status", run, Stage::Intake));
+    // Once the run's events are gone from the bus (they expire), its stream is the stored
+    // timeline, ending with the run.
+    let stream = api.crew.bus.js.get_stream(api.crew.bus.subjects.events_stream()).await?;
+    stream.purge().filter(api.crew.bus.subjects.events_of(run)).await.map_err(|e| anyhow::anyhow!("purge: {e}"))?;
+    let mut stored = Sse::new(api.stream(&format!("/v1/runs/{run}/events"), "rita").await?);
+    let mut kinds = Vec::new();
+    while let Some((id, _, e)) = stored.next().await? {
+        assert!(id.is_empty(), "stored events have no stream id");
+        kinds.push(e.kind);
+    }
+    assert_eq!(kinds.len(), rec["timeline"].as_array().map(Vec::len).unwrap_or_default(), "{kinds:?}");
+    assert_eq!((kinds.first(), kinds.last()), (Some(&EventKind::Status), Some(&EventKind::Resolved)));
+    // A decision on a decided plan is refused with who decided it.
+    let (status, body) = api.post(&format!("/v1/runs/{run}/deny"), "carol", &json!({"reason": "late"})).await?;
+    assert_eq!(status, StatusCode::CONFLICT);
+    assert!(body["error"].as_str().unwrap_or_default().contains("already decided: approve by ann via http"), "{body}");
+    api.crew.shutdown().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_and_oversized_bodies_are_refused_precisely_and_nothing_is_published() -> anyhow::Result<()> {
+    let api = Api::start(&[], "").await?;
+    let post_raw = |path: &str, ct: &str, body: Vec<u8>| {
+        api.req(reqwest::Method::POST, path, Some("otto")).header("content-type", ct).body(body).send()
+    };
+    let cases: Vec<(&str, &str, Vec<u8>, StatusCode, &str)> = vec![
+        ("/v1/incidents", "application/json", b"{not json".to_vec(), StatusCode::BAD_REQUEST, "invalid JSON body: key must be a string at line 1 column 2"),
+        ("/v1/incidents", "application/json", br#"{"service":"svc","error":"x","sevrity":"critical"}"#.to_vec(), StatusCode::BAD_REQUEST, "unknown field `sevrity`"),
+        ("/v1/incidents", "application/json", br#"{"error":"x"}"#.to_vec(), StatusCode::BAD_REQUEST, "missing field `service`"),
+        ("/v1/incidents", "application/json", br#"{"service":" ","error":"x"}"#.to_vec(), StatusCode::UNPROCESSABLE_ENTITY, "field 'service' is empty"),
+        ("/v1/incidents", "application/json", br#"{"service":"nope","error":"x"}"#.to_vec(), StatusCode::UNPROCESSABLE_ENTITY, "unknown service 'nope'"),
+        ("/v1/incidents", "application/json", b"".to_vec(), StatusCode::BAD_REQUEST, "request body is empty"),
+        ("/v1/incidents", "text/plain", br#"{"service":"svc","error":"x"}"#.to_vec(), StatusCode::UNSUPPORTED_MEDIA_TYPE, "Content-Type: application/json"),
+        ("/v1/incidents", "application/json", format!(r#"{{"service":"svc","error":"{}"}}"#, "x".repeat(5000)).into_bytes(), StatusCode::PAYLOAD_TOO_LARGE, "larger than the 4096-byte limit"),
+        ("/v1/alerts/alertmanager", "application/json", br#"{"version":"3","status":"firing","alerts":[]}"#.to_vec(), StatusCode::UNPROCESSABLE_ENTITY, "version '3'"),
+        ("/v1/alerts/alertmanager", "application/json", br#"{"version":"4","status":"firing"}"#.to_vec(), StatusCode::BAD_REQUEST, "missing field `alerts`"),
+        ("/v1/alerts/alertmanager", "application/json", br#"{"version":"4","status":"firing","alerts":[{"status":"firing","startsAt":"yesterday","fingerprint":"a1"}]}"#.to_vec(), StatusCode::BAD_REQUEST, "invalid JSON body: input contains invalid characters"),
+        // One good alert and one without a service label: nothing of either is published.
+        ("/v1/alerts/alertmanager", "application/json", serde_json::to_vec(&json!({"version": "4", "status": "firing", "alerts": [
+            {"status": "firing", "labels": {"alertname": "A", "service": "svc"}, "startsAt": "2026-11-22T07:00:00Z", "fingerprint": "a1"},
+            {"status": "firing", "labels": {"alertname": "B", "job": ""}, "startsAt": "2026-11-22T07:00:00Z", "fingerprint": "b2"}]}))?,
+            StatusCode::UNPROCESSABLE_ENTITY, "alerts[1] (alertname B, fingerprint b2): none of the labels [\"service\", \"job\"] names the service"),
+        ("/v1/runs/not-a-uuid/approve", "application/json", b"{}".to_vec(), StatusCode::FORBIDDEN, "needs role approver or admin"),
+    ];
+    for (path, ct, body, want, msg) in cases {
+        let resp = post_raw(path, ct, body).await?;
+        let status = resp.status();
+        let err: Value = resp.json().await?;
+        assert_eq!(status, want, "{path}: {err}");
+        assert!(err["error"].as_str().unwrap_or_default().contains(msg), "{path}: want {msg:?} in {err}");
+    }
+    let (status, err) = api.get("/v1/runs/not-a-uuid", "rita").await?;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    assert!(err["error"].as_str().unwrap_or_default().contains("'not-a-uuid' is not a run id"), "{err}");
+    for q in ["limit=abc", "status=bogus", "limit=0", "colour=red", "since=yesterday"] {
+        let (status, err) = api.get(&format!("/v1/runs?{q}"), "rita").await?;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{q}: {err}");
+        assert!(err["error"].is_string());
+    }
+    for (method, path, want) in [
+        (reqwest::Method::GET, "/v1/incidents", StatusCode::METHOD_NOT_ALLOWED),
+        (reqwest::Method::DELETE, "/v1/runs", StatusCode::METHOD_NOT_ALLOWED),
+        (reqwest::Method::GET, "/v2/nothing", StatusCode::NOT_FOUND),
+    ] {
+        let resp = api.req(method.clone(), path, Some("rita")).send().await?;
+        assert_eq!(resp.status(), want, "{method} {path}");
+        let err: Value = resp.json().await?;
+        assert!(err["error"].is_string(), "{err}");
+    }
+    let (status, err) = api.get(&format!("/v1/runs/{}", Uuid::new_v4()), "rita").await?;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    assert!(err["error"].as_str().unwrap_or_default().contains("no incident with this id"), "{err}");
+    let (status, err) = api.get("/v1/events?kind=nonsense", "rita").await?;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    assert!(err["error"].as_str().unwrap_or_default().contains("kind 'nonsense'"), "{err}");
+    let (status, err) = api.post("/v1/ask", "otto", &json!({"question": "why is checkout slow"})).await?;
+    assert_eq!(status, StatusCode::NOT_IMPLEMENTED);
+    assert!(err["error"].as_str().unwrap_or_default().contains("investigation mode"), "{err}");
+    // Nothing reached the incidents subject.
+    let mut stream = api.crew.bus.js.get_stream(api.crew.bus.subjects.incidents_stream()).await?;
+    assert_eq!(stream.info().await?.state.messages, 0, "a refused request published nothing");
+    // An oversized body is refused whatever its route.
+    let resp = post_raw("/v1/alerts/alertmanager", "application/json", vec![b' '; 10_000]).await?;
+    assert_eq!(resp.status(), StatusCode::PAYLOAD_TOO_LARGE);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_over_its_rate_gets_429_with_retry_after_and_readiness_follows_nats() -> anyhow::Result<()> {
+    let mut api = Api::start(&[], "rate_per_sec = 0.5\nrate_burst = 3").await?;
+    for _ in 0..3 {
+        assert_eq!(api.get("/v1/runs", "rita").await?.0, StatusCode::OK);
+    }
+    let resp = api.req(reqwest::Method::GET, "/v1/runs", Some("rita")).send().await?;
+    assert_eq!(resp.status(), StatusCode::TOO_MANY_REQUESTS);
+    let retry: u64 = resp.headers()["retry-after"].to_str()?.parse()?;
+    assert!((1..=2).contains(&retry), "{retry}");
+    let err: Value = resp.json().await?;
+    assert!(err["error"].as_str().unwrap_or_default().contains("rate limit exceeded for key 'rita'"), "{err}");
+    assert_eq!(api.get("/v1/runs", "carol").await?.0, StatusCode::OK, "another key has its own bucket");
+    // Guessing keys is limited like one key.
+    for _ in 0..3 {
+        let r = api.req(reqwest::Method::GET, "/v1/runs", None).bearer_auth("guess").send().await?;
+        assert_eq!(r.status(), StatusCode::UNAUTHORIZED);
+    }
+    let r = api.req(reqwest::Method::GET, "/v1/runs", None).bearer_auth("guess").send().await?;
+    assert_eq!(r.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert!(r.headers().contains_key("retry-after"));
+    let ready = api.req(reqwest::Method::GET, "/readyz", None).send().await?;
+    assert_eq!(ready.status(), StatusCode::OK);
+    let body: Value = ready.json().await?;
+    assert_eq!((body["nats"].as_str(), body["postgres"].as_str()), (Some("ok"), Some("ok")), "{body}");
+    api.crew.env.nats.kill();
+    let ready = api.req(reqwest::Method::GET, "/readyz", None).send().await?;
+    assert_eq!(ready.status(), StatusCode::SERVICE_UNAVAILABLE);
+    let body: Value = ready.json().await?;
+    assert_ne!(body["nats"], "ok", "{body}");
+    assert_eq!(body["postgres"], "ok", "{body}");
+    assert_eq!(api.req(reqwest::Method::GET, "/healthz", None).send().await?.status(), StatusCode::OK);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_live_stream_client_is_dropped_and_blocks_no_one() -> anyhow::Result<()> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let api = Api::start(&[], "").await?;
+    // A client that asks for every event and then reads nothing, with a tiny receive window.
+    let addr: std::net::SocketAddr = api.url.trim_start_matches("http://").parse()?;
+    let socket = tokio::net::TcpSocket::new_v4()?;
+    socket.set_recv_buffer_size(4096)?;
+    let mut slow = socket.connect(addr).await?;
+    slow.write_all(
+        format!(
+            "GET /v1/events HTTP/1.1\r\nHost: {addr}\r\nAuthorization: Bearer {}\r\nConnection: close\r\n\r\n",
+            key("rita")
+        )
+        .as_bytes(),
+    )
+    .await?;
+    let mut fast = Sse::new(api.stream("/v1/events", "rita").await?);
+    // 8000 events of 2 KiB: far more than the slow client's socket buffers and its 64 events.
+    let n = 8000;
+    let last = Uuid::new_v4();
+    for i in 0..=n {
+        let run = if i == n { last } else { Uuid::new_v4() };
+        let e = RunEvent {
+            run_id: run,
+            seq: 0,
+            index: 0,
+            stage: Stage::Intake,
+            kind: EventKind::Status,
+            message: "x".repeat(2048),
+            data: Value::Null,
+            worker: "test".into(),
+            at: chrono::Utc::now(),
+        };
+        api.crew.bus.client.publish(api.crew.bus.subjects.event(run, "status"), serde_json::to_vec(&e)?.into()).await?;
+    }
+    api.crew.bus.client.flush().await?;
+    // The fast client gets everything, to the last event, while the slow one stalls.
+    let mut got = 0;
+    loop {
+        let (_, _, e) = fast.next().await?.expect("the fast stream stays open");
+        got += 1;
+        if e.run_id == last {
+            break;
+        }
+    }
+    assert_eq!(got, n + 1);
+    let health = api.req(reqwest::Method::GET, "/healthz", None).send().await?;
+    assert_eq!(health.status(), StatusCode::OK);
+    // The slow client is dropped once its buffer stayed full for SLOW_CLIENT: one stream is left.
+    let open = |gw: &Gateway| pitcrew_gateway::events::MAX_STREAMS - gw.streams.available_permits();
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while open(&api.gw) > 1 {
+        assert!(tokio::time::Instant::now() < deadline, "the slow client was never dropped");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // What it can still read ends well before the last event.
+    let mut seen = Vec::new();
+    let read = tokio::time::timeout(WAIT, slow.read_to_end(&mut seen)).await;
+    assert!(read.is_ok(), "the slow client's stream was closed");
+    let text = String::from_utf8_lossy(&seen);
+    assert!(text.starts_with("HTTP/1.1 200"), "{}", &text[..text.len().min(200)]);
+    let events = text.matches("event: status").count();
+    assert!(events < n, "the slow client was cut off after {events} events");
+    assert!(!text.contains(&last.to_string()));
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_gateway_process_logs_and_audits_requests_but_never_a_key() -> anyhow::Result<()> {
+    let api = Api::start(&[], "").await?;
+    let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+    let log_path = api.crew.env.dir.path().join("gateway.log");
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_pitcrew"))
+        .arg("--config")
+        .arg(api.crew.config_file()?)
+        .arg("gateway")
+        .env("PITCREW_GATEWAY__LISTEN", format!("127.0.0.1:{port}"))
+        .env("PITCREW_LOG", "debug")
+        .env_remove("DATABASE_URL")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::fs::File::create(&log_path)?)
+        .spawn()?;
+    let url = format!("http://127.0.0.1:{port}");
+    let http = reqwest::Client::new();
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while http.get(format!("{url}/readyz")).send().await.map(|r| r.status() != StatusCode::OK).unwrap_or(true) {
+        assert!(tokio::time::Instant::now() < deadline, "{}", std::fs::read_to_string(&log_path)?);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let opened = http
+        .post(format!("{url}/v1/incidents"))
+        .bearer_auth(key("otto"))
+        .json(&json!({"service": "svc", "error": "connection refused"}))
+        .send()
+        .await?;
+    assert_eq!(opened.status(), StatusCode::ACCEPTED);
+    let wrong = http.post(format!("{url}/v1/incidents")).bearer_auth("wrong-key-XYZ-123").send().await?;
+    assert_eq!(wrong.status(), StatusCode::UNAUTHORIZED);
+    let read = http.get(format!("{url}/v1/runs")).header("x-api-key", key("rita")).send().await?;
+    assert_eq!(read.status(), StatusCode::OK);
+    let _ = child.kill();
+    let _ = child.wait();
+    let log = std::fs::read_to_string(&log_path)?;
+    assert!(log.contains("audit") && log.contains("otto"), "{log}");
+    for k in KEYS.iter().map(|k| k.2).chain(["wrong-key-XYZ-123"]) {
+        assert!(!log.contains(k), "a key reached the log:\n{log}");
+    }
+    let db = api.crew.db().await?;
+    let rows: Vec<(String, i32)> = db
+        .query("SELECT principal, status FROM gateway_audit ORDER BY id", &[])
+        .await?
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    assert_eq!(rows, [("otto".to_string(), 202), ("anonymous".to_string(), 401)], "reads are not audited");
+    Ok(())
+}
