@@ -221,3 +221,57 @@ async fn a_run_parked_for_approval_stays_one_trace() -> anyhow::Result<()> {
     drop(w);
     crew.shutdown().await
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_gateway_continues_the_callers_trace_and_counts_requests() -> anyhow::Result<()> {
+    let receiver = Receiver::start().await?;
+    let env = pitcrew_testkit::TestEnv::start().await?;
+    let key = "key-otto-operator-0002";
+    let text = format!(
+        "{}[gateway.keys.otto]\nrole = \"operator\"\nsha256 = \"{}\"\n",
+        common::marker_service(&env, "svc"),
+        pitcrew_gateway::access::hash_key(key)
+    );
+    let mut crew = Crew::start_in(env, &text, &[]).await?;
+    // The gateway in this process, exporting nothing: it passes the caller's trace on.
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let shutdown = futures::FutureExt::shared(futures::FutureExt::boxed(async move {
+        let _ = rx.await;
+    }));
+    let gw = pitcrew_gateway::Gateway::new(crew.cfg.clone(), crew.bus.clone(), crew.store.clone(), shutdown)?;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let url = format!("http://{}", listener.local_addr()?);
+    tokio::spawn(pitcrew_gateway::serve(gw, listener));
+    let extra = format!("[telemetry]\notlp_endpoint = \"{}\"\nservice_name = \"w\"\n", receiver.url);
+    let stages: Vec<&str> = pitcrew_model::Stage::ALL.iter().map(|s| s.as_str()).collect();
+    let mut w = crew.spawn_worker_with("w", &stages, &[("OTEL_BSP_SCHEDULE_DELAY", "100")], &extra)?;
+
+    let trace = "4bf92f3577b34da6a3ce929d0e0e4736";
+    let resp = reqwest::Client::new()
+        .post(format!("{url}/v1/incidents"))
+        .bearer_auth(key)
+        .header("traceparent", format!("00-{trace}-00f067aa0ba902b7-01"))
+        .json(&json!({ "service": "svc", "error": "GET /health: connection refused" }))
+        .send()
+        .await?;
+    assert_eq!(resp.status().as_u16(), 202);
+    let body: serde_json::Value = resp.json().await?;
+    let run: Uuid = body["run_id"].as_str().unwrap_or_default().parse()?;
+    assert_eq!(crew.events.terminal(run, common::WAIT).await?.kind, EventKind::Resolved);
+    stop(&mut w)?;
+    let id = run.to_string();
+    let spans = receiver.spans();
+    let traces: BTreeSet<&str> = spans
+        .iter()
+        .filter(|s| s.name == "stage" && s.attrs.get("run") == Some(&id))
+        .map(|s| s.trace.as_str())
+        .collect();
+    assert_eq!(traces, BTreeSet::from([trace]), "the run joined the caller's trace");
+
+    let text = pitcrew_runtime::metrics::render();
+    let series = "pitcrew_http_requests_total{route=\"/v1/incidents\",method=\"POST\",status=\"202\"} 1";
+    assert!(text.contains(series), "{text}");
+    let _ = tx.send(());
+    drop(w);
+    crew.shutdown().await
+}

@@ -47,6 +47,24 @@ static SCRAPE_ERRORS: Counter = Counter::new(
     &["source"],
 );
 
+static HTTP_REQUESTS: Counter = Counter::new(
+    "pitcrew_http_requests_total",
+    "Gateway requests answered, by route template, method and status.",
+    &["route", "method", "status"],
+);
+static HTTP_SECONDS: Histogram = Histogram::new(
+    "pitcrew_http_request_duration_seconds",
+    "Time to answer a gateway request (a live stream: until it closed), by route template.",
+    &["route"],
+    LATENCY_BUCKETS,
+);
+
+/// The gateway answered `method route` (a route template, never a raw path) with `status`.
+pub fn http_request(route: &str, method: &str, status: u16, took: Duration) {
+    HTTP_REQUESTS.inc(&[route, method, &status.to_string()]);
+    HTTP_SECONDS.observe(&[route], took.as_secs_f64());
+}
+
 /// A message of `consumer` started.
 pub fn started(consumer: &str) {
     IN_FLIGHT.add(&[consumer], 1.0);
