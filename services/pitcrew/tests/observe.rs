@@ -169,7 +169,11 @@ async fn an_unreachable_collector_is_reported_once_and_runs_go_on() -> anyhow::R
     let port = pitcrew_runtime::natsd::free_port()?;
     let extra = format!("[telemetry]\notlp_endpoint = \"http://127.0.0.1:{port}\"\n");
     let stages: Vec<&str> = pitcrew_model::Stage::ALL.iter().map(|s| s.as_str()).collect();
-    let env = [("OTEL_BSP_SCHEDULE_DELAY", "100"), ("PITCREW_LOG", "info,pitcrew_exec=debug")];
+    let env = [
+        ("OTEL_BSP_SCHEDULE_DELAY", "100"),
+        ("PITCREW_LOG", "info,pitcrew_exec=debug"),
+        ("PITCREW_LOG_FORMAT", "json"),
+    ];
     let mut w = crew.spawn_worker_with("w", &stages, &env, &extra)?;
     let mut runs = Vec::new();
     for i in 0..3 {
@@ -184,7 +188,23 @@ async fn an_unreachable_collector_is_reported_once_and_runs_go_on() -> anyhow::R
     let log = std::fs::read_to_string(&w.log)?;
     let warned = log.matches("cannot export spans to the OTLP collector").count();
     assert_eq!(warned, 1, "one warning, not one per batch:\n{log}");
-    assert!(runs.iter().all(|r: &Uuid| log.contains(&r.to_string())), "log lines carry the run id");
+    // JSON lines; those written while a stage handled a run carry the run (its span's fields).
+    let lines: Vec<serde_json::Value> =
+        log.lines().map(serde_json::from_str).collect::<Result<_, _>>().map_err(|e| anyhow::anyhow!("{e}: {log}"))?;
+    let commands: Vec<&serde_json::Value> =
+        lines.iter().filter(|l| l["fields"]["message"] == "local command finished").collect();
+    assert!(!commands.is_empty(), "{log}");
+    for r in &runs {
+        let id = r.to_string();
+        assert!(
+            commands.iter().any(|l| l["span"]["name"] == "command" && l.to_string().contains(&id)),
+            "{id} in {log}"
+        );
+    }
+    for l in &commands {
+        let run = l["spans"].as_array().and_then(|s| s.iter().find_map(|s| s["run"].as_str()));
+        assert!(run.is_some(), "a line inside a run names it: {l}");
+    }
     drop(w);
     crew.shutdown().await
 }
