@@ -13,6 +13,7 @@ pub mod stage;
 pub mod store;
 pub mod target;
 pub mod telemetry;
+pub mod trace;
 
 pub use bus::{Bus, BusError};
 pub use config::Config;
