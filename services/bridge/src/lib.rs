@@ -24,3 +24,13 @@ pub async fn connect(cfg: &pitcrew_runtime::Config) -> anyhow::Result<(pitcrew_r
     }
     Ok((bus, store))
 }
+
+/// `s` cut to at most `max` characters (chat APIs count characters), an ellipsis marking a cut.
+pub(crate) fn clip(s: &str, max: usize) -> String {
+    if s.chars().count() <= max {
+        return s.to_string();
+    }
+    let mut out: String = s.chars().take(max.saturating_sub(1)).collect();
+    out.push('…');
+    out
+}

@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{count, marker_service, write, Crew, WAIT};
+use common::{count, marker_service, write, Crew, LOCKED_PLAYBOOK, WAIT};
 use futures::FutureExt;
 use pitcrew_gateway::access::{hash_key, Access, Role};
 use pitcrew_gateway::Gateway;
@@ -29,14 +29,6 @@ const KEYS: &[(&str, &str, &str)] = &[
 fn key(owner: &str) -> &'static str {
     KEYS.iter().find(|(o, _, _)| *o == owner).map(|(_, _, k)| *k).expect("a test key")
 }
-
-const PLAYBOOK: &str = r#"
-[[rule]]
-name = "locked"
-match = "(?i)stale lock"
-diagnosis = "{service} is held by a stale lock"
-plans = [["rm -f {dir}/svc.lock", "touch {dir}/svc-healthy"]]
-"#;
 
 fn gateway_toml(rate: &str) -> String {
     let mut t = format!("[gateway]\nbody_limit_bytes = 4096\n{rate}\nsse_buffer = 64\n");
@@ -84,7 +76,7 @@ async fn start_gateway(
 impl Api {
     async fn start(stages: &[Stage], rate: &str) -> anyhow::Result<Api> {
         let env = TestEnv::start().await?;
-        let book = write(&env, "playbook.toml", PLAYBOOK);
+        let book = write(&env, "playbook.toml", LOCKED_PLAYBOOK);
         let svc = marker_service(&env, "svc");
         let text = format!("[reasoning]\nplaybook_file = \"{book}\"\n{svc}{}", gateway_toml(rate));
         let crew = Crew::start_in(env, &text, stages).await?;

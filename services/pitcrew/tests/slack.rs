@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{count, marker_service, write, Crew, WAIT};
+use common::{count, marker_service, write, Crew, LOCKED_PLAYBOOK, WAIT};
 use futures::TryStreamExt;
 use pitcrew::cli;
 use pitcrew_model::{EventKind, Stage};
@@ -22,15 +22,6 @@ const SIGNING_SECRET: &str = "8f742231b10e8888abcd99yyyzzz85a5-test";
 const CHANNEL: &str = "C0OPS";
 const MM_TOKEN: &str = "mm-bot-token-5f0c2a9e7d1b4c3a";
 const MM_ACTION_SECRET: &str = "mm-action-secret-9a8b7c6d5e4f";
-
-/// A plan that policy marks critical (`rm`), so the run waits for a decision.
-const PLAYBOOK: &str = r#"
-[[rule]]
-name = "locked"
-match = "(?i)stale lock"
-diagnosis = "{service} is held by a stale lock"
-plans = [["rm -f {dir}/svc.lock", "touch {dir}/svc-healthy"]]
-"#;
 
 /// The crew, the fake Slack and the port the bridge listens on.
 async fn setup() -> anyhow::Result<(Crew, FakeSlack, u16)> {
@@ -53,7 +44,7 @@ async fn setup_with_policy(policy: Option<&str>) -> anyhow::Result<(Crew, FakeSl
 /// `[bridge.*]` table).
 async fn crew_with(bridge: &str, policy: Option<&str>) -> anyhow::Result<Crew> {
     let env = TestEnv::start().await?;
-    let book = write(&env, "playbook.toml", PLAYBOOK);
+    let book = write(&env, "playbook.toml", LOCKED_PLAYBOOK);
     let policy = match policy {
         Some(rules) => format!("[policy]\nfile = \"{}\"\n", write(&env, "policy.toml", rules)),
         None => String::new(),

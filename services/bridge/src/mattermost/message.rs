@@ -3,6 +3,7 @@
 //! carries an HMAC of its action, run and plan made with the bridge's action secret: only a
 //! button this bridge made can decide, and only what it says.
 
+use crate::clip;
 use crate::secret::Secret;
 use pitcrew_model::{ApprovalRequest, Decision};
 use ring::hmac;
@@ -104,15 +105,6 @@ fn describe(req: &ApprovalRequest) -> Value {
         "text": clip(&text, TEXT_MAX),
         "fields": fields,
     })
-}
-
-fn clip(s: &str, max: usize) -> String {
-    if s.chars().count() <= max {
-        return s.to_string();
-    }
-    let mut out: String = s.chars().take(max.saturating_sub(1)).collect();
-    out.push('…');
-    out
 }
 
 #[cfg(test)]

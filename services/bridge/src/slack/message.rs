@@ -2,6 +2,7 @@
 //! buttons (each button's value names the run and the exact plan), and the same message with
 //! the outcome in place of the buttons once someone decided.
 
+use crate::clip;
 use pitcrew_model::{ApprovalRequest, Decision};
 use serde_json::{json, Value};
 use uuid::Uuid;
@@ -127,15 +128,6 @@ fn describe(req: &ApprovalRequest) -> Vec<Value> {
 /// Slack's mrkdwn control characters.
 fn escape(s: &str) -> String {
     s.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;")
-}
-
-fn clip(s: &str, max: usize) -> String {
-    if s.chars().count() <= max {
-        return s.to_string();
-    }
-    let mut out: String = s.chars().take(max.saturating_sub(1)).collect();
-    out.push('…');
-    out
 }
 
 #[cfg(test)]

@@ -16,6 +16,15 @@ use uuid::Uuid;
 
 pub const WAIT: Duration = Duration::from_secs(60);
 
+/// A plan that policy marks critical (`rm`), so the run waits for a decision.
+pub const LOCKED_PLAYBOOK: &str = r#"
+[[rule]]
+name = "locked"
+match = "(?i)stale lock"
+diagnosis = "{service} is held by a stale lock"
+plans = [["rm -f {dir}/svc.lock", "touch {dir}/svc-healthy"]]
+"#;
+
 /// A running crew over its own environment.
 pub struct Crew {
     pub env: TestEnv,

@@ -237,28 +237,7 @@ impl Store {
 
     /// The most recent runs, newest first.
     pub async fn recent_runs(&self, limit: i64) -> Result<Vec<RunSummary>, StoreError> {
-        let client = self.client().await?;
-        let rows = client
-            .query(
-                "SELECT r.id, i.service, i.error, r.status, r.stage, r.attempt, r.reason, r.created_at, r.updated_at
-                 FROM runs r JOIN incidents i ON i.id = r.id ORDER BY r.created_at DESC LIMIT $1",
-                &[&limit],
-            )
-            .await?;
-        Ok(rows
-            .iter()
-            .map(|r| RunSummary {
-                id: r.get(0),
-                service: r.get(1),
-                error: r.get(2),
-                status: r.get(3),
-                stage: r.get(4),
-                attempt: r.get(5),
-                reason: r.get(6),
-                created_at: r.get(7),
-                updated_at: r.get(8),
-            })
-            .collect())
+        self.list_runs(&super::RunFilter { limit, ..Default::default() }).await
     }
 
     /// A run's timeline in order.
