@@ -80,7 +80,49 @@ impl Store {
     pub async fn open_run(&self, state: &RunState) -> Result<OpenRun, StoreError> {
         let inc = &state.incident;
         let fp = inc.effective_fingerprint();
+        let severity =
+            serde_json::to_value(inc.severity).ok().and_then(|v| v.as_str().map(str::to_string)).unwrap_or_default();
+        let labels = serde_json::to_value(&inc.labels).unwrap_or_default();
         let mut client = self.client().await?;
+        // The common case, a new incident starting its run, is one statement (one round trip,
+        // atomic without BEGIN/COMMIT; the run's foreign key is checked at its end). A run not
+        // created (a redelivery, or another open run with the fingerprint) takes the
+        // transaction below to find out which; its inserts are no-ops by then.
+        let fast = client
+            .prepare_cached(
+                "WITH i AS (
+                     INSERT INTO incidents (id, fingerprint, service, host, error, severity, source, labels, observed_at)
+                     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9) ON CONFLICT (id) DO NOTHING),
+                 r AS (
+                     INSERT INTO runs (id, fingerprint, status, stage, seq, attempt, state)
+                     VALUES ($1, $2, 'open', $10, $11, $12, $13) ON CONFLICT DO NOTHING RETURNING 1)
+                 SELECT count(*) FROM r",
+            )
+            .await?;
+        let created: i64 = client
+            .query_one(
+                &fast,
+                &[
+                    &state.run_id,
+                    &fp,
+                    &inc.service,
+                    &inc.host,
+                    &inc.error,
+                    &severity,
+                    &inc.source,
+                    &labels,
+                    &inc.observed_at,
+                    &state.step.as_str(),
+                    &(state.seq as i32),
+                    &(state.attempt as i32),
+                    &state_json(state),
+                ],
+            )
+            .await?
+            .get(0);
+        if created == 1 {
+            return Ok(OpenRun::Created);
+        }
         let tx = client.transaction().await?;
         let ins_incident = tx
             .prepare_cached(
@@ -88,9 +130,6 @@ impl Store {
                  VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9) ON CONFLICT (id) DO NOTHING",
             )
             .await?;
-        let severity =
-            serde_json::to_value(inc.severity).ok().and_then(|v| v.as_str().map(str::to_string)).unwrap_or_default();
-        let labels = serde_json::to_value(&inc.labels).unwrap_or_default();
         tx.execute(
             &ins_incident,
             &[
