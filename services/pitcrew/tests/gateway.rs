@@ -655,3 +655,44 @@ async fn the_gateway_process_logs_and_audits_requests_but_never_a_key() -> anyho
     assert_eq!(rows, [("otto".to_string(), 202), ("anonymous".to_string(), 401)], "reads are not audited");
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_too_slow_with_its_headers_or_its_body_holds_no_connection() -> anyhow::Result<()> {
+    use pitcrew_gateway::body::BODY_TIMEOUT;
+    use pitcrew_runtime::httpd::HEADER_TIMEOUT;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let api = Api::start(&[], "").await?;
+    let addr = api.url.trim_start_matches("http://").to_string();
+    // Slowloris: half a request's headers, then nothing.
+    let mut headers = tokio::net::TcpStream::connect(&addr).await?;
+    headers.write_all(b"POST /v1/incidents HTTP/1.1\r\nHost: gateway\r\nContent-Type: application/json\r\n").await?;
+    // A body that never arrives whole.
+    let mut body = tokio::net::TcpStream::connect(&addr).await?;
+    let head = format!(
+        "POST /v1/incidents HTTP/1.1\r\nHost: gateway\r\nAuthorization: Bearer {}\r\n\
+         Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{{\"service\": \"svc\"",
+        key("otto")
+    );
+    body.write_all(head.as_bytes()).await?;
+    let started = tokio::time::Instant::now();
+    let limit = HEADER_TIMEOUT.max(BODY_TIMEOUT) + Duration::from_secs(10);
+    let closed = |mut s: tokio::net::TcpStream| async move {
+        let mut seen = Vec::new();
+        match tokio::time::timeout(limit, s.read_to_end(&mut seen)).await {
+            Err(_) => anyhow::bail!("the connection is still open after {limit:?}"),
+            // Closed, maybe with a reset: either way the server let go.
+            Ok(_) => Ok(String::from_utf8_lossy(&seen).to_string()),
+        }
+    };
+    let (h, b) = tokio::join!(closed(headers), closed(body));
+    let (h, b) = (h?, b?);
+    assert!(started.elapsed() >= HEADER_TIMEOUT.min(BODY_TIMEOUT) - Duration::from_secs(1), "cut by the timeouts");
+    assert!(!h.contains("202"), "the half request was not served: {h}");
+    assert!(b.starts_with("HTTP/1.1 408"), "{b}");
+    assert!(b.contains("the request body took more than 10 s to arrive"), "{b}");
+    // The gateway serves on, and nothing was published.
+    assert_eq!(api.req(reqwest::Method::GET, "/healthz", None).send().await?.status(), StatusCode::OK);
+    let mut stream = api.crew.bus.js.get_stream(api.crew.bus.subjects.incidents_stream()).await?;
+    assert_eq!(stream.info().await?.state.messages, 0);
+    Ok(())
+}

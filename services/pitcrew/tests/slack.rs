@@ -666,3 +666,44 @@ async fn through_an_incoming_webhook_the_decided_message_is_replaced_on_its_resp
     secrets_kept_of(&crew, &[log], &[hook.as_str(), "hook0secret0xyzzy1234", SIGNING_SECRET]).await?;
     crew.shutdown().await
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_callback_too_slow_with_its_headers_or_its_body_holds_no_connection() -> anyhow::Result<()> {
+    use pitcrew_bridge::inbound::BODY_TIMEOUT;
+    use pitcrew_runtime::httpd::HEADER_TIMEOUT;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let (mut crew, _slack, port) = setup().await?;
+    let bridge = Bridge::start(&crew, port, "bridge").await?;
+    let addr = format!("127.0.0.1:{port}");
+    // Slowloris: half a request's headers, then nothing.
+    let mut headers = tokio::net::TcpStream::connect(&addr).await?;
+    headers.write_all(b"POST /slack/interactions HTTP/1.1\r\nHost: bridge\r\n").await?;
+    // A signed-looking callback whose body never arrives whole.
+    let mut body = tokio::net::TcpStream::connect(&addr).await?;
+    let now = chrono::Utc::now().timestamp();
+    let head = format!(
+        "POST /slack/interactions HTTP/1.1\r\nHost: bridge\r\nContent-Type: application/x-www-form-urlencoded\r\n\
+         X-Slack-Request-Timestamp: {now}\r\nX-Slack-Signature: v0=00\r\nContent-Length: 1000\r\n\r\npayload=%7B"
+    );
+    body.write_all(head.as_bytes()).await?;
+    let started = tokio::time::Instant::now();
+    let limit = HEADER_TIMEOUT.max(BODY_TIMEOUT) + Duration::from_secs(10);
+    let closed = |mut s: tokio::net::TcpStream| async move {
+        let mut seen = Vec::new();
+        match tokio::time::timeout(limit, s.read_to_end(&mut seen)).await {
+            Err(_) => anyhow::bail!("the connection is still open after {limit:?}"),
+            Ok(_) => Ok(String::from_utf8_lossy(&seen).to_string()),
+        }
+    };
+    let (h, b) = tokio::join!(closed(headers), closed(body));
+    let (h, b) = (h?, b?);
+    assert!(started.elapsed() >= HEADER_TIMEOUT.min(BODY_TIMEOUT) - Duration::from_secs(1), "cut by the timeouts");
+    assert!(!h.contains("200"), "the half request was not served: {h}");
+    assert!(b.starts_with("HTTP/1.1 408"), "{b}");
+    assert!(b.contains("the body took too long to arrive"), "{b}");
+    // The bridge serves on.
+    let health = reqwest::get(format!("{}/healthz", bridge.url)).await?;
+    assert_eq!(health.status(), 200);
+    bridge.stop().await?;
+    crew.shutdown().await
+}
