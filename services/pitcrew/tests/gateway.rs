@@ -372,11 +372,38 @@ async fn a_run_streams_its_past_then_live_events_and_is_approved_over_http() -> 
     let (status, body) = api.post(&format!("/v1/runs/{run}/approve"), "ann", &json!({"plan_hash": plan_hash})).await?;
     assert_eq!(status, StatusCode::ACCEPTED, "{body}");
     let mut live = Vec::new();
-    while let Some((_, _, e)) = sse.next().await? {
+    let mut ids = Vec::new();
+    while let Some((id, _, e)) = sse.next().await? {
         live.push(e.kind);
+        ids.push(id);
     }
     assert!(live.contains(&EventKind::Execution), "{live:?}");
     assert_eq!(live.last(), Some(&EventKind::Resolved), "the stream ends with the run: {live:?}");
+    // A client reconnecting with Last-Event-ID after the run ended gets what it missed, and
+    // the stream ends: from the first live event, the rest up to the end ...
+    let resume = |last: String| {
+        api.http
+            .get(format!("{}/v1/runs/{run}/events", api.url))
+            .bearer_auth(key("rita"))
+            .header("last-event-id", last)
+            .send()
+    };
+    // (Keep-alives would hold a stream open forever: each read here has a deadline.)
+    let mut rest = Sse::new(resume(ids[0].clone()).await?);
+    let missed = tokio::time::timeout(WAIT, async {
+        let mut missed = Vec::new();
+        while let Some((id, _, _)) = rest.next().await? {
+            missed.push(id);
+        }
+        anyhow::Ok(missed)
+    })
+    .await
+    .map_err(|_| anyhow::anyhow!("the resumed stream of an ended run never ended"))??;
+    assert_eq!(missed, ids[1..], "the events after Last-Event-ID, then the end");
+    // ... and from the last event, nothing: the stream ends at once.
+    let mut none = Sse::new(resume(ids.last().cloned().unwrap_or_default()).await?);
+    let end = tokio::time::timeout(WAIT, none.next()).await.map_err(|_| anyhow::anyhow!("never ended"))??;
+    assert!(end.is_none(), "a resumed stream of an ended run ends");
     // The all-runs stream, filtered, saw the decision and the end.
     let (_, _, first) = all.next().await?.expect("filtered events");
     assert_eq!((first.run_id, first.kind), (run, EventKind::ApprovalDecided));
@@ -487,6 +514,19 @@ async fn malformed_and_oversized_bodies_are_refused_precisely_and_nothing_is_pub
     let (status, err) = api.get(&format!("/v1/runs/{}", Uuid::new_v4()), "rita").await?;
     assert_eq!(status, StatusCode::NOT_FOUND);
     assert!(err["error"].as_str().unwrap_or_default().contains("no incident with this id"), "{err}");
+    // A Last-Event-ID at the end of the sequence range is refused, not an overflow.
+    let resp = api
+        .req(reqwest::Method::GET, "/v1/events", Some("rita"))
+        .header("last-event-id", u64::MAX.to_string())
+        .send()
+        .await?;
+    assert_eq!(resp.status(), StatusCode::BAD_REQUEST);
+    let err: Value = resp.json().await?;
+    assert!(err["error"].as_str().unwrap_or_default().contains("Last-Event-ID"), "{err}");
+    // A kind named twice is one filter (JetStream refuses overlapping ones).
+    let twice = api.stream("/v1/events?kind=status,status", "rita").await?;
+    assert_eq!(twice.status(), StatusCode::OK);
+    drop(twice);
     let (status, err) = api.get("/v1/events?kind=nonsense", "rita").await?;
     assert_eq!(status, StatusCode::BAD_REQUEST);
     assert!(err["error"].as_str().unwrap_or_default().contains("kind 'nonsense'"), "{err}");
