@@ -165,6 +165,9 @@ impl Keys {
     }
 }
 
+/// Most rate-limit buckets kept at once.
+pub const MAX_BUCKETS: usize = 10_000;
+
 /// A token bucket per key: `burst` requests at once, refilled at `rate` per second.
 pub struct RateLimiter {
     rate: f64,
@@ -182,10 +185,20 @@ impl RateLimiter {
     }
 
     /// Take a token for `key`, or say how long until one is there. Keys are the configured
-    /// owners, so the map is bounded by the config.
+    /// owners, but the map is bounded whatever the keys: past [`MAX_BUCKETS`], buckets that
+    /// have refilled (the same as no bucket) are dropped, then the least recently used.
     pub fn take(&self, key: &str) -> Result<(), Duration> {
         let now = Instant::now();
         let mut buckets = self.buckets.lock().unwrap_or_else(|p| p.into_inner());
+        if buckets.len() >= MAX_BUCKETS && !buckets.contains_key(key) {
+            let (rate, burst) = (self.rate, self.burst);
+            buckets.retain(|_, (tokens, last)| *tokens + now.duration_since(*last).as_secs_f64() * rate < burst);
+            if buckets.len() >= MAX_BUCKETS {
+                if let Some(oldest) = buckets.iter().min_by_key(|(_, (_, last))| *last).map(|(k, _)| k.clone()) {
+                    buckets.remove(&oldest);
+                }
+            }
+        }
         let (tokens, last) = buckets.entry(key.to_string()).or_insert((self.burst, now));
         *tokens = (*tokens + now.duration_since(*last).as_secs_f64() * self.rate).min(self.burst);
         *last = now;
@@ -357,5 +370,17 @@ mod tests {
         let wait = rl.take("a").unwrap_err();
         assert!(wait > Duration::from_millis(500) && wait <= Duration::from_secs(1), "{wait:?}");
         assert!(rl.take("b").is_ok(), "buckets are per key");
+    }
+
+    #[test]
+    fn the_buckets_stay_bounded_whatever_the_keys() {
+        let cfg = GatewayConfig { rate_per_sec: 0.001, rate_burst: 1, ..GatewayConfig::default() };
+        let rl = RateLimiter::new(&cfg);
+        for i in 0..MAX_BUCKETS + 500 {
+            assert!(rl.take(&format!("k{i}")).is_ok());
+        }
+        assert!(rl.buckets.lock().unwrap().len() <= MAX_BUCKETS);
+        // The newest keys keep their (empty) buckets: still refused.
+        assert!(rl.take(&format!("k{}", MAX_BUCKETS + 499)).is_err());
     }
 }
