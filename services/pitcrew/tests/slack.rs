@@ -668,6 +668,42 @@ async fn through_an_incoming_webhook_the_decided_message_is_replaced_on_its_resp
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_click_racing_one_the_crew_has_not_recorded_yet_is_refused() -> anyhow::Result<()> {
+    let (mut crew, slack, port) = setup().await?;
+    let bridge = Bridge::start(&crew, port, "bridge").await?;
+    let run = crew.open("svc", "stale lock held").await?;
+    crew.events.kind(run, EventKind::ApprovalRequested, WAIT).await?;
+    let post = posted(&slack, run).await?;
+    let ts = post.answer["ts"].as_str().unwrap_or_default().to_string();
+    // The crew is stopped: Ann's click reaches the bridge subject but nobody records it yet.
+    crew.shutdown().await?;
+    let ann = interaction("U0ANN", "approve", &button(&post, "approve"), &ts, &slack.response_url(1));
+    let (status, text) = bridge.click(&ann).await?;
+    assert_eq!((status, text.as_str()), (200, ""));
+    assert_eq!(decisions_published(&crew, run).await?, 1);
+    let db = crew.db().await?;
+    assert_eq!(count(&db, "SELECT count(*) FROM approvals WHERE run_id = $1 AND decision IS NULL", run).await, 1);
+    // Bob's Deny arrives before the crew recorded Ann's: refused, naming the decision that won.
+    let bob = interaction("U0BOB", "deny", &button(&post, "deny"), &ts, &slack.response_url(2));
+    let (status, text) = bridge.click(&bob).await?;
+    assert_eq!(status, 200, "{text}");
+    let answer: Value = serde_json::from_str(&text)?;
+    let reason = answer["text"].as_str().unwrap_or_default();
+    assert!(reason.contains("already decided: approve by ann via slack"), "{text}");
+    assert!(reason.contains("this decision is ignored"), "{text}");
+    assert_eq!(decisions_published(&crew, run).await?, 1, "the racing decision was not published");
+    // The crew comes back and runs what Ann approved.
+    crew.run(&Stage::ALL);
+    let end = crew.end(run).await?;
+    assert_eq!(end.kind, EventKind::Resolved, "{}", end.message);
+    assert!(end.message.contains("approved by ann"), "{}", end.message);
+    let row = db.query_one("SELECT decision, decided_by FROM approvals WHERE run_id = $1", &[&run]).await?;
+    assert_eq!((row.get::<_, String>(0), row.get::<_, String>(1)), ("approve".into(), "ann".into()));
+    bridge.stop().await?;
+    crew.shutdown().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_callback_too_slow_with_its_headers_or_its_body_holds_no_connection() -> anyhow::Result<()> {
     use pitcrew_bridge::inbound::BODY_TIMEOUT;
     use pitcrew_runtime::httpd::HEADER_TIMEOUT;

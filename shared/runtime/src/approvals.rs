@@ -1,11 +1,19 @@
 //! Deciding approvals, shared by every channel (CLI, gateway, chat bridges): find the run's
-//! pending request on the bridge stream and publish a decision for its exact plan hash.
+//! pending request on the bridge stream and publish a decision for its exact plan hash, unless
+//! that plan is decided already (in Postgres, or on the bridge subject and not yet recorded).
 
 use crate::{Bus, Store};
 use anyhow::{anyhow, bail, Context};
+use async_nats::jetstream::stream::LastRawMessageErrorKind;
 use pitcrew_model::codec::JSON;
 use pitcrew_model::{ApprovalDecision, ApprovalRequest, Decision};
+use std::time::Duration;
 use uuid::Uuid;
+
+/// How long a decision on the bridge subject counts as in flight (published, not yet recorded
+/// by the crew). Past it, a decision the crew never recorded was refused by it and blocks
+/// nothing.
+pub const IN_FLIGHT: Duration = Duration::from_secs(60);
 
 /// The latest approval request of a run, from the bridge stream.
 pub async fn approval_request(bus: &Bus, run: Uuid) -> anyhow::Result<ApprovalRequest> {
@@ -66,6 +74,22 @@ pub async fn submit(bus: &Bus, store: Option<&Store>, input: DecisionInput<'_>) 
             );
         }
     }
+    // A decision for this plan may be on the bridge subject already, not yet recorded by the
+    // crew (two clicks racing): it wins, this one would be ignored, so say so now.
+    if let Some(prev) = in_flight(bus, run, &req.plan_hash).await? {
+        let another_vote =
+            decision == Decision::Approve && prev.decision == Decision::Approve && req.quorum > 1 && prev.by != by;
+        if !another_vote {
+            bail!(
+                "plan {} of run {run} was already decided: {} by {} via {} at {} (being recorded: this decision is ignored)",
+                req.plan_hash,
+                prev.decision.as_str(),
+                prev.by,
+                prev.channel,
+                prev.decided_at.format("%Y-%m-%d %H:%M:%S")
+            );
+        }
+    }
     let d = ApprovalDecision {
         run_id: run,
         decision,
@@ -78,4 +102,20 @@ pub async fn submit(bus: &Bus, store: Option<&Store>, input: DecisionInput<'_>) 
     let id = format!("{run}.{}.{}.{by}", req.plan_hash, decision.as_str());
     bus.publish(bus.subjects.approval_decided(run), &id, JSON, Some(run), serde_json::to_vec(&d)?.into()).await?;
     Ok(req)
+}
+
+/// The last decision published for `plan_hash` of `run` within [`IN_FLIGHT`], if any.
+pub async fn in_flight(bus: &Bus, run: Uuid, plan_hash: &str) -> anyhow::Result<Option<ApprovalDecision>> {
+    let stream = bus.js.get_stream(bus.subjects.approvals_stream()).await?;
+    let msg = match stream.get_last_raw_message_by_subject(&bus.subjects.approval_decided(run)).await {
+        Ok(m) => m,
+        Err(e) if e.kind() == LastRawMessageErrorKind::NoMessageFound => return Ok(None),
+        Err(e) => return Err(anyhow!("reading the decisions of run {run}: {e} (retry)")),
+    };
+    let Ok(d) = serde_json::from_slice::<ApprovalDecision>(&msg.payload) else { return Ok(None) };
+    let age = time::OffsetDateTime::now_utc() - msg.time;
+    if d.plan_hash.as_deref() != Some(plan_hash) || age > IN_FLIGHT {
+        return Ok(None);
+    }
+    Ok(Some(d))
 }
