@@ -1,7 +1,7 @@
 //! Access control: API keys (stored as SHA-256, compared in constant time, never logged)
 //! mapped to roles, what each route needs (read from the OpenAPI document, so the document
 //! and the rules cannot disagree), a token bucket per key, and the audit of every mutating
-//! request (Postgres and the log).
+//! request (Postgres and the log; one refused by the rate limit only in the log).
 
 use crate::error::{ApiError, Outcome};
 use crate::Gateway;
@@ -223,6 +223,9 @@ fn presented_key(req: &Request) -> Option<&str> {
     h.get("x-api-key").and_then(|v| v.to_str().ok()).map(str::trim)
 }
 
+/// Longest request path kept in the audit trail.
+const MAX_AUDIT_PATH: usize = 512;
+
 /// The rate-limit bucket of requests without a valid key (a name no owner has in practice).
 const UNAUTHENTICATED: &str = "\0unauthenticated";
 
@@ -276,7 +279,7 @@ pub async fn guard(State(gw): State<Arc<Gateway>>, mut req: Request, next: Next)
             principal: principal.to_string(),
             role: caller.as_ref().map(|c| c.role.as_str().to_string()),
             method: method.to_string(),
-            path,
+            path: pitcrew_model::trim::clip(&path, MAX_AUDIT_PATH),
             status: i32::from(status),
             outcome: pitcrew_model::trim::clip(&outcome, 1000),
             remote,
@@ -292,7 +295,10 @@ pub async fn guard(State(gw): State<Arc<Gateway>>, mut req: Request, next: Next)
             run = ?entry.run_id,
             "audit"
         );
-        if let Err(e) = gw.store.record_audit(&entry).await {
+        // A refusal by the rate limit is only logged: stored, it would let anyone write rows
+        // to Postgres as fast as they can send requests.
+        let stored = if status == 429 { Ok(()) } else { gw.store.record_audit(&entry).await };
+        if let Err(e) = stored {
             tracing::error!(error = %e, path = %entry.path, "audit record not stored in Postgres (the log line above has it)");
         }
     }

@@ -563,6 +563,22 @@ async fn a_key_over_its_rate_gets_429_with_retry_after_and_readiness_follows_nat
     let r = api.req(reqwest::Method::GET, "/v1/runs", None).bearer_auth("guess").send().await?;
     assert_eq!(r.status(), StatusCode::TOO_MANY_REQUESTS);
     assert!(r.headers().contains_key("retry-after"));
+    // Anonymous writes share that bucket, and one refused by it writes no audit row: nobody
+    // fills Postgres by sending requests fast.
+    let mut refused = 0;
+    let mut answered = 0;
+    for path in ["/v1/incidents", "/v1/alerts/alertmanager", "/v1/ask"].repeat(2) {
+        let r = api.req(reqwest::Method::POST, path, None).send().await?;
+        if r.status() == StatusCode::TOO_MANY_REQUESTS {
+            refused += 1;
+        } else {
+            answered += 1;
+        }
+    }
+    assert!(refused >= 4, "{refused} of 6 anonymous writes refused");
+    let db = api.crew.db().await?;
+    let rows: i64 = db.query_one("SELECT count(*) FROM gateway_audit WHERE principal = 'anonymous'", &[]).await?.get(0);
+    assert_eq!(rows, answered, "only the answered writes are in the audit trail");
     let ready = api.req(reqwest::Method::GET, "/readyz", None).send().await?;
     assert_eq!(ready.status(), StatusCode::OK);
     let body: Value = ready.json().await?;
