@@ -709,6 +709,8 @@ async fn the_gateway_process_logs_and_audits_requests_but_never_a_key() -> anyho
         .map(|r| (r.get(0), r.get(1)))
         .collect();
     assert_eq!(rows, [("otto".to_string(), 202), ("anonymous".to_string(), 401)], "reads are not audited");
+    let remotes: i64 = db.query_one("SELECT count(*) FROM gateway_audit WHERE remote = '127.0.0.1'", &[]).await?.get(0);
+    assert_eq!(remotes, 2, "each row names the client's address");
     Ok(())
 }
 
@@ -740,10 +742,13 @@ async fn a_client_too_slow_with_its_headers_or_its_body_holds_no_connection() ->
             Ok(_) => Ok(String::from_utf8_lossy(&seen).to_string()),
         }
     };
-    let (h, b) = tokio::join!(closed(headers), closed(body));
-    let (h, b) = (h?, b?);
+    // A connection that says nothing at all (an idle keep-alive looks the same).
+    let silent = tokio::net::TcpStream::connect(&addr).await?;
+    let (h, b, quiet) = tokio::join!(closed(headers), closed(body), closed(silent));
+    let (h, b, quiet) = (h?, b?, quiet?);
     assert!(started.elapsed() >= HEADER_TIMEOUT.min(BODY_TIMEOUT) - Duration::from_secs(1), "cut by the timeouts");
     assert!(!h.contains("202"), "the half request was not served: {h}");
+    assert!(!quiet.contains("HTTP/1.1 2"), "{quiet}");
     assert!(b.starts_with("HTTP/1.1 408"), "{b}");
     assert!(b.contains("the request body took more than 10 s to arrive"), "{b}");
     // The gateway serves on, and nothing was published.
