@@ -757,3 +757,27 @@ async fn a_client_too_slow_with_its_headers_or_its_body_holds_no_connection() ->
     assert_eq!(stream.info().await?.state.messages, 0);
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decision_racing_one_the_crew_has_not_recorded_yet_gets_409() -> anyhow::Result<()> {
+    let mut api = Api::start(&Stage::ALL, "").await?;
+    let (status, body) =
+        api.post("/v1/incidents", "otto", &json!({"service": "svc", "error": "stale lock held"})).await?;
+    assert_eq!(status, StatusCode::ACCEPTED, "{body}");
+    let run: Uuid = body["run_id"].as_str().unwrap_or_default().parse()?;
+    api.crew.events.kind(run, EventKind::ApprovalRequested, WAIT).await?;
+    // The crew is stopped: Ann's approval is published, not recorded yet.
+    api.crew.shutdown().await?;
+    let (status, body) = api.post(&format!("/v1/runs/{run}/approve"), "ann", &json!({})).await?;
+    assert_eq!(status, StatusCode::ACCEPTED, "{body}");
+    // Carol's denial races it: 409, naming the decision that won.
+    let (status, body) = api.post(&format!("/v1/runs/{run}/deny"), "carol", &json!({"reason": "wait"})).await?;
+    assert_eq!(status, StatusCode::CONFLICT, "{body}");
+    let why = body["error"].as_str().unwrap_or_default();
+    assert!(why.contains("already decided: approve by ann via http") && why.contains("being recorded"), "{body}");
+    api.crew.run(&Stage::ALL);
+    let end = api.crew.end(run).await?;
+    assert_eq!(end.kind, EventKind::Resolved, "{}", end.message);
+    assert!(end.message.contains("approved by ann"), "{}", end.message);
+    api.crew.shutdown().await
+}

@@ -8,7 +8,7 @@ mod common;
 use common::{count, marker_service, write, Crew, WAIT};
 use futures::TryStreamExt;
 use pitcrew::cli;
-use pitcrew_model::{EventKind, Stage};
+use pitcrew_model::{ApprovalDecision, Decision, EventKind, Stage};
 use pitcrew_testkit::slack::{slack_signature, Call, FakeSlack};
 use pitcrew_testkit::TestEnv;
 use serde_json::{json, Value};
@@ -675,12 +675,25 @@ async fn a_click_racing_one_the_crew_has_not_recorded_yet_is_refused() -> anyhow
     crew.events.kind(run, EventKind::ApprovalRequested, WAIT).await?;
     let post = posted(&slack, run).await?;
     let ts = post.answer["ts"].as_str().unwrap_or_default().to_string();
-    // The crew is stopped: Ann's click reaches the bridge subject but nobody records it yet.
+    // The crew is stopped: what reaches the bridge subject is not recorded yet. First a
+    // decision from someone who is not an approver (the crew will refuse it): it blocks nothing.
     crew.shutdown().await?;
+    let req = cli::approval_request(&crew.bus, run).await?;
+    let forged = ApprovalDecision {
+        run_id: run,
+        decision: Decision::Deny,
+        by: "mallory".into(),
+        plan_hash: Some(req.plan_hash.clone()),
+        reason: Some("no".into()),
+        channel: "script".into(),
+        decided_at: chrono::Utc::now(),
+    };
+    crew.bus.js.publish(crew.bus.subjects.approval_decided(run), serde_json::to_vec(&forged)?.into()).await?.await?;
+    // Ann's click is published.
     let ann = interaction("U0ANN", "approve", &button(&post, "approve"), &ts, &slack.response_url(1));
     let (status, text) = bridge.click(&ann).await?;
     assert_eq!((status, text.as_str()), (200, ""));
-    assert_eq!(decisions_published(&crew, run).await?, 1);
+    assert_eq!(decisions_published(&crew, run).await?, 2);
     let db = crew.db().await?;
     assert_eq!(count(&db, "SELECT count(*) FROM approvals WHERE run_id = $1 AND decision IS NULL", run).await, 1);
     // Bob's Deny arrives before the crew recorded Ann's: refused, naming the decision that won.
@@ -691,7 +704,7 @@ async fn a_click_racing_one_the_crew_has_not_recorded_yet_is_refused() -> anyhow
     let reason = answer["text"].as_str().unwrap_or_default();
     assert!(reason.contains("already decided: approve by ann via slack"), "{text}");
     assert!(reason.contains("this decision is ignored"), "{text}");
-    assert_eq!(decisions_published(&crew, run).await?, 1, "the racing decision was not published");
+    assert_eq!(decisions_published(&crew, run).await?, 2, "the racing decision was not published");
     // The crew comes back and runs what Ann approved.
     crew.run(&Stage::ALL);
     let end = crew.end(run).await?;

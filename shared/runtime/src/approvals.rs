@@ -1,8 +1,9 @@
 //! Deciding approvals, shared by every channel (CLI, gateway, chat bridges): find the run's
 //! pending request on the bridge stream and publish a decision for its exact plan hash, unless
-//! that plan is decided already (in Postgres, or on the bridge subject and not yet recorded).
+//! that plan is decided already (in Postgres; the bridge and the gateway also look for a
+//! decision on the bridge subject not yet recorded: `racing`).
 
-use crate::{Bus, Store};
+use crate::{Bus, Config, Store};
 use anyhow::{anyhow, bail, Context};
 use async_nats::jetstream::stream::LastRawMessageErrorKind;
 use pitcrew_model::codec::JSON;
@@ -74,22 +75,6 @@ pub async fn submit(bus: &Bus, store: Option<&Store>, input: DecisionInput<'_>) 
             );
         }
     }
-    // A decision for this plan may be on the bridge subject already, not yet recorded by the
-    // crew (two clicks racing): it wins, this one would be ignored, so say so now.
-    if let Some(prev) = in_flight(bus, run, &req.plan_hash).await? {
-        let another_vote =
-            decision == Decision::Approve && prev.decision == Decision::Approve && req.quorum > 1 && prev.by != by;
-        if !another_vote {
-            bail!(
-                "plan {} of run {run} was already decided: {} by {} via {} at {} (being recorded: this decision is ignored)",
-                req.plan_hash,
-                prev.decision.as_str(),
-                prev.by,
-                prev.channel,
-                prev.decided_at.format("%Y-%m-%d %H:%M:%S")
-            );
-        }
-    }
     let d = ApprovalDecision {
         run_id: run,
         decision,
@@ -102,6 +87,38 @@ pub async fn submit(bus: &Bus, store: Option<&Store>, input: DecisionInput<'_>) 
     let id = format!("{run}.{}.{}.{by}", req.plan_hash, decision.as_str());
     bus.publish(bus.subjects.approval_decided(run), &id, JSON, Some(run), serde_json::to_vec(&d)?.into()).await?;
     Ok(req)
+}
+
+/// Why a decision for `plan_hash` of `run` is refused because another one is on the bridge
+/// subject, not yet recorded by the crew (two clicks racing): the last decision published
+/// for that plan within [`IN_FLIGHT`] by a configured approver wins, unless both approve
+/// under a quorum and come from different approvers (another vote). None: not racing.
+pub async fn racing(
+    bus: &Bus,
+    cfg: &Config,
+    run: Uuid,
+    plan_hash: &str,
+    decision: Decision,
+    by: &str,
+) -> anyhow::Result<Option<String>> {
+    let Some(prev) = in_flight(bus, run, plan_hash).await? else { return Ok(None) };
+    if cfg.refuse_approver(&prev.by).is_some() {
+        // The crew refuses it: it wins nothing.
+        return Ok(None);
+    }
+    if decision == Decision::Approve && prev.decision == Decision::Approve && prev.by != by {
+        let req = approval_request(bus, run).await?;
+        if req.quorum > 1 {
+            return Ok(None);
+        }
+    }
+    Ok(Some(format!(
+        "plan {plan_hash} of run {run} was already decided: {} by {} via {} at {} (being recorded: this decision is ignored)",
+        prev.decision.as_str(),
+        prev.by,
+        prev.channel,
+        prev.decided_at.format("%Y-%m-%d %H:%M:%S")
+    )))
 }
 
 /// The last decision published for `plan_hash` of `run` within [`IN_FLIGHT`], if any.
