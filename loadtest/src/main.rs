@@ -7,7 +7,9 @@
 //! With `--llm-latency-ms N` diagnose and plan reason with an OpenAI-compatible server the tool
 //! starts (real HTTP) that answers every call after N ms, modelling LLM-bound stages; with
 //! `--diagnose-processes K` diagnose runs in K `pitcrew worker diagnose` processes instead of
-//! this one. The peak RSS of this process is reported.
+//! this one. The peak RSS of this process is reported. With `--otlp-endpoint URL` (or
+//! `--otlp-sink`, a receiver in this tool) the crew's spans are exported over OTLP/HTTP, to
+//! measure what tracing export costs.
 
 use anyhow::{bail, Context};
 use clap::Parser;
@@ -18,6 +20,8 @@ use pitcrew_runtime::Config;
 use pitcrew_testkit::llm::{Reply, ScriptedLlm};
 use pitcrew_testkit::{Events, TestEnv};
 use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 use uuid::Uuid;
 
@@ -46,6 +50,19 @@ struct Args {
     /// Run diagnose in this many `pitcrew worker diagnose` processes (0: in this process).
     #[arg(long, default_value_t = 0)]
     diagnose_processes: usize,
+    /// Export the crew's spans over OTLP/HTTP to this collector (e.g. http://127.0.0.1:4318).
+    #[arg(long, value_name = "URL", conflicts_with = "otlp_sink")]
+    otlp_endpoint: Option<String>,
+    /// Export the crew's spans to an OTLP/HTTP receiver this tool runs (real HTTP on a
+    /// loopback port; it counts what arrives and keeps nothing): the cost of export without
+    /// a collector.
+    #[arg(long)]
+    otlp_sink: bool,
+    /// Install the log subscriber with this filter (e.g. `info`, what a worker runs with):
+    /// spans are then recorded for the log lines even without export. Default: no logging
+    /// (warn when exporting).
+    #[arg(long, value_name = "FILTER")]
+    log: Option<String>,
     /// Runs diagnose holds at once per process (default: --concurrency). Set it low with a
     /// simulated LLM to make diagnose the bottleneck and see how a second process scales it.
     #[arg(long)]
@@ -54,6 +71,40 @@ struct Args {
     /// left is the orchestration itself (the health check, the fix and verify still run).
     #[arg(long)]
     no_evidence: bool,
+    /// Postgres connections of the crew's pool (pitcrew's default is 16; on 2 cores 8 measured
+    /// faster: fewer backends competing for the cores).
+    #[arg(long, default_value_t = 8)]
+    pool_size: usize,
+}
+
+/// What the in-tool OTLP receiver saw.
+#[derive(Default)]
+struct SinkCounts {
+    posts: AtomicU64,
+    spans: AtomicU64,
+    bytes: AtomicU64,
+}
+
+/// Accept OTLP/HTTP export requests on a loopback port, count them and answer 200.
+async fn otlp_sink() -> anyhow::Result<(String, Arc<SinkCounts>)> {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let url = format!("http://{}", listener.local_addr()?);
+    let counts = Arc::new(SinkCounts::default());
+    let seen = counts.clone();
+    tokio::spawn(async move {
+        while let Ok((mut conn, _)) = listener.accept().await {
+            let seen = seen.clone();
+            tokio::spawn(async move {
+                let Ok(req) = pitcrew_testkit::http::read_request(&mut conn).await else { return };
+                seen.posts.fetch_add(1, Ordering::Relaxed);
+                seen.bytes.fetch_add(req.body.len() as u64, Ordering::Relaxed);
+                let spans = req.body.windows(9).filter(|w| w == b"\"traceId\"").count() as u64;
+                seen.spans.fetch_add(spans, Ordering::Relaxed);
+                let _ = pitcrew_testkit::http::write_json(&mut conn, 200, &[], "{}").await;
+            });
+        }
+    });
+    Ok((url, counts))
 }
 
 const PLAYBOOK: &str = r#"
@@ -124,6 +175,23 @@ fn summary(mut v: Vec<f64>) -> serde_json::Value {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
+    // Span export, when asked for: logs stay at warn so only export's cost is added.
+    let sink = if args.otlp_sink { Some(otlp_sink().await?) } else { None };
+    let endpoint = args.otlp_endpoint.clone().or_else(|| sink.as_ref().map(|(url, _)| url.clone()));
+    let mut telemetry = if endpoint.is_some() || args.log.is_some() {
+        let cfg = pitcrew_runtime::config::TelemetryConfig {
+            otlp_endpoint: endpoint.clone(),
+            service_name: "pitcrew-loadtest".into(),
+            ..Default::default()
+        };
+        // The tool's filter wins over PITCREW_LOG / RUST_LOG.
+        if let Some(filter) = &args.log {
+            std::env::set_var("PITCREW_LOG", filter);
+        }
+        Some(pitcrew_runtime::telemetry::init_with("warn", &cfg)?)
+    } else {
+        None
+    };
     let env = TestEnv::start().await.context("starting nats-server and a fresh database")?;
     let book = env.path("playbook.toml");
     std::fs::write(&book, PLAYBOOK)?;
@@ -173,6 +241,12 @@ async fn main() -> anyhow::Result<()> {
         c = args.concurrency,
         p = (args.concurrency * 4).max(256),
     ));
+    let text = text.replacen("pool_size = 8\n", &format!("pool_size = {}\n", args.pool_size.max(1)), 1);
+    // Worker processes (--diagnose-processes) export to the same place.
+    let text = match &endpoint {
+        Some(url) => format!("{text}[telemetry]\notlp_endpoint = \"{url}\"\nservice_name = \"pitcrew-diagnose\"\n"),
+        None => text,
+    };
     let cfg = Config::from_toml(&text)?;
     let (bus, _store) = crew::connect(&cfg).await?;
     let mut events = Events::follow(&bus, false).await?;
@@ -286,6 +360,20 @@ async fn main() -> anyhow::Result<()> {
     let _ = tokio::time::timeout(Duration::from_secs(30), crew_task).await;
     drop(workers);
     let llm_calls = llm.as_ref().map(|l| l.requests().len());
+    // Flush the spans still queued, so the sink's counts are complete.
+    if let Some(t) = telemetry.as_mut() {
+        tokio::task::block_in_place(|| t.shutdown());
+    }
+    let otlp = endpoint.as_ref().map(|url| {
+        let counts = sink.as_ref().map(|(_, c)| {
+            serde_json::json!({
+                "posts": c.posts.load(Ordering::Relaxed),
+                "spans": c.spans.load(Ordering::Relaxed),
+                "bytes": c.bytes.load(Ordering::Relaxed),
+            })
+        });
+        serde_json::json!({ "endpoint": url, "received": counts })
+    });
     let stages: serde_json::Map<String, serde_json::Value> =
         stage_ms.into_iter().map(|(k, v)| (k, summary(v))).collect();
     println!(
@@ -300,6 +388,7 @@ async fn main() -> anyhow::Result<()> {
             "outcomes": outcomes,
             "errors": errors,
             "concurrency": args.concurrency,
+            "pool_size": cfg.database.pool_size,
             "llm_latency_ms": args.llm_latency_ms,
             "llm_calls": llm_calls,
             "diagnose_processes": args.diagnose_processes,
@@ -307,6 +396,8 @@ async fn main() -> anyhow::Result<()> {
             "evidence_commands": !(args.no_evidence || llm.is_some()),
             "peak_rss_mb": peak_rss_mb(),
             "cpu_ms_per_run": cpu,
+            "otlp": otlp,
+            "log": args.log,
         })
     );
     Ok(())

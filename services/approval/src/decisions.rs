@@ -95,7 +95,21 @@ impl Decisions {
                 )
                 .await;
         }
-        match self.decide(&d, seq).await {
+        // The decision resumes the run in the run's own trace (its request carries it); failing
+        // that, in the trace its publisher (the gateway, a bot) sent along.
+        let parent = match pitcrew_runtime::approvals::request_traceparent(&self.bus, d.run_id).await {
+            Some(tp) => Some(tp),
+            None => pitcrew_runtime::trace::traceparent(msg.headers.as_ref()),
+        };
+        let span = tracing::info_span!(
+            "approval_decision",
+            run = %d.run_id,
+            decision = d.decision.as_str(),
+            channel = %pitcrew_model::trim::clip(&d.channel, 32),
+        );
+        pitcrew_runtime::trace::adopt(&span, parent.as_deref());
+        let decided = tracing::Instrument::instrument(self.decide(&d, seq), span);
+        match pitcrew_runtime::trace::carrying(parent, decided).await {
             Ok(()) => Disposition::Ack,
             Err(DecideError::Permanent(e)) => {
                 self.reject(msg, &format!("decision cannot be applied: {e}"), &stream, seq).await
@@ -168,6 +182,13 @@ impl Decisions {
             }
         }
         let outcome = store.decide_approval(&plan_hash, d, seq).await?;
+        if outcome == DecideOutcome::Applied {
+            // Best effort: a failed read costs one observation, never the decision.
+            if let Ok(Some(requested)) = store.approval_requested_at(d.run_id, &plan_hash).await {
+                let waited = (d.decided_at - requested).to_std().unwrap_or_default();
+                pitcrew_runtime::metrics::approval_decided(d.decision.as_str(), waited);
+            }
+        }
         let ignored = match &outcome {
             DecideOutcome::Applied => None,
             DecideOutcome::Repeated if run.status == RunStatus::WaitingApproval => None,

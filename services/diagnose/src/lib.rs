@@ -247,21 +247,30 @@ impl Tools for EvidenceTools<'_> {
     }
 
     fn call<'b>(&'b self, name: &'b str, arguments: &'b str) -> BoxFuture<'b, ToolOutput> {
-        Box::pin(async move {
-            match name {
-                "run_command" => self.run_command(arguments).await,
-                other => match self.web.filter(|w| w.offers(other)) {
-                    Some(w) => self.web_call(w, other, arguments).await,
-                    None => {
-                        let names: Vec<String> = self.specs().into_iter().map(|s| s.name).collect();
-                        ToolOutput {
-                            ok: false,
-                            output: format!("unknown tool '{other}'; available: {}", names.join(", ")),
+        // The tool name is the model's: bounded before it becomes a span field.
+        let span =
+            tracing::info_span!("tool_call", tool = %pitcrew_model::trim::clip(name, 64), ok = tracing::field::Empty);
+        let recorded = span.clone();
+        Box::pin(tracing::Instrument::instrument(
+            async move {
+                let out = match name {
+                    "run_command" => self.run_command(arguments).await,
+                    other => match self.web.filter(|w| w.offers(other)) {
+                        Some(w) => self.web_call(w, other, arguments).await,
+                        None => {
+                            let names: Vec<String> = self.specs().into_iter().map(|s| s.name).collect();
+                            ToolOutput {
+                                ok: false,
+                                output: format!("unknown tool '{other}'; available: {}", names.join(", ")),
+                            }
                         }
-                    }
-                },
-            }
-        })
+                    },
+                };
+                recorded.record("ok", out.ok);
+                out
+            },
+            span,
+        ))
     }
 }
 

@@ -10,6 +10,7 @@ pub mod body;
 pub mod error;
 pub mod events;
 pub mod ingest;
+pub mod observe;
 pub mod runs;
 
 use access::{Access, Keys, RateLimiter};
@@ -112,6 +113,8 @@ pub fn router(gw: Arc<Gateway>) -> Router {
         .layer(DefaultBodyLimit::max(limit))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
+        // Outermost: the span covers the guard and the handler (route_layer would miss 404s).
+        .layer(axum::middleware::from_fn(observe::traced))
         .with_state(gw)
 }
 
@@ -170,6 +173,15 @@ pub async fn run(cfg: Config, shutdown: Shutdown) -> anyhow::Result<()> {
         tracing::warn!("no [gateway.keys] configured: every route but health and the OpenAPI document answers 401");
     }
     let listen = cfg.gateway.listen.clone();
+    if let Some(at) = &cfg.metrics.listen {
+        let metrics = tokio::net::TcpListener::bind(at)
+            .await
+            .with_context(|| format!("[metrics] listen = \"{at}\": cannot bind"))?;
+        tracing::info!(listen = %metrics.local_addr()?, "serving Prometheus metrics at /metrics");
+        let collector =
+            pitcrew_runtime::metrics::Collector { bus: bus.clone(), store: Some(store.clone()), consumers: Vec::new() };
+        tokio::spawn(pitcrew_runtime::metrics::serve_with(metrics, Some(collector), shutdown.clone()));
+    }
     let gw = Gateway::new(cfg, bus, store, shutdown)?;
     let listener = tokio::net::TcpListener::bind(&listen)
         .await

@@ -92,7 +92,12 @@ pub async fn run(cfg: Config, stages: &[Stage], shutdown: Shutdown) -> anyhow::R
             .with_context(|| format!("[metrics] listen = \"{listen}\": cannot bind"))?;
         tracing::info!(listen = %listener.local_addr()?, "serving Prometheus metrics at /metrics");
         let stop = shutdown.clone();
-        tokio::spawn(pitcrew_runtime::metrics::serve(listener, stop));
+        let collector = pitcrew_runtime::metrics::Collector {
+            bus: bus.clone(),
+            store: Some(deps.store.clone()),
+            consumers: consumers_of(&bus, stages),
+        };
+        tokio::spawn(pitcrew_runtime::metrics::serve_with(listener, Some(collector), stop));
     }
     for &stage in stages {
         let settings = cfg.stage_settings(stage);
@@ -116,6 +121,20 @@ pub async fn run(cfg: Config, stages: &[Stage], shutdown: Shutdown) -> anyhow::R
     bus.client.flush().await.ok();
     tracing::info!("crew stopped");
     Ok(())
+}
+
+/// The durable consumers `stages` read: (stream, consumer name).
+pub fn consumers_of(bus: &Bus, stages: &[Stage]) -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    for &stage in stages {
+        let stream =
+            if stage == Stage::Intake { bus.subjects.incidents_stream() } else { bus.subjects.stages_stream() };
+        out.push((stream, stage.as_str().to_string()));
+        if stage == Stage::Approval {
+            out.push((bus.subjects.approvals_stream(), "approval-decisions".to_string()));
+        }
+    }
+    out
 }
 
 /// Resolves on SIGINT or SIGTERM.

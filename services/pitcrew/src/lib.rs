@@ -4,4 +4,5 @@
 pub mod cli;
 pub mod crew;
 pub mod demo;
+pub mod top;
 pub mod toy;

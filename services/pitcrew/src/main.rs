@@ -1,7 +1,7 @@
 //! pitcrew: the one binary. Parses arguments, sets up logging, and hands over to the crew,
 //! the operator commands or the demo. Errors end as one readable line, never a panic trace.
 
-use pitcrew::{cli, crew, demo, toy};
+use pitcrew::{cli, crew, demo, top, toy};
 
 use anyhow::{bail, Context};
 use clap::{Parser, Subcommand};
@@ -22,6 +22,9 @@ struct Args {
     /// Config file (default: ./pitcrew.toml when present). PITCREW_* variables override it.
     #[arg(long, short, global = true, env = "PITCREW_CONFIG")]
     config: Option<PathBuf>,
+    /// Log lines as `text` (for people) or `json` (one object a line, for collectors).
+    #[arg(long, global = true, env = "PITCREW_LOG_FORMAT", value_parser = ["text", "json"])]
+    log_format: Option<String>,
     #[command(subcommand)]
     command: Command,
 }
@@ -93,6 +96,17 @@ enum Command {
     },
     /// A run's plan, policy decisions, approval trail and executions.
     Show { run: Uuid },
+    /// A live view of the crew: each stage's consumer (pending, in flight, rates) and the
+    /// most recent runs, from JetStream and Postgres.
+    #[command(alias = "status")]
+    Top {
+        /// Print one frame (rates over one second) and exit.
+        #[arg(long)]
+        once: bool,
+        /// Seconds between frames.
+        #[arg(long, default_value_t = 1)]
+        interval: u64,
+    },
     /// Apply database migrations.
     Migrate,
     /// The HTTP API: Alertmanager webhook, incidents, runs, approvals, live events ([gateway]).
@@ -207,18 +221,45 @@ fn main() -> ExitCode {
     if let Command::Toy { command } = &args.command {
         return report(toy_command(command));
     }
+    if let Some(format) = &args.log_format {
+        // Read by the subscriber set-up; still one thread here.
+        std::env::set_var("PITCREW_LOG_FORMAT", format);
+    }
     let default_log = match args.command {
         Command::Demo { .. } => "warn",
         Command::Up | Command::Worker { .. } | Command::Monitor | Command::Bridge { .. } => "info",
         Command::Gateway { command: None | Some(GatewayCommand::Serve) } => "info",
         _ => "warn",
     };
-    pitcrew_runtime::telemetry::init(default_log);
+    // The demo and the key helpers need no config; everything else reads it first, so span
+    // export can be set up with the logs (and configuration errors are one line on stderr).
+    let no_config = matches!(
+        args.command,
+        Command::Demo { .. } | Command::Gateway { command: Some(GatewayCommand::HashKey | GatewayCommand::NewKey) }
+    );
+    let (cfg, mut guard) = if no_config {
+        pitcrew_runtime::telemetry::init(default_log);
+        (None, None)
+    } else {
+        let cfg = match Config::load(args.config.as_deref()) {
+            Ok(c) => c,
+            Err(e) => return report(Err(e.into())),
+        };
+        match pitcrew_runtime::telemetry::init_with(default_log, &cfg.telemetry) {
+            Ok(g) => (Some(cfg), Some(g)),
+            Err(e) => return report(Err(e.into())),
+        }
+    };
     let rt = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(rt) => rt,
         Err(e) => return report(Err(e.into())),
     };
-    report(rt.block_on(run(args)))
+    let res = rt.block_on(run(args, cfg));
+    // Flush the spans still queued before exiting.
+    if let Some(g) = guard.as_mut() {
+        g.shutdown();
+    }
+    report(res)
 }
 
 /// `pitcrew gateway hash-key`: the key from stdin (one line), its hex SHA-256 on stdout.
@@ -258,7 +299,7 @@ fn toy_command(c: &ToyCommand) -> anyhow::Result<()> {
     }
 }
 
-async fn run(args: Args) -> anyhow::Result<()> {
+async fn run(args: Args, cfg: Option<Config>) -> anyhow::Result<()> {
     if let Command::Demo { ssh, llm, model } = args.command {
         let llm = llm.map(|base_url| demo::LlmDemo { base_url, model });
         return demo::run(ssh, llm).await;
@@ -273,7 +314,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
         }
         _ => {}
     }
-    let cfg = Config::load(args.config.as_deref())?;
+    let Some(cfg) = cfg else { bail!("no configuration loaded") };
     match args.command {
         Command::Gateway { .. } => pitcrew_gateway::run(cfg, crew::signals()).await,
         Command::Up => crew::run(cfg, &Stage::ALL, crew::signals()).await,
@@ -333,6 +374,11 @@ async fn run(args: Args) -> anyhow::Result<()> {
         Command::Incidents { limit } => cli::incidents(&cli::store(&cfg).await?, limit).await,
         Command::Approvals { limit } => cli::approvals(&cli::store(&cfg).await?, limit).await,
         Command::Show { run } => cli::show(&cli::store(&cfg).await?, run).await,
+        Command::Top { once, interval } => {
+            let bus = Bus::connect(&cfg).await?;
+            let store = cli::store(&cfg).await.ok();
+            top::run(&bus, store.as_ref(), once, Duration::from_secs(interval.max(1))).await
+        }
         Command::Migrate => {
             let store = cli::store(&cfg).await?;
             let n = store.migrate().await?;

@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::{count, marker_service, write, Crew, WAIT};
+use common::{count, marker_service, sample, scrape, write, Crew, WAIT};
 use pitcrew::cli;
 use pitcrew_model::{ApprovalDecision, Decision, EventKind, Stage};
 use pitcrew_testkit::TestEnv;
@@ -323,30 +323,6 @@ async fn a_hosts_allow_list_refuses_programs_it_does_not_name() -> anyhow::Resul
     let ok = crew.open_with("svc", "connection refused", Some("fp-allowed".into())).await?;
     assert_eq!(crew.events.terminal(ok, WAIT).await?.kind, EventKind::Resolved);
     crew.shutdown().await
-}
-
-/// The Prometheus text of `url`, as (series, value) pairs; every line must parse.
-async fn scrape(url: &str) -> anyhow::Result<Vec<(String, f64)>> {
-    let text = reqwest::get(url).await?.error_for_status()?.text().await?;
-    let mut out = Vec::new();
-    for line in text.lines().filter(|l| !l.is_empty()) {
-        if line.starts_with("# HELP ") || line.starts_with("# TYPE ") {
-            continue;
-        }
-        let (series, value) = line.rsplit_once(' ').ok_or_else(|| anyhow::anyhow!("not a sample: {line}"))?;
-        let name = series.split('{').next().unwrap_or_default();
-        anyhow::ensure!(
-            !name.is_empty() && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_'),
-            "bad metric name in {line}"
-        );
-        anyhow::ensure!(!series.contains('{') || series.ends_with('}'), "bad labels in {line}");
-        out.push((series.to_string(), value.parse()?));
-    }
-    Ok(out)
-}
-
-fn sample(samples: &[(String, f64)], series: &str) -> f64 {
-    samples.iter().find(|(s, _)| s == series).map(|(_, v)| *v).unwrap_or(0.0)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

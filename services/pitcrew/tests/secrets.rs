@@ -1,9 +1,10 @@
 //! Secrets planted in an alert, a log the crew reads as evidence and a command's output never
-//! reach a log line, an event or a Postgres row.
+//! reach a log line, an event, a Postgres row, an exported span or a metric.
 
 mod common;
 
-use common::{write, Crew};
+use common::otlp::Receiver;
+use common::{scrape, stop, write, Crew};
 use pitcrew_model::{EventKind, Stage};
 use pitcrew_testkit::TestEnv;
 
@@ -31,7 +32,12 @@ async fn planted_secrets_reach_no_log_event_or_row() -> anyhow::Result<()> {
     );
     let mut crew = Crew::start_in(env, &text, &[]).await?;
     let stages: Vec<&str> = Stage::ALL.iter().map(|s| s.as_str()).collect();
-    let worker = crew.spawn_worker("w", &stages, &[("PITCREW_LOG", "debug")])?;
+    let receiver = Receiver::start().await?;
+    let port = pitcrew_runtime::natsd::free_port()?;
+    let sinks =
+        format!("[telemetry]\notlp_endpoint = \"{}\"\n[metrics]\nlisten = \"127.0.0.1:{port}\"\n", receiver.url);
+    let env = [("PITCREW_LOG", "debug"), ("OTEL_BSP_SCHEDULE_DELAY", "100")];
+    let mut worker = crew.spawn_worker_with("w", &stages, &env, &sinks)?;
     let run = crew.open("svc", "secrets drill: api_key=AKIAIOSFODNN7EXAMPLE leaked").await?;
     let end = crew.events.terminal(run, common::WAIT).await?;
     assert_eq!(end.kind, EventKind::Resolved, "{}", end.message);
@@ -61,6 +67,18 @@ async fn planted_secrets_reach_no_log_event_or_row() -> anyhow::Result<()> {
     let events: String = crew.events.seen.iter().map(|e| format!("{} {}", e.message, e.data)).collect();
     for s in SECRETS {
         assert!(!events.contains(s), "{s} reached the bus");
+    }
+    let metrics = scrape(&format!("http://127.0.0.1:{port}/metrics")).await?;
+    let metrics: String = metrics.iter().map(|(series, _)| series.as_str()).collect();
+    assert!(metrics.contains("pitcrew_commands_total"), "{metrics}");
+    for s in SECRETS {
+        assert!(!metrics.contains(s), "{s} reached /metrics");
+    }
+    stop(&mut worker)?;
+    let spans = receiver.bodies();
+    assert!(spans.contains(&run.to_string()) && spans.contains("\"command\""), "the run's spans were exported");
+    for s in SECRETS {
+        assert!(!spans.contains(s), "{s} reached an exported span");
     }
     let logged = std::fs::read_to_string(&worker.log)?;
     assert!(logged.contains(&run.to_string()), "the worker logged the run at debug level");

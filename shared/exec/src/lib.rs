@@ -12,7 +12,58 @@ pub use local::LocalExecutor;
 pub use ssh::SshExecutor;
 
 use futures::future::BoxFuture;
-use std::time::Duration;
+use pitcrew_metrics::{Counter, Histogram, LATENCY_BUCKETS};
+use std::future::Future;
+use std::time::{Duration, Instant};
+use tracing::Instrument;
+
+static COMMANDS: Counter = Counter::new(
+    "pitcrew_commands_total",
+    "Commands run on targets, by executor and exit class (ok, failed, timed_out, error: could not run).",
+    &["executor", "exit_class"],
+);
+static COMMAND_SECONDS: Histogram = Histogram::new(
+    "pitcrew_command_duration_seconds",
+    "Time a command took on its target, by executor.",
+    &["executor"],
+    LATENCY_BUCKETS,
+);
+
+/// Run one command inside a `command` span (its line redacted: it may carry a secret) and
+/// count it by exit class.
+pub(crate) async fn observed<F>(
+    executor: &'static str,
+    host: &str,
+    command: &str,
+    run: F,
+) -> Result<CommandOutput, ExecError>
+where
+    F: Future<Output = Result<CommandOutput, ExecError>>,
+{
+    let span = tracing::info_span!(
+        "command",
+        executor,
+        host,
+        command = %pitcrew_model::redact::redact(command),
+        exit_code = tracing::field::Empty,
+        exit_class = tracing::field::Empty,
+    );
+    let began = Instant::now();
+    let res = run.instrument(span.clone()).await;
+    let class = match &res {
+        Ok(o) if o.timed_out => "timed_out",
+        Ok(o) if o.success() => "ok",
+        Ok(_) => "failed",
+        Err(_) => "error",
+    };
+    if let Ok(Some(code)) = res.as_ref().map(|o| o.exit_code) {
+        span.record("exit_code", code);
+    }
+    span.record("exit_class", class);
+    COMMANDS.inc(&[executor, class]);
+    COMMAND_SECONDS.observe(&[executor], began.elapsed().as_secs_f64());
+    res
+}
 
 /// Result of one command. Output is already capped by the executor, so it is safe to store
 /// and ship; `timed_out` tells a hung command from one that failed.
@@ -105,7 +156,7 @@ impl Executor for Fleet {
         timeout: Duration,
     ) -> BoxFuture<'a, Result<CommandOutput, ExecError>> {
         if self.ssh.knows(host) {
-            Box::pin(self.ssh.run_ssh(host, command, timeout))
+            Box::pin(observed("ssh", host, command, self.ssh.run_ssh(host, command, timeout)))
         } else {
             self.local.run(host, command, timeout)
         }

@@ -129,7 +129,7 @@ impl Executor for LocalExecutor {
         command: &'a str,
         timeout: Duration,
     ) -> BoxFuture<'a, Result<CommandOutput, ExecError>> {
-        Box::pin(self.run_local(host, command, timeout))
+        Box::pin(crate::observed("local", host, command, self.run_local(host, command, timeout)))
     }
 
     fn has_tool<'a>(&'a self, host: &'a str, tool: &'a str) -> BoxFuture<'a, bool> {

@@ -10,6 +10,7 @@
 
 use crate::{fit_to_target, parse, Judgement, Playbook, ReasonError, ReasonInput, Reasoner, ToolSpec};
 use futures::future::BoxFuture;
+use pitcrew_metrics::{Counter, Histogram, LATENCY_BUCKETS};
 use pitcrew_model::trim::{clip, trim_output};
 use pitcrew_model::{Diagnosis, Plan};
 use serde::{Deserialize, Serialize};
@@ -17,6 +18,7 @@ use serde_json::{json, Value};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::Semaphore;
+use tracing::Instrument;
 
 /// Source prefix of diagnoses and plans this provider made.
 pub const SOURCE_PREFIX: &str = "openai:";
@@ -90,6 +92,29 @@ impl std::fmt::Debug for OpenAiConfig {
             .field("api_key_env", &self.api_key_env)
             .finish_non_exhaustive()
     }
+}
+
+static LLM_CALLS: Counter = Counter::new(
+    "pitcrew_llm_calls_total",
+    "Chat-completion requests, by provider, model and outcome (each retry counts).",
+    &["provider", "model", "outcome"],
+);
+static LLM_SECONDS: Histogram = Histogram::new(
+    "pitcrew_llm_call_duration_seconds",
+    "Time of one chat-completion request, answer read in full, by provider and model.",
+    &["provider", "model"],
+    LATENCY_BUCKETS,
+);
+static LLM_TOKENS: Counter = Counter::new(
+    "pitcrew_llm_tokens_total",
+    "Tokens the endpoint reported, by provider, model and kind (prompt, completion).",
+    &["provider", "model", "kind"],
+);
+
+/// What [`OpenAi::chat`] does after one attempt.
+enum Step {
+    Done(Result<Message, ReasonError>),
+    Retry(Duration),
 }
 
 /// Calls made and token counts reported by the endpoint.
@@ -234,6 +259,12 @@ impl OpenAi {
     /// Count calls and tokens, in this provider's totals and in the stage's meter.
     fn tally(&self, meter: Option<&UsageMeter>, model: &str, calls: u64, prompt: u64, completion: u64) {
         self.total.add(model, calls, prompt, completion);
+        if prompt > 0 {
+            LLM_TOKENS.add(&["openai", model, "prompt"], prompt as f64);
+        }
+        if completion > 0 {
+            LLM_TOKENS.add(&["openai", model, "completion"], completion as f64);
+        }
         if let Some(m) = meter {
             m.add(model, calls, prompt, completion);
         }
@@ -300,43 +331,22 @@ impl OpenAi {
                 };
             }
             self.tally(meter, model, 1, 0, 0);
-            let wait = match req.send().await {
-                Err(e) => {
-                    last = if e.is_timeout() {
-                        format!("no answer within {} s", self.cfg.timeout_secs)
-                    } else {
-                        format!("cannot reach {}: {}", self.cfg.base_url, self.redact(&without_url(&e)))
-                    };
-                    backoff(attempt)
-                }
-                Ok(resp) if resp.status().is_success() && is_event_stream(&resp) => {
-                    match self.streamed(resp, meter, model, progress).await {
-                        Ok(m) => return Ok(m),
-                        Err(e) => {
-                            last = format!("reading the streamed answer: {e}");
-                            backoff(attempt)
-                        }
-                    }
-                }
-                Ok(resp) => {
-                    let status = resp.status();
-                    let retry_after = retry_after(resp.headers());
-                    match read_capped(resp).await {
-                        Err(e) => {
-                            last = format!("reading the answer: {e}");
-                            backoff(attempt)
-                        }
-                        Ok(bytes) if status.is_success() => return self.completion(meter, model, &bytes),
-                        Ok(bytes) => {
-                            let text = self.redact(&clip(&String::from_utf8_lossy(&bytes), MAX_ERROR_BODY));
-                            last = format!("HTTP {status}: {text}");
-                            if status.as_u16() != 429 && !status.is_server_error() {
-                                return Err(ReasonError::Failed(format!("{} answered {last}", self.cfg.base_url)));
-                            }
-                            retry_after.unwrap_or_else(|| backoff(attempt))
-                        }
-                    }
-                }
+            let span = tracing::info_span!(
+                "llm_call",
+                provider = "openai",
+                model,
+                attempt = attempt + 1,
+                outcome = tracing::field::Empty,
+            );
+            let began = std::time::Instant::now();
+            let (step, outcome) =
+                self.attempt(req, meter, model, progress, attempt, &mut last).instrument(span.clone()).await;
+            span.record("outcome", outcome);
+            LLM_CALLS.inc(&["openai", model, outcome]);
+            LLM_SECONDS.observe(&["openai", model], began.elapsed().as_secs_f64());
+            let wait = match step {
+                Step::Done(res) => return res,
+                Step::Retry(wait) => wait,
             };
             if attempt < self.cfg.max_retries {
                 tracing::warn!(model, attempt = attempt + 1, wait_ms = wait.as_millis() as u64, error = %last, "llm call failed; retrying");
@@ -344,6 +354,66 @@ impl OpenAi {
             }
         }
         Err(ReasonError::Transient(format!("{} after {} tries: {last}", self.cfg.base_url, self.cfg.max_retries + 1)))
+    }
+
+    /// One HTTP exchange of [`chat`](Self::chat): what to do next and the outcome for metrics
+    /// (`ok`, `rate_limited`, `server_error`, `client_error`, `timeout`, `unreachable`,
+    /// `bad_answer`).
+    async fn attempt(
+        &self,
+        req: reqwest::RequestBuilder,
+        meter: Option<&UsageMeter>,
+        model: &str,
+        progress: Option<&dyn crate::Progress>,
+        attempt: u32,
+        last: &mut String,
+    ) -> (Step, &'static str) {
+        match req.send().await {
+            Err(e) => {
+                let outcome = if e.is_timeout() {
+                    *last = format!("no answer within {} s", self.cfg.timeout_secs);
+                    "timeout"
+                } else {
+                    *last = format!("cannot reach {}: {}", self.cfg.base_url, self.redact(&without_url(&e)));
+                    "unreachable"
+                };
+                (Step::Retry(backoff(attempt)), outcome)
+            }
+            Ok(resp) if resp.status().is_success() && is_event_stream(&resp) => {
+                match self.streamed(resp, meter, model, progress).await {
+                    Ok(m) => (Step::Done(Ok(m)), "ok"),
+                    Err(e) => {
+                        *last = format!("reading the streamed answer: {e}");
+                        (Step::Retry(backoff(attempt)), "bad_answer")
+                    }
+                }
+            }
+            Ok(resp) => {
+                let status = resp.status();
+                let retry_after = retry_after(resp.headers());
+                match read_capped(resp).await {
+                    Err(e) => {
+                        *last = format!("reading the answer: {e}");
+                        (Step::Retry(backoff(attempt)), "bad_answer")
+                    }
+                    Ok(bytes) if status.is_success() => {
+                        let res = self.completion(meter, model, &bytes);
+                        let outcome = if res.is_ok() { "ok" } else { "bad_answer" };
+                        (Step::Done(res), outcome)
+                    }
+                    Ok(bytes) => {
+                        let text = self.redact(&clip(&String::from_utf8_lossy(&bytes), MAX_ERROR_BODY));
+                        *last = format!("HTTP {status}: {text}");
+                        if status.as_u16() != 429 && !status.is_server_error() {
+                            let err = ReasonError::Failed(format!("{} answered {last}", self.cfg.base_url));
+                            return (Step::Done(Err(err)), "client_error");
+                        }
+                        let outcome = if status.as_u16() == 429 { "rate_limited" } else { "server_error" };
+                        (Step::Retry(retry_after.unwrap_or_else(|| backoff(attempt))), outcome)
+                    }
+                }
+            }
+        }
     }
 
     fn completion(&self, meter: Option<&UsageMeter>, model: &str, bytes: &[u8]) -> Result<Message, ReasonError> {

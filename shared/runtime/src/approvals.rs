@@ -136,3 +136,14 @@ pub async fn in_flight(bus: &Bus, run: Uuid, plan_hash: &str) -> anyhow::Result<
     }
     Ok(Some(d))
 }
+
+/// The trace context of a run's latest approval request (published inside the run's trace),
+/// so the decision resumes the run in the same trace whoever decided and however.
+pub async fn request_traceparent(bus: &Bus, run: Uuid) -> Option<String> {
+    let read = async {
+        let stream = bus.js.get_stream(bus.subjects.approvals_stream()).await.ok()?;
+        let msg = stream.get_last_raw_message_by_subject(&bus.subjects.approval_requested(run)).await.ok()?;
+        crate::trace::traceparent(Some(&msg.headers))
+    };
+    tokio::time::timeout(std::time::Duration::from_secs(2), read).await.ok().flatten()
+}

@@ -30,9 +30,11 @@ pub enum BusError {
 }
 
 /// The headers every pitcrew message carries: a deterministic message id (JetStream drops a
-/// duplicate within the stream's window), the content type and, when it has one, the run.
+/// duplicate within the stream's window), the content type, when it has one, the run, and
+/// the trace context (`traceparent`) of the work that publishes it.
 pub fn headers(msg_id: &str, content_type: &str, run: Option<uuid::Uuid>) -> HeaderMap {
     let mut headers = HeaderMap::new();
+    crate::trace::inject(&mut headers);
     headers.insert(NATS_MESSAGE_ID, msg_id);
     headers.insert(CONTENT_TYPE, content_type);
     if let Some(run) = run {

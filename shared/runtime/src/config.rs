@@ -35,12 +35,42 @@ pub struct Config {
     /// anyone else is refused and changes nothing.
     pub approvers: BTreeMap<String, String>,
     pub metrics: MetricsConfig,
+    /// `[telemetry]`: OpenTelemetry trace export (off unless `otlp_endpoint` is set).
+    #[serde(default)]
+    pub telemetry: TelemetryConfig,
     /// `[gateway]`: the HTTP API (`pitcrew gateway`).
     #[serde(default)]
     pub gateway: GatewayConfig,
     /// `[bridge.*]`: chat bridges carrying approval requests to people and decisions back.
     #[serde(default)]
     pub bridge: BridgeConfig,
+}
+
+/// `[telemetry]`: where spans go. Off by default; an unreachable collector never stops
+/// pitcrew (it warns once and drops spans until the collector answers).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct TelemetryConfig {
+    /// OTLP/HTTP collector, e.g. `http://127.0.0.1:4318` (`/v1/traces` is added unless the
+    /// URL already ends with it). Unset: no export (traceparent headers still flow through).
+    pub otlp_endpoint: Option<String>,
+    /// `service.name` of the exported spans.
+    pub service_name: String,
+    /// Fraction of new traces sampled (a continued trace follows its parent's decision).
+    pub sample_ratio: f64,
+    /// Per export request.
+    pub export_timeout_secs: u64,
+}
+
+impl Default for TelemetryConfig {
+    fn default() -> Self {
+        TelemetryConfig {
+            otlp_endpoint: None,
+            service_name: "pitcrew".into(),
+            sample_ratio: 1.0,
+            export_timeout_secs: 10,
+        }
+    }
 }
 
 /// `[gateway]`: the HTTP API, its keys and how Alertmanager labels map to incidents.
@@ -361,6 +391,7 @@ impl Default for Config {
             metrics: MetricsConfig::default(),
             gateway: GatewayConfig::default(),
             bridge: BridgeConfig::default(),
+            telemetry: TelemetryConfig::default(),
         }
     }
 }
@@ -539,6 +570,9 @@ impl Config {
                 "reasoning.provider '{}' is not available (this build has: playbook, openai)",
                 self.reasoning.provider
             ));
+        }
+        if !(0.0..=1.0).contains(&self.telemetry.sample_ratio) {
+            return bad(format!("telemetry.sample_ratio = {} must be between 0 and 1", self.telemetry.sample_ratio));
         }
         Ok(())
     }

@@ -14,6 +14,7 @@ pub mod stage;
 pub mod store;
 pub mod target;
 pub mod telemetry;
+pub mod trace;
 
 pub use bus::{Bus, BusError};
 pub use config::Config;

@@ -1,102 +1,154 @@
 //! Prometheus metrics of this process: messages handled per consumer and outcome, handling
-//! latency, messages in flight, runs finished by outcome. Served as the Prometheus text format
-//! on `[metrics] listen` (off by default) at `GET /metrics`.
+//! latency, messages in flight, runs finished by outcome, approval decision latency; at scrape
+//! time, consumer pending counts (JetStream) and pending approvals (Postgres). The LLM provider
+//! and the executors record theirs in the same registry (`pitcrew-metrics`). Served as the
+//! Prometheus text format on `[metrics] listen` (off by default) at `GET /metrics`.
 
-use std::collections::BTreeMap;
-use std::fmt::Write as _;
-use std::sync::{LazyLock, Mutex};
+use pitcrew_metrics::{Counter, Gauge, Histogram, LATENCY_BUCKETS, WAIT_BUCKETS};
 use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-/// Upper bounds of the handling-latency buckets, in seconds.
-const BUCKETS: &[f64] = &[0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0];
 /// Largest request head the endpoint reads.
 const MAX_REQUEST: usize = 8 * 1024;
 
-#[derive(Default)]
-struct Histogram {
-    counts: Vec<u64>,
-    sum: f64,
-    count: u64,
-}
+static MESSAGES: Counter =
+    Counter::new("pitcrew_messages_total", "Messages settled, by consumer and outcome.", &["consumer", "outcome"]);
+static IN_FLIGHT: Gauge =
+    Gauge::new("pitcrew_messages_in_flight", "Messages being handled now, by consumer.", &["consumer"]);
+static HANDLING: Histogram = Histogram::new(
+    "pitcrew_handling_seconds",
+    "Time from a message starting to it being settled.",
+    &["consumer"],
+    LATENCY_BUCKETS,
+);
+static RUNS: Counter =
+    Counter::new("pitcrew_runs_finished_total", "Runs this process ended, by outcome.", &["outcome"]);
+static APPROVALS_PENDING: Gauge =
+    Gauge::new("pitcrew_approvals_pending", "Approval requests waiting for a decision (read from Postgres).", &[]);
+static DECISION: Histogram = Histogram::new(
+    "pitcrew_approval_decision_seconds",
+    "Time from an approval request to its decision, by decision.",
+    &["decision"],
+    WAIT_BUCKETS,
+);
+static CONSUMER_PENDING: Gauge = Gauge::new(
+    "pitcrew_consumer_pending_messages",
+    "Messages not yet delivered to a consumer (read from JetStream).",
+    &["consumer"],
+);
+static CONSUMER_ACK_PENDING: Gauge = Gauge::new(
+    "pitcrew_consumer_ack_pending_messages",
+    "Messages delivered to a consumer and not yet acknowledged (read from JetStream).",
+    &["consumer"],
+);
+static SCRAPE_ERRORS: Counter = Counter::new(
+    "pitcrew_metrics_collect_errors_total",
+    "Scrape-time reads (JetStream, Postgres) that failed or timed out, by source.",
+    &["source"],
+);
 
-#[derive(Default)]
-struct State {
-    messages: BTreeMap<(String, &'static str), u64>,
-    in_flight: BTreeMap<String, i64>,
-    latency: BTreeMap<String, Histogram>,
-    runs: BTreeMap<&'static str, u64>,
-}
+static HTTP_REQUESTS: Counter = Counter::new(
+    "pitcrew_http_requests_total",
+    "Gateway requests answered, by route template, method and status.",
+    &["route", "method", "status"],
+);
+static HTTP_SECONDS: Histogram = Histogram::new(
+    "pitcrew_http_request_duration_seconds",
+    "Time to answer a gateway request (a live stream: until it closed), by route template.",
+    &["route"],
+    LATENCY_BUCKETS,
+);
 
-static STATE: LazyLock<Mutex<State>> = LazyLock::new(Default::default);
-
-fn state() -> std::sync::MutexGuard<'static, State> {
-    STATE.lock().unwrap_or_else(|p| p.into_inner())
+/// The gateway answered `method route` (a route template, never a raw path) with `status`.
+pub fn http_request(route: &str, method: &str, status: u16, took: Duration) {
+    HTTP_REQUESTS.inc(&[route, method, &status.to_string()]);
+    HTTP_SECONDS.observe(&[route], took.as_secs_f64());
 }
 
 /// A message of `consumer` started.
 pub fn started(consumer: &str) {
-    *state().in_flight.entry(consumer.to_string()).or_default() += 1;
+    IN_FLIGHT.add(&[consumer], 1.0);
 }
 
 /// A message of `consumer` was settled with `outcome` (`ack`, `nak`, `term`) after `took`.
 pub fn finished(consumer: &str, outcome: &'static str, took: Duration) {
-    let mut s = state();
-    *s.in_flight.entry(consumer.to_string()).or_default() -= 1;
-    *s.messages.entry((consumer.to_string(), outcome)).or_default() += 1;
-    let h = s.latency.entry(consumer.to_string()).or_default();
-    if h.counts.is_empty() {
-        h.counts = vec![0; BUCKETS.len()];
-    }
-    let secs = took.as_secs_f64();
-    for (i, le) in BUCKETS.iter().enumerate() {
-        if secs <= *le {
-            h.counts[i] += 1;
-        }
-    }
-    h.sum += secs;
-    h.count += 1;
+    IN_FLIGHT.add(&[consumer], -1.0);
+    MESSAGES.inc(&[consumer, outcome]);
+    HANDLING.observe(&[consumer], took.as_secs_f64());
 }
 
 /// A run ended (`resolved`, `escalated`, ...).
 pub fn run_finished(outcome: &'static str) {
-    *state().runs.entry(outcome).or_default() += 1;
+    RUNS.inc(&[outcome]);
+}
+
+/// An approval was decided (`approve`, `deny`, `timeout`) `waited` after it was requested.
+pub fn approval_decided(decision: &str, waited: Duration) {
+    DECISION.observe(&[decision], waited.as_secs_f64());
 }
 
 /// Everything, in the Prometheus text exposition format (0.0.4).
 pub fn render() -> String {
-    let s = state();
-    let mut out = String::new();
-    out.push_str("# HELP pitcrew_messages_total Messages settled, by consumer and outcome.\n");
-    out.push_str("# TYPE pitcrew_messages_total counter\n");
-    for ((c, o), n) in &s.messages {
-        let _ = writeln!(out, "pitcrew_messages_total{{consumer=\"{c}\",outcome=\"{o}\"}} {n}");
-    }
-    out.push_str("# HELP pitcrew_messages_in_flight Messages being handled now, by consumer.\n");
-    out.push_str("# TYPE pitcrew_messages_in_flight gauge\n");
-    for (c, n) in &s.in_flight {
-        let _ = writeln!(out, "pitcrew_messages_in_flight{{consumer=\"{c}\"}} {n}");
-    }
-    out.push_str("# HELP pitcrew_handling_seconds Time from a message starting to it being settled.\n");
-    out.push_str("# TYPE pitcrew_handling_seconds histogram\n");
-    for (c, h) in &s.latency {
-        for (le, n) in BUCKETS.iter().zip(&h.counts) {
-            let _ = writeln!(out, "pitcrew_handling_seconds_bucket{{consumer=\"{c}\",le=\"{le}\"}} {n}");
+    pitcrew_metrics::render()
+}
+
+/// Reads, at scrape time, what only the servers know: consumer pending counts from JetStream
+/// and pending approvals from Postgres. Each read is bounded by a timeout; a failed one is
+/// counted and the gauge keeps its last value.
+#[derive(Clone)]
+pub struct Collector {
+    pub bus: crate::Bus,
+    pub store: Option<crate::Store>,
+    /// Durable consumers to report (stream, consumer name).
+    pub consumers: Vec<(String, String)>,
+}
+
+/// The server's view of a durable consumer (one request).
+pub async fn consumer_info(
+    bus: &crate::Bus,
+    stream: &str,
+    name: &str,
+) -> Result<async_nats::jetstream::consumer::Info, String> {
+    let c: async_nats::jetstream::consumer::PullConsumer =
+        bus.js.get_consumer_from_stream(name, stream).await.map_err(|e| e.to_string())?;
+    Ok(c.cached_info().clone())
+}
+
+/// How long a scrape waits on JetStream and Postgres.
+const COLLECT_TIMEOUT: Duration = Duration::from_secs(2);
+
+impl Collector {
+    /// Refresh the scrape-time gauges.
+    pub async fn collect(&self) {
+        for (stream, name) in &self.consumers {
+            match tokio::time::timeout(COLLECT_TIMEOUT, consumer_info(&self.bus, stream, name)).await {
+                Ok(Ok(info)) => {
+                    CONSUMER_PENDING.set(&[name], info.num_pending as f64);
+                    CONSUMER_ACK_PENDING.set(&[name], info.num_ack_pending as f64);
+                }
+                _ => SCRAPE_ERRORS.inc(&["jetstream"]),
+            }
         }
-        let _ = writeln!(out, "pitcrew_handling_seconds_bucket{{consumer=\"{c}\",le=\"+Inf\"}} {}", h.count);
-        let _ = writeln!(out, "pitcrew_handling_seconds_sum{{consumer=\"{c}\"}} {}", h.sum);
-        let _ = writeln!(out, "pitcrew_handling_seconds_count{{consumer=\"{c}\"}} {}", h.count);
+        if let Some(store) = &self.store {
+            match tokio::time::timeout(COLLECT_TIMEOUT, store.pending_approval_count()).await {
+                Ok(Ok(n)) => APPROVALS_PENDING.set(&[], n as f64),
+                _ => SCRAPE_ERRORS.inc(&["postgres"]),
+            }
+        }
     }
-    out.push_str("# HELP pitcrew_runs_finished_total Runs this process ended, by outcome.\n");
-    out.push_str("# TYPE pitcrew_runs_finished_total counter\n");
-    for (o, n) in &s.runs {
-        let _ = writeln!(out, "pitcrew_runs_finished_total{{outcome=\"{o}\"}} {n}");
-    }
-    out
 }
 
 /// Serve `GET /metrics` on `listener` until `shutdown`; one request per connection.
 pub async fn serve(listener: tokio::net::TcpListener, shutdown: impl std::future::Future<Output = ()>) {
+    serve_with(listener, None, shutdown).await
+}
+
+/// [`serve`], refreshing the scrape-time gauges of `collector` before each answer.
+pub async fn serve_with(
+    listener: tokio::net::TcpListener,
+    collector: Option<Collector>,
+    shutdown: impl std::future::Future<Output = ()>,
+) {
     tokio::pin!(shutdown);
     loop {
         let conn = tokio::select! {
@@ -104,6 +156,7 @@ pub async fn serve(listener: tokio::net::TcpListener, shutdown: impl std::future
             _ = &mut shutdown => return,
         };
         let Ok((mut conn, _)) = conn else { continue };
+        let collector = collector.clone();
         tokio::spawn(async move {
             let mut head = Vec::new();
             let mut buf = [0u8; 1024];
@@ -121,7 +174,12 @@ pub async fn serve(listener: tokio::net::TcpListener, shutdown: impl std::future
             let line = String::from_utf8_lossy(&head).lines().next().unwrap_or("").to_string();
             let mut words = line.split_whitespace();
             let (status, ctype, body) = match (words.next(), words.next()) {
-                (Some("GET"), Some("/metrics")) => ("200 OK", "text/plain; version=0.0.4", render()),
+                (Some("GET"), Some("/metrics")) => {
+                    if let Some(c) = &collector {
+                        c.collect().await;
+                    }
+                    ("200 OK", "text/plain; version=0.0.4", render())
+                }
                 _ => ("404 Not Found", "text/plain", "not found\n".to_string()),
             };
             let reply = format!(

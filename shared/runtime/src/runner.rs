@@ -74,7 +74,14 @@ pub fn header<'m>(msg: &'m jetstream::Message, name: &str) -> Option<&'m str> {
 }
 
 impl StageRunner {
+    /// Handle one message inside its trace: the incoming `traceparent` is the parent of the
+    /// stage span and what this step's messages carry on.
     async fn process(&self, msg: &jetstream::Message) -> Disposition {
+        let parent = crate::trace::traceparent(msg.headers.as_ref());
+        crate::trace::carrying(parent.clone(), self.process_in_trace(msg, parent)).await
+    }
+
+    async fn process_in_trace(&self, msg: &jetstream::Message, parent: Option<String>) -> Disposition {
         let stage = self.handler.stage();
         let (stream, stream_seq, delivered) = delivery(msg);
         let settings = self.deps.config.stage_settings(stage);
@@ -87,31 +94,52 @@ impl StageRunner {
             Err(why) => return self.poison(msg, None, &why).await,
         };
         let input_seq = state.seq;
-        let mut cx = Cx::new(&self.deps, stage, state.run_id, input_seq, 0);
-        cx.emit(
-            EventKind::Status,
-            format!("{stage}: attempt {}", state.attempt),
-            serde_json::json!({ "attempt": state.attempt, "delivered": delivered }),
+        // Everything this step does (the handler, its commands, model calls and tool calls,
+        // the commit and the publishes) happens inside the stage span, so every log line of
+        // it carries the run, and every span of it joins the run's trace.
+        let span = tracing::info_span!(
+            "stage",
+            stage = %stage,
+            run = %state.run_id,
+            seq = input_seq,
+            attempt = state.attempt,
+            delivered,
+            outcome = tracing::field::Empty,
         );
-        let span = tracing::info_span!("stage", stage = %stage, run = %state.run_id, seq = input_seq);
-        let handled = self.handler.handle(&mut state, &mut cx).instrument(span).await;
-        match handled {
-            Ok(t) => {
-                let events = cx.take_events();
-                match apply(&self.bus, &self.deps, state, t, events).await {
-                    Ok(()) => Disposition::Ack,
-                    Err(e) => {
-                        tracing::warn!(stage = %stage, error = %e, delivered, "commit or publish failed: will retry");
-                        Disposition::Nak(backoff(delivered))
+        crate::trace::adopt(&span, parent.as_deref());
+        let work = async {
+            let mut cx = Cx::new(&self.deps, stage, state.run_id, input_seq, 0);
+            cx.emit(
+                EventKind::Status,
+                format!("{stage}: attempt {}", state.attempt),
+                serde_json::json!({ "attempt": state.attempt, "delivered": delivered }),
+            );
+            let handled = self.handler.handle(&mut state, &mut cx).await;
+            let span = tracing::Span::current();
+            match handled {
+                Ok(t) => {
+                    span.record("outcome", transition_name(&t));
+                    let events = cx.take_events();
+                    match apply(&self.bus, &self.deps, state, t, events).await {
+                        Ok(()) => Disposition::Ack,
+                        Err(e) => {
+                            tracing::warn!(error = %e, delivered, "commit or publish failed: will retry");
+                            Disposition::Nak(backoff(delivered))
+                        }
                     }
                 }
+                Err(StageError::Transient(e)) => {
+                    span.record("outcome", "transient");
+                    tracing::warn!(error = %e, delivered, "transient failure: will retry");
+                    Disposition::Nak(backoff(delivered))
+                }
+                Err(StageError::Poison(e)) => {
+                    span.record("outcome", "poison");
+                    self.poison(msg, Some(state), &e).await
+                }
             }
-            Err(StageError::Transient(e)) => {
-                tracing::warn!(stage = %stage, run = %state.run_id, error = %e, delivered, "transient failure: will retry");
-                Disposition::Nak(backoff(delivered))
-            }
-            Err(StageError::Poison(e)) => self.poison(msg, Some(state), &e).await,
-        }
+        };
+        work.instrument(span).await
     }
 
     /// Decode the message into the state this stage works on.
@@ -207,6 +235,17 @@ impl StageRunner {
                 Disposition::Nak(backoff(delivered))
             }
         }
+    }
+}
+
+/// A transition's name for the stage span.
+fn transition_name(t: &Transition) -> &'static str {
+    match t {
+        Transition::To(_) => "next",
+        Transition::Escalate(_) => "escalate",
+        Transition::Park(_) => "park",
+        Transition::Done(_) => "done",
+        Transition::Drop => "drop",
     }
 }
 

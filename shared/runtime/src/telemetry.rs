@@ -1,20 +1,173 @@
-//! One tracing set-up for every binary: `PITCREW_LOG` (or `RUST_LOG`) filters, and
-//! `PITCREW_LOG_FORMAT=json` switches to JSON lines. Logs go to stderr.
+//! One tracing set-up for every binary: `PITCREW_LOG` (or `RUST_LOG`) filters the log lines,
+//! `PITCREW_LOG_FORMAT=json` (or `--log-format json`) switches them to JSON lines on stderr.
+//! With `[telemetry] otlp_endpoint` set, pitcrew's spans are also exported over OTLP/HTTP
+//! (JSON encoding) by a batch processor on its own thread: an unreachable collector is
+//! reported once and never slows or stops the crew. Keep the [`Guard`] alive until exit: its
+//! drop flushes the spans still queued.
 
-use tracing_subscriber::EnvFilter;
+use crate::config::TelemetryConfig;
+use opentelemetry::trace::TracerProvider as _;
+use opentelemetry_otlp::{Protocol, WithExportConfig};
+use opentelemetry_sdk::error::OTelSdkResult;
+use opentelemetry_sdk::trace::{Sampler, SdkTracerProvider, SpanData, SpanExporter};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+use tracing_subscriber::layer::SubscriberExt;
+use tracing_subscriber::util::SubscriberInitExt;
+use tracing_subscriber::{EnvFilter, Layer, Registry};
 
-/// Install the global subscriber; `default` is the filter when no variable is set.
-pub fn init(default: &str) {
+/// The OpenTelemetry set-up could not be built; the message names the setting.
+#[derive(Debug, thiserror::Error)]
+#[error("[telemetry] {0}")]
+pub struct TelemetryError(String);
+
+/// Flushes and stops span export when dropped (a no-op without export).
+#[must_use = "dropping the guard stops span export"]
+pub struct Guard {
+    provider: Option<SdkTracerProvider>,
+}
+
+impl Guard {
+    /// Whether spans are exported.
+    pub fn exporting(&self) -> bool {
+        self.provider.is_some()
+    }
+
+    /// Export what is queued now and stop (also done on drop).
+    pub fn shutdown(&mut self) {
+        if let Some(p) = self.provider.take() {
+            if let Err(e) = p.shutdown_with_timeout(Duration::from_secs(5)) {
+                tracing::warn!(error = %e, "flushing spans at shutdown failed: some spans are lost");
+            }
+        }
+    }
+}
+
+impl Drop for Guard {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+fn log_filter(default: &str) -> EnvFilter {
     let filter = std::env::var("PITCREW_LOG")
         .ok()
         .or_else(|| std::env::var("RUST_LOG").ok())
         .unwrap_or_else(|| default.to_string());
-    let filter = EnvFilter::try_new(&filter).unwrap_or_else(|_| EnvFilter::new(default));
-    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
-    let res = if std::env::var("PITCREW_LOG_FORMAT").as_deref() == Ok("json") {
-        builder.json().try_init()
+    EnvFilter::try_new(&filter).unwrap_or_else(|_| EnvFilter::new(default))
+}
+
+/// Log lines only (no export): for commands that run before or without a config.
+pub fn init(default: &str) {
+    let _ = init_with(default, &TelemetryConfig::default());
+}
+
+/// Logs, plus span export when `cfg.otlp_endpoint` is set. Installs the global subscriber
+/// (a second call in one process changes nothing and exports nothing).
+pub fn init_with(default: &str, cfg: &TelemetryConfig) -> Result<Guard, TelemetryError> {
+    let json = std::env::var("PITCREW_LOG_FORMAT").as_deref() == Ok("json");
+    let fmt = tracing_subscriber::fmt::layer().with_writer(std::io::stderr);
+    let fmt: Box<dyn Layer<Registry> + Send + Sync> = if json {
+        fmt.json().with_filter(log_filter(default)).boxed()
     } else {
-        builder.compact().try_init()
+        fmt.compact().with_filter(log_filter(default)).boxed()
     };
-    let _ = res;
+    let Some(endpoint) = cfg.otlp_endpoint.as_deref().filter(|e| !e.trim().is_empty()) else {
+        let _ = tracing_subscriber::registry().with(fmt).try_init();
+        return Ok(Guard { provider: None });
+    };
+    let endpoint = traces_url(endpoint);
+    let exporter = opentelemetry_otlp::SpanExporter::builder()
+        .with_http()
+        .with_protocol(Protocol::HttpJson)
+        .with_endpoint(endpoint.clone())
+        .with_timeout(Duration::from_secs(cfg.export_timeout_secs.max(1)))
+        .build()
+        .map_err(|e| TelemetryError(format!("otlp_endpoint = \"{endpoint}\": {e}")))?;
+    let exporter = WarnOnce { inner: exporter, endpoint: endpoint.clone(), failing: AtomicBool::new(false) };
+    let resource = opentelemetry_sdk::Resource::builder().with_service_name(cfg.service_name.clone()).build();
+    let provider = SdkTracerProvider::builder()
+        .with_batch_exporter(exporter)
+        .with_sampler(Sampler::ParentBased(Box::new(Sampler::TraceIdRatioBased(cfg.sample_ratio))))
+        .with_resource(resource)
+        .build();
+    let tracer = provider.tracer("pitcrew");
+    // pitcrew's own spans at info and above: never the HTTP client's, so exporting cannot
+    // feed on itself.
+    let otel = tracing_opentelemetry::layer()
+        .with_tracer(tracer)
+        .with_threads(false)
+        .with_filter(tracing_subscriber::filter::filter_fn(|m| {
+            m.is_span() && m.target().starts_with("pitcrew") && *m.level() <= tracing::Level::INFO
+        }))
+        .boxed();
+    if tracing_subscriber::registry().with(fmt).with(otel).try_init().is_err() {
+        // Someone installed a subscriber first: nothing would reach our exporter.
+        let _ = provider.shutdown();
+        return Ok(Guard { provider: None });
+    }
+    crate::trace::set_exporting();
+    tracing::info!(endpoint = %endpoint, service = %cfg.service_name, "exporting spans over OTLP/HTTP");
+    Ok(Guard { provider: Some(provider) })
+}
+
+/// `http://host:4318` → `http://host:4318/v1/traces`; a URL naming the path is kept.
+fn traces_url(endpoint: &str) -> String {
+    let e = endpoint.trim().trim_end_matches('/');
+    if e.ends_with("/v1/traces") {
+        e.to_string()
+    } else {
+        format!("{e}/v1/traces")
+    }
+}
+
+/// The OTLP exporter, reporting an unreachable collector once (and its return once), instead
+/// of once per batch.
+#[derive(Debug)]
+struct WarnOnce<E> {
+    inner: E,
+    endpoint: String,
+    failing: AtomicBool,
+}
+
+impl<E: SpanExporter> SpanExporter for WarnOnce<E> {
+    async fn export(&self, batch: Vec<SpanData>) -> OTelSdkResult {
+        let n = batch.len();
+        let res = self.inner.export(batch).await;
+        match &res {
+            Err(e) if !self.failing.swap(true, Ordering::Relaxed) => tracing::warn!(
+                endpoint = %self.endpoint, error = %e, dropped = n,
+                "cannot export spans to the OTLP collector: pitcrew keeps running and drops spans until it answers"
+            ),
+            Ok(()) if self.failing.swap(false, Ordering::Relaxed) => {
+                tracing::info!(endpoint = %self.endpoint, "the OTLP collector answers again: exporting spans")
+            }
+            _ => {}
+        }
+        res
+    }
+
+    fn shutdown_with_timeout(&self, timeout: Duration) -> OTelSdkResult {
+        self.inner.shutdown_with_timeout(timeout)
+    }
+
+    fn force_flush(&self) -> OTelSdkResult {
+        self.inner.force_flush()
+    }
+
+    fn set_resource(&mut self, resource: &opentelemetry_sdk::Resource) {
+        self.inner.set_resource(resource)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_traces_path_is_added_once() {
+        assert_eq!(traces_url("http://c:4318"), "http://c:4318/v1/traces");
+        assert_eq!(traces_url("http://c:4318/"), "http://c:4318/v1/traces");
+        assert_eq!(traces_url("http://c:4318/v1/traces"), "http://c:4318/v1/traces");
+    }
 }

@@ -3,13 +3,15 @@
 
 #![allow(dead_code)]
 
+pub mod otlp;
+
 use futures::FutureExt;
 use pitcrew::{cli, crew};
 use pitcrew_model::{Incident, Severity, Stage};
 use pitcrew_runtime::{Bus, Config, Store};
 use pitcrew_testkit::{Events, TestEnv};
 use std::process::{Child, Command, Stdio};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use uuid::Uuid;
 
 pub const WAIT: Duration = Duration::from_secs(60);
@@ -192,4 +194,40 @@ pub fn write(env: &TestEnv, name: &str, content: &str) -> String {
     let path = env.path(name);
     std::fs::write(&path, content.replace("{dir}", &env.dir.path().display().to_string())).expect("write test file");
     path
+}
+
+/// The Prometheus text of `url`, as (series, value) pairs; every line must parse.
+pub async fn scrape(url: &str) -> anyhow::Result<Vec<(String, f64)>> {
+    let text = reqwest::get(url).await?.error_for_status()?.text().await?;
+    let mut out = Vec::new();
+    for line in text.lines().filter(|l| !l.is_empty()) {
+        if line.starts_with("# HELP ") || line.starts_with("# TYPE ") {
+            continue;
+        }
+        let (series, value) = line.rsplit_once(' ').ok_or_else(|| anyhow::anyhow!("not a sample: {line}"))?;
+        let name = series.split('{').next().unwrap_or_default();
+        anyhow::ensure!(
+            !name.is_empty() && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_'),
+            "bad metric name in {line}"
+        );
+        anyhow::ensure!(!series.contains('{') || series.ends_with('}'), "bad labels in {line}");
+        out.push((series.to_string(), value.parse()?));
+    }
+    Ok(out)
+}
+
+pub fn sample(samples: &[(String, f64)], series: &str) -> f64 {
+    samples.iter().find(|(s, _)| s == series).map(|(_, v)| *v).unwrap_or(0.0)
+}
+
+/// SIGTERM a worker and wait for it to exit (it flushes its spans on the way out).
+pub fn stop(w: &mut Worker) -> anyhow::Result<()> {
+    // SAFETY: kill(2) on our own child's pid.
+    unsafe { libc::kill(w.child.id() as i32, libc::SIGTERM) };
+    let asked = Instant::now();
+    while w.child.try_wait()?.is_none() {
+        anyhow::ensure!(asked.elapsed() < Duration::from_secs(30), "worker did not exit within 30 s of SIGTERM");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    Ok(())
 }

@@ -2,6 +2,7 @@
 //! and every write keyed so that a redelivered stage writes nothing twice.
 
 mod migrate;
+mod observe;
 mod query;
 mod runs;
 mod votes;

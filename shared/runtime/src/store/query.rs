@@ -157,6 +157,7 @@ impl Store {
     }
 
     /// Append to the gateway's audit trail.
+    #[tracing::instrument(name = "db_write", skip_all, fields(op = "record_audit"))]
     pub async fn record_audit(&self, e: &AuditEntry) -> Result<(), StoreError> {
         let client = self.client().await?;
         let stmt = client

@@ -76,6 +76,7 @@ fn state_json(state: &RunState) -> tokio_postgres::types::Json<&RunState> {
 
 impl Store {
     /// Persist the incident and start its run, unless one is open for its fingerprint.
+    #[tracing::instrument(name = "db_write", skip_all, fields(op = "open_run"))]
     pub async fn open_run(&self, state: &RunState) -> Result<OpenRun, StoreError> {
         let inc = &state.incident;
         let fp = inc.effective_fingerprint();
@@ -154,6 +155,7 @@ impl Store {
     /// transaction. An older transition never overwrites a newer one, nor anything a closed
     /// run (seq guard). Returns whether the run took the transition: `false` means the input
     /// was stale (a newer transition exists) and nothing must follow from it.
+    #[tracing::instrument(name = "db_write", skip_all, fields(op = "commit_transition"))]
     pub async fn commit_transition(
         &self,
         state: &RunState,
@@ -210,6 +212,7 @@ impl Store {
     }
 
     /// Store events that belong to no run row (a rejected incident).
+    #[tracing::instrument(name = "db_write", skip_all, fields(op = "insert_events"))]
     pub async fn insert_events(&self, events: &[RunEvent]) -> Result<(), StoreError> {
         let client = self.client().await?;
         insert_events(&client, events).await

@@ -67,6 +67,7 @@ pub struct ApprovalRow {
 impl Store {
     /// Tokens the reasoning provider used for `run` at `stage` (state `seq`); a redelivery of
     /// the same state overwrites its row.
+    #[tracing::instrument(name = "db_write", skip_all, fields(op = "record_llm_usage"))]
     pub async fn record_llm_usage(
         &self,
         run: Uuid,
@@ -102,6 +103,7 @@ impl Store {
         Ok(())
     }
 
+    #[tracing::instrument(name = "db_write", skip_all, fields(op = "record_evaluation"))]
     pub async fn record_evaluation(&self, run: Uuid, ev: &Evaluation) -> Result<(), StoreError> {
         let client = self.client().await?;
         let stmt = client
@@ -130,6 +132,7 @@ impl Store {
 
     /// Store what this attempt ran (`commands`: only those that actually ran, so a plan that
     /// was denied or rejected is never remembered as failing) and whether it worked.
+    #[tracing::instrument(name = "db_write", skip_all, fields(op = "record_episode"))]
     pub async fn record_episode(
         &self,
         state: &RunState,
@@ -196,6 +199,7 @@ impl Store {
         })
     }
 
+    #[tracing::instrument(name = "db_write", skip_all, fields(op = "request_approval"))]
     pub async fn request_approval(&self, req: &ApprovalRequest) -> Result<(), StoreError> {
         let client = self.client().await?;
         let stmt = client
@@ -226,6 +230,7 @@ impl Store {
     /// Count `by`'s approval of a pending request that needs a quorum: (distinct approvals so
     /// far, quorum), or None when the request is not pending (decided, or never made). An
     /// approver who already voted is counted once.
+    #[tracing::instrument(name = "db_write", skip_all, fields(op = "vote"))]
     pub async fn vote(
         &self,
         run: Uuid,
@@ -257,6 +262,7 @@ impl Store {
 
     /// Settle the request for `plan_hash` with `d`, only if it is still pending.
     /// `seq` is the bridge-stream sequence of the decision message, recognising redeliveries.
+    #[tracing::instrument(name = "db_write", skip_all, fields(op = "decide_approval"))]
     pub async fn decide_approval(
         &self,
         plan_hash: &str,
@@ -379,6 +385,7 @@ impl Store {
     }
 
     /// Record the intent to run command `index` of `attempt` before running it.
+    #[tracing::instrument(name = "db_write", skip_all, fields(op = "claim_execution"))]
     pub async fn claim_execution(
         &self,
         run: Uuid,
@@ -425,6 +432,7 @@ impl Store {
 
     /// Record that a claimed command's outcome is unknown (its worker died while it ran): only
     /// while nothing finished it, so a late finish by a live worker is never overwritten.
+    #[tracing::instrument(name = "db_write", skip_all, fields(op = "mark_interrupted"))]
     pub async fn mark_interrupted(&self, run: Uuid, attempt: u32, index: u32) -> Result<(), StoreError> {
         let client = self.client().await?;
         let stmt = client
@@ -452,6 +460,7 @@ impl Store {
     }
 
     /// Record how a claimed command ended.
+    #[tracing::instrument(name = "db_write", skip_all, fields(op = "finish_execution"))]
     pub async fn finish_execution(&self, run: Uuid, rec: &ExecutionRecord) -> Result<(), StoreError> {
         let client = self.client().await?;
         let stmt = client
@@ -471,6 +480,7 @@ impl Store {
 
 impl Store {
     /// Forget a claim whose command never started (the executor could not reach the host).
+    #[tracing::instrument(name = "db_write", skip_all, fields(op = "release_execution"))]
     pub async fn release_execution(&self, run: Uuid, attempt: u32, index: u32) -> Result<(), StoreError> {
         let client = self.client().await?;
         client
