@@ -1,7 +1,7 @@
 //! Access control: API keys (stored as SHA-256, compared in constant time, never logged)
 //! mapped to roles, what each route needs (read from the OpenAPI document, so the document
 //! and the rules cannot disagree), a token bucket per key, and the audit of every mutating
-//! request (Postgres and the log).
+//! request (Postgres and the log; one refused by the rate limit only in the log).
 
 use crate::error::{ApiError, Outcome};
 use crate::Gateway;
@@ -165,6 +165,9 @@ impl Keys {
     }
 }
 
+/// Most rate-limit buckets kept at once.
+pub const MAX_BUCKETS: usize = 10_000;
+
 /// A token bucket per key: `burst` requests at once, refilled at `rate` per second.
 pub struct RateLimiter {
     rate: f64,
@@ -182,10 +185,20 @@ impl RateLimiter {
     }
 
     /// Take a token for `key`, or say how long until one is there. Keys are the configured
-    /// owners, so the map is bounded by the config.
+    /// owners, but the map is bounded whatever the keys: past [`MAX_BUCKETS`], buckets that
+    /// have refilled (the same as no bucket) are dropped, then the least recently used.
     pub fn take(&self, key: &str) -> Result<(), Duration> {
         let now = Instant::now();
         let mut buckets = self.buckets.lock().unwrap_or_else(|p| p.into_inner());
+        if buckets.len() >= MAX_BUCKETS && !buckets.contains_key(key) {
+            let (rate, burst) = (self.rate, self.burst);
+            buckets.retain(|_, (tokens, last)| *tokens + now.duration_since(*last).as_secs_f64() * rate < burst);
+            if buckets.len() >= MAX_BUCKETS {
+                if let Some(oldest) = buckets.iter().min_by_key(|(_, (_, last))| *last).map(|(k, _)| k.clone()) {
+                    buckets.remove(&oldest);
+                }
+            }
+        }
         let (tokens, last) = buckets.entry(key.to_string()).or_insert((self.burst, now));
         *tokens = (*tokens + now.duration_since(*last).as_secs_f64() * self.rate).min(self.burst);
         *last = now;
@@ -209,6 +222,9 @@ fn presented_key(req: &Request) -> Option<&str> {
     }
     h.get("x-api-key").and_then(|v| v.to_str().ok()).map(str::trim)
 }
+
+/// Longest request path kept in the audit trail.
+const MAX_AUDIT_PATH: usize = 512;
 
 /// The rate-limit bucket of requests without a valid key (a name no owner has in practice).
 const UNAUTHENTICATED: &str = "\0unauthenticated";
@@ -263,7 +279,7 @@ pub async fn guard(State(gw): State<Arc<Gateway>>, mut req: Request, next: Next)
             principal: principal.to_string(),
             role: caller.as_ref().map(|c| c.role.as_str().to_string()),
             method: method.to_string(),
-            path,
+            path: pitcrew_model::trim::clip(&path, MAX_AUDIT_PATH),
             status: i32::from(status),
             outcome: pitcrew_model::trim::clip(&outcome, 1000),
             remote,
@@ -279,7 +295,10 @@ pub async fn guard(State(gw): State<Arc<Gateway>>, mut req: Request, next: Next)
             run = ?entry.run_id,
             "audit"
         );
-        if let Err(e) = gw.store.record_audit(&entry).await {
+        // A refusal by the rate limit is only logged: stored, it would let anyone write rows
+        // to Postgres as fast as they can send requests.
+        let stored = if status == 429 { Ok(()) } else { gw.store.record_audit(&entry).await };
+        if let Err(e) = stored {
             tracing::error!(error = %e, path = %entry.path, "audit record not stored in Postgres (the log line above has it)");
         }
     }
@@ -357,5 +376,17 @@ mod tests {
         let wait = rl.take("a").unwrap_err();
         assert!(wait > Duration::from_millis(500) && wait <= Duration::from_secs(1), "{wait:?}");
         assert!(rl.take("b").is_ok(), "buckets are per key");
+    }
+
+    #[test]
+    fn the_buckets_stay_bounded_whatever_the_keys() {
+        let cfg = GatewayConfig { rate_per_sec: 0.001, rate_burst: 1, ..GatewayConfig::default() };
+        let rl = RateLimiter::new(&cfg);
+        for i in 0..MAX_BUCKETS + 500 {
+            assert!(rl.take(&format!("k{i}")).is_ok());
+        }
+        assert!(rl.buckets.lock().unwrap().len() <= MAX_BUCKETS);
+        // The newest keys keep their (empty) buckets: still refused.
+        assert!(rl.take(&format!("k{}", MAX_BUCKETS + 499)).is_err());
     }
 }

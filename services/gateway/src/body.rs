@@ -1,5 +1,5 @@
-//! Reading requests: JSON bodies within the size limit (413 past it, 415 for another media
-//! type, 400 naming the line, column and field that are wrong), run ids and query strings,
+//! Reading requests: JSON bodies within the size limit and time (413 past it, 408 too slow,
+//! 415 for another media type, 400 naming the line, column and field that are wrong), run ids and query strings,
 //! each refused with a JSON error.
 
 use crate::error::ApiError;
@@ -8,7 +8,12 @@ use axum::extract::rejection::BytesRejection;
 use axum::extract::{FromRequest, Request};
 use axum::http::StatusCode;
 use serde::de::DeserializeOwned;
+use std::time::Duration;
 use uuid::Uuid;
+
+/// How long a client may take to send its body once its headers are in (a slow body holds a
+/// connection and a task: refused with 408).
+pub const BODY_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// A JSON body parsed into `T`.
 pub struct JsonBody<T>(pub T);
@@ -26,7 +31,10 @@ impl<S: Send + Sync> FromRequest<S> for RawJson {
     async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
         let limit = req.extensions().get::<BodyLimit>().map(|l| l.0).unwrap_or(0);
         let ct = req.headers().get("content-type").and_then(|v| v.to_str().ok()).map(str::to_string);
-        let bytes = Bytes::from_request(req, state).await.map_err(|e: BytesRejection| {
+        let read = tokio::time::timeout(BODY_TIMEOUT, Bytes::from_request(req, state)).await.map_err(|_| {
+            ApiError::Timeout(format!("the request body took more than {} s to arrive", BODY_TIMEOUT.as_secs()))
+        })?;
+        let bytes = read.map_err(|e: BytesRejection| {
             if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
                 too_large(limit)
             } else {

@@ -27,6 +27,9 @@ pub enum ApiError {
     Conflict(String),
     #[error("{0}")]
     TooLarge(String),
+    /// The body arrived too slowly.
+    #[error("{0}")]
+    Timeout(String),
     #[error("{0}")]
     UnsupportedMediaType(String),
     /// Slow down: retry after this many seconds.
@@ -49,6 +52,7 @@ impl ApiError {
             ApiError::NotFound(_) => StatusCode::NOT_FOUND,
             ApiError::Conflict(_) => StatusCode::CONFLICT,
             ApiError::TooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
+            ApiError::Timeout(_) => StatusCode::REQUEST_TIMEOUT,
             ApiError::UnsupportedMediaType(_) => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             ApiError::RateLimited { .. } => StatusCode::TOO_MANY_REQUESTS,
             ApiError::NotImplemented(_) => StatusCode::NOT_IMPLEMENTED,

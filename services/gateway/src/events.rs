@@ -1,5 +1,6 @@
 //! Live streams as Server-Sent Events. A run's stream replays its past events from JetStream
-//! (an ordered consumer from the start) and follows live ones until a terminal event; the
+//! (an ordered consumer from the start) and follows live ones until a terminal event (a client
+//! resuming with `Last-Event-ID` after the run ended gets what is left, then the end); the
 //! all-runs stream follows from now (or `since`, or `Last-Event-ID`) with a kind/run filter.
 //! Each client has its own consumer, task and bounded buffer: a client whose buffer stays
 //! full for `SLOW_CLIENT` is dropped (it reconnects with `Last-Event-ID`), so no client ever
@@ -33,10 +34,23 @@ pub const SLOW_CLIENT: Duration = Duration::from_secs(5);
 
 type EventStream = Sse<KeepAliveStream<std::pin::Pin<Box<dyn Stream<Item = Result<Event, Infallible>> + Send>>>>;
 
+/// When a live stream ends, besides its client leaving, a slow client or shutdown.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum End {
+    /// Never: the all-runs stream.
+    Never,
+    /// At the run's terminal event.
+    Terminal,
+    /// The run ended before the client (re)connected: at its terminal event, or once what
+    /// the bus holds of the run is sent.
+    CaughtUp,
+}
+
+/// The stream sequence to resume from: the one after `Last-Event-ID`.
 fn last_event_id(headers: &HeaderMap) -> Result<Option<u64>, ApiError> {
     match headers.get("last-event-id").map(|v| v.to_str().unwrap_or("").trim()) {
         None | Some("") => Ok(None),
-        Some(v) => v.parse::<u64>().map(Some).map_err(|_| {
+        Some(v) => v.parse::<u64>().ok().and_then(|seq| seq.checked_add(1)).map(Some).ok_or_else(|| {
             ApiError::BadRequest(format!(
                 "Last-Event-ID '{}' is not an event id of this stream",
                 pitcrew_model::trim::clip(v, 32)
@@ -65,11 +79,34 @@ pub async fn run_events(
             return Ok(stored);
         }
     }
-    let deliver = match resume {
-        Some(seq) => DeliverPolicy::ByStartSequence { start_sequence: seq + 1 },
-        None => DeliverPolicy::All,
+    let (deliver, end) = match resume {
+        Some(next) => {
+            let end = if ended_on_bus(&gw, run).await? { End::CaughtUp } else { End::Terminal };
+            (DeliverPolicy::ByStartSequence { start_sequence: next }, end)
+        }
+        None => (DeliverPolicy::All, End::Terminal),
     };
-    follow(&gw, vec![gw.bus.subjects.events_of(run)], deliver, None, true).await
+    follow(&gw, vec![gw.bus.subjects.events_of(run)], deliver, None, end).await
+}
+
+/// Whether the bus holds the run's terminal event (a client resuming after it has no more to
+/// wait for).
+async fn ended_on_bus(gw: &Gateway, run: Uuid) -> Result<bool, ApiError> {
+    let stream =
+        gw.bus.js.get_stream(gw.bus.subjects.events_stream()).await.map_err(|e| ApiError::unavailable("NATS", e))?;
+    let mut subjects = stream
+        .info_with_subjects(gw.bus.subjects.events_of(run))
+        .await
+        .map_err(|e| ApiError::unavailable("NATS", e))?;
+    while let Some(s) = subjects.next().await {
+        let (subject, _) = s.map_err(|e| ApiError::unavailable("NATS", e))?;
+        let kind = subject.rsplit('.').next().unwrap_or_default();
+        let kind: Option<EventKind> = serde_json::from_value(serde_json::Value::String(kind.to_string())).ok();
+        if kind.is_some_and(EventKind::is_terminal) {
+            return Ok(true);
+        }
+    }
+    Ok(false)
 }
 
 /// A finished run whose events have expired from the bus (7 days) is replayed from its
@@ -120,7 +157,10 @@ pub async fn all_events(
         let kind: EventKind = serde_json::from_value(serde_json::Value::String(k.to_string())).map_err(|_| {
             ApiError::BadRequest(format!("kind '{}' is not an event kind", pitcrew_model::trim::clip(k, 32)))
         })?;
-        kinds.push(kind);
+        // Twice the same kind would be overlapping filters, which JetStream refuses.
+        if !kinds.contains(&kind) {
+            kinds.push(kind);
+        }
     }
     let prefix = gw.bus.subjects.prefix().to_string();
     let run = q.run.map(|r| r.to_string()).unwrap_or_else(|| "*".into());
@@ -130,7 +170,7 @@ pub async fn all_events(
         kinds.iter().map(|k| format!("{prefix}.events.{run}.{}", k.as_str())).collect()
     };
     let deliver = match (last_event_id(&headers)?, q.since) {
-        (Some(seq), _) => DeliverPolicy::ByStartSequence { start_sequence: seq + 1 },
+        (Some(next), _) => DeliverPolicy::ByStartSequence { start_sequence: next },
         (None, Some(t)) => DeliverPolicy::ByStartTime {
             start_time: time::OffsetDateTime::from_unix_timestamp_nanos(i128::from(
                 t.timestamp_nanos_opt().unwrap_or(0),
@@ -139,18 +179,18 @@ pub async fn all_events(
         },
         (None, None) => DeliverPolicy::New,
     };
-    follow(&gw, subjects, deliver, Some(kinds), false).await
+    follow(&gw, subjects, deliver, Some(kinds), End::Never).await
 }
 
 /// Open an ordered consumer and feed its events to a bounded per-client channel from a task
-/// of its own; the response streams the channel. The task ends on a terminal event (when
-/// `until_terminal`), a full buffer (a slow client), a gone client or shutdown.
+/// of its own; the response streams the channel. The task ends as `end` says, on a full buffer
+/// (a slow client), a gone client or shutdown.
 async fn follow(
     gw: &Arc<Gateway>,
     filter_subjects: Vec<String>,
     deliver_policy: DeliverPolicy,
     kinds: Option<Vec<EventKind>>,
-    until_terminal: bool,
+    end: End,
 ) -> Result<EventStream, ApiError> {
     let permit = gw
         .streams
@@ -163,6 +203,12 @@ async fn follow(
         .create_consumer(OrderedConfig { filter_subjects, deliver_policy, ..Default::default() })
         .await
         .map_err(|e| ApiError::unavailable("NATS", e))?;
+    if end == End::CaughtUp && consumer.cached_info().num_pending == 0 {
+        // Nothing left to send of a run that has ended: the stream ends at once.
+        let body: std::pin::Pin<Box<dyn Stream<Item = Result<Event, Infallible>> + Send>> =
+            Box::pin(futures::stream::empty());
+        return Ok(Sse::new(body).keep_alive(KeepAlive::new().interval(KEEP_ALIVE)));
+    }
     let mut messages = consumer.messages().await.map_err(|e| ApiError::unavailable("NATS", e))?;
     let (tx, rx) = mpsc::channel::<Event>(gw.cfg.gateway.sse_buffer.max(1));
     let mut shutdown = gw.shutdown.clone();
@@ -182,13 +228,20 @@ async fn follow(
                 }
                 None => break,
             };
-            let Ok(event) = serde_json::from_slice::<RunEvent>(&msg.payload) else { continue };
+            let info = msg.info().ok().map(|i| (i.stream_sequence, i.pending));
+            let seq = info.map(|i| i.0).unwrap_or(0);
+            let caught_up = end == End::CaughtUp && info.is_some_and(|i| i.1 == 0);
+            let Ok(event) = serde_json::from_slice::<RunEvent>(&msg.payload) else {
+                if caught_up {
+                    break;
+                }
+                continue;
+            };
             if let Some(kinds) = &kinds {
                 if !kinds.is_empty() && !kinds.contains(&event.kind) {
                     continue;
                 }
             }
-            let seq = msg.info().map(|i| i.stream_sequence).unwrap_or(0);
             let sse = Event::default()
                 .id(seq.to_string())
                 .event(event.kind.as_str())
@@ -212,7 +265,7 @@ async fn follow(
             if !sent {
                 break;
             }
-            if until_terminal && event.kind.is_terminal() {
+            if (end != End::Never && event.kind.is_terminal()) || caught_up {
                 break;
             }
         }

@@ -24,7 +24,6 @@ use futures::future::{BoxFuture, Shared};
 use pitcrew_runtime::{Bus, Config, Store};
 use serde_json::json;
 use std::collections::HashMap;
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::Semaphore;
@@ -155,11 +154,11 @@ async fn openapi() -> Response {
     ([(header::CONTENT_TYPE, "application/json")], OPENAPI).into_response()
 }
 
-/// Serve on `listener` until `shutdown`; live streams end with it.
+/// Serve on `listener` until `shutdown`; live streams end with it. Headers must arrive within
+/// `httpd::HEADER_TIMEOUT` and bodies within `body::BODY_TIMEOUT`: a slow client holds nothing.
 pub async fn serve(gw: Arc<Gateway>, listener: tokio::net::TcpListener) -> anyhow::Result<()> {
     let shutdown = gw.shutdown.clone();
-    let app = router(gw).into_make_service_with_connect_info::<SocketAddr>();
-    axum::serve(listener, app).with_graceful_shutdown(shutdown).await.context("gateway server failed")
+    pitcrew_runtime::httpd::serve(listener, router(gw), shutdown).await.context("gateway server failed")
 }
 
 /// `pitcrew gateway`: connect, bind `[gateway] listen` and serve until `shutdown`.

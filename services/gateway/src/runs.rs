@@ -215,6 +215,12 @@ async fn decide(
             when.format("%Y-%m-%d %H:%M:%S")
         )));
     }
+    let racing = approvals::racing(&gw.bus, &gw.cfg, run, &req.plan_hash, decision, &caller.name)
+        .await
+        .map_err(|e| ApiError::unavailable("NATS", format!("{e:#}")))?;
+    if let Some(why) = racing {
+        return Err(ApiError::Conflict(why));
+    }
     let input = DecisionInput {
         run,
         plan_hash: Some(&req.plan_hash),

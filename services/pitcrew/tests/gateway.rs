@@ -364,11 +364,38 @@ async fn a_run_streams_its_past_then_live_events_and_is_approved_over_http() -> 
     let (status, body) = api.post(&format!("/v1/runs/{run}/approve"), "ann", &json!({"plan_hash": plan_hash})).await?;
     assert_eq!(status, StatusCode::ACCEPTED, "{body}");
     let mut live = Vec::new();
-    while let Some((_, _, e)) = sse.next().await? {
+    let mut ids = Vec::new();
+    while let Some((id, _, e)) = sse.next().await? {
         live.push(e.kind);
+        ids.push(id);
     }
     assert!(live.contains(&EventKind::Execution), "{live:?}");
     assert_eq!(live.last(), Some(&EventKind::Resolved), "the stream ends with the run: {live:?}");
+    // A client reconnecting with Last-Event-ID after the run ended gets what it missed, and
+    // the stream ends: from the first live event, the rest up to the end ...
+    let resume = |last: String| {
+        api.http
+            .get(format!("{}/v1/runs/{run}/events", api.url))
+            .bearer_auth(key("rita"))
+            .header("last-event-id", last)
+            .send()
+    };
+    // (Keep-alives would hold a stream open forever: each read here has a deadline.)
+    let mut rest = Sse::new(resume(ids[0].clone()).await?);
+    let missed = tokio::time::timeout(WAIT, async {
+        let mut missed = Vec::new();
+        while let Some((id, _, _)) = rest.next().await? {
+            missed.push(id);
+        }
+        anyhow::Ok(missed)
+    })
+    .await
+    .map_err(|_| anyhow::anyhow!("the resumed stream of an ended run never ended"))??;
+    assert_eq!(missed, ids[1..], "the events after Last-Event-ID, then the end");
+    // ... and from the last event, nothing: the stream ends at once.
+    let mut none = Sse::new(resume(ids.last().cloned().unwrap_or_default()).await?);
+    let end = tokio::time::timeout(WAIT, none.next()).await.map_err(|_| anyhow::anyhow!("never ended"))??;
+    assert!(end.is_none(), "a resumed stream of an ended run ends");
     // The all-runs stream, filtered, saw the decision and the end.
     let (_, _, first) = all.next().await?.expect("filtered events");
     assert_eq!((first.run_id, first.kind), (run, EventKind::ApprovalDecided));
@@ -479,6 +506,19 @@ async fn malformed_and_oversized_bodies_are_refused_precisely_and_nothing_is_pub
     let (status, err) = api.get(&format!("/v1/runs/{}", Uuid::new_v4()), "rita").await?;
     assert_eq!(status, StatusCode::NOT_FOUND);
     assert!(err["error"].as_str().unwrap_or_default().contains("no incident with this id"), "{err}");
+    // A Last-Event-ID at the end of the sequence range is refused, not an overflow.
+    let resp = api
+        .req(reqwest::Method::GET, "/v1/events", Some("rita"))
+        .header("last-event-id", u64::MAX.to_string())
+        .send()
+        .await?;
+    assert_eq!(resp.status(), StatusCode::BAD_REQUEST);
+    let err: Value = resp.json().await?;
+    assert!(err["error"].as_str().unwrap_or_default().contains("Last-Event-ID"), "{err}");
+    // A kind named twice is one filter (JetStream refuses overlapping ones).
+    let twice = api.stream("/v1/events?kind=status,status", "rita").await?;
+    assert_eq!(twice.status(), StatusCode::OK);
+    drop(twice);
     let (status, err) = api.get("/v1/events?kind=nonsense", "rita").await?;
     assert_eq!(status, StatusCode::BAD_REQUEST);
     assert!(err["error"].as_str().unwrap_or_default().contains("kind 'nonsense'"), "{err}");
@@ -515,6 +555,22 @@ async fn a_key_over_its_rate_gets_429_with_retry_after_and_readiness_follows_nat
     let r = api.req(reqwest::Method::GET, "/v1/runs", None).bearer_auth("guess").send().await?;
     assert_eq!(r.status(), StatusCode::TOO_MANY_REQUESTS);
     assert!(r.headers().contains_key("retry-after"));
+    // Anonymous writes share that bucket, and one refused by it writes no audit row: nobody
+    // fills Postgres by sending requests fast.
+    let mut refused = 0;
+    let mut answered = 0;
+    for path in ["/v1/incidents", "/v1/alerts/alertmanager", "/v1/ask"].repeat(2) {
+        let r = api.req(reqwest::Method::POST, path, None).send().await?;
+        if r.status() == StatusCode::TOO_MANY_REQUESTS {
+            refused += 1;
+        } else {
+            answered += 1;
+        }
+    }
+    assert!(refused >= 4, "{refused} of 6 anonymous writes refused");
+    let db = api.crew.db().await?;
+    let rows: i64 = db.query_one("SELECT count(*) FROM gateway_audit WHERE principal = 'anonymous'", &[]).await?.get(0);
+    assert_eq!(rows, answered, "only the answered writes are in the audit trail");
     let ready = api.req(reqwest::Method::GET, "/readyz", None).send().await?;
     assert_eq!(ready.status(), StatusCode::OK);
     let body: Value = ready.json().await?;
@@ -645,5 +701,75 @@ async fn the_gateway_process_logs_and_audits_requests_but_never_a_key() -> anyho
         .map(|r| (r.get(0), r.get(1)))
         .collect();
     assert_eq!(rows, [("otto".to_string(), 202), ("anonymous".to_string(), 401)], "reads are not audited");
+    let remotes: i64 = db.query_one("SELECT count(*) FROM gateway_audit WHERE remote = '127.0.0.1'", &[]).await?.get(0);
+    assert_eq!(remotes, 2, "each row names the client's address");
     Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_too_slow_with_its_headers_or_its_body_holds_no_connection() -> anyhow::Result<()> {
+    use pitcrew_gateway::body::BODY_TIMEOUT;
+    use pitcrew_runtime::httpd::HEADER_TIMEOUT;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let api = Api::start(&[], "").await?;
+    let addr = api.url.trim_start_matches("http://").to_string();
+    // Slowloris: half a request's headers, then nothing.
+    let mut headers = tokio::net::TcpStream::connect(&addr).await?;
+    headers.write_all(b"POST /v1/incidents HTTP/1.1\r\nHost: gateway\r\nContent-Type: application/json\r\n").await?;
+    // A body that never arrives whole.
+    let mut body = tokio::net::TcpStream::connect(&addr).await?;
+    let head = format!(
+        "POST /v1/incidents HTTP/1.1\r\nHost: gateway\r\nAuthorization: Bearer {}\r\n\
+         Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{{\"service\": \"svc\"",
+        key("otto")
+    );
+    body.write_all(head.as_bytes()).await?;
+    let started = tokio::time::Instant::now();
+    let limit = HEADER_TIMEOUT.max(BODY_TIMEOUT) + Duration::from_secs(10);
+    let closed = |mut s: tokio::net::TcpStream| async move {
+        let mut seen = Vec::new();
+        match tokio::time::timeout(limit, s.read_to_end(&mut seen)).await {
+            Err(_) => anyhow::bail!("the connection is still open after {limit:?}"),
+            // Closed, maybe with a reset: either way the server let go.
+            Ok(_) => Ok(String::from_utf8_lossy(&seen).to_string()),
+        }
+    };
+    // A connection that says nothing at all (an idle keep-alive looks the same).
+    let silent = tokio::net::TcpStream::connect(&addr).await?;
+    let (h, b, quiet) = tokio::join!(closed(headers), closed(body), closed(silent));
+    let (h, b, quiet) = (h?, b?, quiet?);
+    assert!(started.elapsed() >= HEADER_TIMEOUT.min(BODY_TIMEOUT) - Duration::from_secs(1), "cut by the timeouts");
+    assert!(!h.contains("202"), "the half request was not served: {h}");
+    assert!(!quiet.contains("HTTP/1.1 2"), "{quiet}");
+    assert!(b.starts_with("HTTP/1.1 408"), "{b}");
+    assert!(b.contains("the request body took more than 10 s to arrive"), "{b}");
+    // The gateway serves on, and nothing was published.
+    assert_eq!(api.req(reqwest::Method::GET, "/healthz", None).send().await?.status(), StatusCode::OK);
+    let mut stream = api.crew.bus.js.get_stream(api.crew.bus.subjects.incidents_stream()).await?;
+    assert_eq!(stream.info().await?.state.messages, 0);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decision_racing_one_the_crew_has_not_recorded_yet_gets_409() -> anyhow::Result<()> {
+    let mut api = Api::start(&Stage::ALL, "").await?;
+    let (status, body) =
+        api.post("/v1/incidents", "otto", &json!({"service": "svc", "error": "stale lock held"})).await?;
+    assert_eq!(status, StatusCode::ACCEPTED, "{body}");
+    let run: Uuid = body["run_id"].as_str().unwrap_or_default().parse()?;
+    api.crew.events.kind(run, EventKind::ApprovalRequested, WAIT).await?;
+    // The crew is stopped: Ann's approval is published, not recorded yet.
+    api.crew.shutdown().await?;
+    let (status, body) = api.post(&format!("/v1/runs/{run}/approve"), "ann", &json!({})).await?;
+    assert_eq!(status, StatusCode::ACCEPTED, "{body}");
+    // Carol's denial races it: 409, naming the decision that won.
+    let (status, body) = api.post(&format!("/v1/runs/{run}/deny"), "carol", &json!({"reason": "wait"})).await?;
+    assert_eq!(status, StatusCode::CONFLICT, "{body}");
+    let why = body["error"].as_str().unwrap_or_default();
+    assert!(why.contains("already decided: approve by ann via http") && why.contains("being recorded"), "{body}");
+    api.crew.run(&Stage::ALL);
+    let end = api.crew.end(run).await?;
+    assert_eq!(end.kind, EventKind::Resolved, "{}", end.message);
+    assert!(end.message.contains("approved by ann"), "{}", end.message);
+    api.crew.shutdown().await
 }

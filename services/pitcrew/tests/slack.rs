@@ -8,7 +8,7 @@ mod common;
 use common::{count, marker_service, write, Crew, LOCKED_PLAYBOOK, WAIT};
 use futures::TryStreamExt;
 use pitcrew::cli;
-use pitcrew_model::{EventKind, Stage};
+use pitcrew_model::{ApprovalDecision, Decision, EventKind, Stage};
 use pitcrew_testkit::slack::{slack_signature, Call, FakeSlack};
 use pitcrew_testkit::TestEnv;
 use serde_json::{json, Value};
@@ -655,5 +655,95 @@ async fn through_an_incoming_webhook_the_decided_message_is_replaced_on_its_resp
     let log = bridge.stop().await?;
     assert!(log.contains("approval request posted"), "{log}");
     secrets_kept_of(&crew, &[log], &[hook.as_str(), "hook0secret0xyzzy1234", SIGNING_SECRET]).await?;
+    crew.shutdown().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_click_racing_one_the_crew_has_not_recorded_yet_is_refused() -> anyhow::Result<()> {
+    let (mut crew, slack, port) = setup().await?;
+    let bridge = Bridge::start(&crew, port, "bridge").await?;
+    let run = crew.open("svc", "stale lock held").await?;
+    crew.events.kind(run, EventKind::ApprovalRequested, WAIT).await?;
+    let post = posted(&slack, run).await?;
+    let ts = post.answer["ts"].as_str().unwrap_or_default().to_string();
+    // The crew is stopped: what reaches the bridge subject is not recorded yet. First a
+    // decision from someone who is not an approver (the crew will refuse it): it blocks nothing.
+    crew.shutdown().await?;
+    let req = cli::approval_request(&crew.bus, run).await?;
+    let forged = ApprovalDecision {
+        run_id: run,
+        decision: Decision::Deny,
+        by: "mallory".into(),
+        plan_hash: Some(req.plan_hash.clone()),
+        reason: Some("no".into()),
+        channel: "script".into(),
+        decided_at: chrono::Utc::now(),
+    };
+    crew.bus.js.publish(crew.bus.subjects.approval_decided(run), serde_json::to_vec(&forged)?.into()).await?.await?;
+    // Ann's click is published.
+    let ann = interaction("U0ANN", "approve", &button(&post, "approve"), &ts, &slack.response_url(1));
+    let (status, text) = bridge.click(&ann).await?;
+    assert_eq!((status, text.as_str()), (200, ""));
+    assert_eq!(decisions_published(&crew, run).await?, 2);
+    let db = crew.db().await?;
+    assert_eq!(count(&db, "SELECT count(*) FROM approvals WHERE run_id = $1 AND decision IS NULL", run).await, 1);
+    // Bob's Deny arrives before the crew recorded Ann's: refused, naming the decision that won.
+    let bob = interaction("U0BOB", "deny", &button(&post, "deny"), &ts, &slack.response_url(2));
+    let (status, text) = bridge.click(&bob).await?;
+    assert_eq!(status, 200, "{text}");
+    let answer: Value = serde_json::from_str(&text)?;
+    let reason = answer["text"].as_str().unwrap_or_default();
+    assert!(reason.contains("already decided: approve by ann via slack"), "{text}");
+    assert!(reason.contains("this decision is ignored"), "{text}");
+    assert_eq!(decisions_published(&crew, run).await?, 2, "the racing decision was not published");
+    // The crew comes back and runs what Ann approved.
+    crew.run(&Stage::ALL);
+    let end = crew.end(run).await?;
+    assert_eq!(end.kind, EventKind::Resolved, "{}", end.message);
+    assert!(end.message.contains("approved by ann"), "{}", end.message);
+    let row = db.query_one("SELECT decision, decided_by FROM approvals WHERE run_id = $1", &[&run]).await?;
+    assert_eq!((row.get::<_, String>(0), row.get::<_, String>(1)), ("approve".into(), "ann".into()));
+    bridge.stop().await?;
+    crew.shutdown().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_callback_too_slow_with_its_headers_or_its_body_holds_no_connection() -> anyhow::Result<()> {
+    use pitcrew_bridge::inbound::BODY_TIMEOUT;
+    use pitcrew_runtime::httpd::HEADER_TIMEOUT;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let (mut crew, _slack, port) = setup().await?;
+    let bridge = Bridge::start(&crew, port, "bridge").await?;
+    let addr = format!("127.0.0.1:{port}");
+    // Slowloris: half a request's headers, then nothing.
+    let mut headers = tokio::net::TcpStream::connect(&addr).await?;
+    headers.write_all(b"POST /slack/interactions HTTP/1.1\r\nHost: bridge\r\n").await?;
+    // A signed-looking callback whose body never arrives whole.
+    let mut body = tokio::net::TcpStream::connect(&addr).await?;
+    let now = chrono::Utc::now().timestamp();
+    let head = format!(
+        "POST /slack/interactions HTTP/1.1\r\nHost: bridge\r\nContent-Type: application/x-www-form-urlencoded\r\n\
+         X-Slack-Request-Timestamp: {now}\r\nX-Slack-Signature: v0=00\r\nContent-Length: 1000\r\n\r\npayload=%7B"
+    );
+    body.write_all(head.as_bytes()).await?;
+    let started = tokio::time::Instant::now();
+    let limit = HEADER_TIMEOUT.max(BODY_TIMEOUT) + Duration::from_secs(10);
+    let closed = |mut s: tokio::net::TcpStream| async move {
+        let mut seen = Vec::new();
+        match tokio::time::timeout(limit, s.read_to_end(&mut seen)).await {
+            Err(_) => anyhow::bail!("the connection is still open after {limit:?}"),
+            Ok(_) => Ok(String::from_utf8_lossy(&seen).to_string()),
+        }
+    };
+    let (h, b) = tokio::join!(closed(headers), closed(body));
+    let (h, b) = (h?, b?);
+    assert!(started.elapsed() >= HEADER_TIMEOUT.min(BODY_TIMEOUT) - Duration::from_secs(1), "cut by the timeouts");
+    assert!(!h.contains("200"), "the half request was not served: {h}");
+    assert!(b.starts_with("HTTP/1.1 408"), "{b}");
+    assert!(b.contains("the body took too long to arrive"), "{b}");
+    // The bridge serves on.
+    let health = reqwest::get(format!("{}/healthz", bridge.url)).await?;
+    assert_eq!(health.status(), 200);
+    bridge.stop().await?;
     crew.shutdown().await
 }

@@ -1,11 +1,20 @@
 //! Deciding approvals, shared by every channel (CLI, gateway, chat bridges): find the run's
-//! pending request on the bridge stream and publish a decision for its exact plan hash.
+//! pending request on the bridge stream and publish a decision for its exact plan hash, unless
+//! that plan is decided already (in Postgres; the bridge and the gateway also look for a
+//! decision on the bridge subject not yet recorded: `racing`).
 
-use crate::{Bus, Store};
+use crate::{Bus, Config, Store};
 use anyhow::{anyhow, bail, Context};
+use async_nats::jetstream::stream::LastRawMessageErrorKind;
 use pitcrew_model::codec::JSON;
 use pitcrew_model::{ApprovalDecision, ApprovalRequest, Decision};
+use std::time::Duration;
 use uuid::Uuid;
+
+/// How long a decision on the bridge subject counts as in flight (published, not yet recorded
+/// by the crew). Past it, a decision the crew never recorded was refused by it and blocks
+/// nothing.
+pub const IN_FLIGHT: Duration = Duration::from_secs(60);
 
 /// The latest approval request of a run, from the bridge stream.
 pub async fn approval_request(bus: &Bus, run: Uuid) -> anyhow::Result<ApprovalRequest> {
@@ -78,6 +87,54 @@ pub async fn submit(bus: &Bus, store: Option<&Store>, input: DecisionInput<'_>) 
     let id = format!("{run}.{}.{}.{by}", req.plan_hash, decision.as_str());
     bus.publish(bus.subjects.approval_decided(run), &id, JSON, Some(run), serde_json::to_vec(&d)?.into()).await?;
     Ok(req)
+}
+
+/// Why a decision for `plan_hash` of `run` is refused because another one is on the bridge
+/// subject, not yet recorded by the crew (two clicks racing): the last decision published
+/// for that plan within [`IN_FLIGHT`] by a configured approver wins, unless both approve
+/// under a quorum and come from different approvers (another vote). None: not racing.
+pub async fn racing(
+    bus: &Bus,
+    cfg: &Config,
+    run: Uuid,
+    plan_hash: &str,
+    decision: Decision,
+    by: &str,
+) -> anyhow::Result<Option<String>> {
+    let Some(prev) = in_flight(bus, run, plan_hash).await? else { return Ok(None) };
+    if cfg.refuse_approver(&prev.by).is_some() {
+        // The crew refuses it: it wins nothing.
+        return Ok(None);
+    }
+    if decision == Decision::Approve && prev.decision == Decision::Approve && prev.by != by {
+        let req = approval_request(bus, run).await?;
+        if req.quorum > 1 {
+            return Ok(None);
+        }
+    }
+    Ok(Some(format!(
+        "plan {plan_hash} of run {run} was already decided: {} by {} via {} at {} (being recorded: this decision is ignored)",
+        prev.decision.as_str(),
+        prev.by,
+        prev.channel,
+        prev.decided_at.format("%Y-%m-%d %H:%M:%S")
+    )))
+}
+
+/// The last decision published for `plan_hash` of `run` within [`IN_FLIGHT`], if any.
+pub async fn in_flight(bus: &Bus, run: Uuid, plan_hash: &str) -> anyhow::Result<Option<ApprovalDecision>> {
+    let stream = bus.js.get_stream(bus.subjects.approvals_stream()).await?;
+    let msg = match stream.get_last_raw_message_by_subject(&bus.subjects.approval_decided(run)).await {
+        Ok(m) => m,
+        Err(e) if e.kind() == LastRawMessageErrorKind::NoMessageFound => return Ok(None),
+        Err(e) => return Err(anyhow!("reading the decisions of run {run}: {e} (retry)")),
+    };
+    let Ok(d) = serde_json::from_slice::<ApprovalDecision>(&msg.payload) else { return Ok(None) };
+    let age = time::OffsetDateTime::now_utc() - msg.time;
+    if d.plan_hash.as_deref() != Some(plan_hash) || age > IN_FLIGHT {
+        return Ok(None);
+    }
+    Ok(Some(d))
 }
 
 /// The trace context of a run's latest approval request (published inside the run's trace),

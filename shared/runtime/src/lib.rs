@@ -5,6 +5,7 @@ pub mod approvals;
 pub mod bus;
 pub mod config;
 pub mod consume;
+pub mod httpd;
 pub mod live;
 pub mod metrics;
 pub mod natsd;

@@ -79,7 +79,7 @@ pub async fn run(cfg: Config, secrets: Secrets, listener: TcpListener, shutdown:
         %listen, server = %mm.url, channel = %mm.channel_id, %action_url, users = mm.users.len(), durable = %mm.durable,
         "mattermost bridge running: posting approval requests, actions on POST /mattermost/actions"
     );
-    let served = axum::serve(listener, callback::router(app)).with_graceful_shutdown(shutdown).await;
+    let served = pitcrew_runtime::httpd::serve(listener, callback::router(app), shutdown).await;
     posting.await.context("the posting task failed")?;
     bus.client.flush().await.ok();
     tracing::info!("mattermost bridge stopped");

@@ -79,7 +79,7 @@ pub async fn run(cfg: Config, secrets: Secrets, listener: TcpListener, shutdown:
         %listen, api = %slack.api_url, channel = %slack.channel, webhook = slack.webhook_url_env.is_some(), users = slack.users.len(), durable = %slack.durable,
         "slack bridge running: posting approval requests, callbacks on POST /slack/interactions"
     );
-    let served = axum::serve(listener, callback::router(app)).with_graceful_shutdown(shutdown).await;
+    let served = pitcrew_runtime::httpd::serve(listener, callback::router(app), shutdown).await;
     posting.await.context("the posting task failed")?;
     bus.client.flush().await.ok();
     tracing::info!("slack bridge stopped");
