@@ -48,7 +48,15 @@ pub struct Gateway {
     /// This process's name on the events it writes.
     pub worker: String,
     pub shutdown: Shutdown,
+    /// The last readiness answer: `/readyz` is public, so a flood of it must not become a
+    /// flood of NATS and Postgres checks. One check at a time; its answer serves for a second.
+    pub ready: tokio::sync::Mutex<Option<(std::time::Instant, StatusCode, serde_json::Value)>>,
 }
+
+/// How long one readiness answer is served before the next check.
+const READY_FOR: Duration = Duration::from_secs(1);
+/// Most events a live stream client may fall behind by before it is dropped.
+const MAX_SSE_BUFFER: usize = 65_536;
 
 /// Each route's access from the OpenAPI document's `x-pitcrew-access`; the error names an
 /// operation without one.
@@ -77,6 +85,9 @@ impl Gateway {
         {
             anyhow::bail!("bad configuration: [gateway] rate_per_sec and body_limit_bytes must be above 0");
         }
+        if !(1..=MAX_SSE_BUFFER).contains(&cfg.gateway.sse_buffer) {
+            anyhow::bail!("bad configuration: [gateway] sse_buffer must be between 1 and {MAX_SSE_BUFFER} events");
+        }
         Ok(Arc::new(Gateway {
             limiter: RateLimiter::new(&cfg.gateway),
             keys,
@@ -87,6 +98,7 @@ impl Gateway {
             bus,
             store,
             shutdown,
+            ready: tokio::sync::Mutex::new(None),
         }))
     }
 }
@@ -132,7 +144,14 @@ async fn healthz() -> Json<serde_json::Value> {
 }
 
 /// Ready when NATS (JetStream answers) and Postgres (a query answers) do, each within 2 s.
+/// Checked at most once a second (`checked_at` tells when); callers meanwhile share the answer.
 async fn readyz(State(gw): State<Arc<Gateway>>) -> Response {
+    let mut last = gw.ready.lock().await;
+    if let Some((at, status, body)) = last.as_ref() {
+        if at.elapsed() < READY_FOR {
+            return (*status, Json(body.clone())).into_response();
+        }
+    }
     let wait = Duration::from_secs(2);
     let nats = match tokio::time::timeout(wait, gw.bus.js.get_stream(gw.bus.subjects.incidents_stream())).await {
         Ok(Ok(_)) => "ok".to_string(),
@@ -146,7 +165,13 @@ async fn readyz(State(gw): State<Arc<Gateway>>) -> Response {
     };
     let ready = nats == "ok" && postgres == "ok";
     let status = if ready { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
-    let body = json!({ "status": if ready { "ready" } else { "not ready" }, "nats": nats, "postgres": postgres });
+    let body = json!({
+        "status": if ready { "ready" } else { "not ready" },
+        "nats": nats,
+        "postgres": postgres,
+        "checked_at": chrono::Utc::now(),
+    });
+    *last = Some((std::time::Instant::now(), status, body.clone()));
     (status, Json(body)).into_response()
 }
 
