@@ -197,9 +197,12 @@ async fn decide(
         )));
     }
     // Checked here to answer with the right status; `submit` checks again.
-    let req = approvals::approval_request(&gw.bus, run).await.map_err(|_| {
-        ApiError::NotFound(format!("run {run} has no approval request (`GET /v1/approvals` lists pending ones)"))
-    })?;
+    let req = approvals::find_request(&gw.bus, run)
+        .await
+        .map_err(|e| ApiError::unavailable("NATS", format!("{e:#}")))?
+        .ok_or_else(|| {
+            ApiError::NotFound(format!("run {run} has no approval request (`GET /v1/approvals` lists pending ones)"))
+        })?;
     if let Some(seen) = &body.plan_hash {
         if *seen != req.plan_hash {
             return Err(ApiError::Conflict(format!(

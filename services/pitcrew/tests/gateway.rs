@@ -597,6 +597,10 @@ async fn a_key_over_its_rate_gets_429_with_retry_after_and_readiness_follows_nat
     let body: Value = ready.json().await?;
     assert_ne!(body["nats"], "ok", "{body}");
     assert_eq!(body["postgres"], "ok", "{body}");
+    // A decision while NATS is down is "try again" (503), not "no such request" (404).
+    let (status, body) = api.post(&format!("/v1/runs/{}/approve", Uuid::now_v7()), "ann", &json!({})).await?;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{body}");
+    assert!(body["error"].as_str().unwrap_or_default().contains("NATS failed"), "{body}");
     assert_eq!(api.req(reqwest::Method::GET, "/healthz", None).send().await?.status(), StatusCode::OK);
     Ok(())
 }

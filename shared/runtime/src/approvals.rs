@@ -18,12 +18,21 @@ pub const IN_FLIGHT: Duration = Duration::from_secs(60);
 
 /// The latest approval request of a run, from the bridge stream.
 pub async fn approval_request(bus: &Bus, run: Uuid) -> anyhow::Result<ApprovalRequest> {
-    let stream = bus.js.get_stream(bus.subjects.approvals_stream()).await?;
-    let msg = stream
-        .get_last_raw_message_by_subject(&bus.subjects.approval_requested(run))
-        .await
-        .map_err(|_| anyhow!("no approval request for run {run} (is the id right? `pitcrew incidents` lists runs)"))?;
-    serde_json::from_slice(&msg.payload).context("approval request unreadable")
+    find_request(bus, run)
+        .await?
+        .ok_or_else(|| anyhow!("no approval request for run {run} (is the id right? `pitcrew incidents` lists runs)"))
+}
+
+/// The latest approval request of a run: None when it has none; an error when the bus could
+/// not say (NATS unreachable), so a caller can tell "no such request" from "try again".
+pub async fn find_request(bus: &Bus, run: Uuid) -> anyhow::Result<Option<ApprovalRequest>> {
+    use async_nats::jetstream::stream::LastRawMessageErrorKind;
+    let stream = bus.js.get_stream(bus.subjects.approvals_stream()).await.context("approvals stream unavailable")?;
+    match stream.get_last_raw_message_by_subject(&bus.subjects.approval_requested(run)).await {
+        Ok(msg) => Ok(Some(serde_json::from_slice(&msg.payload).context("approval request unreadable")?)),
+        Err(e) if e.kind() == LastRawMessageErrorKind::NoMessageFound => Ok(None),
+        Err(e) => Err(anyhow!("cannot read the approval request of run {run}: {e}")),
+    }
 }
 
 /// A decision as a channel received it.
