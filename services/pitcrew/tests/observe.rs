@@ -74,6 +74,11 @@ async fn a_run_through_three_workers_is_one_trace_and_metrics_move() -> anyhow::
     let llm_ok = "pitcrew_llm_calls_total{provider=\"openai\",model=\"scripted-1\",outcome=\"ok\"}";
     assert!(sample(&w1, llm_ok) >= 3.0, "a tool call turn, a diagnosis and a plan: {w1:?}");
     assert!(sample(&w1, "pitcrew_llm_call_duration_seconds_count{provider=\"openai\",model=\"scripted-1\"}") >= 3.0);
+    // The scripted server reports usage (four characters a token): the counters take it.
+    let prompt = "pitcrew_llm_tokens_total{provider=\"openai\",model=\"scripted-1\",kind=\"prompt\"}";
+    let completion = "pitcrew_llm_tokens_total{provider=\"openai\",model=\"scripted-1\",kind=\"completion\"}";
+    assert!(sample(&w1, prompt) >= 100.0, "three prompts of a few hundred characters: {w1:?}");
+    assert!(sample(&w1, completion) >= 1.0, "{w1:?}");
     assert!(sample(&w1, "pitcrew_messages_total{consumer=\"diagnose\",outcome=\"ack\"}") >= 1.0);
     let has = |s: &[(String, f64)], series: &str| s.iter().any(|(k, _)| k == series);
     assert!(has(&w1, "pitcrew_consumer_pending_messages{consumer=\"intake\"}"), "{w1:?}");
@@ -88,7 +93,9 @@ async fn a_run_through_three_workers_is_one_trace_and_metrics_move() -> anyhow::
     std::fs::remove_file(crew.env.path("svc-healthy"))?;
     let second = crew.open_with("svc", "GET /health: connection refused", Some("fp-2".into())).await?;
     assert_eq!(crew.events.terminal(second, common::WAIT).await?.kind, EventKind::Resolved);
-    assert!(sample(&scrape(&metrics(0)).await?, llm_ok) > sample(&w1, llm_ok));
+    let w1_after = scrape(&metrics(0)).await?;
+    assert!(sample(&w1_after, llm_ok) > sample(&w1, llm_ok));
+    assert!(sample(&w1_after, prompt) > sample(&w1, prompt), "tokens move with the calls");
     assert!(sample(&scrape(&metrics(1)).await?, cmd_ok) > sample(&w2, cmd_ok));
     assert_eq!(sample(&scrape(&metrics(2)).await?, resolved), 2.0);
 
