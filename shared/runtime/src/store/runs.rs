@@ -83,11 +83,10 @@ impl Store {
         let severity =
             serde_json::to_value(inc.severity).ok().and_then(|v| v.as_str().map(str::to_string)).unwrap_or_default();
         let labels = serde_json::to_value(&inc.labels).unwrap_or_default();
-        let mut client = self.client().await?;
+        let client = self.client().await?;
         // The common case, a new incident starting its run, is one statement (one round trip,
         // atomic without BEGIN/COMMIT; the run's foreign key is checked at its end). A run not
-        // created (a redelivery, or another open run with the fingerprint) takes the
-        // transaction below to find out which; its inserts are no-ops by then.
+        // created is a redelivery or joins another open run with the fingerprint: read which.
         let fast = client
             .prepare_cached(
                 "WITH i AS (
@@ -123,71 +122,24 @@ impl Store {
         if created == 1 {
             return Ok(OpenRun::Created);
         }
-        let tx = client.transaction().await?;
-        let ins_incident = tx
-            .prepare_cached(
-                "INSERT INTO incidents (id, fingerprint, service, host, error, severity, source, labels, observed_at)
-                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9) ON CONFLICT (id) DO NOTHING",
-            )
+        // Not created: the incident is stored now (by this statement or an earlier delivery).
+        if client.query_opt("SELECT 1 FROM runs WHERE id = $1", &[&state.run_id]).await?.is_some() {
+            return Ok(OpenRun::Existing);
+        }
+        let open = client
+            .query_opt("SELECT id FROM runs WHERE fingerprint = $1 AND status IN ('open', 'waiting_approval')", &[&fp])
             .await?;
-        tx.execute(
-            &ins_incident,
-            &[
-                &state.run_id,
-                &fp,
-                &inc.service,
-                &inc.host,
-                &inc.error,
-                &severity,
-                &inc.source,
-                &labels,
-                &inc.observed_at,
-            ],
-        )
-        .await?;
-        let ins_run = tx
-            .prepare_cached(
-                "INSERT INTO runs (id, fingerprint, status, stage, seq, attempt, state)
-                 VALUES ($1, $2, 'open', $3, $4, $5, $6) ON CONFLICT DO NOTHING",
-            )
-            .await?;
-        let created = tx
-            .execute(
-                &ins_run,
-                &[
-                    &state.run_id,
-                    &fp,
-                    &state.step.as_str(),
-                    &(state.seq as i32),
-                    &(state.attempt as i32),
-                    &state_json(state),
-                ],
-            )
-            .await?;
-        let outcome = if created == 1 {
-            OpenRun::Created
-        } else if tx.query_opt("SELECT 1 FROM runs WHERE id = $1", &[&state.run_id]).await?.is_some() {
-            OpenRun::Existing
-        } else {
-            let row = tx
-                .query_opt(
-                    "SELECT id FROM runs WHERE fingerprint = $1 AND status IN ('open', 'waiting_approval')",
-                    &[&fp],
-                )
-                .await?;
-            match row {
-                Some(r) => {
-                    let other: Uuid = r.get(0);
-                    tx.execute("UPDATE incidents SET duplicate_of = $2 WHERE id = $1", &[&state.run_id, &other])
-                        .await?;
-                    OpenRun::Duplicate(other)
-                }
-                // The open run closed between our insert and this read: let the redelivery retry.
-                None => return Err(StoreError::Unavailable("fingerprint race, retrying".into())),
+        match open {
+            Some(r) => {
+                let other: Uuid = r.get(0);
+                client
+                    .execute("UPDATE incidents SET duplicate_of = $2 WHERE id = $1", &[&state.run_id, &other])
+                    .await?;
+                Ok(OpenRun::Duplicate(other))
             }
-        };
-        tx.commit().await?;
-        Ok(outcome)
+            // The open run closed between our insert and this read: let the redelivery retry.
+            None => Err(StoreError::Unavailable("fingerprint race, retrying".into())),
+        }
     }
 
     /// Record a transition: the run's new state and status, and the events of the step, in one
