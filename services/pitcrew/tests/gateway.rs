@@ -730,7 +730,7 @@ async fn the_gateway_process_logs_and_audits_requests_but_never_a_key() -> anyho
 async fn a_client_too_slow_with_its_headers_or_its_body_holds_no_connection() -> anyhow::Result<()> {
     use pitcrew_gateway::body::BODY_TIMEOUT;
     use pitcrew_runtime::httpd::HEADER_TIMEOUT;
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::io::AsyncWriteExt;
     let api = Api::start(&[], "").await?;
     let addr = api.url.trim_start_matches("http://").to_string();
     // Slowloris: half a request's headers, then nothing.
@@ -746,14 +746,7 @@ async fn a_client_too_slow_with_its_headers_or_its_body_holds_no_connection() ->
     body.write_all(head.as_bytes()).await?;
     let started = tokio::time::Instant::now();
     let limit = HEADER_TIMEOUT.max(BODY_TIMEOUT) + Duration::from_secs(10);
-    let closed = |mut s: tokio::net::TcpStream| async move {
-        let mut seen = Vec::new();
-        match tokio::time::timeout(limit, s.read_to_end(&mut seen)).await {
-            Err(_) => anyhow::bail!("the connection is still open after {limit:?}"),
-            // Closed, maybe with a reset: either way the server let go.
-            Ok(_) => Ok(String::from_utf8_lossy(&seen).to_string()),
-        }
-    };
+    let closed = |s| common::closed_within(s, limit);
     // A connection that says nothing at all (an idle keep-alive looks the same).
     let silent = tokio::net::TcpStream::connect(&addr).await?;
     let (h, b, quiet) = tokio::join!(closed(headers), closed(body), closed(silent));

@@ -711,7 +711,7 @@ async fn a_click_racing_one_the_crew_has_not_recorded_yet_is_refused() -> anyhow
 async fn a_callback_too_slow_with_its_headers_or_its_body_holds_no_connection() -> anyhow::Result<()> {
     use pitcrew_bridge::inbound::BODY_TIMEOUT;
     use pitcrew_runtime::httpd::HEADER_TIMEOUT;
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::io::AsyncWriteExt;
     let (mut crew, _slack, port) = setup().await?;
     let bridge = Bridge::start(&crew, port, "bridge").await?;
     let addr = format!("127.0.0.1:{port}");
@@ -728,13 +728,7 @@ async fn a_callback_too_slow_with_its_headers_or_its_body_holds_no_connection() 
     body.write_all(head.as_bytes()).await?;
     let started = tokio::time::Instant::now();
     let limit = HEADER_TIMEOUT.max(BODY_TIMEOUT) + Duration::from_secs(10);
-    let closed = |mut s: tokio::net::TcpStream| async move {
-        let mut seen = Vec::new();
-        match tokio::time::timeout(limit, s.read_to_end(&mut seen)).await {
-            Err(_) => anyhow::bail!("the connection is still open after {limit:?}"),
-            Ok(_) => Ok(String::from_utf8_lossy(&seen).to_string()),
-        }
-    };
+    let closed = |s| common::closed_within(s, limit);
     let (h, b) = tokio::join!(closed(headers), closed(body));
     let (h, b) = (h?, b?);
     assert!(started.elapsed() >= HEADER_TIMEOUT.min(BODY_TIMEOUT) - Duration::from_secs(1), "cut by the timeouts");

@@ -240,3 +240,14 @@ pub fn stop(w: &mut Worker) -> anyhow::Result<()> {
     }
     Ok(())
 }
+
+/// What a server sent before it closed `conn`; an error when it is still open after `limit`.
+/// Closed with a reset counts too: either way the server let go.
+pub async fn closed_within(mut conn: tokio::net::TcpStream, limit: Duration) -> anyhow::Result<String> {
+    use tokio::io::AsyncReadExt;
+    let mut seen = Vec::new();
+    match tokio::time::timeout(limit, conn.read_to_end(&mut seen)).await {
+        Err(_) => anyhow::bail!("the connection is still open after {limit:?}"),
+        Ok(_) => Ok(String::from_utf8_lossy(&seen).to_string()),
+    }
+}
