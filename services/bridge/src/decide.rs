@@ -1,11 +1,11 @@
 //! A click turned into a decision, the same for every chat: the chat user mapped to an
-//! approver, the approver checked against `[approvers]`, a click racing a decision not yet
-//! recorded refused, and the decision published through the runtime, which refuses a stale
-//! plan and a plan already decided. Refusals are errors whose text is shown to the clicker
+//! approver, the approver checked against `[approvers]`, and the decision published through
+//! the runtime, which refuses a stale plan, a plan already decided and a click racing a
+//! decision not yet recorded. Refusals are errors whose text is shown to the clicker
 //! as is.
 
 use pitcrew_model::{ApprovalRequest, Decision};
-use pitcrew_runtime::approvals::{racing, submit, DecisionInput};
+use pitcrew_runtime::approvals::{submit, DecisionInput};
 use pitcrew_runtime::{Bus, Config, Store};
 use std::collections::BTreeMap;
 use uuid::Uuid;
@@ -66,10 +66,15 @@ pub async fn decide(
     let approver = approver(cfg, users, chat, user)?;
     let label = if chat == "slack" { "Slack" } else { "Mattermost" };
     let reason = (decision == Decision::Deny).then(|| format!("denied in {label} by {approver}"));
-    if let Some(why) = racing(bus, cfg, run, plan_hash, decision, approver).await.map_err(|e| format!("{e:#}"))? {
-        return Err(why);
-    }
-    let input = DecisionInput { run, plan_hash: Some(plan_hash), decision, by: approver, reason, channel: chat };
+    let input = DecisionInput {
+        run,
+        plan_hash: Some(plan_hash),
+        decision,
+        by: approver,
+        reason,
+        channel: chat,
+        racing: Some(cfg),
+    };
     let req = submit(bus, Some(store), input).await.map_err(|e| format!("{e:#}"))?;
     tracing::info!(chat, user, approver, %run, plan = plan_hash, decision = decision.as_str(), "chat decision published");
     if decision == Decision::Approve && req.quorum > 1 {

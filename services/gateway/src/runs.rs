@@ -13,7 +13,7 @@ use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
 use chrono::{DateTime, Utc};
 use pitcrew_model::Decision;
-use pitcrew_runtime::approvals::{self, DecisionInput};
+use pitcrew_runtime::approvals::{self, DecideError, DecisionInput};
 use pitcrew_runtime::store::RunFilter;
 use serde::Deserialize;
 use serde_json::{json, Value};
@@ -196,44 +196,24 @@ async fn decide(
             "key owner {why}: the owner of a deciding key must be under [approvers]"
         )));
     }
-    // Checked here to answer with the right status; `submit` checks again.
-    let req = approvals::find_request(&gw.bus, run)
-        .await
-        .map_err(|e| ApiError::unavailable("NATS", format!("{e:#}")))?
-        .ok_or_else(|| {
-            ApiError::NotFound(format!("run {run} has no approval request (`GET /v1/approvals` lists pending ones)"))
-        })?;
-    if let Some(seen) = &body.plan_hash {
-        if *seen != req.plan_hash {
-            return Err(ApiError::Conflict(format!(
-                "stale plan: run {run} now waits on plan {}, not {seen}",
-                req.plan_hash
-            )));
-        }
-    }
-    if let Some((prev, who, via, when)) = gw.store.approval_decision(run, &req.plan_hash).await? {
-        return Err(ApiError::Conflict(format!(
-            "plan {} of run {run} was already decided: {prev} by {who} via {via} at {}",
-            req.plan_hash,
-            when.format("%Y-%m-%d %H:%M:%S")
-        )));
-    }
-    let racing = approvals::racing(&gw.bus, &gw.cfg, run, &req.plan_hash, decision, &caller.name)
-        .await
-        .map_err(|e| ApiError::unavailable("NATS", format!("{e:#}")))?;
-    if let Some(why) = racing {
-        return Err(ApiError::Conflict(why));
-    }
     let input = DecisionInput {
         run,
-        plan_hash: Some(&req.plan_hash),
+        plan_hash: body.plan_hash.as_deref(),
         decision,
         by: &caller.name,
-        reason: reason.clone(),
+        reason,
         channel: "http",
+        racing: Some(&gw.cfg),
     };
-    let req =
-        approvals::submit(&gw.bus, Some(&gw.store), input).await.map_err(|e| ApiError::Conflict(format!("{e:#}")))?;
+    let req = approvals::submit(&gw.bus, Some(&gw.store), input).await.map_err(|e| match e {
+        DecideError::NoRequest(_) => {
+            ApiError::NotFound(format!("run {run} has no approval request (`GET /v1/approvals` lists pending ones)"))
+        }
+        DecideError::Conflict(why) => ApiError::Conflict(why),
+        DecideError::Invalid(why) => ApiError::Unprocessable(why),
+        DecideError::Bus(why) => ApiError::unavailable("NATS", why),
+        DecideError::Store(e) => e.into(),
+    })?;
     let mut resp = (
         StatusCode::ACCEPTED,
         Json(json!({

@@ -4,7 +4,7 @@
 //! decision on the bridge subject not yet recorded: `racing`).
 
 use crate::{Bus, Config, Store};
-use anyhow::{anyhow, bail, Context};
+use anyhow::{anyhow, Context};
 use async_nats::jetstream::stream::LastRawMessageErrorKind;
 use pitcrew_model::codec::JSON;
 use pitcrew_model::{ApprovalDecision, ApprovalRequest, Decision};
@@ -26,13 +26,31 @@ pub async fn approval_request(bus: &Bus, run: Uuid) -> anyhow::Result<ApprovalRe
 /// The latest approval request of a run: None when it has none; an error when the bus could
 /// not say (NATS unreachable), so a caller can tell "no such request" from "try again".
 pub async fn find_request(bus: &Bus, run: Uuid) -> anyhow::Result<Option<ApprovalRequest>> {
-    use async_nats::jetstream::stream::LastRawMessageErrorKind;
     let stream = bus.js.get_stream(bus.subjects.approvals_stream()).await.context("approvals stream unavailable")?;
     match stream.get_last_raw_message_by_subject(&bus.subjects.approval_requested(run)).await {
         Ok(msg) => Ok(Some(serde_json::from_slice(&msg.payload).context("approval request unreadable")?)),
         Err(e) if e.kind() == LastRawMessageErrorKind::NoMessageFound => Ok(None),
         Err(e) => Err(anyhow!("cannot read the approval request of run {run}: {e}")),
     }
+}
+
+/// Why a decision was not published; the variant says what the channel answers.
+#[derive(Debug, thiserror::Error)]
+pub enum DecideError {
+    /// Not a decision (no decider named): fix the input.
+    #[error("{0}")]
+    Invalid(String),
+    /// The run waits on no approval (a wrong id, or never parked).
+    #[error("no approval request for run {0} (is the id right? `pitcrew incidents` lists runs)")]
+    NoRequest(Uuid),
+    /// Not the plan to decide any more: stale, decided, or a decision for it in flight.
+    #[error("{0}")]
+    Conflict(String),
+    /// NATS could not be read or written: retry later.
+    #[error("{0}")]
+    Bus(String),
+    #[error(transparent)]
+    Store(#[from] crate::StoreError),
 }
 
 /// A decision as a channel received it.
@@ -46,6 +64,9 @@ pub struct DecisionInput<'a> {
     pub by: &'a str,
     pub reason: Option<String>,
     pub channel: &'a str,
+    /// With the config: also refuse a decision racing one on the bridge subject that the crew
+    /// has not recorded yet (chat and HTTP clicks, see [`IN_FLIGHT`]). The CLI passes None.
+    pub racing: Option<&'a Config>,
 }
 
 /// Publish a decision for the run's pending plan on the bridge subject. With the store, a
@@ -59,29 +80,43 @@ pub async fn decide(
     reason: Option<String>,
     channel: &str,
 ) -> anyhow::Result<ApprovalRequest> {
-    submit(bus, store, DecisionInput { run, plan_hash: None, decision, by, reason, channel }).await
+    Ok(submit(bus, store, DecisionInput { run, plan_hash: None, decision, by, reason, channel, racing: None }).await?)
 }
 
 /// Publish `input` on `pitcrew.approvals.decided.<run>` once it names the pending plan and,
-/// with the store, that plan is still undecided. Returns the request decided.
-pub async fn submit(bus: &Bus, store: Option<&Store>, input: DecisionInput<'_>) -> anyhow::Result<ApprovalRequest> {
-    let DecisionInput { run, plan_hash, decision, by, reason, channel } = input;
+/// with the store, that plan is still undecided (and, with `racing`, no decision for it is in
+/// flight). Returns the request decided.
+pub async fn submit(
+    bus: &Bus,
+    store: Option<&Store>,
+    input: DecisionInput<'_>,
+) -> Result<ApprovalRequest, DecideError> {
+    let DecisionInput { run, plan_hash, decision, by, reason, channel, racing } = input;
     if by.trim().is_empty() {
-        bail!("--by must name who decides");
+        return Err(DecideError::Invalid("--by must name who decides".into()));
     }
-    let req = approval_request(bus, run).await?;
+    let req = find_request(bus, run).await.map_err(|e| DecideError::Bus(format!("{e:#}")))?;
+    let req = req.ok_or(DecideError::NoRequest(run))?;
     if let Some(seen) = plan_hash {
         if seen != req.plan_hash {
-            bail!("stale plan: run {run} now waits on plan {}, not {seen}", req.plan_hash);
+            return Err(DecideError::Conflict(format!(
+                "stale plan: run {run} now waits on plan {}, not {seen}",
+                req.plan_hash
+            )));
         }
     }
     if let Some(store) = store {
         if let Some((prev, who, via, when)) = store.approval_decision(run, &req.plan_hash).await? {
-            bail!(
+            return Err(DecideError::Conflict(format!(
                 "plan {} of run {run} was already decided: {prev} by {who} via {via} at {}",
                 req.plan_hash,
                 when.format("%Y-%m-%d %H:%M:%S")
-            );
+            )));
+        }
+    }
+    if let Some(cfg) = racing {
+        if let Some(why) = racing_decision(bus, cfg, &req, decision, by).await? {
+            return Err(DecideError::Conflict(why));
         }
     }
     let d = ApprovalDecision {
@@ -94,32 +129,35 @@ pub async fn submit(bus: &Bus, store: Option<&Store>, input: DecisionInput<'_>) 
         decided_at: chrono::Utc::now(),
     };
     let id = format!("{run}.{}.{}.{by}", req.plan_hash, decision.as_str());
-    bus.publish(bus.subjects.approval_decided(run), &id, JSON, Some(run), serde_json::to_vec(&d)?.into()).await?;
+    let payload = serde_json::to_vec(&d).expect("a decision serialises");
+    bus.publish(bus.subjects.approval_decided(run), &id, JSON, Some(run), payload.into())
+        .await
+        .map_err(|e| DecideError::Bus(e.to_string()))?;
     Ok(req)
 }
 
-/// Why a decision for `plan_hash` of `run` is refused because another one is on the bridge
-/// subject, not yet recorded by the crew (two clicks racing): the last decision published
-/// for that plan within [`IN_FLIGHT`] by a configured approver wins, unless both approve
-/// under a quorum and come from different approvers (another vote). None: not racing.
-pub async fn racing(
+/// Why a decision for `req`'s plan is refused because another one is on the bridge subject,
+/// not yet recorded by the crew (two clicks racing): the last decision published for that plan
+/// within [`IN_FLIGHT`] by a configured approver wins, unless both approve under a quorum and
+/// come from different approvers (another vote). None: not racing.
+async fn racing_decision(
     bus: &Bus,
     cfg: &Config,
-    run: Uuid,
-    plan_hash: &str,
+    req: &ApprovalRequest,
     decision: Decision,
     by: &str,
-) -> anyhow::Result<Option<String>> {
-    let Some(prev) = in_flight(bus, run, plan_hash).await? else { return Ok(None) };
+) -> Result<Option<String>, DecideError> {
+    let (run, plan_hash) = (req.run_id, req.plan_hash.as_str());
+    let Some(prev) = in_flight(bus, run, plan_hash).await.map_err(|e| DecideError::Bus(format!("{e:#}")))? else {
+        return Ok(None);
+    };
     if cfg.refuse_approver(&prev.by).is_some() {
         // The crew refuses it: it wins nothing.
         return Ok(None);
     }
-    if decision == Decision::Approve && prev.decision == Decision::Approve && prev.by != by {
-        let req = approval_request(bus, run).await?;
-        if req.quorum > 1 {
-            return Ok(None);
-        }
+    let another_vote = decision == Decision::Approve && prev.decision == Decision::Approve && prev.by != by;
+    if another_vote && req.quorum > 1 {
+        return Ok(None);
     }
     Ok(Some(format!(
         "plan {plan_hash} of run {run} was already decided: {} by {} via {} at {} (being recorded: this decision is ignored)",
@@ -131,7 +169,7 @@ pub async fn racing(
 }
 
 /// The last decision published for `plan_hash` of `run` within [`IN_FLIGHT`], if any.
-pub async fn in_flight(bus: &Bus, run: Uuid, plan_hash: &str) -> anyhow::Result<Option<ApprovalDecision>> {
+async fn in_flight(bus: &Bus, run: Uuid, plan_hash: &str) -> anyhow::Result<Option<ApprovalDecision>> {
     let stream = bus.js.get_stream(bus.subjects.approvals_stream()).await?;
     let msg = match stream.get_last_raw_message_by_subject(&bus.subjects.approval_decided(run)).await {
         Ok(m) => m,
