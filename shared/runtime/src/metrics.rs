@@ -6,10 +6,6 @@
 
 use pitcrew_metrics::{Counter, Gauge, Histogram, LATENCY_BUCKETS, WAIT_BUCKETS};
 use std::time::Duration;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-
-/// Largest request head the endpoint reads.
-const MAX_REQUEST: usize = 8 * 1024;
 
 static MESSAGES: Counter =
     Counter::new("pitcrew_messages_total", "Messages settled, by consumer and outcome.", &["consumer", "outcome"]);
@@ -138,56 +134,34 @@ impl Collector {
     }
 }
 
-/// Serve `GET /metrics` on `listener` until `shutdown`; one request per connection.
+/// Serve `GET /metrics` on `listener` until `shutdown`.
 pub async fn serve(listener: tokio::net::TcpListener, shutdown: impl std::future::Future<Output = ()>) {
     serve_with(listener, None, shutdown).await
 }
 
-/// [`serve`], refreshing the scrape-time gauges of `collector` before each answer.
+/// [`serve`], refreshing the scrape-time gauges of `collector` before each answer. Served by
+/// [`crate::httpd`], so a slow or silent scraper holds no connection and connections are capped.
 pub async fn serve_with(
     listener: tokio::net::TcpListener,
     collector: Option<Collector>,
     shutdown: impl std::future::Future<Output = ()>,
 ) {
-    tokio::pin!(shutdown);
-    loop {
-        let conn = tokio::select! {
-            c = listener.accept() => c,
-            _ = &mut shutdown => return,
-        };
-        let Ok((mut conn, _)) = conn else { continue };
+    use axum::http::header::CONTENT_TYPE;
+    let not_found = || async { (axum::http::StatusCode::NOT_FOUND, [(CONTENT_TYPE, "text/plain")], "not found\n") };
+    let scrape = move || {
         let collector = collector.clone();
-        tokio::spawn(async move {
-            let mut head = Vec::new();
-            let mut buf = [0u8; 1024];
-            let read = async {
-                while !head.windows(4).any(|w| w == b"\r\n\r\n") && head.len() < MAX_REQUEST {
-                    match conn.read(&mut buf).await {
-                        Ok(0) | Err(_) => break,
-                        Ok(n) => head.extend_from_slice(&buf[..n]),
-                    }
-                }
-            };
-            if tokio::time::timeout(Duration::from_secs(5), read).await.is_err() {
-                return;
+        async move {
+            if let Some(c) = &collector {
+                c.collect().await;
             }
-            let line = String::from_utf8_lossy(&head).lines().next().unwrap_or("").to_string();
-            let mut words = line.split_whitespace();
-            let (status, ctype, body) = match (words.next(), words.next()) {
-                (Some("GET"), Some("/metrics")) => {
-                    if let Some(c) = &collector {
-                        c.collect().await;
-                    }
-                    ("200 OK", "text/plain; version=0.0.4", render())
-                }
-                _ => ("404 Not Found", "text/plain", "not found\n".to_string()),
-            };
-            let reply = format!(
-                "HTTP/1.1 {status}\r\ncontent-type: {ctype}\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
-                body.len()
-            );
-            let _ = conn.write_all(reply.as_bytes()).await;
-            let _ = conn.shutdown().await;
-        });
+            ([(CONTENT_TYPE, "text/plain; version=0.0.4")], render())
+        }
+    };
+    let router = axum::Router::new()
+        .route("/metrics", axum::routing::get(scrape))
+        .fallback(not_found)
+        .method_not_allowed_fallback(not_found);
+    if let Err(e) = crate::httpd::serve(listener, router, shutdown).await {
+        tracing::warn!(error = %e, "the metrics endpoint stopped");
     }
 }
