@@ -5,6 +5,7 @@
 
 use crate::{Bus, Config, Store};
 use anyhow::{anyhow, Context};
+use async_nats::jetstream::message::StreamMessage;
 use async_nats::jetstream::stream::LastRawMessageErrorKind;
 use pitcrew_model::codec::JSON;
 use pitcrew_model::{ApprovalDecision, ApprovalRequest, Decision};
@@ -26,11 +27,20 @@ pub async fn approval_request(bus: &Bus, run: Uuid) -> anyhow::Result<ApprovalRe
 /// The latest approval request of a run: None when it has none; an error when the bus could
 /// not say (NATS unreachable), so a caller can tell "no such request" from "try again".
 pub async fn find_request(bus: &Bus, run: Uuid) -> anyhow::Result<Option<ApprovalRequest>> {
+    match last_on(bus, &bus.subjects.approval_requested(run)).await? {
+        Some(msg) => Ok(Some(serde_json::from_slice(&msg.payload).context("approval request unreadable")?)),
+        None => Ok(None),
+    }
+}
+
+/// The last message on `subject` of the approvals stream: None when there is none; an error
+/// when the bus could not say.
+async fn last_on(bus: &Bus, subject: &str) -> anyhow::Result<Option<StreamMessage>> {
     let stream = bus.js.get_stream(bus.subjects.approvals_stream()).await.context("approvals stream unavailable")?;
-    match stream.get_last_raw_message_by_subject(&bus.subjects.approval_requested(run)).await {
-        Ok(msg) => Ok(Some(serde_json::from_slice(&msg.payload).context("approval request unreadable")?)),
+    match stream.get_last_raw_message_by_subject(subject).await {
+        Ok(msg) => Ok(Some(msg)),
         Err(e) if e.kind() == LastRawMessageErrorKind::NoMessageFound => Ok(None),
-        Err(e) => Err(anyhow!("cannot read the approval request of run {run}: {e}")),
+        Err(e) => Err(anyhow!("cannot read the last message on {subject}: {e} (retry)")),
     }
 }
 
@@ -170,12 +180,7 @@ async fn racing_decision(
 
 /// The last decision published for `plan_hash` of `run` within [`IN_FLIGHT`], if any.
 async fn in_flight(bus: &Bus, run: Uuid, plan_hash: &str) -> anyhow::Result<Option<ApprovalDecision>> {
-    let stream = bus.js.get_stream(bus.subjects.approvals_stream()).await?;
-    let msg = match stream.get_last_raw_message_by_subject(&bus.subjects.approval_decided(run)).await {
-        Ok(m) => m,
-        Err(e) if e.kind() == LastRawMessageErrorKind::NoMessageFound => return Ok(None),
-        Err(e) => return Err(anyhow!("reading the decisions of run {run}: {e} (retry)")),
-    };
+    let Some(msg) = last_on(bus, &bus.subjects.approval_decided(run)).await? else { return Ok(None) };
     let Ok(d) = serde_json::from_slice::<ApprovalDecision>(&msg.payload) else { return Ok(None) };
     let age = time::OffsetDateTime::now_utc() - msg.time;
     if d.plan_hash.as_deref() != Some(plan_hash) || age > IN_FLIGHT {
@@ -188,8 +193,7 @@ async fn in_flight(bus: &Bus, run: Uuid, plan_hash: &str) -> anyhow::Result<Opti
 /// so the decision resumes the run in the same trace whoever decided and however.
 pub async fn request_traceparent(bus: &Bus, run: Uuid) -> Option<String> {
     let read = async {
-        let stream = bus.js.get_stream(bus.subjects.approvals_stream()).await.ok()?;
-        let msg = stream.get_last_raw_message_by_subject(&bus.subjects.approval_requested(run)).await.ok()?;
+        let msg = last_on(bus, &bus.subjects.approval_requested(run)).await.ok()??;
         crate::trace::traceparent(Some(&msg.headers))
     };
     tokio::time::timeout(std::time::Duration::from_secs(2), read).await.ok().flatten()
