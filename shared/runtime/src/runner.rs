@@ -286,11 +286,13 @@ pub async fn apply(
             if !store.commit_transition(&state, RunStatus::WaitingApproval, &events).await? {
                 return stale(state.run_id);
             }
-            publish_events(bus, &events).await?;
+            // The request first, then the events: whoever sees `approval_requested` (an
+            // operator, `pitcrew watch`, the demo) finds the request on the bridge subject.
             let payload = serde_json::to_vec(&req).expect("approval request serialises");
             let id = format!("{}.{}.request", req.run_id, req.plan_hash);
             bus.publish(bus.subjects.approval_requested(req.run_id), &id, JSON, Some(req.run_id), payload.into())
                 .await?;
+            publish_events(bus, &events).await?;
         }
         Transition::Done(outcome) => {
             state.outcome = Some(outcome);
