@@ -42,6 +42,16 @@ static SCRAPE_ERRORS: Counter = Counter::new(
     "Scrape-time reads (JetStream, Postgres) that failed or timed out, by source.",
     &["source"],
 );
+static DB_TRANSITIONS: Counter = Counter::new(
+    "pitcrew_db_transitions_total",
+    "Run transitions written to Postgres, by how: alone, or sharing a statement (group commit).",
+    &["how"],
+);
+static DB_STATEMENTS: Counter = Counter::new(
+    "pitcrew_db_transition_statements_total",
+    "Statements that wrote run transitions, by how: alone, or as a group.",
+    &["how"],
+);
 
 static HTTP_REQUESTS: Counter = Counter::new(
     "pitcrew_http_requests_total",
@@ -76,6 +86,13 @@ pub fn finished(consumer: &str, outcome: &'static str, took: Duration) {
 /// A run ended (`resolved`, `escalated`, ...).
 pub fn run_finished(outcome: &'static str) {
     RUNS.inc(&[outcome]);
+}
+
+/// A statement wrote `size` run transitions (group commit when more than one).
+pub fn transitions_written(size: usize) {
+    let how = if size > 1 { "grouped" } else { "alone" };
+    DB_TRANSITIONS.add(&[how], size as f64);
+    DB_STATEMENTS.inc(&[how]);
 }
 
 /// An approval was decided (`approve`, `deny`, `timeout`) `waited` after it was requested.

@@ -1,6 +1,7 @@
 //! The store: Postgres, the system of record. Pooled connections, cached prepared statements,
 //! and every write keyed so that a redelivered stage writes nothing twice.
 
+mod group;
 mod migrate;
 mod observe;
 mod query;
@@ -61,6 +62,7 @@ impl StoreError {
 #[derive(Clone)]
 pub struct Store {
     pool: Pool,
+    committer: group::Committer,
 }
 
 impl Store {
@@ -79,7 +81,10 @@ impl Store {
             .runtime(deadpool_postgres::Runtime::Tokio1)
             .build()
             .map_err(|e| StoreError::Config(e.to_string()))?;
-        let store = Store { pool };
+        // Half the pool at most writes transitions at once; the rest serves reads and the
+        // other writes.
+        let committer = group::Committer::start(pool.clone(), (cfg.pool_size / 2).max(1));
+        let store = Store { pool, committer };
         let _proof = store.client().await.map_err(|e| StoreError::connect(&cfg.url, e))?;
         Ok(store)
     }

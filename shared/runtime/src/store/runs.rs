@@ -153,53 +153,10 @@ impl Store {
         status: RunStatus,
         events: &[RunEvent],
     ) -> Result<bool, StoreError> {
-        // One statement, so one round trip and atomic without BEGIN/COMMIT: the events are
-        // written only when the run took the transition.
-        let client = self.client().await?;
-        let stmt = client
-            .prepare_cached(
-                "WITH upd AS (
-                     UPDATE runs SET stage = $2, seq = $3, attempt = $4, state = $5, status = $6, reason = $7,
-                            updated_at = now(),
-                            finished_at = CASE WHEN $6 IN ('resolved', 'escalated') THEN now() ELSE NULL END
-                     WHERE id = $1 AND seq <= $3 AND status NOT IN ('resolved', 'escalated')
-                     RETURNING id),
-                 ins AS (
-                     INSERT INTO run_events (run_id, seq, idx, stage, kind, message, data, worker, at)
-                     SELECT e.* FROM unnest($8::uuid[], $9::int4[], $10::int4[], $11::text[], $12::text[],
-                                            $13::text[], $14::jsonb[], $15::text[], $16::timestamptz[])
-                          AS e(run_id, seq, idx, stage, kind, message, data, worker, at)
-                     WHERE EXISTS (SELECT 1 FROM upd)
-                     ON CONFLICT DO NOTHING)
-                 SELECT count(*) FROM upd",
-            )
-            .await?;
-        let cols = EventColumns::of(events);
-        let updated: i64 = client
-            .query_one(
-                &stmt,
-                &[
-                    &state.run_id,
-                    &state.step.as_str(),
-                    &(state.seq as i32),
-                    &(state.attempt as i32),
-                    &state_json(state),
-                    &status.as_str(),
-                    &state.escalation_reason,
-                    &cols.run_id,
-                    &cols.seq,
-                    &cols.idx,
-                    &cols.stage,
-                    &cols.kind,
-                    &cols.message,
-                    &cols.data,
-                    &cols.worker,
-                    &cols.at,
-                ],
-            )
-            .await?
-            .get(0);
-        Ok(updated == 1)
+        // Queued for the group committer: alone it is written at once in one statement (one
+        // round trip, atomic without BEGIN/COMMIT); under load it shares a statement with the
+        // transitions of other runs waiting at the same moment.
+        self.committer.commit(state, status, events).await
     }
 
     /// Store events that belong to no run row (a rejected incident).
@@ -265,31 +222,44 @@ impl Store {
 }
 
 /// Events as columns, for one `unnest` insert (one round trip for any number of events).
-struct EventColumns<'e> {
-    run_id: Vec<Uuid>,
-    seq: Vec<i32>,
-    idx: Vec<i32>,
-    stage: Vec<&'static str>,
-    kind: Vec<&'static str>,
-    message: Vec<&'e str>,
-    data: Vec<&'e serde_json::Value>,
-    worker: Vec<&'e str>,
-    at: Vec<DateTime<Utc>>,
+pub(super) struct EventColumns<'e> {
+    pub run_id: Vec<Uuid>,
+    pub seq: Vec<i32>,
+    pub idx: Vec<i32>,
+    pub stage: Vec<&'static str>,
+    pub kind: Vec<&'static str>,
+    pub message: Vec<&'e str>,
+    pub data: Vec<&'e serde_json::Value>,
+    pub worker: Vec<&'e str>,
+    pub at: Vec<DateTime<Utc>>,
 }
 
 impl<'e> EventColumns<'e> {
-    fn of(events: &'e [RunEvent]) -> Self {
-        EventColumns {
-            run_id: events.iter().map(|e| e.run_id).collect(),
-            seq: events.iter().map(|e| e.seq as i32).collect(),
-            idx: events.iter().map(|e| e.index as i32).collect(),
-            stage: events.iter().map(|e| e.stage.as_str()).collect(),
-            kind: events.iter().map(|e| e.kind.as_str()).collect(),
-            message: events.iter().map(|e| e.message.as_str()).collect(),
-            data: events.iter().map(|e| &e.data).collect(),
-            worker: events.iter().map(|e| e.worker.as_str()).collect(),
-            at: events.iter().map(|e| e.at).collect(),
+    pub fn of(events: impl IntoIterator<Item = &'e RunEvent>) -> Self {
+        let events = events.into_iter();
+        let mut c = EventColumns {
+            run_id: Vec::with_capacity(events.size_hint().0),
+            seq: Vec::new(),
+            idx: Vec::new(),
+            stage: Vec::new(),
+            kind: Vec::new(),
+            message: Vec::new(),
+            data: Vec::new(),
+            worker: Vec::new(),
+            at: Vec::new(),
+        };
+        for e in events {
+            c.run_id.push(e.run_id);
+            c.seq.push(e.seq as i32);
+            c.idx.push(e.index as i32);
+            c.stage.push(e.stage.as_str());
+            c.kind.push(e.kind.as_str());
+            c.message.push(e.message.as_str());
+            c.data.push(&e.data);
+            c.worker.push(e.worker.as_str());
+            c.at.push(e.at);
         }
+        c
     }
 }
 

@@ -1,0 +1,199 @@
+//! Group commit of run transitions against a real Postgres: transitions written at the same
+//! moment share statements, yet each caller gets its own run's answer, the seq guard and
+//! closed runs hold per run, and one transition Postgres refuses fails no other.
+
+use chrono::Utc;
+use pitcrew_model::{EventKind, Incident, RunEvent, RunState, Stage};
+use pitcrew_runtime::config::DatabaseConfig;
+use pitcrew_runtime::store::{OpenRun, RunStatus};
+use pitcrew_runtime::Store;
+use pitcrew_testkit::TestDb;
+use uuid::Uuid;
+
+async fn store(db: &TestDb) -> anyhow::Result<Store> {
+    let store = Store::connect(&DatabaseConfig { url: db.url.clone(), pool_size: 4, migrate_on_start: false }).await?;
+    store.migrate().await?;
+    Ok(store)
+}
+
+/// `n` runs, opened at intake.
+async fn open_runs(store: &Store, n: usize) -> anyhow::Result<Vec<RunState>> {
+    let mut runs = Vec::with_capacity(n);
+    for i in 0..n {
+        let mut incident = Incident::new(format!("svc-{i}"), "down");
+        incident.fingerprint = Some(format!("group-{i}"));
+        let state = RunState::new(Uuid::now_v7(), incident);
+        assert_eq!(store.open_run(&state).await?, OpenRun::Created);
+        runs.push(state);
+    }
+    Ok(runs)
+}
+
+fn event(state: &RunState, index: u32, message: &str) -> RunEvent {
+    RunEvent {
+        run_id: state.run_id,
+        seq: state.seq,
+        index,
+        stage: state.step,
+        kind: EventKind::Status,
+        message: message.into(),
+        data: serde_json::json!({ "index": index }),
+        worker: "test".into(),
+        at: Utc::now(),
+    }
+}
+
+/// The state moved on to `next`, with the two events the step emitted.
+fn step(state: &RunState, next: Stage, note: &str) -> (RunState, Vec<RunEvent>) {
+    let events = vec![event(state, 0, note), event(state, 1, note)];
+    let mut moved = state.clone();
+    moved.advance(next);
+    (moved, events)
+}
+
+/// The group counter is the process's: tests that read it take turns.
+static COUNTER: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+/// How many transitions this process wrote sharing a statement so far.
+fn grouped_so_far() -> f64 {
+    pitcrew_runtime::metrics::render()
+        .lines()
+        .find_map(|l| l.strip_prefix("pitcrew_db_transitions_total{how=\"grouped\"} "))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0.0)
+}
+
+#[tokio::test]
+async fn transitions_written_together_each_get_their_own_runs_answer() -> anyhow::Result<()> {
+    let _turn = COUNTER.lock().await;
+    let db = TestDb::create().await?;
+    let store = store(&db).await?;
+    let runs = open_runs(&store, 200).await?;
+    let pg = db.client().await?;
+
+    // 200 transitions at once: they share statements, and every run takes its own.
+    let before = grouped_so_far();
+    let steps: Vec<_> = runs.iter().map(|s| step(s, Stage::Plan, &format!("diagnosed {}", s.run_id))).collect();
+    let answers = futures::future::join_all(
+        steps.iter().map(|(state, events)| store.commit_transition(state, RunStatus::Open, events)),
+    )
+    .await;
+    for a in &answers {
+        assert!(matches!(a, Ok(true)), "every run takes its transition: {a:?}");
+    }
+    assert!(grouped_so_far() - before >= 100.0, "200 transitions at once were written in groups");
+    for (state, _) in &steps {
+        let row = pg.query_one("SELECT seq, stage, state->>'step' FROM runs WHERE id = $1", &[&state.run_id]).await?;
+        assert_eq!(row.get::<_, i32>(0), 1);
+        assert_eq!(row.get::<_, String>(1), "plan");
+        assert_eq!(row.get::<_, String>(2), "plan", "each run holds its own state");
+        // Its own two events, and no other run's.
+        let msgs: Vec<String> = pg
+            .query("SELECT message FROM run_events WHERE run_id = $1 ORDER BY idx", &[&state.run_id])
+            .await?
+            .iter()
+            .map(|r| r.get(0))
+            .collect();
+        assert_eq!(msgs, vec![format!("diagnosed {}", state.run_id); 2]);
+    }
+
+    // Each run's next transition and, beside it, a late redelivery of its first step (seq
+    // 0 -> 1 again): whichever is written first, the newer transition holds, the late one
+    // never undoes it, and the step's events stay the ones first written.
+    let next: Vec<_> = steps.iter().map(|(s, _)| step(s, Stage::Evaluate, "planned")).collect();
+    let late: Vec<_> = runs.iter().map(|s| step(s, Stage::Plan, "late redelivery")).collect();
+    let (fresh, stale) = futures::future::join(
+        futures::future::join_all(next.iter().map(|(s, e)| store.commit_transition(s, RunStatus::Open, e))),
+        futures::future::join_all(late.iter().map(|(s, e)| store.commit_transition(s, RunStatus::Open, e))),
+    )
+    .await;
+    for a in &fresh {
+        assert!(matches!(a, Ok(true)), "a newer transition is always taken: {a:?}");
+    }
+    for a in &stale {
+        assert!(a.is_ok(), "a late transition is answered, not failed: {a:?}");
+    }
+    let behind: i64 =
+        pg.query_one("SELECT count(*) FROM runs WHERE seq <> 2 OR stage <> 'evaluate'", &[]).await?.get(0);
+    assert_eq!(behind, 0, "no late transition moved a run back");
+    let late_events: i64 =
+        pg.query_one("SELECT count(*) FROM run_events WHERE message = 'late redelivery'", &[]).await?.get(0);
+    assert_eq!(late_events, 0, "a redelivered step's events are the ones first written");
+
+    // Closed runs stay closed: the first 50 end; transitions after that are refused and
+    // change nothing, while the other runs' transitions written with them go through.
+    let done: Vec<_> = next.iter().take(50).map(|(s, _)| step(s, Stage::Report, "resolved")).collect();
+    for a in
+        futures::future::join_all(done.iter().map(|(s, e)| store.commit_transition(s, RunStatus::Resolved, e))).await
+    {
+        assert!(matches!(a, Ok(true)), "{a:?}");
+    }
+    let after: Vec<_> = done
+        .iter()
+        .map(|(s, _)| s)
+        .chain(next.iter().skip(50).map(|(s, _)| s))
+        .map(|s| step(s, Stage::Approval, "after"))
+        .collect();
+    let answers =
+        futures::future::join_all(after.iter().map(|(s, e)| store.commit_transition(s, RunStatus::Open, e))).await;
+    for (i, a) in answers.iter().enumerate() {
+        let want = i >= 50;
+        assert!(matches!(a, Ok(took) if *took == want), "run {i}: closed runs refuse, open runs take: {a:?}");
+    }
+    let reopened: i64 =
+        pg.query_one("SELECT count(*) FROM runs WHERE status <> 'resolved' AND stage = 'report'", &[]).await?.get(0);
+    assert_eq!(reopened, 0);
+    let resolved: i64 = pg
+        .query_one("SELECT count(*) FROM runs WHERE status = 'resolved' AND finished_at IS NOT NULL", &[])
+        .await?
+        .get(0);
+    assert_eq!(resolved, 50, "the closed runs kept their end");
+    Ok(())
+}
+
+#[tokio::test]
+async fn one_transition_postgres_refuses_fails_no_other_written_with_it() -> anyhow::Result<()> {
+    let _turn = COUNTER.lock().await;
+    let db = TestDb::create().await?;
+    let store = store(&db).await?;
+    let runs = open_runs(&store, 60).await?;
+    let pg = db.client().await?;
+
+    // Postgres cannot store U+0000 in jsonb: the transition of run 30 is refused.
+    let before = grouped_so_far();
+    let steps: Vec<_> = runs
+        .iter()
+        .enumerate()
+        .map(|(i, s)| {
+            let (mut moved, events) = step(s, Stage::Plan, "diagnosed");
+            if i == 30 {
+                moved.incident.error = "down\u{0}".into();
+            }
+            (moved, events)
+        })
+        .collect();
+    let answers = futures::future::join_all(
+        steps.iter().map(|(state, events)| store.commit_transition(state, RunStatus::Open, events)),
+    )
+    .await;
+    assert!(grouped_so_far() - before >= 2.0, "the transitions were queued together");
+    for (i, a) in answers.iter().enumerate() {
+        if i == 30 {
+            let e = a.as_ref().expect_err("the refused transition fails");
+            assert!(!e.is_transient(), "a value Postgres cannot store is not worth a retry: {e}");
+        } else {
+            assert!(matches!(a, Ok(true)), "run {i} took its transition: {a:?}");
+        }
+    }
+    let moved: i64 = pg.query_one("SELECT count(*) FROM runs WHERE seq = 1", &[]).await?.get(0);
+    assert_eq!(moved, 59);
+    let refused = &steps[30].0;
+    let row = pg.query_one("SELECT seq FROM runs WHERE id = $1", &[&refused.run_id]).await?;
+    assert_eq!(row.get::<_, i32>(0), 0, "the refused run did not move");
+    assert_eq!(
+        pg.query_one("SELECT count(*) FROM run_events WHERE run_id = $1", &[&refused.run_id]).await?.get::<_, i64>(0),
+        0,
+        "nor did its events land"
+    );
+    Ok(())
+}
