@@ -239,6 +239,53 @@ fn store_benches(c: &mut Criterion) {
             BatchSize::SmallInput,
         )
     });
+    g.finish();
+
+    // 64 runs' transitions at once, as a loaded crew writes them: the group committer shares
+    // statements among them. Throughput is per transition.
+    let mut g = c.benchmark_group("store");
+    g.throughput(Throughput::Elements(64));
+    let runs: Vec<RunState> = (0..64)
+        .map(|_| {
+            let mut s = typical_state();
+            s.run_id = Uuid::now_v7();
+            s.incident.fingerprint = Some(s.run_id.to_string());
+            s
+        })
+        .collect();
+    for r in &runs {
+        rt.block_on(store.open_run(r)).expect("open_run");
+    }
+    let mut group_seq = 0u32;
+    g.bench_function("commit_transition_64_runs_at_once", |b| {
+        b.to_async(&rt).iter_batched(
+            || {
+                group_seq += 1;
+                runs.iter()
+                    .map(|r| {
+                        let mut s = r.clone();
+                        s.seq = group_seq;
+                        let events = vec![event(s.run_id, group_seq, 0), event(s.run_id, group_seq, 1)];
+                        (s, events)
+                    })
+                    .collect::<Vec<_>>()
+            },
+            |steps| {
+                let store = store.clone();
+                async move {
+                    let commits = steps.iter().map(|(s, e)| store.commit_transition(s, RunStatus::Open, e));
+                    for took in futures::future::join_all(commits).await {
+                        assert!(took.expect("commit"), "a newer transition is always taken");
+                    }
+                }
+            },
+            BatchSize::SmallInput,
+        )
+    });
+    g.finish();
+
+    let mut g = c.benchmark_group("store");
+    g.throughput(Throughput::Elements(1));
     let evaluation = base.evaluation.clone().expect("evaluation");
     let mut attempt = 0u32;
     g.bench_function("record_evaluation", |b| {

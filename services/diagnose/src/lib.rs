@@ -18,50 +18,56 @@ pub struct Diagnose {
     web: std::sync::OnceLock<Option<web::WebTools>>,
 }
 
-/// Read-only evidence for `attempt`: the check's result, the pidfile, then the service's
-/// evidence commands (log tail, journal, ports, disk, memory), each admitted by the policy's
-/// read-only class first. Each item comes with the timeline line that reports it.
+/// Read-only evidence for `attempt`: the check's result, the pidfile, the port's holder and,
+/// at the same time, the service's evidence commands (log tail, journal, ports, disk,
+/// memory), each admitted by the policy's read-only class first. Each item comes with the
+/// timeline line that reports it, in that order.
 pub async fn gather(
     spec: &ServiceSpec,
     attempt: u32,
     executor: &dyn Executor,
     policy: &Policy,
 ) -> Vec<(Evidence, String)> {
-    let mut found = Vec::new();
-    let mut healthy = true;
-    if let Some(check) = &spec.check {
-        let out = run_check(check, &spec.host, executor).await;
-        healthy = out.healthy;
-        let line = format!("check: {}", out.detail);
-        found.push((
-            Evidence { attempt, source: "check".into(), detail: out.detail, output: out.output, ok: out.healthy },
-            line,
-        ));
-    }
-    if let Some(pidfile) = &spec.pidfile {
-        let cmd = format!("cat {}", shell_words::quote(pidfile));
-        let (mut ok, output) = run_evidence(executor, &spec.host, &cmd).await;
-        let pid = output.trim().to_string();
-        let mut line = format!("pidfile {pidfile}: {}", if ok { pid.as_str() } else { "unreadable" });
-        // A pid is only evidence if that process still runs: a stale pidfile must never hand
-        // a playbook someone else's pid (`kill -9 {pid}`).
-        if ok {
-            let alive = !pid.is_empty()
-                && pid.chars().all(|c| c.is_ascii_digit())
-                && run_evidence(executor, &spec.host, &format!("ps -p {pid}")).await.0;
-            if !alive {
-                ok = false;
-                line = format!("pidfile {pidfile}: {pid} is stale (no such process)");
-            }
+    // The check, the pidfile and the port depend on each other; the evidence commands
+    // depend on nothing: both run at once (kept in this order).
+    let chain = async {
+        let mut found = Vec::new();
+        let mut healthy = true;
+        if let Some(check) = &spec.check {
+            let out = run_check(check, &spec.host, executor).await;
+            healthy = out.healthy;
+            let line = format!("check: {}", out.detail);
+            found.push((
+                Evidence { attempt, source: "check".into(), detail: out.detail, output: out.output, ok: out.healthy },
+                line,
+            ));
         }
-        found.push((Evidence { attempt, source: "pidfile".into(), detail: cmd, output, ok }, line));
-    }
-    if let (false, Some(port)) = (healthy, spec.port()) {
-        let service_pid = found.iter().find(|(e, _)| e.source == "pidfile" && e.ok).map(|(e, _)| e.output.trim());
-        let service_pid = service_pid.map(str::to_string);
-        found.push(port_holder(spec, port, service_pid.as_deref(), attempt, executor, policy).await);
-    }
-    // The evidence commands are independent: run them at once (kept in their order).
+        if let Some(pidfile) = &spec.pidfile {
+            let cmd = format!("cat {}", shell_words::quote(pidfile));
+            let (mut ok, output) = run_evidence(executor, &spec.host, &cmd).await;
+            let pid = output.trim().to_string();
+            let mut line = format!("pidfile {pidfile}: {}", if ok { pid.as_str() } else { "unreadable" });
+            // A pid is only evidence if that process still runs: a stale pidfile must never hand
+            // a playbook someone else's pid (`kill -9 {pid}`).
+            if ok {
+                let alive = !pid.is_empty()
+                    && pid.chars().all(|c| c.is_ascii_digit())
+                    && run_evidence(executor, &spec.host, &format!("ps -p {pid}")).await.0;
+                if !alive {
+                    ok = false;
+                    line = format!("pidfile {pidfile}: {pid} is stale (no such process)");
+                }
+            }
+            found.push((Evidence { attempt, source: "pidfile".into(), detail: cmd, output, ok }, line));
+        }
+        if let (false, Some(port)) = (healthy, spec.port()) {
+            let service_pid = found.iter().find(|(e, _)| e.source == "pidfile" && e.ok).map(|(e, _)| e.output.trim());
+            let service_pid = service_pid.map(str::to_string);
+            found.push(port_holder(spec, port, service_pid.as_deref(), attempt, executor, policy).await);
+        }
+        found
+    };
+    // The evidence commands are independent of each other too: all at once.
     let commands = spec.evidence_commands().into_iter().map(|cmd| async move {
         let (ok, output, line) = match policy.read_only(&cmd) {
             Err(why) => (false, String::new(), format!("`{cmd}` not run: {why}")),
@@ -73,7 +79,8 @@ pub async fn gather(
         };
         (Evidence { attempt, source: "command".into(), detail: cmd, output, ok }, line)
     });
-    found.extend(futures::future::join_all(commands).await);
+    let (mut found, commands) = futures::future::join(chain, futures::future::join_all(commands)).await;
+    found.extend(commands);
     found
 }
 
