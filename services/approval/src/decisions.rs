@@ -263,7 +263,7 @@ impl Decisions {
             }
         };
         let events = cx.take_events();
-        apply(&self.bus, &self.deps, state, t, events).await?;
+        apply(&self.bus, &self.deps, state, t, events, Vec::new()).await?;
         Ok(())
     }
 }

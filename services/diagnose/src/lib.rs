@@ -345,7 +345,7 @@ impl StageHandler for Diagnose {
             if let Some(t) = thinking {
                 t.finish().await;
             }
-            target::record_usage(cx.deps, state, Stage::Diagnose, &meter).await?;
+            target::record_usage(cx, state, Stage::Diagnose, &meter);
             // What the model looked at is evidence too, whatever it concluded.
             record(cx, state, tools.take());
             let diagnosis = match answer {

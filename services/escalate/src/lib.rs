@@ -2,6 +2,7 @@
 
 use futures::future::BoxFuture;
 use pitcrew_model::{EventKind, ExecutionStatus, Outcome, RunState, Stage};
+use pitcrew_runtime::store::{Episode, Record};
 use pitcrew_runtime::{Cx, StageError, StageHandler, Transition};
 
 /// The escalate stage (terminal).
@@ -32,7 +33,7 @@ impl StageHandler for Escalate {
                     .filter(|e| e.attempt == state.attempt && e.status != ExecutionStatus::Skipped)
                     .map(|e| e.command.clone())
                     .collect();
-                cx.deps.store.record_episode(state, &ran, false, &why).await?;
+                cx.record(Record::Episode(Episode::of(state, &ran, false, &why)));
             }
             cx.emit(
                 EventKind::Escalated,

@@ -9,6 +9,7 @@ use futures::future::BoxFuture;
 use pitcrew_exec::ExecError;
 use pitcrew_model::{Evaluation, EvaluationCheck, EventKind, RunState, Stage, Verdict};
 use pitcrew_policy::GateDecision;
+use pitcrew_runtime::store::Record;
 use pitcrew_runtime::{target, Cx, StageError, StageHandler, Transition};
 use std::collections::BTreeMap;
 
@@ -168,7 +169,7 @@ pub fn assess(state: &RunState, found: &Findings, max_attempts: u32) -> Evaluati
 
 /// Ask the provider's judge about this attempt's diagnosis and plan (recording its usage).
 async fn judge(
-    deps: &pitcrew_runtime::Deps,
+    cx: &mut Cx<'_>,
     state: &RunState,
     reasoning: &target::ReasonContext,
 ) -> Result<Option<Result<pitcrew_llm::Judgement, String>>, StageError> {
@@ -176,8 +177,8 @@ async fn judge(
     let meter = pitcrew_llm::UsageMeter::default();
     let mut input = reasoning.input(state);
     input.usage = Some(&meter);
-    let verdict = deps.reasoner.judge(&input, &diagnosis, &plan).await;
-    target::record_usage(deps, state, Stage::Evaluate, &meter).await?;
+    let verdict = cx.deps.reasoner.judge(&input, &diagnosis, &plan).await;
+    target::record_usage(cx, state, Stage::Evaluate, &meter);
     Ok(match verdict {
         Ok(Some(j)) => Some(Ok(j)),
         Ok(None) => None,
@@ -223,11 +224,11 @@ impl StageHandler for EvaluateStage {
                 }
                 _ => (None, None),
             };
-            let judge = if cfg.reasoning.judge { judge(cx.deps, state, &reasoning).await? } else { None };
+            let judge = if cfg.reasoning.judge { judge(cx, state, &reasoning).await? } else { None };
             let found = Findings { tools, failed, forbidden, judge };
             let ev = assess(state, &found, cfg.limits.max_attempts);
             let ungrounded = ev.checks.iter().any(|c| c.name == "grounded" && !c.passed);
-            cx.deps.store.record_evaluation(state.run_id, &ev).await?;
+            cx.record(Record::Evaluation(state.run_id, ev.clone()));
             cx.emit(
                 EventKind::Evaluation,
                 format!(

@@ -1,11 +1,12 @@
 //! Group commit of run transitions against a real Postgres: transitions written at the same
 //! moment share statements, yet each caller gets its own run's answer, the seq guard and
-//! closed runs hold per run, and one transition Postgres refuses fails no other.
+//! closed runs hold per run, one transition Postgres refuses fails no other, and the rows a
+//! step writes with its transition (evaluations, episodes) land only if the run takes it.
 
 use chrono::Utc;
-use pitcrew_model::{EventKind, Incident, RunEvent, RunState, Stage};
+use pitcrew_model::{Evaluation, EvaluationCheck, EventKind, Incident, RunEvent, RunState, Stage, Verdict};
 use pitcrew_runtime::config::DatabaseConfig;
-use pitcrew_runtime::store::{OpenRun, RunStatus};
+use pitcrew_runtime::store::{Episode, OpenRun, Record, RunStatus};
 use pitcrew_runtime::Store;
 use pitcrew_testkit::TestDb;
 use uuid::Uuid;
@@ -195,5 +196,114 @@ async fn one_transition_postgres_refuses_fails_no_other_written_with_it() -> any
         0,
         "nor did its events land"
     );
+    Ok(())
+}
+
+#[tokio::test]
+async fn records_are_written_with_their_transition_and_only_if_the_run_takes_it() -> anyhow::Result<()> {
+    let db = TestDb::create().await?;
+    let store = store(&db).await?;
+    let runs = open_runs(&store, 40).await?;
+    let pg = db.client().await?;
+
+    // Every run one step on; the even ones also move on beside it from another worker first,
+    // so the records of their (now stale) step must not land.
+    let ahead: Vec<_> =
+        runs.iter().step_by(2).map(|s| step(&step(s, Stage::Plan, "x").0, Stage::Evaluate, "ahead")).collect();
+    for (s, e) in &ahead {
+        // seq 2 straight away: the stale step below is seq 1.
+        assert!(store.commit_transition(s, RunStatus::Open, e).await?);
+    }
+    let records = |s: &RunState, i: usize| {
+        let ev = Evaluation {
+            attempt: 1,
+            regeneration: i as u32 % 3,
+            score: 0.5 + i as f64 / 100.0,
+            verdict: Verdict::Pass,
+            checks: vec![EvaluationCheck {
+                name: "grounded".into(),
+                passed: true,
+                weight: 1.0,
+                detail: format!("d{i}"),
+            }],
+            feedback: (i % 2 == 1).then(|| format!("feedback {i}")),
+        };
+        let ep = Episode::of(
+            s,
+            &[format!("touch /tmp/fix-{i}"), "systemctl restart web".into()],
+            i.is_multiple_of(3),
+            &format!("result {i}"),
+        );
+        let usage = pitcrew_llm::Usage {
+            model: format!("model-{i}"),
+            calls: 2,
+            prompt_tokens: 100 + i as u64,
+            completion_tokens: 10,
+        };
+        vec![
+            Record::Evaluation(s.run_id, ev),
+            Record::Episode(ep),
+            Record::LlmUsage { run: s.run_id, seq: s.seq, stage: "plan", attempt: 1, usage },
+        ]
+    };
+    let steps: Vec<_> =
+        runs.iter().enumerate().map(|(i, s)| (step(s, Stage::Plan, "with records"), records(s, i))).collect();
+    let answers = futures::future::join_all(
+        steps.iter().map(|((s, e), r)| store.commit_transition_with(s, RunStatus::Open, e, r)),
+    )
+    .await;
+    for (i, a) in answers.iter().enumerate() {
+        let took = i % 2 == 1;
+        assert!(matches!(a, Ok(t) if *t == took), "run {i}: {a:?}");
+    }
+    for (i, ((s, _), _)) in steps.iter().enumerate() {
+        let evals = pg
+            .query("SELECT regeneration, score, verdict, checks->0->>'detail', feedback FROM evaluations WHERE run_id = $1", &[&s.run_id])
+            .await?;
+        let eps = pg
+            .query(
+                "SELECT attempt, commands, success, result, service, error FROM episodes WHERE run_id = $1",
+                &[&s.run_id],
+            )
+            .await?;
+        let usage = pg
+            .query(
+                "SELECT model, calls, prompt_tokens FROM llm_usage WHERE run_id = $1 AND stage = 'plan'",
+                &[&s.run_id],
+            )
+            .await?;
+        if i.is_multiple_of(2) {
+            assert!(
+                evals.is_empty() && eps.is_empty() && usage.is_empty(),
+                "run {i}: a stale step's records never land"
+            );
+            continue;
+        }
+        assert_eq!(evals.len(), 1, "run {i}");
+        let e = &evals[0];
+        assert_eq!(e.get::<_, i32>(0), (i % 3) as i32);
+        assert!((e.get::<_, f64>(1) - (0.5 + i as f64 / 100.0)).abs() < 1e-9);
+        assert_eq!(e.get::<_, String>(2), "pass");
+        assert_eq!(e.get::<_, String>(3), format!("d{i}"));
+        assert_eq!(e.get::<_, Option<String>>(4), Some(format!("feedback {i}")));
+        assert_eq!(eps.len(), 1, "run {i}");
+        let p = &eps[0];
+        assert_eq!(p.get::<_, i32>(0), 1);
+        assert_eq!(
+            p.get::<_, Vec<String>>(1),
+            vec![format!("touch /tmp/fix-{i}"), "systemctl restart web".to_string()]
+        );
+        assert_eq!(p.get::<_, bool>(2), i.is_multiple_of(3));
+        assert_eq!(p.get::<_, String>(3), format!("result {i}"));
+        assert_eq!(p.get::<_, String>(4), format!("svc-{i}"));
+        assert_eq!(p.get::<_, String>(5), "down");
+        assert_eq!(usage.len(), 1, "run {i}");
+        assert_eq!(usage[0].get::<_, String>(0), format!("model-{i}"));
+        assert_eq!(usage[0].get::<_, i32>(1), 2);
+        assert_eq!(usage[0].get::<_, i64>(2), 100 + i as i64);
+    }
+    // Memory reads what the transitions wrote.
+    let mem = store.memory("svc-3", &runs[3].incident.signature(), std::time::Duration::from_secs(3600)).await?;
+    assert_eq!(mem.fixes, vec![vec!["touch /tmp/fix-3".to_string(), "systemctl restart web".to_string()]]);
     Ok(())
 }

@@ -46,7 +46,7 @@ impl StageHandler for PlanStage {
             if let Some(t) = thinking {
                 t.finish().await;
             }
-            target::record_usage(cx.deps, state, Stage::Plan, &meter).await?;
+            target::record_usage(cx, state, Stage::Plan, &meter);
             let plan = match answer {
                 Ok(p) => p,
                 Err(ReasonError::Transient(e)) => return Err(StageError::Transient(e)),

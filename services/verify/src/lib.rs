@@ -4,6 +4,7 @@
 use futures::future::BoxFuture;
 use pitcrew_exec::run_check;
 use pitcrew_model::{ApprovalStatus, EventKind, ExecutionStatus, RunState, Stage, Verification};
+use pitcrew_runtime::store::{Episode, Record};
 use pitcrew_runtime::{Cx, StageError, StageHandler, Transition};
 use std::time::Duration;
 
@@ -84,7 +85,7 @@ impl StageHandler for Verify {
                 format!("{}: {}", if recovered { "recovered" } else { "not recovered" }, outcome.detail),
                 serde_json::json!({ "recovered": recovered, "attempt": state.attempt }),
             );
-            cx.deps.store.record_episode(state, &tried_commands(state), recovered, &outcome.detail).await?;
+            cx.record(Record::Episode(Episode::of(state, &tried_commands(state), recovered, &outcome.detail)));
             match next_step(recovered, state.attempt, cfg.limits.max_retries) {
                 Ok(Stage::Diagnose) => {
                     start_next_attempt(state);

@@ -4,7 +4,7 @@
 use crate::bus::{Bus, BusError, ERROR_HEADER, ORIGIN_HEADER, RUN_HEADER, STAGE_HEADER};
 use crate::consume::{backoff, Disposition, MessageHandler};
 use crate::stage::{Cx, Deps, StageError, StageHandler, Transition};
-use crate::store::{RunStatus, StoreError};
+use crate::store::{Record, RunStatus, StoreError};
 use async_nats::header::{HeaderMap, NATS_MESSAGE_ID};
 use async_nats::jetstream;
 use bytes::Bytes;
@@ -120,7 +120,8 @@ impl StageRunner {
                 Ok(t) => {
                     span.record("outcome", transition_name(&t));
                     let events = cx.take_events();
-                    match apply(&self.bus, &self.deps, state, t, events).await {
+                    let records = cx.take_records();
+                    match apply(&self.bus, &self.deps, state, t, events, records).await {
                         Ok(()) => Disposition::Ack,
                         Err(e) => {
                             tracing::warn!(error = %e, delivered, "commit or publish failed: will retry");
@@ -228,7 +229,7 @@ impl StageRunner {
         if stage == Stage::Escalate && state.escalation_reason.is_none() {
             state.escalation_reason = Some(why.to_string());
         }
-        match apply(&self.bus, &self.deps, state, t, events).await {
+        match apply(&self.bus, &self.deps, state, t, events, Vec::new()).await {
             Ok(()) => Disposition::Term,
             Err(e) => {
                 tracing::warn!(error = %e, "escalating poisoned run failed: will retry");
@@ -249,14 +250,16 @@ fn transition_name(t: &Transition) -> &'static str {
     }
 }
 
-/// Commit a transition to Postgres, publish its events and its successor. Idempotent: the
-/// store is keyed by (run, seq) and the bus deduplicates on the message id.
+/// Commit a transition to Postgres (with the step's records), publish its events and its
+/// successor. Idempotent: the store is keyed by (run, seq) and the bus deduplicates on the
+/// message id.
 pub async fn apply(
     bus: &Bus,
     deps: &Deps,
     mut state: RunState,
     t: Transition,
     events: Vec<RunEvent>,
+    records: Vec<Record>,
 ) -> Result<(), ApplyError> {
     let store = &deps.store;
     // A stale input (the run moved on, or is closed) commits nothing and publishes nothing:
@@ -268,14 +271,14 @@ pub async fn apply(
     match t {
         Transition::To(next) => {
             state.advance(next);
-            if !store.commit_transition(&state, RunStatus::Open, &events).await? {
+            if !store.commit_transition_with(&state, RunStatus::Open, &events, &records).await? {
                 return stale(state.run_id);
             }
             publish_batch(bus, &events, Some(&state)).await?;
         }
         Transition::Escalate(reason) => {
             state.escalate(reason);
-            if !store.commit_transition(&state, RunStatus::Open, &events).await? {
+            if !store.commit_transition_with(&state, RunStatus::Open, &events, &records).await? {
                 return stale(state.run_id);
             }
             publish_batch(bus, &events, Some(&state)).await?;
@@ -283,7 +286,7 @@ pub async fn apply(
         Transition::Park(req) => {
             state.seq += 1;
             store.request_approval(&req).await?;
-            if !store.commit_transition(&state, RunStatus::WaitingApproval, &events).await? {
+            if !store.commit_transition_with(&state, RunStatus::WaitingApproval, &events, &records).await? {
                 return stale(state.run_id);
             }
             // The request first, then the events: whoever sees `approval_requested` (an
@@ -300,12 +303,13 @@ pub async fn apply(
                 Outcome::Resolved => RunStatus::Resolved,
                 Outcome::Escalated => RunStatus::Escalated,
             };
-            if !store.commit_transition(&state, status, &events).await? {
+            if !store.commit_transition_with(&state, status, &events, &records).await? {
                 return stale(state.run_id);
             }
             publish_events(bus, &events).await?;
         }
         Transition::Drop => {
+            store.write_records(&records).await?;
             store.insert_events(&events).await?;
             publish_events(bus, &events).await?;
         }

@@ -2,7 +2,7 @@
 //! only domain logic; the runner does consuming, persisting, publishing and acking.
 
 use crate::config::Config;
-use crate::store::{Store, StoreError};
+use crate::store::{Record, Store, StoreError};
 use chrono::Utc;
 use futures::future::BoxFuture;
 use pitcrew_exec::Executor;
@@ -69,12 +69,13 @@ pub struct Cx<'a> {
     seq: u32,
     next_index: u32,
     events: Vec<RunEvent>,
+    records: Vec<Record>,
 }
 
 impl<'a> Cx<'a> {
     /// A context for one step of `run_id`; events are keyed by (run, `seq`, index from `first_index`).
     pub fn new(deps: &'a Deps, stage: Stage, run_id: Uuid, seq: u32, first_index: u32) -> Self {
-        Cx { deps, stage, run_id, seq, next_index: first_index, events: Vec::new() }
+        Cx { deps, stage, run_id, seq, next_index: first_index, events: Vec::new(), records: Vec::new() }
     }
 
     /// Add a timeline event (stored and published once the step commits).
@@ -102,6 +103,16 @@ impl<'a> Cx<'a> {
 
     pub fn take_events(&mut self) -> Vec<RunEvent> {
         std::mem::take(&mut self.events)
+    }
+
+    /// Write a row with this step's transition (in its statement; not at all if the run
+    /// does not take it).
+    pub fn record(&mut self, record: Record) {
+        self.records.push(record);
+    }
+
+    pub fn take_records(&mut self) -> Vec<Record> {
+        std::mem::take(&mut self.records)
     }
 
     pub fn config(&self) -> &Config {

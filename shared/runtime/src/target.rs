@@ -114,18 +114,25 @@ impl ReasonContext {
     }
 }
 
-/// Record what the reasoning provider spent for this stage of the run, if it spent anything.
-pub async fn record_usage(
-    deps: &Deps,
+/// Record what the reasoning provider spent for this stage of the run, if it spent anything
+/// (written with the step's transition).
+pub fn record_usage(
+    cx: &mut crate::Cx<'_>,
     state: &RunState,
     stage: pitcrew_model::Stage,
     meter: &pitcrew_llm::UsageMeter,
-) -> Result<(), StoreError> {
+) {
     let usage = meter.get();
     if usage.calls == 0 {
-        return Ok(());
+        return;
     }
-    deps.store.record_llm_usage(state.run_id, state.seq, stage.as_str(), state.attempt, &usage).await
+    cx.record(crate::store::Record::LlmUsage {
+        run: state.run_id,
+        seq: state.seq,
+        stage: stage.as_str(),
+        attempt: state.attempt,
+        usage,
+    });
 }
 
 /// What the service's host can run, from the inventory.

@@ -11,7 +11,7 @@
 //! statements, so one transition Postgres refuses never fails the others with it.
 
 use super::runs::EventColumns;
-use super::{RunStatus, StoreError};
+use super::{Record, RunStatus, StoreError};
 use deadpool_postgres::Pool;
 use pitcrew_model::{RunEvent, RunState};
 use std::collections::{HashSet, VecDeque};
@@ -36,6 +36,7 @@ pub(super) struct Pending {
     status: RunStatus,
     reason: Option<String>,
     events: Vec<RunEvent>,
+    records: Vec<Record>,
     reply: oneshot::Sender<Result<bool, StoreError>>,
 }
 
@@ -44,6 +45,7 @@ impl Pending {
         state: &RunState,
         status: RunStatus,
         events: &[RunEvent],
+        records: &[Record],
     ) -> (Pending, oneshot::Receiver<Result<bool, StoreError>>) {
         let (reply, answer) = oneshot::channel();
         let pending = Pending {
@@ -55,6 +57,7 @@ impl Pending {
             status,
             reason: state.escalation_reason.clone(),
             events: events.to_vec(),
+            records: records.to_vec(),
             reply,
         };
         (pending, answer)
@@ -82,8 +85,9 @@ impl Committer {
         state: &RunState,
         status: RunStatus,
         events: &[RunEvent],
+        records: &[Record],
     ) -> Result<bool, StoreError> {
-        let (pending, answer) = Pending::new(state, status, events);
+        let (pending, answer) = Pending::new(state, status, events, records);
         let gone = || StoreError::Unavailable("the transition committer stopped".into());
         self.queue.send(pending).await.map_err(|_| gone())?;
         answer.await.map_err(|_| gone())?
@@ -134,21 +138,20 @@ async fn dispatch(pool: Pool, mut rx: mpsc::Receiver<Pending>, lanes: usize) {
 /// Write a batch and answer each of its callers.
 async fn write(pool: &Pool, batch: Vec<Pending>) {
     crate::metrics::transitions_written(batch.len());
-    if batch.len() == 1 {
-        let p = batch.into_iter().next().expect("one");
-        let result = single(pool, &p).await;
-        let _ = p.reply.send(result);
-        return;
-    }
-    match together(pool, &batch).await {
+    match statement(pool, &batch).await {
         Ok(moved) => {
             for (i, p) in batch.into_iter().enumerate() {
                 let _ = p.reply.send(Ok(moved.contains(&(i as i64 + 1))));
             }
         }
-        Err(e) if e.is_transient() => {
-            // Postgres is unreachable or busy: every caller retries later anyway.
+        Err(e) if batch.len() == 1 || e.is_transient() => {
+            // Alone, the answer is its own; together and Postgres unreachable or busy, every
+            // caller retries later anyway.
             let why = e.to_string();
+            let mut batch = batch.into_iter();
+            if let Some(p) = batch.next() {
+                let _ = p.reply.send(Err(e));
+            }
             for p in batch {
                 let _ = p.reply.send(Err(StoreError::Unavailable(why.clone())));
             }
@@ -156,9 +159,9 @@ async fn write(pool: &Pool, batch: Vec<Pending>) {
         Err(e) => {
             // One transition Postgres refuses (a value it cannot store, say) must not fail
             // the others: each goes alone and gets its own answer.
-            tracing::debug!(error = %e, size = batch.len(), "batched transition refused: committing one by one");
+            tracing::debug!(error = %e, size = batch.len(), "grouped transitions refused: committing one by one");
             futures::future::join_all(batch.into_iter().map(|p| async move {
-                let result = single(pool, &p).await;
+                let result = statement(pool, std::slice::from_ref(&p)).await.map(|moved| !moved.is_empty());
                 let _ = p.reply.send(result);
             }))
             .await;
@@ -166,64 +169,12 @@ async fn write(pool: &Pool, batch: Vec<Pending>) {
     }
 }
 
-async fn client(pool: &Pool) -> Result<deadpool_postgres::Object, StoreError> {
-    pool.get().await.map_err(|e| StoreError::Unavailable(e.to_string()))
-}
-
-/// One transition in one statement: the run's update and its events, written only when the
-/// run took the transition (seq guard, closed runs never reopen).
-async fn single(pool: &Pool, p: &Pending) -> Result<bool, StoreError> {
-    let client = client(pool).await?;
-    let stmt = client
-        .prepare_cached(
-            "WITH upd AS (
-                 UPDATE runs SET stage = $2, seq = $3, attempt = $4, state = $5::text::jsonb, status = $6, reason = $7,
-                        updated_at = now(),
-                        finished_at = CASE WHEN $6 IN ('resolved', 'escalated') THEN now() ELSE NULL END
-                 WHERE id = $1 AND seq <= $3 AND status NOT IN ('resolved', 'escalated')
-                 RETURNING id),
-             ins AS (
-                 INSERT INTO run_events (run_id, seq, idx, stage, kind, message, data, worker, at)
-                 SELECT e.* FROM unnest($8::uuid[], $9::int4[], $10::int4[], $11::text[], $12::text[],
-                                        $13::text[], $14::jsonb[], $15::text[], $16::timestamptz[])
-                      AS e(run_id, seq, idx, stage, kind, message, data, worker, at)
-                 WHERE EXISTS (SELECT 1 FROM upd)
-                 ON CONFLICT DO NOTHING)
-             SELECT count(*) FROM upd",
-        )
-        .await?;
-    let cols = EventColumns::of(&p.events);
-    let updated: i64 = client
-        .query_one(
-            &stmt,
-            &[
-                &p.run_id,
-                &p.stage,
-                &p.seq,
-                &p.attempt,
-                &p.state,
-                &p.status.as_str(),
-                &p.reason,
-                &cols.run_id,
-                &cols.seq,
-                &cols.idx,
-                &cols.stage,
-                &cols.kind,
-                &cols.message,
-                &cols.data,
-                &cols.worker,
-                &cols.at,
-            ],
-        )
-        .await?
-        .get(0);
-    Ok(updated == 1)
-}
-
-/// Many runs' transitions in one statement; returns the (1-based) positions of the
-/// transitions their runs took.
-async fn together(pool: &Pool, batch: &[Pending]) -> Result<HashSet<i64>, StoreError> {
-    let client = client(pool).await?;
+/// Transitions in one statement: each run's update (seq guard: an older transition never
+/// overwrites a newer one; a closed run never reopens), and the events and records of the
+/// transitions their runs took, atomic without BEGIN/COMMIT. Returns the (1-based) positions
+/// of those transitions.
+async fn statement(pool: &Pool, batch: &[Pending]) -> Result<HashSet<i64>, StoreError> {
+    let client = pool.get().await.map_err(|e| StoreError::Unavailable(e.to_string()))?;
     let stmt = client
         .prepare_cached(
             "WITH u AS (
@@ -243,7 +194,34 @@ async fn together(pool: &Pool, batch: &[Pending]) -> Result<HashSet<i64>, StoreE
                              $14::text[], $15::jsonb[], $16::text[], $17::timestamptz[])
                       AS e(item, run_id, seq, idx, stage, kind, message, data, worker, at)
                  WHERE e.item IN (SELECT item FROM upd)
-                 ON CONFLICT DO NOTHING)
+                 ON CONFLICT DO NOTHING),
+             evs AS (
+                 INSERT INTO evaluations (run_id, attempt, regeneration, score, verdict, checks, feedback)
+                 SELECT v.run_id, v.attempt, v.regeneration, v.score, v.verdict, v.checks, v.feedback
+                 FROM unnest($18::int8[], $19::uuid[], $20::int4[], $21::int4[], $22::float8[], $23::text[],
+                             $24::jsonb[], $25::text[])
+                      AS v(item, run_id, attempt, regeneration, score, verdict, checks, feedback)
+                 WHERE v.item IN (SELECT item FROM upd)
+                 ON CONFLICT DO NOTHING),
+             eps AS (
+                 INSERT INTO episodes (run_id, attempt, service, signature, error, diagnosis, commands, result, success)
+                 SELECT p.run_id, p.attempt, p.service, p.signature, p.error, p.diagnosis,
+                        ARRAY(SELECT jsonb_array_elements_text(p.commands)), p.result, p.success
+                 FROM unnest($26::int8[], $27::uuid[], $28::int4[], $29::text[], $30::text[], $31::text[],
+                             $32::text[], $33::jsonb[], $34::text[], $35::bool[])
+                      AS p(item, run_id, attempt, service, signature, error, diagnosis, commands, result, success)
+                 WHERE p.item IN (SELECT item FROM upd)
+                 ON CONFLICT DO NOTHING),
+             llm AS (
+                 INSERT INTO llm_usage (run_id, seq, stage, attempt, model, calls, prompt_tokens, completion_tokens)
+                 SELECT l.run_id, l.seq, l.stage, l.attempt, l.model, l.calls, l.prompt_tokens, l.completion_tokens
+                 FROM unnest($36::int8[], $37::uuid[], $38::int4[], $39::text[], $40::int4[], $41::text[],
+                             $42::int4[], $43::int8[], $44::int8[])
+                      AS l(item, run_id, seq, stage, attempt, model, calls, prompt_tokens, completion_tokens)
+                 WHERE l.item IN (SELECT item FROM upd)
+                 ON CONFLICT (run_id, seq, stage) DO UPDATE SET model = excluded.model, calls = excluded.calls,
+                     prompt_tokens = excluded.prompt_tokens, completion_tokens = excluded.completion_tokens,
+                     at = now())
              SELECT item FROM upd",
         )
         .await?;
@@ -257,6 +235,7 @@ async fn together(pool: &Pool, batch: &[Pending]) -> Result<HashSet<i64>, StoreE
     let items: Vec<i64> =
         batch.iter().enumerate().flat_map(|(i, p)| std::iter::repeat_n(i as i64 + 1, p.events.len())).collect();
     let cols = EventColumns::of(batch.iter().flat_map(|p| p.events.iter()));
+    let ev = RecordColumns::of(batch);
     let rows = client
         .query(
             &stmt,
@@ -278,8 +257,114 @@ async fn together(pool: &Pool, batch: &[Pending]) -> Result<HashSet<i64>, StoreE
                 &cols.data,
                 &cols.worker,
                 &cols.at,
+                &ev.eval_item,
+                &ev.eval_run,
+                &ev.eval_attempt,
+                &ev.eval_regeneration,
+                &ev.eval_score,
+                &ev.eval_verdict,
+                &ev.eval_checks,
+                &ev.eval_feedback,
+                &ev.ep_item,
+                &ev.ep_run,
+                &ev.ep_attempt,
+                &ev.ep_service,
+                &ev.ep_signature,
+                &ev.ep_error,
+                &ev.ep_diagnosis,
+                &ev.ep_commands,
+                &ev.ep_result,
+                &ev.ep_success,
+                &ev.llm_item,
+                &ev.llm_run,
+                &ev.llm_seq,
+                &ev.llm_stage,
+                &ev.llm_attempt,
+                &ev.llm_model,
+                &ev.llm_calls,
+                &ev.llm_prompt,
+                &ev.llm_completion,
             ],
         )
         .await?;
     Ok(rows.iter().map(|r| r.get::<_, i64>(0)).collect())
+}
+
+/// The batch's records as columns, each row tagged with its transition's position.
+#[derive(Default)]
+struct RecordColumns<'b> {
+    eval_item: Vec<i64>,
+    eval_run: Vec<Uuid>,
+    eval_attempt: Vec<i32>,
+    eval_regeneration: Vec<i32>,
+    eval_score: Vec<f64>,
+    eval_verdict: Vec<&'static str>,
+    eval_checks: Vec<serde_json::Value>,
+    eval_feedback: Vec<Option<&'b str>>,
+    ep_item: Vec<i64>,
+    ep_run: Vec<Uuid>,
+    ep_attempt: Vec<i32>,
+    ep_service: Vec<&'b str>,
+    ep_signature: Vec<&'b str>,
+    ep_error: Vec<&'b str>,
+    ep_diagnosis: Vec<&'b str>,
+    ep_commands: Vec<serde_json::Value>,
+    ep_result: Vec<&'b str>,
+    ep_success: Vec<bool>,
+    llm_item: Vec<i64>,
+    llm_run: Vec<Uuid>,
+    llm_seq: Vec<i32>,
+    llm_stage: Vec<&'static str>,
+    llm_attempt: Vec<i32>,
+    llm_model: Vec<&'b str>,
+    llm_calls: Vec<i32>,
+    llm_prompt: Vec<i64>,
+    llm_completion: Vec<i64>,
+}
+
+impl<'b> RecordColumns<'b> {
+    fn of(batch: &'b [Pending]) -> Self {
+        let mut c = RecordColumns::default();
+        for (i, p) in batch.iter().enumerate() {
+            let item = i as i64 + 1;
+            for r in &p.records {
+                match r {
+                    Record::Evaluation(run, ev) => {
+                        c.eval_item.push(item);
+                        c.eval_run.push(*run);
+                        c.eval_attempt.push(ev.attempt as i32);
+                        c.eval_regeneration.push(ev.regeneration as i32);
+                        c.eval_score.push(ev.score);
+                        c.eval_verdict.push(ev.verdict.as_str());
+                        c.eval_checks.push(serde_json::to_value(&ev.checks).unwrap_or_default());
+                        c.eval_feedback.push(ev.feedback.as_deref());
+                    }
+                    Record::Episode(ep) => {
+                        c.ep_item.push(item);
+                        c.ep_run.push(ep.run_id);
+                        c.ep_attempt.push(ep.attempt);
+                        c.ep_service.push(&ep.service);
+                        c.ep_signature.push(&ep.signature);
+                        c.ep_error.push(&ep.error);
+                        c.ep_diagnosis.push(&ep.diagnosis);
+                        c.ep_commands.push(serde_json::json!(ep.commands));
+                        c.ep_result.push(&ep.result);
+                        c.ep_success.push(ep.success);
+                    }
+                    Record::LlmUsage { run, seq, stage, attempt, usage } => {
+                        c.llm_item.push(item);
+                        c.llm_run.push(*run);
+                        c.llm_seq.push(*seq as i32);
+                        c.llm_stage.push(stage);
+                        c.llm_attempt.push(*attempt as i32);
+                        c.llm_model.push(&usage.model);
+                        c.llm_calls.push(usage.calls as i32);
+                        c.llm_prompt.push(usage.prompt_tokens as i64);
+                        c.llm_completion.push(usage.completion_tokens as i64);
+                    }
+                }
+            }
+        }
+        c
+    }
 }

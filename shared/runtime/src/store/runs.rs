@@ -146,17 +146,29 @@ impl Store {
     /// transaction. An older transition never overwrites a newer one, nor anything a closed
     /// run (seq guard). Returns whether the run took the transition: `false` means the input
     /// was stale (a newer transition exists) and nothing must follow from it.
-    #[tracing::instrument(name = "db_write", skip_all, fields(op = "commit_transition"))]
     pub async fn commit_transition(
         &self,
         state: &RunState,
         status: RunStatus,
         events: &[RunEvent],
     ) -> Result<bool, StoreError> {
+        self.commit_transition_with(state, status, events, &[]).await
+    }
+
+    /// [`Store::commit_transition`], writing `records` in the same statement when the run
+    /// takes the transition.
+    #[tracing::instrument(name = "db_write", skip_all, fields(op = "commit_transition"))]
+    pub async fn commit_transition_with(
+        &self,
+        state: &RunState,
+        status: RunStatus,
+        events: &[RunEvent],
+        records: &[super::Record],
+    ) -> Result<bool, StoreError> {
         // Queued for the group committer: alone it is written at once in one statement (one
         // round trip, atomic without BEGIN/COMMIT); under load it shares a statement with the
         // transitions of other runs waiting at the same moment.
-        self.committer.commit(state, status, events).await
+        self.committer.commit(state, status, events, records).await
     }
 
     /// Store events that belong to no run row (a rejected incident).

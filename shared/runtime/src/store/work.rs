@@ -15,6 +15,52 @@ pub struct Memory {
     pub fixes: Vec<Vec<String>>,
 }
 
+/// A row a stage writes with its run's transition: in the transition's statement, and only if
+/// the run takes the transition (a stale redelivery writes none).
+#[derive(Debug, Clone, PartialEq)]
+pub enum Record {
+    /// The evaluation of a plan.
+    Evaluation(Uuid, Evaluation),
+    /// What an attempt ran and whether it worked (episodic memory).
+    Episode(Episode),
+    /// Tokens the reasoning provider used for a stage of the run; keyed by the run state's
+    /// seq, so a redelivered step overwrites its row rather than counting twice.
+    LlmUsage { run: Uuid, seq: u32, stage: &'static str, attempt: u32, usage: pitcrew_llm::Usage },
+}
+
+/// One attempt remembered: what ran for which error, and whether it worked.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Episode {
+    pub run_id: Uuid,
+    pub attempt: i32,
+    pub service: String,
+    pub signature: String,
+    pub error: String,
+    pub diagnosis: String,
+    /// Only commands that actually ran: a plan that was denied or rejected is never
+    /// remembered as failing.
+    pub commands: Vec<String>,
+    pub result: String,
+    pub success: bool,
+}
+
+impl Episode {
+    /// The episode of `state`'s current attempt.
+    pub fn of(state: &RunState, commands: &[String], success: bool, result: &str) -> Episode {
+        Episode {
+            run_id: state.run_id,
+            attempt: state.attempt as i32,
+            service: state.incident.service.clone(),
+            signature: state.incident.signature(),
+            error: state.incident.error.clone(),
+            diagnosis: state.diagnosis().map(|d| d.summary.clone()).unwrap_or_default(),
+            commands: commands.to_vec(),
+            result: result.to_string(),
+            success,
+        }
+    }
+}
+
 /// The result of trying to record intent to run a command.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Claim {
@@ -130,16 +176,9 @@ impl Store {
         Ok(())
     }
 
-    /// Store what this attempt ran (`commands`: only those that actually ran, so a plan that
-    /// was denied or rejected is never remembered as failing) and whether it worked.
+    /// Store an episode on its own (a run that takes no transition; see [`Record`]).
     #[tracing::instrument(name = "db_write", skip_all, fields(op = "record_episode"))]
-    pub async fn record_episode(
-        &self,
-        state: &RunState,
-        commands: &[String],
-        success: bool,
-        result: &str,
-    ) -> Result<(), StoreError> {
+    pub async fn record_episode(&self, ep: &Episode) -> Result<(), StoreError> {
         let client = self.client().await?;
         let stmt = client
             .prepare_cached(
@@ -147,23 +186,36 @@ impl Store {
                  VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9) ON CONFLICT DO NOTHING",
             )
             .await?;
-        let diagnosis = state.diagnosis().map(|d| d.summary.clone()).unwrap_or_default();
         client
             .execute(
                 &stmt,
                 &[
-                    &state.run_id,
-                    &(state.attempt as i32),
-                    &state.incident.service,
-                    &state.incident.signature(),
-                    &state.incident.error,
-                    &diagnosis,
-                    &commands.to_vec(),
-                    &result,
-                    &success,
+                    &ep.run_id,
+                    &ep.attempt,
+                    &ep.service,
+                    &ep.signature,
+                    &ep.error,
+                    &ep.diagnosis,
+                    &ep.commands,
+                    &ep.result,
+                    &ep.success,
                 ],
             )
             .await?;
+        Ok(())
+    }
+
+    /// Write records on their own, for a step that commits no transition.
+    pub async fn write_records(&self, records: &[Record]) -> Result<(), StoreError> {
+        for r in records {
+            match r {
+                Record::Evaluation(run, ev) => self.record_evaluation(*run, ev).await?,
+                Record::Episode(ep) => self.record_episode(ep).await?,
+                Record::LlmUsage { run, seq, stage, attempt, usage } => {
+                    self.record_llm_usage(*run, *seq, stage, *attempt, usage).await?
+                }
+            }
+        }
         Ok(())
     }
 
