@@ -138,6 +138,12 @@ async fn dispatch(pool: Pool, mut rx: mpsc::Receiver<Pending>, lanes: usize) {
 /// Write a batch and answer each of its callers.
 async fn write(pool: &Pool, batch: Vec<Pending>) {
     crate::metrics::transitions_written(batch.len());
+    if batch.len() == 1 && batch[0].records.is_empty() {
+        let p = batch.into_iter().next().expect("one");
+        let result = single(pool, &p).await;
+        let _ = p.reply.send(result);
+        return;
+    }
     match statement(pool, &batch).await {
         Ok(moved) => {
             for (i, p) in batch.into_iter().enumerate() {
@@ -167,6 +173,58 @@ async fn write(pool: &Pool, batch: Vec<Pending>) {
             .await;
         }
     }
+}
+
+/// A lone transition without records, in the plainer statement that costs least alone (380
+/// against 520 µs for the grouped form, `store/commit_transition_2_events`): the run's update
+/// and its events, written only when the run took the transition (seq guard, closed runs
+/// never reopen).
+async fn single(pool: &Pool, p: &Pending) -> Result<bool, StoreError> {
+    let client = pool.get().await.map_err(|e| StoreError::Unavailable(e.to_string()))?;
+    let stmt = client
+        .prepare_cached(
+            "WITH upd AS (
+                 UPDATE runs SET stage = $2, seq = $3, attempt = $4, state = $5::text::jsonb, status = $6, reason = $7,
+                        updated_at = now(),
+                        finished_at = CASE WHEN $6 IN ('resolved', 'escalated') THEN now() ELSE NULL END
+                 WHERE id = $1 AND seq <= $3 AND status NOT IN ('resolved', 'escalated')
+                 RETURNING id),
+             ins AS (
+                 INSERT INTO run_events (run_id, seq, idx, stage, kind, message, data, worker, at)
+                 SELECT e.* FROM unnest($8::uuid[], $9::int4[], $10::int4[], $11::text[], $12::text[],
+                                        $13::text[], $14::jsonb[], $15::text[], $16::timestamptz[])
+                      AS e(run_id, seq, idx, stage, kind, message, data, worker, at)
+                 WHERE EXISTS (SELECT 1 FROM upd)
+                 ON CONFLICT DO NOTHING)
+             SELECT count(*) FROM upd",
+        )
+        .await?;
+    let cols = EventColumns::of(&p.events);
+    let updated: i64 = client
+        .query_one(
+            &stmt,
+            &[
+                &p.run_id,
+                &p.stage,
+                &p.seq,
+                &p.attempt,
+                &p.state,
+                &p.status.as_str(),
+                &p.reason,
+                &cols.run_id,
+                &cols.seq,
+                &cols.idx,
+                &cols.stage,
+                &cols.kind,
+                &cols.message,
+                &cols.data,
+                &cols.worker,
+                &cols.at,
+            ],
+        )
+        .await?
+        .get(0);
+    Ok(updated == 1)
 }
 
 /// Transitions in one statement: each run's update (seq guard: an older transition never
