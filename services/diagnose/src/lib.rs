@@ -328,9 +328,15 @@ impl StageHandler for Diagnose {
             let spec = pitcrew_runtime::service_or_escalate!(&cfg, state);
             // A redelivery starts over from the input state: evidence of this attempt is regathered.
             state.evidence.retain(|e| e.attempt != state.attempt);
-            let found = gather(spec, state.attempt, cx.deps.executor.as_ref(), &cx.deps.policy).await;
+            // Episodic memory does not depend on the evidence: read it while the commands run.
+            let (found, memory) = futures::future::join(
+                gather(spec, state.attempt, cx.deps.executor.as_ref(), &cx.deps.policy),
+                target::memory(cx.deps, state),
+            )
+            .await;
+            let memory = memory?;
             record(cx, state, found);
-            let reasoning = target::ReasonContext::gather(cx.deps, state, spec).await?;
+            let reasoning = target::ReasonContext::with_memory(cx.deps, state, spec, memory);
             let failed = reasoning.failed.clone();
             let web = self.web.get_or_init(|| web::WebTools::from_config(&cfg)).as_ref();
             let tools =

@@ -85,14 +85,19 @@ impl ReasonContext {
     /// Memory, template variables and this attempt's evidence for `state` on `spec`.
     pub async fn gather(deps: &Deps, state: &RunState, spec: &ServiceSpec) -> Result<Self, StoreError> {
         let memory = memory(deps, state).await?;
-        Ok(ReasonContext {
+        Ok(Self::with_memory(deps, state, spec, memory))
+    }
+
+    /// [`ReasonContext::gather`] with memory already read.
+    pub fn with_memory(deps: &Deps, state: &RunState, spec: &ServiceSpec, memory: Memory) -> Self {
+        ReasonContext {
             failed: failed_commands(state, &memory),
             fixes: memory.fixes,
             vars: template_vars(spec, state),
             evidence: state.current_evidence().cloned().collect(),
             rejected: Vec::new(),
             target: target_of(&deps.config, spec),
-        })
+        }
     }
 
     /// The provider's view, with the evaluator's feedback of this attempt.

@@ -227,62 +227,80 @@ async fn single(pool: &Pool, p: &Pending) -> Result<bool, StoreError> {
     Ok(updated == 1)
 }
 
+/// The run updates and their events, always in the statement.
+const TRANSITIONS: &str = "WITH u AS (
+         SELECT * FROM unnest($?::uuid[], $?::text[], $?::int4[], $?::int4[], $?::text[], $?::text[], $?::text[])
+              WITH ORDINALITY AS u(id, stage, seq, attempt, state, status, reason, item)),
+     upd AS (
+         UPDATE runs r SET stage = u.stage, seq = u.seq, attempt = u.attempt, state = u.state::jsonb,
+                status = u.status, reason = u.reason, updated_at = now(),
+                finished_at = CASE WHEN u.status IN ('resolved', 'escalated') THEN now() ELSE NULL END
+         FROM u
+         WHERE r.id = u.id AND r.seq <= u.seq AND r.status NOT IN ('resolved', 'escalated')
+         RETURNING u.item),
+     ins AS (
+         INSERT INTO run_events (run_id, seq, idx, stage, kind, message, data, worker, at)
+         SELECT e.run_id, e.seq, e.idx, e.stage, e.kind, e.message, e.data, e.worker, e.at
+         FROM unnest($?::int8[], $?::uuid[], $?::int4[], $?::int4[], $?::text[], $?::text[],
+                     $?::text[], $?::jsonb[], $?::text[], $?::timestamptz[])
+              AS e(item, run_id, seq, idx, stage, kind, message, data, worker, at)
+         WHERE e.item IN (SELECT item FROM upd)
+         ON CONFLICT DO NOTHING)";
+
+/// Evaluations, only when the batch has some (each part costs the statement even when empty).
+const EVALUATIONS: &str = ",
+     evs AS (
+         INSERT INTO evaluations (run_id, attempt, regeneration, score, verdict, checks, feedback)
+         SELECT v.run_id, v.attempt, v.regeneration, v.score, v.verdict, v.checks, v.feedback
+         FROM unnest($?::int8[], $?::uuid[], $?::int4[], $?::int4[], $?::float8[], $?::text[], $?::jsonb[], $?::text[])
+              AS v(item, run_id, attempt, regeneration, score, verdict, checks, feedback)
+         WHERE v.item IN (SELECT item FROM upd)
+         ON CONFLICT DO NOTHING)";
+
+const EPISODES: &str = ",
+     eps AS (
+         INSERT INTO episodes (run_id, attempt, service, signature, error, diagnosis, commands, result, success)
+         SELECT p.run_id, p.attempt, p.service, p.signature, p.error, p.diagnosis,
+                ARRAY(SELECT jsonb_array_elements_text(p.commands)), p.result, p.success
+         FROM unnest($?::int8[], $?::uuid[], $?::int4[], $?::text[], $?::text[], $?::text[],
+                     $?::text[], $?::jsonb[], $?::text[], $?::bool[])
+              AS p(item, run_id, attempt, service, signature, error, diagnosis, commands, result, success)
+         WHERE p.item IN (SELECT item FROM upd)
+         ON CONFLICT DO NOTHING)";
+
+const LLM_USAGE: &str = ",
+     llm AS (
+         INSERT INTO llm_usage (run_id, seq, stage, attempt, model, calls, prompt_tokens, completion_tokens)
+         SELECT l.run_id, l.seq, l.stage, l.attempt, l.model, l.calls, l.prompt_tokens, l.completion_tokens
+         FROM unnest($?::int8[], $?::uuid[], $?::int4[], $?::text[], $?::int4[], $?::text[],
+                     $?::int4[], $?::int8[], $?::int8[])
+              AS l(item, run_id, seq, stage, attempt, model, calls, prompt_tokens, completion_tokens)
+         WHERE l.item IN (SELECT item FROM upd)
+         ON CONFLICT (run_id, seq, stage) DO UPDATE SET model = excluded.model, calls = excluded.calls,
+             prompt_tokens = excluded.prompt_tokens, completion_tokens = excluded.completion_tokens,
+             at = now())";
+
+type Param<'p> = &'p (dyn tokio_postgres::types::ToSql + Sync);
+
+/// Append `part` to `sql`, numbering its `$?` placeholders after those already there, one
+/// for each of `values`.
+fn append<'p>(sql: &mut String, part: &str, params: &mut Vec<Param<'p>>, values: &[Param<'p>]) {
+    debug_assert_eq!(part.matches("$?").count(), values.len(), "one value per placeholder");
+    let mut pieces = part.split("$?");
+    sql.push_str(pieces.next().unwrap_or_default());
+    for (value, piece) in values.iter().zip(pieces) {
+        params.push(*value);
+        sql.push_str(&format!("${}", params.len()));
+        sql.push_str(piece);
+    }
+}
+
 /// Transitions in one statement: each run's update (seq guard: an older transition never
 /// overwrites a newer one; a closed run never reopens), and the events and records of the
 /// transitions their runs took, atomic without BEGIN/COMMIT. Returns the (1-based) positions
-/// of those transitions.
+/// of those transitions. Only the kinds of record the batch holds are part of the statement.
 async fn statement(pool: &Pool, batch: &[Pending]) -> Result<HashSet<i64>, StoreError> {
     let client = pool.get().await.map_err(|e| StoreError::Unavailable(e.to_string()))?;
-    let stmt = client
-        .prepare_cached(
-            "WITH u AS (
-                 SELECT * FROM unnest($1::uuid[], $2::text[], $3::int4[], $4::int4[], $5::text[], $6::text[], $7::text[])
-                      WITH ORDINALITY AS u(id, stage, seq, attempt, state, status, reason, item)),
-             upd AS (
-                 UPDATE runs r SET stage = u.stage, seq = u.seq, attempt = u.attempt, state = u.state::jsonb,
-                        status = u.status, reason = u.reason, updated_at = now(),
-                        finished_at = CASE WHEN u.status IN ('resolved', 'escalated') THEN now() ELSE NULL END
-                 FROM u
-                 WHERE r.id = u.id AND r.seq <= u.seq AND r.status NOT IN ('resolved', 'escalated')
-                 RETURNING u.item),
-             ins AS (
-                 INSERT INTO run_events (run_id, seq, idx, stage, kind, message, data, worker, at)
-                 SELECT e.run_id, e.seq, e.idx, e.stage, e.kind, e.message, e.data, e.worker, e.at
-                 FROM unnest($8::int8[], $9::uuid[], $10::int4[], $11::int4[], $12::text[], $13::text[],
-                             $14::text[], $15::jsonb[], $16::text[], $17::timestamptz[])
-                      AS e(item, run_id, seq, idx, stage, kind, message, data, worker, at)
-                 WHERE e.item IN (SELECT item FROM upd)
-                 ON CONFLICT DO NOTHING),
-             evs AS (
-                 INSERT INTO evaluations (run_id, attempt, regeneration, score, verdict, checks, feedback)
-                 SELECT v.run_id, v.attempt, v.regeneration, v.score, v.verdict, v.checks, v.feedback
-                 FROM unnest($18::int8[], $19::uuid[], $20::int4[], $21::int4[], $22::float8[], $23::text[],
-                             $24::jsonb[], $25::text[])
-                      AS v(item, run_id, attempt, regeneration, score, verdict, checks, feedback)
-                 WHERE v.item IN (SELECT item FROM upd)
-                 ON CONFLICT DO NOTHING),
-             eps AS (
-                 INSERT INTO episodes (run_id, attempt, service, signature, error, diagnosis, commands, result, success)
-                 SELECT p.run_id, p.attempt, p.service, p.signature, p.error, p.diagnosis,
-                        ARRAY(SELECT jsonb_array_elements_text(p.commands)), p.result, p.success
-                 FROM unnest($26::int8[], $27::uuid[], $28::int4[], $29::text[], $30::text[], $31::text[],
-                             $32::text[], $33::jsonb[], $34::text[], $35::bool[])
-                      AS p(item, run_id, attempt, service, signature, error, diagnosis, commands, result, success)
-                 WHERE p.item IN (SELECT item FROM upd)
-                 ON CONFLICT DO NOTHING),
-             llm AS (
-                 INSERT INTO llm_usage (run_id, seq, stage, attempt, model, calls, prompt_tokens, completion_tokens)
-                 SELECT l.run_id, l.seq, l.stage, l.attempt, l.model, l.calls, l.prompt_tokens, l.completion_tokens
-                 FROM unnest($36::int8[], $37::uuid[], $38::int4[], $39::text[], $40::int4[], $41::text[],
-                             $42::int4[], $43::int8[], $44::int8[])
-                      AS l(item, run_id, seq, stage, attempt, model, calls, prompt_tokens, completion_tokens)
-                 WHERE l.item IN (SELECT item FROM upd)
-                 ON CONFLICT (run_id, seq, stage) DO UPDATE SET model = excluded.model, calls = excluded.calls,
-                     prompt_tokens = excluded.prompt_tokens, completion_tokens = excluded.completion_tokens,
-                     at = now())
-             SELECT item FROM upd",
-        )
-        .await?;
     let ids: Vec<Uuid> = batch.iter().map(|p| p.run_id).collect();
     let stages: Vec<&str> = batch.iter().map(|p| p.stage).collect();
     let seqs: Vec<i32> = batch.iter().map(|p| p.seq).collect();
@@ -293,58 +311,79 @@ async fn statement(pool: &Pool, batch: &[Pending]) -> Result<HashSet<i64>, Store
     let items: Vec<i64> =
         batch.iter().enumerate().flat_map(|(i, p)| std::iter::repeat_n(i as i64 + 1, p.events.len())).collect();
     let cols = EventColumns::of(batch.iter().flat_map(|p| p.events.iter()));
-    let ev = RecordColumns::of(batch);
-    let rows = client
-        .query(
-            &stmt,
-            &[
-                &ids,
-                &stages,
-                &seqs,
-                &attempts,
-                &states,
-                &statuses,
-                &reasons,
-                &items,
-                &cols.run_id,
-                &cols.seq,
-                &cols.idx,
-                &cols.stage,
-                &cols.kind,
-                &cols.message,
-                &cols.data,
-                &cols.worker,
-                &cols.at,
-                &ev.eval_item,
-                &ev.eval_run,
-                &ev.eval_attempt,
-                &ev.eval_regeneration,
-                &ev.eval_score,
-                &ev.eval_verdict,
-                &ev.eval_checks,
-                &ev.eval_feedback,
-                &ev.ep_item,
-                &ev.ep_run,
-                &ev.ep_attempt,
-                &ev.ep_service,
-                &ev.ep_signature,
-                &ev.ep_error,
-                &ev.ep_diagnosis,
-                &ev.ep_commands,
-                &ev.ep_result,
-                &ev.ep_success,
-                &ev.llm_item,
-                &ev.llm_run,
-                &ev.llm_seq,
-                &ev.llm_stage,
-                &ev.llm_attempt,
-                &ev.llm_model,
-                &ev.llm_calls,
-                &ev.llm_prompt,
-                &ev.llm_completion,
-            ],
-        )
-        .await?;
+    let r = RecordColumns::of(batch);
+
+    let mut sql = String::with_capacity(4096);
+    let mut params: Vec<Param<'_>> = Vec::with_capacity(44);
+    append(
+        &mut sql,
+        TRANSITIONS,
+        &mut params,
+        &[
+            &ids,
+            &stages,
+            &seqs,
+            &attempts,
+            &states,
+            &statuses,
+            &reasons,
+            &items,
+            &cols.run_id,
+            &cols.seq,
+            &cols.idx,
+            &cols.stage,
+            &cols.kind,
+            &cols.message,
+            &cols.data,
+            &cols.worker,
+            &cols.at,
+        ],
+    );
+    if !r.eval_item.is_empty() {
+        let values: [Param<'_>; 8] = [
+            &r.eval_item,
+            &r.eval_run,
+            &r.eval_attempt,
+            &r.eval_regeneration,
+            &r.eval_score,
+            &r.eval_verdict,
+            &r.eval_checks,
+            &r.eval_feedback,
+        ];
+        append(&mut sql, EVALUATIONS, &mut params, &values);
+    }
+    if !r.ep_item.is_empty() {
+        let values: [Param<'_>; 10] = [
+            &r.ep_item,
+            &r.ep_run,
+            &r.ep_attempt,
+            &r.ep_service,
+            &r.ep_signature,
+            &r.ep_error,
+            &r.ep_diagnosis,
+            &r.ep_commands,
+            &r.ep_result,
+            &r.ep_success,
+        ];
+        append(&mut sql, EPISODES, &mut params, &values);
+    }
+    if !r.llm_item.is_empty() {
+        let values: [Param<'_>; 9] = [
+            &r.llm_item,
+            &r.llm_run,
+            &r.llm_seq,
+            &r.llm_stage,
+            &r.llm_attempt,
+            &r.llm_model,
+            &r.llm_calls,
+            &r.llm_prompt,
+            &r.llm_completion,
+        ];
+        append(&mut sql, LLM_USAGE, &mut params, &values);
+    }
+    sql.push_str("\n     SELECT item FROM upd");
+    let stmt = client.prepare_cached(&sql).await?;
+    let rows = client.query(&stmt, &params).await?;
     Ok(rows.iter().map(|r| r.get::<_, i64>(0)).collect())
 }
 
