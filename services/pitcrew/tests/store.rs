@@ -52,6 +52,18 @@ fn step(state: &RunState, next: Stage, note: &str) -> (RunState, Vec<RunEvent>) 
     (moved, events)
 }
 
+/// A fresh database with `n` open runs, a client on it, and this test's turn at the counter.
+async fn setup(
+    n: usize,
+) -> anyhow::Result<(tokio::sync::MutexGuard<'static, ()>, TestDb, Store, Vec<RunState>, tokio_postgres::Client)> {
+    let turn = COUNTER.lock().await;
+    let db = TestDb::create().await?;
+    let store = store(&db).await?;
+    let runs = open_runs(&store, n).await?;
+    let pg = db.client().await?;
+    Ok((turn, db, store, runs, pg))
+}
+
 /// The group counter is the process's: tests that read it take turns.
 static COUNTER: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
@@ -66,11 +78,7 @@ fn grouped_so_far() -> f64 {
 
 #[tokio::test]
 async fn transitions_written_together_each_get_their_own_runs_answer() -> anyhow::Result<()> {
-    let _turn = COUNTER.lock().await;
-    let db = TestDb::create().await?;
-    let store = store(&db).await?;
-    let runs = open_runs(&store, 200).await?;
-    let pg = db.client().await?;
+    let (_turn, _db, store, runs, pg) = setup(200).await?;
 
     // 200 transitions at once: they share statements, and every run takes its own.
     let before = grouped_so_far();
@@ -154,11 +162,7 @@ async fn transitions_written_together_each_get_their_own_runs_answer() -> anyhow
 
 #[tokio::test]
 async fn one_transition_postgres_refuses_fails_no_other_written_with_it() -> anyhow::Result<()> {
-    let _turn = COUNTER.lock().await;
-    let db = TestDb::create().await?;
-    let store = store(&db).await?;
-    let runs = open_runs(&store, 60).await?;
-    let pg = db.client().await?;
+    let (_turn, _db, store, runs, pg) = setup(60).await?;
 
     // Postgres cannot store U+0000 in jsonb: the transition of run 30 is refused.
     let before = grouped_so_far();
@@ -201,10 +205,7 @@ async fn one_transition_postgres_refuses_fails_no_other_written_with_it() -> any
 
 #[tokio::test]
 async fn records_are_written_with_their_transition_and_only_if_the_run_takes_it() -> anyhow::Result<()> {
-    let db = TestDb::create().await?;
-    let store = store(&db).await?;
-    let runs = open_runs(&store, 40).await?;
-    let pg = db.client().await?;
+    let (_turn, _db, store, runs, pg) = setup(40).await?;
 
     // Every run one step on; the even ones also move on beside it from another worker first,
     // so the records of their (now stale) step must not land.
