@@ -250,7 +250,7 @@ async fn records_are_written_with_their_transition_and_only_if_the_run_takes_it(
     let steps: Vec<_> =
         runs.iter().enumerate().map(|(i, s)| (step(s, Stage::Plan, "with records"), records(s, i))).collect();
     let answers = futures::future::join_all(
-        steps.iter().map(|((s, e), r)| store.commit_transition_with(s, RunStatus::Open, e, r)),
+        steps.iter().map(|((s, e), r)| store.commit_transition_with(s, RunStatus::Open, e, r.clone())),
     )
     .await;
     for (i, a) in answers.iter().enumerate() {

@@ -271,14 +271,14 @@ pub async fn apply(
     match t {
         Transition::To(next) => {
             state.advance(next);
-            if !store.commit_transition_with(&state, RunStatus::Open, &events, &records).await? {
+            if !store.commit_transition_with(&state, RunStatus::Open, &events, records).await? {
                 return stale(state.run_id);
             }
             publish_batch(bus, &events, Some(&state)).await?;
         }
         Transition::Escalate(reason) => {
             state.escalate(reason);
-            if !store.commit_transition_with(&state, RunStatus::Open, &events, &records).await? {
+            if !store.commit_transition_with(&state, RunStatus::Open, &events, records).await? {
                 return stale(state.run_id);
             }
             publish_batch(bus, &events, Some(&state)).await?;
@@ -286,7 +286,7 @@ pub async fn apply(
         Transition::Park(req) => {
             state.seq += 1;
             store.request_approval(&req).await?;
-            if !store.commit_transition_with(&state, RunStatus::WaitingApproval, &events, &records).await? {
+            if !store.commit_transition_with(&state, RunStatus::WaitingApproval, &events, records).await? {
                 return stale(state.run_id);
             }
             // The request first, then the events: whoever sees `approval_requested` (an
@@ -303,7 +303,7 @@ pub async fn apply(
                 Outcome::Resolved => RunStatus::Resolved,
                 Outcome::Escalated => RunStatus::Escalated,
             };
-            if !store.commit_transition_with(&state, status, &events, &records).await? {
+            if !store.commit_transition_with(&state, status, &events, records).await? {
                 return stale(state.run_id);
             }
             publish_events(bus, &events).await?;

@@ -45,7 +45,7 @@ impl Pending {
         state: &RunState,
         status: RunStatus,
         events: &[RunEvent],
-        records: &[Record],
+        records: Vec<Record>,
     ) -> (Pending, oneshot::Receiver<Result<bool, StoreError>>) {
         let (reply, answer) = oneshot::channel();
         let pending = Pending {
@@ -57,7 +57,7 @@ impl Pending {
             status,
             reason: state.escalation_reason.clone(),
             events: events.to_vec(),
-            records: records.to_vec(),
+            records,
             reply,
         };
         (pending, answer)
@@ -85,7 +85,7 @@ impl Committer {
         state: &RunState,
         status: RunStatus,
         events: &[RunEvent],
-        records: &[Record],
+        records: Vec<Record>,
     ) -> Result<bool, StoreError> {
         let (pending, answer) = Pending::new(state, status, events, records);
         let gone = || StoreError::Unavailable("the transition committer stopped".into());

@@ -152,7 +152,7 @@ impl Store {
         status: RunStatus,
         events: &[RunEvent],
     ) -> Result<bool, StoreError> {
-        self.commit_transition_with(state, status, events, &[]).await
+        self.commit_transition_with(state, status, events, Vec::new()).await
     }
 
     /// [`Store::commit_transition`], writing `records` in the same statement when the run
@@ -163,7 +163,7 @@ impl Store {
         state: &RunState,
         status: RunStatus,
         events: &[RunEvent],
-        records: &[super::Record],
+        records: Vec<super::Record>,
     ) -> Result<bool, StoreError> {
         // Queued for the group committer: alone it is written at once in one statement (one
         // round trip, atomic without BEGIN/COMMIT); under load it shares a statement with the
@@ -249,16 +249,17 @@ pub(super) struct EventColumns<'e> {
 impl<'e> EventColumns<'e> {
     pub fn of(events: impl IntoIterator<Item = &'e RunEvent>) -> Self {
         let events = events.into_iter();
+        let n = events.size_hint().0;
         let mut c = EventColumns {
-            run_id: Vec::with_capacity(events.size_hint().0),
-            seq: Vec::new(),
-            idx: Vec::new(),
-            stage: Vec::new(),
-            kind: Vec::new(),
-            message: Vec::new(),
-            data: Vec::new(),
-            worker: Vec::new(),
-            at: Vec::new(),
+            run_id: Vec::with_capacity(n),
+            seq: Vec::with_capacity(n),
+            idx: Vec::with_capacity(n),
+            stage: Vec::with_capacity(n),
+            kind: Vec::with_capacity(n),
+            message: Vec::with_capacity(n),
+            data: Vec::with_capacity(n),
+            worker: Vec::with_capacity(n),
+            at: Vec::with_capacity(n),
         };
         for e in events {
             c.run_id.push(e.run_id);
