@@ -5,7 +5,7 @@
 //! - `hop`: one hop through JetStream: publish a state and wait for the stream's ack, pull it
 //!   from a durable consumer and ack it (a real nats-server the bench starts);
 //! - `store/*`: the Postgres writes of a transition (a fresh database the bench creates):
-//!   `commit_transition` with two events, `open_run`, `record_evaluation`.
+//!   `commit_transition` with two events (alone, and 64 runs' at once), `open_run`.
 //!
 //! Run: `cargo bench -p pitcrew-loadtest --bench hot_paths` (needs what `scripts/dev test`
 //! sets up: a nats-server >= 2.10 and Postgres).
@@ -284,24 +284,6 @@ fn store_benches(c: &mut Criterion) {
     });
     g.finish();
 
-    let mut g = c.benchmark_group("store");
-    g.throughput(Throughput::Elements(1));
-    let evaluation = base.evaluation.clone().expect("evaluation");
-    let mut attempt = 0u32;
-    g.bench_function("record_evaluation", |b| {
-        b.to_async(&rt).iter_batched(
-            || {
-                attempt += 1;
-                Evaluation { attempt, ..evaluation.clone() }
-            },
-            |ev| {
-                let (store, run) = (store.clone(), base.run_id);
-                async move { store.record_evaluation(run, &ev).await.expect("evaluation") }
-            },
-            BatchSize::SmallInput,
-        )
-    });
-    g.finish();
     drop(live);
 }
 

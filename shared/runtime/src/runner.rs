@@ -309,7 +309,9 @@ pub async fn apply(
             publish_events(bus, &events).await?;
         }
         Transition::Drop => {
-            store.write_records(&records).await?;
+            if !records.is_empty() {
+                tracing::warn!(run = %state.run_id, "a dropped step takes no transition: its records are not written");
+            }
             store.insert_events(&events).await?;
             publish_events(bus, &events).await?;
         }

@@ -16,7 +16,8 @@ pub struct Memory {
 }
 
 /// A row a stage writes with its run's transition: in the transition's statement, and only if
-/// the run takes the transition (a stale redelivery writes none).
+/// the run takes the transition (a stale redelivery writes none, nor a step that drops its
+/// input: it takes no transition).
 #[derive(Debug, Clone, PartialEq)]
 pub enum Record {
     /// The evaluation of a plan.
@@ -111,114 +112,6 @@ pub struct ApprovalRow {
 }
 
 impl Store {
-    /// Tokens the reasoning provider used for `run` at `stage` (state `seq`); a redelivery of
-    /// the same state overwrites its row.
-    #[tracing::instrument(name = "db_write", skip_all, fields(op = "record_llm_usage"))]
-    pub async fn record_llm_usage(
-        &self,
-        run: Uuid,
-        seq: u32,
-        stage: &str,
-        attempt: u32,
-        usage: &pitcrew_llm::Usage,
-    ) -> Result<(), StoreError> {
-        let client = self.client().await?;
-        let stmt = client
-            .prepare_cached(
-                "INSERT INTO llm_usage (run_id, seq, stage, attempt, model, calls, prompt_tokens, completion_tokens)
-                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8)
-                 ON CONFLICT (run_id, seq, stage) DO UPDATE SET model = $5, calls = $6, prompt_tokens = $7,
-                     completion_tokens = $8, at = now()",
-            )
-            .await?;
-        client
-            .execute(
-                &stmt,
-                &[
-                    &run,
-                    &(seq as i32),
-                    &stage,
-                    &(attempt as i32),
-                    &usage.model,
-                    &(usage.calls as i32),
-                    &(usage.prompt_tokens as i64),
-                    &(usage.completion_tokens as i64),
-                ],
-            )
-            .await?;
-        Ok(())
-    }
-
-    #[tracing::instrument(name = "db_write", skip_all, fields(op = "record_evaluation"))]
-    pub async fn record_evaluation(&self, run: Uuid, ev: &Evaluation) -> Result<(), StoreError> {
-        let client = self.client().await?;
-        let stmt = client
-            .prepare_cached(
-                "INSERT INTO evaluations (run_id, attempt, regeneration, score, verdict, checks, feedback)
-                 VALUES ($1, $2, $3, $4, $5, $6, $7) ON CONFLICT DO NOTHING",
-            )
-            .await?;
-        let checks = serde_json::to_value(&ev.checks).unwrap_or_default();
-        client
-            .execute(
-                &stmt,
-                &[
-                    &run,
-                    &(ev.attempt as i32),
-                    &(ev.regeneration as i32),
-                    &ev.score,
-                    &ev.verdict.as_str(),
-                    &checks,
-                    &ev.feedback,
-                ],
-            )
-            .await?;
-        Ok(())
-    }
-
-    /// Store an episode on its own (a run that takes no transition; see [`Record`]).
-    #[tracing::instrument(name = "db_write", skip_all, fields(op = "record_episode"))]
-    pub async fn record_episode(&self, ep: &Episode) -> Result<(), StoreError> {
-        let client = self.client().await?;
-        let stmt = client
-            .prepare_cached(
-                "INSERT INTO episodes (run_id, attempt, service, signature, error, diagnosis, commands, result, success)
-                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9) ON CONFLICT DO NOTHING",
-            )
-            .await?;
-        client
-            .execute(
-                &stmt,
-                &[
-                    &ep.run_id,
-                    &ep.attempt,
-                    &ep.service,
-                    &ep.signature,
-                    &ep.error,
-                    &ep.diagnosis,
-                    &ep.commands,
-                    &ep.result,
-                    &ep.success,
-                ],
-            )
-            .await?;
-        Ok(())
-    }
-
-    /// Write records on their own, for a step that commits no transition.
-    pub async fn write_records(&self, records: &[Record]) -> Result<(), StoreError> {
-        for r in records {
-            match r {
-                Record::Evaluation(run, ev) => self.record_evaluation(*run, ev).await?,
-                Record::Episode(ep) => self.record_episode(ep).await?,
-                Record::LlmUsage { run, seq, stage, attempt, usage } => {
-                    self.record_llm_usage(*run, *seq, stage, *attempt, usage).await?
-                }
-            }
-        }
-        Ok(())
-    }
-
     /// Episodic memory for `service` and error `signature`.
     pub async fn memory(&self, service: &str, signature: &str, window: Duration) -> Result<Memory, StoreError> {
         let client = self.client().await?;
