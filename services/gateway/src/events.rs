@@ -92,21 +92,26 @@ pub async fn run_events(
 /// Whether the bus holds the run's terminal event (a client resuming after it has no more to
 /// wait for).
 async fn ended_on_bus(gw: &Gateway, run: Uuid) -> Result<bool, ApiError> {
+    Ok(subjects_on_bus(gw, run).await?.iter().any(|subject| {
+        let kind = subject.rsplit('.').next().unwrap_or_default();
+        let kind: Option<EventKind> = serde_json::from_value(serde_json::Value::String(kind.to_string())).ok();
+        kind.is_some_and(EventKind::is_terminal)
+    }))
+}
+
+/// The subjects the bus holds events of the run on (one per kind of event: a few).
+async fn subjects_on_bus(gw: &Gateway, run: Uuid) -> Result<Vec<String>, ApiError> {
     let stream =
         gw.bus.js.get_stream(gw.bus.subjects.events_stream()).await.map_err(|e| ApiError::unavailable("NATS", e))?;
     let mut subjects = stream
         .info_with_subjects(gw.bus.subjects.events_of(run))
         .await
         .map_err(|e| ApiError::unavailable("NATS", e))?;
+    let mut found = Vec::new();
     while let Some(s) = subjects.next().await {
-        let (subject, _) = s.map_err(|e| ApiError::unavailable("NATS", e))?;
-        let kind = subject.rsplit('.').next().unwrap_or_default();
-        let kind: Option<EventKind> = serde_json::from_value(serde_json::Value::String(kind.to_string())).ok();
-        if kind.is_some_and(EventKind::is_terminal) {
-            return Ok(true);
-        }
+        found.push(s.map_err(|e| ApiError::unavailable("NATS", e))?.0);
     }
-    Ok(false)
+    Ok(found)
 }
 
 /// A finished run whose events have expired from the bus (7 days) is replayed from its
@@ -116,13 +121,7 @@ async fn stored_replay(gw: &Gateway, run: Uuid) -> Result<Option<EventStream>, A
     if !timeline.iter().any(|e| e.kind.is_terminal()) {
         return Ok(None);
     }
-    let stream =
-        gw.bus.js.get_stream(gw.bus.subjects.events_stream()).await.map_err(|e| ApiError::unavailable("NATS", e))?;
-    let mut on_bus = stream
-        .info_with_subjects(gw.bus.subjects.events_of(run))
-        .await
-        .map_err(|e| ApiError::unavailable("NATS", e))?;
-    if on_bus.next().await.is_some() {
+    if !subjects_on_bus(gw, run).await?.is_empty() {
         return Ok(None);
     }
     let events: Vec<Result<Event, Infallible>> = timeline
