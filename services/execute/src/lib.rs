@@ -7,10 +7,48 @@ use pitcrew_model::run::MAX_OUTPUT;
 use pitcrew_model::{ApprovalStatus, EventKind, ExecutionRecord, ExecutionStatus, RunState, Stage};
 use pitcrew_runtime::store::Claim;
 use pitcrew_runtime::{Cx, StageError, StageHandler, Transition};
+use std::collections::BTreeMap;
+use std::sync::Mutex;
 use std::time::Instant;
+use uuid::Uuid;
 
 /// The execute stage.
 pub struct Execute;
+
+/// Deliveries in this process at each command, by (run, attempt, index). A claim without an
+/// end is a delivery that died mid-command (never run again: interrupted), unless a live
+/// delivery in this process holds it: two copies of one message handled at once.
+static AT_COMMAND: Mutex<BTreeMap<CommandKey, usize>> = Mutex::new(BTreeMap::new());
+
+/// A command of a run: (run, attempt, index).
+type CommandKey = (Uuid, u32, u32);
+
+/// This delivery's presence at a command, from before its claim until its end is recorded.
+struct AtCommand(CommandKey);
+
+impl AtCommand {
+    fn enter(key: CommandKey) -> AtCommand {
+        *AT_COMMAND.lock().unwrap_or_else(|p| p.into_inner()).entry(key).or_default() += 1;
+        AtCommand(key)
+    }
+
+    /// Whether another delivery in this process is at the same command.
+    fn shared(&self) -> bool {
+        AT_COMMAND.lock().unwrap_or_else(|p| p.into_inner()).get(&self.0).is_some_and(|n| *n > 1)
+    }
+}
+
+impl Drop for AtCommand {
+    fn drop(&mut self) {
+        let mut at = AT_COMMAND.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(n) = at.get_mut(&self.0) {
+            *n -= 1;
+            if *n == 0 {
+                at.remove(&self.0);
+            }
+        }
+    }
+}
 
 /// Whether the gate let this exact plan through. Execution refuses anything else.
 pub fn approved(state: &RunState) -> Result<(), String> {
@@ -116,11 +154,19 @@ impl StageHandler for Execute {
                     });
                     continue;
                 }
+                let at = AtCommand::enter((state.run_id, state.attempt, index));
                 let rec = match store
                     .claim_execution(state.run_id, state.attempt, index, command, &spec.host, &cx.deps.worker)
                     .await?
                 {
                     Claim::Finished(rec) => rec,
+                    Claim::Unfinished if at.shared() => {
+                        // Still running in this process: try again once it has ended.
+                        return Err(StageError::Transient(format!(
+                            "command {index} of attempt {} is running in this process for another copy of this message",
+                            state.attempt
+                        )));
+                    }
                     Claim::Unfinished => {
                         store.mark_interrupted(state.run_id, state.attempt, index).await?;
                         ExecutionRecord {
