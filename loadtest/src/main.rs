@@ -11,14 +11,17 @@
 //! `--otlp-sink`, a receiver in this tool) the crew's spans are exported over OTLP/HTTP, to
 //! measure what tracing export costs.
 
+mod llm;
+mod observe;
+mod service;
+
 use anyhow::{bail, Context};
-use clap::Parser;
+use clap::{Parser, ValueEnum};
 use futures::FutureExt;
 use pitcrew::{cli, crew};
-use pitcrew_model::{EventKind, RunEvent, Severity, Stage};
+use pitcrew_model::{EventKind, Severity, Stage};
 use pitcrew_runtime::Config;
-use pitcrew_testkit::llm::{Reply, ScriptedLlm};
-use pitcrew_testkit::{Events, TestEnv};
+use pitcrew_testkit::TestEnv;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -75,6 +78,21 @@ struct Args {
     /// faster: fewer backends competing for the cores).
     #[arg(long, default_value_t = 8)]
     pool_size: usize,
+    /// Keep at most this many runs in flight: a new incident is published as a run ends
+    /// (0: no limit, every incident is published at once or at `--rate`). Measures the
+    /// sustained rate at that many in flight (`steady_per_second`).
+    #[arg(long, default_value_t = 0)]
+    in_flight: usize,
+    /// How the service's health is checked: `command` runs `test -f` through the local
+    /// executor (a process per check); `http` GETs a health endpoint this tool serves.
+    #[arg(long, value_enum, default_value_t = CheckKind::Command)]
+    check: CheckKind,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum CheckKind {
+    Command,
+    Http,
 }
 
 /// What the in-tool OTLP receiver saw.
@@ -199,23 +217,7 @@ async fn main() -> anyhow::Result<()> {
     std::fs::write(&healthy, "")?;
     // The simulated LLM: a grounded diagnosis quoting the incident, and the playbook's plan.
     let llm = if args.llm_latency_ms > 0 {
-        let llm = ScriptedLlm::start(Vec::new()).await?;
-        let (delay, healthy) = (Duration::from_millis(args.llm_latency_ms), healthy.clone());
-        llm.respond_with(move |body| {
-            let system = body["messages"][0]["content"].as_str().unwrap_or_default();
-            let user = body["messages"][1]["content"].as_str().unwrap_or_default();
-            let first = user.lines().find(|l| l.starts_with("Incident:")).unwrap_or_default();
-            let error = first.split_once("): ").map(|(_, e)| e).unwrap_or(first);
-            let answer = if system.contains("diagnosis step") {
-                serde_json::json!({ "diagnosis": "svc is unhealthy", "evidence": [error] }).to_string()
-            } else if error.contains("disk wiped") {
-                "```sh\nrm -rf /\n```".to_string()
-            } else {
-                format!("```sh\ntouch {healthy}\n```")
-            };
-            Reply::answer(&answer).delayed(delay)
-        });
-        Some(llm)
+        Some(llm::start(Duration::from_millis(args.llm_latency_ms), format!("touch {healthy}")).await?)
     } else {
         None
     };
@@ -234,10 +236,16 @@ async fn main() -> anyhow::Result<()> {
         Some(n) => format!("[stage.diagnose]\nconcurrency = {n}\n"),
         None => String::new(),
     };
+    let check = match args.check {
+        CheckKind::Command => format!("{{ kind = \"command\", command = \"test -f {healthy}\" }}"),
+        CheckKind::Http => {
+            format!("{{ kind = \"http\", url = \"{}\" }}", service::start(healthy.clone().into()).await?)
+        }
+    };
     let text = env.config_toml(&format!(
         "[stages]\nconcurrency = {c}\nmax_ack_pending = {p}\n{diagnose}{reasoning}\
          [verify]\nchecks = 1\n[services.svc]\nhost = \"local\"\nstart = \"touch {healthy}\"\n{evidence}\
-         check = {{ kind = \"command\", command = \"test -f {healthy}\" }}\n",
+         check = {check}\n",
         c = args.concurrency,
         p = (args.concurrency * 4).max(256),
     ));
@@ -249,7 +257,13 @@ async fn main() -> anyhow::Result<()> {
     };
     let cfg = Config::from_toml(&text)?;
     let (bus, _store) = crew::connect(&cfg).await?;
-    let mut events = Events::follow(&bus, false).await?;
+    // One permit per run allowed in flight; the observer gives one back as each run ends.
+    let in_flight = Arc::new(tokio::sync::Semaphore::new(if args.in_flight > 0 {
+        args.in_flight
+    } else {
+        tokio::sync::Semaphore::MAX_PERMITS
+    }));
+    let mut finished = observe::terminals(&bus, in_flight.clone()).await?;
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let shutdown = async move {
         let _ = stopped.await;
@@ -283,60 +297,88 @@ async fn main() -> anyhow::Result<()> {
     }
 
     eprintln!(
-        "loadtest: publishing {} incidents ({}/s)",
+        "loadtest: publishing {} incidents ({}/s{})",
         args.incidents,
-        if args.rate > 0.0 { args.rate.to_string() } else { "max".into() }
+        if args.rate > 0.0 { args.rate.to_string() } else { "max".into() },
+        if args.in_flight > 0 { format!(", at most {} in flight", args.in_flight) } else { String::new() }
     );
     let started = Instant::now();
     let (cpu_self0, cpu_children0) = cpu_ms();
     let machine0 = machine_busy_ms();
     let mut sent: HashMap<Uuid, chrono::DateTime<chrono::Utc>> = HashMap::with_capacity(args.incidents);
+    let mut ended: Vec<(chrono::DateTime<chrono::Utc>, EventKind, Uuid)> = Vec::with_capacity(args.incidents);
     let mut errors = 0usize;
+    let mut last_progress = Instant::now();
+    let deadline = Instant::now() + Duration::from_secs(args.timeout);
     for i in 0..args.incidents {
         if args.rate > 0.0 {
             let due = started + Duration::from_secs_f64(i as f64 / args.rate);
             tokio::time::sleep_until(due.into()).await;
         }
+        let permit = tokio::time::timeout_at(deadline.into(), in_flight.acquire())
+            .await
+            .with_context(|| format!("{} runs still in flight after {} s", args.in_flight, args.timeout))?;
+        permit?.forget();
+        while let Ok(e) = finished.try_recv() {
+            ended.push((e.at, e.kind, e.run_id));
+        }
         let resolve = (i * 100 / args.incidents.max(1)) < args.resolve_percent as usize;
         let error = if resolve { "connection refused" } else { "disk wiped" };
         let inc = cli::incident("svc", error, None, Severity::Warning, Some(format!("lt-{i}")))?;
+        let at = chrono::Utc::now();
         match cli::open_incident(&bus, &inc).await {
             Ok(id) => {
-                sent.insert(id, chrono::Utc::now());
+                sent.insert(id, at);
             }
-            Err(_) => errors += 1,
+            Err(_) => {
+                errors += 1;
+                in_flight.add_permits(1);
+            }
+        }
+        if last_progress.elapsed() > Duration::from_secs(5) {
+            eprintln!("loadtest: {} published, {} runs finished", i + 1, ended.len());
+            last_progress = Instant::now();
         }
     }
-    let mut e2e = Vec::with_capacity(sent.len());
-    let mut outcomes: BTreeMap<&'static str, usize> = BTreeMap::new();
-    let mut stage_ms: BTreeMap<String, Vec<f64>> = BTreeMap::new();
-    let mut timelines: HashMap<Uuid, Vec<RunEvent>> = HashMap::new();
-    let deadline = Instant::now() + Duration::from_secs(args.timeout);
-    let mut last_progress = Instant::now();
-    let mut pending: Vec<Uuid> = sent.keys().copied().collect();
-    while let Some(run) = pending.pop() {
+    let published = started.elapsed().as_secs_f64();
+    while ended.len() < sent.len() {
         let left = deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            bail!("{} runs did not finish within {} s", pending.len() + 1, args.timeout);
+        match tokio::time::timeout(left, finished.recv()).await {
+            Ok(Some(e)) => ended.push((e.at, e.kind, e.run_id)),
+            Ok(None) => bail!("the terminal-event stream ended"),
+            Err(_) => bail!("{} runs did not finish within {} s", sent.len() - ended.len(), args.timeout),
         }
-        let end = events.terminal(run, left).await?;
-        // Published (our clock) to the terminal event (the worker's clock: the same machine).
-        e2e.push(end.at.signed_duration_since(sent[&run]).num_microseconds().unwrap_or(0) as f64 / 1000.0);
-        *outcomes
-            .entry(match end.kind {
-                EventKind::Resolved => "resolved",
-                EventKind::Escalated => "escalated",
-                _ => "other",
-            })
-            .or_default() += 1;
         if last_progress.elapsed() > Duration::from_secs(5) {
-            eprintln!("loadtest: {} of {} runs finished", e2e.len(), sent.len());
+            eprintln!("loadtest: {} of {} runs finished", ended.len(), sent.len());
             last_progress = Instant::now();
         }
     }
     let elapsed = started.elapsed().as_secs_f64();
     let (cpu_self1, cpu_children1) = cpu_ms();
     let machine1 = machine_busy_ms();
+    let mut e2e = Vec::with_capacity(ended.len());
+    let mut outcomes: BTreeMap<&'static str, usize> = BTreeMap::new();
+    for (at, kind, run) in &ended {
+        let Some(t0) = sent.get(run) else { continue };
+        // Published (our clock) to the terminal event (the worker's clock: the same machine).
+        e2e.push(at.signed_duration_since(*t0).num_microseconds().unwrap_or(0) as f64 / 1000.0);
+        *outcomes
+            .entry(match kind {
+                EventKind::Resolved => "resolved",
+                EventKind::Escalated => "escalated",
+                _ => "other",
+            })
+            .or_default() += 1;
+    }
+    // With runs kept in flight: the rate over the middle 80 % of the runs' ends, which leaves
+    // out the start (nothing ends before a run's first pass) and the drain (fewer in flight).
+    let steady = (args.in_flight > 0).then(|| {
+        let mut ends: Vec<chrono::DateTime<chrono::Utc>> = ended.iter().map(|(at, _, _)| *at).collect();
+        ends.sort();
+        let (a, b) = (ends.len() / 10, ends.len() * 9 / 10);
+        let secs = ends.get(b).zip(ends.get(a)).map(|(b, a)| (*b - *a).num_microseconds().unwrap_or(0) as f64 / 1e6);
+        secs.filter(|s| *s > 0.0).map(|s| (((b - a) as f64 / s) * 10.0).round() / 10.0)
+    });
     let per_run = |ms: f64| ((ms / e2e.len().max(1) as f64) * 100.0).round() / 100.0;
     // What one run costs in CPU: this process (the crew and the tool), the commands it ran,
     // and the whole machine (adds Postgres and nats-server; only meaningful on a quiet one).
@@ -345,21 +387,11 @@ async fn main() -> anyhow::Result<()> {
         "commands": per_run(cpu_children1 - cpu_children0),
         "machine": machine0.zip(machine1).map(|(a, b)| per_run(b - a)),
     });
-    for e in &events.seen {
-        timelines.entry(e.run_id).or_default().push(e.clone());
-    }
-    for evs in timelines.values_mut() {
-        evs.sort_by_key(|e| (e.seq, e.index));
-        let starts: Vec<&RunEvent> = evs.iter().filter(|e| e.kind == EventKind::Status && e.index == 0).collect();
-        for w in starts.windows(2) {
-            let ms = w[1].at.signed_duration_since(w[0].at).num_microseconds().unwrap_or(0) as f64 / 1000.0;
-            stage_ms.entry(w[0].stage.to_string()).or_default().push(ms);
-        }
-    }
+    let stage_ms = observe::stage_latencies(&env.db.client().await?).await?;
     let _ = stop.send(());
     let _ = tokio::time::timeout(Duration::from_secs(30), crew_task).await;
     drop(workers);
-    let llm_calls = llm.as_ref().map(|l| l.requests().len());
+    let llm_calls = llm.as_ref().map(|l| l.calls());
     // Flush the spans still queued, so the sink's counts are complete.
     if let Some(t) = telemetry.as_mut() {
         tokio::task::block_in_place(|| t.shutdown());
@@ -382,7 +414,11 @@ async fn main() -> anyhow::Result<()> {
             "incidents": args.incidents,
             "completed": e2e.len(),
             "seconds": (elapsed * 1000.0).round() / 1000.0,
+            "publish_seconds": (published * 1000.0).round() / 1000.0,
             "completed_per_second": ((e2e.len() as f64 / elapsed) * 10.0).round() / 10.0,
+            "steady_per_second": steady.flatten(),
+            "in_flight": args.in_flight,
+            "check": match args.check { CheckKind::Command => "command", CheckKind::Http => "http" },
             "e2e_ms": summary(e2e),
             "stage_ms": stages,
             "outcomes": outcomes,
