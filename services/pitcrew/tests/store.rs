@@ -308,3 +308,54 @@ async fn records_are_written_with_their_transition_and_only_if_the_run_takes_it(
     assert_eq!(mem.fixes, vec![vec!["touch /tmp/fix-3".to_string(), "systemctl restart web".to_string()]]);
     Ok(())
 }
+
+#[tokio::test]
+async fn memory_reads_failures_from_the_failures_alone_however_many_successes() -> anyhow::Result<()> {
+    let db = TestDb::create().await?;
+    let store = store(&db).await?;
+    let run = open_runs(&store, 1).await?.remove(0);
+    let pg = db.client().await?;
+    // A popular signature: 2,000 successes within the window, one failure still unanswered,
+    // and one a later success answered.
+    pg.execute(
+        "INSERT INTO episodes (run_id, attempt, service, signature, error, diagnosis, commands, result, success, created_at)
+         SELECT $1, g, 'web', 'sig', 'down', 'd', ARRAY['systemctl restart web'], 'ok', true, now() - g * interval '1 s'
+         FROM generate_series(1, 2000) g",
+        &[&run.run_id],
+    )
+    .await?;
+    pg.execute(
+        "INSERT INTO episodes (run_id, attempt, service, signature, error, diagnosis, commands, result, success, created_at)
+         VALUES ($1, 3001, 'web', 'sig', 'down', 'd', ARRAY['rm -f /tmp/web.lock'], 'exit 1', false, now() - interval '10 s'),
+                ($1, 3002, 'web', 'sig', 'down', 'd', ARRAY['systemctl restart web'], 'exit 1', false, now() - interval '1500 s')",
+        &[&run.run_id],
+    )
+    .await?;
+    pg.batch_execute("ANALYZE episodes").await?;
+
+    let mem = store.memory("web", "sig", std::time::Duration::from_secs(86_400)).await?;
+    assert_eq!(mem.failed, vec!["rm -f /tmp/web.lock".to_string()], "the restart worked since it failed");
+    assert_eq!(mem.fixes.len(), 3);
+
+    // The plan reads the failures' own index, not every episode of the signature.
+    let prepare = format!("PREPARE failed(text, text, float8) AS {}", pitcrew_runtime::store::FAILED_COMMANDS);
+    pg.batch_execute(&prepare).await?;
+    let plan: Vec<String> =
+        pg.query("EXPLAIN EXECUTE failed('web', 'sig', 86400)", &[]).await?.iter().map(|r| r.get(0)).collect();
+    let plan = plan.join("\n");
+    assert!(plan.contains("episodes_failed on episodes e"), "{plan}");
+    assert!(!plan.contains("Seq Scan on episodes e"), "{plan}");
+
+    // Run states are compressed with lz4 where this Postgres was built with it (Debian's is);
+    // elsewhere the column keeps the default.
+    let has_lz4 = pg.batch_execute("SET default_toast_compression = 'lz4'").await.is_ok();
+    let method: String = pg
+        .query_one(
+            "SELECT attcompression::text FROM pg_attribute WHERE attrelid = 'runs'::regclass AND attname = 'state'",
+            &[],
+        )
+        .await?
+        .get(0);
+    assert_eq!(method, if has_lz4 { "l" } else { "" }, "runs.state compression");
+    Ok(())
+}

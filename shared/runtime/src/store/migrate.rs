@@ -9,6 +9,8 @@ pub const MIGRATIONS: &[(i32, &str, &str)] = &[
     (2, "llm_usage", include_str!("../../../../schemas/migrations/0002_llm_usage.sql")),
     (3, "approval_quorum", include_str!("../../../../schemas/migrations/0003_approval_quorum.sql")),
     (4, "gateway_audit", include_str!("../../../../schemas/migrations/0004_gateway_audit.sql")),
+    (5, "memory_failures", include_str!("../../../../schemas/migrations/0005_memory_failures.sql")),
+    (6, "state_lz4", include_str!("../../../../schemas/migrations/0006_state_lz4.sql")),
 ];
 
 /// Arbitrary constant: the advisory lock that serialises migrators.

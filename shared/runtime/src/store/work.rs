@@ -111,21 +111,22 @@ pub struct ApprovalRow {
     pub reason: Option<String>,
 }
 
+/// Commands that failed for a service and error signature within a window (`$3` seconds) and
+/// have not worked since. Answered from the failures alone (`episodes_failed`), however many
+/// successes the signature has.
+pub const FAILED_COMMANDS: &str = "SELECT DISTINCT c FROM episodes e, unnest(e.commands) AS c
+     WHERE e.service = $1 AND e.signature = $2 AND NOT e.success
+       AND e.created_at > now() - make_interval(secs => $3)
+       AND NOT EXISTS (SELECT 1 FROM episodes s
+                       WHERE s.service = e.service AND s.signature = e.signature AND s.success
+                         AND c = ANY (s.commands) AND s.created_at > e.created_at)
+     ORDER BY c LIMIT 100";
+
 impl Store {
     /// Episodic memory for `service` and error `signature`.
     pub async fn memory(&self, service: &str, signature: &str, window: Duration) -> Result<Memory, StoreError> {
         let client = self.client().await?;
-        let failed = client
-            .prepare_cached(
-                "SELECT DISTINCT c FROM episodes e, unnest(e.commands) AS c
-                 WHERE e.service = $1 AND e.signature = $2 AND NOT e.success
-                   AND e.created_at > now() - make_interval(secs => $3)
-                   AND NOT EXISTS (SELECT 1 FROM episodes s
-                                   WHERE s.service = e.service AND s.signature = e.signature AND s.success
-                                     AND c = ANY (s.commands) AND s.created_at > e.created_at)
-                 ORDER BY c LIMIT 100",
-            )
-            .await?;
+        let failed = client.prepare_cached(FAILED_COMMANDS).await?;
         let fixes = client
             .prepare_cached(
                 "SELECT commands FROM episodes WHERE service = $1 AND signature = $2 AND success
