@@ -46,7 +46,11 @@ pub async fn terminals(bus: &Bus, in_flight: Arc<Semaphore>) -> anyhow::Result<m
             };
             let Ok(event) = serde_json::from_slice::<RunEvent>(&msg.payload) else { continue };
             if done.insert(event.run_id) {
-                in_flight.add_permits(1);
+                // Without a limit the count starts at the maximum: an end the tool did not
+                // count a permit out for (a publish whose ack was lost) must not pass it.
+                if in_flight.available_permits() < Semaphore::MAX_PERMITS {
+                    in_flight.add_permits(1);
+                }
                 if tx.send(event).is_err() {
                     return;
                 }
