@@ -1,11 +1,12 @@
 //! The simulated model for `--llm-latency-ms`: an OpenAI-compatible chat-completions server
-//! (real HTTP on a loopback port, keep-alive like a real endpoint, the real response JSON with
-//! its usage block) that answers every call after a fixed delay. It keeps no request: it only
+//! (real HTTP on a loopback port, keep-alive like a real endpoint, the response JSON and usage
+//! block of the test kit's scripted server) that answers every call after a fixed delay. It keeps no request: it only
 //! counts them, so the tool's own memory stays flat however long the run.
 
 use axum::extract::State;
 use axum::routing::post;
 use axum::Json;
+use pitcrew_testkit::llm::{add_usage, completion_body, prompt_chars};
 use serde_json::{json, Value};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -61,20 +62,10 @@ async fn complete(State(shared): State<Arc<Shared>>, Json(body): Json<Value>) ->
     } else {
         format!("```sh\n{}\n```", shared.fix)
     };
-    let prompt_chars: usize = body["messages"]
-        .as_array()
-        .map(|m| m.iter().map(|m| m["content"].as_str().map_or(0, str::len)).sum())
-        .unwrap_or(0);
+    let prompt = prompt_chars(&body);
     tokio::time::sleep(shared.delay).await;
     shared.calls.fetch_add(1, Ordering::Relaxed);
-    // Four characters a token, as a rough English average.
-    let (prompt, completion) = (prompt_chars.div_ceil(4), answer.len().div_ceil(4));
-    Json(json!({
-        "id": "chatcmpl-loadtest",
-        "object": "chat.completion",
-        "created": 0,
-        "model": "simulated",
-        "choices": [{ "index": 0, "message": { "role": "assistant", "content": answer }, "finish_reason": "stop" }],
-        "usage": { "prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion },
-    }))
+    let mut completion = completion_body(json!({ "role": "assistant", "content": answer }));
+    add_usage(&mut completion, prompt);
+    Json(completion)
 }

@@ -372,13 +372,16 @@ async fn main() -> anyhow::Result<()> {
     }
     // With runs kept in flight: the rate over the middle 80 % of the runs' ends, which leaves
     // out the start (nothing ends before a run's first pass) and the drain (fewer in flight).
-    let steady = (args.in_flight > 0).then(|| {
-        let mut ends: Vec<chrono::DateTime<chrono::Utc>> = ended.iter().map(|(at, _, _)| *at).collect();
-        ends.sort();
-        let (a, b) = (ends.len() / 10, ends.len() * 9 / 10);
-        let secs = ends.get(b).zip(ends.get(a)).map(|(b, a)| (*b - *a).num_microseconds().unwrap_or(0) as f64 / 1e6);
-        secs.filter(|s| *s > 0.0).map(|s| (((b - a) as f64 / s) * 10.0).round() / 10.0)
-    });
+    let steady = (args.in_flight > 0)
+        .then(|| {
+            let mut ends: Vec<chrono::DateTime<chrono::Utc>> = ended.iter().map(|(at, _, _)| *at).collect();
+            ends.sort();
+            let (a, b) = (ends.len() / 10, ends.len() * 9 / 10);
+            let secs =
+                ends.get(b).zip(ends.get(a)).map(|(b, a)| (*b - *a).num_microseconds().unwrap_or(0) as f64 / 1e6);
+            secs.filter(|s| *s > 0.0).map(|s| (((b - a) as f64 / s) * 10.0).round() / 10.0)
+        })
+        .flatten();
     let per_run = |ms: f64| ((ms / e2e.len().max(1) as f64) * 100.0).round() / 100.0;
     // What one run costs in CPU: this process (the crew and the tool), the commands it ran,
     // and the whole machine (adds Postgres and nats-server; only meaningful on a quiet one).
@@ -416,7 +419,7 @@ async fn main() -> anyhow::Result<()> {
             "seconds": (elapsed * 1000.0).round() / 1000.0,
             "publish_seconds": (published * 1000.0).round() / 1000.0,
             "completed_per_second": ((e2e.len() as f64 / elapsed) * 10.0).round() / 10.0,
-            "steady_per_second": steady.flatten(),
+            "steady_per_second": steady,
             "in_flight": args.in_flight,
             "check": match args.check { CheckKind::Command => "command", CheckKind::Http => "http" },
             "e2e_ms": summary(e2e),

@@ -37,19 +37,7 @@ impl Reply {
     }
 
     fn completion(message: Value) -> Reply {
-        let finish = if message.get("tool_calls").is_some() { "tool_calls" } else { "stop" };
-        Reply {
-            status: 200,
-            headers: Vec::new(),
-            body: json!({
-                "id": "chatcmpl-scripted",
-                "object": "chat.completion",
-                "created": 0,
-                "model": "scripted",
-                "choices": [{ "index": 0, "message": message, "finish_reason": finish }],
-            }),
-            delay: Duration::ZERO,
-        }
+        Reply { status: 200, headers: Vec::new(), body: completion_body(message), delay: Duration::ZERO }
     }
 
     /// An error status with an OpenAI-style error body.
@@ -146,6 +134,38 @@ impl ScriptedLlm {
     }
 }
 
+/// A chat completion whose choice is `message` (finish reason `tool_calls` when it calls tools,
+/// else `stop`), without its usage block (see [`add_usage`]).
+pub fn completion_body(message: Value) -> Value {
+    let finish = if message.get("tool_calls").is_some() { "tool_calls" } else { "stop" };
+    json!({
+        "id": "chatcmpl-scripted",
+        "object": "chat.completion",
+        "created": 0,
+        "model": "scripted",
+        "choices": [{ "index": 0, "message": message, "finish_reason": finish }],
+    })
+}
+
+/// Characters of content in a chat-completions request's messages.
+pub fn prompt_chars(request: &Value) -> usize {
+    request["messages"]
+        .as_array()
+        .map(|m| m.iter().map(|m| m["content"].as_str().map_or(0, str::len)).sum())
+        .unwrap_or(0)
+}
+
+/// Add the usage block to a completion body: this server's "tokenizer" counts four characters
+/// a token, as a rough English average, over the prompt and the answer's message.
+pub fn add_usage(completion: &mut Value, prompt_chars: usize) {
+    let completion_chars = completion["choices"][0]["message"].to_string().len();
+    completion["usage"] = json!({
+        "prompt_tokens": prompt_chars.div_ceil(4),
+        "completion_tokens": completion_chars.div_ceil(4),
+        "total_tokens": (prompt_chars + completion_chars).div_ceil(4),
+    });
+}
+
 /// One request per connection (`connection: close`).
 async fn serve(
     mut conn: tokio::net::TcpStream,
@@ -155,11 +175,8 @@ async fn serve(
 ) -> anyhow::Result<()> {
     let crate::http::Request { path, headers, body } = crate::http::read_request(&mut conn).await?;
     let body: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
-    let prompt_chars: usize = body["messages"]
-        .as_array()
-        .map(|m| m.iter().map(|m| m["content"].as_str().map_or(0, str::len)).sum())
-        .unwrap_or(0);
     let wants_stream = body["stream"] == true;
+    let prompt = prompt_chars(&body);
     let computed = responder.lock().unwrap().clone().map(|f| f(&body));
     seen.lock().unwrap().push(Recorded { path, headers, body, at: Instant::now() });
     let scripted = script.lock().unwrap().pop_front();
@@ -167,13 +184,7 @@ async fn serve(
     tokio::time::sleep(reply.delay).await;
     let mut body = reply.body;
     if reply.status == 200 {
-        // This server's "tokenizer": four characters a token, as a rough English average.
-        let completion_chars = body["choices"][0]["message"].to_string().len();
-        body["usage"] = json!({
-            "prompt_tokens": prompt_chars.div_ceil(4),
-            "completion_tokens": completion_chars.div_ceil(4),
-            "total_tokens": (prompt_chars + completion_chars).div_ceil(4),
-        });
+        add_usage(&mut body, prompt);
     }
     if reply.status == 200 && wants_stream {
         return stream(conn, &reply.headers, &body).await;
