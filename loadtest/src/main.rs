@@ -390,7 +390,7 @@ async fn main() -> anyhow::Result<()> {
         "commands": per_run(cpu_children1 - cpu_children0),
         "machine": machine0.zip(machine1).map(|(a, b)| per_run(b - a)),
     });
-    let stage_ms = observe::stage_latencies(&env.db.client().await?).await?;
+    let stage_ms = observe::stage_latencies(&env.db.client().await?, &sent).await?;
     let _ = stop.send(());
     let _ = tokio::time::timeout(Duration::from_secs(30), crew_task).await;
     drop(workers);

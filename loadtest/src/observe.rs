@@ -1,6 +1,6 @@
 //! What the tool watches, kept off the path it measures: while the batch runs, only each
 //! run's terminal event (a consumer filtered to the four terminal kinds, so the bus does not
-//! deliver the other sixteen events of a run to the tool); after it, each stage's latency
+//! deliver the rest of a run's events to the tool); after it, each stage's latency
 //! from the timeline Postgres stored.
 
 use anyhow::Context;
@@ -60,23 +60,32 @@ pub async fn terminals(bus: &Bus, in_flight: Arc<Semaphore>) -> anyhow::Result<m
     Ok(rx)
 }
 
-/// Each stage's latency, per run step: from the stage taking the run (its `status` event of
-/// index 0) to the next stage taking it, queueing included, from the timestamps Postgres holds.
-pub async fn stage_latencies(db: &tokio_postgres::Client) -> anyhow::Result<BTreeMap<String, Vec<f64>>> {
+/// Each stage's latency, per run step: from the previous step's end (its last event; for
+/// intake, the incident's publish, from `published`) to this step's end, so queueing, the
+/// stage's work and the hand-over (the previous step's commit and publish) are all in it.
+/// From the timestamps Postgres holds.
+pub async fn stage_latencies(
+    db: &tokio_postgres::Client,
+    published: &HashMap<Uuid, chrono::DateTime<chrono::Utc>>,
+) -> anyhow::Result<BTreeMap<String, Vec<f64>>> {
     let rows = db
-        .query("SELECT run_id, stage, at FROM run_events WHERE kind = 'status' AND idx = 0 ORDER BY run_id, seq", &[])
+        .query("SELECT run_id, stage, max(at) FROM run_events GROUP BY run_id, seq, stage ORDER BY run_id, seq", &[])
         .await
         .context("reading the timelines")?;
-    let mut by_run: HashMap<Uuid, Vec<(String, chrono::DateTime<chrono::Utc>)>> = HashMap::new();
-    for r in rows {
-        by_run.entry(r.get(0)).or_default().push((r.get(1), r.get(2)));
-    }
     let mut out: BTreeMap<String, Vec<f64>> = BTreeMap::new();
-    for starts in by_run.values() {
-        for w in starts.windows(2) {
-            let ms = w[1].1.signed_duration_since(w[0].1).num_microseconds().unwrap_or(0) as f64 / 1000.0;
-            out.entry(w[0].0.clone()).or_default().push(ms);
+    let mut run = None;
+    let mut previous = None;
+    for r in rows {
+        let (id, stage, end): (Uuid, String, chrono::DateTime<chrono::Utc>) = (r.get(0), r.get(1), r.get(2));
+        if run != Some(id) {
+            run = Some(id);
+            previous = published.get(&id).copied();
         }
+        if let Some(start) = previous {
+            let ms = end.signed_duration_since(start).num_microseconds().unwrap_or(0) as f64 / 1000.0;
+            out.entry(stage).or_default().push(ms);
+        }
+        previous = Some(end);
     }
     Ok(out)
 }

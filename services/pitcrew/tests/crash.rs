@@ -182,7 +182,24 @@ async fn postgres_down_for_ten_seconds_mid_batch_loses_nothing_and_repeats_nothi
     eprintln!("postgres back at {:.1} s", started.elapsed().as_secs_f64());
     wait_finished(&crew.db().await?, N, started, "batch not done after the outage").await?;
     eprintln!("batch done in {:.1} s", started.elapsed().as_secs_f64());
-    check_batch(&crew).await
+    check_batch(&crew).await?;
+    // The steps retried through the outage say so where they start in their timelines; a
+    // first delivery has no such line.
+    let rows = crew
+        .db()
+        .await?
+        .query(
+            "SELECT message, (data->>'delivered')::int4 FROM run_events WHERE kind = 'status' AND data ? 'delivered'",
+            &[],
+        )
+        .await?;
+    assert!(!rows.is_empty(), "no step was redelivered through a ten-second outage");
+    for r in &rows {
+        let (line, delivered): (String, i32) = (r.get(0), r.get(1));
+        assert!(delivered >= 2 && line.ends_with(&format!(": attempt 1, delivery {delivered}")), "{line}");
+    }
+    eprintln!("{} steps marked as redelivered in their timelines", rows.len());
+    Ok(())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -55,14 +55,23 @@ async fn an_incident_is_resolved_end_to_end_with_episode_and_evaluation() -> any
     assert!(ev.get::<_, f64>(1) >= 0.7);
     assert_eq!(ev.get::<_, serde_json::Value>(2).as_array().map(Vec::len), Some(6));
     assert_eq!(count(&db, "SELECT count(*) FROM executions WHERE run_id = $1 AND status = 'succeeded'", run).await, 1);
-    // The timeline is stored, in order, one status event per stage visited.
-    let stages: Vec<String> = db
-        .query("SELECT stage FROM run_events WHERE run_id = $1 AND kind = 'status' ORDER BY seq, idx", &[&run])
+    // The timeline is stored, in order, one step per stage visited; a clean first delivery
+    // of attempt 1 has no start line, so the one status line is intake's.
+    let steps: Vec<String> = db
+        .query("SELECT stage FROM run_events WHERE run_id = $1 GROUP BY seq, stage ORDER BY seq", &[&run])
         .await?
         .iter()
         .map(|r| r.get(0))
         .collect();
-    assert_eq!(stages, ["intake", "intake", "diagnose", "plan", "evaluate", "approval", "execute", "verify", "report"]);
+    assert_eq!(steps, ["intake", "diagnose", "plan", "evaluate", "approval", "execute", "verify", "report"]);
+    let status: Vec<String> = db
+        .query("SELECT message FROM run_events WHERE run_id = $1 AND kind = 'status' ORDER BY seq, idx", &[&run])
+        .await?
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(status.len(), 1, "{status:?}");
+    assert!(status[0].starts_with("run opened for svc"), "{status:?}");
     crew.shutdown().await
 }
 
@@ -194,6 +203,17 @@ async fn a_fault_that_never_recovers_escalates_after_exactly_max_retries() -> an
         assert!(std::path::Path::new(&crew.env.path(&format!("try-{i}"))).is_dir());
     }
     assert!(!std::path::Path::new(&crew.env.path("try-4")).exists());
+    // Each retry attempt is marked where it starts, the first is not.
+    let starts: Vec<String> = db
+        .query(
+            "SELECT message FROM run_events WHERE run_id = $1 AND kind = 'status' AND stage = 'diagnose' ORDER BY seq",
+            &[&run],
+        )
+        .await?
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(starts, ["diagnose: attempt 2", "diagnose: attempt 3"]);
     crew.shutdown().await
 }
 

@@ -109,11 +109,9 @@ impl StageRunner {
         crate::trace::adopt(&span, parent.as_deref());
         let work = async {
             let mut cx = Cx::new(&self.deps, stage, state.run_id, input_seq, 0);
-            cx.emit(
-                EventKind::Status,
-                format!("{stage}: attempt {}", state.attempt),
-                serde_json::json!({ "attempt": state.attempt, "delivered": delivered }),
-            );
+            if let Some((message, data)) = start_line(stage, state.attempt, delivered) {
+                cx.emit(EventKind::Status, message, data);
+            }
             let handled = self.handler.handle(&mut state, &mut cx).await;
             let span = tracing::Span::current();
             match handled {
@@ -236,6 +234,20 @@ impl StageRunner {
                 Disposition::Nak(backoff(delivered))
             }
         }
+    }
+}
+
+/// The timeline line a step starts with, only when it tells something: a redelivery (a
+/// worker died or timed out holding the message) or a retry attempt. The plain first delivery
+/// of attempt 1 gets none: a step's events are stored and published together when it ends, so
+/// a start line would appear no sooner than the step's own events, and would be half of a
+/// clean run's events (each a row and a JetStream message).
+fn start_line(stage: Stage, attempt: u32, delivered: i64) -> Option<(String, serde_json::Value)> {
+    let data = serde_json::json!({ "attempt": attempt, "delivered": delivered });
+    match (attempt, delivered) {
+        (a, d) if a <= 1 && d <= 1 => None,
+        (a, d) if d <= 1 => Some((format!("{stage}: attempt {a}"), data)),
+        (a, d) => Some((format!("{stage}: attempt {a}, delivery {d}"), data)),
     }
 }
 
@@ -388,4 +400,20 @@ pub async fn dead_letter(
     headers.insert(STAGE_HEADER, stage);
     headers.insert(ORIGIN_HEADER, msg.subject.as_str());
     bus.publish_with_headers(bus.subjects.dlq(stage), headers, Bytes::copy_from_slice(&msg.payload)).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_step_starts_with_a_line_only_on_a_redelivery_or_a_retry() {
+        assert_eq!(start_line(Stage::Diagnose, 1, 1), None);
+        let (line, data) = start_line(Stage::Plan, 2, 1).expect("a retry attempt is marked");
+        assert_eq!(line, "plan: attempt 2");
+        assert_eq!(data, serde_json::json!({ "attempt": 2, "delivered": 1 }));
+        let (line, data) = start_line(Stage::Execute, 1, 3).expect("a redelivery is marked");
+        assert_eq!(line, "execute: attempt 1, delivery 3");
+        assert_eq!(data, serde_json::json!({ "attempt": 1, "delivered": 3 }));
+    }
 }
