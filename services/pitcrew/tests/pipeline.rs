@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::{count, marker_service, sample, scrape, write, Crew, WAIT};
+use common::{count, marker_service, sample, scrape, texts, write, Crew, WAIT};
 use pitcrew::cli;
 use pitcrew_model::{ApprovalDecision, Decision, EventKind, Stage};
 use pitcrew_testkit::TestEnv;
@@ -57,19 +57,11 @@ async fn an_incident_is_resolved_end_to_end_with_episode_and_evaluation() -> any
     assert_eq!(count(&db, "SELECT count(*) FROM executions WHERE run_id = $1 AND status = 'succeeded'", run).await, 1);
     // The timeline is stored, in order, one step per stage visited; a clean first delivery
     // of attempt 1 has no start line, so the one status line is intake's.
-    let steps: Vec<String> = db
-        .query("SELECT stage FROM run_events WHERE run_id = $1 GROUP BY seq, stage ORDER BY seq", &[&run])
-        .await?
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
+    let steps =
+        texts(&db, "SELECT stage FROM run_events WHERE run_id = $1 GROUP BY seq, stage ORDER BY seq", run).await;
     assert_eq!(steps, ["intake", "diagnose", "plan", "evaluate", "approval", "execute", "verify", "report"]);
-    let status: Vec<String> = db
-        .query("SELECT message FROM run_events WHERE run_id = $1 AND kind = 'status' ORDER BY seq, idx", &[&run])
-        .await?
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
+    let status =
+        texts(&db, "SELECT message FROM run_events WHERE run_id = $1 AND kind = 'status' ORDER BY seq, idx", run).await;
     assert_eq!(status.len(), 1, "{status:?}");
     assert!(status[0].starts_with("run opened for svc"), "{status:?}");
     crew.shutdown().await
@@ -204,15 +196,12 @@ async fn a_fault_that_never_recovers_escalates_after_exactly_max_retries() -> an
     }
     assert!(!std::path::Path::new(&crew.env.path("try-4")).exists());
     // Each retry attempt is marked where it starts, the first is not.
-    let starts: Vec<String> = db
-        .query(
-            "SELECT message FROM run_events WHERE run_id = $1 AND kind = 'status' AND stage = 'diagnose' ORDER BY seq",
-            &[&run],
-        )
-        .await?
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
+    let starts = texts(
+        &db,
+        "SELECT message FROM run_events WHERE run_id = $1 AND kind = 'status' AND stage = 'diagnose' ORDER BY seq",
+        run,
+    )
+    .await;
     assert_eq!(starts, ["diagnose: attempt 2", "diagnose: attempt 3"]);
     crew.shutdown().await
 }

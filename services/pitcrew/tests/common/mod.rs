@@ -198,6 +198,11 @@ pub async fn count(db: &tokio_postgres::Client, sql: &str, run: Uuid) -> i64 {
     db.query_one(sql, &[&run]).await.expect("query").get::<_, i64>(0)
 }
 
+/// The first column of a query's rows, as text.
+pub async fn texts(db: &tokio_postgres::Client, sql: &str, run: Uuid) -> Vec<String> {
+    db.query(sql, &[&run]).await.expect("query").iter().map(|r| r.get(0)).collect()
+}
+
 /// Write a file into the test's directory, `{dir}` replaced by the directory.
 pub fn write(env: &TestEnv, name: &str, content: &str) -> String {
     let path = env.path(name);
