@@ -1,28 +1,47 @@
 //! The simulated model for `--llm-latency-ms`: an OpenAI-compatible chat-completions server
 //! (real HTTP on a loopback port, keep-alive like a real endpoint, the response JSON and usage
-//! block of the test kit's scripted server) that answers every call after a fixed delay. It keeps no request: it only
-//! counts them, so the tool's own memory stays flat however long the run.
+//! block of the test kit's scripted server) that answers every call after a fixed delay. It
+//! keeps no request: it only counts them.
+//!
+//! It runs in a process of its own (this binary with `--serve-llm`), so the crew's process,
+//! whose CPU, peak memory and descriptors the tool reports, holds only the client side of the
+//! model's connections, as it would against a real endpoint.
 
+use anyhow::Context;
 use axum::extract::State;
 use axum::routing::post;
 use axum::Json;
 use pitcrew_testkit::llm::{add_usage, completion_body, prompt_chars};
 use serde_json::{json, Value};
+use std::process::Stdio;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader, Lines};
+use tokio::process::{Child, ChildStdout};
 
-/// The running server.
+/// How long the server process may take to say where it listens, or its count when asked.
+const ANSWER: Duration = Duration::from_secs(10);
+
+/// The server process, killed if dropped.
 pub struct SimulatedLlm {
     /// The API root to configure as `base_url` (`http://127.0.0.1:PORT/v1`).
     pub base_url: String,
-    calls: Arc<AtomicU64>,
+    child: Child,
+    out: Lines<BufReader<ChildStdout>>,
 }
 
 impl SimulatedLlm {
-    /// Calls answered so far.
-    pub fn calls(&self) -> u64 {
-        self.calls.load(Ordering::Relaxed)
+    /// Stop the server and return the calls it answered: closing its stdin asks it for its
+    /// count, which it prints before it exits.
+    pub async fn finish(mut self) -> anyhow::Result<u64> {
+        drop(self.child.stdin.take());
+        let line = tokio::time::timeout(ANSWER, self.out.next_line())
+            .await
+            .context("the simulated LLM did not report its calls")??
+            .context("the simulated LLM exited without reporting its calls")?;
+        let _ = tokio::time::timeout(ANSWER, self.child.wait()).await;
+        line.trim().parse().with_context(|| format!("the simulated LLM's count: {line:?}"))
     }
 }
 
@@ -30,22 +49,51 @@ struct Shared {
     delay: Duration,
     /// The fix the plan step answers with (`touch` of the healthy file).
     fix: String,
-    calls: Arc<AtomicU64>,
+    calls: AtomicU64,
 }
 
-/// Serve until the process ends.
-pub async fn start(delay: Duration, fix: String) -> anyhow::Result<SimulatedLlm> {
+/// Start the server process: this binary with `--serve-llm`.
+pub async fn start(delay: Duration, fix: &str) -> anyhow::Result<SimulatedLlm> {
+    let exe = std::env::current_exe().context("finding this binary to run the simulated LLM")?;
+    let mut child = tokio::process::Command::new(exe)
+        .args(["--serve-llm", "--llm-latency-ms", &delay.as_millis().to_string(), "--llm-fix", fix])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .context("starting the simulated LLM process")?;
+    let mut out = BufReader::new(child.stdout.take().expect("piped")).lines();
+    let base_url = tokio::time::timeout(ANSWER, out.next_line())
+        .await
+        .context("the simulated LLM did not say where it listens")??
+        .context("the simulated LLM exited before listening")?;
+    Ok(SimulatedLlm { base_url, child, out })
+}
+
+/// `--serve-llm`: print the API root, serve until stdin closes (the tool asks for the count,
+/// or ended however it ended), then print the calls answered.
+pub async fn serve(delay: Duration, fix: String) -> anyhow::Result<()> {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let base_url = format!("http://{}/v1", listener.local_addr()?);
-    let calls = Arc::new(AtomicU64::new(0));
-    let shared = Arc::new(Shared { delay, fix, calls: calls.clone() });
-    let app = axum::Router::new().route("/v1/chat/completions", post(complete)).with_state(shared);
-    tokio::spawn(async move {
-        if let Err(e) = axum::serve(listener, app).await {
-            eprintln!("loadtest: the simulated LLM stopped: {e}");
-        }
-    });
-    Ok(SimulatedLlm { base_url, calls })
+    let shared = Arc::new(Shared { delay, fix, calls: AtomicU64::new(0) });
+    let app = axum::Router::new().route("/v1/chat/completions", post(complete)).with_state(shared.clone());
+    let mut stdout = tokio::io::stdout();
+    stdout.write_all(format!("{base_url}\n").as_bytes()).await?;
+    stdout.flush().await?;
+    let closed = async {
+        let mut stdin = tokio::io::stdin();
+        let mut buf = [0u8; 64];
+        while matches!(stdin.read(&mut buf).await, Ok(n) if n > 0) {}
+    };
+    tokio::select! {
+        served = axum::serve(listener, app) => served.context("the simulated LLM stopped")?,
+        _ = closed => {}
+    }
+    let calls = shared.calls.load(Ordering::Relaxed);
+    // The tool may be gone: nobody to tell is not an error.
+    let _ = stdout.write_all(format!("{calls}\n").as_bytes()).await;
+    let _ = stdout.flush().await;
+    Ok(())
 }
 
 /// The diagnosis step gets a grounded diagnosis quoting the incident's error; the plan step

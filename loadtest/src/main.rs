@@ -5,9 +5,9 @@
 //! timeline's timestamps) and errors.
 //!
 //! With `--llm-latency-ms N` diagnose and plan reason with an OpenAI-compatible server the tool
-//! starts (real HTTP) that answers every call after N ms, modelling LLM-bound stages; with
-//! `--diagnose-processes K` diagnose runs in K `pitcrew worker diagnose` processes instead of
-//! this one. The peak RSS of this process is reported. With `--otlp-endpoint URL` (or
+//! starts in a process of its own (real HTTP) that answers every call after N ms, modelling
+//! LLM-bound stages; with `--diagnose-processes K` diagnose runs in K `pitcrew worker
+//! diagnose` processes instead of this one. The peak RSS of this process is reported. With `--otlp-endpoint URL` (or
 //! `--otlp-sink`, a receiver in this tool) the crew's spans are exported over OTLP/HTTP, to
 //! measure what tracing export costs.
 
@@ -53,6 +53,12 @@ struct Args {
     /// Run diagnose in this many `pitcrew worker diagnose` processes (0: in this process).
     #[arg(long, default_value_t = 0)]
     diagnose_processes: usize,
+    /// Internal: be the simulated LLM's server process (started by the tool itself).
+    #[arg(long, hide = true)]
+    serve_llm: bool,
+    /// Internal: the fix the simulated LLM's plans answer with.
+    #[arg(long, hide = true, default_value = "")]
+    llm_fix: String,
     /// Export the crew's spans over OTLP/HTTP to this collector (e.g. http://127.0.0.1:4318).
     #[arg(long, value_name = "URL", conflicts_with = "otlp_sink")]
     otlp_endpoint: Option<String>,
@@ -193,6 +199,9 @@ fn summary(mut v: Vec<f64>) -> serde_json::Value {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
+    if args.serve_llm {
+        return llm::serve(Duration::from_millis(args.llm_latency_ms), args.llm_fix).await;
+    }
     // Span export, when asked for: logs stay at warn so only export's cost is added.
     let sink = if args.otlp_sink { Some(otlp_sink().await?) } else { None };
     let endpoint = args.otlp_endpoint.clone().or_else(|| sink.as_ref().map(|(url, _)| url.clone()));
@@ -216,8 +225,8 @@ async fn main() -> anyhow::Result<()> {
     let healthy = env.path("healthy");
     std::fs::write(&healthy, "")?;
     // The simulated LLM: a grounded diagnosis quoting the incident, and the playbook's plan.
-    let llm = if args.llm_latency_ms > 0 {
-        Some(llm::start(Duration::from_millis(args.llm_latency_ms), format!("touch {healthy}")).await?)
+    let mut llm = if args.llm_latency_ms > 0 {
+        Some(llm::start(Duration::from_millis(args.llm_latency_ms), &format!("touch {healthy}")).await?)
     } else {
         None
     };
@@ -394,7 +403,10 @@ async fn main() -> anyhow::Result<()> {
     let _ = stop.send(());
     let _ = tokio::time::timeout(Duration::from_secs(30), crew_task).await;
     drop(workers);
-    let llm_calls = llm.as_ref().map(|l| l.calls());
+    let llm_calls = match llm.take() {
+        Some(l) => Some(l.finish().await?),
+        None => None,
+    };
     // Flush the spans still queued, so the sink's counts are complete.
     if let Some(t) = telemetry.as_mut() {
         tokio::task::block_in_place(|| t.shutdown());
@@ -432,7 +444,7 @@ async fn main() -> anyhow::Result<()> {
             "llm_calls": llm_calls,
             "diagnose_processes": args.diagnose_processes,
             "diagnose_concurrency": args.diagnose_concurrency,
-            "evidence_commands": !(args.no_evidence || llm.is_some()),
+            "evidence_commands": !(args.no_evidence || args.llm_latency_ms > 0),
             "peak_rss_mb": peak_rss_mb(),
             "cpu_ms_per_run": cpu,
             "otlp": otlp,
