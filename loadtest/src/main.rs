@@ -7,9 +7,9 @@
 //! With `--llm-latency-ms N` diagnose and plan reason with an OpenAI-compatible server the tool
 //! starts in a process of its own (real HTTP) that answers every call after N ms, modelling
 //! LLM-bound stages; with `--diagnose-processes K` diagnose runs in K `pitcrew worker
-//! diagnose` processes instead of this one. The peak RSS of this process is reported. With `--otlp-endpoint URL` (or
-//! `--otlp-sink`, a receiver in this tool) the crew's spans are exported over OTLP/HTTP, to
-//! measure what tracing export costs.
+//! diagnose` processes instead of this one. The peak RSS of this process is reported. With
+//! `--otlp-endpoint URL` (or `--otlp-sink`, a receiver in this tool) the crew's spans are
+//! exported over OTLP/HTTP, to measure what tracing export costs.
 
 mod llm;
 mod observe;
