@@ -13,9 +13,6 @@ use std::sync::Arc;
 use tokio::sync::{mpsc, Semaphore};
 use uuid::Uuid;
 
-/// The kinds that end a run or an incident.
-const TERMINAL: [EventKind; 4] = [EventKind::Resolved, EventKind::Escalated, EventKind::Duplicate, EventKind::Rejected];
-
 /// Follow every run's terminal event from now on. Each run's first one is sent on the
 /// returned channel and gives a permit back to `in_flight` (the publisher takes one per
 /// incident, so at most its initial count of runs are in flight).
@@ -26,7 +23,7 @@ pub async fn terminals(bus: &Bus, in_flight: Arc<Semaphore>) -> anyhow::Result<m
     let base = base.trim_end_matches('>');
     let consumer = stream
         .create_consumer(OrderedConfig {
-            filter_subjects: TERMINAL.iter().map(|k| format!("{base}*.{}", k.as_str())).collect(),
+            filter_subjects: EventKind::TERMINAL.iter().map(|k| format!("{base}*.{}", k.as_str())).collect(),
             deliver_policy: DeliverPolicy::New,
             ..Default::default()
         })

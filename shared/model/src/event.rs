@@ -56,9 +56,13 @@ impl EventKind {
         }
     }
 
+    /// The kinds after which the run (or incident) is over.
+    pub const TERMINAL: [EventKind; 4] =
+        [EventKind::Resolved, EventKind::Escalated, EventKind::Duplicate, EventKind::Rejected];
+
     /// The run (or incident) is over after this event.
     pub fn is_terminal(self) -> bool {
-        matches!(self, EventKind::Resolved | EventKind::Escalated | EventKind::Duplicate | EventKind::Rejected)
+        Self::TERMINAL.contains(&self)
     }
 }
 
