@@ -5,7 +5,7 @@ use async_nats::jetstream::consumer::{pull::OrderedConfig, DeliverPolicy};
 use futures::StreamExt;
 use pitcrew_model::codec::JSON;
 use pitcrew_model::{EventKind, Incident, RunEvent, Severity};
-pub use pitcrew_runtime::approvals::{approval_request, decide};
+pub use pitcrew_runtime::approvals::{approval_request, submit, DecisionInput};
 use pitcrew_runtime::{Bus, Config, Store};
 use std::time::Duration;
 use uuid::Uuid;

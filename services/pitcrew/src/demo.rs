@@ -8,6 +8,7 @@
 //! service on that "remote" host, kills it, and lets the monitor and the crew bring it back
 //! over SSH.
 
+use crate::cli::DecisionInput;
 use crate::{cli, crew, toy};
 use anyhow::{bail, Context};
 use async_nats::jetstream::consumer::{pull::OrderedConfig, DeliverPolicy};
@@ -192,7 +193,8 @@ pub async fn run(ssh: bool, llm: Option<LlmDemo>) -> anyhow::Result<()> {
         .await?;
         while end.kind == EventKind::ApprovalRequested {
             println!("demo ({label}): operator 'demo-operator' approves on {}", bus.subjects.approval_decided(run));
-            cli::decide(&bus, Some(&store), run, Decision::Approve, "demo-operator", None, "demo").await?;
+            let input = DecisionInput::cli(run, Decision::Approve, "demo-operator", None, &cfg);
+            cli::submit(&bus, Some(&store), DecisionInput { channel: "demo", ..input }).await?;
             end = wait_for(&mut rx, &mut crew, |e| {
                 e.run_id == run && (e.kind == EventKind::ApprovalRequested || e.kind.is_terminal())
             })

@@ -1,6 +1,7 @@
 //! pitcrew: the one binary. Parses arguments, sets up logging, and hands over to the crew,
 //! the operator commands or the demo. Errors end as one readable line, never a panic trace.
 
+use pitcrew::cli::DecisionInput;
 use pitcrew::{cli, crew, demo, top, toy};
 
 use anyhow::{bail, Context};
@@ -357,7 +358,8 @@ async fn run(args: Args, cfg: Option<Config>) -> anyhow::Result<()> {
             }
             let bus = Bus::connect(&cfg).await?;
             let store = cli::store(&cfg).await.ok();
-            let req = cli::decide(&bus, store.as_ref(), run, Decision::Approve, &by, None, "cli").await?;
+            let req =
+                cli::submit(&bus, store.as_ref(), DecisionInput::cli(run, Decision::Approve, &by, None, &cfg)).await?;
             println!("approved plan {} of run {run}: {}", req.plan_hash, req.plan.join(" ; "));
             Ok(())
         }
@@ -367,7 +369,9 @@ async fn run(args: Args, cfg: Option<Config>) -> anyhow::Result<()> {
             }
             let bus = Bus::connect(&cfg).await?;
             let store = cli::store(&cfg).await.ok();
-            let req = cli::decide(&bus, store.as_ref(), run, Decision::Deny, &by, Some(reason), "cli").await?;
+            let req =
+                cli::submit(&bus, store.as_ref(), DecisionInput::cli(run, Decision::Deny, &by, Some(reason), &cfg))
+                    .await?;
             println!("denied plan {} of run {run}", req.plan_hash);
             Ok(())
         }

@@ -5,6 +5,7 @@ mod common;
 
 use common::{count, marker_service, write, Crew, WAIT};
 use futures::{FutureExt, StreamExt};
+use pitcrew::cli::DecisionInput;
 use pitcrew::{cli, crew};
 use pitcrew_model::{Decision, EventKind, Stage};
 use pitcrew_testkit::TestEnv;
@@ -40,7 +41,8 @@ async fn an_outage_opens_one_run_and_its_recovery_is_reported() -> anyhow::Resul
     let db = crew.db().await?;
     let runs: i64 = db.query_one("SELECT count(*) FROM runs WHERE fingerprint = 'monitor:svc'", &[]).await?.get(0);
     assert_eq!(runs, 1, "one open run per outage");
-    cli::decide(&crew.bus, Some(&crew.store), first, Decision::Approve, "ann", None, "cli").await?;
+    cli::submit(&crew.bus, Some(&crew.store), DecisionInput::cli(first, Decision::Approve, "ann", None, &crew.cfg))
+        .await?;
     assert_eq!(crew.end(first).await?.kind, EventKind::Resolved);
     let msg = tokio::time::timeout(WAIT, recoveries.next()).await?.expect("recovery event");
     let r: serde_json::Value = serde_json::from_slice(&msg.payload)?;

@@ -4,7 +4,7 @@
 mod common;
 
 use common::{count, marker_service, sample, scrape, texts, write, Crew, WAIT};
-use pitcrew::cli;
+use pitcrew::cli::{self, DecisionInput};
 use pitcrew_model::{ApprovalDecision, Decision, EventKind, Stage};
 use pitcrew_testkit::TestEnv;
 
@@ -116,7 +116,8 @@ async fn a_critical_plan_parks_until_approved_then_runs() -> anyhow::Result<()> 
     let line = pending.lines().find(|l| l.starts_with(&run.to_string())).unwrap_or_default();
     assert!(line.contains(" rm ") && line.contains(&req.plan[0]), "{pending}");
     let decided = chrono::Utc::now();
-    cli::decide(&crew.bus, Some(&crew.store), run, Decision::Approve, "ann", None, "cli").await?;
+    cli::submit(&crew.bus, Some(&crew.store), DecisionInput::cli(run, Decision::Approve, "ann", None, &crew.cfg))
+        .await?;
     let end = crew.events.terminal(run, WAIT).await?;
     assert_eq!(end.kind, EventKind::Resolved, "{}", end.message);
     assert!(end.message.contains("approved by ann (policy rule rm)"), "the report names who and why: {}", end.message);
@@ -145,8 +146,8 @@ async fn a_denied_plan_is_escalated_and_nothing_runs() -> anyhow::Result<()> {
     let mut crew = crew_with_playbook("").await?;
     let run = crew.open("svc", "stale lock held").await?;
     crew.events.kind(run, EventKind::ApprovalRequested, WAIT).await?;
-    cli::decide(&crew.bus, Some(&crew.store), run, Decision::Deny, "bob", Some("not during the sale".into()), "cli")
-        .await?;
+    let deny = DecisionInput::cli(run, Decision::Deny, "bob", Some("not during the sale".into()), &crew.cfg);
+    cli::submit(&crew.bus, Some(&crew.store), deny).await?;
     let end = crew.events.terminal(run, WAIT).await?;
     assert_eq!(end.kind, EventKind::Escalated);
     assert!(end.message.contains("denied by bob: not during the sale"), "{}", end.message);
@@ -155,7 +156,9 @@ async fn a_denied_plan_is_escalated_and_nothing_runs() -> anyhow::Result<()> {
     // A late approval of the same plan changes nothing: the CLI refuses it, and a decision
     // published by any other client is ignored by the crew.
     let refused =
-        cli::decide(&crew.bus, Some(&crew.store), run, Decision::Approve, "carol", None, "cli").await.unwrap_err();
+        cli::submit(&crew.bus, Some(&crew.store), DecisionInput::cli(run, Decision::Approve, "carol", None, &crew.cfg))
+            .await
+            .unwrap_err();
     assert!(refused.to_string().contains("already decided: deny by bob"), "{refused}");
     let late = ApprovalDecision {
         run_id: run,
@@ -177,6 +180,32 @@ async fn a_denied_plan_is_escalated_and_nothing_runs() -> anyhow::Result<()> {
         .wait(run, |e| e.kind == EventKind::Error && e.message.contains("already decided (deny by bob)"), WAIT)
         .await?;
     assert_eq!(count(&db, "SELECT count(*) FROM executions WHERE run_id = $1", run).await, 0);
+    crew.shutdown().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cli_decision_racing_one_the_crew_has_not_recorded_yet_is_refused() -> anyhow::Result<()> {
+    let mut crew = crew_with_playbook("").await?;
+    let run = crew.open("svc", "stale lock held").await?;
+    crew.events.kind(run, EventKind::ApprovalRequested, WAIT).await?;
+    // The crew is stopped: Ann's approval is on the bridge subject, not recorded yet.
+    crew.shutdown().await?;
+    let approve = DecisionInput::cli(run, Decision::Approve, "ann", None, &crew.cfg);
+    cli::submit(&crew.bus, Some(&crew.store), approve).await?;
+    // Carol's denial from a terminal would be ignored by the crew: she is told so, and who won.
+    let deny = DecisionInput::cli(run, Decision::Deny, "carol", Some("wait".into()), &crew.cfg);
+    let refused = cli::submit(&crew.bus, Some(&crew.store), deny).await.unwrap_err();
+    let why = refused.to_string();
+    assert!(why.contains("already decided: approve by ann via cli") && why.contains("being recorded"), "{why}");
+    // Nothing of hers reached the bridge subject: the last decision there is still Ann's.
+    let stream = crew.bus.js.get_stream(crew.bus.subjects.approvals_stream()).await?;
+    let last = stream.get_last_raw_message_by_subject(&crew.bus.subjects.approval_decided(run)).await?;
+    let last: ApprovalDecision = serde_json::from_slice(&last.payload)?;
+    assert_eq!((last.by.as_str(), last.decision), ("ann", Decision::Approve));
+    // Restarted, the crew records Ann's approval and runs the plan.
+    crew.run(&Stage::ALL);
+    let end = crew.end(run).await?;
+    assert_eq!(end.kind, EventKind::Resolved, "{}", end.message);
     crew.shutdown().await
 }
 
@@ -218,7 +247,12 @@ async fn one_open_run_per_fingerprint() -> anyhow::Result<()> {
     let db = crew.db().await?;
     assert_eq!(count(&db, "SELECT count(*) FROM runs WHERE id = $1", second).await, 0);
     // Once the first run ends, the fingerprint may open a new run.
-    cli::decide(&crew.bus, Some(&crew.store), first, Decision::Deny, "bob", Some("no".into()), "cli").await?;
+    cli::submit(
+        &crew.bus,
+        Some(&crew.store),
+        DecisionInput::cli(first, Decision::Deny, "bob", Some("no".into()), &crew.cfg),
+    )
+    .await?;
     crew.events.terminal(first, WAIT).await?;
     let third = crew.open_with("svc", "stale lock held", Some("fp-1".into())).await?;
     crew.events.kind(third, EventKind::ApprovalRequested, WAIT).await?;
@@ -258,7 +292,8 @@ async fn a_two_person_rule_runs_the_plan_only_after_two_distinct_approvers() -> 
     assert_eq!(req.quorum, 2, "{req:?}");
     let db = crew.db().await?;
 
-    cli::decide(&crew.bus, Some(&crew.store), run, Decision::Approve, "ann", None, "cli").await?;
+    cli::submit(&crew.bus, Some(&crew.store), DecisionInput::cli(run, Decision::Approve, "ann", None, &crew.cfg))
+        .await?;
     crew.events.wait(run, |e| e.message.contains("approve by ann via cli counted: 1 of 2"), WAIT).await?;
     // The same approver again is still one approval (published straight to the subject).
     let again = ApprovalDecision {
@@ -276,7 +311,8 @@ async fn a_two_person_rule_runs_the_plan_only_after_two_distinct_approvers() -> 
     assert_eq!(status, "waiting_approval");
     assert_eq!(count(&db, "SELECT count(*) FROM executions WHERE run_id = $1", run).await, 0);
 
-    cli::decide(&crew.bus, Some(&crew.store), run, Decision::Approve, "bob", None, "cli").await?;
+    cli::submit(&crew.bus, Some(&crew.store), DecisionInput::cli(run, Decision::Approve, "bob", None, &crew.cfg))
+        .await?;
     let end = crew.events.terminal(run, WAIT).await?;
     assert_eq!(end.kind, EventKind::Resolved, "{}", end.message);
     let voters: Vec<String> = db
@@ -301,7 +337,8 @@ async fn a_pending_approval_survives_a_restart_of_every_pitcrew_process() -> any
     let status: String = db.query_one("SELECT status FROM runs WHERE id = $1", &[&run]).await?.get(0);
     assert_eq!(status, "waiting_approval");
     // ... the decision arrives while nothing runs, and the crew comes back.
-    cli::decide(&crew.bus, Some(&crew.store), run, Decision::Approve, "ann", None, "cli").await?;
+    cli::submit(&crew.bus, Some(&crew.store), DecisionInput::cli(run, Decision::Approve, "ann", None, &crew.cfg))
+        .await?;
     crew.run(&Stage::ALL);
     let end = crew.events.terminal(run, WAIT).await?;
     assert_eq!(end.kind, EventKind::Resolved, "{}", end.message);

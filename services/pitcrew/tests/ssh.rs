@@ -477,6 +477,7 @@ async fn a_config_that_lost_its_read_permission_is_restored_then_the_service_sta
 /// deleting logs is critical, so the plan waits for an approver, then runs over SSH.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_full_log_dir_is_cleared_after_approval_over_ssh() -> anyhow::Result<()> {
+    use pitcrew::cli::DecisionInput;
     use pitcrew_model::{Decision, EventKind, Stage};
     let sshd = start_target()?;
     let env = pitcrew_testkit::TestEnv::start().await?;
@@ -508,7 +509,12 @@ async fn a_full_log_dir_is_cleared_after_approval_over_ssh() -> anyhow::Result<(
     assert!(asked.message.contains("waiting for approval"));
     let db = crew.db().await?;
     assert!(executions(&db, run).await?.is_empty(), "nothing runs before the approval");
-    let req = pitcrew::cli::decide(&crew.bus, Some(&crew.store), run, Decision::Approve, "ann", None, "cli").await?;
+    let req = pitcrew::cli::submit(
+        &crew.bus,
+        Some(&crew.store),
+        DecisionInput::cli(run, Decision::Approve, "ann", None, &crew.cfg),
+    )
+    .await?;
     assert!(req.rule.contains("find-delete"), "{}", req.rule);
     let end = crew.end(run).await?;
     let took = broke.elapsed();

@@ -75,22 +75,18 @@ pub struct DecisionInput<'a> {
     pub reason: Option<String>,
     pub channel: &'a str,
     /// With the config: also refuse a decision racing one on the bridge subject that the crew
-    /// has not recorded yet (chat and HTTP clicks, see [`IN_FLIGHT`]). The CLI passes None.
+    /// has not recorded yet (two operators deciding at once, see [`IN_FLIGHT`]).
     pub racing: Option<&'a Config>,
 }
 
-/// Publish a decision for the run's pending plan on the bridge subject. With the store, a
-/// plan already decided is refused here with who decided it (the crew would ignore it).
-pub async fn decide(
-    bus: &Bus,
-    store: Option<&Store>,
-    run: Uuid,
-    decision: Decision,
-    by: &str,
-    reason: Option<String>,
-    channel: &str,
-) -> anyhow::Result<ApprovalRequest> {
-    Ok(submit(bus, store, DecisionInput { run, plan_hash: None, decision, by, reason, channel, racing: None }).await?)
+impl<'a> DecisionInput<'a> {
+    /// An operator's `pitcrew approve|deny`: the plan the run waits on now, refused like any
+    /// other channel's when another decision for it is on the bridge subject, not yet
+    /// recorded (an approval clicked in chat a moment before a denial typed in a terminal
+    /// must not be answered "denied").
+    pub fn cli(run: Uuid, decision: Decision, by: &'a str, reason: Option<String>, cfg: &'a Config) -> Self {
+        DecisionInput { run, plan_hash: None, decision, by, reason, channel: "cli", racing: Some(cfg) }
+    }
 }
 
 /// Publish `input` on `pitcrew.approvals.decided.<run>` once it names the pending plan and,
