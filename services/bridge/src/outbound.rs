@@ -39,12 +39,12 @@ pub fn retry_status(method: &str, resp: &reqwest::Response) -> Option<ApiError> 
     if status.as_u16() == 429 {
         let after = resp
             .headers()
-            .get("retry-after")
+            .get(reqwest::header::RETRY_AFTER)
             .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.trim().parse::<u64>().ok())
-            .unwrap_or(30)
-            .clamp(1, 900);
-        return Some(ApiError::Retry { after: Duration::from_secs(after), why: format!("{method}: rate limited") });
+            .and_then(|v| pitcrew_model::retry_after::parse(v, std::time::SystemTime::now()))
+            .unwrap_or(Duration::from_secs(30))
+            .clamp(Duration::from_secs(1), Duration::from_secs(900));
+        return Some(ApiError::Retry { after, why: format!("{method}: rate limited") });
     }
     status
         .is_server_error()

@@ -749,35 +749,8 @@ fn backoff(attempt: u32) -> Duration {
 
 /// `Retry-After` as seconds or an HTTP date, capped.
 fn retry_after(headers: &reqwest::header::HeaderMap) -> Option<Duration> {
-    let v = headers.get(reqwest::header::RETRY_AFTER)?.to_str().ok()?.trim();
-    let wait = match v.parse::<f64>() {
-        Ok(secs) if secs >= 0.0 && secs.is_finite() => Duration::from_secs_f64(secs),
-        _ => {
-            let at = httpdate(v)?;
-            at.duration_since(std::time::SystemTime::now()).unwrap_or(Duration::ZERO)
-        }
-    };
-    Some(wait.min(MAX_RETRY_AFTER))
-}
-
-/// An IMF-fixdate (`Sun, 06 Nov 1994 08:49:37 GMT`).
-fn httpdate(v: &str) -> Option<std::time::SystemTime> {
-    let parts: Vec<&str> = v.split_whitespace().collect();
-    let [_, day, mon, year, time, "GMT"] = parts.as_slice() else { return None };
-    let months = ["Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec"];
-    let m = months.iter().position(|x| x == mon)? as i64 + 1;
-    let (d, y): (i64, i64) = (day.parse().ok()?, year.parse().ok()?);
-    let hms: Vec<i64> = time.split(':').map(|x| x.parse().ok()).collect::<Option<_>>()?;
-    let [h, mi, s] = hms.as_slice() else { return None };
-    // Days from civil (Howard Hinnant's algorithm).
-    let (y2, m2) = if m <= 2 { (y - 1, m + 9) } else { (y, m - 3) };
-    let era = y2.div_euclid(400);
-    let yoe = y2 - era * 400;
-    let doy = (153 * m2 + 2) / 5 + d - 1;
-    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
-    let days = era * 146097 + doe - 719468;
-    let secs = days * 86400 + h * 3600 + mi * 60 + s;
-    Some(std::time::UNIX_EPOCH + Duration::from_secs(u64::try_from(secs).ok()?))
+    let v = headers.get(reqwest::header::RETRY_AFTER)?.to_str().ok()?;
+    Some(pitcrew_model::retry_after::parse(v, std::time::SystemTime::now())?.min(MAX_RETRY_AFTER))
 }
 
 /// reqwest's error text without the URL (which may carry credentials in its userinfo).
@@ -846,10 +819,6 @@ mod tests {
         assert_eq!(retry_after(&h), Some(MAX_RETRY_AFTER), "capped");
         h.insert("retry-after", "Sun, 06 Nov 1994 08:49:37 GMT".parse().unwrap());
         assert_eq!(retry_after(&h), Some(Duration::ZERO), "a date in the past: at once");
-        assert_eq!(
-            httpdate("Sun, 06 Nov 1994 08:49:37 GMT"),
-            Some(std::time::UNIX_EPOCH + Duration::from_secs(784111777))
-        );
         h.insert("retry-after", "soon".parse().unwrap());
         assert_eq!(retry_after(&h), None);
     }

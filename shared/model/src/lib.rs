@@ -8,6 +8,7 @@ pub mod event;
 pub mod incident;
 pub mod inventory;
 pub mod redact;
+pub mod retry_after;
 pub mod run;
 pub mod schema;
 pub mod stage;
