@@ -2,8 +2,11 @@
 //! port to give them, and a bounded wait for them to become ready.
 
 use std::net::TcpListener;
+use std::os::unix::process::CommandExt;
 use std::path::Path;
-use std::process::Child;
+use std::process::{Child, Command};
+use std::sync::mpsc;
+use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 /// A free TCP port on loopback (the kernel's choice, released before returning).
@@ -27,6 +30,50 @@ pub fn account_ids(user: &str) -> Result<(u32, u32), String> {
 /// Whether something accepts TCP connections on 127.0.0.1:`port`.
 pub fn listening(port: u16) -> bool {
     std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
+}
+
+/// A spawn request for the thread that starts tied servers, and where its answer goes.
+type SpawnJob = (Command, mpsc::Sender<std::io::Result<Child>>);
+
+/// Start `cmd` so that it dies with this process, even when this process is killed with
+/// SIGKILL and runs no destructor (a demo or load tool killed with `kill -9` left its
+/// nats-server running, holding a port and a temp store): the child asks the kernel for
+/// SIGKILL when its parent goes. The kernel ties that to the *thread* that started it, so every
+/// such child is started by one thread that lives as long as the process; a pool thread that
+/// exits (tokio's blocking threads do, after 10 s idle) would take the server with it.
+pub fn spawn_tied(mut cmd: Command) -> std::io::Result<Child> {
+    static SPAWNER: OnceLock<mpsc::Sender<SpawnJob>> = OnceLock::new();
+    let spawner = SPAWNER.get_or_init(|| {
+        let (tx, rx) = mpsc::channel::<SpawnJob>();
+        std::thread::Builder::new()
+            .name("tied-spawner".into())
+            .spawn(move || {
+                // The sender is static and never dropped: this thread never ends.
+                for (mut cmd, reply) in rx {
+                    let _ = reply.send(cmd.spawn());
+                }
+            })
+            .expect("cannot start the spawner thread");
+        tx
+    });
+    let parent = std::process::id();
+    // SAFETY: only async-signal-safe calls (prctl, getppid) between fork and exec.
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            // The parent died before the request took effect: nobody would kill us.
+            if libc::getppid() as u32 != parent {
+                return Err(std::io::Error::other("the parent exited while starting"));
+            }
+            Ok(())
+        });
+    }
+    let (reply, answer) = mpsc::channel();
+    let gone = || std::io::Error::other("the spawner thread is gone");
+    spawner.send((cmd, reply)).map_err(|_| gone())?;
+    answer.recv().map_err(|_| gone())?
 }
 
 /// Wait until `ready()` holds. Fails at once if `child` exits (saying how, with its log) and
@@ -55,6 +102,56 @@ pub fn wait_ready(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Set in the helper process of the test below: the file it writes the tied child's pid to.
+    const TIED_HELPER: &str = "PITCREW_TEST_TIED_HELPER";
+
+    /// Not a test on its own: the process the next test kills. Starts a tied `sleep`, writes
+    /// its pid and waits to be killed.
+    #[test]
+    fn tied_helper() {
+        let Some(file) = std::env::var_os(TIED_HELPER) else { return };
+        let mut sleep = Command::new("sleep");
+        sleep.arg("120");
+        let child = spawn_tied(sleep).expect("tied sleep starts");
+        std::fs::write(&file, child.id().to_string()).unwrap();
+        std::thread::sleep(Duration::from_secs(120));
+    }
+
+    #[test]
+    fn a_tied_child_dies_with_a_parent_killed_by_sigkill() {
+        let file = std::env::temp_dir().join(format!("pitcrew-tied-{}", std::process::id()));
+        let _ = std::fs::remove_file(&file);
+        let mut helper = Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", "process::tests::tied_helper", "--test-threads", "1"])
+            .env(TIED_HELPER, &file)
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let pid = loop {
+            if let Some(pid) = std::fs::read_to_string(&file).ok().and_then(|p| p.trim().parse::<i32>().ok()) {
+                break pid;
+            }
+            assert!(Instant::now() < deadline, "the helper never named its child");
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        let _ = std::fs::remove_file(&file);
+        let alive = |pid: i32| {
+            // A zombie waiting for its new parent to reap it is dead too.
+            std::fs::read_to_string(format!("/proc/{pid}/stat"))
+                .map(|s| !s.rsplit(')').next().unwrap_or("").trim_start().starts_with('Z'))
+                .unwrap_or(false)
+        };
+        assert!(alive(pid), "the tied child runs while its parent does");
+        helper.kill().unwrap();
+        helper.wait().unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while alive(pid) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        assert!(!alive(pid), "the tied child {pid} outlived its parent's SIGKILL");
+    }
 
     #[test]
     fn a_server_that_exits_is_reported_with_its_log() {

@@ -90,16 +90,11 @@ impl Sshd {
 
     fn spawn(&mut self) -> anyhow::Result<()> {
         let log_file = std::fs::File::create(self.path("sshd.log"))?;
-        let child = Command::new(SSHD)
-            .arg("-D")
-            .arg("-e")
-            .arg("-f")
-            .arg(self.path("sshd_config"))
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(log_file)
-            .spawn()
-            .context("starting sshd")?;
+        let mut cmd = Command::new(SSHD);
+        cmd.arg("-D").arg("-e").arg("-f").arg(self.path("sshd_config"));
+        cmd.stdin(Stdio::null()).stdout(Stdio::null()).stderr(log_file);
+        // Dies with this process, even one killed with SIGKILL (`pitcrew demo --ssh`).
+        let child = crate::process::spawn_tied(cmd).context("starting sshd")?;
         let (port, log) = (self.port, self.path("sshd.log"));
         let child = self.child.insert(child);
         crate::process::wait_ready("sshd", child, &log, Duration::from_secs(10), || crate::process::listening(port))

@@ -37,13 +37,14 @@ impl NatsServer {
     fn spawn(&mut self) -> Result<(), NatsdError> {
         let log =
             std::fs::File::create(self.store.path().join("nats.log")).map_err(|e| NatsdError::Start(e.to_string()))?;
-        let child = Command::new(&self.binary)
-            .args(["-a", "127.0.0.1", "-p", &self.port.to_string(), "-js", "-sd"])
+        let mut cmd = Command::new(&self.binary);
+        cmd.args(["-a", "127.0.0.1", "-p", &self.port.to_string(), "-js", "-sd"])
             .arg(self.store.path().join("js"))
             .stdin(Stdio::null())
             .stdout(Stdio::null())
-            .stderr(log)
-            .spawn()
+            .stderr(log);
+        // Dies with this process, even one killed with SIGKILL (a demo or load tool).
+        let child = pitcrew_exec::process::spawn_tied(cmd)
             .map_err(|e| NatsdError::Start(format!("{}: {e}", self.binary.display())))?;
         let (port, log) = (self.port, self.store.path().join("nats.log"));
         let child = self.child.insert(child);
