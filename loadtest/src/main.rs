@@ -183,6 +183,27 @@ fn machine_busy_ms() -> Option<f64> {
     Some(busy * 1000.0 / hz.max(1.0))
 }
 
+/// With a simulated model and a known number of runs in flight (`--in-flight`, or every
+/// incident at once): the most runs a second the model's latency allows, that number over
+/// the model time a run spends (its calls times the latency), and the share of it `rate` (the
+/// steady rate, or the overall one) reached. None without a model or with `--rate`.
+fn llm_bound(args: &Args, calls: Option<u64>, completed: usize, rate: f64) -> Option<serde_json::Value> {
+    let in_flight = match (args.in_flight, args.rate > 0.0) {
+        (0, false) => args.incidents,
+        (n, false) => n,
+        (_, true) => return None,
+    };
+    let calls = calls.filter(|c| *c > 0 && completed > 0 && args.llm_latency_ms > 0)?;
+    let model_secs = calls as f64 / completed as f64 * args.llm_latency_ms as f64 / 1000.0;
+    let per_second = in_flight as f64 / model_secs;
+    Some(serde_json::json!({
+        "in_flight": in_flight,
+        "model_seconds_per_run": (model_secs * 1000.0).round() / 1000.0,
+        "per_second": (per_second * 10.0).round() / 10.0,
+        "reached": ((rate / per_second) * 1000.0).round() / 1000.0,
+    }))
+}
+
 fn percentile(sorted: &[f64], p: f64) -> f64 {
     if sorted.is_empty() {
         return 0.0;
@@ -423,6 +444,8 @@ async fn main() -> anyhow::Result<()> {
     });
     let stages: serde_json::Map<String, serde_json::Value> =
         stage_ms.into_iter().map(|(k, v)| (k, summary(v))).collect();
+    let rate = ((e2e.len() as f64 / elapsed) * 10.0).round() / 10.0;
+    let bound = llm_bound(&args, llm_calls, e2e.len(), steady.unwrap_or(rate));
     println!(
         "{}",
         serde_json::json!({
@@ -430,7 +453,7 @@ async fn main() -> anyhow::Result<()> {
             "completed": e2e.len(),
             "seconds": (elapsed * 1000.0).round() / 1000.0,
             "publish_seconds": (published * 1000.0).round() / 1000.0,
-            "completed_per_second": ((e2e.len() as f64 / elapsed) * 10.0).round() / 10.0,
+            "completed_per_second": rate,
             "steady_per_second": steady,
             "in_flight": args.in_flight,
             "check": match args.check { CheckKind::Command => "command", CheckKind::Http => "http" },
@@ -442,6 +465,7 @@ async fn main() -> anyhow::Result<()> {
             "pool_size": cfg.database.pool_size,
             "llm_latency_ms": args.llm_latency_ms,
             "llm_calls": llm_calls,
+            "llm_bound": bound,
             "diagnose_processes": args.diagnose_processes,
             "diagnose_concurrency": args.diagnose_concurrency,
             "evidence_commands": !(args.no_evidence || args.llm_latency_ms > 0),

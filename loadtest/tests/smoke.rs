@@ -40,6 +40,7 @@ fn runs_kept_in_flight_with_http_checks_all_end_and_are_counted() {
     assert_eq!(report["check"], "http");
     assert_eq!(report["in_flight"], 4);
     assert!(report["steady_per_second"].as_f64().unwrap_or(0.0) > 0.0, "{report}");
+    assert!(report["llm_bound"].is_null(), "no model, no bound: {report}");
 }
 
 #[test]
@@ -49,4 +50,12 @@ fn a_simulated_model_is_called_twice_a_run() {
     // Diagnosis and plan, once each a run: the refused plans escalate without a retry.
     assert_eq!(report["llm_calls"], 20, "{report}");
     assert_eq!(report["evidence_commands"], false, "{report}");
+    // Ten runs at once, 2 x 50 ms of model time each: at most 100 runs a second.
+    let bound = &report["llm_bound"];
+    assert_eq!(bound["in_flight"], 10, "{report}");
+    assert_eq!(bound["model_seconds_per_run"], 0.1, "{report}");
+    assert_eq!(bound["per_second"], 100.0, "{report}");
+    let reached = bound["reached"].as_f64().unwrap_or(0.0);
+    let expected = report["completed_per_second"].as_f64().unwrap_or(0.0) / 100.0;
+    assert!((reached - expected).abs() < 0.002 && reached > 0.0, "{report}");
 }
