@@ -59,6 +59,24 @@ pub async fn decide(
     users: &BTreeMap<String, String>,
     click: Click<'_>,
 ) -> Result<Outcome, String> {
+    let chat = click.chat;
+    let decided = decide_click(bus, store, cfg, users, click).await;
+    let result = match &decided {
+        Ok(Outcome::Decided { .. }) => "decided",
+        Ok(Outcome::Counted { .. }) => "counted",
+        Err(_) => "refused",
+    };
+    crate::CLICKS.inc(&[chat, result]);
+    decided
+}
+
+async fn decide_click(
+    bus: &Bus,
+    store: &Store,
+    cfg: &Config,
+    users: &BTreeMap<String, String>,
+    click: Click<'_>,
+) -> Result<Outcome, String> {
     let Click { chat, user, run, plan_hash, decision } = click;
     if !matches!(decision, Decision::Approve | Decision::Deny) {
         return Err("only approve and deny can be clicked".into());

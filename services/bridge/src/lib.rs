@@ -25,6 +25,39 @@ pub async fn connect(cfg: &pitcrew_runtime::Config) -> anyhow::Result<(pitcrew_r
     Ok((bus, store))
 }
 
+static POSTS: pitcrew_metrics::Counter = pitcrew_metrics::Counter::new(
+    "pitcrew_bridge_posts_total",
+    "Approval requests the bridge handled, by chat and outcome (posted, decided_elsewhere, expired, retry, dropped, unreadable).",
+    &["chat", "outcome"],
+);
+static CLICKS: pitcrew_metrics::Counter = pitcrew_metrics::Counter::new(
+    "pitcrew_bridge_clicks_total",
+    "Approve and deny clicks, by chat and result (decided, counted: one vote of a quorum, refused).",
+    &["chat", "result"],
+);
+
+/// An approval request ended its turn in the bridge with `outcome`.
+pub(crate) fn posted(chat: &str, outcome: &str) {
+    POSTS.inc(&[chat, outcome]);
+}
+
+/// Serve `/metrics` on `[metrics] listen` (when set): this process's counters, the backlog of
+/// requests not yet posted (the bridge's durable consumer) and pending approvals.
+pub async fn serve_metrics(
+    cfg: &pitcrew_runtime::Config,
+    bus: &pitcrew_runtime::Bus,
+    store: &pitcrew_runtime::Store,
+    durable: &str,
+    shutdown: Shutdown,
+) -> anyhow::Result<Option<std::net::SocketAddr>> {
+    let collector = pitcrew_runtime::metrics::Collector {
+        bus: bus.clone(),
+        store: Some(store.clone()),
+        consumers: vec![(bus.subjects.approvals_stream(), durable.to_string())],
+    };
+    pitcrew_runtime::metrics::spawn_endpoint(cfg.metrics.listen.as_deref(), Some(collector), shutdown).await
+}
+
 /// `s` cut to at most `max` characters (chat APIs count characters), an ellipsis marking a cut.
 pub(crate) fn clip(s: &str, max: usize) -> String {
     if s.chars().count() <= max {

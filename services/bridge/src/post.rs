@@ -102,6 +102,7 @@ impl<C: Chat> Poster<C> {
             Ok(r) => r,
             Err(e) => {
                 tracing::error!(chat, subject = %msg.subject, error = %e, "approval request unreadable: not posted");
+                crate::posted(chat, "unreadable");
                 return Disposition::Term;
             }
         };
@@ -111,6 +112,7 @@ impl<C: Chat> Poster<C> {
         match self.store.approval_decision(run, &req.plan_hash).await {
             Ok(Some((decision, by, via, _))) => {
                 tracing::info!(chat, %run, plan = %req.plan_hash, %decision, %by, %via, "approval request already decided: not posted");
+                crate::posted(chat, "decided_elsewhere");
                 return Disposition::Ack;
             }
             Ok(None) => {}
@@ -121,16 +123,19 @@ impl<C: Chat> Poster<C> {
         }
         if req.expires_at < chrono::Utc::now() {
             tracing::info!(chat, %run, plan = %req.plan_hash, "approval request expired: not posted");
+            crate::posted(chat, "expired");
             return Disposition::Ack;
         }
         match self.chat.post(&req).await {
             Ok(at) => {
                 tracing::info!(chat, %run, plan = %req.plan_hash, %at, "approval request posted");
+                crate::posted(chat, "posted");
                 Disposition::Ack
             }
             Err(ApiError::Retry { after, why }) => {
                 let wait = after.max(backoff(delivered));
                 tracing::warn!(chat, %run, error = %why, retry_in_s = wait.as_secs(), delivered, "cannot post the approval request yet");
+                crate::posted(chat, "retry");
                 Disposition::Nak(wait)
             }
             Err(ApiError::Permanent(why)) => {
@@ -138,6 +143,7 @@ impl<C: Chat> Poster<C> {
                     chat, %run, plan = %req.plan_hash, error = %why,
                     "approval request cannot be posted: dropped (decide it with `pitcrew approve|deny`)"
                 );
+                crate::posted(chat, "dropped");
                 Disposition::Term
             }
         }

@@ -198,15 +198,9 @@ pub async fn run(cfg: Config, shutdown: Shutdown) -> anyhow::Result<()> {
         tracing::warn!("no [gateway.keys] configured: every route but health and the OpenAPI document answers 401");
     }
     let listen = cfg.gateway.listen.clone();
-    if let Some(at) = &cfg.metrics.listen {
-        let metrics = tokio::net::TcpListener::bind(at)
-            .await
-            .with_context(|| format!("[metrics] listen = \"{at}\": cannot bind"))?;
-        tracing::info!(listen = %metrics.local_addr()?, "serving Prometheus metrics at /metrics");
-        let collector =
-            pitcrew_runtime::metrics::Collector { bus: bus.clone(), store: Some(store.clone()), consumers: Vec::new() };
-        tokio::spawn(pitcrew_runtime::metrics::serve_with(metrics, Some(collector), shutdown.clone()));
-    }
+    let collector =
+        pitcrew_runtime::metrics::Collector { bus: bus.clone(), store: Some(store.clone()), consumers: Vec::new() };
+    pitcrew_runtime::metrics::spawn_endpoint(cfg.metrics.listen.as_deref(), Some(collector), shutdown.clone()).await?;
     let gw = Gateway::new(cfg, bus, store, shutdown)?;
     let listener = tokio::net::TcpListener::bind(&listen)
         .await

@@ -5,6 +5,7 @@
 
 use futures::future::join_all;
 use pitcrew_exec::{run_check, CheckOutcome, Executor};
+use pitcrew_metrics::{Counter, Gauge, Histogram, LATENCY_BUCKETS};
 use pitcrew_model::codec::JSON;
 use pitcrew_model::{Incident, ServiceSpec, Severity};
 use pitcrew_runtime::{Bus, BusError};
@@ -12,7 +13,31 @@ use serde::Serialize;
 use std::collections::{BTreeMap, HashMap};
 use std::future::Future;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
+
+static CHECKS: Counter = Counter::new(
+    "pitcrew_monitor_checks_total",
+    "Health checks the monitor ran, by service and result.",
+    &["service", "result"],
+);
+static UP: Gauge =
+    Gauge::new("pitcrew_monitor_service_up", "1 if the service's last health check passed, else 0.", &["service"]);
+static CHECK_SECONDS: Histogram = Histogram::new(
+    "pitcrew_monitor_check_seconds",
+    "Time one health check took (its own timeout bounds it), by service.",
+    &["service"],
+    LATENCY_BUCKETS,
+);
+static PUBLISHED: Counter = Counter::new(
+    "pitcrew_monitor_publishes_total",
+    "Incidents and recoveries the monitor published, by kind and outcome (ok, failed: retried next round).",
+    &["kind", "outcome"],
+);
+static LAST_ROUND: Gauge = Gauge::new(
+    "pitcrew_monitor_last_round_timestamp_seconds",
+    "When the monitor last finished checking every service (Unix time): alert when it stops moving.",
+    &[],
+);
 
 /// What the monitor decided about one service after a check.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -90,7 +115,14 @@ pub async fn check_all(
 ) -> Vec<(String, CheckOutcome)> {
     let checks = services.iter().filter_map(|(name, spec)| {
         let check = spec.check.as_ref()?;
-        Some(async move { (name.clone(), run_check(check, &spec.host, executor).await) })
+        Some(async move {
+            let started = Instant::now();
+            let out = run_check(check, &spec.host, executor).await;
+            CHECK_SECONDS.observe(&[name], started.elapsed().as_secs_f64());
+            CHECKS.inc(&[name, if out.healthy { "up" } else { "down" }]);
+            UP.set(&[name], if out.healthy { 1.0 } else { 0.0 });
+            (name.clone(), out)
+        })
     });
     join_all(checks).await
 }
@@ -112,17 +144,22 @@ pub async fn run(
             let now = chrono::Utc::now();
             let since = tracker.down_since(&service);
             let change = tracker.observe(&service, out.healthy, now, realert);
-            let sent = match change {
-                Change::Nothing => Ok(()),
-                Change::Down => open(&bus, &service, &out, tracker.down_since(&service).unwrap_or(now)).await,
-                Change::Recovered => recovered(&bus, &service, &out, since).await,
+            let (kind, sent) = match change {
+                Change::Nothing => continue,
+                Change::Down => {
+                    ("incident", open(&bus, &service, &out, tracker.down_since(&service).unwrap_or(now)).await)
+                }
+                Change::Recovered => ("recovery", recovered(&bus, &service, &out, since).await),
             };
+            PUBLISHED.inc(&[kind, if sent.is_ok() { "ok" } else { "failed" }]);
             if let Err(e) = sent {
                 // Forget the transition so the next round tries again.
                 tracing::warn!(service = %service, error = %e, "monitor publish failed");
                 tracker = Tracker { down: tracker.down.into_iter().filter(|(s, _)| *s != service).collect() };
             }
         }
+        let at = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+        LAST_ROUND.set(&[], at.as_secs_f64());
         tokio::select! {
             _ = tokio::time::sleep(every) => {}
             _ = &mut shutdown => return,

@@ -86,19 +86,12 @@ pub async fn run(cfg: Config, stages: &[Stage], shutdown: Shutdown) -> anyhow::R
         live: Some(pitcrew_runtime::live::Live { client: bus.client.clone(), subjects: bus.subjects.clone() }),
     });
     let mut tasks = JoinSet::new();
-    if let Some(listen) = &cfg.metrics.listen {
-        let listener = tokio::net::TcpListener::bind(listen)
-            .await
-            .with_context(|| format!("[metrics] listen = \"{listen}\": cannot bind"))?;
-        tracing::info!(listen = %listener.local_addr()?, "serving Prometheus metrics at /metrics");
-        let stop = shutdown.clone();
-        let collector = pitcrew_runtime::metrics::Collector {
-            bus: bus.clone(),
-            store: Some(deps.store.clone()),
-            consumers: consumers_of(&bus, stages),
-        };
-        tokio::spawn(pitcrew_runtime::metrics::serve_with(listener, Some(collector), stop));
-    }
+    let collector = pitcrew_runtime::metrics::Collector {
+        bus: bus.clone(),
+        store: Some(deps.store.clone()),
+        consumers: consumers_of(&bus, stages),
+    };
+    pitcrew_runtime::metrics::spawn_endpoint(cfg.metrics.listen.as_deref(), Some(collector), shutdown.clone()).await?;
     for &stage in stages {
         let settings = cfg.stage_settings(stage);
         let consumer = bus.stage_consumer(stage, settings).await?;
@@ -169,6 +162,8 @@ pub async fn monitor(cfg: Config, shutdown: Shutdown) -> anyhow::Result<()> {
     if checked == 0 {
         anyhow::bail!("no service has a health check: add `check = {{ ... }}` under [services.<name>]");
     }
+    let collector = pitcrew_runtime::metrics::Collector { bus: bus.clone(), store: None, consumers: Vec::new() };
+    pitcrew_runtime::metrics::spawn_endpoint(cfg.metrics.listen.as_deref(), Some(collector), shutdown.clone()).await?;
     pitcrew_monitor::run(
         bus,
         cfg.services.clone(),

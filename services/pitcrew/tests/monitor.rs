@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::{count, marker_service, write, Crew, WAIT};
+use common::{count, marker_service, sample, scrape, write, Crew, WAIT};
 use futures::{FutureExt, StreamExt};
 use pitcrew::cli::DecisionInput;
 use pitcrew::{cli, crew};
@@ -33,7 +33,12 @@ async fn an_outage_opens_one_run_and_its_recovery_is_reported() -> anyhow::Resul
     }
     .boxed()
     .shared();
-    let monitor = tokio::spawn(crew::monitor(crew.cfg.clone(), shutdown));
+    // The monitor serves its own /metrics (the crew, in this process too, serves none here).
+    let port = pitcrew_runtime::natsd::free_port()?;
+    let mut monitor_cfg = crew.cfg.clone();
+    monitor_cfg.metrics.listen = Some(format!("127.0.0.1:{port}"));
+    let metrics = format!("http://127.0.0.1:{port}/metrics");
+    let monitor = tokio::spawn(crew::monitor(monitor_cfg, shutdown));
 
     // The first report opens a run; the ones that follow are duplicates of it.
     let first = crew.events.wait_any(|e| e.kind == EventKind::ApprovalRequested, WAIT).await?.run_id;
@@ -41,6 +46,15 @@ async fn an_outage_opens_one_run_and_its_recovery_is_reported() -> anyhow::Resul
     let db = crew.db().await?;
     let runs: i64 = db.query_one("SELECT count(*) FROM runs WHERE fingerprint = 'monitor:svc'", &[]).await?.get(0);
     assert_eq!(runs, 1, "one open run per outage");
+    let down = scrape(&metrics).await?;
+    assert!(sample(&down, r#"pitcrew_monitor_checks_total{service="svc",result="down"}"#) >= 2.0, "{down:?}");
+    assert_eq!(sample(&down, r#"pitcrew_monitor_service_up{service="svc"}"#), 0.0, "{down:?}");
+    assert!(sample(&down, r#"pitcrew_monitor_publishes_total{kind="incident",outcome="ok"}"#) >= 2.0, "{down:?}");
+    assert!(sample(&down, r#"pitcrew_monitor_check_seconds_count{service="svc"}"#) >= 2.0, "{down:?}");
+    assert!(down.iter().any(|(s, _)| s.starts_with("pitcrew_monitor_check_seconds_bucket{service=\"svc\"")));
+    let round = sample(&down, "pitcrew_monitor_last_round_timestamp_seconds");
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?.as_secs_f64();
+    assert!(now - round < 30.0 && round <= now + 1.0, "the last round is recent: {round} vs {now}");
     cli::submit(&crew.bus, Some(&crew.store), DecisionInput::cli(first, Decision::Approve, "ann", None, &crew.cfg))
         .await?;
     assert_eq!(crew.end(first).await?.kind, EventKind::Resolved);
@@ -48,6 +62,12 @@ async fn an_outage_opens_one_run_and_its_recovery_is_reported() -> anyhow::Resul
     let r: serde_json::Value = serde_json::from_slice(&msg.payload)?;
     assert_eq!(r["service"], "svc");
     assert!(r["down_since"].is_string());
+    // One recovery counted, and the service reads as up.
+    let up = scrape(&metrics).await?;
+    assert_eq!(sample(&up, r#"pitcrew_monitor_publishes_total{kind="recovery",outcome="ok"}"#), 1.0, "{up:?}");
+    assert_eq!(sample(&up, r#"pitcrew_monitor_service_up{service="svc"}"#), 1.0, "{up:?}");
+    assert!(sample(&up, r#"pitcrew_monitor_checks_total{service="svc",result="up"}"#) >= 1.0, "{up:?}");
+    assert!(sample(&up, "pitcrew_monitor_last_round_timestamp_seconds") >= round);
     assert_eq!(count(&db, "SELECT count(*) FROM executions WHERE run_id = $1", first).await, 2);
     let _ = stop.send(());
     monitor.await??;

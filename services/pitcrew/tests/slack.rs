@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{count, marker_service, write, Crew, LOCKED_PLAYBOOK, WAIT};
+use common::{count, marker_service, sample, scrape, write, Crew, LOCKED_PLAYBOOK, WAIT};
 use futures::TryStreamExt;
 use pitcrew::cli;
 use pitcrew_model::{ApprovalDecision, Decision, EventKind, Stage};
@@ -59,6 +59,8 @@ struct Bridge {
     child: Child,
     log: PathBuf,
     url: String,
+    /// Its `/metrics` (the crew's config plus `[metrics] listen`).
+    metrics: String,
 }
 
 impl Bridge {
@@ -77,9 +79,13 @@ impl Bridge {
         secrets: &[(&str, &str)],
     ) -> anyhow::Result<Bridge> {
         let log = crew.env.dir.path().join(format!("{name}.log"));
+        let metrics_port = pitcrew_runtime::natsd::free_port()?;
+        let config = crew.env.dir.path().join(format!("{name}.toml"));
+        let toml = std::fs::read_to_string(crew.config_file()?)?;
+        std::fs::write(&config, format!("{toml}\n[metrics]\nlisten = \"127.0.0.1:{metrics_port}\"\n"))?;
         let child = Command::new(env!("CARGO_BIN_EXE_pitcrew"))
             .arg("--config")
-            .arg(crew.config_file()?)
+            .arg(&config)
             .args(["bridge", kind])
             .envs(secrets.iter().copied())
             .env("PITCREW_LOG", "debug")
@@ -88,7 +94,12 @@ impl Bridge {
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(&log)?)
             .spawn()?;
-        let mut bridge = Bridge { child, log, url: format!("http://127.0.0.1:{port}") };
+        let mut bridge = Bridge {
+            child,
+            log,
+            url: format!("http://127.0.0.1:{port}"),
+            metrics: format!("http://127.0.0.1:{metrics_port}/metrics"),
+        };
         let http = reqwest::Client::new();
         let deadline = tokio::time::Instant::now() + WAIT;
         loop {
@@ -398,10 +409,20 @@ async fn a_signed_slack_approval_runs_the_plan_and_forged_stale_or_second_clicks
     let (status, _) = bridge.click(&"x".repeat(100 * 1024)).await?;
     assert_eq!(status, 413);
 
+    // The bridge's own /metrics: one post, one decision, three refusals (Eve, the stale plan,
+    // Bob's second decision; forged ones never reach a decision), nothing left to post.
+    let m = scrape(&bridge.metrics).await?;
+    assert_eq!(sample(&m, r#"pitcrew_bridge_posts_total{chat="slack",outcome="posted"}"#), 1.0, "{m:?}");
+    assert_eq!(sample(&m, r#"pitcrew_bridge_clicks_total{chat="slack",result="decided"}"#), 1.0, "{m:?}");
+    assert_eq!(sample(&m, r#"pitcrew_bridge_clicks_total{chat="slack",result="refused"}"#), 3.0, "{m:?}");
+    let backlog = r#"pitcrew_consumer_pending_messages{consumer="slack-bridge"}"#;
+    assert!(m.iter().any(|(s, v)| s == backlog && *v == 0.0), "the posting backlog is read: {m:?}");
+    let metrics_text: String = m.iter().map(|(s, v)| format!("{s} {v}\n")).collect();
+
     let log = bridge.stop().await?;
     assert!(log.contains("chat decision published") && log.contains("Slack decision refused"), "{log}");
     assert!(log.contains("U0EVE"), "a refusal names who clicked: {log}");
-    secrets_kept(&crew, &[log]).await?;
+    secrets_kept(&crew, &[log, metrics_text]).await?;
     crew.shutdown().await
 }
 
@@ -560,6 +581,10 @@ async fn a_mattermost_click_runs_the_plan_and_forged_or_second_clicks_change_not
     assert!(reason.contains("already decided: approve by ann via mattermost"), "{text}");
     assert_eq!(decisions_published(&crew, run).await?, 1);
     assert_eq!(mm.calls_to("v4/posts").len(), 1, "posted exactly once");
+    let m = scrape(&bridge.metrics).await?;
+    assert_eq!(sample(&m, r#"pitcrew_bridge_posts_total{chat="mattermost",outcome="posted"}"#), 1.0, "{m:?}");
+    assert_eq!(sample(&m, r#"pitcrew_bridge_clicks_total{chat="mattermost",result="decided"}"#), 1.0, "{m:?}");
+    assert_eq!(sample(&m, r#"pitcrew_bridge_clicks_total{chat="mattermost",result="refused"}"#), 2.0, "{m:?}");
 
     let log = bridge.stop().await?;
     assert!(log.contains("chat decision published") && log.contains("mmeve0"), "{log}");

@@ -218,7 +218,7 @@ impl Default for SlackConfig {
     }
 }
 
-/// `[metrics]`: the Prometheus endpoint of each worker process.
+/// `[metrics]`: the Prometheus endpoint of each worker, gateway, monitor and bridge process.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct MetricsConfig {

@@ -151,6 +151,26 @@ impl Collector {
     }
 }
 
+/// Serve `GET /metrics` on `listen` (`[metrics] listen`; `None`: off) in the background until
+/// `shutdown`, refreshing `collector`'s gauges on each scrape. The address is bound before
+/// this returns, so a taken or malformed one fails the process at start (named, with the
+/// setting) instead of leaving a silent gap in the dashboards. Returns the bound address.
+pub async fn spawn_endpoint(
+    listen: Option<&str>,
+    collector: Option<Collector>,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<Option<std::net::SocketAddr>> {
+    use anyhow::Context as _;
+    let Some(listen) = listen else { return Ok(None) };
+    let listener = tokio::net::TcpListener::bind(listen)
+        .await
+        .with_context(|| format!("[metrics] listen = \"{listen}\": cannot bind"))?;
+    let at = listener.local_addr()?;
+    tracing::info!(listen = %at, "serving Prometheus metrics at /metrics");
+    tokio::spawn(serve_with(listener, collector, shutdown));
+    Ok(Some(at))
+}
+
 /// Serve `GET /metrics` on `listener` until `shutdown`.
 pub async fn serve(listener: tokio::net::TcpListener, shutdown: impl std::future::Future<Output = ()>) {
     serve_with(listener, None, shutdown).await

@@ -58,6 +58,7 @@ pub async fn run_from_env(cfg: Config, shutdown: Shutdown) -> anyhow::Result<()>
 pub async fn run(cfg: Config, secrets: Secrets, listener: TcpListener, shutdown: Shutdown) -> anyhow::Result<()> {
     let mm = settings(&cfg)?.clone();
     let (bus, store) = crate::connect(&cfg).await?;
+    crate::serve_metrics(&cfg, &bus, &store, &mm.durable, shutdown.clone()).await?;
     let api = api::MattermostApi::new(&mm.url, secrets.token, Duration::from_secs(mm.timeout_secs.max(1)))?;
     let action_url = format!("{}/mattermost/actions", mm.public_url.trim_end_matches('/'));
     let chat = api::MattermostChat {

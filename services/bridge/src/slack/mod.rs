@@ -67,6 +67,7 @@ pub async fn run_from_env(cfg: Config, shutdown: Shutdown) -> anyhow::Result<()>
 pub async fn run(cfg: Config, secrets: Secrets, listener: TcpListener, shutdown: Shutdown) -> anyhow::Result<()> {
     let slack = settings(&cfg)?.clone();
     let (bus, store) = crate::connect(&cfg).await?;
+    crate::serve_metrics(&cfg, &bus, &store, &slack.durable, shutdown.clone()).await?;
     let timeout = Duration::from_secs(slack.timeout_secs.max(1));
     let api = api::SlackApi::new(&slack.api_url, secrets.token, secrets.webhook_url, timeout)?;
     let chat = api::SlackChat { api: api.clone(), channel: slack.channel.clone() };
