@@ -202,3 +202,26 @@ pub async fn serve_with(
         tracing::warn!(error = %e, "the metrics endpoint stopped");
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn an_endpoint_is_off_unless_set_and_a_taken_address_is_an_error_naming_the_setting() {
+        let never = std::future::pending::<()>();
+        assert_eq!(spawn_endpoint(None, None, never).await.unwrap(), None);
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let at = spawn_endpoint(Some("127.0.0.1:0"), None, async move {
+            let _ = stopped.await;
+        })
+        .await
+        .unwrap()
+        .expect("bound");
+        let taken = at.to_string();
+        let err = spawn_endpoint(Some(&taken), None, std::future::pending::<()>()).await.unwrap_err();
+        let text = format!("{err:#}");
+        assert!(text.contains(&format!("[metrics] listen = \"{taken}\": cannot bind")), "{text}");
+        let _ = stop.send(());
+    }
+}
