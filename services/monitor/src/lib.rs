@@ -50,16 +50,18 @@ pub enum Change {
     Recovered,
 }
 
-/// Per-service memory of the last result.
+/// Per-service memory of the last result. A change is only remembered as reported once its
+/// message is on the bus ([`Tracker::reported`]): one that could not be published is seen,
+/// and published, again the next round, a recovery included.
 #[derive(Debug, Default, Clone)]
 pub struct Tracker {
     /// Service -> (down since, last incident published at), for services currently down.
-    down: HashMap<String, (chrono::DateTime<chrono::Utc>, chrono::DateTime<chrono::Utc>)>,
+    down: HashMap<String, (chrono::DateTime<chrono::Utc>, Option<chrono::DateTime<chrono::Utc>>)>,
 }
 
 impl Tracker {
-    /// Fold one check result in. A service still down is reported again after `realert`
-    /// (intake deduplicates by fingerprint while its run is open).
+    /// Fold one check result in: what should be published. A service still down is reported
+    /// again after `realert` (intake deduplicates by fingerprint while its run is open).
     pub fn observe(
         &mut self,
         service: &str,
@@ -67,23 +69,35 @@ impl Tracker {
         now: chrono::DateTime<chrono::Utc>,
         realert: Duration,
     ) -> Change {
-        match (healthy, self.down.get_mut(service)) {
+        match (healthy, self.down.get(service)) {
             (true, None) => Change::Nothing,
-            (true, Some(_)) => {
-                self.down.remove(service);
-                Change::Recovered
-            }
+            (true, Some(_)) => Change::Recovered,
             (false, None) => {
-                self.down.insert(service.to_string(), (now, now));
+                self.down.insert(service.to_string(), (now, None));
                 Change::Down
             }
-            (false, Some((_, last))) => {
+            (false, Some((_, None))) => Change::Down,
+            (false, Some((_, Some(last)))) => {
                 if (now - *last).to_std().unwrap_or_default() >= realert {
-                    *last = now;
                     Change::Down
                 } else {
                     Change::Nothing
                 }
+            }
+        }
+    }
+
+    /// `change` of `service` was published at `now`.
+    pub fn reported(&mut self, service: &str, change: &Change, now: chrono::DateTime<chrono::Utc>) {
+        match change {
+            Change::Nothing => {}
+            Change::Down => {
+                if let Some((_, last)) = self.down.get_mut(service) {
+                    *last = Some(now);
+                }
+            }
+            Change::Recovered => {
+                self.down.remove(service);
             }
         }
     }
@@ -142,20 +156,18 @@ pub async fn run(
     loop {
         for (service, out) in check_all(&services, executor.as_ref()).await {
             let now = chrono::Utc::now();
-            let since = tracker.down_since(&service);
             let change = tracker.observe(&service, out.healthy, now, realert);
+            let since = tracker.down_since(&service);
             let (kind, sent) = match change {
                 Change::Nothing => continue,
-                Change::Down => {
-                    ("incident", open(&bus, &service, &out, tracker.down_since(&service).unwrap_or(now)).await)
-                }
+                Change::Down => ("incident", open(&bus, &service, &out, since.unwrap_or(now)).await),
                 Change::Recovered => ("recovery", recovered(&bus, &service, &out, since).await),
             };
             PUBLISHED.inc(&[kind, if sent.is_ok() { "ok" } else { "failed" }]);
-            if let Err(e) = sent {
-                // Forget the transition so the next round tries again.
-                tracing::warn!(service = %service, error = %e, "monitor publish failed");
-                tracker = Tracker { down: tracker.down.into_iter().filter(|(s, _)| *s != service).collect() };
+            match sent {
+                Ok(()) => tracker.reported(&service, &change, now),
+                // Not remembered as reported: the next round publishes it again.
+                Err(e) => tracing::warn!(service = %service, error = %e, "monitor publish failed: retrying next round"),
             }
         }
         let at = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
@@ -212,13 +224,43 @@ mod tests {
         let t0 = chrono::Utc::now();
         let s = |n: i64| t0 + chrono::Duration::seconds(n);
         let hour = Duration::from_secs(3600);
-        assert_eq!(t.observe("web", true, s(0), hour), Change::Nothing);
-        assert_eq!(t.observe("web", false, s(10), hour), Change::Down);
-        assert_eq!(t.observe("web", false, s(20), hour), Change::Nothing, "still down: no second incident");
+        // Observe and publish at once, as a round does when the bus takes every message.
+        let round = |t: &mut Tracker, healthy: bool, at| {
+            let change = t.observe("web", healthy, at, hour);
+            t.reported("web", &change, at);
+            change
+        };
+        assert_eq!(round(&mut t, true, s(0)), Change::Nothing);
+        assert_eq!(round(&mut t, false, s(10)), Change::Down);
+        assert_eq!(round(&mut t, false, s(20)), Change::Nothing, "still down: no second incident");
         assert_eq!(t.down_since("web"), Some(s(10)));
-        assert_eq!(t.observe("web", false, s(3700), hour), Change::Down, "a reminder after realert");
-        assert_eq!(t.observe("web", true, s(3710), hour), Change::Recovered);
-        assert_eq!(t.observe("web", true, s(3720), hour), Change::Nothing);
+        assert_eq!(round(&mut t, false, s(3700)), Change::Down, "a reminder after realert");
+        assert_eq!(t.down_since("web"), Some(s(10)), "a reminder keeps the outage's start");
+        assert_eq!(round(&mut t, true, s(3710)), Change::Recovered);
+        assert_eq!(round(&mut t, true, s(3720)), Change::Nothing);
+        assert_eq!(t.down_since("web"), None);
+    }
+
+    #[test]
+    fn a_change_that_could_not_be_published_is_published_the_next_round() {
+        let mut t = Tracker::default();
+        let t0 = chrono::Utc::now();
+        let s = |n: i64| t0 + chrono::Duration::seconds(n);
+        let hour = Duration::from_secs(3600);
+        // The outage's incident fails to publish: the next round reports it again, with the
+        // outage's start unchanged; once published, it is not repeated.
+        assert_eq!(t.observe("web", false, s(10), hour), Change::Down);
+        assert_eq!(t.observe("web", false, s(20), hour), Change::Down, "not published yet");
+        assert_eq!(t.down_since("web"), Some(s(10)));
+        t.reported("web", &Change::Down, s(20));
+        assert_eq!(t.observe("web", false, s(30), hour), Change::Nothing);
+        // The recovery fails to publish: it is reported again, with when the outage began,
+        // until the bus takes it.
+        assert_eq!(t.observe("web", true, s(40), hour), Change::Recovered);
+        assert_eq!(t.observe("web", true, s(50), hour), Change::Recovered, "a lost recovery is not forgotten");
+        assert_eq!(t.down_since("web"), Some(s(10)));
+        t.reported("web", &Change::Recovered, s(50));
+        assert_eq!(t.observe("web", true, s(60), hour), Change::Nothing);
         assert_eq!(t.down_since("web"), None);
     }
 }
