@@ -2,7 +2,8 @@
 //! process (offline providers, local executor), publishes incidents through the real bus at a
 //! fixed rate or as fast as possible, waits for every run to end, and prints one JSON line:
 //! completed runs per second, end-to-end latency percentiles, per-stage latency (from the
-//! timeline's timestamps) and errors.
+//! timeline's timestamps) and errors. With `--target CONFIG --service NAME` it starts nothing
+//! and drives a pitcrew that is already running, on that config's bus and database.
 //!
 //! With `--llm-latency-ms N` diagnose and plan reason with an OpenAI-compatible server the tool
 //! starts in a process of its own (real HTTP) that answers every call after N ms, modelling
@@ -93,6 +94,20 @@ struct Args {
     /// executor (a process per check); `http` GETs a health endpoint this tool serves.
     #[arg(long, value_enum, default_value_t = CheckKind::Command)]
     check: CheckKind,
+    /// Drive a pitcrew that is already running instead of starting one: the config file its
+    /// workers run with (`PITCREW_*` variables apply, as for them). The tool starts nothing:
+    /// it publishes on that bus, follows the terminal events there and reads the stage
+    /// latencies from that database. The running crew's config decides reasoning, checks and
+    /// fixes, so the options that shape the tool's own crew do not apply. Needs `--service`.
+    #[arg(long, value_name = "CONFIG", requires = "service")]
+    target: Option<std::path::PathBuf>,
+    /// With `--target`: the configured service the incidents are about.
+    #[arg(long, requires = "target")]
+    service: Option<String>,
+    /// With `--target`: the error every incident reports (what the crew's playbook or model
+    /// acts on). Default: `connection refused`.
+    #[arg(long, requires = "target")]
+    error: Option<String>,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -217,36 +232,27 @@ fn summary(mut v: Vec<f64>) -> serde_json::Value {
     serde_json::json!({ "p50": percentile(&v, 50.0), "p90": percentile(&v, 90.0), "p99": percentile(&v, 99.0), "n": v.len() })
 }
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
-    let args = Args::parse();
-    if args.serve_llm {
-        return llm::serve(Duration::from_millis(args.llm_latency_ms), args.llm_fix).await;
-    }
-    // Span export, when asked for: logs stay at warn so only export's cost is added.
-    let sink = if args.otlp_sink { Some(otlp_sink().await?) } else { None };
-    let endpoint = args.otlp_endpoint.clone().or_else(|| sink.as_ref().map(|(url, _)| url.clone()));
-    let mut telemetry = if endpoint.is_some() || args.log.is_some() {
-        let cfg = pitcrew_runtime::config::TelemetryConfig {
-            otlp_endpoint: endpoint.clone(),
-            service_name: "pitcrew-loadtest".into(),
-            ..Default::default()
-        };
-        // The tool's filter wins over PITCREW_LOG / RUST_LOG.
-        if let Some(filter) = &args.log {
-            std::env::set_var("PITCREW_LOG", filter);
-        }
-        Some(pitcrew_runtime::telemetry::init_with("warn", &cfg)?)
-    } else {
-        None
-    };
+/// The crew the tool runs itself (every stage in this process, or diagnose in worker
+/// processes), on its own nats-server and fresh database, and what it needs to stop it.
+struct Local {
+    env: TestEnv,
+    cfg: Config,
+    bus: pitcrew_runtime::Bus,
+    crew_task: tokio::task::JoinHandle<anyhow::Result<()>>,
+    stop: tokio::sync::oneshot::Sender<()>,
+    workers: Vec<KillOnDrop>,
+    llm: Option<llm::SimulatedLlm>,
+}
+
+/// Start nats-server, a fresh database, the simulated model if asked for, and the crew.
+async fn start_local(args: &Args, endpoint: Option<&str>) -> anyhow::Result<Local> {
     let env = TestEnv::start().await.context("starting nats-server and a fresh database")?;
     let book = env.path("playbook.toml");
     std::fs::write(&book, PLAYBOOK)?;
     let healthy = env.path("healthy");
     std::fs::write(&healthy, "")?;
     // The simulated LLM: a grounded diagnosis quoting the incident, and the playbook's plan.
-    let mut llm = if args.llm_latency_ms > 0 {
+    let llm = if args.llm_latency_ms > 0 {
         Some(llm::start(Duration::from_millis(args.llm_latency_ms), &format!("touch {healthy}")).await?)
     } else {
         None
@@ -281,19 +287,12 @@ async fn main() -> anyhow::Result<()> {
     ));
     let text = text.replacen("pool_size = 8\n", &format!("pool_size = {}\n", args.pool_size.max(1)), 1);
     // Worker processes (--diagnose-processes) export to the same place.
-    let text = match &endpoint {
+    let text = match endpoint {
         Some(url) => format!("{text}[telemetry]\notlp_endpoint = \"{url}\"\nservice_name = \"pitcrew-diagnose\"\n"),
         None => text,
     };
     let cfg = Config::from_toml(&text)?;
     let (bus, _store) = crew::connect(&cfg).await?;
-    // One permit per run allowed in flight; the observer gives one back as each run ends.
-    let in_flight = Arc::new(tokio::sync::Semaphore::new(if args.in_flight > 0 {
-        args.in_flight
-    } else {
-        tokio::sync::Semaphore::MAX_PERMITS
-    }));
-    let mut finished = observe::terminals(&bus, in_flight.clone()).await?;
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let shutdown = async move {
         let _ = stopped.await;
@@ -326,6 +325,95 @@ async fn main() -> anyhow::Result<()> {
         }
     }
 
+    Ok(Local { env, cfg, bus, crew_task, stop, workers, llm })
+}
+
+/// `--target`: the running crew's config, its bus and its database. Refuses the options that
+/// only shape the tool's own crew, and a service the crew does not know.
+async fn connect_target(
+    args: &Args,
+    path: &std::path::Path,
+) -> anyhow::Result<(Config, pitcrew_runtime::Bus, tokio_postgres::Client)> {
+    let own = [
+        (args.llm_latency_ms > 0, "--llm-latency-ms"),
+        (args.diagnose_processes > 0, "--diagnose-processes"),
+        (args.diagnose_concurrency.is_some(), "--diagnose-concurrency"),
+        (args.no_evidence, "--no-evidence"),
+        (args.check != CheckKind::Command, "--check"),
+        (args.otlp_endpoint.is_some() || args.otlp_sink, "--otlp-endpoint/--otlp-sink"),
+    ];
+    if let Some((_, flag)) = own.iter().find(|(set, _)| *set) {
+        bail!("{flag} shapes the crew this tool starts; with --target the running crew's own config decides");
+    }
+    let cfg = Config::load(Some(path)).with_context(|| format!("--target {}", path.display()))?;
+    let service = args.service.as_deref().unwrap_or_default();
+    if !cfg.services.contains_key(service) {
+        let known: Vec<&String> = cfg.services.keys().collect();
+        bail!("--service {service}: not under [services] in {} (it has {known:?})", path.display());
+    }
+    let bus = pitcrew_runtime::Bus::connect(&cfg).await.context("connecting to the target's NATS")?;
+    let events = bus.subjects.events_stream();
+    bus.js.get_stream(&events).await.with_context(|| {
+        format!("the target's bus has no stream {events}: is pitcrew running there, with this config's prefix?")
+    })?;
+    let (db, conn) = tokio_postgres::connect(&cfg.database.url, tokio_postgres::NoTls)
+        .await
+        .context("connecting to the target's database (for the stage latencies)")?;
+    tokio::spawn(async move {
+        if let Err(e) = conn.await {
+            eprintln!("loadtest: the database connection ended: {e}");
+        }
+    });
+    Ok((cfg, bus, db))
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    if args.serve_llm {
+        return llm::serve(Duration::from_millis(args.llm_latency_ms), args.llm_fix).await;
+    }
+    // Span export, when asked for: logs stay at warn so only export's cost is added.
+    let sink = if args.otlp_sink { Some(otlp_sink().await?) } else { None };
+    let endpoint = args.otlp_endpoint.clone().or_else(|| sink.as_ref().map(|(url, _)| url.clone()));
+    let mut telemetry = if endpoint.is_some() || args.log.is_some() {
+        let cfg = pitcrew_runtime::config::TelemetryConfig {
+            otlp_endpoint: endpoint.clone(),
+            service_name: "pitcrew-loadtest".into(),
+            ..Default::default()
+        };
+        // The tool's filter wins over PITCREW_LOG / RUST_LOG.
+        if let Some(filter) = &args.log {
+            std::env::set_var("PITCREW_LOG", filter);
+        }
+        Some(pitcrew_runtime::telemetry::init_with("warn", &cfg)?)
+    } else {
+        None
+    };
+    let mut local = None;
+    let (cfg, bus, db) = match &args.target {
+        Some(path) => connect_target(&args, path).await?,
+        None => {
+            let l = start_local(&args, endpoint.as_deref()).await?;
+            let db = l.env.db.client().await?;
+            let (cfg, bus) = (l.cfg.clone(), l.bus.clone());
+            local = Some(l);
+            (cfg, bus, db)
+        }
+    };
+    let service = args.service.clone().unwrap_or_else(|| "svc".into());
+    // One permit per run allowed in flight; the observer gives one back as each run ends.
+    let in_flight = Arc::new(tokio::sync::Semaphore::new(if args.in_flight > 0 {
+        args.in_flight
+    } else {
+        tokio::sync::Semaphore::MAX_PERMITS
+    }));
+    let ours = observe::Ours::default();
+    let mut finished = observe::terminals(&bus, in_flight.clone(), ours.clone()).await?;
+    // A tag of this batch in each incident's fingerprint: a run of an earlier batch still
+    // open on the same crew never swallows one of this batch's as a duplicate.
+    let batch = Uuid::new_v4().simple().to_string()[..8].to_string();
+
     eprintln!(
         "loadtest: publishing {} incidents ({}/s{})",
         args.incidents,
@@ -352,9 +440,16 @@ async fn main() -> anyhow::Result<()> {
         while let Ok(e) = finished.try_recv() {
             ended.push((e.at, e.kind, e.run_id));
         }
-        let resolve = (i * 100 / args.incidents.max(1)) < args.resolve_percent as usize;
-        let error = if resolve { "connection refused" } else { "disk wiped" };
-        let inc = cli::incident("svc", error, None, Severity::Warning, Some(format!("lt-{i}")))?;
+        let error = match (&args.target, &args.error) {
+            (Some(_), Some(e)) => e.as_str(),
+            (Some(_), None) => "connection refused",
+            (None, _) if (i * 100 / args.incidents.max(1)) < args.resolve_percent as usize => "connection refused",
+            (None, _) => "disk wiped",
+        };
+        let inc = cli::incident(&service, error, None, Severity::Warning, Some(format!("lt-{batch}-{i}")))?;
+        if let (Some(id), Ok(mut o)) = (inc.id, ours.lock()) {
+            o.insert(id);
+        }
         let at = chrono::Utc::now();
         match cli::open_incident(&bus, &inc).await {
             Ok(id) => {
@@ -387,7 +482,7 @@ async fn main() -> anyhow::Result<()> {
     let (cpu_self1, cpu_children1) = cpu_ms();
     let machine1 = machine_busy_ms();
     let mut e2e = Vec::with_capacity(ended.len());
-    let mut outcomes: BTreeMap<&'static str, usize> = BTreeMap::new();
+    let mut outcomes: BTreeMap<&'static str, usize> = [("resolved", 0), ("escalated", 0)].into();
     for (at, kind, run) in &ended {
         let Some(t0) = sent.get(run) else { continue };
         // Published (our clock) to the terminal event (the worker's clock: the same machine).
@@ -415,17 +510,26 @@ async fn main() -> anyhow::Result<()> {
     let per_run = |ms: f64| ((ms / e2e.len().max(1) as f64) * 100.0).round() / 100.0;
     // What one run costs in CPU: this process (the crew and the tool), the commands it ran,
     // and the whole machine (adds Postgres and nats-server; only meaningful on a quiet one).
+    // With --target the crew runs elsewhere: this process holds only the tool.
+    let own = args.target.is_none();
     let cpu = serde_json::json!({
-        "crew": per_run(cpu_self1 - cpu_self0),
-        "commands": per_run(cpu_children1 - cpu_children0),
+        "crew": own.then(|| per_run(cpu_self1 - cpu_self0)),
+        "commands": own.then(|| per_run(cpu_children1 - cpu_children0)),
         "machine": machine0.zip(machine1).map(|(a, b)| per_run(b - a)),
     });
-    let stage_ms = observe::stage_latencies(&env.db.client().await?, &sent).await?;
-    let _ = stop.send(());
-    let _ = tokio::time::timeout(Duration::from_secs(30), crew_task).await;
-    drop(workers);
-    let llm_calls = match llm.take() {
-        Some(l) => Some(l.finish().await?),
+    let stage_ms = observe::stage_latencies(&db, &sent).await?;
+    let llm_calls = match local.take() {
+        Some(l) => {
+            let _ = l.stop.send(());
+            let _ = tokio::time::timeout(Duration::from_secs(30), l.crew_task).await;
+            drop(l.workers);
+            let calls = match l.llm {
+                Some(m) => Some(m.finish().await?),
+                None => None,
+            };
+            drop(l.env);
+            calls
+        }
         None => None,
     };
     // Flush the spans still queued, so the sink's counts are complete.
@@ -456,20 +560,22 @@ async fn main() -> anyhow::Result<()> {
             "completed_per_second": rate,
             "steady_per_second": steady,
             "in_flight": args.in_flight,
-            "check": match args.check { CheckKind::Command => "command", CheckKind::Http => "http" },
+            "check": own.then_some(match args.check { CheckKind::Command => "command", CheckKind::Http => "http" }),
             "e2e_ms": summary(e2e),
             "stage_ms": stages,
             "outcomes": outcomes,
             "errors": errors,
-            "concurrency": args.concurrency,
+            "concurrency": own.then_some(args.concurrency),
             "pool_size": cfg.database.pool_size,
             "llm_latency_ms": args.llm_latency_ms,
             "llm_calls": llm_calls,
             "llm_bound": bound,
             "diagnose_processes": args.diagnose_processes,
             "diagnose_concurrency": args.diagnose_concurrency,
-            "evidence_commands": !(args.no_evidence || args.llm_latency_ms > 0),
-            "peak_rss_mb": peak_rss_mb(),
+            "evidence_commands": own.then_some(!(args.no_evidence || args.llm_latency_ms > 0)),
+            "peak_rss_mb": if own { peak_rss_mb() } else { None },
+            "target": args.target.as_ref().map(|p| p.display().to_string()),
+            "service": service,
             "cpu_ms_per_run": cpu,
             "otlp": otlp,
             "log": args.log,

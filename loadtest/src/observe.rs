@@ -13,10 +13,18 @@ use std::sync::Arc;
 use tokio::sync::{mpsc, Semaphore};
 use uuid::Uuid;
 
-/// Follow every run's terminal event from now on. Each run's first one is sent on the
-/// returned channel and gives a permit back to `in_flight` (the publisher takes one per
-/// incident, so at most its initial count of runs are in flight).
-pub async fn terminals(bus: &Bus, in_flight: Arc<Semaphore>) -> anyhow::Result<mpsc::UnboundedReceiver<RunEvent>> {
+/// The runs of this batch: the publisher adds each before it publishes the incident.
+pub type Ours = Arc<std::sync::Mutex<HashSet<Uuid>>>;
+
+/// Follow the terminal events of `ours` from now on (a crew driven with `--target` may be
+/// ending other runs too). Each run's first one is sent on the returned channel and gives a
+/// permit back to `in_flight` (the publisher takes one per incident, so at most its initial
+/// count of runs are in flight).
+pub async fn terminals(
+    bus: &Bus,
+    in_flight: Arc<Semaphore>,
+    ours: Ours,
+) -> anyhow::Result<mpsc::UnboundedReceiver<RunEvent>> {
     let stream = bus.js.get_stream(bus.subjects.events_stream()).await?;
     // `<prefix>.events.>` -> `<prefix>.events.*.<kind>`
     let base = bus.subjects.events_all();
@@ -42,7 +50,8 @@ pub async fn terminals(bus: &Bus, in_flight: Arc<Semaphore>) -> anyhow::Result<m
                 }
             };
             let Ok(event) = serde_json::from_slice::<RunEvent>(&msg.payload) else { continue };
-            if done.insert(event.run_id) {
+            let mine = ours.lock().map(|o| o.contains(&event.run_id)).unwrap_or(false);
+            if mine && done.insert(event.run_id) {
                 // Without a limit the count starts at the maximum: an end the tool did not
                 // count a permit out for (a publish whose ack was lost) must not pass it.
                 if in_flight.available_permits() < Semaphore::MAX_PERMITS {
@@ -65,8 +74,15 @@ pub async fn stage_latencies(
     db: &tokio_postgres::Client,
     published: &HashMap<Uuid, chrono::DateTime<chrono::Utc>>,
 ) -> anyhow::Result<BTreeMap<String, Vec<f64>>> {
+    // Only this batch's runs: against a crew that has run before (`--target`), the table
+    // holds every timeline it ever wrote.
+    let ids: Vec<Uuid> = published.keys().copied().collect();
     let rows = db
-        .query("SELECT run_id, stage, max(at) FROM run_events GROUP BY run_id, seq, stage ORDER BY run_id, seq", &[])
+        .query(
+            "SELECT run_id, stage, max(at) FROM run_events WHERE run_id = ANY($1)
+             GROUP BY run_id, seq, stage ORDER BY run_id, seq",
+            &[&ids],
+        )
         .await
         .context("reading the timelines")?;
     let mut out: BTreeMap<String, Vec<f64>> = BTreeMap::new();

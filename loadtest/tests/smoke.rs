@@ -59,3 +59,67 @@ fn a_simulated_model_is_called_twice_a_run() {
     let expected = report["completed_per_second"].as_f64().unwrap_or(0.0) / 100.0;
     assert!((reached - expected).abs() < 0.002 && reached > 0.0, "{report}");
 }
+
+/// `--target`: the tool starts nothing and drives a crew that is already running (here, in
+/// this test's process, on its own nats-server and database), through that crew's config.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn drives_a_crew_that_is_already_running() -> anyhow::Result<()> {
+    use futures::FutureExt;
+    let env = pitcrew_testkit::TestEnv::start().await?;
+    let healthy = env.path("healthy");
+    std::fs::write(&healthy, "")?;
+    let text = env.config_toml(&format!(
+        "[verify]\nchecks = 1\n[services.svc]\nhost = \"local\"\nstart = \"touch {healthy}\"\nevidence = []\n\
+         check = {{ kind = \"command\", command = \"test -f {healthy}\" }}\n"
+    ));
+    let file = env.path("pitcrew.toml");
+    std::fs::write(&file, &text)?;
+    let cfg = pitcrew_runtime::Config::from_toml(&text)?;
+    // The streams and schema exist before the tool looks, as with any crew already running.
+    pitcrew::crew::connect(&cfg).await?;
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let shutdown = async move {
+        let _ = stopped.await;
+    }
+    .boxed()
+    .shared();
+    let crew = tokio::spawn(pitcrew::crew::run(cfg, &pitcrew_model::Stage::ALL, shutdown));
+
+    let tool = |args: Vec<String>| {
+        tokio::task::spawn_blocking(move || {
+            Command::new(env!("CARGO_BIN_EXE_pitcrew-loadtest"))
+                .args(&args)
+                .args(["--timeout", "120"])
+                .env_remove("DATABASE_URL")
+                .output()
+        })
+    };
+    let args = |more: &[&str]| {
+        let mut a: Vec<String> =
+            ["--target", &file, "--incidents", "12", "--in-flight", "3"].map(String::from).to_vec();
+        a.extend(more.iter().map(|s| s.to_string()));
+        a
+    };
+    let out = tool(args(&["--service", "svc"])).await??;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let report: serde_json::Value = serde_json::from_str(String::from_utf8_lossy(&out.stdout).trim())?;
+    // Every incident reported `connection refused`: the running crew's playbook fixes each.
+    accounts_for(&report, 12, 12);
+    assert_eq!(report["target"], file.as_str(), "{report}");
+    assert_eq!(report["service"], "svc", "{report}");
+    assert!(report["cpu_ms_per_run"]["crew"].is_null(), "the crew's CPU is not in the tool's process: {report}");
+    assert!(report["peak_rss_mb"].is_null(), "{report}");
+
+    // A service the running crew does not know, and an option only the tool's own crew has.
+    let out = tool(args(&["--service", "nope"])).await??;
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && said.contains("--service nope: not under [services]"), "{said}");
+    let out = tool(args(&["--service", "svc", "--llm-latency-ms", "10"])).await??;
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && said.contains("--llm-latency-ms shapes the crew this tool starts"), "{said}");
+
+    let _ = stop.send(());
+    crew.await??;
+    Ok(())
+}
