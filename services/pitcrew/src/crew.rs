@@ -162,8 +162,8 @@ pub async fn monitor(cfg: Config, shutdown: Shutdown) -> anyhow::Result<()> {
     if checked == 0 {
         anyhow::bail!("no service has a health check: add `check = {{ ... }}` under [services.<name>]");
     }
-    let collector = pitcrew_runtime::metrics::Collector { bus: bus.clone(), store: None, consumers: Vec::new() };
-    pitcrew_runtime::metrics::spawn_endpoint(cfg.metrics.listen.as_deref(), Some(collector), shutdown.clone()).await?;
+    // Nothing to read at scrape time: the monitor's series are its own counters.
+    pitcrew_runtime::metrics::spawn_endpoint(cfg.metrics.listen.as_deref(), None, shutdown.clone()).await?;
     pitcrew_monitor::run(
         bus,
         cfg.services.clone(),

@@ -167,18 +167,14 @@ pub async fn spawn_endpoint(
         .with_context(|| format!("[metrics] listen = \"{listen}\": cannot bind"))?;
     let at = listener.local_addr()?;
     tracing::info!(listen = %at, "serving Prometheus metrics at /metrics");
-    tokio::spawn(serve_with(listener, collector, shutdown));
+    tokio::spawn(serve(listener, collector, shutdown));
     Ok(Some(at))
 }
 
-/// Serve `GET /metrics` on `listener` until `shutdown`.
-pub async fn serve(listener: tokio::net::TcpListener, shutdown: impl std::future::Future<Output = ()>) {
-    serve_with(listener, None, shutdown).await
-}
-
-/// [`serve`], refreshing the scrape-time gauges of `collector` before each answer. Served by
-/// [`crate::httpd`], so a slow or silent scraper holds no connection and connections are capped.
-pub async fn serve_with(
+/// Serve `GET /metrics` on `listener` until `shutdown`, refreshing the scrape-time gauges of
+/// `collector` before each answer. Served by [`crate::httpd`], so a slow or silent scraper
+/// holds no connection and connections are capped.
+async fn serve(
     listener: tokio::net::TcpListener,
     collector: Option<Collector>,
     shutdown: impl std::future::Future<Output = ()>,
