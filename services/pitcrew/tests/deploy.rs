@@ -3,9 +3,18 @@
 //! and every pitcrew service in it is started as the container would start it (the same
 //! arguments after the image's `ENTRYPOINT ["pitcrew"]`, the same environment, with the
 //! compose network's addresses mapped to this test's nats-server, database and ports) and must
-//! come up, serve, and stop cleanly on SIGTERM.
+//! come up, serve, and stop cleanly on SIGTERM, logged in to a nats-server running
+//! `deploy/nats.conf` itself as the users compose gives them. Each of that config's users can
+//! do its service's job and not the jobs it must never do (publish a run state to a stage,
+//! delete the crew's streams, decide approvals when it is only a monitor).
 
-use pitcrew_testkit::TestEnv;
+use anyhow::Context;
+use async_nats::jetstream::consumer::pull::OrderedConfig;
+use futures::StreamExt;
+use pitcrew_model::{Decision, EventKind, Severity, Stage};
+use pitcrew_runtime::approvals::{submit, DecisionInput};
+use pitcrew_runtime::{Bus, Config};
+use pitcrew_testkit::{Events, TestEnv};
 use serde_norway::Value;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -37,19 +46,105 @@ fn environment(service: &Value) -> BTreeMap<String, String> {
                 Value::Bool(b) => b.to_string(),
                 _ => String::new(),
             };
-            out.insert(k.as_str().unwrap_or_default().to_string(), value);
+            out.insert(k.as_str().unwrap_or_default().to_string(), interpolate(&value));
         }
     }
     out
 }
 
+/// Compose's `${VAR:-default}`, as compose would fill it in with VAR unset. Any other form
+/// (no default, or `:?`) would make `docker compose up` depend on the caller's shell: refused.
+fn interpolate(value: &str) -> String {
+    let mut out = String::new();
+    let mut rest = value;
+    while let Some(start) = rest.find("${") {
+        out.push_str(&rest[..start]);
+        let end = rest[start..].find('}').map(|e| start + e).unwrap_or_else(|| panic!("unclosed ${{ in {value}"));
+        let inner = &rest[start + 2..end];
+        let (_, default) = inner.split_once(":-").unwrap_or_else(|| panic!("{value}: ${{{inner}}} has no default"));
+        out.push_str(default);
+        rest = &rest[end + 1..];
+    }
+    out.push_str(rest);
+    out
+}
+
+/// A nats-server running `deploy/nats.conf` itself, on a free loopback port with a temporary
+/// store, its users' passwords in its environment. Killed on drop.
+struct ConfiguredNats {
+    child: std::process::Child,
+    port: u16,
+    dir: tempfile::TempDir,
+}
+
+impl ConfiguredNats {
+    fn start(passwords: &BTreeMap<String, String>) -> anyhow::Result<ConfiguredNats> {
+        let dir = tempfile::tempdir()?;
+        let port = pitcrew_runtime::natsd::free_port()?;
+        let conf = std::fs::read_to_string(repo().join("deploy/nats.conf"))?;
+        // Only the machine-specific lines change; each must be there to change.
+        let store = dir.path().join("js");
+        let mut text = conf.clone();
+        for (from, to) in [
+            ("listen: 0.0.0.0:4222".to_string(), format!("listen: 127.0.0.1:{port}")),
+            ("http: 0.0.0.0:8222".to_string(), String::new()),
+            ("store_dir: /data/jetstream".to_string(), format!("store_dir: \"{}\"", store.display())),
+        ] {
+            anyhow::ensure!(text.contains(&from), "deploy/nats.conf no longer has `{from}`");
+            text = text.replace(&from, &to);
+        }
+        let file = dir.path().join("nats.conf");
+        std::fs::write(&file, text)?;
+        let log = dir.path().join("nats.log");
+        let mut cmd = Command::new(pitcrew_runtime::natsd::find_binary()?);
+        cmd.arg("-c").arg(&file).envs(passwords).stdin(Stdio::null()).stdout(Stdio::null());
+        let child = cmd.stderr(std::fs::File::create(&log)?).spawn()?;
+        let mut nats = ConfiguredNats { child, port, dir };
+        let deadline = std::time::Instant::now() + Duration::from_secs(15);
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            if let Some(status) = nats.child.try_wait()? {
+                anyhow::bail!("nats-server -c deploy/nats.conf exited ({status}):\n{}", nats.log());
+            }
+            anyhow::ensure!(std::time::Instant::now() < deadline, "nats-server never listened:\n{}", nats.log());
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Ok(nats)
+    }
+
+    /// A client URL of `user` with `password`.
+    fn url(&self, user: &str, password: &str) -> String {
+        format!("nats://{user}:{password}@127.0.0.1:{}", self.port)
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("nats.log")).unwrap_or_default()
+    }
+}
+
+impl Drop for ConfiguredNats {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
 #[test]
 fn the_nats_config_is_valid_for_the_real_server() -> anyhow::Result<()> {
     let server = pitcrew_runtime::natsd::find_binary()?;
-    let out = Command::new(&server).arg("-c").arg(repo().join("deploy/nats.conf")).arg("-t").output()?;
-    let said = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    assert!(out.status.success(), "nats-server -t refused deploy/nats.conf: {said}");
-    assert!(said.contains("is valid"), "{said}");
+    let check = |env: &BTreeMap<String, String>| -> anyhow::Result<(bool, String)> {
+        let out = Command::new(&server).arg("-c").arg(repo().join("deploy/nats.conf")).arg("-t").envs(env).output()?;
+        let said = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        Ok((out.status.success(), said))
+    };
+    // With the passwords compose gives the server: valid.
+    let passwords = environment(&compose()?["services"]["nats"]);
+    let (ok, said) = check(&passwords)?;
+    assert!(ok && said.contains("is valid"), "nats-server -t refused deploy/nats.conf: {said}");
+    // Without one of them the server refuses to start (there is no default password).
+    let mut missing = passwords.clone();
+    missing.remove("NATS_MONITOR_PASSWORD");
+    let (ok, said) = check(&missing)?;
+    assert!(!ok && said.contains("NATS_MONITOR_PASSWORD"), "a missing password must stop the server: {said}");
     Ok(())
 }
 
@@ -69,6 +164,17 @@ fn the_compose_file_agrees_with_itself_and_the_image() -> anyhow::Result<()> {
     assert!(conf.lines().any(|l| l.trim() == "http: 0.0.0.0:8222"), "nats.conf serves monitoring on 8222");
     let health = strings(&c["services"]["nats"]["healthcheck"]["test"]).join(" ");
     assert!(health.contains("http://localhost:8222/healthz"), "{health}");
+    // Each service logs in as the nats.conf user made for it, with the password compose
+    // gives the server for that user.
+    let nats_env = environment(&c["services"]["nats"]);
+    let nats_urls: BTreeMap<&str, String> = [("pitcrew", "crew"), ("gateway", "gateway")]
+        .into_iter()
+        .map(|(service, user)| {
+            let password = &nats_env[&format!("NATS_{}_PASSWORD", user.to_uppercase())];
+            assert!(conf.contains(&format!("user: {user}\n")), "nats.conf has a user {user}");
+            (service, format!("nats://{user}:{password}@nats:4222"))
+        })
+        .collect();
     let dockerfile = std::fs::read_to_string(repo().join("deploy/Dockerfile"))?;
     assert!(dockerfile.contains("ENTRYPOINT [\"pitcrew\"]"), "the image runs pitcrew with the command as arguments");
     for name in ["pitcrew", "gateway"] {
@@ -76,7 +182,7 @@ fn the_compose_file_agrees_with_itself_and_the_image() -> anyhow::Result<()> {
         assert_eq!(svc["build"]["dockerfile"].as_str(), Some("deploy/Dockerfile"), "{name} is built from the image");
         let env = environment(svc);
         assert_eq!(env.get("DATABASE_URL"), Some(&url), "{name} uses the database compose creates");
-        assert_eq!(env.get("PITCREW_NATS_URL").map(String::as_str), Some("nats://nats:4222"), "{name}");
+        assert_eq!(env.get("PITCREW_NATS_URL"), Some(&nats_urls[name]), "{name} logs in to NATS as its own user");
         for dep in ["nats", "postgres"] {
             assert_eq!(svc["depends_on"][dep]["condition"].as_str(), Some("service_healthy"), "{name} waits for {dep}");
         }
@@ -94,6 +200,7 @@ fn the_compose_file_agrees_with_itself_and_the_image() -> anyhow::Result<()> {
 /// answers true), then exit 0 on SIGTERM.
 async fn start_as_composed(
     env: &TestEnv,
+    nats: &ConfiguredNats,
     name: &str,
     ready: impl Fn(&str, Option<u16>) -> futures::future::BoxFuture<'static, bool>,
 ) -> anyhow::Result<()> {
@@ -106,7 +213,9 @@ async fn start_as_composed(
     for (k, v) in environment(svc) {
         // The compose network's addresses, mapped to this test's.
         let v = match v.as_str() {
-            "nats://nats:4222" => env.nats.url(),
+            s if s.starts_with("nats://") && s.ends_with("@nats:4222") => {
+                s.replace("@nats:4222", &format!("@127.0.0.1:{}", nats.port))
+            }
             "postgres://postgres:pitcrew@postgres:5432/pitcrew" => env.db.url.clone(),
             s if s.starts_with("0.0.0.0:") => {
                 let p = pitcrew_runtime::natsd::free_port()?;
@@ -172,14 +281,15 @@ async fn start_as_composed(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_composed_crew_and_gateway_start_serve_and_stop_cleanly() -> anyhow::Result<()> {
     let env = TestEnv::start().await?;
+    let nats = ConfiguredNats::start(&environment(&compose()?["services"]["nats"]))?;
     // The crew (`up`): every stage's consumer running.
-    start_as_composed(&env, "pitcrew", |log, _| {
+    start_as_composed(&env, &nats, "pitcrew", |log, _| {
         let up = log.contains("crew running");
         Box::pin(async move { up })
     })
     .await?;
     // The gateway on the port compose gives it: its health endpoint answers.
-    start_as_composed(&env, "gateway", |_, port| {
+    start_as_composed(&env, &nats, "gateway", |_, port| {
         Box::pin(async move {
             let Some(port) = port else { return false };
             match reqwest::get(format!("http://127.0.0.1:{port}/healthz")).await {
@@ -193,5 +303,201 @@ async fn the_composed_crew_and_gateway_start_serve_and_stop_cleanly() -> anyhow:
     let db = env.db.client().await?;
     let applied: i64 = db.query_one("SELECT count(*) FROM pitcrew_migrations", &[]).await?.get(0);
     assert!(applied >= 1, "the composed crew migrated its database");
+    assert!(!nats.log().contains("Violation"), "nothing either did was refused:\n{}", nats.log());
+    Ok(())
+}
+
+/// A child process killed when the test ends, passed or failed.
+struct Killed(std::process::Child);
+
+impl Drop for Killed {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// `user`'s bus on `nats`, its JetStream requests given up after a second (a refused publish
+/// gets no answer at all: the server drops it and tells the connection).
+async fn bus_as(nats: &ConfiguredNats, db: &str, user: &str, password: &str) -> anyhow::Result<Bus> {
+    let cfg =
+        Config::from_toml(&format!("[nats]\nurl = \"{}\"\n[database]\nurl = \"{db}\"\n", nats.url(user, password)))?;
+    let mut bus = Bus::connect(&cfg).await?;
+    bus.js.set_timeout(Duration::from_secs(1));
+    Ok(bus)
+}
+
+/// What `user` must not do: each attempt must fail, leave the streams as they were, and be
+/// named in the server's log as a violation by that user.
+async fn refused(nats: &ConfiguredNats, bus: &Bus, user: &str, observer: &Bus) -> anyhow::Result<()> {
+    let s = &bus.subjects;
+    let stages = observer.js.get_stream(s.stages_stream()).await?.info().await?.state.last_sequence;
+    let forged = serde_json::json!({ "run_id": uuid::Uuid::now_v7(), "step": "execute" });
+    // A run state straight to execute: the subject plans travel on.
+    let published = bus
+        .publish(
+            s.stage(Stage::Execute),
+            &format!("{user}-forged"),
+            "application/json",
+            None,
+            forged.to_string().into(),
+        )
+        .await;
+    assert!(published.is_err(), "{user} published a run state to {}", s.stage(Stage::Execute));
+    // The crew's streams are not its to delete.
+    assert!(bus.js.delete_stream(s.stages_stream()).await.is_err(), "{user} deleted {}", s.stages_stream());
+    // Nor its consumers' work to take: a pull request to execute's consumer. Allowed, it
+    // would be answered (with a message, or a 408 when the 200 ms expire); refused, never.
+    let next = format!("$JS.API.CONSUMER.MSG.NEXT.{}.execute", s.stages_stream());
+    let inbox = bus.client.new_inbox();
+    let mut answers = bus.client.subscribe(inbox.clone()).await?;
+    bus.client.publish_with_reply(next.clone(), inbox, r#"{"batch":1,"expires":200000000}"#.into()).await?;
+    bus.client.flush().await?;
+    let answered = tokio::time::timeout(Duration::from_millis(800), answers.next()).await;
+    assert!(answered.is_err(), "{user}'s pull from the crew's execute consumer was answered");
+    let after = observer.js.get_stream(s.stages_stream()).await?.info().await?.state.last_sequence;
+    assert_eq!(after, stages, "{user}'s attempts left the stage stream as it was");
+    let log = nats.log();
+    let named = |subject: &str| {
+        log.lines().any(|l| l.contains(&format!("user:{user}\"")) && l.contains("Violation") && l.contains(subject))
+    };
+    for subject in [s.stage(Stage::Execute), format!("$JS.API.STREAM.DELETE.{}", s.stages_stream()), next] {
+        assert!(named(&subject), "the server names {user}'s refused publish to {subject}:\n{log}");
+    }
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_nats_user_does_its_services_job_and_nothing_more() -> anyhow::Result<()> {
+    let env = TestEnv::start().await?;
+    let passwords: BTreeMap<String, String> = ["CREW", "OPERATOR", "GATEWAY", "MONITOR", "BRIDGE"]
+        .into_iter()
+        .map(|u| (format!("NATS_{u}_PASSWORD"), format!("{}-{}", u.to_lowercase(), uuid::Uuid::new_v4().simple())))
+        .collect();
+    let pw = |user: &str| passwords[&format!("NATS_{}_PASSWORD", user.to_uppercase())].clone();
+    let nats = ConfiguredNats::start(&passwords)?;
+    let db = env.db.url.clone();
+    // A wrong password is refused at connect, with a readable error that hides it.
+    let wrong =
+        Config::from_toml(&format!("[nats]\nurl = \"{}\"\n[database]\nurl = \"{db}\"\n", nats.url("crew", "guess")))?;
+    let err = Bus::connect(&wrong).await.err().expect("a wrong password is refused").to_string();
+    assert!(err.contains("authorization violation") && err.contains("check the user and password"), "{err}");
+    assert!(!err.contains("guess"), "the error shows no password: {err}");
+
+    // The crew, as `crew`, in its own process: a service whose fix policy holds for approval.
+    let healthy = env.path("svc-healthy");
+    let book = env.path("playbook.toml");
+    std::fs::write(
+        &book,
+        "[[rule]]\nname = \"locked\"\nmatch = \"(?i)stale lock\"\ndiagnosis = \"{service} is held by a stale lock\"\n\
+         plans = [[\"rm -f /nonexistent/svc.lock\", \"touch HEALTHY\"]]\n"
+            .replace("HEALTHY", &healthy),
+    )?;
+    let toml = format!(
+        "[nats]\nurl = \"{}\"\n[database]\nurl = \"{db}\"\n[verify]\nchecks = 2\ninterval_ms = 100\n\
+         [approvers]\nann = \"approver\"\n[reasoning]\nplaybook_file = \"{book}\"\n\
+         [services.svc]\nhost = \"local\"\nrestart = \"touch {healthy}\"\n\
+         check = {{ kind = \"command\", command = \"test -f {healthy}\" }}\n",
+        nats.url("crew", &pw("crew"))
+    );
+    let file = env.path("pitcrew.toml");
+    std::fs::write(&file, &toml)?;
+    let log_path = env.path("crew.log");
+    let mut crew = Killed(
+        Command::new(env!("CARGO_BIN_EXE_pitcrew"))
+            .args(["--config", &file, "up"])
+            .env_remove("DATABASE_URL")
+            .env_remove("PITCREW_NATS_URL")
+            .env("PITCREW_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log_path)?)
+            .spawn()?,
+    );
+    let crew = &mut crew.0;
+    let crew_log = || std::fs::read_to_string(&log_path).unwrap_or_default();
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while !crew_log().contains("crew running") {
+        anyhow::ensure!(crew.try_wait()?.is_none(), "the crew exited:\n{}", crew_log());
+        anyhow::ensure!(tokio::time::Instant::now() < deadline, "the crew never came up:\n{}", crew_log());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // The operator watches everything.
+    let operator = bus_as(&nats, &db, "operator", &pw("operator")).await?;
+    let mut events = Events::follow(&operator, false).await.context("the operator follows the events")?;
+
+    // The monitor opens an incident, as `pitcrew monitor` does.
+    let monitor = bus_as(&nats, &db, "monitor", &pw("monitor")).await?;
+    monitor.ensure_streams().await.context("the monitor's streams")?;
+    let incident = pitcrew::cli::incident("svc", "stale lock held", None, Severity::Critical, None)?;
+    let run = pitcrew::cli::open_incident(&monitor, &incident).await.context("the monitor opens an incident")?;
+    events.kind(run, EventKind::ApprovalRequested, WAIT).await?;
+
+    // The bridge takes the request from its durable consumer and publishes ann's click.
+    let bridge = bus_as(&nats, &db, "bridge", &pw("bridge")).await?;
+    bridge.ensure_streams().await.context("the bridge's streams")?;
+    let requests = pitcrew_bridge::post::requests_consumer(&bridge, "deploy-test-bridge", 16)
+        .await
+        .context("the bridge's consumer")?;
+    let mut batch = requests.fetch().max_messages(1).expires(Duration::from_secs(5)).messages().await?;
+    let msg = batch.next().await.expect("the approval request reached the bridge").map_err(|e| anyhow::anyhow!(e))?;
+    let req: pitcrew_model::ApprovalRequest = serde_json::from_slice(&msg.payload)?;
+    assert_eq!(req.run_id, run);
+    msg.ack().await.map_err(|e| anyhow::anyhow!(e))?;
+    let store = pitcrew_runtime::Store::connect(&Config::from_toml(&toml)?.database).await?;
+    let click = DecisionInput {
+        run,
+        plan_hash: Some(&req.plan_hash),
+        decision: Decision::Approve,
+        by: "ann",
+        reason: None,
+        channel: "slack",
+        racing: Some(&Config::from_toml(&toml)?),
+    };
+    submit(&bridge, Some(&store), click).await.context("the bridge publishes a decision")?;
+    let end = events.terminal(run, WAIT).await?;
+    assert_eq!(end.kind, EventKind::Resolved, "{}", end.message);
+
+    // The gateway follows the run's timeline (an ordered consumer on the events stream) and
+    // reads the request back, as its routes do.
+    let gateway = bus_as(&nats, &db, "gateway", &pw("gateway")).await?;
+    gateway.ensure_streams().await.context("the gateway's streams")?;
+    let shown = pitcrew_runtime::approvals::approval_request(&gateway, run).await?;
+    assert_eq!(shown.plan_hash, req.plan_hash);
+    let timeline = gateway.js.get_stream(gateway.subjects.events_stream()).await?;
+    let reader = timeline
+        .create_consumer(OrderedConfig { filter_subject: gateway.subjects.events_of(run), ..Default::default() })
+        .await?;
+    let mut seen = reader.messages().await?;
+    let first = tokio::time::timeout(WAIT, seen.next()).await?.expect("a timeline").map_err(|e| anyhow::anyhow!(e))?;
+    assert!(first.subject.starts_with(&format!("pitcrew.events.{run}.")), "{}", first.subject);
+    assert!(!nats.log().contains("Violation"), "the services' own work was never refused:\n{}", nats.log());
+
+    // What none of them may do.
+    refused(&nats, &monitor, "monitor", &operator).await?;
+    refused(&nats, &bridge, "bridge", &operator).await?;
+    refused(&nats, &gateway, "gateway", &operator).await?;
+    // A monitor decides nothing, and a bridge opens no incidents.
+    let decision = serde_json::json!({ "run_id": run, "decision": "approve", "by": "ann" }).to_string();
+    let decided = monitor
+        .publish(monitor.subjects.approval_decided(run), "m-decides", "application/json", Some(run), decision.into())
+        .await;
+    assert!(decided.is_err(), "the monitor published an approval decision");
+    let opened = pitcrew::cli::open_incident(&bridge, &incident).await;
+    assert!(opened.is_err(), "the bridge opened an incident");
+
+    // SAFETY: signalling our own child by its pid.
+    unsafe { libc::kill(crew.id() as i32, libc::SIGTERM) };
+    let status = tokio::time::timeout(Duration::from_secs(30), async {
+        loop {
+            if let Some(s) = crew.try_wait()? {
+                return anyhow::Ok(s);
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await??;
+    assert!(status.success(), "the crew exited {status}:\n{}", crew_log());
+    assert!(!crew_log().contains("Violation"), "the crew was never refused:\n{}", crew_log());
     Ok(())
 }

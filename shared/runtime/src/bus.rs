@@ -21,12 +21,21 @@ pub const ORIGIN_HEADER: &str = "Pitcrew-Origin";
 /// What went wrong talking to NATS; the message says what to do about it.
 #[derive(Debug, thiserror::Error)]
 pub enum BusError {
-    #[error("cannot reach NATS at {url}: {error} (is nats-server running?)")]
+    #[error("cannot reach NATS at {url}: {error} ({})", connect_hint(error))]
     Connect { url: String, error: String },
     #[error("JetStream set-up failed for {what}: {error} (a nats-server >= 2.10 with -js is required)")]
     Setup { what: String, error: String },
     #[error("publish to {subject} failed: {error}")]
     Publish { subject: String, error: String },
+}
+
+/// What to check when connecting failed.
+fn connect_hint(error: &str) -> &'static str {
+    if error.contains("authorization violation") || error.contains("authentication") {
+        "the server refused the login: check the user and password (or token) in the NATS URL"
+    } else {
+        "is nats-server running?"
+    }
 }
 
 /// The headers every pitcrew message carries: a deterministic message id (JetStream drops a
@@ -43,6 +52,50 @@ pub fn headers(msg_id: &str, content_type: &str, run: Option<uuid::Uuid>) -> Hea
     headers
 }
 
+/// Credentials in a NATS URL's user part.
+#[derive(Debug, PartialEq, Eq)]
+enum Credentials {
+    /// `nats://user:password@host`
+    UserPassword(String, String),
+    /// `nats://token@host`
+    Token(String),
+}
+
+/// The credentials of `url` (of its first server when it lists several, comma-separated),
+/// percent-decoded.
+fn url_credentials(url: &str) -> Option<Credentials> {
+    let first = url.split(',').next()?.trim();
+    let rest = first.split_once("://").map_or(first, |(_, r)| r);
+    let authority = &rest[..rest.find(['/', '?']).unwrap_or(rest.len())];
+    let (userinfo, _) = authority.rsplit_once('@')?;
+    match userinfo.split_once(':') {
+        Some((user, password)) => Some(Credentials::UserPassword(percent_decode(user), percent_decode(password))),
+        None if userinfo.is_empty() => None,
+        None => Some(Credentials::Token(percent_decode(userinfo))),
+    }
+}
+
+/// `%XX` escapes decoded; anything else (a stray `%`) kept as it is.
+fn percent_decode(s: &str) -> String {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        let hex = |c: u8| (c as char).to_digit(16);
+        match (b[i], b.get(i + 1).copied().and_then(hex), b.get(i + 2).copied().and_then(hex)) {
+            (b'%', Some(hi), Some(lo)) => {
+                out.push((hi * 16 + lo) as u8);
+                i += 3;
+            }
+            (c, _, _) => {
+                out.push(c);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
 /// A connected bus: the client, its JetStream context and the subject names.
 #[derive(Clone)]
 pub struct Bus {
@@ -57,11 +110,30 @@ impl Bus {
         let url = cfg.nats.url.clone();
         // The URL may carry credentials: errors show it redacted.
         let err = |e: String| BusError::Connect { url: crate::config::redact_url(&url), error: e };
-        let opts = async_nats::ConnectOptions::new()
+        let mut opts = async_nats::ConnectOptions::new()
             .name(format!("pitcrew {}", cfg.worker()))
             .connection_timeout(Duration::from_secs(cfg.nats.connect_timeout_secs.max(1)))
             // Fail fast at start-up with a readable error; once connected, reconnect forever.
-            .max_reconnects(None);
+            .max_reconnects(None)
+            // What the server refuses after connecting (a subject this user may not publish
+            // to, say) reaches the client only as an event: say it, or the publish just
+            // times out waiting for its ack.
+            .event_callback(|event| async move {
+                match event {
+                    async_nats::Event::ServerError(e) => tracing::error!(error = %e, "NATS server refused a request"),
+                    async_nats::Event::SlowConsumer(sid) => {
+                        tracing::warn!(subscription = sid, "NATS: a subscription fell behind, messages were dropped")
+                    }
+                    // async-nats logs the rest (connected, disconnected, ...) itself.
+                    _ => {}
+                }
+            });
+        // async-nats ignores credentials in the URL: pass them on.
+        opts = match url_credentials(&url) {
+            Some(Credentials::UserPassword(user, password)) => opts.user_and_password(user, password),
+            Some(Credentials::Token(token)) => opts.token(token),
+            None => opts,
+        };
         let connecting = opts.connect(url.as_str());
         let client = tokio::time::timeout(Duration::from_secs(cfg.nats.connect_timeout_secs.max(1)), connecting)
             .await
@@ -193,5 +265,23 @@ impl Bus {
             self.js.publish_with_headers(subject.clone(), headers, payload).await.map_err(|e| err(e.to_string()))?;
         ack.await.map_err(|e| err(e.to_string()))?;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn credentials_come_from_the_url() {
+        let up = |u: &str, p: &str| Some(Credentials::UserPassword(u.into(), p.into()));
+        assert_eq!(url_credentials("nats://crew:s3cret@nats:4222"), up("crew", "s3cret"));
+        assert_eq!(url_credentials("nats://crew:p%40ss%3Aw0rd@nats:4222"), up("crew", "p@ss:w0rd"));
+        assert_eq!(url_credentials("nats://a:b@h1:4222,nats://a:b@h2:4222"), up("a", "b"));
+        assert_eq!(url_credentials("tls://tok%2Fen@nats"), Some(Credentials::Token("tok/en".into())));
+        assert_eq!(url_credentials("nats://nats:4222"), None);
+        assert_eq!(url_credentials("127.0.0.1:4222"), None);
+        assert_eq!(url_credentials("nats://@nats:4222"), None);
+        assert_eq!(percent_decode("100%"), "100%");
     }
 }
