@@ -84,7 +84,7 @@ impl ConfiguredNats {
         let conf = std::fs::read_to_string(repo().join("deploy/nats.conf"))?;
         // Only the machine-specific lines change; each must be there to change.
         let store = dir.path().join("js");
-        let mut text = conf.clone();
+        let mut text = conf;
         for (from, to) in [
             ("listen: 0.0.0.0:4222".to_string(), format!("listen: 127.0.0.1:{port}")),
             ("http: 0.0.0.0:8222".to_string(), String::new()),
@@ -100,14 +100,14 @@ impl ConfiguredNats {
         cmd.arg("-c").arg(&file).envs(passwords).stdin(Stdio::null()).stdout(Stdio::null());
         let child = cmd.stderr(std::fs::File::create(&log)?).spawn()?;
         let mut nats = ConfiguredNats { child, port, dir };
-        let deadline = std::time::Instant::now() + Duration::from_secs(15);
-        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-            if let Some(status) = nats.child.try_wait()? {
-                anyhow::bail!("nats-server -c deploy/nats.conf exited ({status}):\n{}", nats.log());
-            }
-            anyhow::ensure!(std::time::Instant::now() < deadline, "nats-server never listened:\n{}", nats.log());
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        pitcrew_exec::process::wait_ready(
+            "nats-server -c deploy/nats.conf",
+            &mut nats.child,
+            &log,
+            Duration::from_secs(15),
+            || pitcrew_exec::process::listening(port),
+        )
+        .map_err(anyhow::Error::msg)?;
         Ok(nats)
     }
 
@@ -235,47 +235,75 @@ async fn start_as_composed(
             cmd.env_remove(k);
         }
     }
-    let mut child = cmd
-        .args(&args)
-        .envs(&vars)
-        .env("PITCREW_LOG", "info")
-        .current_dir(cwd.path())
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(&log_path)?)
-        .spawn()?;
-    let log = || std::fs::read_to_string(&log_path).unwrap_or_default();
-    let deadline = tokio::time::Instant::now() + WAIT;
-    loop {
-        if ready(&log(), port).await {
-            break;
-        }
-        if let Some(status) = child.try_wait()? {
-            anyhow::bail!("`pitcrew {}` exited ({status}):\n{}", args.join(" "), log());
-        }
-        anyhow::ensure!(
-            tokio::time::Instant::now() < deadline,
-            "`pitcrew {}` never came up:\n{}",
-            args.join(" "),
-            log()
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
+    cmd.args(&args).envs(&vars).current_dir(cwd.path());
+    let mut service = Pitcrew::spawn(cmd, &log_path, format!("`pitcrew {}`", args.join(" ")))?;
+    service.wait_up(|log| ready(log, port)).await?;
+    service.stop().await
+}
+
+/// A `pitcrew` process of a test: its log in a file, killed when the test ends, passed or
+/// failed.
+struct Pitcrew {
+    child: std::process::Child,
+    log: PathBuf,
+    what: String,
+}
+
+impl Pitcrew {
+    /// Start `cmd` (a `pitcrew` command) logging at info into `log`.
+    fn spawn(mut cmd: Command, log: &Path, what: String) -> anyhow::Result<Pitcrew> {
+        let child = cmd
+            .env("PITCREW_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(log)?)
+            .spawn()?;
+        Ok(Pitcrew { child, log: log.to_path_buf(), what })
     }
-    // SAFETY: signalling our own child by its pid.
-    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-    let status = loop {
-        if let Some(s) = child.try_wait()? {
-            break s;
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Wait until `ready` answers true on the log so far; fails when the process exits first
+    /// or after [`WAIT`].
+    async fn wait_up(
+        &mut self,
+        ready: impl Fn(&str) -> futures::future::BoxFuture<'static, bool>,
+    ) -> anyhow::Result<()> {
+        let deadline = tokio::time::Instant::now() + WAIT;
+        while !ready(&self.log()).await {
+            if let Some(status) = self.child.try_wait()? {
+                anyhow::bail!("{} exited ({status}):\n{}", self.what, self.log());
+            }
+            anyhow::ensure!(tokio::time::Instant::now() < deadline, "{} never came up:\n{}", self.what, self.log());
+            tokio::time::sleep(Duration::from_millis(100)).await;
         }
-        if tokio::time::Instant::now() > deadline {
-            let _ = child.kill();
-            anyhow::bail!("`pitcrew {}` ignored SIGTERM:\n{}", args.join(" "), log());
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
-    anyhow::ensure!(status.success(), "`pitcrew {}` exited with {status}:\n{}", args.join(" "), log());
-    Ok(())
+        Ok(())
+    }
+
+    /// SIGTERM, then the process must exit 0 within 30 s.
+    async fn stop(&mut self) -> anyhow::Result<()> {
+        // SAFETY: signalling our own child by its pid.
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        let status = loop {
+            if let Some(s) = self.child.try_wait()? {
+                break s;
+            }
+            anyhow::ensure!(tokio::time::Instant::now() < deadline, "{} ignored SIGTERM:\n{}", self.what, self.log());
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        anyhow::ensure!(status.success(), "{} exited with {status}:\n{}", self.what, self.log());
+        Ok(())
+    }
+}
+
+impl Drop for Pitcrew {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -305,16 +333,6 @@ async fn the_composed_crew_and_gateway_start_serve_and_stop_cleanly() -> anyhow:
     assert!(applied >= 1, "the composed crew migrated its database");
     assert!(!nats.log().contains("Violation"), "nothing either did was refused:\n{}", nats.log());
     Ok(())
-}
-
-/// A child process killed when the test ends, passed or failed.
-struct Killed(std::process::Child);
-
-impl Drop for Killed {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
 }
 
 /// `user`'s bus on `nats`, its JetStream requests given up after a second (a refused publish
@@ -402,26 +420,14 @@ async fn each_nats_user_does_its_services_job_and_nothing_more() -> anyhow::Resu
     );
     let file = env.path("pitcrew.toml");
     std::fs::write(&file, &toml)?;
-    let log_path = env.path("crew.log");
-    let mut crew = Killed(
-        Command::new(env!("CARGO_BIN_EXE_pitcrew"))
-            .args(["--config", &file, "up"])
-            .env_remove("DATABASE_URL")
-            .env_remove("PITCREW_NATS_URL")
-            .env("PITCREW_LOG", "info")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&log_path)?)
-            .spawn()?,
-    );
-    let crew = &mut crew.0;
-    let crew_log = || std::fs::read_to_string(&log_path).unwrap_or_default();
-    let deadline = tokio::time::Instant::now() + WAIT;
-    while !crew_log().contains("crew running") {
-        anyhow::ensure!(crew.try_wait()?.is_none(), "the crew exited:\n{}", crew_log());
-        anyhow::ensure!(tokio::time::Instant::now() < deadline, "the crew never came up:\n{}", crew_log());
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_pitcrew"));
+    cmd.args(["--config", &file, "up"]).env_remove("DATABASE_URL").env_remove("PITCREW_NATS_URL");
+    let mut crew = Pitcrew::spawn(cmd, Path::new(&env.path("crew.log")), "the crew".into())?;
+    crew.wait_up(|log| {
+        let up = log.contains("crew running");
+        Box::pin(async move { up })
+    })
+    .await?;
     // The operator watches everything.
     let operator = bus_as(&nats, &db, "operator", &pw("operator")).await?;
     let mut events = Events::follow(&operator, false).await.context("the operator follows the events")?;
@@ -486,18 +492,7 @@ async fn each_nats_user_does_its_services_job_and_nothing_more() -> anyhow::Resu
     let opened = pitcrew::cli::open_incident(&bridge, &incident).await;
     assert!(opened.is_err(), "the bridge opened an incident");
 
-    // SAFETY: signalling our own child by its pid.
-    unsafe { libc::kill(crew.id() as i32, libc::SIGTERM) };
-    let status = tokio::time::timeout(Duration::from_secs(30), async {
-        loop {
-            if let Some(s) = crew.try_wait()? {
-                return anyhow::Ok(s);
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    })
-    .await??;
-    assert!(status.success(), "the crew exited {status}:\n{}", crew_log());
-    assert!(!crew_log().contains("Violation"), "the crew was never refused:\n{}", crew_log());
+    crew.stop().await?;
+    assert!(!crew.log().contains("Violation"), "the crew was never refused:\n{}", crew.log());
     Ok(())
 }
