@@ -64,10 +64,7 @@ enum Credentials {
 /// The credentials of `url` (of its first server when it lists several, comma-separated),
 /// percent-decoded.
 fn url_credentials(url: &str) -> Option<Credentials> {
-    let first = url.split(',').next()?.trim();
-    let rest = first.split_once("://").map_or(first, |(_, r)| r);
-    let authority = &rest[..rest.find(['/', '?']).unwrap_or(rest.len())];
-    let (userinfo, _) = authority.rsplit_once('@')?;
+    let (_, userinfo) = crate::config::userinfo(url.split(',').next()?.trim())?;
     match userinfo.split_once(':') {
         Some((user, password)) => Some(Credentials::UserPassword(percent_decode(user), percent_decode(password))),
         None if userinfo.is_empty() => None,

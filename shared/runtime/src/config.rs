@@ -604,18 +604,33 @@ impl Config {
     }
 }
 
-/// `postgres://user:secret@host/db` → `postgres://user:***@host/db`, for logs and errors.
+/// `postgres://user:secret@host/db` → `postgres://user:***@host/db`, for logs and errors; in a
+/// NATS URL every server of a list, and a token (`nats://token@host`) as `***`.
 pub fn redact_url(url: &str) -> String {
-    let Some(scheme_end) = url.find("://") else { return url.to_string() };
-    let rest = &url[scheme_end + 3..];
-    let authority_end = rest.find('/').unwrap_or(rest.len());
-    let authority = &rest[..authority_end];
-    match (authority.rfind('@'), authority.find(':')) {
-        (Some(at), Some(colon)) if colon < at => {
-            format!("{}://{}:***{}", &url[..scheme_end], &authority[..colon], &rest[at..])
-        }
-        _ => url.to_string(),
+    // A NATS URL may list several servers, each with its own credentials.
+    url.split(',').map(redact_one).collect::<Vec<_>>().join(",")
+}
+
+fn redact_one(url: &str) -> String {
+    match userinfo(url) {
+        Some((at, info)) => match info.split_once(':') {
+            Some((user, _)) => format!("{}{user}:***{}", &url[..at], &url[at + info.len()..]),
+            // A NATS URL's lone user part is a token (see `bus::url_credentials`); Postgres's
+            // is a user name.
+            None if !url.starts_with("postgres") => format!("{}***{}", &url[..at], &url[at + info.len()..]),
+            None => url.to_string(),
+        },
+        None => url.to_string(),
     }
+}
+
+/// The user part of one URL (`user:password` in `scheme://user:password@host/path`) and
+/// where it starts; None when the URL has none.
+pub(crate) fn userinfo(url: &str) -> Option<(usize, &str)> {
+    let at = url.find("://").map_or(0, |i| i + 3);
+    let rest = &url[at..];
+    let authority = &rest[..rest.find(['/', '?']).unwrap_or(rest.len())];
+    authority.rsplit_once('@').map(|(info, _)| (at, info))
 }
 
 #[cfg(test)]
@@ -627,6 +642,11 @@ mod tests {
         assert_eq!(redact_url("postgres://u:p%40ss@h:5432/db"), "postgres://u:***@h:5432/db");
         assert_eq!(redact_url("postgres://u@h/db"), "postgres://u@h/db");
         assert_eq!(redact_url("nats://127.0.0.1:4222"), "nats://127.0.0.1:4222");
+        // Every server of a list, not only the first.
+        assert_eq!(redact_url("nats://a:p1@h1:4222,nats://b:p2@h2:4222"), "nats://a:***@h1:4222,nats://b:***@h2:4222");
+        // A NATS URL's lone user part is a token: hidden.
+        assert_eq!(redact_url("nats://s3cret-token@h:4222"), "nats://***@h:4222");
+        assert_eq!(redact_url("tls://a:p@h1:4222,tls://tok@h2:4222"), "tls://a:***@h1:4222,tls://***@h2:4222");
     }
 
     #[test]
