@@ -29,6 +29,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use uuid::Uuid;
 
+/// mimalloc instead of glibc malloc: a run's state is encoded, decoded and copied at every
+/// step, and glibc's malloc and free were a sixth of the crew's CPU under load (loadtest/README.md).
+#[global_allocator]
+static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[derive(Parser)]
 #[command(about = "Drive pitcrew through the real bus and report throughput and latency")]
 struct Args {

@@ -13,6 +13,11 @@ use std::process::ExitCode;
 use std::time::Duration;
 use uuid::Uuid;
 
+/// mimalloc instead of glibc malloc: a run's state is encoded, decoded and copied at every
+/// step, and glibc's malloc and free were a sixth of the crew's CPU under load (loadtest/README.md).
+#[global_allocator]
+static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[derive(Parser)]
 #[command(
     name = "pitcrew",
