@@ -152,28 +152,30 @@ fn spawn_error(program: &str, e: std::io::Error) -> ExecError {
     }
 }
 
-/// An executable regular file at `tool` if it contains '/', else in some `PATH` entry.
+/// An executable regular file at `tool` if it contains '/', else in some `PATH` entry. The
+/// whole walk is one blocking task (a `stat` per `PATH` entry), not one hand-over to the
+/// blocking pool per entry.
 async fn find_tool(tool: &str) -> bool {
     if tool.is_empty() || tool.contains('\0') {
         return false;
     }
+    let tool = tool.to_string();
+    tokio::task::spawn_blocking(move || find_tool_blocking(&tool)).await.unwrap_or(false)
+}
+
+fn find_tool_blocking(tool: &str) -> bool {
     if tool.contains('/') {
-        return is_executable(std::path::Path::new(tool)).await;
+        return is_executable(std::path::Path::new(tool));
     }
     let Some(path) = std::env::var_os("PATH") else {
         return false;
     };
-    for dir in std::env::split_paths(&path) {
-        if !dir.as_os_str().is_empty() && is_executable(&dir.join(tool)).await {
-            return true;
-        }
-    }
-    false
+    std::env::split_paths(&path).any(|dir| !dir.as_os_str().is_empty() && is_executable(&dir.join(tool)))
 }
 
-async fn is_executable(path: &std::path::Path) -> bool {
+fn is_executable(path: &std::path::Path) -> bool {
     use std::os::unix::fs::PermissionsExt;
-    match tokio::fs::metadata(path).await {
+    match std::fs::metadata(path) {
         Ok(m) => m.is_file() && m.permissions().mode() & 0o111 != 0,
         Err(_) => false,
     }
