@@ -456,7 +456,7 @@ async fn main() -> anyhow::Result<()> {
             o.insert(id);
         }
         let at = chrono::Utc::now();
-        match cli::open_incident(&bus, &inc).await {
+        match bus.open_incident(&inc).await {
             Ok(id) => {
                 sent.insert(id, at);
             }

@@ -45,11 +45,7 @@ impl Gateway {
         if self.store.incident_exists(id).await? {
             return Ok((id, Received::Existing));
         }
-        let payload = serde_json::to_vec(incident).map_err(|e| ApiError::unavailable("encoding", e))?;
-        self.bus
-            .publish(self.bus.subjects.incidents_new(), &id.to_string(), JSON, Some(id), payload.into())
-            .await
-            .map_err(|e| ApiError::unavailable("NATS", e))?;
+        self.bus.open_incident(incident).await.map_err(|e| ApiError::unavailable("NATS", e))?;
         Ok((id, Received::Published))
     }
 

@@ -190,10 +190,9 @@ async fn open(
     incident.severity = Severity::Critical;
     incident.fingerprint = Some(fingerprint(service));
     incident.observed_at = Some(since);
-    let id = incident.id.expect("new incidents have an id");
+    let id = bus.open_incident(&incident).await?;
     tracing::warn!(service, detail = %out.detail, run = %id, "service down: incident opened");
-    let payload = serde_json::to_vec(&incident).expect("incident serialises");
-    bus.publish(bus.subjects.incidents_new(), &id.to_string(), JSON, Some(id), payload.into()).await
+    Ok(())
 }
 
 async fn recovered(

@@ -3,20 +3,11 @@
 use anyhow::{anyhow, bail};
 use async_nats::jetstream::consumer::{pull::OrderedConfig, DeliverPolicy};
 use futures::StreamExt;
-use pitcrew_model::codec::JSON;
 use pitcrew_model::{EventKind, Incident, RunEvent, Severity};
 pub use pitcrew_runtime::approvals::{approval_request, submit, DecisionInput};
 use pitcrew_runtime::{Bus, Config, Store};
 use std::time::Duration;
 use uuid::Uuid;
-
-/// Publish a JSON incident on `pitcrew.incidents.new`; returns its id (the run id).
-pub async fn open_incident(bus: &Bus, incident: &Incident) -> anyhow::Result<Uuid> {
-    let id = incident.id.ok_or_else(|| anyhow!("incident has no id"))?;
-    let payload = serde_json::to_vec(incident)?;
-    bus.publish(bus.subjects.incidents_new(), &id.to_string(), JSON, Some(id), payload.into()).await?;
-    Ok(id)
-}
 
 /// Build an incident from the command line.
 pub fn incident(

@@ -183,7 +183,7 @@ pub async fn run(ssh: bool, llm: Option<LlmDemo>) -> anyhow::Result<()> {
         incident.source = Some("demo".into());
         let run = incident.id.expect("new incidents have an id");
         labels.lock().unwrap().insert(run, label);
-        cli::open_incident(&bus, &incident).await?;
+        bus.open_incident(&incident).await?;
         println!("demo ({label}): incident published on {} — run {run}", bus.subjects.incidents_new());
         // A plan that needs approval is approved, as an operator would (a model may propose one
         // in any scenario; the playbook does in (b)).

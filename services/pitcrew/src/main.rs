@@ -341,7 +341,7 @@ async fn run(args: Args, cfg: Option<Config>) -> anyhow::Result<()> {
             let bus = Bus::connect(&cfg).await?;
             bus.ensure_streams().await?;
             let incident = cli::incident(&service, &error, host, severity, fingerprint)?;
-            let id = cli::open_incident(&bus, &incident).await?;
+            let id = bus.open_incident(&incident).await?;
             println!("{id}");
             if watch {
                 let end = cli::watch(&bus, None, id, Duration::from_secs(3600)).await?;

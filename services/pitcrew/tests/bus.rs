@@ -138,6 +138,16 @@ async fn a_malformed_incident_is_dead_lettered_and_the_worker_keeps_serving() ->
     assert!(errors[1].0.starts_with("bad incident: invalid JSON"), "{:?}", errors[1].0);
     assert_eq!(&errors[1].1[..], b"{\"service\": \"svc\", \"error\": ", "the original payload is kept");
     assert!(errors[0].0.contains("missing field `error`"), "{:?}", errors[0].0);
+
+    // Opening an incident through the bus needs its id (the run's id): one without is refused
+    // with the reason, before anything reaches the stream.
+    let incidents = crew.bus.js.get_stream(crew.bus.subjects.incidents_stream()).await?;
+    let before = incidents.get_info().await?.state.last_sequence;
+    let mut anonymous = pitcrew_model::Incident::new("svc", "connection refused");
+    anonymous.id = None;
+    let refused = crew.bus.open_incident(&anonymous).await.expect_err("an incident without an id is refused");
+    assert!(refused.to_string().contains("the incident has no id"), "{refused}");
+    assert_eq!(incidents.get_info().await?.state.last_sequence, before, "nothing was published");
     crew.shutdown().await
 }
 

@@ -436,7 +436,7 @@ async fn each_nats_user_does_its_services_job_and_nothing_more() -> anyhow::Resu
     let monitor = bus_as(&nats, &db, "monitor", &pw("monitor")).await?;
     monitor.ensure_streams().await.context("the monitor's streams")?;
     let incident = pitcrew::cli::incident("svc", "stale lock held", None, Severity::Critical, None)?;
-    let run = pitcrew::cli::open_incident(&monitor, &incident).await.context("the monitor opens an incident")?;
+    let run = monitor.open_incident(&incident).await.context("the monitor opens an incident")?;
     events.kind(run, EventKind::ApprovalRequested, WAIT).await?;
 
     // The bridge takes the request from its durable consumer and publishes ann's click.
@@ -489,7 +489,7 @@ async fn each_nats_user_does_its_services_job_and_nothing_more() -> anyhow::Resu
         .publish(monitor.subjects.approval_decided(run), "m-decides", "application/json", Some(run), decision.into())
         .await;
     assert!(decided.is_err(), "the monitor published an approval decision");
-    let opened = pitcrew::cli::open_incident(&bridge, &incident).await;
+    let opened = bridge.open_incident(&incident).await;
     assert!(opened.is_err(), "the bridge opened an incident");
 
     crew.stop().await?;

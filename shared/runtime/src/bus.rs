@@ -6,7 +6,7 @@ use async_nats::jetstream::{self, consumer, stream};
 use bytes::Bytes;
 use pitcrew_model::codec::{self, CONTENT_TYPE};
 use pitcrew_model::subjects::Subjects;
-use pitcrew_model::Stage;
+use pitcrew_model::{Incident, Stage};
 use std::time::Duration;
 
 /// Header naming the run a message belongs to (lets a poison message still escalate its run).
@@ -236,6 +236,18 @@ impl Bus {
             }
         }
         Err(setup(last))
+    }
+
+    /// Publish an incident (JSON) on `incidents.new`, its id as the message id and the run
+    /// header, and wait for the stream's ack; returns the id (the run's id). The one way the
+    /// monitor, the gateway, the CLI and the load tool open an incident.
+    pub async fn open_incident(&self, incident: &Incident) -> Result<uuid::Uuid, BusError> {
+        let subject = self.subjects.incidents_new();
+        let refused = |error: String| BusError::Publish { subject: subject.clone(), error };
+        let id = incident.id.ok_or_else(|| refused("the incident has no id".into()))?;
+        let payload = serde_json::to_vec(incident).map_err(|e| refused(format!("encoding the incident: {e}")))?;
+        self.publish(subject.clone(), &id.to_string(), codec::JSON, Some(id), payload.into()).await?;
+        Ok(id)
     }
 
     /// Publish to JetStream with a deterministic message id and wait for the stream's ack.

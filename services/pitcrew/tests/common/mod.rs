@@ -109,7 +109,7 @@ impl Crew {
 
     pub async fn open_with(&self, service: &str, error: &str, fingerprint: Option<String>) -> anyhow::Result<Uuid> {
         let i: Incident = cli::incident(service, error, None, Severity::Warning, fingerprint)?;
-        cli::open_incident(&self.bus, &i).await
+        Ok(self.bus.open_incident(&i).await?)
     }
 
     pub async fn db(&self) -> anyhow::Result<tokio_postgres::Client> {
