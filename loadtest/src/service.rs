@@ -19,7 +19,7 @@ pub async fn start(healthy: PathBuf) -> anyhow::Result<String> {
             // would be a hand-over to a blocking thread and back for every check, CPU the
             // crew sharing this process would be charged for.
             async move {
-                if healthy.is_file() {
+                if healthy.exists() {
                     (StatusCode::OK, "ok")
                 } else {
                     (StatusCode::SERVICE_UNAVAILABLE, "down")

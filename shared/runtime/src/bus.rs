@@ -246,7 +246,7 @@ impl Bus {
         let refused = |error: String| BusError::Publish { subject: subject.clone(), error };
         let id = incident.id.ok_or_else(|| refused("the incident has no id".into()))?;
         let payload = serde_json::to_vec(incident).map_err(|e| refused(format!("encoding the incident: {e}")))?;
-        self.publish(subject.clone(), &id.to_string(), codec::JSON, Some(id), payload.into()).await?;
+        self.publish(subject, &id.to_string(), codec::JSON, Some(id), payload.into()).await?;
         Ok(id)
     }
 
