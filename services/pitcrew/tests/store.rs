@@ -365,3 +365,48 @@ async fn run_states_are_compressed_with_lz4_where_postgres_has_it() -> anyhow::R
     assert_eq!(method, if has_lz4 { "l" } else { "" }, "runs.state compression");
     Ok(())
 }
+
+#[tokio::test]
+async fn concurrent_memory_reads_share_statements_but_never_answer_from_before_the_call() -> anyhow::Result<()> {
+    let db = TestDb::create().await?;
+    // One connection: reads queue for it, so concurrent reads of one key join each other.
+    let store = Store::connect(&DatabaseConfig { url: db.url.clone(), pool_size: 1, migrate_on_start: false }).await?;
+    store.migrate().await?;
+    let run = open_runs(&store, 1).await?.remove(0);
+    let pg = db.client().await?;
+    let window = std::time::Duration::from_secs(3600);
+    // Readers of the same key keep reads in flight the whole time.
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mut readers = tokio::task::JoinSet::new();
+    for _ in 0..8 {
+        let (store, stop) = (store.clone(), stop.clone());
+        readers.spawn(async move {
+            let mut reads = 0u32;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                store.memory("web", "sig", window).await?;
+                reads += 1;
+            }
+            anyhow::Ok(reads)
+        });
+    }
+    for i in 0..30 {
+        let command = format!("rm -f /tmp/lock-{i}");
+        pg.execute(
+            "INSERT INTO episodes (run_id, attempt, service, signature, error, diagnosis, commands, result, success)
+             VALUES ($1, $2, 'web', 'sig', 'down', 'd', ARRAY[$3], 'exit 1', false)",
+            &[&run.run_id, &(i + 1), &command],
+        )
+        .await?;
+        // Committed before this call began: the answer must know it, whoever else is reading.
+        let (a, b) = tokio::join!(store.memory("web", "sig", window), store.memory("web", "sig", window));
+        for mem in [a?, b?] {
+            assert!(mem.failed.contains(&command), "read {i} misses a failure committed before it: {mem:?}");
+            assert_eq!(mem.failed.len(), i as usize + 1);
+        }
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    while let Some(done) = readers.join_next().await {
+        assert!(done?? > 0, "every reader read");
+    }
+    Ok(())
+}

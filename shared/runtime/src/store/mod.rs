@@ -5,6 +5,7 @@ mod group;
 mod migrate;
 mod observe;
 mod query;
+mod recall;
 mod runs;
 mod votes;
 mod work;
@@ -63,6 +64,7 @@ impl StoreError {
 pub struct Store {
     pool: Pool,
     committer: group::Committer,
+    recalls: recall::Recalls,
 }
 
 impl Store {
@@ -84,7 +86,7 @@ impl Store {
         // Half the pool at most writes transitions at once; the rest serves reads and the
         // other writes.
         let committer = group::Committer::start(pool.clone(), (cfg.pool_size / 2).max(1));
-        let store = Store { pool, committer };
+        let store = Store { pool, committer, recalls: recall::Recalls::default() };
         let _proof = store.client().await.map_err(|e| StoreError::connect(&cfg.url, e))?;
         Ok(store)
     }

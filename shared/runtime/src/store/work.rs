@@ -123,9 +123,15 @@ pub const FAILED_COMMANDS: &str = "SELECT DISTINCT c FROM episodes e, unnest(e.c
      ORDER BY c LIMIT 100";
 
 impl Store {
-    /// Episodic memory for `service` and error `signature`.
-    pub async fn memory(&self, service: &str, signature: &str, window: Duration) -> Result<Memory, StoreError> {
-        let client = self.client().await?;
+    /// Episodic memory for `service` and error `signature`, read on `client` now (callers go
+    /// through `memory`, which shares a read among concurrent callers).
+    pub(super) async fn read_memory(
+        &self,
+        client: deadpool_postgres::Object,
+        service: &str,
+        signature: &str,
+        window: Duration,
+    ) -> Result<Memory, StoreError> {
         let failed = client.prepare_cached(FAILED_COMMANDS).await?;
         let fixes = client
             .prepare_cached(
