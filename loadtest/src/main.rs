@@ -224,6 +224,36 @@ fn llm_bound(args: &Args, calls: Option<u64>, completed: usize, rate: f64) -> Op
     }))
 }
 
+/// Most incident publishes waiting for their acks at once.
+const PUBLISH_WINDOW: usize = 256;
+
+/// One publish has its answer: the run is sent, or it counts as an error and its permit
+/// goes back.
+fn published_one(
+    done: Result<(chrono::DateTime<chrono::Utc>, Result<Uuid, pitcrew_runtime::bus::BusError>), tokio::task::JoinError>,
+    sent: &mut HashMap<Uuid, chrono::DateTime<chrono::Utc>>,
+    errors: &mut usize,
+    in_flight: &tokio::sync::Semaphore,
+) {
+    match done {
+        Ok((at, Ok(id))) => {
+            sent.insert(id, at);
+        }
+        Ok((_, Err(e))) => {
+            if *errors == 0 {
+                eprintln!("loadtest: publishing an incident failed: {e}");
+            }
+            *errors += 1;
+            in_flight.add_permits(1);
+        }
+        Err(e) => {
+            eprintln!("loadtest: a publish task failed: {e}");
+            *errors += 1;
+            in_flight.add_permits(1);
+        }
+    }
+}
+
 fn percentile(sorted: &[f64], p: f64) -> f64 {
     if sorted.is_empty() {
         return 0.0;
@@ -431,6 +461,7 @@ async fn main() -> anyhow::Result<()> {
     let mut sent: HashMap<Uuid, chrono::DateTime<chrono::Utc>> = HashMap::with_capacity(args.incidents);
     let mut ended: Vec<(chrono::DateTime<chrono::Utc>, EventKind, Uuid)> = Vec::with_capacity(args.incidents);
     let mut errors = 0usize;
+    let mut publishing = tokio::task::JoinSet::new();
     let mut last_progress = Instant::now();
     let deadline = Instant::now() + Duration::from_secs(args.timeout);
     for i in 0..args.incidents {
@@ -455,20 +486,29 @@ async fn main() -> anyhow::Result<()> {
         if let (Some(id), Ok(mut o)) = (inc.id, ours.lock()) {
             o.insert(id);
         }
-        let at = chrono::Utc::now();
-        match bus.open_incident(&inc).await {
-            Ok(id) => {
-                sent.insert(id, at);
-            }
-            Err(_) => {
-                errors += 1;
-                in_flight.add_permits(1);
+        // Publishes overlap (each waits for its own ack), so the next run starts as soon as
+        // a permit frees, not one stream ack later: a publisher that waits for each ack in
+        // turn falls behind the ends and keeps fewer runs in flight than asked.
+        while publishing.len() >= PUBLISH_WINDOW {
+            if let Some(done) = publishing.join_next().await {
+                published_one(done, &mut sent, &mut errors, &in_flight);
             }
         }
+        while let Some(done) = publishing.try_join_next() {
+            published_one(done, &mut sent, &mut errors, &in_flight);
+        }
+        let bus = bus.clone();
+        publishing.spawn(async move {
+            let at = chrono::Utc::now();
+            (at, bus.open_incident(&inc).await)
+        });
         if last_progress.elapsed() > Duration::from_secs(5) {
             eprintln!("loadtest: {} published, {} runs finished", i + 1, ended.len());
             last_progress = Instant::now();
         }
+    }
+    while let Some(done) = publishing.join_next().await {
+        published_one(done, &mut sent, &mut errors, &in_flight);
     }
     let published = started.elapsed().as_secs_f64();
     while ended.len() < sent.len() {
@@ -502,16 +542,30 @@ async fn main() -> anyhow::Result<()> {
     }
     // With runs kept in flight: the rate over the middle 80 % of the runs' ends, which leaves
     // out the start (nothing ends before a run's first pass) and the drain (fewer in flight).
-    let steady = (args.in_flight > 0)
-        .then(|| {
-            let mut ends: Vec<chrono::DateTime<chrono::Utc>> = ended.iter().map(|(at, _, _)| *at).collect();
-            ends.sort();
-            let (a, b) = (ends.len() / 10, ends.len() * 9 / 10);
-            let secs =
-                ends.get(b).zip(ends.get(a)).map(|(b, a)| (*b - *a).num_microseconds().unwrap_or(0) as f64 / 1e6);
-            secs.filter(|s| *s > 0.0).map(|s| (((b - a) as f64 / s) * 10.0).round() / 10.0)
-        })
-        .flatten();
+    let mut ends: Vec<chrono::DateTime<chrono::Utc>> = ended.iter().map(|(at, _, _)| *at).collect();
+    ends.sort();
+    let window = (args.in_flight > 0)
+        .then(|| ends.get(ends.len() / 10).zip(ends.get(ends.len() * 9 / 10)))
+        .flatten()
+        .filter(|(a, b)| b > a)
+        .map(|(a, b)| (*a, *b));
+    let steady = window.map(|(a, b)| {
+        let secs = (b - a).num_microseconds().unwrap_or(0) as f64 / 1e6;
+        (((ends.len() * 9 / 10 - ends.len() / 10) as f64 / secs) * 10.0).round() / 10.0
+    });
+    // How many runs were in flight on average over that window, publish to terminal event:
+    // what the bound assumes is `--in-flight`; a publisher that lags behind the ends keeps
+    // fewer.
+    let in_flight_mean = window.map(|(a, b)| {
+        let span = (b - a).num_microseconds().unwrap_or(1) as f64;
+        let held: f64 = ended
+            .iter()
+            .filter_map(|(end, _, run)| sent.get(run).map(|start| (*start.max(&a), *end.min(&b))))
+            .filter(|(s, e)| e > s)
+            .map(|(s, e)| (e - s).num_microseconds().unwrap_or(0) as f64)
+            .sum();
+        (held / span * 10.0).round() / 10.0
+    });
     let per_run = |ms: f64| ((ms / e2e.len().max(1) as f64) * 100.0).round() / 100.0;
     // What one run costs in CPU: this process (the crew and the tool), the commands it ran,
     // and the whole machine (adds Postgres and nats-server; only meaningful on a quiet one).
@@ -565,6 +619,7 @@ async fn main() -> anyhow::Result<()> {
             "completed_per_second": rate,
             "steady_per_second": steady,
             "in_flight": args.in_flight,
+            "in_flight_mean": in_flight_mean,
             "check": own.then_some(match args.check { CheckKind::Command => "command", CheckKind::Http => "http" }),
             "e2e_ms": summary(e2e),
             "stage_ms": stages,

@@ -40,6 +40,9 @@ fn runs_kept_in_flight_with_http_checks_all_end_and_are_counted() {
     assert_eq!(report["check"], "http");
     assert_eq!(report["in_flight"], 4);
     assert!(report["steady_per_second"].as_f64().unwrap_or(0.0) > 0.0, "{report}");
+    // Measured from each run's publish to its end: never more than the tool lets in flight.
+    let mean = report["in_flight_mean"].as_f64().unwrap_or(0.0);
+    assert!(mean > 0.0 && mean <= 4.0, "{report}");
     assert!(report["llm_bound"].is_null(), "no model, no bound: {report}");
 }
 
