@@ -15,6 +15,7 @@
 mod llm;
 mod observe;
 mod service;
+mod steady;
 
 use anyhow::{bail, Context};
 use clap::{Parser, ValueEnum};
@@ -280,7 +281,7 @@ struct Local {
 }
 
 /// Start nats-server, a fresh database, the simulated model if asked for, and the crew.
-async fn start_local(args: &Args, endpoint: Option<&str>) -> anyhow::Result<Local> {
+async fn start_local(args: &Args, endpoint: Option<&str>, crew_rt: &tokio::runtime::Handle) -> anyhow::Result<Local> {
     let env = TestEnv::start().await.context("starting nats-server and a fresh database")?;
     let book = env.path("playbook.toml");
     std::fs::write(&book, PLAYBOOK)?;
@@ -337,7 +338,7 @@ async fn start_local(args: &Args, endpoint: Option<&str>) -> anyhow::Result<Loca
     let crew_cfg = cfg.clone();
     let here: Vec<Stage> =
         Stage::ALL.into_iter().filter(|s| args.diagnose_processes == 0 || *s != Stage::Diagnose).collect();
-    let crew_task = tokio::spawn(async move { crew::run(crew_cfg, &here, shutdown).await });
+    let crew_task = crew_rt.spawn(async move { crew::run(crew_cfg, &here, shutdown).await });
     let mut workers = Vec::new();
     if args.diagnose_processes > 0 {
         let exe = std::env::current_exe()?.with_file_name("pitcrew");
@@ -402,12 +403,26 @@ async fn connect_target(
     Ok((cfg, bus, db))
 }
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
+fn main() -> anyhow::Result<()> {
     let args = Args::parse();
+    let runtime = |name: &str| tokio::runtime::Builder::new_multi_thread().enable_all().thread_name(name).build();
     if args.serve_llm {
-        return llm::serve(Duration::from_millis(args.llm_latency_ms), args.llm_fix).await;
+        return runtime("llm")?.block_on(llm::serve(Duration::from_millis(args.llm_latency_ms), args.llm_fix));
     }
+    // The crew gets a runtime of its own, as in a `pitcrew` process (a worker thread a core,
+    // or TOKIO_WORKER_THREADS); the tool (publishing, watching the ends, the target's health
+    // endpoint) runs on one thread of its own, so it is never queued behind the crew's tasks:
+    // a run's end starts the next run as soon as the tool hears of it.
+    let crew = runtime("crew")?;
+    let tool =
+        tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().thread_name("tool").build()?;
+    let result = tool.block_on(drive(args, crew.handle().clone()));
+    drop(tool);
+    crew.shutdown_timeout(Duration::from_secs(5));
+    result
+}
+
+async fn drive(args: Args, crew_rt: tokio::runtime::Handle) -> anyhow::Result<()> {
     // Span export, when asked for: logs stay at warn so only export's cost is added.
     let sink = if args.otlp_sink { Some(otlp_sink().await?) } else { None };
     let endpoint = args.otlp_endpoint.clone().or_else(|| sink.as_ref().map(|(url, _)| url.clone()));
@@ -429,7 +444,7 @@ async fn main() -> anyhow::Result<()> {
     let (cfg, bus, db) = match &args.target {
         Some(path) => connect_target(&args, path).await?,
         None => {
-            let l = start_local(&args, endpoint.as_deref()).await?;
+            let l = start_local(&args, endpoint.as_deref(), &crew_rt).await?;
             let db = l.env.db.client().await?;
             let (cfg, bus) = (l.cfg.clone(), l.bus.clone());
             local = Some(l);
@@ -540,32 +555,14 @@ async fn main() -> anyhow::Result<()> {
             })
             .or_default() += 1;
     }
-    // With runs kept in flight: the rate over the middle 80 % of the runs' ends, which leaves
-    // out the start (nothing ends before a run's first pass) and the drain (fewer in flight).
+    // With runs kept in flight: the rate while N were in flight (see `steady::window`).
     let mut ends: Vec<chrono::DateTime<chrono::Utc>> = ended.iter().map(|(at, _, _)| *at).collect();
     ends.sort();
-    let window = (args.in_flight > 0)
-        .then(|| ends.get(ends.len() / 10).zip(ends.get(ends.len() * 9 / 10)))
-        .flatten()
-        .filter(|(a, b)| b > a)
-        .map(|(a, b)| (*a, *b));
-    let steady = window.map(|(a, b)| {
-        let secs = (b - a).num_microseconds().unwrap_or(0) as f64 / 1e6;
-        (((ends.len() * 9 / 10 - ends.len() / 10) as f64 / secs) * 10.0).round() / 10.0
-    });
-    // How many runs were in flight on average over that window, publish to terminal event:
-    // what the bound assumes is `--in-flight`; a publisher that lags behind the ends keeps
-    // fewer.
-    let in_flight_mean = window.map(|(a, b)| {
-        let span = (b - a).num_microseconds().unwrap_or(1) as f64;
-        let held: f64 = ended
-            .iter()
-            .filter_map(|(end, _, run)| sent.get(run).map(|start| (*start.max(&a), *end.min(&b))))
-            .filter(|(s, e)| e > s)
-            .map(|(s, e)| (e - s).num_microseconds().unwrap_or(0) as f64)
-            .sum();
-        (held / span * 10.0).round() / 10.0
-    });
+    let window = (args.in_flight > 0).then(|| steady::window(&ends, sent.values().max().copied())).flatten();
+    let steady = window.map(|w| steady::rate(&ends, w));
+    // What the bound assumes is `--in-flight`; a tool that lags behind the ends keeps fewer.
+    let in_flight_mean = window
+        .map(|w| steady::mean_in_flight(ended.iter().filter_map(|(end, _, run)| sent.get(run).map(|s| (*s, *end))), w));
     let per_run = |ms: f64| ((ms / e2e.len().max(1) as f64) * 100.0).round() / 100.0;
     // What one run costs in CPU: this process (the crew and the tool), the commands it ran,
     // and the whole machine (adds Postgres and nats-server; only meaningful on a quiet one).

@@ -1,0 +1,83 @@
+//! The steady state of a batch run with `--in-flight N`: when N runs were in flight, how fast
+//! they ended, and how many really were in flight.
+
+use chrono::{DateTime, Utc};
+
+type At = DateTime<Utc>;
+
+/// The window of the steady state: from the 10th percentile of the ends (before it, nothing
+/// has ended yet: the first runs are on their first pass) to the last publish or the 90th
+/// percentile, whichever comes first (after the last publish comes the drain: fewer than N in
+/// flight). `ends` sorted.
+pub fn window(ends: &[At], last_publish: Option<At>) -> Option<(At, At)> {
+    let a = *ends.get(ends.len() / 10)?;
+    let b = *ends.get(ends.len() * 9 / 10)?;
+    let b = last_publish.map_or(b, |p| p.min(b));
+    (b > a).then_some((a, b))
+}
+
+/// Runs a second that ended within `(a, b]`, to one decimal.
+pub fn rate(ends: &[At], (a, b): (At, At)) -> f64 {
+    let secs = (b - a).num_microseconds().unwrap_or(0) as f64 / 1e6;
+    let n = ends.iter().filter(|e| **e > a && **e <= b).count();
+    ((n as f64 / secs) * 10.0).round() / 10.0
+}
+
+/// The mean number of runs in flight over the window, each from its publish to its end
+/// (time-weighted), to one decimal.
+pub fn mean_in_flight(runs: impl Iterator<Item = (At, At)>, (a, b): (At, At)) -> f64 {
+    let span = (b - a).num_microseconds().unwrap_or(1).max(1) as f64;
+    let held: f64 = runs
+        .map(|(start, end)| (start.max(a), end.min(b)))
+        .filter(|(s, e)| e > s)
+        .map(|(s, e)| (e - s).num_microseconds().unwrap_or(0) as f64)
+        .sum();
+    (held / span * 10.0).round() / 10.0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn t(ms: i64) -> At {
+        DateTime::from_timestamp_millis(1_800_000_000_000 + ms).unwrap()
+    }
+
+    /// Two runs in flight, each 100 ms, refilled at once: 20 a second. Publishing stops at
+    /// 1 s; the drain's six ends come slowly after it.
+    fn batch() -> (Vec<(At, At)>, At) {
+        let mut runs = Vec::new();
+        for slot in 0..2 {
+            for k in 0..10 {
+                runs.push((t(slot * 50 + k * 100), t(slot * 50 + (k + 1) * 100)));
+            }
+        }
+        for k in 1..=6 {
+            runs.push((t(1000), t(1000 + k * 200)));
+        }
+        (runs, t(1000))
+    }
+
+    #[test]
+    fn the_window_stops_where_the_drain_begins() {
+        let (runs, last) = batch();
+        let mut ends: Vec<At> = runs.iter().map(|r| r.1).collect();
+        ends.sort();
+        let w = window(&ends, Some(last)).unwrap();
+        assert_eq!(w.1, last, "the slow ends after the last publish are left out");
+        assert_eq!(rate(&ends, w), 20.0);
+        assert_eq!(mean_in_flight(runs.iter().copied(), w), 2.0);
+        // Without the cut the drain's slow ends drag the rate down.
+        let whole = window(&ends, None).unwrap();
+        assert!(rate(&ends, whole) < 20.0);
+    }
+
+    #[test]
+    fn a_publisher_that_lags_shows_fewer_in_flight() {
+        // One slot refilled only 100 ms after each end.
+        let runs: Vec<(At, At)> = (0..10).map(|k| (t(k * 200), t(k * 200 + 100))).collect();
+        let w = (t(0), t(2000));
+        assert_eq!(mean_in_flight(runs.into_iter(), w), 0.5);
+        assert!(window(&[t(0)], None).is_none(), "one end makes no window");
+    }
+}
