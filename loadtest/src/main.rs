@@ -558,7 +558,8 @@ async fn drive(args: Args, crew_rt: tokio::runtime::Handle) -> anyhow::Result<()
     // With runs kept in flight: the rate while N were in flight (see `steady::window`).
     let mut ends: Vec<chrono::DateTime<chrono::Utc>> = ended.iter().map(|(at, _, _)| *at).collect();
     ends.sort();
-    let window = (args.in_flight > 0).then(|| steady::window(&ends, sent.values().max().copied())).flatten();
+    let window =
+        (args.in_flight > 0).then(|| steady::window(&ends, args.in_flight, sent.values().max().copied())).flatten();
     let steady = window.map(|w| steady::rate(&ends, w));
     // What the bound assumes is `--in-flight`; a tool that lags behind the ends keeps fewer.
     let in_flight_mean = window

@@ -5,12 +5,14 @@ use chrono::{DateTime, Utc};
 
 type At = DateTime<Utc>;
 
-/// The window of the steady state: from the 10th percentile of the ends (before it, nothing
-/// has ended yet: the first runs are on their first pass) to the last publish or the 90th
-/// percentile, whichever comes first (after the last publish comes the drain: fewer than N in
-/// flight). `ends` sorted.
-pub fn window(ends: &[At], last_publish: Option<At>) -> Option<(At, At)> {
-    let a = *ends.get(ends.len() / 10)?;
+/// The window of the steady state, with `n` runs kept in flight: from the n-th end or the 10th
+/// percentile of the ends, whichever comes later, to the last publish or the 90th percentile,
+/// whichever comes first. Before the n-th end the first n runs, published together, are on
+/// their first pass: nothing ends for a while, then their ends come in a clump, faster than
+/// the crew keeps up once runs arrive at its own pace. After the last publish comes the
+/// drain: fewer than n in flight. `ends` sorted.
+pub fn window(ends: &[At], n: usize, last_publish: Option<At>) -> Option<(At, At)> {
+    let a = *ends.get((ends.len() / 10).max(n))?;
     let b = *ends.get(ends.len() * 9 / 10)?;
     let b = last_publish.map_or(b, |p| p.min(b));
     (b > a).then_some((a, b))
@@ -63,13 +65,26 @@ mod tests {
         let (runs, last) = batch();
         let mut ends: Vec<At> = runs.iter().map(|r| r.1).collect();
         ends.sort();
-        let w = window(&ends, Some(last)).unwrap();
+        let w = window(&ends, 2, Some(last)).unwrap();
         assert_eq!(w.1, last, "the slow ends after the last publish are left out");
         assert_eq!(rate(&ends, w), 20.0);
         assert_eq!(mean_in_flight(runs.iter().copied(), w), 2.0);
         // Without the cut the drain's slow ends drag the rate down.
-        let whole = window(&ends, None).unwrap();
+        let whole = window(&ends, 2, None).unwrap();
         assert!(rate(&ends, whole) < 20.0);
+    }
+
+    #[test]
+    fn the_window_starts_once_the_first_runs_have_ended() {
+        // Twenty runs published at once end together at 95-99 ms; then one ends every 10 ms.
+        let mut ends: Vec<At> = (0..20).map(|k| t(95 + k % 5)).collect();
+        ends.sort();
+        ends.extend((1..=100).map(|k| t(100 + k * 10)));
+        let w = window(&ends, 20, None).unwrap();
+        assert_eq!(w.0, t(110), "the n-th end, past the clump of the first n");
+        assert_eq!(rate(&ends, w), 100.0);
+        // From the 10th percentile alone, part of the clump counts: a rate the crew never kept.
+        assert!(rate(&ends, window(&ends, 0, None).unwrap()) > 100.0);
     }
 
     #[test]
@@ -78,6 +93,6 @@ mod tests {
         let runs: Vec<(At, At)> = (0..10).map(|k| (t(k * 200), t(k * 200 + 100))).collect();
         let w = (t(0), t(2000));
         assert_eq!(mean_in_flight(runs.into_iter(), w), 0.5);
-        assert!(window(&[t(0)], None).is_none(), "one end makes no window");
+        assert!(window(&[t(0)], 1, None).is_none(), "one end makes no window");
     }
 }
