@@ -38,7 +38,8 @@ enum Role {
 }
 
 /// A leader's place in the table. Dropped before it closes (an error, a cancelled caller), it
-/// removes its entry, so its joiners see their senders dropped and read on their own.
+/// removes its entry, so its joiners see their senders dropped and read on their own; dropped
+/// after, it finds its ticket gone and removes nothing.
 struct Leading {
     recalls: Recalls,
     key: Key,
@@ -48,9 +49,7 @@ struct Leading {
 impl Leading {
     /// Stop taking joiners; who joined gets the answer.
     fn close(self) -> Vec<oneshot::Sender<Memory>> {
-        let joiners = self.recalls.take(&self.key, self.ticket);
-        std::mem::forget(self);
-        joiners
+        self.recalls.take(&self.key, self.ticket)
     }
 }
 
@@ -138,6 +137,9 @@ mod tests {
             j.send(m.clone()).unwrap();
         }
         assert_eq!(rx.await.unwrap(), m);
+        // Leaders closed or dropped leave nothing behind: no entry, no handle on the table.
+        assert_eq!(r.waiting_keys(), 0);
+        assert_eq!(Arc::strong_count(&r.waiting), 1);
     }
 
     #[tokio::test]
