@@ -19,16 +19,12 @@ use tokio::sync::oneshot;
 /// Service, error signature and window (ms): what a memory read asks.
 type Key = (String, String, u128);
 
-/// Reads still waiting for a connection, by key: the leader's ticket and who joined it.
+/// Reads still waiting for a connection, by key: who joined each. An entry is its leader's
+/// alone: created by it, removed only by it (closing, or dropped before closing), so no
+/// other caller can replace it meanwhile.
 #[derive(Default, Clone)]
 pub(super) struct Recalls {
-    waiting: Arc<Mutex<HashMap<Key, Waiting>>>,
-    tickets: Arc<std::sync::atomic::AtomicU64>,
-}
-
-struct Waiting {
-    ticket: u64,
-    joiners: Vec<oneshot::Sender<Memory>>,
+    waiting: Arc<Mutex<HashMap<Key, Vec<oneshot::Sender<Memory>>>>>,
 }
 
 /// What a caller does: lead a read, or wait for the one it joined.
@@ -38,51 +34,47 @@ enum Role {
 }
 
 /// A leader's place in the table. Dropped before it closes (an error, a cancelled caller), it
-/// removes its entry, so its joiners see their senders dropped and read on their own; dropped
-/// after, it finds its ticket gone and removes nothing.
+/// removes its entry, so its joiners see their senders dropped and read on their own.
 struct Leading {
     recalls: Recalls,
-    key: Key,
-    ticket: u64,
+    /// `None` once closed.
+    key: Option<Key>,
 }
 
 impl Leading {
     /// Stop taking joiners; who joined gets the answer.
-    fn close(self) -> Vec<oneshot::Sender<Memory>> {
-        self.recalls.take(&self.key, self.ticket)
+    fn close(mut self) -> Vec<oneshot::Sender<Memory>> {
+        self.key.take().map(|key| self.recalls.take(&key)).unwrap_or_default()
     }
 }
 
 impl Drop for Leading {
     fn drop(&mut self) {
-        self.recalls.take(&self.key, self.ticket);
+        if let Some(key) = self.key.take() {
+            self.recalls.take(&key);
+        }
     }
 }
 
 impl Recalls {
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<Key, Waiting>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<Key, Vec<oneshot::Sender<Memory>>>> {
         self.waiting.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     fn role(&self, key: Key) -> Role {
         let mut waiting = self.lock();
-        if let Some(w) = waiting.get_mut(&key) {
+        if let Some(joiners) = waiting.get_mut(&key) {
             let (tx, rx) = oneshot::channel();
-            w.joiners.push(tx);
+            joiners.push(tx);
             return Role::Join(rx);
         }
-        let ticket = self.tickets.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        waiting.insert(key.clone(), Waiting { ticket, joiners: Vec::new() });
-        Role::Lead(Leading { recalls: self.clone(), key, ticket })
+        waiting.insert(key.clone(), Vec::new());
+        Role::Lead(Leading { recalls: self.clone(), key: Some(key) })
     }
 
-    /// Remove the entry `ticket` leads, if it is still there; returns its joiners.
-    fn take(&self, key: &Key, ticket: u64) -> Vec<oneshot::Sender<Memory>> {
-        let mut waiting = self.lock();
-        match waiting.get(key) {
-            Some(w) if w.ticket == ticket => waiting.remove(key).map(|w| w.joiners).unwrap_or_default(),
-            _ => Vec::new(),
-        }
+    /// Remove a leader's entry; returns its joiners.
+    fn take(&self, key: &Key) -> Vec<oneshot::Sender<Memory>> {
+        self.lock().remove(key).unwrap_or_default()
     }
 
     #[cfg(test)]
@@ -150,16 +142,13 @@ mod tests {
         drop(lead);
         assert!(rx.await.is_err(), "the joiner must learn that nobody will answer");
         assert_eq!(r.waiting_keys(), 0);
-        // A stale leader never removes the entry of the one after it.
+        // A closed leader's drop leaves the next leader of its key alone.
         let Role::Lead(first) = r.role(key("web")) else { panic!() };
-        let stale = first.ticket;
-        let _joiners = first.close();
+        assert!(first.close().is_empty());
         let Role::Lead(second) = r.role(key("web")) else { panic!() };
-        let Role::Lead(third_key) = r.role(key("db")) else { panic!() };
-        assert!(r.take(&key("web"), stale).is_empty());
-        assert_eq!(r.waiting_keys(), 2);
+        assert!(matches!(r.role(key("web")), Role::Join(_)), "the second leader's entry is there");
         drop(second);
-        drop(third_key);
         assert_eq!(r.waiting_keys(), 0);
+        assert_eq!(Arc::strong_count(&r.waiting), 1);
     }
 }
