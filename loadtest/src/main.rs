@@ -236,23 +236,19 @@ fn published_one(
     errors: &mut usize,
     in_flight: &tokio::sync::Semaphore,
 ) {
-    match done {
+    let failure = match done {
         Ok((at, Ok(id))) => {
             sent.insert(id, at);
+            return;
         }
-        Ok((_, Err(e))) => {
-            if *errors == 0 {
-                eprintln!("loadtest: publishing an incident failed: {e}");
-            }
-            *errors += 1;
-            in_flight.add_permits(1);
-        }
-        Err(e) => {
-            eprintln!("loadtest: a publish task failed: {e}");
-            *errors += 1;
-            in_flight.add_permits(1);
-        }
+        Ok((_, Err(e))) => e.to_string(),
+        Err(e) => format!("the publish task failed: {e}"),
+    };
+    if *errors == 0 {
+        eprintln!("loadtest: publishing an incident failed: {failure}");
     }
+    *errors += 1;
+    in_flight.add_permits(1);
 }
 
 fn percentile(sorted: &[f64], p: f64) -> f64 {
@@ -405,17 +401,23 @@ async fn connect_target(
 
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
-    let runtime = |name: &str| tokio::runtime::Builder::new_multi_thread().enable_all().thread_name(name).build();
+    // A worker thread a core (or TOKIO_WORKER_THREADS) unless `workers` says.
+    let runtime = |name: &str, workers: Option<usize>| {
+        let mut builder = tokio::runtime::Builder::new_multi_thread();
+        if let Some(n) = workers {
+            builder.worker_threads(n);
+        }
+        builder.enable_all().thread_name(name).build()
+    };
     if args.serve_llm {
-        return runtime("llm")?.block_on(llm::serve(Duration::from_millis(args.llm_latency_ms), args.llm_fix));
+        return runtime("llm", None)?.block_on(llm::serve(Duration::from_millis(args.llm_latency_ms), args.llm_fix));
     }
     // The crew gets a runtime of its own, as in a `pitcrew` process (a worker thread a core,
     // or TOKIO_WORKER_THREADS); the tool (publishing, watching the ends, the target's health
     // endpoint) runs on one thread of its own, so it is never queued behind the crew's tasks:
     // a run's end starts the next run as soon as the tool hears of it.
-    let crew = runtime("crew")?;
-    let tool =
-        tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().thread_name("tool").build()?;
+    let crew = runtime("crew", None)?;
+    let tool = runtime("tool", Some(1))?;
     let result = tool.block_on(drive(args, crew.handle().clone()));
     drop(tool);
     crew.shutdown_timeout(Duration::from_secs(5));

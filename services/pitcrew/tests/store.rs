@@ -12,7 +12,11 @@ use pitcrew_testkit::TestDb;
 use uuid::Uuid;
 
 async fn store(db: &TestDb) -> anyhow::Result<Store> {
-    let store = Store::connect(&DatabaseConfig { url: db.url.clone(), pool_size: 4, migrate_on_start: false }).await?;
+    store_with_pool(db, 4).await
+}
+
+async fn store_with_pool(db: &TestDb, pool_size: usize) -> anyhow::Result<Store> {
+    let store = Store::connect(&DatabaseConfig { url: db.url.clone(), pool_size, migrate_on_start: false }).await?;
     store.migrate().await?;
     Ok(store)
 }
@@ -370,8 +374,7 @@ async fn run_states_are_compressed_with_lz4_where_postgres_has_it() -> anyhow::R
 async fn concurrent_memory_reads_share_statements_but_never_answer_from_before_the_call() -> anyhow::Result<()> {
     let db = TestDb::create().await?;
     // One connection: reads queue for it, so concurrent reads of one key join each other.
-    let store = Store::connect(&DatabaseConfig { url: db.url.clone(), pool_size: 1, migrate_on_start: false }).await?;
-    store.migrate().await?;
+    let store = store_with_pool(&db, 1).await?;
     let run = open_runs(&store, 1).await?.remove(0);
     let pg = db.client().await?;
     let window = std::time::Duration::from_secs(3600);
