@@ -79,7 +79,13 @@ struct Args {
     /// (warn when exporting).
     #[arg(long, value_name = "FILTER")]
     log: Option<String>,
-    /// Runs diagnose holds at once per process (default: --concurrency). Set it low with a
+    /// Runs diagnose and plan, the stages that wait on the model, each hold at once per
+    /// process (default: --concurrency). With a model, set it to the runs to keep in flight
+    /// and leave --concurrency low for the stages that only use the CPU: more of their runs
+    /// at once only share the cores among more runs, and every hand-over waits longer.
+    #[arg(long)]
+    model_concurrency: Option<usize>,
+    /// Runs diagnose holds at once per process (default: --model-concurrency). Set it low with a
     /// simulated LLM to make diagnose the bottleneck and see how a second process scales it.
     #[arg(long)]
     diagnose_concurrency: Option<usize>,
@@ -276,6 +282,18 @@ struct Local {
     llm: Option<llm::SimulatedLlm>,
 }
 
+/// The crew's stage settings: `concurrency` for the stages that only use the CPU,
+/// `model` for the two that wait on the model (diagnose may have its own), and room in every
+/// consumer for all of them (several diagnose processes share one consumer).
+fn stage_config(concurrency: usize, model: usize, diagnose: Option<usize>) -> String {
+    let diagnose = diagnose.unwrap_or(model);
+    let pending = (concurrency.max(model).max(diagnose) * 4).max(256);
+    format!(
+        "[stages]\nconcurrency = {concurrency}\nmax_ack_pending = {pending}\n\
+         [stage.diagnose]\nconcurrency = {diagnose}\n[stage.plan]\nconcurrency = {model}\n"
+    )
+}
+
 /// Start nats-server, a fresh database, the simulated model if asked for, and the crew.
 async fn start_local(args: &Args, endpoint: Option<&str>, crew_rt: &tokio::runtime::Handle) -> anyhow::Result<Local> {
     let env = TestEnv::start().await.context("starting nats-server and a fresh database")?;
@@ -283,6 +301,7 @@ async fn start_local(args: &Args, endpoint: Option<&str>, crew_rt: &tokio::runti
     std::fs::write(&book, PLAYBOOK)?;
     let healthy = env.path("healthy");
     std::fs::write(&healthy, "")?;
+    let model_concurrency = args.model_concurrency.unwrap_or(args.concurrency);
     // The simulated LLM: a grounded diagnosis quoting the incident, and the playbook's plan.
     let llm = if args.llm_latency_ms > 0 {
         Some(llm::start(Duration::from_millis(args.llm_latency_ms), &format!("touch {healthy}")).await?)
@@ -294,16 +313,12 @@ async fn start_local(args: &Args, endpoint: Option<&str>, crew_rt: &tokio::runti
             "[reasoning]\nprovider = \"openai\"\nplaybook_file = \"{book}\"\n[reasoning.openai]\nbase_url = \"{}\"\n\
              model = \"simulated\"\napi_key_env = \"\"\nmax_concurrent = {}\ntimeout_secs = 120\nstream = false\n",
             l.base_url,
-            args.concurrency * 2
+            model_concurrency * 2
         ),
         None => format!("[reasoning]\nplaybook_file = \"{book}\"\n"),
     };
     // LLM-bound runs skip the evidence commands so the model's latency is what is measured.
     let evidence = if llm.is_some() || args.no_evidence { "evidence = []\n" } else { "" };
-    let diagnose = match args.diagnose_concurrency {
-        Some(n) => format!("[stage.diagnose]\nconcurrency = {n}\n"),
-        None => String::new(),
-    };
     let check = match args.check {
         CheckKind::Command => format!("{{ kind = \"command\", command = \"test -f {healthy}\" }}"),
         CheckKind::Http => {
@@ -311,11 +326,10 @@ async fn start_local(args: &Args, endpoint: Option<&str>, crew_rt: &tokio::runti
         }
     };
     let text = env.config_toml(&format!(
-        "[stages]\nconcurrency = {c}\nmax_ack_pending = {p}\n{diagnose}{reasoning}\
+        "{stages}{reasoning}\
          [verify]\nchecks = 1\n[services.svc]\nhost = \"local\"\nstart = \"touch {healthy}\"\n{evidence}\
          check = {check}\n",
-        c = args.concurrency,
-        p = (args.concurrency * 4).max(256),
+        stages = stage_config(args.concurrency, model_concurrency, args.diagnose_concurrency),
     ));
     let text = text.replacen("pool_size = 8\n", &format!("pool_size = {}\n", args.pool_size.max(1)), 1);
     // Worker processes (--diagnose-processes) export to the same place.
@@ -369,6 +383,7 @@ async fn connect_target(
     let own = [
         (args.llm_latency_ms > 0, "--llm-latency-ms"),
         (args.diagnose_processes > 0, "--diagnose-processes"),
+        (args.model_concurrency.is_some(), "--model-concurrency"),
         (args.diagnose_concurrency.is_some(), "--diagnose-concurrency"),
         (args.no_evidence, "--no-evidence"),
         (args.check != CheckKind::Command, "--check"),
@@ -631,6 +646,7 @@ async fn drive(args: Args, crew_rt: tokio::runtime::Handle) -> anyhow::Result<()
             "llm_calls": llm_calls,
             "llm_bound": bound,
             "diagnose_processes": args.diagnose_processes,
+            "model_concurrency": own.then_some(args.model_concurrency.unwrap_or(args.concurrency)),
             "diagnose_concurrency": args.diagnose_concurrency,
             "evidence_commands": own.then_some(!(args.no_evidence || args.llm_latency_ms > 0)),
             "peak_rss_mb": if own { peak_rss_mb() } else { None },
@@ -642,4 +658,25 @@ async fn drive(args: Args, crew_rt: tokio::runtime::Handle) -> anyhow::Result<()
         })
     );
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn model_stages_get_their_own_concurrency_and_every_consumer_room_for_it() {
+        let cfg = Config::from_toml(&stage_config(32, 1000, None)).unwrap();
+        for stage in [Stage::Intake, Stage::Evaluate, Stage::Approval, Stage::Execute, Stage::Verify, Stage::Report] {
+            assert_eq!(cfg.stage_settings(stage).concurrency, 32, "{stage:?}");
+            assert_eq!(cfg.stage_settings(stage).max_ack_pending, 4000, "{stage:?}");
+        }
+        for stage in [Stage::Diagnose, Stage::Plan] {
+            assert_eq!(cfg.stage_settings(stage).concurrency, 1000, "{stage:?}");
+        }
+        let cfg = Config::from_toml(&stage_config(64, 64, Some(20))).unwrap();
+        assert_eq!(cfg.stage_settings(Stage::Diagnose).concurrency, 20);
+        assert_eq!(cfg.stage_settings(Stage::Plan).concurrency, 64);
+        assert_eq!(cfg.stage_settings(Stage::Execute).max_ack_pending, 256);
+    }
 }

@@ -263,7 +263,10 @@ pub struct Limits {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct StageDefaults {
-    /// Messages handled at once per process per stage.
+    /// Messages handled at once per process per stage. A stage that waits on a model wants
+    /// as many as the runs it should hold in flight (`[stage.diagnose]`, `[stage.plan]`);
+    /// one that only uses the CPU does best with a few dozen: more at once only shares the
+    /// cores among more runs, so each of them waits longer for its hand-over.
     pub concurrency: usize,
     /// JetStream redelivers a message not acked within this (progress acks extend it).
     pub ack_wait_secs: u64,
