@@ -234,27 +234,47 @@ fn llm_bound(args: &Args, calls: Option<u64>, completed: usize, rate: f64) -> Op
 /// Most incident publishes waiting for their acks at once.
 const PUBLISH_WINDOW: usize = 256;
 
-/// One publish has its answer: the run is sent, or it counts as an error and its permit
-/// goes back.
-fn published_one(
-    done: Result<(chrono::DateTime<chrono::Utc>, Result<Uuid, pitcrew_runtime::bus::BusError>), tokio::task::JoinError>,
-    sent: &mut HashMap<Uuid, chrono::DateTime<chrono::Utc>>,
-    errors: &mut usize,
-    in_flight: &tokio::sync::Semaphore,
-) {
-    let failure = match done {
-        Ok((at, Ok(id))) => {
-            sent.insert(id, at);
-            return;
+/// What a publish task answers: when it published, and the run or why not.
+type Published = (chrono::DateTime<chrono::Utc>, Result<Uuid, pitcrew_runtime::bus::BusError>);
+
+/// The incident publishes awaiting their acks, each task's run by its task id (so a failed
+/// task still names its run).
+struct Publishing {
+    tasks: tokio::task::JoinSet<Published>,
+    runs: HashMap<tokio::task::Id, Uuid>,
+}
+
+impl Publishing {
+    /// One publish has its answer: the run is sent, or it counts as an error and leaves the
+    /// runs in flight (unless its end came first: see `observe::Ours`).
+    fn answered(
+        &mut self,
+        done: Result<(tokio::task::Id, Published), tokio::task::JoinError>,
+        sent: &mut HashMap<Uuid, chrono::DateTime<chrono::Utc>>,
+        errors: &mut usize,
+        ours: &observe::Ours,
+    ) {
+        let task = match &done {
+            Ok((task, _)) => *task,
+            Err(e) => e.id(),
+        };
+        let run = self.runs.remove(&task);
+        let failure = match done {
+            Ok((_, (at, Ok(id)))) => {
+                sent.insert(id, at);
+                return;
+            }
+            Ok((_, (_, Err(e)))) => e.to_string(),
+            Err(e) => format!("the publish task failed: {e}"),
+        };
+        if *errors == 0 {
+            eprintln!("loadtest: publishing an incident failed: {failure}");
         }
-        Ok((_, Err(e))) => e.to_string(),
-        Err(e) => format!("the publish task failed: {e}"),
-    };
-    if *errors == 0 {
-        eprintln!("loadtest: publishing an incident failed: {failure}");
+        *errors += 1;
+        if let Some(run) = run {
+            ours.release(run);
+        }
     }
-    *errors += 1;
-    in_flight.add_permits(1);
 }
 
 fn percentile(sorted: &[f64], p: f64) -> f64 {
@@ -475,8 +495,8 @@ async fn drive(args: Args, crew_rt: tokio::runtime::Handle) -> anyhow::Result<()
     } else {
         tokio::sync::Semaphore::MAX_PERMITS
     }));
-    let ours = observe::Ours::default();
-    let mut finished = observe::terminals(&bus, in_flight.clone(), ours.clone()).await?;
+    let ours = observe::Ours::new(in_flight.clone());
+    let mut finished = observe::terminals(&bus, ours.clone()).await?;
     // A tag of this batch in each incident's fingerprint: a run of an earlier batch still
     // open on the same crew never swallows one of this batch's as a duplicate.
     let batch = Uuid::new_v4().simple().to_string()[..8].to_string();
@@ -493,7 +513,7 @@ async fn drive(args: Args, crew_rt: tokio::runtime::Handle) -> anyhow::Result<()
     let mut sent: HashMap<Uuid, chrono::DateTime<chrono::Utc>> = HashMap::with_capacity(args.incidents);
     let mut ended: Vec<(chrono::DateTime<chrono::Utc>, EventKind, Uuid)> = Vec::with_capacity(args.incidents);
     let mut errors = 0usize;
-    let mut publishing = tokio::task::JoinSet::new();
+    let mut publishing = Publishing { tasks: tokio::task::JoinSet::new(), runs: HashMap::new() };
     let mut last_progress = Instant::now();
     let deadline = Instant::now() + Duration::from_secs(args.timeout);
     for i in 0..args.incidents {
@@ -515,38 +535,42 @@ async fn drive(args: Args, crew_rt: tokio::runtime::Handle) -> anyhow::Result<()
             (None, _) => "disk wiped",
         };
         let inc = cli::incident(&service, error, None, Severity::Warning, Some(format!("lt-{batch}-{i}")))?;
-        if let (Some(id), Ok(mut o)) = (inc.id, ours.lock()) {
-            o.insert(id);
-        }
+        let run = inc.id.context("the incident has no id")?;
+        ours.add(run);
         // Publishes overlap (each waits for its own ack), so the next run starts as soon as
         // a permit frees, not one stream ack later: a publisher that waits for each ack in
         // turn falls behind the ends and keeps fewer runs in flight than asked.
-        while publishing.len() >= PUBLISH_WINDOW {
-            if let Some(done) = publishing.join_next().await {
-                published_one(done, &mut sent, &mut errors, &in_flight);
+        while publishing.tasks.len() >= PUBLISH_WINDOW {
+            if let Some(done) = publishing.tasks.join_next_with_id().await {
+                publishing.answered(done, &mut sent, &mut errors, &ours);
             }
         }
-        while let Some(done) = publishing.try_join_next() {
-            published_one(done, &mut sent, &mut errors, &in_flight);
+        while let Some(done) = publishing.tasks.try_join_next_with_id() {
+            publishing.answered(done, &mut sent, &mut errors, &ours);
         }
         let bus = bus.clone();
-        publishing.spawn(async move {
+        let task = publishing.tasks.spawn(async move {
             let at = chrono::Utc::now();
             (at, bus.open_incident(&inc).await)
         });
+        publishing.runs.insert(task.id(), run);
         if last_progress.elapsed() > Duration::from_secs(5) {
             eprintln!("loadtest: {} published, {} runs finished", i + 1, ended.len());
             last_progress = Instant::now();
         }
     }
-    while let Some(done) = publishing.join_next().await {
-        published_one(done, &mut sent, &mut errors, &in_flight);
+    while let Some(done) = publishing.tasks.join_next_with_id().await {
+        publishing.answered(done, &mut sent, &mut errors, &ours);
     }
     let published = started.elapsed().as_secs_f64();
+    // A run whose publish failed may have ended anyway (its ack lost on the way back): it is
+    // an error, not a result.
+    ended.retain(|(_, _, run)| sent.contains_key(run));
     while ended.len() < sent.len() {
         let left = deadline.saturating_duration_since(Instant::now());
         match tokio::time::timeout(left, finished.recv()).await {
-            Ok(Some(e)) => ended.push((e.at, e.kind, e.run_id)),
+            Ok(Some(e)) if sent.contains_key(&e.run_id) => ended.push((e.at, e.kind, e.run_id)),
+            Ok(Some(_)) => {}
             Ok(None) => bail!("the terminal-event stream ended"),
             Err(_) => bail!("{} runs did not finish within {} s", sent.len() - ended.len(), args.timeout),
         }

@@ -13,18 +13,41 @@ use std::sync::Arc;
 use tokio::sync::{mpsc, Semaphore};
 use uuid::Uuid;
 
-/// The runs of this batch: the publisher adds each before it publishes the incident.
-pub type Ours = Arc<std::sync::Mutex<HashSet<Uuid>>>;
+/// The runs of this batch still counted in flight, each holding one permit of `in_flight`
+/// (the publisher takes one per incident, so at most its initial count of runs are in flight).
+/// A run leaves once: at its first terminal event, or when its publish fails, whichever comes
+/// first; only that gives its permit back. (A publish whose ack was lost may still have
+/// reached the stream, and its run may end before or after the failure is known.)
+#[derive(Clone)]
+pub struct Ours {
+    runs: Arc<std::sync::Mutex<HashSet<Uuid>>>,
+    in_flight: Arc<Semaphore>,
+}
+
+impl Ours {
+    pub fn new(in_flight: Arc<Semaphore>) -> Self {
+        Self { runs: Arc::default(), in_flight }
+    }
+
+    /// A run about to be published, its permit already taken.
+    pub fn add(&self, run: Uuid) {
+        self.runs.lock().unwrap_or_else(|e| e.into_inner()).insert(run);
+    }
+
+    /// The run ended or its publish failed: true, and its permit back, the first time only.
+    pub fn release(&self, run: Uuid) -> bool {
+        let ours = self.runs.lock().unwrap_or_else(|e| e.into_inner()).remove(&run);
+        if ours {
+            self.in_flight.add_permits(1);
+        }
+        ours
+    }
+}
 
 /// Follow the terminal events of `ours` from now on (a crew driven with `--target` may be
-/// ending other runs too). Each run's first one is sent on the returned channel and gives a
-/// permit back to `in_flight` (the publisher takes one per incident, so at most its initial
-/// count of runs are in flight).
-pub async fn terminals(
-    bus: &Bus,
-    in_flight: Arc<Semaphore>,
-    ours: Ours,
-) -> anyhow::Result<mpsc::UnboundedReceiver<RunEvent>> {
+/// ending other runs too). A run's first one, while the run is still counted in flight, is
+/// sent on the returned channel and releases it.
+pub async fn terminals(bus: &Bus, ours: Ours) -> anyhow::Result<mpsc::UnboundedReceiver<RunEvent>> {
     let stream = bus.js.get_stream(bus.subjects.events_stream()).await?;
     // `<prefix>.events.>` -> `<prefix>.events.*.<kind>`
     let base = bus.subjects.events_all();
@@ -40,7 +63,6 @@ pub async fn terminals(
     let mut messages = consumer.messages().await?;
     let (tx, rx) = mpsc::unbounded_channel();
     tokio::spawn(async move {
-        let mut done = HashSet::new();
         while let Some(msg) = messages.next().await {
             let msg = match msg {
                 Ok(m) => m,
@@ -50,16 +72,8 @@ pub async fn terminals(
                 }
             };
             let Ok(event) = serde_json::from_slice::<RunEvent>(&msg.payload) else { continue };
-            let mine = ours.lock().map(|o| o.contains(&event.run_id)).unwrap_or(false);
-            if mine && done.insert(event.run_id) {
-                // Without a limit the count starts at the maximum: an end the tool did not
-                // count a permit out for (a publish whose ack was lost) must not pass it.
-                if in_flight.available_permits() < Semaphore::MAX_PERMITS {
-                    in_flight.add_permits(1);
-                }
-                if tx.send(event).is_err() {
-                    return;
-                }
+            if ours.release(event.run_id) && tx.send(event).is_err() {
+                return;
             }
         }
     });
@@ -101,4 +115,37 @@ pub async fn stage_latencies(
         previous = Some(end);
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Two runs in flight out of two permits, as the publisher leaves them.
+    fn two_in_flight() -> (Arc<Semaphore>, Ours, [Uuid; 2]) {
+        let in_flight = Arc::new(Semaphore::new(2));
+        let ours = Ours::new(in_flight.clone());
+        let runs = [Uuid::new_v4(), Uuid::new_v4()];
+        for run in runs {
+            in_flight.try_acquire().unwrap().forget();
+            ours.add(run);
+        }
+        (in_flight, ours, runs)
+    }
+
+    #[test]
+    fn a_run_gives_its_permit_back_once_whichever_of_its_end_and_its_failed_publish_comes_first() {
+        let (in_flight, ours, [a, b]) = two_in_flight();
+        // a: its end first (a publish whose ack was lost, the run went ahead), then the failure.
+        assert!(ours.release(a));
+        assert!(!ours.release(a));
+        // b: the failure first, then the end, then a second terminal event.
+        assert!(ours.release(b));
+        assert!(!ours.release(b));
+        assert!(!ours.release(b));
+        assert_eq!(in_flight.available_permits(), 2);
+        // A run of another batch on the same crew is never ours.
+        assert!(!ours.release(Uuid::new_v4()));
+        assert_eq!(in_flight.available_permits(), 2);
+    }
 }
