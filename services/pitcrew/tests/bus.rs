@@ -1,5 +1,6 @@
 //! Delivery guarantees against a real nats-server: a stage message delivered twice runs
-//! nothing twice, two processes of one stage share its work, poison goes to the DLQ.
+//! nothing twice, two processes of one stage share its work, poison goes to the DLQ, a consumer
+//! told to stop pulls nothing more.
 
 mod common;
 
@@ -8,7 +9,10 @@ use common::{count, marker_service, write, Crew, WAIT};
 use futures::StreamExt;
 use pitcrew_model::codec::{CONTENT_TYPE, MSGPACK};
 use pitcrew_model::{EventKind, Stage};
+use pitcrew_runtime::consume::{consume, Disposition, MessageHandler};
 use pitcrew_testkit::TestEnv;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 const PLAYBOOK: &str = r#"
@@ -176,4 +180,69 @@ async fn a_poison_stage_message_is_dead_lettered_and_its_run_escalated() -> anyh
     assert_eq!(count(&db, "SELECT count(*) FROM executions WHERE run_id = $1", run).await, 0);
     assert!(!std::path::Path::new(&crew.env.path("made-once")).exists());
     crew.shutdown().await
+}
+
+/// Counts the messages it is handed and acks them.
+struct Counting(Arc<AtomicUsize>);
+
+impl MessageHandler for Counting {
+    fn name(&self) -> String {
+        "counting".into()
+    }
+
+    fn handle(
+        self: Arc<Self>,
+        _msg: Arc<async_nats::jetstream::Message>,
+    ) -> futures::future::BoxFuture<'static, Disposition> {
+        self.0.fetch_add(1, Ordering::SeqCst);
+        Box::pin(async { Disposition::Ack })
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_consumer_told_to_stop_pulls_nothing_more() -> anyhow::Result<()> {
+    let env = TestEnv::start().await?;
+    let cfg = pitcrew_runtime::Config::from_toml(&env.config_toml(""))?;
+    let bus = pitcrew_runtime::Bus::connect(&cfg).await?;
+    bus.ensure_streams().await?;
+    const WAITING: usize = 50;
+    for i in 0..WAITING {
+        let mut headers = HeaderMap::new();
+        headers.insert(NATS_MESSAGE_ID, format!("stop-test-{i}").as_str());
+        bus.js.publish_with_headers(bus.subjects.stage(Stage::Report), headers, "x".into()).await?.await?;
+    }
+    let settings = cfg.stage_settings(Stage::Report);
+    let consumer = bus.stage_consumer(Stage::Report, settings).await?;
+    let handled = Arc::new(AtomicUsize::new(0));
+    // Told to stop before it starts, again and again: it must never pull. (With an unbiased
+    // select between a free permit and the shutdown, a stopping worker went on pulling in
+    // about one round in four.)
+    for _ in 0..20 {
+        let handler = Arc::new(Counting(handled.clone()));
+        consume(consumer.clone(), settings, handler, std::future::ready(()), Duration::from_secs(5)).await;
+    }
+    assert_eq!(handled.load(Ordering::SeqCst), 0, "a stopping consumer pulled messages");
+    let info = consumer.clone().info().await?.clone();
+    assert_eq!((info.num_pending, info.num_ack_pending), (WAITING as u64, 0), "{info:?}");
+    // The same consumer, not stopping, takes every waiting message.
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let handler = Arc::new(Counting(handled.clone()));
+    let running = tokio::spawn(consume(
+        consumer,
+        settings,
+        handler,
+        async {
+            let _ = stopped.await;
+        },
+        Duration::from_secs(5),
+    ));
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while handled.load(Ordering::SeqCst) < WAITING {
+        anyhow::ensure!(tokio::time::Instant::now() < deadline, "only {} handled", handled.load(Ordering::SeqCst));
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let _ = stop.send(());
+    running.await?;
+    assert_eq!(handled.load(Ordering::SeqCst), WAITING);
+    Ok(())
 }

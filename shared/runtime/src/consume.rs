@@ -62,15 +62,19 @@ pub async fn consume<H: MessageHandler>(
             }
         }
         // Pull only what can start now: a message never waits in a client buffer while its
-        // ack timer runs (async-nats' default pull batch would).
+        // ack timer runs (async-nats' default pull batch would). Shutdown is looked at first
+        // (`biased`): with a permit free as well, an unbiased select would pick either, and a
+        // stopping worker would go on pulling.
         let first = tokio::select! {
-            p = sem.clone().acquire_owned() => p.expect("semaphore never closed"),
+            biased;
             _ = &mut shutdown => break 'outer,
+            p = sem.clone().acquire_owned() => p.expect("semaphore never closed"),
         };
         let want = 1 + sem.available_permits().min(255);
         let batch = tokio::select! {
-            b = consumer.fetch().max_messages(want).expires(FETCH_EXPIRES).messages() => b,
+            biased;
             _ = &mut shutdown => break 'outer,
+            b = consumer.fetch().max_messages(want).expires(FETCH_EXPIRES).messages() => b,
         };
         let mut batch = match batch {
             Ok(b) => {
@@ -83,8 +87,9 @@ pub async fn consume<H: MessageHandler>(
                 tracing::warn!(consumer = %name, error = %e, retry_in_ms = wait.as_millis() as u64, "cannot pull messages");
                 drop(first);
                 tokio::select! {
-                    _ = tokio::time::sleep(wait) => continue,
+                    biased;
                     _ = &mut shutdown => break 'outer,
+                    _ = tokio::time::sleep(wait) => continue,
                 }
             }
         };

@@ -30,7 +30,10 @@ pub async fn serve(listener: TcpListener, router: Router, shutdown: impl Future<
     let (stop_tx, stop_rx) = watch::channel(false);
     let mut shutdown = pin!(shutdown);
     loop {
+        // Shutdown first: with connections queued too, an unbiased select could go on
+        // accepting them after the server was told to stop.
         let accepted = tokio::select! {
+            biased;
             _ = &mut shutdown => break,
             a = listener.accept() => a,
         };
