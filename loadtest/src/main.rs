@@ -47,7 +47,8 @@ struct Args {
     /// Percentage of incidents that resolve (the rest are refused by policy and escalate).
     #[arg(long, default_value_t = 80)]
     resolve_percent: u8,
-    /// Per-stage concurrency of the crew.
+    /// Messages each stage of the crew handles at once per process (diagnose and plan too,
+    /// unless --model-concurrency is given).
     #[arg(long, default_value_t = 64)]
     concurrency: usize,
     /// Give up waiting for runs after this many seconds.
@@ -304,10 +305,11 @@ struct Local {
 
 /// The crew's stage settings: `concurrency` for the stages that only use the CPU,
 /// `model` for the two that wait on the model (diagnose may have its own), and room in every
-/// consumer for all of them (several diagnose processes share one consumer).
-fn stage_config(concurrency: usize, model: usize, diagnose: Option<usize>) -> String {
+/// consumer for all of them (the `diagnose_processes` worker processes share one consumer).
+fn stage_config(concurrency: usize, model: usize, diagnose: Option<usize>, diagnose_processes: usize) -> String {
     let diagnose = diagnose.unwrap_or(model);
-    let pending = (concurrency.max(model).max(diagnose) * 4).max(256);
+    let widest = concurrency.max(model).max(diagnose * diagnose_processes.max(1));
+    let pending = (widest * 4).max(256);
     format!(
         "[stages]\nconcurrency = {concurrency}\nmax_ack_pending = {pending}\n\
          [stage.diagnose]\nconcurrency = {diagnose}\n[stage.plan]\nconcurrency = {model}\n"
@@ -349,7 +351,7 @@ async fn start_local(args: &Args, endpoint: Option<&str>, crew_rt: &tokio::runti
         "{stages}{reasoning}\
          [verify]\nchecks = 1\n[services.svc]\nhost = \"local\"\nstart = \"touch {healthy}\"\n{evidence}\
          check = {check}\n",
-        stages = stage_config(args.concurrency, model_concurrency, args.diagnose_concurrency),
+        stages = stage_config(args.concurrency, model_concurrency, args.diagnose_concurrency, args.diagnose_processes),
     ));
     let text = text.replacen("pool_size = 8\n", &format!("pool_size = {}\n", args.pool_size.max(1)), 1);
     // Worker processes (--diagnose-processes) export to the same place.
@@ -690,17 +692,57 @@ mod tests {
 
     #[test]
     fn model_stages_get_their_own_concurrency_and_every_consumer_room_for_it() {
-        let cfg = Config::from_toml(&stage_config(32, 1000, None)).unwrap();
+        let cfg = Config::from_toml(&stage_config(32, 1000, None, 0)).unwrap();
         for stage in [Stage::Intake, Stage::Evaluate, Stage::Approval, Stage::Execute, Stage::Verify, Stage::Report] {
             assert_eq!(cfg.stage_settings(stage).concurrency, 32, "{stage:?}");
             assert_eq!(cfg.stage_settings(stage).max_ack_pending, 4000, "{stage:?}");
         }
         for stage in [Stage::Diagnose, Stage::Plan] {
             assert_eq!(cfg.stage_settings(stage).concurrency, 1000, "{stage:?}");
+            assert_eq!(cfg.stage_settings(stage).max_ack_pending, 4000, "{stage:?}");
         }
-        let cfg = Config::from_toml(&stage_config(64, 64, Some(20))).unwrap();
+        let cfg = Config::from_toml(&stage_config(64, 64, Some(20), 0)).unwrap();
         assert_eq!(cfg.stage_settings(Stage::Diagnose).concurrency, 20);
         assert_eq!(cfg.stage_settings(Stage::Plan).concurrency, 64);
         assert_eq!(cfg.stage_settings(Stage::Execute).max_ack_pending, 256);
+        // Eight diagnose processes of 1000 each share one consumer: it lets them all hold theirs.
+        let cfg = Config::from_toml(&stage_config(32, 1000, None, 8)).unwrap();
+        assert!(cfg.stage_settings(Stage::Diagnose).max_ack_pending >= 8000);
+    }
+
+    #[tokio::test]
+    async fn a_failed_publish_or_publish_task_is_an_error_and_releases_its_run() {
+        let in_flight = Arc::new(tokio::sync::Semaphore::new(3));
+        let ours = observe::Ours::new(in_flight.clone());
+        let mut publishing = Publishing { tasks: tokio::task::JoinSet::new(), runs: HashMap::new() };
+        let (sent_ok, refused, panicked) = (Uuid::new_v4(), Uuid::new_v4(), Uuid::new_v4());
+        for (run, outcome) in [(sent_ok, 0), (refused, 1), (panicked, 2)] {
+            in_flight.try_acquire().unwrap().forget();
+            ours.add(run);
+            let task = publishing.tasks.spawn(async move {
+                let at = chrono::Utc::now();
+                match outcome {
+                    0 => (at, Ok(run)),
+                    1 => {
+                        let error = "no ack".to_string();
+                        (at, Err(pitcrew_runtime::bus::BusError::Publish { subject: "s".into(), error }))
+                    }
+                    _ => panic!("the publish task failed"),
+                }
+            });
+            publishing.runs.insert(task.id(), run);
+        }
+        let (mut sent, mut errors) = (HashMap::new(), 0);
+        while let Some(done) = publishing.tasks.join_next_with_id().await {
+            publishing.answered(done, &mut sent, &mut errors, &ours);
+        }
+        assert_eq!(errors, 2);
+        assert_eq!(sent.keys().collect::<Vec<_>>(), vec![&sent_ok]);
+        // The two failures gave their permits back; the sent run still holds its own.
+        assert_eq!(in_flight.available_permits(), 2);
+        assert!(!ours.release(refused) && !ours.release(panicked));
+        assert!(ours.release(sent_ok));
+        assert_eq!(in_flight.available_permits(), 3);
+        assert!(publishing.runs.is_empty());
     }
 }
