@@ -123,6 +123,14 @@ struct Args {
     error: Option<String>,
 }
 
+impl Args {
+    /// What diagnose and plan hold at once per process: `--model-concurrency`, else
+    /// `--concurrency`.
+    fn model_concurrency(&self) -> usize {
+        self.model_concurrency.unwrap_or(self.concurrency)
+    }
+}
+
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum CheckKind {
     Command,
@@ -246,6 +254,12 @@ struct Publishing {
 }
 
 impl Publishing {
+    /// Publish `run`'s incident in a task of its own, remembered by the task's id.
+    fn spawn(&mut self, run: Uuid, publish: impl std::future::Future<Output = Published> + Send + 'static) {
+        let task = self.tasks.spawn(publish);
+        self.runs.insert(task.id(), run);
+    }
+
     /// One publish has its answer: the run is sent, or it counts as an error and leaves the
     /// runs in flight (unless its end came first: see `observe::Ours`).
     fn answered(
@@ -323,7 +337,7 @@ async fn start_local(args: &Args, endpoint: Option<&str>, crew_rt: &tokio::runti
     std::fs::write(&book, PLAYBOOK)?;
     let healthy = env.path("healthy");
     std::fs::write(&healthy, "")?;
-    let model_concurrency = args.model_concurrency.unwrap_or(args.concurrency);
+    let model_concurrency = args.model_concurrency();
     // The simulated LLM: a grounded diagnosis quoting the incident, and the playbook's plan.
     let llm = if args.llm_latency_ms > 0 {
         Some(llm::start(Duration::from_millis(args.llm_latency_ms), &format!("touch {healthy}")).await?)
@@ -551,11 +565,10 @@ async fn drive(args: Args, crew_rt: tokio::runtime::Handle) -> anyhow::Result<()
             publishing.answered(done, &mut sent, &mut errors, &ours);
         }
         let bus = bus.clone();
-        let task = publishing.tasks.spawn(async move {
+        publishing.spawn(run, async move {
             let at = chrono::Utc::now();
             (at, bus.open_incident(&inc).await)
         });
-        publishing.runs.insert(task.id(), run);
         if last_progress.elapsed() > Duration::from_secs(5) {
             eprintln!("loadtest: {} published, {} runs finished", i + 1, ended.len());
             last_progress = Instant::now();
@@ -672,7 +685,7 @@ async fn drive(args: Args, crew_rt: tokio::runtime::Handle) -> anyhow::Result<()
             "llm_calls": llm_calls,
             "llm_bound": bound,
             "diagnose_processes": args.diagnose_processes,
-            "model_concurrency": own.then_some(args.model_concurrency.unwrap_or(args.concurrency)),
+            "model_concurrency": own.then(|| args.model_concurrency()),
             "diagnose_concurrency": args.diagnose_concurrency,
             "evidence_commands": own.then_some(!(args.no_evidence || args.llm_latency_ms > 0)),
             "peak_rss_mb": if own { peak_rss_mb() } else { None },
@@ -719,7 +732,7 @@ mod tests {
         for (run, outcome) in [(sent_ok, 0), (refused, 1), (panicked, 2)] {
             in_flight.try_acquire().unwrap().forget();
             ours.add(run);
-            let task = publishing.tasks.spawn(async move {
+            publishing.spawn(run, async move {
                 let at = chrono::Utc::now();
                 match outcome {
                     0 => (at, Ok(run)),
@@ -730,7 +743,6 @@ mod tests {
                     _ => panic!("the publish task failed"),
                 }
             });
-            publishing.runs.insert(task.id(), run);
         }
         let (mut sent, mut errors) = (HashMap::new(), 0);
         while let Some(done) = publishing.tasks.join_next_with_id().await {
