@@ -214,7 +214,10 @@ async fn follow(
     tokio::spawn(async move {
         let _permit = permit;
         loop {
+            // Shutdown and a gone client first: with a message ready too, an unbiased select
+            // could go on forwarding after either.
             let msg = tokio::select! {
+                biased;
                 _ = &mut shutdown => break,
                 _ = tx.closed() => break,
                 m = messages.next() => m,
