@@ -100,6 +100,51 @@ async fn one_master_connection_is_reused_and_reestablished() -> anyhow::Result<(
     Ok(())
 }
 
+/// An alert storm on one host: many more commands at once than sshd lets one connection
+/// carry (its `MaxSessions`, 10 by default, which the test server keeps). Every command
+/// runs, none is refused a channel, and never more at once than the host's limit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_storm_of_commands_on_one_host_waits_for_channels_instead_of_failing() -> anyhow::Result<()> {
+    let sshd = start_target()?;
+    let mut host = sshd.host(true);
+    host.max_sessions = 4;
+    let f = std::sync::Arc::new(fleet(host, 4096));
+    let marks = sshd.workdir("storm")?;
+    let tasks: Vec<_> = (0..40)
+        .map(|i| {
+            let f = f.clone();
+            // Each command leaves a file while it runs: `ls` of the folder counts those
+            // running at once on the host, as the host sees them.
+            let cmd = format!(
+                "sh -c 'touch {d}/{i}; n=$(ls {d} | wc -l); sleep 0.2; rm {d}/{i}; echo $n'",
+                d = marks.display()
+            );
+            tokio::spawn(async move { f.run("box", &cmd, T).await })
+        })
+        .collect();
+    let mut most = 0;
+    for t in tasks {
+        let out = t.await??;
+        assert_eq!(out.exit_code, Some(0), "every command of the storm runs: {out:?}");
+        most = most.max(out.stdout.trim().parse::<usize>()?);
+    }
+    assert!((1..=4).contains(&most), "at most max_sessions (4) at once on the host, saw {most}");
+
+    // The default stays under sshd's own default of 10 channels a connection.
+    let f = std::sync::Arc::new(fleet(sshd.host(true), 4096));
+    let tasks: Vec<_> = (0..40)
+        .map(|_| {
+            let f = f.clone();
+            tokio::spawn(async move { f.run("box", "sleep 0.2", T).await })
+        })
+        .collect();
+    for t in tasks {
+        let out = t.await??;
+        assert_eq!(out.exit_code, Some(0), "{out:?}");
+    }
+    Ok(())
+}
+
 #[tokio::test]
 async fn sudo_is_non_interactive_and_tools_are_known() -> anyhow::Result<()> {
     let sshd = start_target()?;

@@ -2,7 +2,9 @@
 //! multiplexing). One master connection per host, reused by every command and stage and
 //! re-established when it drops; host keys checked against known_hosts (accepting an unknown
 //! key is a per-host opt-in); argv quoted so the command policy approved is the command that
-//! runs; `sudo` always non-interactive; a deadline enforced on the remote side.
+//! runs; `sudo` always non-interactive; a deadline enforced on the remote side; at most the
+//! host's `max_sessions` commands on it at once (sshd refuses channels past its own
+//! `MaxSessions`), the rest waiting their turn.
 
 use crate::local::read_capped;
 use crate::{CommandOutput, ExecError};
@@ -11,7 +13,7 @@ use pitcrew_model::HostSpec;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use tokio::sync::Mutex;
+use tokio::sync::{Mutex, Semaphore};
 
 /// Connection attempts before a host counts as unreachable.
 const CONNECT_TRIES: u32 = 3;
@@ -25,6 +27,8 @@ pub struct SshExecutor {
     max_output: usize,
     /// One master connection per host; the per-host lock serialises (re)connecting.
     sessions: HashMap<String, Mutex<Option<Arc<Session>>>>,
+    /// Per host, a permit for each command it may run at once (its `max_sessions`).
+    channels: HashMap<String, Semaphore>,
     /// Answers of `command -v` per (host, tool).
     tools: std::sync::Mutex<HashMap<(String, String), bool>>,
     /// Hosts found unreachable, with when to try them again (callers fail fast till then).
@@ -45,7 +49,8 @@ pub fn non_interactive_sudo(mut argv: Vec<String>) -> Vec<String> {
 impl SshExecutor {
     pub fn new(hosts: BTreeMap<String, HostSpec>, max_output: usize) -> Self {
         let sessions = hosts.keys().map(|h| (h.clone(), Mutex::new(None))).collect();
-        SshExecutor { hosts, max_output, sessions, tools: Default::default(), down: Default::default() }
+        let channels = hosts.iter().map(|(h, spec)| (h.clone(), Semaphore::new(spec.max_sessions.max(1)))).collect();
+        SshExecutor { hosts, max_output, sessions, channels, tools: Default::default(), down: Default::default() }
     }
 
     pub fn knows(&self, host: &str) -> bool {
@@ -107,6 +112,12 @@ impl SshExecutor {
         Ok(session)
     }
 
+    /// A turn to open a channel on `host`: held while the command runs.
+    async fn channel(&self, host: &str) -> Result<tokio::sync::SemaphorePermit<'_>, ExecError> {
+        let slots = self.channels.get(host).ok_or_else(|| ExecError::UnknownHost(host.to_string()))?;
+        Ok(slots.acquire().await.expect("the channel semaphore is never closed"))
+    }
+
     /// Run argv on `host` within `timeout`.
     pub async fn run_ssh(&self, host: &str, command: &str, timeout: Duration) -> Result<CommandOutput, ExecError> {
         let argv = shell_words::split(command).map_err(|e| ExecError::Parse(e.to_string()))?;
@@ -114,6 +125,8 @@ impl SshExecutor {
             return Err(ExecError::Empty);
         }
         let argv = non_interactive_sudo(argv);
+        // Waiting for a channel is not the command's time: its deadline starts once it runs.
+        let _channel = self.channel(host).await?;
         let session = self.session(host).await?;
         let started = Instant::now();
         // The remote `timeout` kills the command at the deadline even if our channel dies.
@@ -172,6 +185,7 @@ impl SshExecutor {
         if let Some(known) = self.tools.lock().expect("tool cache").get(&key) {
             return *known;
         }
+        let Ok(_channel) = self.channel(host).await else { return false };
         let Ok(session) = self.session(host).await else { return false };
         let probe = format!("command -v {}", shell_words::quote(tool));
         let found = match Session::to_command(session, "sh").args(["-c", &probe]).output().await {

@@ -77,7 +77,7 @@ impl Sshd {
             format!(
                 "Port {port}\nListenAddress 127.0.0.1\nHostKey {hk}\nPidFile {pid}\nAuthorizedKeysFile {ak}\n\
                  PasswordAuthentication no\nKbdInteractiveAuthentication no\nPubkeyAuthentication yes\n\
-                 PermitRootLogin yes\nStrictModes no\nUsePAM no\nLogLevel ERROR\nMaxSessions 64\nMaxStartups 64\n",
+                 PermitRootLogin yes\nStrictModes no\nUsePAM no\nLogLevel ERROR\nMaxStartups 64\n",
                 hk = p("host_key").display(),
                 pid = p("sshd.pid").display(),
                 ak = p("authorized_keys").display(),
@@ -162,6 +162,7 @@ impl Sshd {
             tools: Vec::new(),
             lacks: Vec::new(),
             connect_timeout_secs: 5,
+            max_sessions: pitcrew_model::inventory::DEFAULT_MAX_SESSIONS,
         }
     }
 

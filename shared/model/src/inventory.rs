@@ -47,6 +47,12 @@ fn default_ssh_port() -> u16 {
 fn default_connect_timeout() -> u64 {
     10
 }
+/// Commands at once on one SSH host unless its entry says otherwise: under sshd's default
+/// `MaxSessions` of 10.
+pub const DEFAULT_MAX_SESSIONS: usize = 8;
+fn default_max_sessions() -> usize {
+    DEFAULT_MAX_SESSIONS
+}
 
 /// A machine reached over SSH as a (usually non-root) user with sudo.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -75,6 +81,13 @@ pub struct HostSpec {
     pub lacks: Vec<String>,
     #[serde(default = "default_connect_timeout")]
     pub connect_timeout_secs: u64,
+    /// Most commands running on the host at once; more wait their turn. Every command is a
+    /// channel on the one connection to the host, and sshd refuses channels past its
+    /// `MaxSessions` (10 unless its config says otherwise): keep this at or below it. The
+    /// default, 8, also keeps an alert storm from starting hundreds of commands at once on a
+    /// host that is already in trouble.
+    #[serde(default = "default_max_sessions")]
+    pub max_sessions: usize,
 }
 
 /// One service pitcrew may remediate.

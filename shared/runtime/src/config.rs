@@ -551,6 +551,11 @@ impl Config {
                 return bad(format!("[stage.{name}]: unknown stage"));
             }
         }
+        for (name, host) in &self.hosts {
+            if host.max_sessions == 0 {
+                return bad(format!("[hosts.{name}]: max_sessions must be at least 1"));
+            }
+        }
         for (name, svc) in &self.services {
             let local = ["local", "localhost", "127.0.0.1"].contains(&svc.host.as_str());
             if !local && !self.hosts.contains_key(&svc.host) {
@@ -674,6 +679,9 @@ mod tests {
         .unwrap();
         assert_eq!(ok.hosts["pe1"].port, 22);
         assert!(!ok.hosts["pe1"].accept_unknown_host_key, "unknown host keys are refused by default");
+        assert_eq!(ok.hosts["pe1"].max_sessions, 8, "under sshd's default MaxSessions of 10");
+        let e = Config::from_toml("[hosts.pe1]\naddress = \"10.0.0.1\"\nuser = \"s\"\nmax_sessions = 0\n").unwrap_err();
+        assert!(e.to_string().contains("[hosts.pe1]: max_sessions must be at least 1"), "{e}");
         let e = Config::from_toml("[services.bgp]\nhost = \"pe9\"\n").unwrap_err();
         assert!(e.to_string().contains("host 'pe9' is not under [hosts]"), "{e}");
     }
