@@ -210,9 +210,12 @@ impl Policy {
         let mut host_findings = Vec::new();
         for command in commands {
             let Ok(argv) = shell_words::split(command.trim()) else { continue };
-            let written_sudo = argv.first().map(String::as_str) == Some("sudo");
-            let program = shell::normalise(&argv).into_iter().next().unwrap_or_default();
-            let listed = |list: &[String]| list.iter().any(|p| p == &program || shell::base(p) == program);
+            let unwrapped = shell::unwrap(&argv);
+            let program = unwrapped.argv.first().cloned().unwrap_or_default();
+            // A listed path admits that file only; a listed name, that program wherever it is.
+            let listed = |list: &[String]| {
+                list.iter().any(|p| if p.contains('/') { *p == unwrapped.path } else { *p == program })
+            };
             let hit = |rule: &str, reason: String| Finding {
                 command: command.clone(),
                 rule: rule.to_string(),
@@ -224,7 +227,7 @@ impl Policy {
                     host_findings.push(hit("host-allow-list", format!("{program} is not on {host}'s allow-list")));
                 }
             }
-            if let (true, Some(sudo)) = (written_sudo, &rules.sudo) {
+            if let (true, Some(sudo)) = (unwrapped.elevated, &rules.sudo) {
                 if !listed(sudo) {
                     host_findings.push(hit("host-sudo-list", format!("{program} may not run under sudo on {host}")));
                 }
@@ -271,7 +274,11 @@ impl Policy {
                 let why = format!("contains the invisible character U+{:04X}", c as u32);
                 forbidden.push(hit("invisible-character", FORBIDDEN, why));
             }
-            let program = shell::normalise(&argv).into_iter().next().unwrap_or_default();
+            let unwrapped = shell::unwrap(&argv);
+            if let Some(why) = &unwrapped.opaque {
+                forbidden.push(hit("opaque-command", FORBIDDEN, why.clone()));
+            }
+            let program = unwrapped.argv.first().cloned().unwrap_or_default();
             if !program.is_ascii() {
                 let why = format!("the program name '{program}' is not plain ASCII (a look-alike of another?)");
                 forbidden.push(hit("non-ascii-program", FORBIDDEN, why));
@@ -284,7 +291,7 @@ impl Policy {
                 forbidden.push(hit("shell-construct", FORBIDDEN, why));
             }
             let written = argv.join(" ");
-            let normalised = shell::normalise(&argv).join(" ");
+            let normalised = unwrapped.argv.join(" ");
             let matches = |r: &Rule| r.pattern.is_match(&normalised) || r.pattern.is_match(&written);
             for r in self.forbidden.iter().filter(|r| matches(r)) {
                 forbidden.push(hit(&r.name, FORBIDDEN, r.reason.clone()));
@@ -366,8 +373,30 @@ const READ_ONLY: &[(&str, &[&str])] = &[
     ("test", &[]),
 ];
 
-/// Arguments that make an otherwise read-only program write.
-const WRITING_FLAGS: &[&str] = &["--vacuum-size", "--vacuum-time", "--vacuum-files", "--rotate", "--flush", "-f"];
+/// journalctl's options that write (or never end): long ones are refused abbreviated too
+/// (getopt takes any unambiguous prefix: `--vacuum-s` is `--vacuum-size`).
+const JOURNALCTL_WRITES: &[&str] = &[
+    "--vacuum-size",
+    "--vacuum-time",
+    "--vacuum-files",
+    "--rotate",
+    "--flush",
+    "--sync",
+    "--relinquish-var",
+    "--smart-relinquish-var",
+    "--setup-keys",
+    "--update-catalog",
+    "--follow",
+];
+
+/// `a` is `--name` or a prefix of it long enough to mean it (`--fl` for `--flush`), with or
+/// without `=value`.
+fn long_option_is(a: &str, name: &str) -> bool {
+    let Some(given) = a.split('=').next().filter(|g| g.starts_with("--") && g.len() > 3) else {
+        return false;
+    };
+    name.starts_with(given)
+}
 
 impl Policy {
     /// The read-only class, for evidence: the gate must allow the command outright, and its
@@ -390,22 +419,30 @@ impl Policy {
         if program == "service" && argv.last().map(String::as_str) != Some("status") {
             return Err("`service` is read-only only as `service <name> status`".into());
         }
-        let mutating = ["set", "add", "del", "delete", "change", "replace", "flush", "append"];
-        if program == "ip" && argv.iter().any(|a| mutating.contains(&a.as_str())) {
+        let mutating = ["set", "add", "del", "delete", "change", "replace", "flush", "append", "exec"];
+        // `-batch FILE` runs the commands a file lists (ip takes any prefix, `-b` included, and
+        // `--` for `-`); `-force` goes on past errors in a batch.
+        let batch = |a: &String| {
+            let o = if a.starts_with("--") { &a[1..] } else { a.as_str() };
+            o.len() >= 2 && "-batch".starts_with(o) || o.len() >= 3 && "-force".starts_with(o)
+        };
+        if program == "ip" && argv.iter().any(|a| mutating.contains(&a.as_str()) || batch(a)) {
             return Err("`ip` is read-only only to show".into());
         }
         let short_flag = |a: &String, f: char| a.starts_with('-') && !a.starts_with("--") && a.contains(f);
-        if program == "ss" && argv.iter().any(|a| a == "--kill" || short_flag(a, 'K')) {
+        if program == "ss" && argv.iter().any(|a| long_option_is(a, "--kill") || short_flag(a, 'K')) {
             return Err("`ss -K` closes sockets".into());
         }
-        if program == "journalctl" || program == "tail" {
-            let writes = |a: &String| WRITING_FLAGS.iter().any(|f| a == f || a.starts_with(&format!("{f}=")));
-            if program == "journalctl" && argv.iter().any(writes) {
-                return Err("`journalctl` with a vacuum/rotate/flush flag writes".into());
-            }
-            if program == "tail" && argv.iter().any(|a| a == "-f" || a == "-F" || a == "--follow") {
-                return Err("`tail -f` never ends".into());
-            }
+        if program == "ss" && argv.iter().any(|a| long_option_is(a, "--diag") || short_flag(a, 'D')) {
+            return Err("`ss -D FILE` writes (and truncates) FILE".into());
+        }
+        if program == "journalctl"
+            && argv.iter().any(|a| a == "-f" || JOURNALCTL_WRITES.iter().any(|w| long_option_is(a, w)))
+        {
+            return Err("`journalctl` with a vacuum/rotate/flush/sync/follow option writes or never ends".into());
+        }
+        if program == "tail" && argv.iter().any(|a| a == "-f" || a == "-F" || long_option_is(a, "--follow")) {
+            return Err("`tail -f` never ends".into());
         }
         Ok(())
     }

@@ -112,10 +112,6 @@ const WRAPPERS: &[Wrapper] = &[
 const MAX_UNWRAP: usize = 8;
 
 /// The last path component of a program (`/usr/bin/rm` -> `rm`).
-pub(crate) fn base(program: &str) -> &str {
-    basename(program)
-}
-
 fn basename(program: &str) -> &str {
     program.rsplit('/').next().unwrap_or(program)
 }
@@ -177,21 +173,57 @@ fn skip_options(args: &[String], w: &Wrapper) -> (usize, Option<String>) {
     ((i + w.positionals).min(args.len()), split)
 }
 
+/// A command as policy patterns judge it, with what unwrapping it found on the way.
+#[derive(Debug, Default, PartialEq)]
+pub(crate) struct Unwrapped {
+    /// Wrappers and leading `VAR=value` removed, the program reduced to its basename.
+    pub argv: Vec<String>,
+    /// The program as written (`/opt/app/bin/start`, `./start`, `start`).
+    pub path: String,
+    /// A privilege wrapper (`sudo`, `doas`, however written: `/usr/bin/sudo`, `env sudo`)
+    /// was on the way: the program runs as another user.
+    pub elevated: bool,
+    /// Why the inner command cannot be told for sure: the gate refuses such a command.
+    pub opaque: Option<String>,
+}
+
+/// Wrappers that run their command as another user.
+const ELEVATING: &[&str] = &["sudo", "doas"];
+
 /// The command policy patterns judge: wrappers and leading `VAR=value` removed and the
 /// program reduced to its basename (`/usr/bin/sudo -n /bin/rm -rf /` -> `rm -rf /`), so a
 /// wrapper cannot hide a forbidden program.
 pub(crate) fn normalise(argv: &[String]) -> Vec<String> {
+    unwrap(argv).argv
+}
+
+/// As [`normalise`], saying whether a privilege wrapper was on the way and whether the
+/// inner command could not be told for sure: more wrappers than [`MAX_UNWRAP`], or `env -S`
+/// (which splits its argument with escapes of its own, `\c` ending it early: the words the
+/// gate would judge are not the words env runs).
+pub(crate) fn unwrap(argv: &[String]) -> Unwrapped {
     let mut rest: Vec<String> = argv.to_vec();
-    for _ in 0..MAX_UNWRAP {
+    let mut out = Unwrapped::default();
+    let mut unwrapped = 0;
+    loop {
         let skip = rest.iter().take_while(|w| is_assignment(w)).count();
         rest.drain(..skip);
         let Some(first) = rest.first() else { break };
         let Some(w) = WRAPPERS.iter().find(|w| w.name == basename(first)) else {
             break;
         };
+        if unwrapped == MAX_UNWRAP {
+            out.opaque = Some(format!("wrapped in more than {MAX_UNWRAP} programs that run other programs"));
+            break;
+        }
+        unwrapped += 1;
+        out.elevated |= ELEVATING.contains(&w.name);
         let (start, split) = skip_options(&rest[1..], w);
         let mut inner: Vec<String> = rest[1 + start..].to_vec();
         if let Some(line) = split {
+            out.opaque.get_or_insert_with(|| {
+                "`env -S` splits its argument by rules of its own: what it runs cannot be told".into()
+            });
             let mut words = shell_words::split(&line).unwrap_or_else(|_| vec![line]);
             words.append(&mut inner);
             inner = words;
@@ -199,9 +231,11 @@ pub(crate) fn normalise(argv: &[String]) -> Vec<String> {
         rest = inner;
     }
     if let Some(first) = rest.first_mut() {
+        out.path = first.clone();
         *first = basename(first).to_string();
     }
-    rest
+    out.argv = rest;
+    out
 }
 
 #[cfg(test)]
@@ -263,5 +297,25 @@ mod tests {
         assert_eq!(norm("sudo"), "");
         assert_eq!(norm("systemctl restart web"), "systemctl restart web");
         assert_eq!(norm("/usr/bin/toy start --port 1"), "toy start --port 1");
+    }
+
+    #[test]
+    fn unwrapping_says_who_runs_it_and_what_it_cannot_see_through() {
+        let of = |cmd: &str| unwrap(&shell_words::split(cmd).unwrap());
+        for cmd in ["sudo kill 1", "/usr/bin/sudo kill 1", "env sudo kill 1", "nice doas kill 1", "sudo -u app kill 1"]
+        {
+            let u = of(cmd);
+            assert!(u.elevated && u.opaque.is_none(), "{cmd}: {u:?}");
+            assert_eq!(u.argv, ["kill", "1"], "{cmd}");
+        }
+        assert!(!of("kill 1").elevated && !of("nice kill 1").elevated);
+        let deep = format!("{}reboot", "nice ".repeat(MAX_UNWRAP + 1));
+        assert!(of(&deep).opaque.is_some_and(|why| why.contains("more than 8")), "{deep}");
+        let eight = format!("{}reboot", "nice ".repeat(MAX_UNWRAP));
+        assert_eq!(of(&eight), Unwrapped { argv: vec!["reboot".into()], path: "reboot".into(), ..Default::default() });
+        assert_eq!(of("sudo /opt/app/bin/start -p 1").path, "/opt/app/bin/start");
+        for cmd in ["env -S 'reboot\\c'", "env --split-string='rm x'", "sudo env -S'ls' x"] {
+            assert!(of(cmd).opaque.is_some_and(|why| why.contains("env -S")), "{cmd}");
+        }
     }
 }

@@ -65,18 +65,61 @@ const FORBIDDEN_CASES: &[(&str, &[&str], &[&str])] = &[
             "source /tmp/x",
             "su - root",
             "su",
+            "rbash -c reboot",
+            "yash -c id",
         ],
         &[
             "bash /opt/app/restart.sh",
             "bash /opt/app/x.sh --config /etc/x",
             "shellcheck x.sh",
+            "vtysh -c 'show bgp summary'",
             "sudo -n systemctl restart web",
         ],
     ),
     (
         "inline-code",
-        &["python3 -c 'import os'", "perl -e 'unlink 1'", "perl -ne 'print'", "ruby -e x", "node -e x", "php -r x"],
-        &["python3 /opt/app/heal.py", "python3 -m http.server", "perl -v"],
+        &[
+            "python3 -c 'import os'",
+            "perl -e 'unlink 1'",
+            "perl -ne 'print'",
+            "ruby -e x",
+            "node -e x",
+            "php -r x",
+            "node -p 'require(\"child_process\").execSync(\"reboot\")'",
+            "awk 'BEGIN{system(\"reboot\")}'",
+            "gawk '{print | \"sh\"}' /tmp/x",
+            "awk '{print > \"/etc/passwd\"}' /tmp/x",
+            "sed -n '1e reboot' /etc/hostname",
+            "sed 's/x/reboot/e' /tmp/f",
+            "vim -c '!reboot' /tmp/x",
+            "gdb -batch -ex 'call system(\"id\")' -p 1",
+        ],
+        &[
+            "python3 /opt/app/heal.py",
+            "python3 -m http.server",
+            "perl -v",
+            "awk '{print $1}' /var/log/app.log",
+            "sed -n '/error/p' /var/log/app.log",
+            "sed -e 's/a/b/' /tmp/x",
+            "node /opt/app/server.js",
+        ],
+    ),
+    (
+        "command-runner",
+        &[
+            "xargs reboot",
+            "flock /tmp/l reboot",
+            "nsenter -t 1 -a reboot",
+            "systemd-run reboot",
+            "runuser -u root reboot",
+            "setpriv reboot",
+            "ip netns exec ns1 reboot",
+            "ip -s netns exec ns1 reboot",
+            "ssh other-host reboot",
+            "watch -n1 df -h",
+            "sudo xargs -a /tmp/list rm",
+        ],
+        &["ip netns list", "ip -s link", "sshd -t", "atop -1", "flockd --help"],
     ),
     (
         "sudoers",
@@ -104,8 +147,21 @@ const FORBIDDEN_CASES: &[(&str, &[&str], &[&str])] = &[
             "ufw disable",
             "ufw --force reset",
             "systemctl stop firewalld",
+            "iptables -FINPUT",
+            "iptables -vF",
+            "iptables --fl",
+            "iptables -X",
+            "iptables --policy INPUT ACCEPT",
+            "nft delete table inet filter",
         ],
-        &["iptables -L -n", "nft list ruleset", "ufw status", "ufw allow 443"],
+        &[
+            "iptables -L -n",
+            "nft list ruleset",
+            "ufw status",
+            "ufw allow 443",
+            "iptables -D INPUT 3",
+            "nft delete rule inet filter input handle 4",
+        ],
     ),
     (
         "permissions-system-path",
@@ -114,8 +170,26 @@ const FORBIDDEN_CASES: &[(&str, &[&str], &[&str])] = &[
     ),
     (
         "power",
-        &["shutdown -h now", "reboot", "sudo halt", "poweroff", "systemctl reboot", "init 0", "telinit 6"],
-        &["systemctl restart web", "uptime", "rebootstrap --help"],
+        &[
+            "shutdown -h now",
+            "reboot",
+            "sudo halt",
+            "poweroff",
+            "systemctl reboot",
+            "init 0",
+            "telinit 6",
+            "systemctl start reboot.target",
+            "systemctl start poweroff.target",
+            "systemctl isolate multi-user.target",
+            "systemctl --force reboot",
+        ],
+        &[
+            "systemctl restart web",
+            "uptime",
+            "rebootstrap --help",
+            "systemctl restart reboot-notifier",
+            "systemctl start web.target",
+        ],
     ),
     (
         "kill-init-or-all",
@@ -145,6 +219,26 @@ const CRITICAL_CASES: &[(&str, &[&str], &[&str])] = &[
         "system-file-change",
         &["mv /etc /tmp/etc", "mv /usr/bin/sudo /tmp", "truncate -s 0 /etc/passwd", "ln -sf /dev/null /etc/hosts"],
         &["mv /tmp/a /tmp/b", "truncate -s 0 /var/log/app/huge.log", "ln -s /srv/app/current /srv/app/live"],
+    ),
+    (
+        "system-file-write",
+        &[
+            "cp /dev/zero /dev/sda",
+            "cp /tmp/x /etc/passwd",
+            "cp -t /usr/bin /tmp/x",
+            "rsync -a --delete /var/empty/ /etc/",
+            "tee /etc/passwd",
+            "sed -i d /etc/passwd",
+            "sed --in-place=.bak s/a/b/ /etc/hosts",
+            "find / -maxdepth 0 -fprint /etc/passwd",
+        ],
+        &[
+            "cp /etc/app.conf /tmp/app.conf.bak",
+            "rsync -a /srv/app/ /srv/app.bak/",
+            "tee /tmp/out",
+            "sed -i s/a/b/ /srv/app/app.conf",
+            "sed -n p /etc/hosts",
+        ],
     ),
     ("crontab-remove", &["crontab -r", "crontab -u app -r", "crontab -ir"], &["crontab -l", "crontab -u app -l"]),
     (
@@ -355,7 +449,10 @@ fn the_read_only_class_admits_only_commands_that_read() {
         "sudo -n systemctl status web",
         "service web status",
         "ip addr",
+        "ip -br addr",
+        "ip -s link",
         "cat /run/web.pid",
+        "journalctl -u web --since today --no-pager",
     ] {
         assert!(p.read_only(ok).is_ok(), "{ok}: {:?}", p.read_only(ok));
     }
@@ -372,9 +469,34 @@ fn the_read_only_class_admits_only_commands_that_read() {
         "ss -K dport = :22",
         "ss -tK",
         "ss --kill",
+        "ss -D /etc/app.conf",
+        "ss -tD/etc/app.conf",
+        "ss --diag=/etc/app.conf",
+        "journalctl --vacuum-s=1M",
+        "journalctl --rot",
+        "journalctl --fl",
+        "journalctl -f -u web",
+        "ip -s netns exec ns1 reboot",
+        "ip -batch /tmp/cmds",
+        "ip -b /tmp/cmds",
+        "ip -s -b /tmp/cmds",
+        "ip -s --batch /tmp/cmds",
     ] {
         assert!(p.read_only(bad).is_err(), "{bad} must not pass as evidence");
     }
+}
+
+#[test]
+fn a_command_the_gate_cannot_see_through_is_refused() {
+    let p = Policy::default_policy();
+    let deep = format!("{}reboot", "nice ".repeat(9));
+    for cmd in [deep.as_str(), "env -S 'reboot\\c'", "sudo env --split-string='ls' x"] {
+        match p.gate(&plan(&[cmd])) {
+            GateDecision::Reject { rule, .. } => assert_eq!(rule, "opaque-command", "{cmd}"),
+            other => panic!("{cmd}: {other:?}"),
+        }
+    }
+    assert_eq!(p.gate(&plan(&[&format!("{}uptime", "nice ".repeat(8))])), GateDecision::Allow, "eight are read");
 }
 
 #[test]
@@ -408,10 +530,21 @@ fn a_host_may_allow_only_some_programs_and_some_under_sudo() {
         }
         other => panic!("{other:?}"),
     }
-    match on(&["sudo kill 42"]) {
-        GateDecision::Reject { rule, .. } => assert_eq!(rule, "host-sudo-list"),
-        other => panic!("{other:?}"),
+    // However sudo is written, and doas too.
+    for cmd in ["sudo kill 42", "/usr/bin/sudo kill 42", "env sudo kill 42", "doas kill 42", "nice sudo -n kill 42"] {
+        match on(&[cmd]) {
+            GateDecision::Reject { rule, .. } => assert_eq!(rule, "host-sudo-list", "{cmd}"),
+            other => panic!("{cmd}: {other:?}"),
+        }
     }
+    // A listed path admits that file, not any program of the same name.
+    for cmd in ["/tmp/start --port 1", "./start", "start"] {
+        match on(&[cmd]) {
+            GateDecision::Reject { rule, .. } => assert_eq!(rule, "host-allow-list", "{cmd}"),
+            other => panic!("{cmd}: {other:?}"),
+        }
+    }
+    assert_eq!(on(&["/usr/bin/systemctl restart app"]), GateDecision::Allow, "a listed name, wherever it is");
     assert_eq!(p.gate_on("other-host", &plan(&["touch /tmp/x"])), GateDecision::Allow, "lists are per host");
     assert!(Policy::from_toml("[hosts.pe1]\nallowed = []\n").is_err(), "unknown keys are refused");
 }

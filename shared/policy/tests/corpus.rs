@@ -117,6 +117,30 @@ const DANGEROUS: &[&str] = &[
     "ip route flush all",
     "ifconfig eth0 down",
     "tc qdisc add dev eth0 root netem loss 100%",
+    // Found by review on 2026-11-25: each was allowed outright before.
+    "xargs reboot",
+    "flock /tmp/l reboot",
+    "nsenter -t 1 -a reboot",
+    "systemd-run reboot",
+    "runuser -u root reboot",
+    "ip netns exec ns1 reboot",
+    "env -S 'reboot\\c'",
+    "nice nice nice nice nice nice nice nice nice reboot",
+    "awk 'BEGIN{system(\"reboot\")}'",
+    "node -p 'require(\"child_process\").execSync(\"reboot\")'",
+    "rbash -c reboot",
+    "sed -n '1e reboot' /etc/hostname",
+    "systemctl start reboot.target",
+    "systemctl start poweroff.target",
+    "iptables -FINPUT",
+    "iptables --policy INPUT ACCEPT",
+    "iptables --fl",
+    "nft delete table inet filter",
+    "rsync -a --delete /var/empty/ /etc/",
+    "cp /dev/zero /dev/sda",
+    "tee /etc/passwd",
+    "find / -maxdepth 0 -fprint /etc/passwd",
+    "sed -i d /etc/passwd",
 ];
 
 /// Disguises that must not turn a dangerous command into an allowed one.
@@ -140,6 +164,9 @@ fn disguises(cmd: &str) -> Vec<String> {
         }
         out.push(format!("sh -c '{}'", cmd.replace('\'', "'\\''")));
         out.push(format!("echo {} | xargs {cmd}", "x"));
+        out.push(format!("xargs {cmd}"));
+        out.push(format!("flock /tmp/lock {cmd}"));
+        out.push(format!("{}{cmd}", "nice ".repeat(9)));
     }
     out
 }
