@@ -57,6 +57,13 @@ async fn deadlines_and_output_caps_hold() -> anyhow::Result<()> {
     let out = f.run("box", "sleep 30", Duration::from_secs(1)).await?;
     assert!(out.timed_out && out.exit_code.is_none(), "{out:?}");
     assert!(started.elapsed() < Duration::from_secs(10), "{:?}", started.elapsed());
+    // Before the deadline, 124 and 137 are the command's own exit codes, not a timeout.
+    for code in [124, 137] {
+        let out = f.run("box", &format!("sh -c 'exit {code}'"), T).await?;
+        assert_eq!((out.exit_code, out.timed_out), (Some(code), false), "{out:?}");
+    }
+    // A "forever" deadline (a huge command_timeout_secs) is no overflow.
+    assert_eq!(f.run("box", "true", Duration::MAX).await?.exit_code, Some(0));
     let out = f.run("box", "head -c 1000000 /dev/zero", T).await?;
     assert_eq!(out.exit_code, Some(0));
     assert!(out.stdout.len() <= 1024, "{}", out.stdout.len());

@@ -2,6 +2,7 @@
 //! diagnosis and error-pattern rules can match on.
 
 use crate::Executor;
+use pitcrew_model::redact::redact;
 use pitcrew_model::trim::{clip, trim_output};
 use pitcrew_model::CheckSpec;
 use std::sync::OnceLock;
@@ -29,8 +30,11 @@ pub struct CheckOutcome {
 }
 
 impl CheckOutcome {
+    /// Redacted here, once for every caller: the monitor logs the detail, diagnose keeps
+    /// both as evidence, and a check's URL, command line, body or output may carry a secret.
     fn new(healthy: bool, detail: String, output: &str) -> Self {
-        Self { healthy, detail: one_line(&detail), output: trim_output(output, MAX_OUTPUT) }
+        let output = trim_output(output, MAX_OUTPUT);
+        Self { healthy, detail: one_line(&redact(&detail)), output: redact(&output).into_owned() }
     }
 }
 

@@ -39,8 +39,13 @@ pub struct SshExecutor {
 const DOWN_FOR: Duration = Duration::from_secs(30);
 
 /// `sudo` never prompts: a missing sudo rule fails at once instead of hanging the worker.
+/// However it is written (`/usr/bin/sudo`), and whatever the command's own `-n` is
+/// (`sudo journalctl -n 50`): sudo's `-n` goes right after it unless already there (sudo
+/// takes a repeated `-n`).
 pub fn non_interactive_sudo(mut argv: Vec<String>) -> Vec<String> {
-    if argv.first().map(String::as_str) == Some("sudo") && !argv.iter().skip(1).any(|a| a == "-n") {
+    let is_sudo = argv.first().is_some_and(|p| p.rsplit('/').next() == Some("sudo"));
+    let has_n = argv.get(1).is_some_and(|a| a == "-n" || a == "--non-interactive");
+    if is_sudo && !has_n {
         argv.insert(1, "-n".into());
     }
     argv
@@ -143,11 +148,12 @@ impl SshExecutor {
                 tokio::join!(read_capped(stdout, max, &mut out), read_capped(stderr, max, &mut err), child.wait());
             status
         };
-        let (exit_code, timed_out) = match tokio::time::timeout(timeout + LOCAL_GRACE, run).await {
+        let (exit_code, timed_out) = match tokio::time::timeout(timeout.saturating_add(LOCAL_GRACE), run).await {
             Err(_) => (None, true),
-            // 124: `timeout` killed it at the deadline (137 when it needed SIGKILL).
+            // 124: `timeout` killed it at the deadline (137 when it needed SIGKILL). Before
+            // the deadline they are the command's own codes (137: killed by the OOM killer).
             Ok(Ok(status)) => match status.code() {
-                Some(124) | Some(137) => (None, true),
+                Some(124) | Some(137) if started.elapsed() >= timeout => (None, true),
                 code => (code, false),
             },
             Ok(Err(openssh::Error::RemoteProcessTerminated)) => (None, false),
@@ -227,5 +233,15 @@ mod tests {
         );
         assert_eq!(non_interactive_sudo(v(&["sudo", "-n", "true"])), v(&["sudo", "-n", "true"]));
         assert_eq!(non_interactive_sudo(v(&["systemctl", "status"])), v(&["systemctl", "status"]));
+        assert_eq!(
+            non_interactive_sudo(v(&["sudo", "journalctl", "-n", "50"])),
+            v(&["sudo", "-n", "journalctl", "-n", "50"]),
+            "the command's own -n is not sudo's"
+        );
+        assert_eq!(non_interactive_sudo(v(&["/usr/bin/sudo", "true"])), v(&["/usr/bin/sudo", "-n", "true"]));
+        assert_eq!(
+            non_interactive_sudo(v(&["sudo", "-u", "app", "-n", "x"])),
+            v(&["sudo", "-n", "-u", "app", "-n", "x"])
+        );
     }
 }

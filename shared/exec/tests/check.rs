@@ -156,3 +156,40 @@ async fn command_check_failures_are_outcomes_not_errors() {
     assert!(!out.healthy);
     assert!(out.detail.contains("timed out"), "{}", out.detail);
 }
+
+/// What a check saw is logged by the monitor and kept as evidence: a secret in the check's
+/// URL, the body, the command line or its output never reaches either.
+#[tokio::test]
+async fn secrets_in_a_check_never_reach_its_detail_or_output() {
+    let refused = closed_port().await;
+    let spec = CheckSpec::Http {
+        url: format!("http://admin:s3cretpw@127.0.0.1:{refused}/health"),
+        expect_status: 200,
+        timeout_ms: 2000,
+    };
+    let out = run_check(&spec, "local", &LocalExecutor::new(4096)).await;
+    assert!(!out.healthy);
+    assert!(out.detail.contains("127.0.0.1") && !out.detail.contains("s3cretpw"), "{}", out.detail);
+
+    let port = responder("503 Service Unavailable", "db password=hunter22 rejected\n").await;
+    let spec = CheckSpec::Http {
+        url: format!("http://127.0.0.1:{port}/health?token=abc123secret"),
+        expect_status: 200,
+        timeout_ms: 2000,
+    };
+    let out = run_check(&spec, "local", &LocalExecutor::new(4096)).await;
+    for shown in [&out.detail, &out.output] {
+        assert!(shown.contains("[REDACTED]"), "{shown}");
+        assert!(!shown.contains("hunter22") && !shown.contains("abc123secret"), "{shown}");
+    }
+
+    let check = command("sh -c 'echo api_key=k3y-value; echo password=hunter22 >&2; exit 3' --token t0ken", None);
+    let out = run_check(&check, "local", &LocalExecutor::new(4096)).await;
+    assert!(!out.healthy);
+    for shown in [&out.detail, &out.output] {
+        for secret in ["k3y-value", "hunter22", "t0ken"] {
+            assert!(!shown.contains(secret), "{secret} in {shown}");
+        }
+    }
+    assert!(out.detail.contains("exited 3"), "{}", out.detail);
+}
