@@ -241,8 +241,11 @@ pub async fn guard(State(gw): State<Arc<Gateway>>, mut req: Request, next: Next)
     let path = req.uri().path().to_string();
     let route = req.extensions().get::<MatchedPath>().map(|m| m.as_str().to_string());
     let remote = req.extensions().get::<ConnectInfo<SocketAddr>>().map(|c| c.0.ip().to_string());
+    // HEAD is answered by the GET handler (axum runs it and drops the body): it needs what
+    // GET needs, or a HEAD without a key would tell who may not read whether a run exists.
+    let asked = if method == Method::HEAD { Method::GET } else { method.clone() };
     let access = match &route {
-        Some(r) => match gw.access.get(&(method.clone(), r.clone())) {
+        Some(r) => match gw.access.get(&(asked, r.clone())) {
             Some(a) => *a,
             // A documented route, another method: the router answers 405 (the router and the
             // document list the same routes, a unit test checks).

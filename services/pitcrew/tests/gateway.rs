@@ -242,7 +242,7 @@ async fn every_route_refuses_no_key_and_the_wrong_role_and_admits_the_right_one(
     assert_eq!(incidents.info().await?.state.messages, 1);
 
     let doc: Value = serde_json::from_str(pitcrew_gateway::OPENAPI)?;
-    let mut checked = 0;
+    let (mut checked, mut heads) = (0, 0);
     for (path, ops) in doc["paths"].as_object().expect("paths") {
         for (method, op) in ops.as_object().expect("operations") {
             let access = Access::parse(op["x-pitcrew-access"].as_str().expect("access")).expect("known access");
@@ -278,8 +278,17 @@ async fn every_route_refuses_no_key_and_the_wrong_role_and_admits_the_right_one(
             }
             let wrong = api.req(method.clone(), &path, None).bearer_auth("not-a-key").send().await?;
             assert_eq!(wrong.status(), StatusCode::UNAUTHORIZED, "{method} {path} with an unknown key");
+            // HEAD runs the GET handler: it needs what GET needs.
+            if method == reqwest::Method::GET {
+                let head = api.req(reqwest::Method::HEAD, &path, None).send().await?;
+                assert_eq!(head.status(), StatusCode::UNAUTHORIZED, "HEAD {path} without a key");
+                let head = api.req(reqwest::Method::HEAD, &path, Some("rita")).send().await?;
+                assert!(head.status().is_success(), "HEAD {path} as rita: {}", head.status());
+                heads += 1;
+            }
         }
     }
+    assert!(heads >= 5, "every GET route was tried with HEAD ({heads})");
     assert!(checked >= 40, "every operation was tried with every role ({checked})");
     // X-API-Key works too; an approver who is not under [approvers] may not decide.
     let r = api.req(reqwest::Method::GET, "/v1/runs", None).header("x-api-key", key("rita")).send().await?;
