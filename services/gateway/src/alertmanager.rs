@@ -61,9 +61,22 @@ pub fn run_id(fingerprint: &str, starts_at: DateTime<Utc>) -> Uuid {
     Uuid::new_v5(&NAMESPACE, key.as_bytes())
 }
 
-/// Check the payload and turn each alert into an action; the error names the alert and what
-/// is wrong, and nothing is done for any alert when one is refused.
-pub fn actions(p: &Payload, cfg: &GatewayConfig, services: &dyn Fn(&str) -> bool) -> Result<Vec<Action>, String> {
+/// One alert refused: where it is in the payload, its fingerprint, and what is wrong.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Refused {
+    pub fingerprint: String,
+    pub error: String,
+}
+
+/// Check the payload and turn each alert into an action, or a refusal naming the alert and
+/// what is wrong. One alert that cannot become an incident (no service label, a service not
+/// in the inventory) does not hold back the others of its group: Alertmanager retries only on
+/// a 5xx and would never re-send them. A payload that is wrong as a whole is an error.
+pub fn actions(
+    p: &Payload,
+    cfg: &GatewayConfig,
+    services: &dyn Fn(&str) -> bool,
+) -> Result<Vec<Result<Action, Refused>>, String> {
     if p.version != "4" {
         return Err(format!(
             "unsupported Alertmanager payload version '{}': pitcrew reads version 4",
@@ -73,24 +86,26 @@ pub fn actions(p: &Payload, cfg: &GatewayConfig, services: &dyn Fn(&str) -> bool
     if p.alerts.is_empty() {
         return Err("the payload has no alerts".into());
     }
-    let mut out = Vec::with_capacity(p.alerts.len());
-    for (i, a) in p.alerts.iter().enumerate() {
-        let name = a.labels.get("alertname").map(String::as_str).unwrap_or("-");
-        let at = format!("alerts[{i}] (alertname {}, fingerprint {})", clip(name, 64), clip(&a.fingerprint, 32));
-        if a.fingerprint.trim().is_empty() || a.fingerprint.len() > 64 {
-            return Err(format!("alerts[{i}]: 'fingerprint' must be 1-64 characters"));
-        }
-        match a.status.as_str() {
-            "firing" => out.push(Action::Fire(incident(a, cfg, services).map_err(|e| format!("{at}: {e}"))?)),
-            "resolved" => out.push(Action::Resolve {
-                run: run_id(&a.fingerprint, a.starts_at),
-                fingerprint: a.fingerprint.clone(),
-                ends_at: a.ends_at,
-            }),
-            other => return Err(format!("{at}: status '{}' is neither firing nor resolved", clip(other, 16))),
-        }
-    }
+    let out = p.alerts.iter().enumerate().map(|(i, a)| action(i, a, cfg, services)).collect();
     Ok(out)
+}
+
+fn action(i: usize, a: &Alert, cfg: &GatewayConfig, services: &dyn Fn(&str) -> bool) -> Result<Action, Refused> {
+    let name = a.labels.get("alertname").map(String::as_str).unwrap_or("-");
+    let at = format!("alerts[{i}] (alertname {}, fingerprint {})", clip(name, 64), clip(&a.fingerprint, 32));
+    let refused = |error: String| Refused { fingerprint: clip(&a.fingerprint, 64), error };
+    if a.fingerprint.trim().is_empty() || a.fingerprint.len() > 64 {
+        return Err(refused(format!("alerts[{i}]: 'fingerprint' must be 1-64 characters")));
+    }
+    match a.status.as_str() {
+        "firing" => incident(a, cfg, services).map(Action::Fire).map_err(|e| refused(format!("{at}: {e}"))),
+        "resolved" => Ok(Action::Resolve {
+            run: run_id(&a.fingerprint, a.starts_at),
+            fingerprint: a.fingerprint.clone(),
+            ends_at: a.ends_at,
+        }),
+        other => Err(refused(format!("{at}: status '{}' is neither firing nor resolved", clip(other, 16)))),
+    }
 }
 
 fn first_label<'a>(a: &'a Alert, names: &[String]) -> Option<&'a str> {
@@ -164,16 +179,16 @@ mod tests {
         let p =
             payload(r#"{"alertname":"WebDown","job":"web","instance":"10.0.0.5:9100","severity":"page"}"#, "firing");
         let a = actions(&p, &cfg, &known).unwrap();
-        let Action::Fire(i) = &a[0] else { panic!("{a:?}") };
+        let Ok(Action::Fire(i)) = &a[0] else { panic!("{a:?}") };
         assert_eq!((i.service.as_str(), i.host.as_deref()), ("web", Some("10.0.0.5")));
         assert_eq!(i.error, "WebDown: connection refused");
         assert_eq!(i.severity, Severity::Critical);
         assert_eq!(i.fingerprint.as_deref(), Some("am-4c1f9e2a"));
         let again = actions(&p, &cfg, &known).unwrap();
-        let Action::Fire(j) = &again[0] else { panic!() };
+        let Ok(Action::Fire(j)) = &again[0] else { panic!() };
         assert_eq!(i.id, j.id, "a re-sent alert names the same run");
         let resolved = payload(r#"{"alertname":"WebDown","job":"web"}"#, "resolved");
-        let Action::Resolve { run, .. } = &actions(&resolved, &cfg, &known).unwrap()[0] else { panic!() };
+        let Ok(Action::Resolve { run, .. }) = &actions(&resolved, &cfg, &known).unwrap()[0] else { panic!() };
         assert_eq!(Some(*run), i.id, "the resolved alert names the firing alert's run");
     }
 
@@ -181,15 +196,22 @@ mod tests {
     fn refusals_name_the_alert_and_the_rule() {
         let cfg = GatewayConfig::default();
         let known = |s: &str| s == "web";
-        let p = payload(r#"{"alertname":"Disk"}"#, "firing");
-        let e = actions(&p, &cfg, &known).unwrap_err();
+        let refusal = |labels: &str, status: &str| {
+            let mut a = actions(&payload(labels, status), &cfg, &known).unwrap();
+            match a.pop() {
+                Some(Err(r)) => {
+                    assert_eq!(r.fingerprint, "4c1f9e2a");
+                    r.error
+                }
+                other => panic!("{other:?}"),
+            }
+        };
+        let e = refusal(r#"{"alertname":"Disk"}"#, "firing");
         assert!(e.contains("alerts[0] (alertname Disk") && e.contains("service_labels"), "{e}");
-        let p = payload(r#"{"alertname":"Disk","service":"db"}"#, "firing");
-        assert!(actions(&p, &cfg, &known).unwrap_err().contains("unknown service 'db'"));
+        assert!(refusal(r#"{"alertname":"Disk","service":"db"}"#, "firing").contains("unknown service 'db'"));
+        assert!(refusal(r#"{"service":"web"}"#, "pending").contains("status 'pending'"));
         let mut p = payload(r#"{"service":"web"}"#, "firing");
         p.version = "3".into();
-        assert!(actions(&p, &cfg, &known).unwrap_err().contains("version '3'"));
-        let p = payload(r#"{"service":"web"}"#, "pending");
-        assert!(actions(&p, &cfg, &known).unwrap_err().contains("status 'pending'"));
+        assert!(actions(&p, &cfg, &known).unwrap_err().contains("version '3'"), "a wrong payload is refused whole");
     }
 }

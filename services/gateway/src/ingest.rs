@@ -84,10 +84,31 @@ pub async fn post_alertmanager(
     JsonBody(payload): JsonBody<Payload>,
 ) -> Result<Response, ApiError> {
     let known = |s: &str| gw.cfg.services.contains_key(s);
+    let group = pitcrew_model::trim::clip(&payload.group_key, 120);
     let actions = alertmanager::actions(&payload, &gw.cfg.gateway, &known).map_err(ApiError::Unprocessable)?;
+    if payload.truncated_alerts > 0 {
+        // Alertmanager's max_alerts cut the group: those alerts never reach pitcrew.
+        tracing::warn!(group = %group, truncated = payload.truncated_alerts, "alertmanager truncated alerts: raise the receiver's max_alerts");
+    }
+    let refusals: Vec<&alertmanager::Refused> = actions.iter().filter_map(|a| a.as_ref().err()).collect();
+    for r in &refusals {
+        tracing::warn!(group = %group, fingerprint = %r.fingerprint, error = %r.error, "alert refused");
+    }
+    if refusals.len() == actions.len() {
+        // Nothing of it can be used: the sender's configuration is wrong, say so.
+        let all: Vec<&str> = refusals.iter().map(|r| r.error.as_str()).collect();
+        return Err(ApiError::Unprocessable(pitcrew_model::trim::clip(&all.join("; "), 2000)));
+    }
     let mut results = Vec::with_capacity(actions.len());
     let (mut opened, mut resolved) = (0, 0);
     for action in &actions {
+        let action = match action {
+            Ok(action) => action,
+            Err(r) => {
+                results.push(json!({ "fingerprint": r.fingerprint, "outcome": "refused", "error": r.error }));
+                continue;
+            }
+        };
         match action {
             Action::Fire(incident) => {
                 let (id, received) = gw.open(incident).await?;
@@ -106,12 +127,12 @@ pub async fn post_alertmanager(
         }
     }
     let note = format!(
-        "alertmanager group {} ({} alerts): {opened} incident(s) published, {resolved} resolution(s) recorded",
-        pitcrew_model::trim::clip(&payload.group_key, 120),
-        actions.len()
+        "alertmanager group {group} ({} alerts): {opened} incident(s) published, {resolved} resolution(s) recorded, {} refused",
+        actions.len(),
+        refusals.len()
     );
     let mut resp = (StatusCode::OK, Json(json!({ "alerts": results }))).into_response();
-    if let [Action::Fire(Incident { id: Some(id), .. }) | Action::Resolve { run: id, .. }] = actions.as_slice() {
+    if let [Ok(Action::Fire(Incident { id: Some(id), .. }) | Action::Resolve { run: id, .. })] = actions.as_slice() {
         resp.extensions_mut().insert(AuditRun(*id));
     }
     resp.extensions_mut().insert(Outcome(note));

@@ -480,11 +480,10 @@ async fn malformed_and_oversized_bodies_are_refused_precisely_and_nothing_is_pub
         ("/v1/alerts/alertmanager", "application/json", br#"{"version":"3","status":"firing","alerts":[]}"#.to_vec(), StatusCode::UNPROCESSABLE_ENTITY, "version '3'"),
         ("/v1/alerts/alertmanager", "application/json", br#"{"version":"4","status":"firing"}"#.to_vec(), StatusCode::BAD_REQUEST, "missing field `alerts`"),
         ("/v1/alerts/alertmanager", "application/json", br#"{"version":"4","status":"firing","alerts":[{"status":"firing","startsAt":"yesterday","fingerprint":"a1"}]}"#.to_vec(), StatusCode::BAD_REQUEST, "invalid JSON body: input contains invalid characters"),
-        // One good alert and one without a service label: nothing of either is published.
+        // Every alert of the group unusable (here its only one): 422, naming each.
         ("/v1/alerts/alertmanager", "application/json", serde_json::to_vec(&json!({"version": "4", "status": "firing", "alerts": [
-            {"status": "firing", "labels": {"alertname": "A", "service": "svc"}, "startsAt": "2026-11-22T07:00:00Z", "fingerprint": "a1"},
             {"status": "firing", "labels": {"alertname": "B", "job": ""}, "startsAt": "2026-11-22T07:00:00Z", "fingerprint": "b2"}]}))?,
-            StatusCode::UNPROCESSABLE_ENTITY, "alerts[1] (alertname B, fingerprint b2): none of the labels [\"service\", \"job\"] names the service"),
+            StatusCode::UNPROCESSABLE_ENTITY, "alerts[0] (alertname B, fingerprint b2): none of the labels [\"service\", \"job\"] names the service"),
         ("/v1/runs/not-a-uuid/approve", "application/json", b"{}".to_vec(), StatusCode::FORBIDDEN, "needs role approver or admin"),
     ];
     for (path, ct, body, want, msg) in cases {
@@ -540,6 +539,19 @@ async fn malformed_and_oversized_bodies_are_refused_precisely_and_nothing_is_pub
     // An oversized body is refused whatever its route.
     let resp = post_raw("/v1/alerts/alertmanager", "application/json", vec![b' '; 10_000]).await?;
     assert_eq!(resp.status(), StatusCode::PAYLOAD_TOO_LARGE);
+    // One good alert and one without a service label in a group: the good one opens its run
+    // (Alertmanager never re-sends a group answered 4xx), the other is refused by name.
+    let group = json!({"version": "4", "status": "firing", "alerts": [
+        {"status": "firing", "labels": {"alertname": "A", "service": "svc"}, "startsAt": "2026-11-22T07:00:00Z", "fingerprint": "a1"},
+        {"status": "firing", "labels": {"alertname": "B", "job": ""}, "startsAt": "2026-11-22T07:00:00Z", "fingerprint": "b2"}]});
+    let resp = post_raw("/v1/alerts/alertmanager", "application/json", serde_json::to_vec(&group)?).await?;
+    assert_eq!(resp.status(), StatusCode::OK);
+    let body: Value = resp.json().await?;
+    assert_eq!(body["alerts"][0]["outcome"], "accepted", "{body}");
+    assert_eq!((&body["alerts"][1]["outcome"], &body["alerts"][1]["fingerprint"]), (&json!("refused"), &json!("b2")));
+    let why = body["alerts"][1]["error"].as_str().unwrap_or_default();
+    assert!(why.contains("alerts[1] (alertname B, fingerprint b2): none of the labels"), "{body}");
+    assert_eq!(stream.info().await?.state.messages, 1, "the good alert, and only it, was published");
     Ok(())
 }
 
