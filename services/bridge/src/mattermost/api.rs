@@ -48,10 +48,14 @@ impl MattermostApi {
             return Ok(answer);
         }
         let said = answer.get("message").and_then(Value::as_str).unwrap_or("no message").to_string();
-        if status.as_u16() == 401 || status.as_u16() == 403 {
+        // A bad token, a bot not in the channel, a channel id that names none: fixed by the
+        // operator, after which the request is still worth posting (until it expires).
+        if matches!(status.as_u16(), 401 | 403 | 404) {
             return Err(ApiError::Retry {
                 after: Duration::from_secs(60),
-                why: format!("{method}: HTTP {status}: {said}: check the bot token and its channel membership"),
+                why: format!(
+                    "{method}: HTTP {status}: {said}: check the bot token, the channel id, api_url and the bot's channel membership"
+                ),
             });
         }
         Err(ApiError::Permanent(format!("{method}: HTTP {status} from {}: {said}", self.base)))

@@ -17,6 +17,21 @@ const TRANSIENT: &[&str] = &["ratelimited", "internal_error", "fatal_error", "se
 /// token and a restart) must not lose the requests in between.
 const AUTH: &[&str] = &["not_authed", "invalid_auth", "token_revoked", "token_expired", "account_inactive"];
 
+/// Slack `error` codes that mean the bot's setup is wrong (not invited to the channel, the
+/// channel renamed or archived, a scope missing): retried slowly like a bad token, since the
+/// request stays worth posting once someone fixes it, until it expires.
+const SETUP: &[&str] = &[
+    "not_in_channel",
+    "channel_not_found",
+    "is_archived",
+    "missing_scope",
+    "restricted_action",
+    "access_denied",
+    "team_access_not_granted",
+    "not_allowed_token_type",
+    "ekm_access_denied",
+];
+
 /// Slack's answers to an incoming webhook that mean its URL no longer works: retried
 /// slowly, like a bad token.
 const WEBHOOK_GONE: &[&str] = &["no_service", "invalid_token", "no_team", "team_disabled"];
@@ -143,6 +158,14 @@ impl SlackApi {
                 why: format!("{method}: Slack says {code}: check the bot token"),
             });
         }
+        if SETUP.contains(&code.as_str()) {
+            return Err(ApiError::Retry {
+                after: Duration::from_secs(60),
+                why: format!(
+                    "{method}: Slack says {code}: check the channel, that the bot is invited to it, and its scopes"
+                ),
+            });
+        }
         Err(ApiError::Permanent(format!("{method}: Slack refused it: {code}")))
     }
 }
@@ -184,5 +207,62 @@ mod tests {
         assert!(!api.may_respond_to("http://127.0.0.1:10/response/1"));
         assert!(!api.may_respond_to("https://hooks.slack.com.evil.example/x"));
         assert!(!api.may_respond_to("file:///etc/passwd"));
+    }
+
+    /// A Web API on loopback that answers every call with `answer` (HTTP 200, as Slack does).
+    async fn answering(answer: &'static str) -> String {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let base = format!("http://{}/api", listener.local_addr().unwrap());
+        tokio::spawn(async move {
+            while let Ok((mut sock, _)) = listener.accept().await {
+                tokio::spawn(async move {
+                    let mut req = Vec::new();
+                    let mut buf = [0u8; 4096];
+                    // Headers, then the body its content-length announces.
+                    loop {
+                        match sock.read(&mut buf).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => req.extend_from_slice(&buf[..n]),
+                        }
+                        let text = String::from_utf8_lossy(&req).to_lowercase();
+                        let Some(end) = text.find("\r\n\r\n") else { continue };
+                        let len = text
+                            .lines()
+                            .find_map(|l| l.strip_prefix("content-length:").map(|v| v.trim().parse().unwrap_or(0)))
+                            .unwrap_or(0usize);
+                        if req.len() >= end + 4 + len {
+                            break;
+                        }
+                    }
+                    let resp = format!(
+                        "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{answer}",
+                        answer.len()
+                    );
+                    let _ = sock.write_all(resp.as_bytes()).await;
+                });
+            }
+        });
+        base
+    }
+
+    #[tokio::test]
+    async fn a_wrong_setup_is_retried_slowly_and_a_bad_request_is_not() {
+        let api = |base: &str| SlackApi::new(base, Some(Secret::new("xoxb-t")), None, Duration::from_secs(5)).unwrap();
+        for code in ["not_in_channel", "channel_not_found", "missing_scope", "invalid_auth"] {
+            let base = answering(Box::leak(format!(r#"{{"ok":false,"error":"{code}"}}"#).into_boxed_str())).await;
+            match api(&base).post_message(&serde_json::json!({"channel": "C1", "text": "x"})).await {
+                Err(ApiError::Retry { after, why }) => {
+                    assert_eq!(after, Duration::from_secs(60), "{code}");
+                    assert!(why.contains(code), "{why}");
+                }
+                other => panic!("{code}: {other:?}"),
+            }
+        }
+        let base = answering(r#"{"ok":false,"error":"invalid_blocks"}"#).await;
+        match api(&base).post_message(&serde_json::json!({"channel": "C1", "text": "x"})).await {
+            Err(ApiError::Permanent(why)) => assert!(why.contains("invalid_blocks"), "{why}"),
+            other => panic!("{other:?}"),
+        }
     }
 }
