@@ -326,6 +326,37 @@ async fn a_two_person_rule_runs_the_plan_only_after_two_distinct_approvers() -> 
     crew.shutdown().await
 }
 
+/// Under a quorum an approval is one vote, not the decision: a second approver's denial right
+/// after it is not refused as racing a decision ("already decided: approve by ann"), and it
+/// stops the plan.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn under_a_two_person_rule_a_denial_right_after_one_approval_stops_the_plan() -> anyhow::Result<()> {
+    let env = TestEnv::start().await?;
+    let policy = write(
+        &env,
+        "policy.toml",
+        "[[critical]]\nname = \"two-person-rm\"\nreason = \"deleting needs two people\"\npattern = '^rm\\s'\nquorum = 2\n",
+    );
+    let book = write(&env, "playbook.toml", PLAYBOOK);
+    let svc = marker_service(&env, "svc");
+    let text = format!("[reasoning]\nplaybook_file = \"{book}\"\n[policy]\nfile = \"{policy}\"\n{svc}");
+    let mut crew = Crew::start_in(env, &text, &Stage::ALL).await?;
+    let run = crew.open("svc", "stale lock held").await?;
+    crew.events.kind(run, EventKind::ApprovalRequested, WAIT).await?;
+    cli::submit(&crew.bus, Some(&crew.store), DecisionInput::cli(run, Decision::Approve, "ann", None, &crew.cfg))
+        .await?;
+    crew.events.wait(run, |e| e.message.contains("approve by ann via cli counted: 1 of 2"), WAIT).await?;
+    // Within the minute a published decision counts as in flight.
+    let no = DecisionInput::cli(run, Decision::Deny, "bob", Some("not on a Friday".into()), &crew.cfg);
+    cli::submit(&crew.bus, Some(&crew.store), no).await?;
+    let end = crew.events.terminal(run, WAIT).await?;
+    assert_eq!(end.kind, EventKind::Escalated, "{}", end.message);
+    assert!(end.message.contains("denied by bob"), "{}", end.message);
+    let db = crew.db().await?;
+    assert_eq!(count(&db, "SELECT count(*) FROM executions WHERE run_id = $1", run).await, 0);
+    crew.shutdown().await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pending_approval_survives_a_restart_of_every_pitcrew_process() -> anyhow::Result<()> {
     let mut crew = crew_with_playbook("").await?;

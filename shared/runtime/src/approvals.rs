@@ -144,8 +144,8 @@ pub async fn submit(
 
 /// Why a decision for `req`'s plan is refused because another one is on the bridge subject,
 /// not yet recorded by the crew (two clicks racing): the last decision published for that plan
-/// within [`IN_FLIGHT`] by a configured approver wins, unless both approve under a quorum and
-/// come from different approvers (another vote). None: not racing.
+/// within [`IN_FLIGHT`] by a configured approver wins, unless it is an approval under a quorum
+/// and this decision is another approver's (a vote, or a denial). None: not racing.
 async fn racing_decision(
     bus: &Bus,
     cfg: &Config,
@@ -161,8 +161,9 @@ async fn racing_decision(
         // The crew refuses it: it wins nothing.
         return Ok(None);
     }
-    let another_vote = decision == Decision::Approve && prev.decision == Decision::Approve && prev.by != by;
-    if another_vote && req.quorum > 1 {
+    // Under a quorum an approval is one vote, not the decision: another approver's vote or
+    // denial goes on (the crew counts votes, and one denial stops the plan).
+    if req.quorum > 1 && prev.decision == Decision::Approve && prev.by != by {
         return Ok(None);
     }
     Ok(Some(format!(
