@@ -32,6 +32,9 @@ pub enum ApiError {
     Timeout(String),
     #[error("{0}")]
     UnsupportedMediaType(String),
+    /// The caller holds too much at once (live streams): close some first.
+    #[error("{0}")]
+    TooMany(String),
     /// Slow down: retry after this many seconds.
     #[error("rate limit exceeded for key '{key}': retry after {retry_after} s")]
     RateLimited { key: String, retry_after: u64 },
@@ -54,7 +57,7 @@ impl ApiError {
             ApiError::TooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::Timeout(_) => StatusCode::REQUEST_TIMEOUT,
             ApiError::UnsupportedMediaType(_) => StatusCode::UNSUPPORTED_MEDIA_TYPE,
-            ApiError::RateLimited { .. } => StatusCode::TOO_MANY_REQUESTS,
+            ApiError::RateLimited { .. } | ApiError::TooMany(_) => StatusCode::TOO_MANY_REQUESTS,
             ApiError::NotImplemented(_) => StatusCode::NOT_IMPLEMENTED,
             ApiError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
         }

@@ -6,12 +6,13 @@
 //! full for `SLOW_CLIENT` is dropped (it reconnects with `Last-Event-ID`), so no client ever
 //! blocks the bus, the crew or another client.
 
+use crate::access::Caller;
 use crate::body::{bad_query, run_id};
 use crate::error::ApiError;
 use crate::Gateway;
 use async_nats::jetstream::consumer::{pull::OrderedConfig, DeliverPolicy};
 use axum::extract::rejection::QueryRejection;
-use axum::extract::{Path, Query, State};
+use axum::extract::{Extension, Path, Query, State};
 use axum::http::HeaderMap;
 use axum::response::sse::{Event, KeepAlive, KeepAliveStream, Sse};
 use chrono::{DateTime, Utc};
@@ -62,6 +63,7 @@ fn last_event_id(headers: &HeaderMap) -> Result<Option<u64>, ApiError> {
 /// `GET /v1/runs/{id}/events`
 pub async fn run_events(
     State(gw): State<Arc<Gateway>>,
+    Extension(caller): Extension<Caller>,
     Path(id): Path<String>,
     headers: HeaderMap,
 ) -> Result<EventStream, ApiError> {
@@ -86,7 +88,7 @@ pub async fn run_events(
         }
         None => (DeliverPolicy::All, End::Terminal),
     };
-    follow(&gw, vec![gw.bus.subjects.events_of(run)], deliver, None, end).await
+    follow(&gw, &caller, vec![gw.bus.subjects.events_of(run)], deliver, None, end).await
 }
 
 /// Whether the bus holds the run's terminal event (a client resuming after it has no more to
@@ -147,6 +149,7 @@ pub struct EventsQuery {
 /// `GET /v1/events?kind=&run=&since=`
 pub async fn all_events(
     State(gw): State<Arc<Gateway>>,
+    Extension(caller): Extension<Caller>,
     q: Result<Query<EventsQuery>, QueryRejection>,
     headers: HeaderMap,
 ) -> Result<EventStream, ApiError> {
@@ -178,7 +181,25 @@ pub async fn all_events(
         },
         (None, None) => DeliverPolicy::New,
     };
-    follow(&gw, subjects, deliver, Some(kinds), End::Never).await
+    follow(&gw, &caller, subjects, deliver, Some(kinds), End::Never).await
+}
+
+/// A permit of `caller`'s own share of live streams.
+fn key_permit(gw: &Gateway, caller: &Caller) -> Result<tokio::sync::OwnedSemaphorePermit, ApiError> {
+    let per_key = gw.cfg.gateway.streams_per_key;
+    let slots = gw
+        .streams_of
+        .lock()
+        .expect("streams_of lock")
+        .entry(caller.name.clone())
+        .or_insert_with(|| Arc::new(tokio::sync::Semaphore::new(per_key)))
+        .clone();
+    slots.try_acquire_owned().map_err(|_| {
+        ApiError::TooMany(format!(
+            "key '{}' holds {per_key} live streams already ([gateway] streams_per_key): close one first",
+            pitcrew_model::trim::clip(&caller.name, 64)
+        ))
+    })
 }
 
 /// Open an ordered consumer and feed its events to a bounded per-client channel from a task
@@ -186,6 +207,7 @@ pub async fn all_events(
 /// (a slow client), a gone client or shutdown.
 async fn follow(
     gw: &Arc<Gateway>,
+    caller: &Caller,
     filter_subjects: Vec<String>,
     deliver_policy: DeliverPolicy,
     kinds: Option<Vec<EventKind>>,
@@ -196,6 +218,7 @@ async fn follow(
         .clone()
         .try_acquire_owned()
         .map_err(|_| ApiError::Unavailable(format!("{MAX_STREAMS} live streams are open already: retry later")))?;
+    let key_permit = key_permit(gw, caller)?;
     let stream =
         gw.bus.js.get_stream(gw.bus.subjects.events_stream()).await.map_err(|e| ApiError::unavailable("NATS", e))?;
     let consumer = stream
@@ -212,7 +235,7 @@ async fn follow(
     let (tx, rx) = mpsc::channel::<Event>(gw.cfg.gateway.sse_buffer.max(1));
     let mut shutdown = gw.shutdown.clone();
     tokio::spawn(async move {
-        let _permit = permit;
+        let _permits = (permit, key_permit);
         loop {
             // Shutdown and a gone client first: with a message ready too, an unbiased select
             // could go on forwarding after either.

@@ -45,6 +45,9 @@ pub struct Gateway {
     pub access: HashMap<(Method, String), Access>,
     /// Live streams open at once.
     pub streams: Arc<Semaphore>,
+    /// Live streams open at once per key owner (`streams_per_key` each; one entry per
+    /// configured key at most).
+    pub streams_of: std::sync::Mutex<HashMap<String, Arc<Semaphore>>>,
     /// This process's name on the events it writes.
     pub worker: String,
     pub shutdown: Shutdown,
@@ -88,11 +91,15 @@ impl Gateway {
         if !(1..=MAX_SSE_BUFFER).contains(&cfg.gateway.sse_buffer) {
             anyhow::bail!("bad configuration: [gateway] sse_buffer must be between 1 and {MAX_SSE_BUFFER} events");
         }
+        if !(1..=events::MAX_STREAMS).contains(&cfg.gateway.streams_per_key) {
+            anyhow::bail!("bad configuration: [gateway] streams_per_key must be between 1 and {}", events::MAX_STREAMS);
+        }
         Ok(Arc::new(Gateway {
             limiter: RateLimiter::new(&cfg.gateway),
             keys,
             access: access_table()?,
             streams: Arc::new(Semaphore::new(events::MAX_STREAMS)),
+            streams_of: Default::default(),
             worker: format!("gateway:{}", cfg.worker()),
             cfg: Arc::new(cfg),
             bus,

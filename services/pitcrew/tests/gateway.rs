@@ -694,6 +694,36 @@ async fn a_slow_live_stream_client_is_dropped_and_blocks_no_one() -> anyhow::Res
     Ok(())
 }
 
+/// One key cannot hold every live stream: past `streams_per_key` it gets 429, other keys are
+/// served, and a stream its client closes is given back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_key_holds_at_most_its_share_of_live_streams() -> anyhow::Result<()> {
+    let api = Api::start(&[], "streams_per_key = 2").await?;
+    let first = api.stream("/v1/events", "rita").await?;
+    let second = api.stream("/v1/events?kind=status", "rita").await?;
+    assert_eq!((first.status(), second.status()), (StatusCode::OK, StatusCode::OK));
+    let third = api.stream("/v1/events", "rita").await?;
+    assert_eq!(third.status(), StatusCode::TOO_MANY_REQUESTS);
+    let err: Value = third.json().await?;
+    let why = err["error"].as_str().unwrap_or_default();
+    assert!(why.contains("key 'rita' holds 2 live streams already") && why.contains("streams_per_key"), "{err}");
+    let other = api.stream("/v1/events", "otto").await?;
+    assert_eq!(other.status(), StatusCode::OK, "another key is served");
+    drop(first);
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        let again = api.stream("/v1/events", "rita").await?;
+        if again.status() == StatusCode::OK {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "a closed stream was never given back: {}", again.status());
+        drop(again);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    drop((second, other));
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_gateway_process_logs_and_audits_requests_but_never_a_key() -> anyhow::Result<()> {
     let api = Api::start(&[], "").await?;

@@ -121,7 +121,7 @@ pub async fn submit(
         }
     }
     if let Some(cfg) = racing {
-        if let Some(why) = racing_decision(bus, cfg, &req, decision, by).await? {
+        if let Some(why) = racing_decision(bus, cfg, &req, by).await? {
             return Err(DecideError::Conflict(why));
         }
     }
@@ -150,7 +150,6 @@ async fn racing_decision(
     bus: &Bus,
     cfg: &Config,
     req: &ApprovalRequest,
-    decision: Decision,
     by: &str,
 ) -> Result<Option<String>, DecideError> {
     let (run, plan_hash) = (req.run_id, req.plan_hash.as_str());

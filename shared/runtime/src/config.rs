@@ -87,6 +87,9 @@ pub struct GatewayConfig {
     pub rate_burst: u32,
     /// Events buffered per live stream client; a client that falls this far behind is dropped.
     pub sse_buffer: usize,
+    /// Live streams one key may hold open at once (of the gateway's 1024): a dashboard that
+    /// leaks connections, or one key's owner, cannot take them all.
+    pub streams_per_key: usize,
     /// Alert labels tried in order for the incident's service (`service`, then `job`).
     pub service_labels: Vec<String>,
     /// Alert labels tried in order for the incident's host; a trailing `:port` is dropped.
@@ -114,6 +117,7 @@ impl Default for GatewayConfig {
             rate_per_sec: 20.0,
             rate_burst: 40,
             sse_buffer: 256,
+            streams_per_key: 64,
             service_labels: vec!["service".into(), "job".into()],
             host_labels: vec!["host".into(), "instance".into()],
             keys: BTreeMap::new(),
