@@ -2,6 +2,8 @@
 //! - `codec/*`: a typical mid-run state (incident, six pieces of evidence, diagnosis, plan,
 //!   evaluation, one execution) encoded and decoded as MessagePack (the bus format) and JSON
 //!   (the Postgres format), and the redaction every kept text goes through;
+//! - `policy/*`: the shipped policy gate over a typical three-command plan (evaluate and
+//!   approval each judge every plan);
 //! - `hop`: one hop through JetStream: publish a state and wait for the stream's ack, pull it
 //!   from a durable consumer and ack it (a real nats-server the bench starts);
 //! - `store/*`: the Postgres writes of a transition (a fresh database the bench creates):
@@ -122,6 +124,19 @@ fn codec_benches(c: &mut Criterion) {
     let dirty = format!("{clean}curl -H 'Authorization: Bearer abcdef0123456789' https://u:pw@example.com\n");
     g.bench_function("redact_clean_4k", |b| b.iter(|| pitcrew_model::redact::redact(std::hint::black_box(&clean))));
     g.bench_function("redact_secret_4k", |b| b.iter(|| pitcrew_model::redact::redact(std::hint::black_box(&dirty))));
+    g.finish();
+}
+
+fn policy_benches(c: &mut Criterion) {
+    let policy = pitcrew_policy::Policy::default_policy();
+    let plan: Vec<String> =
+        ["systemctl restart checkout", "rm -f /run/checkout.pid", "sudo -n /opt/checkout/bin/start --port 8080"]
+            .map(String::from)
+            .to_vec();
+    let mut g = c.benchmark_group("policy");
+    g.throughput(Throughput::Elements(1));
+    g.bench_function("gate_3_commands", |b| b.iter(|| policy.gate_on("web-1", std::hint::black_box(&plan))));
+    g.bench_function("findings_3_commands", |b| b.iter(|| policy.findings_on("web-1", std::hint::black_box(&plan))));
     g.finish();
 }
 
@@ -290,6 +305,6 @@ fn store_benches(c: &mut Criterion) {
 criterion_group! {
     name = benches;
     config = Criterion::default().sample_size(50).measurement_time(Duration::from_secs(5));
-    targets = codec_benches, hop_bench, store_benches
+    targets = codec_benches, policy_benches, hop_bench, store_benches
 }
 criterion_main!(benches);

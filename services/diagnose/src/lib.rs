@@ -162,11 +162,22 @@ pub struct EvidenceTools<'a> {
     policy: &'a Policy,
     web: Option<&'a web::WebTools>,
     found: std::sync::Mutex<Vec<(Evidence, String)>>,
+    /// Calls begun: a call takes its slot before it runs, so calls made at once (a model
+    /// turn's calls run together) cannot all see an unspent budget.
+    begun: std::sync::atomic::AtomicUsize,
 }
 
 impl<'a> EvidenceTools<'a> {
     pub fn new(host: &'a str, attempt: u32, executor: &'a dyn Executor, policy: &'a Policy) -> Self {
-        EvidenceTools { host, attempt, executor, policy, web: None, found: Default::default() }
+        EvidenceTools {
+            host,
+            attempt,
+            executor,
+            policy,
+            web: None,
+            found: Default::default(),
+            begun: Default::default(),
+        }
     }
 
     /// Also offer the configured HTTP tools.
@@ -175,9 +186,9 @@ impl<'a> EvidenceTools<'a> {
         self
     }
 
-    /// The refusal once this diagnosis made all the tool calls it may.
+    /// Take a call's slot; the refusal once this diagnosis began all the tool calls it may.
     fn budget_spent(&self) -> Option<ToolOutput> {
-        let calls = self.found.lock().unwrap_or_else(|p| p.into_inner()).len();
+        let calls = self.begun.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         (calls >= MAX_TOOL_CALLS).then(|| ToolOutput {
             ok: false,
             output: format!("tool budget spent ({MAX_TOOL_CALLS} calls): answer now"),
@@ -498,6 +509,20 @@ mod web_tests {
     use pitcrew_exec::LocalExecutor;
     use pitcrew_testkit::http::StubHttp;
     use serde_json::json;
+
+    /// A model turn's calls run together: all of them at once still get no more than the
+    /// diagnosis' budget, the rest are refused without running.
+    #[tokio::test]
+    async fn calls_made_at_once_share_one_budget() {
+        let (exec, policy) = (LocalExecutor::new(4096), Policy::default_policy());
+        let tools = EvidenceTools::new("local", 1, &exec, &policy);
+        let outs =
+            futures::future::join_all((0..40).map(|_| tools.call("run_command", r#"{"command": "uptime"}"#))).await;
+        let ran = outs.iter().filter(|o| o.ok).count();
+        let spent = outs.iter().filter(|o| o.output.contains("tool budget spent")).count();
+        assert_eq!((ran, spent), (MAX_TOOL_CALLS, 40 - MAX_TOOL_CALLS), "{outs:?}");
+        assert_eq!(tools.take().len(), MAX_TOOL_CALLS, "only the calls that ran are evidence");
+    }
 
     #[tokio::test]
     async fn configured_http_tools_query_prometheus_loki_and_inventory_hosts_only() {

@@ -22,6 +22,9 @@ use tracing::Instrument;
 
 /// Source prefix of diagnoses and plans this provider made.
 pub const SOURCE_PREFIX: &str = "openai:";
+/// Tool calls of one model turn that are run: the rest of a longer list are dropped (the
+/// diagnosis has its own, smaller, budget across turns).
+const MAX_TOOL_CALLS_PER_TURN: usize = 16;
 /// Longest error body quoted back from the endpoint.
 const MAX_ERROR_BODY: usize = 300;
 /// Longest wait a `Retry-After` may impose before a retry.
@@ -87,7 +90,7 @@ impl Default for OpenAiConfig {
 impl std::fmt::Debug for OpenAiConfig {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("OpenAiConfig")
-            .field("base_url", &self.base_url)
+            .field("base_url", &endpoint_shown(&self.base_url))
             .field("model", &self.model)
             .field("api_key_env", &self.api_key_env)
             .finish_non_exhaustive()
@@ -278,6 +281,12 @@ impl OpenAi {
         }
     }
 
+    /// The endpoint as errors and logs name it: without any credentials its URL carries (a
+    /// proxy's `https://user:pass@host` or `https://TOKEN@host`).
+    fn endpoint(&self) -> String {
+        endpoint_shown(&self.cfg.base_url)
+    }
+
     /// Anything the endpoint echoes back, with the key blanked out.
     fn redact(&self, text: &str) -> String {
         match &self.key {
@@ -353,7 +362,7 @@ impl OpenAi {
                 tokio::time::sleep(wait).await;
             }
         }
-        Err(ReasonError::Transient(format!("{} after {} tries: {last}", self.cfg.base_url, self.cfg.max_retries + 1)))
+        Err(ReasonError::Transient(format!("{} after {} tries: {last}", self.endpoint(), self.cfg.max_retries + 1)))
     }
 
     /// One HTTP exchange of [`chat`](Self::chat): what to do next and the outcome for metrics
@@ -374,7 +383,7 @@ impl OpenAi {
                     *last = format!("no answer within {} s", self.cfg.timeout_secs);
                     "timeout"
                 } else {
-                    *last = format!("cannot reach {}: {}", self.cfg.base_url, self.redact(&without_url(&e)));
+                    *last = format!("cannot reach {}: {}", self.endpoint(), self.redact(&without_url(&e)));
                     "unreachable"
                 };
                 (Step::Retry(backoff(attempt)), outcome)
@@ -405,7 +414,7 @@ impl OpenAi {
                         let text = self.redact(&clip(&String::from_utf8_lossy(&bytes), MAX_ERROR_BODY));
                         *last = format!("HTTP {status}: {text}");
                         if status.as_u16() != 429 && !status.is_server_error() {
-                            let err = ReasonError::Failed(format!("{} answered {last}", self.cfg.base_url));
+                            let err = ReasonError::Failed(format!("{} answered {last}", self.endpoint()));
                             return (Step::Done(Err(err)), "client_error");
                         }
                         let outcome = if status.as_u16() == 429 { "rate_limited" } else { "server_error" };
@@ -547,7 +556,10 @@ impl OpenAi {
                 });
             }
             let tools = input.tools.expect("tool calls only when tools were offered");
-            let calls = reply.tool_calls.clone();
+            // A model asking for more calls at once than any diagnosis may make gets the first
+            // ones only (the assistant message keeps just those, so every call has its answer).
+            let mut calls = reply.tool_calls.clone();
+            calls.truncate(MAX_TOOL_CALLS_PER_TURN);
             messages.push(Message {
                 role: "assistant".into(),
                 content: reply.content,
@@ -806,9 +818,31 @@ impl Reasoner for OpenAi {
     }
 }
 
+/// `url` with the userinfo part (everything before `@` in the authority) replaced by `***`.
+fn endpoint_shown(url: &str) -> String {
+    let Some(scheme_end) = url.find("://").map(|i| i + 3) else { return url.to_string() };
+    let authority_end = url[scheme_end..].find(['/', '?', '#']).map_or(url.len(), |i| scheme_end + i);
+    match url[scheme_end..authority_end].rfind('@') {
+        Some(at) => format!("{}***{}", &url[..scheme_end], &url[scheme_end + at..]),
+        None => url.to_string(),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_endpoint_is_named_without_its_credentials() {
+        for (url, shown) in [
+            ("https://user:s3cret@proxy.example/v1", "https://***@proxy.example/v1"),
+            ("https://tok3n@proxy.example/v1?x=a@b", "https://***@proxy.example/v1?x=a@b"),
+            ("http://127.0.0.1:8000/v1", "http://127.0.0.1:8000/v1"),
+            ("not a url", "not a url"),
+        ] {
+            assert_eq!(endpoint_shown(url), shown, "{url}");
+        }
+    }
 
     #[test]
     fn retry_after_reads_seconds_and_dates() {

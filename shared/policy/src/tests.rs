@@ -193,7 +193,18 @@ const FORBIDDEN_CASES: &[(&str, &[&str], &[&str])] = &[
     ),
     (
         "kill-init-or-all",
-        &["kill -9 1", "kill 1", "kill -9 -1", "kill -s KILL -1", "kill -- -1", "killall5 -9", "pkill -9 systemd"],
+        &[
+            "kill -9 1",
+            "kill 1",
+            "kill -9 -1",
+            "kill -s KILL -1",
+            "kill -- -1",
+            "killall5 -9",
+            "pkill -9 systemd",
+            "kill -9 01",
+            "kill 0001",
+            "kill -- -01",
+        ],
         &["kill -1 1234", "kill -9 12345", "kill 4242", "pkill -f toy"],
     ),
     (

@@ -31,7 +31,8 @@ pub fn service<'c>(cfg: &'c Config, state: &RunState) -> Result<&'c ServiceSpec,
 
 /// Template variables: the service's, plus `pid` when diagnose read a live pid from the
 /// pidfile this attempt, and `holder_pid` when it found another process holding the
-/// service's port.
+/// service's port. Both are plain numbers above 1, written canonically (`0001` is no pid: as
+/// `kill -9 0001` it would be init, written so the policy's `kill ... 1` rule misses it).
 pub fn template_vars(spec: &ServiceSpec, state: &RunState) -> BTreeMap<String, String> {
     let mut vars = spec.template_vars(&state.incident.service);
     if let Some(pid) = state
@@ -39,19 +40,25 @@ pub fn template_vars(spec: &ServiceSpec, state: &RunState) -> BTreeMap<String, S
         .filter(|e| e.source == "port-holder" && e.ok)
         .filter_map(|e| e.output.split_once(" is held by pid ").map(|(_, rest)| rest))
         .filter_map(|rest| rest.split(|c: char| !c.is_ascii_digit()).next())
-        .find(|p| !p.is_empty() && p.parse::<u32>().is_ok_and(|n| n > 1))
+        .find_map(process_id)
     {
-        vars.insert("holder_pid".into(), pid.to_string());
+        vars.insert("holder_pid".into(), pid);
     }
-    if let Some(pid) = state
-        .current_evidence()
-        .filter(|e| e.source == "pidfile" && e.ok)
-        .map(|e| e.output.trim())
-        .find(|p| !p.is_empty() && p.chars().all(|c| c.is_ascii_digit()))
+    if let Some(pid) =
+        state.current_evidence().filter(|e| e.source == "pidfile" && e.ok).find_map(|e| process_id(e.output.trim()))
     {
-        vars.insert("pid".into(), pid.to_string());
+        vars.insert("pid".into(), pid);
     }
     vars
+}
+
+/// `text` as a process id a command may name: digits only, above 1 (never init, never the
+/// "every process" of 0 or -1), without leading zeros.
+fn process_id(text: &str) -> Option<String> {
+    if text.is_empty() || !text.chars().all(|c| c.is_ascii_digit()) {
+        return None;
+    }
+    text.parse::<u32>().ok().filter(|n| *n > 1).map(|n| n.to_string())
 }
 
 /// Commands that failed in this run plus those episodic memory remembers failing.
@@ -181,6 +188,16 @@ mod tests {
         state.push_evidence(ev("port", "port 80 is held by pid 77 (web), the service's own process", true));
         let vars = template_vars(&spec, &state);
         assert!(!vars.contains_key("pid") && !vars.contains_key("holder_pid"), "{vars:?}");
+
+        // Init however written is no pid; leading zeros are dropped.
+        for (written, want) in [("01", None), ("0001", None), ("1", None), ("0", None), ("007", Some("7"))] {
+            let mut state = RunState::new(uuid::Uuid::now_v7(), Incident::new("web", "x"));
+            state.push_evidence(ev("pidfile", written, true));
+            state.push_evidence(ev("port-holder", &format!("port 80 is held by pid {written} (x), not by it"), true));
+            let vars = template_vars(&spec, &state);
+            assert_eq!(vars.get("pid").map(String::as_str), want, "pidfile {written}");
+            assert_eq!(vars.get("holder_pid").map(String::as_str), want, "holder {written}");
+        }
     }
 
     fn state_attempt() -> u32 {
