@@ -116,7 +116,13 @@ impl WebTools {
                 match self.get(url).await {
                     Ok((status, body)) => {
                         let ok = (200..400).contains(&status);
-                        (asked, ToolOutput { ok, output: format!("HTTP {status}\n{}", String::from_utf8_lossy(&body)) })
+                        (
+                            asked,
+                            ToolOutput {
+                                ok,
+                                output: format!("HTTP {status}\n{}", pitcrew_model::trim::text_of(&body)),
+                            },
+                        )
                     }
                     Err(e) => fail(asked, e),
                 }

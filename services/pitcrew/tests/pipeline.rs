@@ -67,6 +67,35 @@ async fn an_incident_is_resolved_end_to_end_with_episode_and_evaluation() -> any
     crew.shutdown().await
 }
 
+/// Output with NUL bytes (`/proc/*/cmdline` separates its words with them) is evidence like
+/// any other: Postgres takes neither NUL in `text` nor `\u0000` in `jsonb`, and the run that
+/// held it could never be stored (diagnose retried it until it was dead-lettered). So is an
+/// incident whose JSON error carries `\u0000`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn output_and_incidents_with_nul_bytes_are_kept_and_the_run_resolves() -> anyhow::Result<()> {
+    let env = TestEnv::start().await?;
+    let book = write(&env, "playbook.toml", PLAYBOOK);
+    let svc = marker_service(&env, "svc");
+    let text = format!("[reasoning]\nplaybook_file = \"{book}\"\n{svc}evidence = [\"cat /proc/self/cmdline\"]\n");
+    let mut crew = Crew::start_in(env, &text, &Stage::ALL).await?;
+    let run = crew.open("svc", "GET /health: connection refused\u{0}after deploy").await?;
+    let end = crew.events.terminal(run, WAIT).await?;
+    assert_eq!(end.kind, EventKind::Resolved, "{}", end.message);
+    let db = crew.db().await?;
+    let kept: String = db
+        .query_one(
+            "SELECT e->>'output' FROM runs, jsonb_array_elements(state->'evidence') e \
+             WHERE id = $1 AND e->>'detail' LIKE '%cmdline%'",
+            &[&run],
+        )
+        .await?
+        .get(0);
+    assert!(kept.starts_with("cat\u{FFFD}/proc/self/cmdline"), "{kept:?}");
+    let error: String = db.query_one("SELECT error FROM incidents WHERE id = $1", &[&run]).await?.get(0);
+    assert_eq!(error, "GET /health: connection refused\u{FFFD}after deploy");
+    crew.shutdown().await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_forbidden_plan_is_escalated_and_nothing_runs() -> anyhow::Result<()> {
     let mut crew = crew_with_playbook("").await?;

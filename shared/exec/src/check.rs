@@ -89,7 +89,7 @@ async fn http_check(url: &str, expect: u16, timeout: Duration) -> CheckOutcome {
             let room = MAX_BODY - body.len();
             body.extend_from_slice(&chunk[..chunk.len().min(room)]);
         }
-        Ok::<_, reqwest::Error>((status, String::from_utf8_lossy(&body).into_owned()))
+        Ok::<_, reqwest::Error>((status, pitcrew_model::trim::text_of(&body)))
     };
     match tokio::time::timeout(timeout, fetch).await {
         Err(_) => CheckOutcome::new(false, format!("GET {url} failed: timed out after {} ms", timeout.as_millis()), ""),

@@ -106,8 +106,8 @@ impl LocalExecutor {
         }
         let output = CommandOutput {
             exit_code: waited.and_then(|s| s.code()),
-            stdout: String::from_utf8_lossy(&out).into_owned(),
-            stderr: String::from_utf8_lossy(&err).into_owned(),
+            stdout: pitcrew_model::trim::text_of(&out),
+            stderr: pitcrew_model::trim::text_of(&err),
             timed_out,
             duration: started.elapsed(),
         };

@@ -163,14 +163,14 @@ impl SshExecutor {
                 (None, false)
             }
         };
-        let stderr = String::from_utf8_lossy(&err).into_owned();
+        let stderr = pitcrew_model::trim::text_of(&err);
         // `timeout` could not start the program: it does not exist on the host.
         if stderr.starts_with("timeout: failed to run command") && stderr.contains("No such file or directory") {
             return Err(ExecError::Spawn { program: argv[0].clone(), error: format!("not found on {host}") });
         }
         Ok(CommandOutput {
             exit_code,
-            stdout: String::from_utf8_lossy(&out).into_owned(),
+            stdout: pitcrew_model::trim::text_of(&out),
             stderr,
             timed_out,
             duration: started.elapsed(),

@@ -178,6 +178,18 @@ struct Message {
     tool_call_id: Option<String>,
 }
 
+impl Message {
+    /// The answer as the run state can keep it (no NUL: Postgres refuses it).
+    fn storable(mut self) -> Message {
+        self.content = self.content.map(pitcrew_model::trim::storable);
+        for call in &mut self.tool_calls {
+            call.function.name = pitcrew_model::trim::storable(std::mem::take(&mut call.function.name));
+            call.function.arguments = pitcrew_model::trim::storable(std::mem::take(&mut call.function.arguments));
+        }
+        self
+    }
+}
+
 #[derive(Debug, Clone, Serialize, Deserialize)]
 struct ToolCall {
     id: String,
@@ -354,7 +366,7 @@ impl OpenAi {
             LLM_CALLS.inc(&["openai", model, outcome]);
             LLM_SECONDS.observe(&["openai", model], began.elapsed().as_secs_f64());
             let wait = match step {
-                Step::Done(res) => return res,
+                Step::Done(res) => return res.map(Message::storable),
                 Step::Retry(wait) => wait,
             };
             if attempt < self.cfg.max_retries {

@@ -101,11 +101,18 @@ impl Incident {
     /// Check every bound and name; trims surrounding whitespace first.
     pub fn validate(&mut self) -> Result<(), IncidentError> {
         self.service = self.service.trim().to_string();
-        // An alert may quote a secret; nothing downstream keeps it.
-        self.error = crate::redact::redact(self.error.trim()).into_owned();
-        for v in self.labels.values_mut() {
-            *v = crate::redact::redact(v).into_owned();
+        // An alert may quote a secret; nothing downstream keeps it. Nor a NUL (Postgres
+        // refuses it: the incident would never be stored).
+        self.error = crate::trim::storable(crate::redact::redact(self.error.trim()).into_owned());
+        if self.labels.keys().any(|k| k.contains('\0')) {
+            self.labels =
+                std::mem::take(&mut self.labels).into_iter().map(|(k, v)| (crate::trim::storable(k), v)).collect();
         }
+        for v in self.labels.values_mut() {
+            *v = crate::trim::storable(crate::redact::redact(v).into_owned());
+        }
+        self.fingerprint = self.fingerprint.take().map(crate::trim::storable);
+        self.source = self.source.take().map(crate::trim::storable);
         if self.service.is_empty() {
             return Err(IncidentError::EmptyService);
         }

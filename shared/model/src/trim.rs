@@ -63,6 +63,22 @@ pub fn looks_like_error(line: &str) -> bool {
     .any(|k| l.contains(k))
 }
 
+/// `text` as Postgres can keep it: NUL, which neither `text` nor `jsonb` take (a command's
+/// output, `cat /proc/1/cmdline` say, an HTTP body, a model's answer, a JSON incident's
+/// `\u0000`), becomes U+FFFD. Without this, the write of the run holding it failed every time.
+pub fn storable(text: String) -> String {
+    if text.contains('\0') {
+        text.replace('\0', "\u{FFFD}")
+    } else {
+        text
+    }
+}
+
+/// Bytes a process or a peer sent, as storable text: invalid UTF-8 and NUL become U+FFFD.
+pub fn text_of(bytes: &[u8]) -> String {
+    storable(String::from_utf8_lossy(bytes).into_owned())
+}
+
 /// Cut a string to at most `max` bytes on a char boundary (for one-line fields).
 pub fn clip(text: &str, max: usize) -> String {
     if text.len() <= max {
