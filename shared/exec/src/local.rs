@@ -106,8 +106,9 @@ impl LocalExecutor {
         }
         let output = CommandOutput {
             exit_code: waited.and_then(|s| s.code()),
-            stdout: pitcrew_model::trim::text_of(&out),
-            stderr: pitcrew_model::trim::text_of(&err),
+            // U+FFFD for NUL or bad UTF-8 is three bytes: the cap holds after it too.
+            stdout: pitcrew_model::trim::text_within(&out, self.max_output),
+            stderr: pitcrew_model::trim::text_within(&err, self.max_output),
             timed_out,
             duration: started.elapsed(),
         };

@@ -163,14 +163,14 @@ impl SshExecutor {
                 (None, false)
             }
         };
-        let stderr = pitcrew_model::trim::text_of(&err);
+        let stderr = pitcrew_model::trim::text_within(&err, self.max_output);
         // `timeout` could not start the program: it does not exist on the host.
         if stderr.starts_with("timeout: failed to run command") && stderr.contains("No such file or directory") {
             return Err(ExecError::Spawn { program: argv[0].clone(), error: format!("not found on {host}") });
         }
         Ok(CommandOutput {
             exit_code,
-            stdout: pitcrew_model::trim::text_of(&out),
+            stdout: pitcrew_model::trim::text_within(&out, self.max_output),
             stderr,
             timed_out,
             duration: started.elapsed(),

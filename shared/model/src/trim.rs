@@ -79,6 +79,20 @@ pub fn text_of(bytes: &[u8]) -> String {
     storable(String::from_utf8_lossy(bytes).into_owned())
 }
 
+/// As [`text_of`], and at most `max` bytes (cut on a char boundary, nothing appended): the
+/// replacement character is three bytes, so a capped read stays capped.
+pub fn text_within(bytes: &[u8], max: usize) -> String {
+    let mut text = text_of(bytes);
+    if text.len() > max {
+        let mut end = max;
+        while !text.is_char_boundary(end) {
+            end -= 1;
+        }
+        text.truncate(end);
+    }
+    text
+}
+
 /// Cut a string to at most `max` bytes on a char boundary (for one-line fields).
 pub fn clip(text: &str, max: usize) -> String {
     if text.len() <= max {
@@ -94,6 +108,14 @@ pub fn clip(text: &str, max: usize) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn text_postgres_can_keep_within_its_cap() {
+        assert_eq!(text_of(b"a\0b\xff"), "a\u{FFFD}b\u{FFFD}");
+        assert_eq!(storable("clean".to_string()), "clean");
+        assert_eq!(text_within(&[0; 4], 7), "\u{FFFD}\u{FFFD}", "cut on a char boundary, nothing appended");
+        assert_eq!(text_within(b"abc", 2), "ab");
+    }
 
     #[test]
     fn short_text_is_untouched() {
