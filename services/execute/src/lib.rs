@@ -209,7 +209,19 @@ impl StageHandler for Execute {
                                 duration_ms: started.elapsed().as_millis() as u64,
                             },
                         };
-                        store.finish_execution(state.run_id, &rec).await?;
+                        if !store.finish_execution(state.run_id, &rec).await? {
+                            // Another delivery marked it interrupted while it ran, skipped the
+                            // rest and moved the run on: running on would run commands the run
+                            // recorded as not run. The retry finds this step decided.
+                            tracing::warn!(
+                                run = %state.run_id, attempt = state.attempt, index, status = ?rec.status,
+                                "another delivery took this step over while its command ran: nothing more runs here"
+                            );
+                            return Err(StageError::Transient(format!(
+                                "command {index} of attempt {} was taken over by another delivery while it ran",
+                                state.attempt
+                            )));
+                        }
                         rec
                     }
                 };

@@ -413,3 +413,41 @@ async fn concurrent_memory_reads_share_statements_but_never_answer_from_before_t
     }
     Ok(())
 }
+
+/// A command another delivery took over while it ran (marked interrupted, the rest of the
+/// plan skipped, the run moved on): its late finish does not turn it into a success that a
+/// later delivery would run the next command after; it says so, and keeps the real outcome.
+#[tokio::test]
+async fn a_late_finish_of_a_command_taken_over_by_another_delivery_changes_no_decision() -> anyhow::Result<()> {
+    use pitcrew_model::{ExecutionRecord, ExecutionStatus};
+    use pitcrew_runtime::store::Claim;
+    let db = TestDb::create().await?;
+    let store = store(&db).await?;
+    let run = open_runs(&store, 1).await?.remove(0).run_id;
+    let done = |index: u32| ExecutionRecord {
+        attempt: 1,
+        index,
+        command: format!("touch /tmp/x{index}"),
+        status: ExecutionStatus::Succeeded,
+        exit_code: Some(0),
+        output: "ok".into(),
+        duration_ms: 5,
+    };
+    // Its own delivery finishes a command nobody else touched.
+    assert_eq!(store.claim_execution(run, 1, 0, "touch /tmp/x0", "local", "a").await?, Claim::Claimed);
+    assert!(store.finish_execution(run, &done(0)).await?, "still ours");
+    // Another delivery finds command 1 started and never finished: interrupted.
+    assert_eq!(store.claim_execution(run, 1, 1, "touch /tmp/x1", "local", "a").await?, Claim::Claimed);
+    assert_eq!(store.claim_execution(run, 1, 1, "touch /tmp/x1", "local", "b").await?, Claim::Unfinished);
+    store.mark_interrupted(run, 1, 1).await?;
+    // The first delivery's command ends after all: not ours any more, nothing is overwritten.
+    assert!(!store.finish_execution(run, &done(1)).await?, "taken over");
+    match store.claim_execution(run, 1, 1, "touch /tmp/x1", "local", "c").await? {
+        Claim::Finished(rec) => {
+            assert_eq!(rec.status, ExecutionStatus::Interrupted, "later deliveries decide as the one that took over");
+            assert!(rec.output.contains("finished it later: succeeded (exit 0)"), "{}", rec.output);
+        }
+        other => panic!("{other:?}"),
+    }
+    Ok(())
+}

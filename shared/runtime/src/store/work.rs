@@ -411,22 +411,37 @@ impl Store {
         Ok(rows.iter().map(|r| (r.get(0), r.get(1), r.get(2))).collect())
     }
 
-    /// Record how a claimed command ended.
+    /// Record how a claimed command ended. Returns false when another delivery of the step
+    /// took it over meanwhile (marked it interrupted, skipped the rest of the plan and moved
+    /// the run on): its status then stays `interrupted`, so every later delivery decides as
+    /// that one did, the real outcome is added to its output, and the caller must run nothing
+    /// more of the plan.
     #[tracing::instrument(name = "db_write", skip_all, fields(op = "finish_execution"))]
-    pub async fn finish_execution(&self, run: Uuid, rec: &ExecutionRecord) -> Result<(), StoreError> {
+    pub async fn finish_execution(&self, run: Uuid, rec: &ExecutionRecord) -> Result<bool, StoreError> {
         let client = self.client().await?;
         let stmt = client
             .prepare_cached(
                 "UPDATE executions SET finished_at = now(), status = $4, exit_code = $5, output = $6
-                 WHERE run_id = $1 AND attempt = $2 AND idx = $3",
+                 WHERE run_id = $1 AND attempt = $2 AND idx = $3 AND status IS NULL",
             )
             .await?;
         let status =
             serde_json::to_value(rec.status).ok().and_then(|v| v.as_str().map(str::to_string)).unwrap_or_default();
-        client
-            .execute(&stmt, &[&run, &(rec.attempt as i32), &(rec.index as i32), &status, &rec.exit_code, &rec.output])
+        let (attempt, index) = (rec.attempt as i32, rec.index as i32);
+        let n = client.execute(&stmt, &[&run, &attempt, &index, &status, &rec.exit_code, &rec.output]).await?;
+        if n == 1 {
+            return Ok(true);
+        }
+        let late = client
+            .prepare_cached(
+                "UPDATE executions SET output = left(coalesce(output, '') || $4, 65536)
+                 WHERE run_id = $1 AND attempt = $2 AND idx = $3 AND status = 'interrupted'",
+            )
             .await?;
-        Ok(())
+        let code = rec.exit_code.map(|c| format!(" (exit {c})")).unwrap_or_default();
+        let note = format!("\nthe delivery that started it finished it later: {status}{code}");
+        client.execute(&late, &[&run, &attempt, &index, &note]).await?;
+        Ok(false)
     }
 }
 
