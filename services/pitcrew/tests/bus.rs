@@ -246,3 +246,31 @@ async fn a_consumer_told_to_stop_pulls_nothing_more() -> anyhow::Result<()> {
     assert_eq!(handled.load(Ordering::SeqCst), WAITING);
     Ok(())
 }
+
+/// A step that keeps failing for a reason outside Postgres (here the model's endpoint refuses
+/// every connection) is still given up on: past its limits it gets one more try, then it is
+/// dead-lettered with both reasons and its run escalated.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_step_failing_past_its_limits_is_tried_once_more_then_dead_lettered() -> anyhow::Result<()> {
+    let env = TestEnv::start().await?;
+    let closed = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+    let text = format!(
+        "[stages]\nmax_deliveries = 2\npoison_after_secs = 1\n\
+         [reasoning]\nprovider = \"openai\"\n[reasoning.openai]\nbase_url = \"http://127.0.0.1:{closed}/v1\"\n\
+         model = \"m\"\napi_key_env = \"\"\nmax_retries = 0\ntimeout_secs = 1\n{}",
+        marker_service(&env, "svc")
+    );
+    let mut crew = Crew::start_in(env, &text, &Stage::ALL).await?;
+    let run = crew.open("svc", "connection refused").await?;
+    let end = crew.end(run).await?;
+    assert_eq!(end.kind, EventKind::Escalated, "{}", end.message);
+    assert!(
+        end.message.contains("without success (limits: 2 deliveries, 1 s); the last try:")
+            && end.message.contains("cannot reach http://127.0.0.1"),
+        "{}",
+        end.message
+    );
+    let dlq = crew.bus.js.get_stream(crew.bus.subjects.dlq_stream()).await?;
+    dlq.get_last_raw_message_by_subject(&crew.bus.subjects.dlq("diagnose")).await?;
+    crew.shutdown().await
+}

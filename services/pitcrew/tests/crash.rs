@@ -229,3 +229,31 @@ async fn a_worker_sigtermed_mid_batch_drains_and_exits_cleanly() -> anyhow::Resu
     assert_eq!(cut, 0, "a drained worker leaves no command half-done");
     Ok(())
 }
+
+/// An outage that outlasts the delivery limits (here 2 deliveries and 1 s, against the
+/// defaults' 20 and an hour): messages past them are retried while Postgres is unreachable,
+/// not dead-lettered, and an incident that arrived during the outage is not refused for want
+/// of a run once it is back: it is opened and remediated.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_outage_longer_than_the_delivery_limits_dead_letters_nothing() -> anyhow::Result<()> {
+    let mut pg = pitcrew_testkit::pg::PrivatePostgres::start()?;
+    let env = TestEnv::start_on(&pg.admin_url()).await?;
+    let svc = common::marker_service(&env, "svc");
+    let limits = "[stages]\nmax_deliveries = 2\npoison_after_secs = 1\n";
+    let mut crew = Crew::start_in(env, &format!("{limits}{svc}"), &[]).await?;
+    let _worker = crew.spawn_worker("w0", &all_stages(), &[])?;
+    // The worker is up: a first incident goes through.
+    let first = crew.open_with("svc", "GET /health: connection refused", Some("first".into())).await?;
+    assert_eq!(crew.events.terminal(first, common::WAIT).await?.kind, pitcrew_model::EventKind::Resolved);
+    std::fs::remove_file(crew.env.path("svc-healthy"))?;
+    pg.stop();
+    let run = crew.open_with("svc", "GET /health: connection refused", Some("second".into())).await?;
+    // Intake is delivered again and again past both limits while Postgres is down.
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    pg.restart()?;
+    let end = crew.events.terminal(run, common::WAIT).await?;
+    assert_eq!(end.kind, pitcrew_model::EventKind::Resolved, "{}", end.message);
+    let mut dlq = crew.bus.js.get_stream(crew.bus.subjects.dlq_stream()).await?;
+    assert_eq!(dlq.info().await?.state.messages, 0, "nothing was dead-lettered");
+    Ok(())
+}

@@ -277,7 +277,8 @@ pub struct StageDefaults {
     /// Unacked messages the server lets the consumer hold, across all processes.
     pub max_ack_pending: i64,
     /// A message delivered more often than this, and first published longer than
-    /// `poison_after_secs` ago, is dead-lettered (a transient outage never dead-letters).
+    /// `poison_after_secs` ago, is dead-lettered when its next try fails too; never while
+    /// Postgres is unreachable (an outage is waited out, however long).
     pub max_deliveries: u64,
     pub poison_after_secs: u64,
 }

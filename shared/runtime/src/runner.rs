@@ -9,8 +9,10 @@ use async_nats::header::{HeaderMap, NATS_MESSAGE_ID};
 use async_nats::jetstream;
 use bytes::Bytes;
 use futures::future::BoxFuture;
+use futures::FutureExt;
 use pitcrew_model::codec::{self, CONTENT_TYPE, JSON, MSGPACK};
 use pitcrew_model::{EventKind, Incident, Outcome, RunEvent, RunState, Stage, RUN_STATE_VERSION};
+use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use tracing::Instrument;
 use uuid::Uuid;
@@ -45,7 +47,8 @@ impl MessageHandler for StageRunner {
 }
 
 /// Why a message has had enough deliveries: more than `max_deliveries` and older than
-/// `poison_after`. A message retried through a database outage is young, so it keeps going.
+/// `poison_after`. Such a message still gets its try (not while Postgres is unreachable), and
+/// is dead-lettered only when that fails too.
 pub fn exhausted(msg: &jetstream::Message, settings: crate::config::StageSettings) -> Option<String> {
     let info = msg.info().ok()?;
     let age = time::OffsetDateTime::now_utc() - info.published;
@@ -85,9 +88,18 @@ impl StageRunner {
         let stage = self.handler.stage();
         let (stream, stream_seq, delivered) = delivery(msg);
         let settings = self.deps.config.stage_settings(stage);
-        if let Some(why) = exhausted(msg, settings) {
-            let state = self.decode(msg, &stream, stream_seq).ok();
-            return self.poison(msg, state, &why).await;
+        // Past its limits, a message still gets its try, and is dead-lettered when that fails
+        // too (a panic counts). Not tried while Postgres is unreachable: that is an outage, not
+        // a poison message (dead-lettered then, an intake is refused for want of a run once
+        // Postgres is back, any other step escalated untried, however long the outage).
+        let exhausted = exhausted(msg, settings);
+        if exhausted.is_some() {
+            if let Err(e) = self.deps.store.ping().await {
+                if e.is_transient() {
+                    tracing::warn!(stage = %stage, error = %e, delivered, "past its delivery limits while Postgres is unreachable: retrying, not dead-lettering");
+                    return Disposition::Nak(backoff(delivered));
+                }
+            }
         }
         let mut state = match self.decode(msg, &stream, stream_seq) {
             Ok(s) => s,
@@ -112,7 +124,18 @@ impl StageRunner {
             if let Some((message, data)) = start_line(stage, state.attempt, delivered) {
                 cx.emit(EventKind::Status, message, data);
             }
-            let handled = self.handler.handle(&mut state, &mut cx).await;
+            let handled = match AssertUnwindSafe(self.handler.handle(&mut state, &mut cx)).catch_unwind().await {
+                Ok(handled) => handled,
+                Err(panic) => {
+                    let what = panic
+                        .downcast_ref::<&str>()
+                        .map(|s| s.to_string())
+                        .or_else(|| panic.downcast_ref::<String>().cloned())
+                        .unwrap_or_else(|| "no message".into());
+                    tracing::error!(error = %what, delivered, "the stage handler panicked");
+                    Err(StageError::Transient(format!("the stage handler panicked: {what}")))
+                }
+            };
             let span = tracing::Span::current();
             match handled {
                 Ok(t) => {
@@ -121,16 +144,24 @@ impl StageRunner {
                     let records = cx.take_records();
                     match apply(&self.bus, &self.deps, state, t, events, records).await {
                         Ok(()) => Disposition::Ack,
-                        Err(e) => {
-                            tracing::warn!(error = %e, delivered, "commit or publish failed: will retry");
-                            Disposition::Nak(backoff(delivered))
-                        }
+                        Err(e) => match &exhausted {
+                            Some(why) => self.give_up(msg, why, &e.to_string()).await,
+                            None => {
+                                tracing::warn!(error = %e, delivered, "commit or publish failed: will retry");
+                                Disposition::Nak(backoff(delivered))
+                            }
+                        },
                     }
                 }
                 Err(StageError::Transient(e)) => {
                     span.record("outcome", "transient");
-                    tracing::warn!(error = %e, delivered, "transient failure: will retry");
-                    Disposition::Nak(backoff(delivered))
+                    match &exhausted {
+                        Some(why) => self.give_up(msg, why, &e).await,
+                        None => {
+                            tracing::warn!(error = %e, delivered, "transient failure: will retry");
+                            Disposition::Nak(backoff(delivered))
+                        }
+                    }
                 }
                 Err(StageError::Poison(e)) => {
                     span.record("outcome", "poison");
@@ -168,6 +199,13 @@ impl StageRunner {
             return Err(format!("run state addressed to {} arrived at {stage}", state.step));
         }
         Ok(state)
+    }
+
+    /// A message past its limits whose last try failed too: dead-lettered, with both reasons.
+    async fn give_up(&self, msg: &jetstream::Message, limits: &str, error: &str) -> Disposition {
+        let (stream, stream_seq, _) = delivery(msg);
+        let state = self.decode(msg, &stream, stream_seq).ok();
+        self.poison(msg, state, &format!("{limits}; the last try: {error}")).await
     }
 
     /// Dead-letter the message, then escalate its run (when it has one). Term only once the
