@@ -69,7 +69,7 @@ pub async fn gather(
     };
     // The evidence commands are independent of each other too: all at once.
     let commands = spec.evidence_commands().into_iter().map(|cmd| async move {
-        let (ok, output, line) = match policy.read_only(&cmd) {
+        let (ok, output, line) = match policy.read_only_on(&spec.host, &cmd) {
             Err(why) => (false, String::new(), format!("`{cmd}` not run: {why}")),
             Ok(()) => {
                 let (ok, output) = run_evidence(executor, &spec.host, &cmd).await;
@@ -104,7 +104,7 @@ async fn port_holder(
         output,
         ok,
     };
-    if let Err(why) = policy.read_only(&cmd) {
+    if let Err(why) = policy.read_only_on(&spec.host, &cmd) {
         return (evidence("port", false, String::new()), format!("`{cmd}` not run: {why}"));
     }
     let (ok, output) = run_evidence(executor, &spec.host, &cmd).await;
@@ -232,7 +232,14 @@ impl<'a> EvidenceTools<'a> {
         if let Some(spent) = self.budget_spent() {
             return spent;
         }
-        if let Err(why) = self.policy.read_only(&command) {
+        // The model's calls never run as another user: `sudo cat` reads any file, secrets
+        // included, and hands them to the model. The host's lists apply as to any command.
+        let checked = if pitcrew_policy::elevated(&command) {
+            Err("a tool call never runs under sudo or doas".to_string())
+        } else {
+            self.policy.read_only_on(self.host, &command)
+        };
+        if let Err(why) = checked {
             self.keep(false, &command, String::new(), format!("tool `{command}` not run: {why}"));
             return refuse(format!("refused: {why}"));
         }
@@ -509,6 +516,19 @@ mod web_tests {
     use pitcrew_exec::LocalExecutor;
     use pitcrew_testkit::http::StubHttp;
     use serde_json::json;
+
+    /// The model's calls never run as another user (`sudo cat` reads any secret on the host
+    /// and hands it to the model), whatever the host's sudo list says.
+    #[tokio::test]
+    async fn a_tool_call_never_runs_under_sudo() {
+        let (exec, policy) = (LocalExecutor::new(4096), Policy::default_policy());
+        let tools = EvidenceTools::new("local", 1, &exec, &policy);
+        for cmd in ["sudo cat /etc/hostname", "env sudo -n cat /etc/hostname", "doas cat /etc/hostname"] {
+            let out = tools.call("run_command", &json!({ "command": cmd }).to_string()).await;
+            assert!(!out.ok && out.output.contains("never runs under sudo"), "{cmd}: {out:?}");
+        }
+        assert!(tools.call("run_command", r#"{"command": "cat /etc/hostname"}"#).await.ok);
+    }
 
     /// A model turn's calls run together: all of them at once still get no more than the
     /// diagnosis' budget, the rest are refused without running.

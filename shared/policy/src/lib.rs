@@ -402,8 +402,15 @@ impl Policy {
     /// The read-only class, for evidence: the gate must allow the command outright, and its
     /// program must be one that only reads (`systemctl status`, never `systemctl restart`).
     pub fn read_only(&self, command: &str) -> Result<(), String> {
+        self.read_only_on("", command)
+    }
+
+    /// As [`read_only`](Self::read_only), for a command that runs on `host`: its
+    /// `[hosts.<name>]` lists apply too (a program not on its allow-list, or under sudo when
+    /// its sudo list does not name it, is refused).
+    pub fn read_only_on(&self, host: &str, command: &str) -> Result<(), String> {
         if let GateDecision::Reject { reason, .. } | GateDecision::NeedsApproval { reason, .. } =
-            self.gate(&[command.to_string()])
+            self.gate_on(host, &[command.to_string()])
         {
             return Err(reason);
         }
@@ -446,6 +453,12 @@ impl Policy {
         }
         Ok(())
     }
+}
+
+/// Whether `command` runs its program as another user (`sudo`, `doas`, however written or
+/// wrapped).
+pub fn elevated(command: &str) -> bool {
+    shell_words::split(command).is_ok_and(|argv| shell::unwrap(&argv).elevated)
 }
 
 /// Zero-width, joiner, direction and other format characters that render as nothing.

@@ -511,6 +511,19 @@ fn a_command_the_gate_cannot_see_through_is_refused() {
 }
 
 #[test]
+fn evidence_on_a_host_obeys_its_lists() {
+    let p = Policy::from_toml("[hosts.pe1]\nallow = [\"cat\", \"ss\"]\nsudo = [\"ss\"]\n").unwrap();
+    assert!(p.read_only_on("pe1", "cat /etc/app.conf").is_ok());
+    assert!(p.read_only_on("pe1", "sudo ss -ltnp").is_ok(), "its sudo list names ss");
+    let e = p.read_only_on("pe1", "sudo cat /root/.docker/config.json").unwrap_err();
+    assert!(e.contains("host-sudo-list"), "{e}");
+    let e = p.read_only_on("pe1", "df -h").unwrap_err();
+    assert!(e.contains("host-allow-list"), "{e}");
+    assert!(p.read_only_on("other", "df -h").is_ok(), "lists are per host");
+    assert!(elevated("env /usr/bin/sudo -n cat x") && elevated("doas cat x") && !elevated("cat sudo"));
+}
+
+#[test]
 fn a_critical_rule_may_require_several_approvers() {
     let rule = |class: &str, extra: &str| {
         format!("[[{class}]]\nname = \"two\"\nreason = \"needs two\"\npattern = '^rm\\s'\n{extra}")
