@@ -70,9 +70,17 @@ pub fn assess(state: &RunState, found: &Findings, max_attempts: u32) -> Evaluati
     let commands: Vec<String> = state.plan.as_ref().map(|p| p.commands.clone()).unwrap_or_default();
     let mut checks = Vec::new();
 
-    // Grounded: every ground the diagnosis cites was observed in this run.
+    // Grounded: every ground the diagnosis cites was observed in this run. A tool call's
+    // detail is the command the model itself wrote, and a failed call's output mostly echoes
+    // it (`cat: 'pid 42 holds :8080': No such file`): only what a call that worked answered
+    // counts, so a model cannot ground a claim in its own words.
     let observed: Vec<String> = std::iter::once(state.incident.error.to_lowercase())
-        .chain(state.current_evidence().flat_map(|e| [e.detail.to_lowercase(), e.output.to_lowercase()]))
+        .chain(state.current_evidence().flat_map(|e| {
+            let tool = e.source == "tool";
+            let detail = (!tool).then(|| e.detail.to_lowercase());
+            let output = (!tool || e.ok).then(|| e.output.to_lowercase());
+            detail.into_iter().chain(output)
+        }))
         .collect();
     let seen = |fact: &str| observed.iter().any(|o| o.contains(fact));
     let (grounded, detail) = match state.diagnosis() {
@@ -356,6 +364,28 @@ mod tests {
         assert_eq!(ev.verdict, Verdict::Block);
         let grounded = ev.checks.iter().find(|c| c.name == "grounded").unwrap();
         assert!(!grounded.passed && grounded.detail.contains("disk is full"));
+    }
+
+    #[test]
+    fn a_model_cannot_ground_a_claim_in_its_own_tool_call() {
+        let mut s = state(&["pid 4242 holds port 8080"], &["systemctl restart web"]);
+        // The model asked for a command quoting its own claim; the host answered nothing of it.
+        s.push_evidence(Evidence {
+            attempt: 1,
+            source: "tool".into(),
+            detail: "cat 'pid 4242 holds port 8080'".into(),
+            output: "cat: 'pid 4242 holds port 8080': No such file".into(),
+            ok: false,
+        });
+        let grounded = |s: &RunState| {
+            assess(s, &found(&[], &["systemctl"], None), 3).checks.into_iter().find(|c| c.name == "grounded").unwrap()
+        };
+        assert!(!grounded(&s).passed, "neither the model's command line nor a failure's echo of it is an observation");
+        // What the host answered to a call that worked is.
+        let last = s.evidence.last_mut().unwrap();
+        last.ok = true;
+        last.output = "LISTEN 0 128 *:8080 users:((\"x\",pid=4242)) pid 4242 holds port 8080".into();
+        assert!(grounded(&s).passed);
     }
 
     #[test]
