@@ -274,3 +274,66 @@ async fn a_step_failing_past_its_limits_is_tried_once_more_then_dead_lettered() 
     dlq.get_last_raw_message_by_subject(&crew.bus.subjects.dlq("diagnose")).await?;
     crew.shutdown().await
 }
+
+/// The last step's commit landed but publishing its events failed: the redelivered step finds
+/// the run closed, by itself, and publishes the events then, so whoever follows the run on
+/// the bus (`pitcrew watch`, live streams) still sees how it ended.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_closing_step_whose_publish_failed_publishes_its_events_when_redelivered() -> anyhow::Result<()> {
+    use pitcrew_model::{Incident, Outcome, RunEvent, RunState};
+    use pitcrew_runtime::store::{OpenRun, RunStatus};
+    use pitcrew_runtime::{Deps, Transition};
+    let env = TestEnv::start().await?;
+    let text = marker_service(&env, "svc");
+    let mut crew = Crew::start_in(env, &text, &[]).await?;
+    let (playbook, policy) = pitcrew::crew::providers(&crew.cfg)?;
+    let deps = Deps {
+        config: Arc::new(crew.cfg.clone()),
+        store: crew.store.clone(),
+        reasoner: pitcrew::crew::reasoner(&crew.cfg, playbook)?,
+        executor: Arc::new(pitcrew_exec::LocalExecutor::new(4096)),
+        policy: Arc::new(policy),
+        worker: "test".into(),
+        live: None,
+    };
+    let mut state = RunState::new(uuid::Uuid::now_v7(), Incident::new("svc", "down"));
+    assert_eq!(crew.store.open_run(&state).await?, OpenRun::Created);
+    state.advance(Stage::Report);
+    assert!(crew.store.commit_transition_with(&state, RunStatus::Open, &[], vec![]).await?);
+    let end = RunEvent {
+        run_id: state.run_id,
+        seq: state.seq,
+        index: 0,
+        stage: Stage::Report,
+        kind: EventKind::Resolved,
+        message: "resolved".into(),
+        data: serde_json::Value::Null,
+        worker: "test".into(),
+        at: chrono::Utc::now(),
+    };
+    // The first delivery: committed, and then its publish failed (nothing reached the bus).
+    let mut closed = state.clone();
+    closed.outcome = Some(Outcome::Resolved);
+    assert!(crew.store.commit_transition_with(&closed, RunStatus::Resolved, &[end.clone()], vec![]).await?);
+    // The redelivery.
+    pitcrew_runtime::runner::apply(
+        &crew.bus,
+        &deps,
+        state.clone(),
+        Transition::Done(Outcome::Resolved),
+        vec![end],
+        vec![],
+    )
+    .await?;
+    let seen = crew.events.terminal(state.run_id, Duration::from_secs(10)).await?;
+    assert_eq!(seen.kind, EventKind::Resolved);
+    // A step of a run closed by another step publishes nothing.
+    let mut other = state.clone();
+    other.step = Stage::Escalate;
+    let late = RunEvent { kind: EventKind::Escalated, stage: Stage::Escalate, index: 1, ..seen.clone() };
+    pitcrew_runtime::runner::apply(&crew.bus, &deps, other, Transition::Done(Outcome::Escalated), vec![late], vec![])
+        .await?;
+    let mut stream = crew.bus.js.get_stream(crew.bus.subjects.events_stream()).await?;
+    assert_eq!(stream.info().await?.state.messages, 1, "only the closing step's own event");
+    crew.shutdown().await
+}

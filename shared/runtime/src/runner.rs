@@ -354,6 +354,18 @@ pub async fn apply(
                 Outcome::Escalated => RunStatus::Escalated,
             };
             if !store.commit_transition_with(&state, status, &events, records).await? {
+                // Closed already. By this very step, on a delivery whose publish failed after
+                // its commit? Then its events (the terminal one among them) never reached the
+                // bus, and whoever follows the run there waits for them: publish them now
+                // (their ids dedupe a publish that did land).
+                let closed_here = store
+                    .load_run(state.run_id)
+                    .await?
+                    .is_some_and(|r| r.status == status && r.state.seq == state.seq && r.state.step == state.step);
+                if closed_here {
+                    publish_events(bus, &events).await?;
+                    return Ok(());
+                }
                 return stale(state.run_id);
             }
             publish_events(bus, &events).await?;
