@@ -314,7 +314,7 @@ async fn a_closing_step_whose_publish_failed_publishes_its_events_when_redeliver
     // The first delivery: committed, and then its publish failed (nothing reached the bus).
     let mut closed = state.clone();
     closed.outcome = Some(Outcome::Resolved);
-    assert!(crew.store.commit_transition_with(&closed, RunStatus::Resolved, &[end.clone()], vec![]).await?);
+    assert!(crew.store.commit_transition_with(&closed, RunStatus::Resolved, std::slice::from_ref(&end), vec![]).await?);
     // The redelivery.
     pitcrew_runtime::runner::apply(
         &crew.bus,
