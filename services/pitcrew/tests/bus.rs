@@ -337,3 +337,44 @@ async fn a_closing_step_whose_publish_failed_publishes_its_events_when_redeliver
     assert_eq!(stream.info().await?.state.messages, 1, "only the closing step's own event");
     crew.shutdown().await
 }
+
+/// During a rolling upgrade a worker may pull a run state a newer worker wrote: it leaves it
+/// for one (no dead letter, no escalation of a healthy run), whether the newer layout still
+/// decodes or not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_state_from_a_newer_worker_is_left_for_one() -> anyhow::Result<()> {
+    let (mut crew, run) = held_before_execute().await?;
+    crew.shutdown().await?;
+    crew.run(&[Stage::Verify]);
+    let db = crew.db().await?;
+    let stored: serde_json::Value = db.query_one("SELECT state FROM runs WHERE id = $1", &[&run]).await?.get(0);
+    let mut newer = stored.clone();
+    newer["version"] = serde_json::json!(pitcrew_model::RUN_STATE_VERSION + 1);
+    newer["step"] = serde_json::json!("verify");
+    let mut unreadable = serde_json::json!({ "version": pitcrew_model::RUN_STATE_VERSION + 1, "layout": "v9" });
+    unreadable["run_id"] = serde_json::json!(run);
+    for (i, state) in [newer, unreadable].into_iter().enumerate() {
+        let mut headers = HeaderMap::new();
+        headers.insert(NATS_MESSAGE_ID, format!("newer-{i}").as_str());
+        headers.insert(CONTENT_TYPE, MSGPACK);
+        headers.insert(pitcrew_runtime::bus::RUN_HEADER, run.to_string().as_str());
+        let payload = pitcrew_model::codec::to_msgpack(&state);
+        crew.bus.publish_with_headers(crew.bus.subjects.stage(Stage::Verify), headers, payload.into()).await?;
+    }
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let status: String = db.query_one("SELECT status FROM runs WHERE id = $1", &[&run]).await?.get(0);
+    assert_eq!(status, "open", "a healthy run is not escalated");
+    let mut dlq = crew.bus.js.get_stream(crew.bus.subjects.dlq_stream()).await?;
+    assert_eq!(dlq.info().await?.state.messages, 0, "nothing dead-lettered");
+    let mut consumer: async_nats::jetstream::consumer::PullConsumer = crew
+        .bus
+        .js
+        .get_stream(crew.bus.subjects.stages_stream())
+        .await?
+        .get_consumer("verify")
+        .await
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    let info = consumer.info().await?;
+    assert_eq!(info.num_ack_pending + info.num_pending as usize, 2, "both wait for a newer worker: {info:?}");
+    crew.shutdown().await
+}

@@ -29,6 +29,23 @@ pub enum ApplyError {
     Bus(#[from] BusError),
 }
 
+/// Why a message cannot be read as this stage's input.
+enum Unreadable {
+    /// Never will be: dead-letter it.
+    Bad(String),
+    /// Written by a newer worker: leave it for one.
+    Newer(String),
+}
+
+/// Just the version of a run state, whatever else its layout holds.
+#[derive(serde::Deserialize)]
+struct Versioned {
+    version: u32,
+}
+
+/// How long a worker leaves a run state written by a newer worker before looking again.
+const NEWER_STATE_WAIT: std::time::Duration = std::time::Duration::from_secs(30);
+
 /// Runs one stage handler over its consumer's messages.
 pub struct StageRunner {
     pub bus: Bus,
@@ -103,7 +120,13 @@ impl StageRunner {
         }
         let mut state = match self.decode(msg, &stream, stream_seq) {
             Ok(s) => s,
-            Err(why) => return self.poison(msg, None, &why).await,
+            Err(Unreadable::Newer(why)) => {
+                // Written by a newer worker (a rolling upgrade): not poison. Left for a worker
+                // that reads it; this one looks again in a while.
+                tracing::warn!(stage = %stage, error = %why, delivered, "run state from a newer worker: leaving it for one");
+                return Disposition::Nak(NEWER_STATE_WAIT);
+            }
+            Err(Unreadable::Bad(why)) => return self.poison(msg, None, &why).await,
         };
         let input_seq = state.seq;
         // Everything this step does (the handler, its commands, model calls and tool calls,
@@ -173,11 +196,12 @@ impl StageRunner {
     }
 
     /// Decode the message into the state this stage works on.
-    fn decode(&self, msg: &jetstream::Message, stream: &str, stream_seq: u64) -> Result<RunState, String> {
+    fn decode(&self, msg: &jetstream::Message, stream: &str, stream_seq: u64) -> Result<RunState, Unreadable> {
         let ct = header(msg, CONTENT_TYPE);
         let stage = self.handler.stage();
         if stage == Stage::Intake {
-            let mut incident: Incident = codec::decode(ct, &msg.payload).map_err(|e| format!("bad incident: {e}"))?;
+            let mut incident: Incident =
+                codec::decode(ct, &msg.payload).map_err(|e| Unreadable::Bad(format!("bad incident: {e}")))?;
             // A publisher that sets no id gets one derived from the stream position:
             // a redelivery derives the same id, so it cannot open a second run.
             // The publish time is part of the key, so a recreated stream (sequences restart)
@@ -188,15 +212,28 @@ impl StageRunner {
             });
             return Ok(RunState::new(id, incident));
         }
-        let state: RunState = codec::decode(ct, &msg.payload).map_err(|e| format!("bad run state: {e}"))?;
+        let newer = |version: u32| {
+            Unreadable::Newer(format!(
+                "run state version {version} is newer than this worker understands ({RUN_STATE_VERSION}): upgrade the worker"
+            ))
+        };
+        let state: RunState = match codec::decode(ct, &msg.payload) {
+            Ok(s) => s,
+            Err(e) => {
+                // A newer layout may not decode at all: its version field still says so.
+                if let Ok(v) = codec::decode::<Versioned>(ct, &msg.payload) {
+                    if v.version > RUN_STATE_VERSION {
+                        return Err(newer(v.version));
+                    }
+                }
+                return Err(Unreadable::Bad(format!("bad run state: {e}")));
+            }
+        };
         if state.version > RUN_STATE_VERSION {
-            return Err(format!(
-                "run state version {} is newer than this worker understands ({RUN_STATE_VERSION}): upgrade the worker",
-                state.version
-            ));
+            return Err(newer(state.version));
         }
         if state.step != stage {
-            return Err(format!("run state addressed to {} arrived at {stage}", state.step));
+            return Err(Unreadable::Bad(format!("run state addressed to {} arrived at {stage}", state.step)));
         }
         Ok(state)
     }
