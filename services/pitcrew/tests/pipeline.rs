@@ -303,8 +303,8 @@ async fn an_approval_not_decided_in_time_escalates_the_run() -> anyhow::Result<(
     crew.shutdown().await
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_two_person_rule_runs_the_plan_only_after_two_distinct_approvers() -> anyhow::Result<()> {
+/// A crew whose policy asks two approvers for `rm`, and a run waiting for them.
+async fn waiting_for_two_approvers() -> anyhow::Result<(Crew, uuid::Uuid)> {
     let env = TestEnv::start().await?;
     let policy = write(
         &env,
@@ -317,6 +317,12 @@ async fn a_two_person_rule_runs_the_plan_only_after_two_distinct_approvers() -> 
     let mut crew = Crew::start_in(env, &text, &Stage::ALL).await?;
     let run = crew.open("svc", "stale lock held").await?;
     crew.events.kind(run, EventKind::ApprovalRequested, WAIT).await?;
+    Ok((crew, run))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_two_person_rule_runs_the_plan_only_after_two_distinct_approvers() -> anyhow::Result<()> {
+    let (mut crew, run) = waiting_for_two_approvers().await?;
     let req = cli::approval_request(&crew.bus, run).await?;
     assert_eq!(req.quorum, 2, "{req:?}");
     let db = crew.db().await?;
@@ -360,18 +366,7 @@ async fn a_two_person_rule_runs_the_plan_only_after_two_distinct_approvers() -> 
 /// stops the plan.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn under_a_two_person_rule_a_denial_right_after_one_approval_stops_the_plan() -> anyhow::Result<()> {
-    let env = TestEnv::start().await?;
-    let policy = write(
-        &env,
-        "policy.toml",
-        "[[critical]]\nname = \"two-person-rm\"\nreason = \"deleting needs two people\"\npattern = '^rm\\s'\nquorum = 2\n",
-    );
-    let book = write(&env, "playbook.toml", PLAYBOOK);
-    let svc = marker_service(&env, "svc");
-    let text = format!("[reasoning]\nplaybook_file = \"{book}\"\n[policy]\nfile = \"{policy}\"\n{svc}");
-    let mut crew = Crew::start_in(env, &text, &Stage::ALL).await?;
-    let run = crew.open("svc", "stale lock held").await?;
-    crew.events.kind(run, EventKind::ApprovalRequested, WAIT).await?;
+    let (mut crew, run) = waiting_for_two_approvers().await?;
     cli::submit(&crew.bus, Some(&crew.store), DecisionInput::cli(run, Decision::Approve, "ann", None, &crew.cfg))
         .await?;
     crew.events.wait(run, |e| e.message.contains("approve by ann via cli counted: 1 of 2"), WAIT).await?;
