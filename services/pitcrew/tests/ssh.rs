@@ -114,15 +114,16 @@ async fn one_master_connection_is_reused_and_reestablished() -> anyhow::Result<(
 async fn a_storm_of_commands_on_one_host_waits_for_channels_instead_of_failing() -> anyhow::Result<()> {
     let sshd = start_target()?;
     let mut host = sshd.host(true);
-    host.max_sessions = 4;
+    host.max_sessions = 2;
     let f = std::sync::Arc::new(fleet(host, 4096));
     let marks = sshd.workdir("storm")?;
-    let tasks: Vec<_> = (0..40)
+    // Few and short: the other SSH scenarios share the machine with this test.
+    let tasks: Vec<_> = (0..12)
         .map(|i| {
             let f = f.clone();
             // Each command leaves a file while it runs and lists the folder meanwhile: the
             // listing counts those running at once on the host, as the host sees them.
-            let cmd = format!("sh -c 'touch {d}/{i} && sleep 0.2 && ls {d} && rm {d}/{i}'", d = marks.display());
+            let cmd = format!("sh -c 'touch {d}/{i} && sleep 0.1 && ls {d} && rm {d}/{i}'", d = marks.display());
             tokio::spawn(async move { f.run("box", &cmd, T).await })
         })
         .collect();
@@ -134,14 +135,14 @@ async fn a_storm_of_commands_on_one_host_waits_for_channels_instead_of_failing()
         assert!(running >= 1, "the listing shows at least its own file: {out:?}");
         most = most.max(running);
     }
-    assert!((1..=4).contains(&most), "at most max_sessions (4) at once on the host, saw {most}");
+    assert!((1..=2).contains(&most), "at most max_sessions (2) at once on the host, saw {most}");
 
     // The default stays under sshd's own default of 10 channels a connection.
     let f = std::sync::Arc::new(fleet(sshd.host(true), 4096));
-    let tasks: Vec<_> = (0..40)
+    let tasks: Vec<_> = (0..12)
         .map(|_| {
             let f = f.clone();
-            tokio::spawn(async move { f.run("box", "sleep 0.2", T).await })
+            tokio::spawn(async move { f.run("box", "sleep 0.1", T).await })
         })
         .collect();
     for t in tasks {
