@@ -167,24 +167,14 @@ impl StageRunner {
                     let records = cx.take_records();
                     match apply(&self.bus, &self.deps, state, t, events, records).await {
                         Ok(()) => Disposition::Ack,
-                        Err(e) => match &exhausted {
-                            Some(why) => self.give_up(msg, why, &e.to_string()).await,
-                            None => {
-                                tracing::warn!(error = %e, delivered, "commit or publish failed: will retry");
-                                Disposition::Nak(backoff(delivered))
-                            }
-                        },
+                        Err(e) => {
+                            self.failed_try(msg, exhausted.as_deref(), &e.to_string(), "commit or publish failed").await
+                        }
                     }
                 }
                 Err(StageError::Transient(e)) => {
                     span.record("outcome", "transient");
-                    match &exhausted {
-                        Some(why) => self.give_up(msg, why, &e).await,
-                        None => {
-                            tracing::warn!(error = %e, delivered, "transient failure: will retry");
-                            Disposition::Nak(backoff(delivered))
-                        }
-                    }
+                    self.failed_try(msg, exhausted.as_deref(), &e, "transient failure").await
                 }
                 Err(StageError::Poison(e)) => {
                     span.record("outcome", "poison");
@@ -238,9 +228,20 @@ impl StageRunner {
         Ok(state)
     }
 
-    /// A message past its limits whose last try failed too: dead-lettered, with both reasons.
-    async fn give_up(&self, msg: &jetstream::Message, limits: &str, error: &str) -> Disposition {
-        let (stream, stream_seq, _) = delivery(msg);
+    /// A try that failed: retried later, or, for a message past its limits (`exhausted`),
+    /// dead-lettered with both reasons.
+    async fn failed_try(
+        &self,
+        msg: &jetstream::Message,
+        exhausted: Option<&str>,
+        error: &str,
+        what: &str,
+    ) -> Disposition {
+        let (stream, stream_seq, delivered) = delivery(msg);
+        let Some(limits) = exhausted else {
+            tracing::warn!(error = %error, delivered, "{what}: will retry");
+            return Disposition::Nak(backoff(delivered));
+        };
         let state = self.decode(msg, &stream, stream_seq).ok();
         self.poison(msg, state, &format!("{limits}; the last try: {error}")).await
     }
