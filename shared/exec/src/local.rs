@@ -183,16 +183,27 @@ fn is_executable(path: &std::path::Path) -> bool {
 }
 
 /// Read `pipe` to EOF, keeping the first `max` bytes in `buf` and discarding the rest, so
-/// memory stays bounded while the writer never blocks. Read errors end the stream.
+/// memory stays bounded while the writer never blocks. An interrupted read is retried; any
+/// other read error ends the stream with a line saying so, so output that was lost never
+/// reads as output that was empty.
 pub(crate) async fn read_capped<R: AsyncRead + Unpin>(pipe: Option<R>, max: usize, buf: &mut Vec<u8>) {
     let Some(mut pipe) = pipe else { return };
     let mut chunk = [0u8; 8192];
     loop {
         match pipe.read(&mut chunk).await {
-            Ok(0) | Err(_) => return,
+            Ok(0) => return,
             Ok(n) => {
                 let room = max.saturating_sub(buf.len());
                 buf.extend_from_slice(&chunk[..n.min(room)]);
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => {
+                tracing::warn!(error = %e, "reading a command's output failed: the rest of it is lost");
+                // Within the cap, so it is never the part cut off.
+                let line = format!("\npitcrew: reading the output failed: {e}");
+                buf.truncate(max.saturating_sub(line.len()).min(buf.len()));
+                buf.extend_from_slice(line.as_bytes());
+                return;
             }
         }
     }
@@ -223,5 +234,54 @@ impl GroupGuard {
 impl Drop for GroupGuard {
     fn drop(&mut self) {
         self.kill();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::VecDeque;
+    use std::io;
+    use std::pin::Pin;
+    use std::task::{Context, Poll};
+
+    /// A pipe that answers each read with the next of `reads`, then EOF.
+    struct Pipe(VecDeque<io::Result<&'static [u8]>>);
+
+    impl AsyncRead for Pipe {
+        fn poll_read(
+            mut self: Pin<&mut Self>,
+            _: &mut Context<'_>,
+            buf: &mut tokio::io::ReadBuf<'_>,
+        ) -> Poll<io::Result<()>> {
+            Poll::Ready(match self.0.pop_front() {
+                Some(Ok(bytes)) => {
+                    buf.put_slice(bytes);
+                    Ok(())
+                }
+                Some(Err(e)) => Err(e),
+                None => Ok(()),
+            })
+        }
+    }
+
+    async fn read(reads: Vec<io::Result<&'static [u8]>>, max: usize) -> String {
+        let mut buf = Vec::new();
+        read_capped(Some(Pipe(reads.into())), max, &mut buf).await;
+        String::from_utf8(buf).unwrap()
+    }
+
+    #[tokio::test]
+    async fn an_interrupted_read_is_retried_and_a_failed_one_is_said() {
+        let interrupted = || Err(io::Error::new(io::ErrorKind::Interrupted, "signal"));
+        assert_eq!(read(vec![Ok(b"12"), interrupted(), Ok(b"3\n")], 100).await, "123\n", "nothing lost to a signal");
+
+        let failed = read(vec![Ok(b"partial"), Err(io::Error::other("channel closed")), Ok(b"never read")], 100).await;
+        assert_eq!(failed, "partial\npitcrew: reading the output failed: channel closed");
+
+        // Output already at the cap gives way to the line saying the rest was lost.
+        let full = read(vec![Ok(&[b'x'; 64]), Err(io::Error::other("channel closed"))], 64).await;
+        assert_eq!(full.len(), 64);
+        assert!(full.ends_with("\npitcrew: reading the output failed: channel closed"), "{full}");
     }
 }
