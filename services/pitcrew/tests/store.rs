@@ -16,7 +16,13 @@ async fn store(db: &TestDb) -> anyhow::Result<Store> {
 }
 
 async fn store_with_pool(db: &TestDb, pool_size: usize) -> anyhow::Result<Store> {
-    let store = Store::connect(&DatabaseConfig { url: db.url.clone(), pool_size, migrate_on_start: false }).await?;
+    let store = Store::connect(&DatabaseConfig {
+        url: db.url.clone(),
+        pool_size,
+        migrate_on_start: false,
+        statement_timeout_secs: 30,
+    })
+    .await?;
     store.migrate().await?;
     Ok(store)
 }
@@ -449,5 +455,47 @@ async fn a_late_finish_of_a_command_taken_over_by_another_delivery_changes_no_de
         }
         other => panic!("{other:?}"),
     }
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_statement_stuck_behind_a_lock_fails_at_the_timeout_and_its_retry_succeeds() -> anyhow::Result<()> {
+    let db = TestDb::create().await?;
+    let store = Store::connect(&DatabaseConfig {
+        url: db.url.clone(),
+        pool_size: 4,
+        migrate_on_start: false,
+        statement_timeout_secs: 1,
+    })
+    .await?;
+    // Migrations are exempt from the timeout: they run under it here all the same.
+    store.migrate().await?;
+    let runs = open_runs(&store, 2).await?;
+
+    // A transaction elsewhere (a stuck operator session, a half-dead worker) holds one run's row.
+    let mut holder = db.client().await?;
+    let tx = holder.transaction().await?;
+    tx.execute("SELECT 1 FROM runs WHERE id = $1 FOR UPDATE", &[&runs[0].run_id]).await?;
+
+    let (locked, locked_events) = step(&runs[0], Stage::Plan, "behind the lock");
+    let (free, free_events) = step(&runs[1], Stage::Plan, "beside it");
+    let started = std::time::Instant::now();
+    let (stuck, beside) = tokio::time::timeout(std::time::Duration::from_secs(20), async {
+        tokio::join!(
+            store.commit_transition(&locked, RunStatus::Open, &locked_events),
+            store.commit_transition(&free, RunStatus::Open, &free_events)
+        )
+    })
+    .await
+    .expect("a statement behind a lock returns at the statement timeout instead of waiting for the lock");
+    let err = stuck.expect_err("the transition behind the lock fails");
+    assert!(err.is_transient(), "a cancelled statement is worth a retry: {err}");
+    assert!(err.to_string().contains("statement timeout"), "Postgres says why: {err}");
+    assert!(started.elapsed() >= std::time::Duration::from_millis(900), "it waited for the timeout");
+    assert!(matches!(beside, Ok(true)), "the run beside it, maybe in the same group, takes its transition: {beside:?}");
+
+    // Once the lock is gone, the retry is taken.
+    tx.rollback().await?;
+    assert!(matches!(store.commit_transition(&locked, RunStatus::Open, &locked_events).await, Ok(true)));
     Ok(())
 }

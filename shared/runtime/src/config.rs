@@ -246,6 +246,9 @@ pub struct DatabaseConfig {
     pub pool_size: usize,
     /// Apply migrations when a worker starts.
     pub migrate_on_start: bool,
+    /// A statement running longer than this is cancelled by Postgres (0: never), so a stuck
+    /// query fails the step (retried later) instead of holding its run. Migrations are exempt.
+    pub statement_timeout_secs: u64,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -366,6 +369,7 @@ impl Default for Config {
                 url: "postgres://postgres@127.0.0.1:5432/pitcrew".into(),
                 pool_size: 16,
                 migrate_on_start: true,
+                statement_timeout_secs: 30,
             },
             limits: Limits {
                 max_retries: 5,

@@ -150,9 +150,10 @@ async fn write(pool: &Pool, batch: Vec<Pending>) {
                 let _ = p.reply.send(Ok(moved.contains(&(i as i64 + 1))));
             }
         }
-        Err(e) if batch.len() == 1 || e.is_transient() => {
+        Err(e) if batch.len() == 1 || (e.is_transient() && !e.is_statement_timeout()) => {
             // Alone, the answer is its own; together and Postgres unreachable or busy, every
-            // caller retries later anyway.
+            // caller retries later anyway. A statement that ran out of time is most likely
+            // one run's row locked elsewhere: the others go on alone, below.
             let why = e.to_string();
             let mut batch = batch.into_iter();
             if let Some(p) = batch.next() {
@@ -163,8 +164,9 @@ async fn write(pool: &Pool, batch: Vec<Pending>) {
             }
         }
         Err(e) => {
-            // One transition Postgres refuses (a value it cannot store, say) must not fail
-            // the others: each goes alone and gets its own answer.
+            // One transition Postgres refuses (a value it cannot store, say) or that waits
+            // on a lock past the statement timeout must not fail the others: each goes alone
+            // and gets its own answer.
             tracing::debug!(error = %e, size = batch.len(), "grouped transitions refused: committing one by one");
             futures::future::join_all(batch.into_iter().map(|p| async move {
                 let result = statement(pool, std::slice::from_ref(&p)).await.map(|moved| !moved.is_empty());

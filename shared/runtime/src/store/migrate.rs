@@ -19,6 +19,8 @@ const MIGRATION_LOCK: i64 = 0x0070_6974_6372_6577;
 /// Apply pending migrations in one transaction under an advisory lock. Returns how many ran.
 pub async fn migrate(client: &mut tokio_postgres::Client) -> Result<usize, StoreError> {
     let tx = client.transaction().await?;
+    // A migration may rewrite a large table: the pool's statement timeout is not for it.
+    tx.batch_execute("SET LOCAL statement_timeout = 0").await?;
     tx.execute("SELECT pg_advisory_xact_lock($1)", &[&MIGRATION_LOCK]).await?;
     tx.batch_execute(
         "CREATE TABLE IF NOT EXISTS pitcrew_migrations (

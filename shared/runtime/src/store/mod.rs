@@ -27,7 +27,7 @@ pub enum StoreError {
     Connect { url: String, error: String },
     #[error("database unavailable: {0}")]
     Unavailable(String),
-    #[error("database error: {0}")]
+    #[error("database error: {}", said(.0))]
     Query(#[from] tokio_postgres::Error),
     #[error("{0}")]
     Config(String),
@@ -35,9 +35,22 @@ pub enum StoreError {
     Migration(String),
 }
 
+/// What Postgres said (`tokio_postgres::Error` shows only "db error" for any server error).
+fn said(e: &tokio_postgres::Error) -> String {
+    match e.as_db_error() {
+        Some(db) => format!("{} ({})", db.message(), db.code().code()),
+        None => e.to_string(),
+    }
+}
+
 impl StoreError {
     pub(crate) fn connect(url: &str, e: impl std::fmt::Display) -> Self {
         StoreError::Connect { url: redact_url(url), error: e.to_string() }
+    }
+
+    /// Postgres cancelled the statement at `statement_timeout` (SQLSTATE 57014).
+    pub fn is_statement_timeout(&self) -> bool {
+        matches!(self, StoreError::Query(e) if e.code() == Some(&tokio_postgres::error::SqlState::QUERY_CANCELED))
     }
 
     /// A retry later may succeed (connection lost, pool exhausted, serialization failure).
@@ -59,6 +72,45 @@ impl StoreError {
     }
 }
 
+/// How long a connection may wait on a silent Postgres before TCP gives up on it: idle 10 s,
+/// then a probe every 5 s, 3 unanswered (or 30 s of unacknowledged data). Without them a
+/// connection to a host that vanished (a failover, a cut link) waits hours for an answer, and
+/// the step holding it holds its run as long.
+const KEEPALIVE_IDLE: Duration = Duration::from_secs(10);
+const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(5);
+const KEEPALIVE_RETRIES: u32 = 3;
+const TCP_USER_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// The pool's connection settings: the URL's, with pitcrew's statement timeout and TCP
+/// keepalives unless the URL sets its own.
+fn connection_config(cfg: &DatabaseConfig) -> Result<tokio_postgres::Config, StoreError> {
+    let mut pg: tokio_postgres::Config =
+        cfg.url.parse().map_err(|e| StoreError::Config(format!("bad database URL {}: {e}", redact_url(&cfg.url))))?;
+    // `postgres://...?keepalives_idle=5` or `host=... keepalives_idle=5`.
+    let names = |key: &str| cfg.url.split(['?', '&', ' ']).any(|kv| kv.split('=').next() == Some(key));
+    if cfg.statement_timeout_secs > 0 && !pg.get_options().is_some_and(|o| o.contains("statement_timeout")) {
+        let ms = cfg.statement_timeout_secs.saturating_mul(1000);
+        let options = match pg.get_options() {
+            Some(o) if !o.trim().is_empty() => format!("{o} -c statement_timeout={ms}"),
+            _ => format!("-c statement_timeout={ms}"),
+        };
+        pg.options(options);
+    }
+    if !names("keepalives_idle") {
+        pg.keepalives_idle(KEEPALIVE_IDLE);
+    }
+    if !names("keepalives_interval") {
+        pg.keepalives_interval(KEEPALIVE_INTERVAL);
+    }
+    if !names("keepalives_retries") {
+        pg.keepalives_retries(KEEPALIVE_RETRIES);
+    }
+    if !names("tcp_user_timeout") {
+        pg.tcp_user_timeout(TCP_USER_TIMEOUT);
+    }
+    Ok(pg)
+}
+
 /// A cheap-to-clone handle on the pool.
 #[derive(Clone)]
 pub struct Store {
@@ -71,10 +123,7 @@ impl Store {
     /// Create the database if missing, build the pool and prove a connection works.
     pub async fn connect(cfg: &DatabaseConfig) -> Result<Store, StoreError> {
         ensure_database(&cfg.url).await?;
-        let pg: tokio_postgres::Config = cfg
-            .url
-            .parse()
-            .map_err(|e| StoreError::Config(format!("bad database URL {}: {e}", redact_url(&cfg.url))))?;
+        let pg = connection_config(cfg)?;
         let mgr = Manager::from_config(pg, NoTls, ManagerConfig { recycling_method: RecyclingMethod::Fast });
         let pool = Pool::builder(mgr)
             .max_size(cfg.pool_size)
