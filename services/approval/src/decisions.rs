@@ -80,8 +80,8 @@ impl Decisions {
         if let Some(why) = exhausted(msg, self.deps.config.stage_settings(Stage::Approval)) {
             return self.reject(msg, &why, &stream, seq).await;
         }
-        let d: ApprovalDecision = match codec::decode(header(msg, CONTENT_TYPE), &msg.payload) {
-            Ok(d) => d,
+        let d = match codec::decode::<ApprovalDecision>(header(msg, CONTENT_TYPE), &msg.payload) {
+            Ok(d) => d.storable(),
             Err(e) => return self.reject(msg, &format!("bad approval decision: {e}"), &stream, seq).await,
         };
         let subject_run = msg.subject.rsplit('.').next().and_then(|r| r.parse::<Uuid>().ok());

@@ -187,8 +187,12 @@ async fn decide(
         return Err(ApiError::Unprocessable("a denial needs a reason: send {\"reason\": \"...\"}".into()));
     }
     if let Some(r) = &reason {
-        if r.len() > 1000 {
-            return Err(ApiError::Unprocessable(format!("reason is {} bytes, more than the 1000 allowed", r.len())));
+        if r.len() > pitcrew_model::approval::MAX_REASON {
+            return Err(ApiError::Unprocessable(format!(
+                "reason is {} bytes, more than the {} allowed",
+                r.len(),
+                pitcrew_model::approval::MAX_REASON
+            )));
         }
     }
     if let Some(why) = gw.cfg.refuse_approver(&caller.name) {

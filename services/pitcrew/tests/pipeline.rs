@@ -213,6 +213,38 @@ async fn a_denied_plan_is_escalated_and_nothing_runs() -> anyhow::Result<()> {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_denial_whose_reason_holds_a_nul_byte_stops_the_plan() -> anyhow::Result<()> {
+    let mut crew = crew_with_playbook("").await?;
+    let run = crew.open("svc", "stale lock held").await?;
+    crew.events.kind(run, EventKind::ApprovalRequested, WAIT).await?;
+    // Any publisher on the bridge subject (a bot, a script, the HTTP API): Postgres takes no
+    // NUL in text, and a denial it refused to record was dead-lettered while the run waited
+    // on for someone else's approval.
+    let deny = ApprovalDecision {
+        run_id: run,
+        decision: Decision::Deny,
+        by: "bob".into(),
+        plan_hash: None,
+        reason: Some(format!("no\0t now{}", "!".repeat(2000))),
+        channel: "script".into(),
+        decided_at: chrono::Utc::now(),
+    };
+    crew.bus.client.publish(crew.bus.subjects.approval_decided(run), serde_json::to_vec(&deny)?.into()).await?;
+    let end = crew.events.terminal(run, WAIT).await?;
+    assert_eq!(end.kind, EventKind::Escalated, "{}", end.message);
+    assert!(end.message.contains("denied by bob: no\u{FFFD}t now!!!"), "{}", end.message);
+    let db = crew.db().await?;
+    assert_eq!(count(&db, "SELECT count(*) FROM executions WHERE run_id = $1", run).await, 0);
+    let reason: String = db.query_one("SELECT reason FROM approvals WHERE run_id = $1", &[&run]).await?.get(0);
+    assert!(
+        reason.starts_with("no\u{FFFD}t now") && reason.len() < 1100,
+        "kept, cut to the limit: {} bytes",
+        reason.len()
+    );
+    crew.shutdown().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cli_decision_racing_one_the_crew_has_not_recorded_yet_is_refused() -> anyhow::Result<()> {
     let mut crew = crew_with_playbook("").await?;
     let run = crew.open("svc", "stale lock held").await?;

@@ -74,6 +74,25 @@ pub struct ApprovalDecision {
     pub decided_at: DateTime<Utc>,
 }
 
+/// Bytes of a decision's reason kept (the HTTP API refuses more; other publishers are cut).
+pub const MAX_REASON: usize = 1000;
+
+impl ApprovalDecision {
+    /// The decision as Postgres can store it, whoever published it: NUL bytes become U+FFFD
+    /// (Postgres refuses NUL in text, and a denial it refused would be lost while its run
+    /// waited on for someone else's approval) and the reason is cut to `MAX_REASON` bytes.
+    pub fn storable(self) -> Self {
+        use crate::trim::{clip, storable};
+        ApprovalDecision {
+            by: storable(self.by),
+            plan_hash: self.plan_hash.map(storable),
+            reason: self.reason.map(|r| clip(&storable(r), MAX_REASON)),
+            channel: storable(self.channel),
+            ..self
+        }
+    }
+}
+
 fn default_channel() -> String {
     "unknown".to_string()
 }
