@@ -7,13 +7,14 @@ use futures::future::join_all;
 use pitcrew_exec::{run_check, CheckOutcome, Executor};
 use pitcrew_metrics::{Counter, Gauge, Histogram, LATENCY_BUCKETS};
 use pitcrew_model::codec::JSON;
-use pitcrew_model::{Incident, ServiceSpec, Severity};
+use pitcrew_model::{EventKind, Incident, ServiceSpec, Severity};
 use pitcrew_runtime::{Bus, BusError};
 use serde::Serialize;
 use std::collections::{BTreeMap, HashMap};
 use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use uuid::Uuid;
 
 static CHECKS: Counter = Counter::new(
     "pitcrew_monitor_checks_total",
@@ -55,8 +56,15 @@ pub enum Change {
 /// and published, again the next round, a recovery included.
 #[derive(Debug, Default, Clone)]
 pub struct Tracker {
-    /// Service -> (down since, last incident published at), for services currently down.
-    down: HashMap<String, (chrono::DateTime<chrono::Utc>, Option<chrono::DateTime<chrono::Utc>>)>,
+    /// Services currently down.
+    down: HashMap<String, Outage>,
+}
+
+#[derive(Debug, Clone)]
+struct Outage {
+    since: chrono::DateTime<chrono::Utc>,
+    /// When its incident was last published, and the run that incident opened.
+    reported: Option<(chrono::DateTime<chrono::Utc>, Uuid)>,
 }
 
 impl Tracker {
@@ -73,11 +81,11 @@ impl Tracker {
             (true, None) => Change::Nothing,
             (true, Some(_)) => Change::Recovered,
             (false, None) => {
-                self.down.insert(service.to_string(), (now, None));
+                self.down.insert(service.to_string(), Outage { since: now, reported: None });
                 Change::Down
             }
-            (false, Some((_, None))) => Change::Down,
-            (false, Some((_, Some(last)))) => {
+            (false, Some(Outage { reported: None, .. })) => Change::Down,
+            (false, Some(Outage { reported: Some((last, _)), .. })) => {
                 if (now - *last).to_std().unwrap_or_default() >= realert {
                     Change::Down
                 } else {
@@ -87,13 +95,13 @@ impl Tracker {
         }
     }
 
-    /// `change` of `service` was published at `now`.
-    pub fn reported(&mut self, service: &str, change: &Change, now: chrono::DateTime<chrono::Utc>) {
+    /// `change` of `service` was published at `now` (an incident: for `run`).
+    pub fn reported(&mut self, service: &str, change: &Change, now: chrono::DateTime<chrono::Utc>, run: Uuid) {
         match change {
             Change::Nothing => {}
             Change::Down => {
-                if let Some((_, last)) = self.down.get_mut(service) {
-                    *last = Some(now);
+                if let Some(outage) = self.down.get_mut(service) {
+                    outage.reported = Some((now, run));
                 }
             }
             Change::Recovered => {
@@ -104,7 +112,32 @@ impl Tracker {
 
     /// When `service` went down, if it is down.
     pub fn down_since(&self, service: &str) -> Option<chrono::DateTime<chrono::Utc>> {
-        self.down.get(service).map(|(since, _)| *since)
+        self.down.get(service).map(|o| o.since)
+    }
+
+    /// The run the incident of `service`'s outage opened, once published.
+    pub fn run_of(&self, service: &str) -> Option<Uuid> {
+        self.down.get(service).and_then(|o| o.reported.map(|(_, run)| run))
+    }
+
+    /// `service` is down again after the run of its outage resolved it (between two rounds,
+    /// so the monitor never saw it healthy): a new outage, reported now, not after `realert`.
+    pub fn relapsed(&mut self, service: &str, now: chrono::DateTime<chrono::Utc>) -> Change {
+        self.down.insert(service.to_string(), Outage { since: now, reported: None });
+        Change::Down
+    }
+}
+
+/// Whether `run` ended resolved (its `resolved` event is on the bus). Any failure to ask
+/// reads as no: the outage is then reported again after `realert`, as before.
+async fn resolved(bus: &Bus, run: Uuid) -> bool {
+    let subject = bus.subjects.event(run, EventKind::Resolved.as_str());
+    match bus.js.get_stream(bus.subjects.events_stream()).await {
+        Ok(stream) => stream.get_last_raw_message_by_subject(&subject).await.is_ok(),
+        Err(e) => {
+            tracing::debug!(run = %run, error = %e, "cannot ask the bus whether the run resolved");
+            false
+        }
     }
 }
 
@@ -156,16 +189,26 @@ pub async fn run(
     loop {
         for (service, out) in check_all(&services, executor.as_ref()).await {
             let now = chrono::Utc::now();
-            let change = tracker.observe(&service, out.healthy, now, realert);
+            let mut change = tracker.observe(&service, out.healthy, now, realert);
+            if change == Change::Nothing && !out.healthy {
+                // Reported recently: unless the run it opened has resolved meanwhile (a run
+                // that escalated is people's now, reminded of after `realert`).
+                if let Some(run) = tracker.run_of(&service) {
+                    if resolved(&bus, run).await {
+                        tracing::warn!(service = %service, run = %run, "service down again after its run resolved");
+                        change = tracker.relapsed(&service, now);
+                    }
+                }
+            }
             let since = tracker.down_since(&service);
             let (kind, sent) = match change {
                 Change::Nothing => continue,
                 Change::Down => ("incident", open(&bus, &service, &out, since.unwrap_or(now)).await),
-                Change::Recovered => ("recovery", recovered(&bus, &service, &out, since).await),
+                Change::Recovered => ("recovery", recovered(&bus, &service, &out, since).await.map(|()| Uuid::nil())),
             };
             PUBLISHED.inc(&[kind, if sent.is_ok() { "ok" } else { "failed" }]);
             match sent {
-                Ok(()) => tracker.reported(&service, &change, now),
+                Ok(run) => tracker.reported(&service, &change, now, run),
                 // Not remembered as reported: the next round publishes it again.
                 Err(e) => tracing::warn!(service = %service, error = %e, "monitor publish failed: retrying next round"),
             }
@@ -184,7 +227,7 @@ async fn open(
     service: &str,
     out: &CheckOutcome,
     since: chrono::DateTime<chrono::Utc>,
-) -> Result<(), BusError> {
+) -> Result<Uuid, BusError> {
     let mut incident = Incident::new(service, out.detail.clone());
     incident.source = Some("monitor".into());
     incident.severity = Severity::Critical;
@@ -192,7 +235,7 @@ async fn open(
     incident.observed_at = Some(since);
     let id = bus.open_incident(&incident).await?;
     tracing::warn!(service, detail = %out.detail, run = %id, "service down: incident opened");
-    Ok(())
+    Ok(id)
 }
 
 async fn recovered(
@@ -226,7 +269,7 @@ mod tests {
         // Observe and publish at once, as a round does when the bus takes every message.
         let round = |t: &mut Tracker, healthy: bool, at| {
             let change = t.observe("web", healthy, at, hour);
-            t.reported("web", &change, at);
+            t.reported("web", &change, at, Uuid::nil());
             change
         };
         assert_eq!(round(&mut t, true, s(0)), Change::Nothing);
@@ -251,14 +294,14 @@ mod tests {
         assert_eq!(t.observe("web", false, s(10), hour), Change::Down);
         assert_eq!(t.observe("web", false, s(20), hour), Change::Down, "not published yet");
         assert_eq!(t.down_since("web"), Some(s(10)));
-        t.reported("web", &Change::Down, s(20));
+        t.reported("web", &Change::Down, s(20), Uuid::nil());
         assert_eq!(t.observe("web", false, s(30), hour), Change::Nothing);
         // The recovery fails to publish: it is reported again, with when the outage began,
         // until the bus takes it.
         assert_eq!(t.observe("web", true, s(40), hour), Change::Recovered);
         assert_eq!(t.observe("web", true, s(50), hour), Change::Recovered, "a lost recovery is not forgotten");
         assert_eq!(t.down_since("web"), Some(s(10)));
-        t.reported("web", &Change::Recovered, s(50));
+        t.reported("web", &Change::Recovered, s(50), Uuid::nil());
         assert_eq!(t.observe("web", true, s(60), hour), Change::Nothing);
         assert_eq!(t.down_since("web"), None);
     }

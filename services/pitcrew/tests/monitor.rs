@@ -73,3 +73,48 @@ async fn an_outage_opens_one_run_and_its_recovery_is_reported() -> anyhow::Resul
     monitor.await??;
     crew.shutdown().await
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_service_down_again_right_after_its_run_resolved_opens_a_new_run_at_once() -> anyhow::Result<()> {
+    let env = TestEnv::start().await?;
+    let healthy = env.path("svc-healthy");
+    let book = write(
+        &env,
+        "playbook.toml",
+        "[[rule]]\nname = \"down\"\nmatch = \"exited 1\"\ndiagnosis = \"{service} marker missing\"\n\
+         plans = [[\"rm -f {dir}/lock\", \"{start}\"]]\n",
+    );
+    // Reminders an hour apart, rounds 1.5 s apart: the service fails again right after the
+    // run resolves, before the monitor's next round can see it healthy.
+    let text = format!(
+        "[reasoning]\nplaybook_file = \"{book}\"\n[monitor]\ninterval_ms = 1500\nrealert_secs = 3600\n{}",
+        marker_service(&env, "svc")
+    );
+    let mut crew = Crew::start_in(env, &text, &Stage::ALL).await?;
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let shutdown = async move {
+        let _ = stopped.await;
+    }
+    .boxed()
+    .shared();
+    let monitor = tokio::spawn(crew::monitor(crew.cfg.clone(), shutdown));
+
+    let first = crew.events.wait_any(|e| e.kind == EventKind::ApprovalRequested, WAIT).await?.run_id;
+    cli::submit(&crew.bus, Some(&crew.store), DecisionInput::cli(first, Decision::Approve, "ann", None, &crew.cfg))
+        .await?;
+    assert_eq!(crew.end(first).await?.kind, EventKind::Resolved);
+    std::fs::remove_file(&healthy)?;
+    // A new outage, reported at the next round rather than an hour later.
+    let second = crew
+        .events
+        .wait_any(|e| e.kind == EventKind::ApprovalRequested && e.run_id != first, std::time::Duration::from_secs(20))
+        .await
+        .map_err(|e| anyhow::anyhow!("no run for the relapse: {e}"))?
+        .run_id;
+    let db = crew.db().await?;
+    let runs: i64 = db.query_one("SELECT count(*) FROM runs WHERE fingerprint = 'monitor:svc'", &[]).await?.get(0);
+    assert_eq!(runs, 2, "one run per outage: {first} then {second}");
+    let _ = stop.send(());
+    monitor.await??;
+    crew.shutdown().await
+}

@@ -355,7 +355,7 @@ pub struct MonitorConfig {
     /// Time between rounds of checks.
     pub interval_ms: u64,
     /// A service still down is reported again this often (intake deduplicates while its
-    /// run is open).
+    /// run is open); at once when the run of its outage resolved (a relapse).
     pub realert_secs: u64,
 }
 
