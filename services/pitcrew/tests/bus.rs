@@ -156,6 +156,40 @@ async fn a_malformed_incident_is_dead_lettered_and_the_worker_keeps_serving() ->
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_malformed_incident_naming_an_open_run_leaves_that_run_alone() -> anyhow::Result<()> {
+    let (mut crew, run) = held_before_execute().await?;
+    // Whoever may publish incidents (the monitor's or the gateway's NATS user) names another
+    // run in the header of an incident that does not decode.
+    let mut headers = HeaderMap::new();
+    headers.insert(NATS_MESSAGE_ID, "not-an-incident-1");
+    headers.insert(pitcrew_runtime::bus::RUN_HEADER, run.to_string().as_str());
+    crew.bus.publish_with_headers(crew.bus.subjects.incidents_new(), headers, "x".into()).await?;
+    let dlq = crew.bus.js.get_stream(crew.bus.subjects.dlq_stream()).await?;
+    let dead = tokio::time::timeout(WAIT, async {
+        loop {
+            if let Ok(m) = dlq.get_last_raw_message_by_subject(&crew.bus.subjects.dlq("intake")).await {
+                return m;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await?;
+    assert_eq!(&dead.payload[..], b"x", "dead-lettered as it came");
+    // The run it named is untouched: no error in its timeline, and it goes on to resolve.
+    crew.shutdown().await?;
+    crew.run(&Stage::ALL);
+    let end = crew.end(run).await?;
+    assert_eq!(end.kind, EventKind::Resolved, "{}", end.message);
+    let db = crew.db().await?;
+    let errors: i64 = db
+        .query_one("SELECT count(*) FROM run_events WHERE run_id = $1 AND kind IN ('error', 'rejected')", &[&run])
+        .await?
+        .get(0);
+    assert_eq!(errors, 0, "nothing about the bad incident in the run's timeline");
+    crew.shutdown().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_poison_stage_message_is_dead_lettered_and_its_run_escalated() -> anyhow::Result<()> {
     let (mut crew, run) = held_before_execute().await?;
     let mut headers = HeaderMap::new();

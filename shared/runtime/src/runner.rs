@@ -260,6 +260,10 @@ impl StageRunner {
         let state = match state {
             Some(s) => Some(s),
             None => match header(msg, RUN_HEADER).and_then(|r| r.parse::<Uuid>().ok()) {
+                // An incident that does not decode opened no run, and its header names one on
+                // its publisher's word alone (the monitor, the gateway): acting on that run
+                // would let any publisher of incidents escalate any open run.
+                Some(_) if stage == Stage::Intake => None,
                 Some(run) => match self.deps.store.load_run(run).await {
                     Ok(found) => found.filter(|r| !r.status.is_final()).map(|r| r.state),
                     Err(e) => {
