@@ -12,14 +12,22 @@ pub struct ApprovalStage {
     pub policy: Policy,
 }
 
-/// Build the request a human is asked to decide.
-pub fn request(state: &RunState, rule: &str, reason: &str, timeout_secs: u64, quorum: u32) -> ApprovalRequest {
+/// Build the request a human is asked to decide: the plan as it will run on `host`, the
+/// service's own host (where execute runs it), whatever host the incident named.
+pub fn request(
+    state: &RunState,
+    host: &str,
+    rule: &str,
+    reason: &str,
+    timeout_secs: u64,
+    quorum: u32,
+) -> ApprovalRequest {
     let plan = state.plan.as_ref().expect("the gate only requests approval for a plan");
     let now = Utc::now();
     ApprovalRequest {
         run_id: state.run_id,
         service: state.incident.service.clone(),
-        host: state.incident.host.clone(),
+        host: Some(host.to_string()).filter(|h| !h.is_empty()),
         error: state.incident.error.clone(),
         attempt: state.attempt,
         plan: plan.commands.clone(),
@@ -80,7 +88,7 @@ impl StageHandler for ApprovalStage {
                 }
                 GateDecision::NeedsApproval { rule, command, reason } => {
                     let quorum = self.policy.quorum(&plan.commands);
-                    let req = request(state, &rule, &reason, cx.config().limits.approval_timeout_secs, quorum);
+                    let req = request(state, &host, &rule, &reason, cx.config().limits.approval_timeout_secs, quorum);
                     cx.emit(
                         EventKind::Policy,
                         format!("policy: {reason}"),
@@ -127,7 +135,9 @@ mod tests {
             Plan { attempt: 1, commands: vec!["kill -9 42".into()], rationale: String::new(), source: String::new() };
         let hash = plan.hash();
         s.plan = Some(plan);
-        let r = request(&s, "kill-9", "SIGKILL loses state", 600, 1);
+        s.incident.host = Some("web-2".into());
+        let r = request(&s, "web-1", "kill-9", "SIGKILL loses state", 600, 1);
+        assert_eq!(r.host.as_deref(), Some("web-1"), "where it runs, whatever the incident said");
         assert_eq!(r.plan, vec!["kill -9 42".to_string()]);
         assert_eq!(r.plan_hash, hash);
         assert_eq!(r.rule, "kill-9: SIGKILL loses state");

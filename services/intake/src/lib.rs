@@ -16,13 +16,21 @@ pub fn normalise(incident: &mut Incident) -> Result<(), IncidentError> {
     Ok(())
 }
 
-/// An incident may name the host it saw the fault on: it must be the service's host or one
-/// the inventory knows, else nothing can be run there.
+/// An incident may name the host it saw the fault on: it must be the service's own host,
+/// where every stage acts (its evidence, fix and check run there). A fault seen on another
+/// host, even one the inventory knows, is not one pitcrew can fix from this service's entry:
+/// fixing the service's host instead, and verifying there, would report a fault fixed that
+/// still stands.
 pub fn known_host(cfg: &pitcrew_runtime::Config, host: &str, service_host: &str) -> Result<(), String> {
     let local = ["local", "localhost", "127.0.0.1"];
-    if host == service_host || cfg.hosts.contains_key(host) || (local.contains(&host) && local.contains(&service_host))
-    {
+    if host == service_host || (local.contains(&host) && local.contains(&service_host)) {
         return Ok(());
+    }
+    if cfg.hosts.contains_key(host) || local.contains(&host) {
+        return Err(format!(
+            "the incident is on host '{host}' but its service runs on '{service_host}' (its [services.<name>] \
+             host): pitcrew acts on a service's own host only; give the service on '{host}' an entry of its own"
+        ));
     }
     Err(format!(
         "unknown host '{host}': add it under [hosts.{host}] in pitcrew.toml (the service runs on '{service_host}')"
@@ -79,10 +87,14 @@ mod tests {
     #[test]
     fn an_incident_names_a_host_the_inventory_knows() {
         let cfg = pitcrew_runtime::Config::from_toml("[hosts.pe1]\naddress = \"10.0.0.1\"\nuser = \"s\"\n").unwrap();
-        assert!(known_host(&cfg, "pe1", "local").is_ok());
         assert!(known_host(&cfg, "localhost", "local").is_ok());
         assert!(known_host(&cfg, "web-7", "web-7").is_ok());
+        assert!(known_host(&cfg, "pe1", "pe1").is_ok());
         assert!(known_host(&cfg, "pe9", "pe1").unwrap_err().contains("unknown host 'pe9'"));
+        // A host the inventory knows, but not the service's: nothing would run where the fault is.
+        let elsewhere = known_host(&cfg, "pe1", "local").unwrap_err();
+        assert!(elsewhere.contains("on host 'pe1' but its service runs on 'local'"), "{elsewhere}");
+        assert!(known_host(&cfg, "localhost", "pe1").unwrap_err().contains("runs on 'pe1'"));
     }
 
     #[test]

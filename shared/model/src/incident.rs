@@ -35,7 +35,8 @@ pub struct Incident {
     pub id: Option<Uuid>,
     /// The service that is failing, as named in the inventory.
     pub service: String,
-    /// The host it runs on, when the alert knows.
+    /// The host it runs on, when the alert knows: if given, the service's own host (the
+    /// run escalates when it names another: every stage acts on the service's host).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub host: Option<String>,
     /// What is wrong, in the alerting system's words.
