@@ -75,6 +75,8 @@ pub enum IncidentError {
     LabelTooLong(String),
     #[error("field 'fingerprint' must be 1-{MAX_NAME_LEN} bytes")]
     BadFingerprint,
+    #[error("field 'source' is {0} bytes, more than the {MAX_LABEL_LEN} allowed")]
+    SourceTooLong(usize),
 }
 
 fn valid_name(s: &str, extra: &[char]) -> bool {
@@ -109,11 +111,16 @@ impl Incident {
             self.labels =
                 std::mem::take(&mut self.labels).into_iter().map(|(k, v)| (crate::trim::storable(k), v)).collect();
         }
-        for v in self.labels.values_mut() {
-            *v = crate::trim::storable(crate::redact::redact(v).into_owned());
+        for (k, v) in self.labels.iter_mut() {
+            // `db_password: hunter2` shows no secret in its value alone.
+            *v = if crate::redact::secret_name(k) && !v.is_empty() {
+                "[REDACTED]".into()
+            } else {
+                crate::trim::storable(crate::redact::redact(v).into_owned())
+            };
         }
         self.fingerprint = self.fingerprint.take().map(crate::trim::storable);
-        self.source = self.source.take().map(crate::trim::storable);
+        self.source = self.source.take().map(|s| crate::trim::storable(crate::redact::redact(s.trim()).into_owned()));
         if self.service.is_empty() {
             return Err(IncidentError::EmptyService);
         }
@@ -140,6 +147,12 @@ impl Incident {
         if let Some(f) = &self.fingerprint {
             if f.is_empty() || f.len() > MAX_NAME_LEN {
                 return Err(IncidentError::BadFingerprint);
+            }
+        }
+        // Carried in every run state and stored with the incident: a name, not a document.
+        if let Some(source) = &self.source {
+            if source.len() > MAX_LABEL_LEN {
+                return Err(IncidentError::SourceTooLong(source.len()));
             }
         }
         Ok(())
@@ -210,6 +223,23 @@ mod tests {
         let mut i = Incident::new(" web ", " refused ");
         i.validate().unwrap();
         assert_eq!((i.service.as_str(), i.error.as_str()), ("web", "refused"));
+    }
+
+    #[test]
+    fn secrets_in_labels_and_source_are_not_kept_and_the_source_is_bounded() {
+        let mut i = Incident::new("web", "down");
+        i.labels.insert("db_password".into(), "hunter2".into());
+        i.labels.insert("dsn".into(), "postgres://app:pa55@db/app".into());
+        i.labels.insert("team".into(), "payments".into());
+        i.source = Some(" probe?token=abc123 ".into());
+        i.validate().unwrap();
+        assert_eq!(i.labels["db_password"], "[REDACTED]", "a secret by its name");
+        assert_eq!(i.labels["dsn"], "postgres://app:[REDACTED]@db/app");
+        assert_eq!(i.labels["team"], "payments");
+        assert_eq!(i.source.as_deref(), Some("probe?token=[REDACTED]"));
+        let mut i = Incident::new("web", "down");
+        i.source = Some("s".repeat(200 * 1024));
+        assert_eq!(i.validate(), Err(IncidentError::SourceTooLong(200 * 1024)));
     }
 
     #[test]

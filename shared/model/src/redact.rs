@@ -26,11 +26,13 @@ static PATTERNS: LazyLock<Vec<Pattern>> = LazyLock::new(|| {
         p(r"(?i)\b((?:proxy-)?authorization\s*:\s*)(?:(basic|bearer|token|digest)\s+)?\S+", "${1}${2} [REDACTED]"),
         p(r"(?i)\b(bearer\s+)[A-Za-z0-9\-._~+/]+=*", "${1}[REDACTED]"),
         p(
-            r#"(?i)\b((?:[a-z0-9_-]*[_-])?(?:password|passwd|pwd|pass|secret|token|api[_-]?key|apikey|access[_-]?key|private[_-]?key|credentials?)["']?\s*[:=]\s*["']?)[^\s"',;&]+"#,
+            r#"(?i)\b([a-z0-9_-]*(?:password|passwd|pwd|pass|secret|token|api[_-]?key|apikey|access[_-]?key|private[_-]?key|credentials?)["']?\s*[:=]\s*["']?)[^\s"',;&]+"#,
             "${1}[REDACTED]",
         ),
         p(r"(?i)(--?(?:password|passwd|token|secret|api-key|apikey)\s+)\S+", "${1}[REDACTED]"),
-        p(r"(?i)\b([a-z][a-z0-9+.-]*://[^/\s:@]+:)[^/\s@]+@", "${1}[REDACTED]@"),
+        // `redis://:password@cache` has no user part at all.
+        p(r"(?i)\b([a-z][a-z0-9+.-]*://[^/\s:@]*:)[^/\s@]+@", "${1}[REDACTED]@"),
+        p(r"(?i)\b((?:set-)?cookie\s*:\s*)[^\r\n]+", "${1}[REDACTED]"),
         p(r"\bAKIA[0-9A-Z]{16}\b", MARK),
         p(r"\bsk-[A-Za-z0-9_-]{16,}", MARK),
         p(r"\bxox[abprs]-[A-Za-z0-9-]{10,}", MARK),
@@ -43,6 +45,17 @@ static PATTERNS: LazyLock<Vec<Pattern>> = LazyLock::new(|| {
 /// Every pattern in one automaton: most text holds no secret, and one pass over it says so.
 static ANY: LazyLock<RegexSet> =
     LazyLock::new(|| RegexSet::new(PATTERNS.iter().map(|p| p.re.as_str())).expect("redaction patterns"));
+
+/// A name (a label's, a header's, a variable's) whose value is a secret whatever it looks like.
+static SECRET_NAME: LazyLock<Regex> = LazyLock::new(|| {
+    Regex::new(r"(?i)(password|passwd|pwd|pass|secret|token|api[_-]?key|apikey|access[_-]?key|private[_-]?key|credential|cookie|authorization)")
+        .expect("secret name pattern")
+});
+
+/// Whether a value named `name` is a secret by its name (`db_password`, `X-Api-Key`).
+pub fn secret_name(name: &str) -> bool {
+    SECRET_NAME.is_match(name)
+}
 
 /// `text` with every secret it shows replaced.
 pub fn redact(text: &str) -> Cow<'_, str> {
@@ -95,6 +108,10 @@ mod tests {
             ("OPENAI sk-proj-abcdefghijklmnop1234", "OPENAI [REDACTED]"),
             ("slack xoxb-123456789012-abcdefghij", "slack [REDACTED]"),
             ("mysqladmin --password s3cret status", "mysqladmin --password [REDACTED] status"),
+            ("PGPASSWORD=hunter2 psql", "PGPASSWORD=[REDACTED] psql"),
+            ("DBPASS=x", "DBPASS=[REDACTED]"),
+            ("redis://:hunter2@cache:6379", "redis://:[REDACTED]@cache:6379"),
+            ("Cookie: session=abc; theme=dark", "Cookie: [REDACTED]"),
             (
                 "-----BEGIN RSA PRIVATE KEY-----\nMIIE\n-----END RSA PRIVATE KEY-----\nafter",
                 "[REDACTED PRIVATE KEY]\nafter",
@@ -103,7 +120,9 @@ mod tests {
         for (input, want) in cases {
             assert_eq!(redact(input), want, "{input}");
         }
-        for plain in ["connection refused", "passed: 3 tests", "token bucket full", "GET /health -> 503"] {
+        for plain in
+            ["connection refused", "passed: 3 tests", "token bucket full", "GET /health -> 503", "http://web:8080/x"]
+        {
             assert!(matches!(redact(plain), Cow::Borrowed(_)), "{plain} is left alone");
         }
     }
