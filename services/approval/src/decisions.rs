@@ -172,6 +172,34 @@ impl Decisions {
                     .await;
             }
         }
+        // An approval after the request's deadline (the approval workers were down when the
+        // sweeper would have expired it, or it sat on the bus) expires the request instead:
+        // the plan was approved for a state of the service that old, and the run escalates as
+        // the timeout promises.
+        let expired_instead;
+        let approving = d.decision == Decision::Approve && pending.as_deref() == Some(plan_hash.as_str());
+        let deadline = if approving { store.approval_expired(d.run_id, &plan_hash).await? } else { None };
+        let d = match deadline {
+            Some(deadline) => {
+                tracing::warn!(run = %d.run_id, by = %d.by, %deadline, "approval after the request's deadline: expiring it");
+                cx.emit(
+                    EventKind::Error,
+                    format!("approve by {} via {} refused: the request expired at {deadline}", d.by, d.channel),
+                    serde_json::to_value(d)?,
+                );
+                expired_instead = ApprovalDecision {
+                    decision: Decision::Expire,
+                    by: "pitcrew".into(),
+                    plan_hash: Some(plan_hash.clone()),
+                    reason: Some(format!("expired at {deadline}, before {}'s approval arrived", d.by)),
+                    channel: "timeout".into(),
+                    decided_at: chrono::Utc::now(),
+                    run_id: d.run_id,
+                };
+                &expired_instead
+            }
+            None => d,
+        };
         // A plan that needs several approvers runs on the last approval of its quorum.
         if d.decision == Decision::Approve && pending.as_deref() == Some(plan_hash.as_str()) {
             if let Some((votes, quorum)) = store.vote(d.run_id, &plan_hash, &d.by, &d.channel).await? {

@@ -335,6 +335,46 @@ async fn an_approval_not_decided_in_time_escalates_the_run() -> anyhow::Result<(
     crew.shutdown().await
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_approval_arriving_after_the_deadline_expires_the_request_instead() -> anyhow::Result<()> {
+    let mut crew = crew_with_playbook("[limits]\napproval_timeout_secs = 1\n").await?;
+    let run = crew.open("svc", "stale lock held").await?;
+    crew.events.kind(run, EventKind::ApprovalRequested, WAIT).await?;
+    // The crew is down past the deadline (so its sweeper expires nothing), and an approval
+    // waits on the bridge subject for it.
+    crew.shutdown().await?;
+    tokio::time::sleep(std::time::Duration::from_millis(1500)).await;
+    let late = ApprovalDecision {
+        run_id: run,
+        decision: Decision::Approve,
+        by: "ann".into(),
+        plan_hash: None,
+        reason: None,
+        channel: "script".into(),
+        decided_at: chrono::Utc::now(),
+    };
+    crew.bus.client.publish(crew.bus.subjects.approval_decided(run), serde_json::to_vec(&late)?.into()).await?;
+    crew.run(&Stage::ALL);
+    let end = crew.end(run).await?;
+    assert_eq!(end.kind, EventKind::Escalated, "{}", end.message);
+    assert!(end.message.contains("not decided within 1 s"), "{}", end.message);
+    crew.events
+        .wait(
+            run,
+            |e| {
+                e.kind == EventKind::Error
+                    && e.message.contains("approve by ann via script refused: the request expired")
+            },
+            WAIT,
+        )
+        .await?;
+    let db = crew.db().await?;
+    let row = db.query_one("SELECT decision, channel FROM approvals WHERE run_id = $1", &[&run]).await?;
+    assert_eq!((row.get::<_, String>(0).as_str(), row.get::<_, String>(1).as_str()), ("expire", "timeout"));
+    assert_eq!(count(&db, "SELECT count(*) FROM executions WHERE run_id = $1", run).await, 0, "the plan never ran");
+    crew.shutdown().await
+}
+
 /// A crew whose policy asks two approvers for `rm`, and a run waiting for them.
 async fn waiting_for_two_approvers() -> anyhow::Result<(Crew, uuid::Uuid)> {
     let env = TestEnv::start().await?;

@@ -212,6 +212,24 @@ impl Store {
         Ok(Some((votes, quorum)))
     }
 
+    /// The deadline of the request for `plan_hash` if it is still pending and past it (by
+    /// Postgres's clock): an approval arriving then must not run the plan.
+    pub async fn approval_expired(
+        &self,
+        run: Uuid,
+        plan_hash: &str,
+    ) -> Result<Option<chrono::DateTime<chrono::Utc>>, StoreError> {
+        let client = self.client().await?;
+        let row = client
+            .query_opt(
+                "SELECT expires_at FROM approvals
+                 WHERE run_id = $1 AND plan_hash = $2 AND decision IS NULL AND expires_at <= now()",
+                &[&run, &plan_hash],
+            )
+            .await?;
+        Ok(row.map(|r| r.get(0)))
+    }
+
     /// Settle the request for `plan_hash` with `d`, only if it is still pending.
     /// `seq` is the bridge-stream sequence of the decision message, recognising redeliveries.
     #[tracing::instrument(name = "db_write", skip_all, fields(op = "decide_approval"))]
