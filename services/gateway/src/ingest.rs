@@ -14,6 +14,7 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use pitcrew_model::codec::JSON;
 use pitcrew_model::{EventKind, Incident, RunEvent, Stage};
+use pitcrew_runtime::store::IncidentSeen;
 use serde_json::json;
 use std::sync::Arc;
 use uuid::Uuid;
@@ -39,13 +40,19 @@ impl Received {
 }
 
 impl Gateway {
-    /// Publish a checked incident on `incidents.new` unless its id is already known.
+    /// Publish a checked incident on `incidents.new` unless its id is already taken care of.
+    /// One that joined a run since closed is published again (`IncidentSeen::JoinedClosed`).
     pub async fn open(&self, incident: &Incident) -> Result<(Uuid, Received), ApiError> {
         let id = incident.id.ok_or_else(|| ApiError::BadRequest("incident has no id".into()))?;
-        if self.store.incident_exists(id).await? {
-            return Ok((id, Received::Existing));
-        }
-        self.bus.open_incident(incident).await.map_err(|e| ApiError::unavailable("NATS", e))?;
+        let published = match self.store.incident_seen(id).await? {
+            IncidentSeen::Taken => return Ok((id, Received::Existing)),
+            IncidentSeen::New => self.bus.open_incident(incident).await,
+            IncidentSeen::JoinedClosed(closed) => {
+                tracing::info!(incident = %id, closed = %closed, "the run this incident joined has closed: publishing it again");
+                self.bus.reopen_incident(incident, closed).await
+            }
+        };
+        published.map_err(|e| ApiError::unavailable("NATS", e))?;
         Ok((id, Received::Published))
     }
 

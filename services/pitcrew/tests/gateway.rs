@@ -226,6 +226,40 @@ async fn an_alertmanager_alert_opens_exactly_one_run_and_its_resolution_is_recor
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_incident_sent_again_after_the_run_it_joined_closed_opens_its_own_run() -> anyhow::Result<()> {
+    let mut api = Api::start(&Stage::ALL, "").await?;
+    let incident = |id: Uuid| json!({"id": id, "service": "svc", "error": "stale lock held", "fingerprint": "fp-flap"});
+    let (first, again) = (Uuid::now_v7(), Uuid::now_v7());
+    let (status, body) = api.post("/v1/incidents", "otto", &incident(first)).await?;
+    assert_eq!(status, StatusCode::ACCEPTED, "{body}");
+    api.crew.events.kind(first, EventKind::ApprovalRequested, WAIT).await?;
+    // The alert fires again under a new id (Alertmanager: a new startsAt) while the first run
+    // is open: it joins that run, and sent again it is still taken care of.
+    let (status, body) = api.post("/v1/incidents", "otto", &incident(again)).await?;
+    assert_eq!(status, StatusCode::ACCEPTED, "{body}");
+    api.crew.events.kind(again, EventKind::Duplicate, WAIT).await?;
+    let (status, body) = api.post("/v1/incidents", "otto", &incident(again)).await?;
+    assert_eq!((status, &body["outcome"]), (StatusCode::OK, &json!("already_received")), "{body}");
+    // The first run ends without fixing it; the alert, still firing, is sent again.
+    let (status, body) = api.post(&format!("/v1/runs/{first}/deny"), "ann", &json!({"reason": "not now"})).await?;
+    assert_eq!(status, StatusCode::ACCEPTED, "{body}");
+    assert_eq!(api.crew.end(first).await?.kind, EventKind::Escalated);
+    let (status, body) = api.post("/v1/incidents", "otto", &incident(again)).await?;
+    assert_eq!((status, &body["outcome"]), (StatusCode::ACCEPTED, &json!("accepted")), "{body}");
+    api.crew
+        .events
+        .kind(again, EventKind::ApprovalRequested, WAIT)
+        .await
+        .map_err(|e| anyhow::anyhow!("the incident sent again opened no run of its own: {e}"))?;
+    // Now it has a run of its own: sent again, nothing more is published.
+    let (status, body) = api.post("/v1/incidents", "otto", &incident(again)).await?;
+    assert_eq!((status, &body["outcome"]), (StatusCode::OK, &json!("already_received")), "{body}");
+    let db = api.crew.db().await?;
+    assert_eq!(db.query_one("SELECT count(*) FROM runs", &[]).await?.get::<_, i64>(0), 2);
+    api.crew.shutdown().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_route_refuses_no_key_and_the_wrong_role_and_admits_the_right_one() -> anyhow::Result<()> {
     let mut api = Api::start(&Stage::ALL, "").await?;
     // A finished run to read.

@@ -36,6 +36,20 @@ impl RunStatus {
     }
 }
 
+/// What became of an incident, by its id.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum IncidentSeen {
+    /// Never received.
+    New,
+    /// Received and taken care of: it has a run of its own, or joined one still open, or is
+    /// being opened now.
+    Taken,
+    /// It joined this run (same fingerprint), which has closed since. The same alert sent
+    /// again (an Alertmanager alert keeps its id while it fires) is a fault that run did not
+    /// end: it must be published again to open a run of its own.
+    JoinedClosed(Uuid),
+}
+
 /// What intake found when it tried to start a run.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum OpenRun {
@@ -193,6 +207,28 @@ impl Store {
     pub async fn incident_exists(&self, id: Uuid) -> Result<bool, StoreError> {
         let client = self.client().await?;
         Ok(client.query_opt("SELECT 1 FROM incidents WHERE id = $1", &[&id]).await?.is_some())
+    }
+
+    /// What became of the incident `id`: see [`IncidentSeen`].
+    pub async fn incident_seen(&self, id: Uuid) -> Result<IncidentSeen, StoreError> {
+        let client = self.client().await?;
+        let row = client
+            .query_opt(
+                "SELECT i.duplicate_of, d.status IN ('open', 'waiting_approval'),
+                        EXISTS (SELECT 1 FROM runs own WHERE own.id = i.id)
+                 FROM incidents i LEFT JOIN runs d ON d.id = i.duplicate_of
+                 WHERE i.id = $1",
+                &[&id],
+            )
+            .await?;
+        let Some(row) = row else { return Ok(IncidentSeen::New) };
+        let joined: Option<Uuid> = row.get(0);
+        let joined_open: Option<bool> = row.get(1);
+        let own: bool = row.get(2);
+        Ok(match joined {
+            Some(run) if !own && joined_open != Some(true) => IncidentSeen::JoinedClosed(run),
+            _ => IncidentSeen::Taken,
+        })
     }
 
     /// The most recent runs, newest first.
