@@ -187,6 +187,34 @@ fn the_compose_file_agrees_with_itself_and_the_image() -> anyhow::Result<()> {
             assert_eq!(svc["depends_on"][dep]["condition"].as_str(), Some("service_healthy"), "{name} waits for {dep}");
         }
     }
+    // The crew and the gateway read one configuration, mounted where the image runs them
+    // (its WORKDIR: pitcrew reads ./pitcrew.toml), and get longer to stop than their drain.
+    assert!(dockerfile.contains("WORKDIR /var/lib/pitcrew"), "the image runs in /var/lib/pitcrew");
+    for tool in ["openssh-client", "iproute2"] {
+        assert!(dockerfile.contains(tool), "the image has {tool} (ssh for [hosts], ss for evidence)");
+    }
+    for name in ["pitcrew", "gateway"] {
+        let svc = &c["services"][name];
+        let mounts = strings(&svc["volumes"]);
+        assert!(
+            mounts.contains(&"./deploy/pitcrew.toml:/var/lib/pitcrew/pitcrew.toml:ro".to_string()),
+            "{name} reads deploy/pitcrew.toml: {mounts:?}"
+        );
+        let grace = svc["stop_grace_period"].as_str().unwrap_or("10s");
+        let secs: u64 = grace.trim_end_matches('s').parse()?;
+        assert!(secs > 20, "{name} gets more than its 20 s drain to stop, not {grace}");
+    }
+    // The shipped file loads, and so does its example once uncommented.
+    let shipped = std::fs::read_to_string(repo().join("deploy/pitcrew.toml"))?;
+    Config::from_toml(&shipped).context("deploy/pitcrew.toml")?;
+    let example: String = shipped
+        .lines()
+        .filter_map(|l| l.strip_prefix("# "))
+        .filter(|l| l.starts_with('[') || l.split_once(" = ").is_some_and(|(k, _)| !k.contains(' ')))
+        .map(|l| format!("{}\n", l.replace("<the output of `pitcrew gateway new-key`>", &"0".repeat(64))))
+        .collect();
+    let cfg = Config::from_toml(&example).with_context(|| format!("deploy/pitcrew.toml's example:\n{example}"))?;
+    assert!(cfg.services.contains_key("web") && cfg.approvers.contains_key("alice"), "{example}");
     // The gateway listens on the port compose publishes.
     let gateway = environment(&c["services"]["gateway"]);
     let listen = gateway.get("PITCREW_GATEWAY__LISTEN").expect("the gateway's listen address is set").clone();
@@ -226,8 +254,16 @@ async fn start_as_composed(
         };
         vars.insert(k, v);
     }
-    // A directory without a pitcrew.toml, and none of this shell's settings: only compose's.
+    // The container's working directory: the files compose mounts there, and none of this
+    // shell's settings: only compose's.
     let cwd = tempfile::tempdir()?;
+    for mount in strings(&svc["volumes"]) {
+        let mut parts = mount.split(':');
+        let (Some(from), Some(to)) = (parts.next(), parts.next()) else { continue };
+        if let Some(name) = to.strip_prefix("/var/lib/pitcrew/") {
+            std::fs::copy(repo().join(from), cwd.path().join(name)).with_context(|| format!("mounting {mount}"))?;
+        }
+    }
     let log_path = env.dir.path().join(format!("compose-{name}.log"));
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_pitcrew"));
     for (k, _) in std::env::vars() {

@@ -491,7 +491,8 @@ pub struct StageSettings {
 }
 
 /// `PITCREW_*` variables that are not config keys (read elsewhere).
-const NOT_CONFIG: &[&str] = &["log", "log_format", "config", "nats_server", "test_database_url"];
+const NOT_CONFIG: &[&str] =
+    &["log", "log_format", "config", "nats_server", "alertmanager", "test_database_url", "test_tied_helper", "bless"];
 
 /// Short env names for the settings people change most.
 const ENV_ALIASES: &[(&str, &str)] = &[
@@ -724,6 +725,9 @@ mod tests {
         std::env::set_var("PITCREW_LIMITS__MAX_RETRIES", "7");
         std::env::set_var("PITCREW_GATEWAY__KEYS__ALICE__ROLE", "admin");
         std::env::set_var("PITCREW_GATEWAY__KEYS__ALICE__SHA256", "ab12");
+        // The test tools' own variables (README, "Tests") are not config keys.
+        std::env::set_var("PITCREW_ALERTMANAGER", "/usr/bin/prometheus-alertmanager");
+        std::env::set_var("PITCREW_BLESS", "1");
         let c = Config::load(Some(Path::new("/dev/null"))).unwrap();
         assert_eq!(c.nats.url, "nats://10.0.0.9:4222");
         assert_eq!(c.limits.max_retries, 7);
@@ -734,7 +738,14 @@ mod tests {
         std::env::set_var("PITCREW_BOGUS", "1");
         let e = Config::load(Some(Path::new("/dev/null"))).unwrap_err();
         assert!(e.to_string().contains("bogus"), "{e}");
-        for k in ["PITCREW_LOG", "PITCREW_NATS_URL", "PITCREW_LIMITS__MAX_RETRIES", "PITCREW_BOGUS"] {
+        for k in [
+            "PITCREW_LOG",
+            "PITCREW_NATS_URL",
+            "PITCREW_LIMITS__MAX_RETRIES",
+            "PITCREW_BOGUS",
+            "PITCREW_ALERTMANAGER",
+            "PITCREW_BLESS",
+        ] {
             std::env::remove_var(k);
         }
     }
