@@ -347,6 +347,30 @@ async fn memory_reads_failures_from_the_failures_alone_however_many_successes() 
     assert_eq!(mem.failed, vec!["rm -f /tmp/web.lock".to_string()], "the restart worked since it failed");
     assert_eq!(mem.fixes.len(), 3);
 
+    // A storm of distinct failed commands (a new pid in each) over the last hour, then a
+    // restart failing a minute ago: what failed last is remembered, however it sorts.
+    pg.execute(
+        "INSERT INTO episodes (run_id, attempt, service, signature, error, diagnosis, commands, result, success, created_at)
+         SELECT $1, 4000 + g, 'web', 'sig', 'down', 'd', ARRAY['kill -9 ' || (1000 + g)], 'exit 1', false,
+                now() - interval '1 h' + g * interval '1 s'
+         FROM generate_series(1, 150) g",
+        &[&run.run_id],
+    )
+    .await?;
+    pg.execute(
+        "INSERT INTO episodes (run_id, attempt, service, signature, error, diagnosis, commands, result, success, created_at)
+         VALUES ($1, 5000, 'web', 'sig', 'down', 'd', ARRAY['svcadm restart web'], 'exit 1', false, now() - interval '1 min')",
+        &[&run.run_id],
+    )
+    .await?;
+    let mem = store.memory("web", "sig", std::time::Duration::from_secs(86_400)).await?;
+    assert_eq!(mem.failed.len(), 100, "bounded");
+    assert_eq!(
+        mem.failed[..3],
+        ["rm -f /tmp/web.lock", "svcadm restart web", "kill -9 1150"],
+        "the latest failures first (10 s, 1 min ago), then the storm's newest"
+    );
+
     // The plan reads the failures' own index, not every episode of the signature.
     let prepare = format!("PREPARE failed(text, text, float8) AS {}", pitcrew_runtime::store::FAILED_COMMANDS);
     pg.batch_execute(&prepare).await?;

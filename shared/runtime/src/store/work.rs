@@ -112,15 +112,17 @@ pub struct ApprovalRow {
 }
 
 /// Commands that failed for a service and error signature within a window (`$3` seconds) and
-/// have not worked since. Answered from the failures alone (`episodes_failed`), however many
+/// have not worked since, the most recent failures first (100 at most: a storm of distinct
+/// commands, `kill -9 <pid>` with a new pid each run, must not crowd out the restart that
+/// failed a minute ago). Answered from the failures alone (`episodes_failed`), however many
 /// successes the signature has.
-pub const FAILED_COMMANDS: &str = "SELECT DISTINCT c FROM episodes e, unnest(e.commands) AS c
+pub const FAILED_COMMANDS: &str = "SELECT c FROM episodes e, unnest(e.commands) AS c
      WHERE e.service = $1 AND e.signature = $2 AND NOT e.success
        AND e.created_at > now() - make_interval(secs => $3)
        AND NOT EXISTS (SELECT 1 FROM episodes s
                        WHERE s.service = e.service AND s.signature = e.signature AND s.success
                          AND c = ANY (s.commands) AND s.created_at > e.created_at)
-     ORDER BY c LIMIT 100";
+     GROUP BY c ORDER BY max(e.created_at) DESC, c LIMIT 100";
 
 impl Store {
     /// Episodic memory for `service` and error `signature`, read on `client` now (callers go
