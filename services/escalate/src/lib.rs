@@ -24,16 +24,19 @@ impl StageHandler for Escalate {
     ) -> BoxFuture<'a, Result<Transition, StageError>> {
         Box::pin(async move {
             let why = reason(state);
-            // What this attempt ran, unless verify already stored it. Only commands that ran
-            // count as failed: a denied or rejected plan is not a failure of its commands.
+            // What failed this attempt, unless verify already stored it. Only commands that
+            // ran and failed count: a denied or rejected plan is not a failure of its
+            // commands, and neither is one that ran to the end where nothing could check it
+            // (no health check, the host lost after it): memory would bar a fix that may work.
             if state.plan.is_some() && state.verification.as_ref().is_none_or(|v| v.attempt != state.attempt) {
-                let ran: Vec<String> = state
+                let failed: Vec<String> = state
                     .executions
                     .iter()
-                    .filter(|e| e.attempt == state.attempt && e.status != ExecutionStatus::Skipped)
+                    .filter(|e| e.attempt == state.attempt)
+                    .filter(|e| matches!(e.status, ExecutionStatus::Failed | ExecutionStatus::TimedOut))
                     .map(|e| e.command.clone())
                     .collect();
-                cx.record(Record::Episode(Episode::of(state, &ran, false, &why)));
+                cx.record(Record::Episode(Episode::of(state, &failed, false, &why)));
             }
             cx.emit(
                 EventKind::Escalated,

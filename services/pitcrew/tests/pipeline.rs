@@ -171,6 +171,27 @@ async fn a_critical_plan_parks_until_approved_then_runs() -> anyhow::Result<()> 
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fix_nothing_could_check_is_not_remembered_as_failed() -> anyhow::Result<()> {
+    // A service without a health check: its fix runs, and verify cannot say whether it worked.
+    let mut crew =
+        Crew::start("[services.bare]\nhost = \"local\"\nstart = \"touch {dir}/bare-started\"\n", &Stage::ALL).await?;
+    let first = crew.open_with("bare", "connection refused", Some("bare-1".into())).await?;
+    let end = crew.end(first).await?;
+    assert_eq!(end.kind, EventKind::Escalated, "{}", end.message);
+    assert!(end.message.contains("no health check configured"), "{}", end.message);
+    let db = crew.db().await?;
+    assert!(count(&db, "SELECT count(*) FROM executions WHERE run_id = $1", first).await > 0, "the fix ran");
+    let failed: Vec<String> = db.query_one("SELECT commands FROM episodes WHERE run_id = $1", &[&first]).await?.get(0);
+    assert!(failed.is_empty(), "nothing failed, so nothing is barred: {failed:?}");
+    // The next outage may try the same fix again.
+    let second = crew.open_with("bare", "connection refused", Some("bare-2".into())).await?;
+    let end = crew.end(second).await?;
+    assert!(end.message.contains("no health check configured"), "{}", end.message);
+    assert!(count(&db, "SELECT count(*) FROM executions WHERE run_id = $1", second).await > 0, "ran again");
+    crew.shutdown().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_denied_plan_is_escalated_and_nothing_runs() -> anyhow::Result<()> {
     let mut crew = crew_with_playbook("").await?;
     let run = crew.open("svc", "stale lock held").await?;
