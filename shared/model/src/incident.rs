@@ -79,6 +79,12 @@ pub enum IncidentError {
     SourceTooLong(usize),
 }
 
+/// Whether `name` may name a service: what an incident for it must carry (1-128 characters of
+/// `[A-Za-z0-9._-]`), so an inventory's service names are checked the same way.
+pub fn valid_service_name(name: &str) -> bool {
+    valid_name(name, &[])
+}
+
 fn valid_name(s: &str, extra: &[char]) -> bool {
     !s.is_empty()
         && s.len() <= MAX_NAME_LEN

@@ -572,6 +572,16 @@ impl Config {
                 return bad(format!("[services.{name}]: host '{}' is not under [hosts]", svc.host));
             }
         }
+        for name in self.services.keys() {
+            // An incident for any other name is refused, so such a service could never be
+            // remediated (the monitor would report it every round, to be refused every time).
+            if !pitcrew_model::incident::valid_service_name(name) {
+                return bad(format!(
+                    "[services.\"{}\"]: a service name is 1-128 characters of letters, digits, '.', '_' or '-'",
+                    pitcrew_model::trim::clip(name, 64)
+                ));
+            }
+        }
         for (name, role) in &self.approvers {
             if !APPROVER_ROLES.contains(&role.as_str()) {
                 return bad(format!("[approvers] {name} = \"{role}\": the role must be one of {APPROVER_ROLES:?}"));
@@ -715,6 +725,14 @@ mod tests {
         assert!(e.to_string().contains("token"), "a secret in the file is an unknown key: {e}");
         let e = Config::from_toml("[bridge.mattermost]\nurl = \"http://mm\"\nchannel_id = \"c1\"\n").unwrap_err();
         assert!(e.to_string().contains("public_url '' must be an http(s) URL"), "{e}");
+    }
+
+    #[test]
+    fn a_service_name_no_incident_could_carry_is_refused() {
+        let e = Config::from_toml("[services.\"payments api\"]\nhost = \"local\"\n").unwrap_err();
+        assert!(e.to_string().contains("[services.\"payments api\"]: a service name is"), "{e}");
+        assert!(Config::from_toml(&format!("[services.{}]\nhost = \"local\"\n", "s".repeat(129))).is_err());
+        assert!(Config::from_toml("[services.\"web-1_a.b\"]\nhost = \"local\"\n").is_ok());
     }
 
     #[test]
