@@ -112,12 +112,47 @@ fn first_label<'a>(a: &'a Alert, names: &[String]) -> Option<&'a str> {
     names.iter().find_map(|n| a.labels.get(n).map(|v| v.trim()).filter(|v| !v.is_empty()))
 }
 
-/// `10.0.0.5:9100` → `10.0.0.5`: the instance label names a scrape target, not a host.
-fn strip_port(host: &str) -> &str {
+/// `10.0.0.5:9100` → `10.0.0.5`: the instance label names a scrape target, not a host. Also
+/// a blackbox probe's URL (`https://web-1.example.com/health` → `web-1.example.com`) and a
+/// bracketed IPv6 address (`[2001:db8::1]:9100` → `2001:db8::1`).
+fn strip_port(instance: &str) -> &str {
+    let host = instance.split_once("://").map_or(instance, |(_, rest)| rest);
+    let host = host.split(['/', '?', '#']).next().unwrap_or(host);
+    let host = host.rsplit_once('@').map_or(host, |(_, h)| h);
+    if let Some(v6) = host.strip_prefix('[') {
+        return v6.split(']').next().unwrap_or(v6);
+    }
     match host.rsplit_once(':') {
-        Some((h, port)) if !h.is_empty() && !port.is_empty() && port.chars().all(|c| c.is_ascii_digit()) => h,
+        Some((h, port)) if !h.is_empty() && !h.contains(':') && port.chars().all(|c| c.is_ascii_digit()) => h,
         _ => host,
     }
+}
+
+/// A host name an incident can carry, else none: an instance label that names no host the
+/// inventory could (a path, a socket) leaves the alert on its service's own host rather than
+/// refusing it (Alertmanager never sends a refused alert again).
+fn host_of(instance: &str) -> Option<String> {
+    let host = strip_port(instance);
+    let ok = !host.is_empty()
+        && host.len() <= pitcrew_model::incident::MAX_NAME_LEN
+        && host.chars().all(|c| c.is_ascii_alphanumeric() || "._-:".contains(c));
+    ok.then(|| host.to_string())
+}
+
+/// The alert's labels as an incident keeps them: at most `MAX_LABELS`, each value cut to
+/// `MAX_LABEL_LEN` (a key longer than that is dropped): labels describe, they never decide
+/// whether an alert is handled.
+fn kept_labels(labels: &BTreeMap<String, String>) -> BTreeMap<String, String> {
+    use pitcrew_model::incident::{MAX_LABELS, MAX_LABEL_LEN};
+    labels
+        .iter()
+        .filter(|(k, _)| k.len() <= MAX_LABEL_LEN)
+        .take(MAX_LABELS)
+        .map(|(k, v)| {
+            let v = if v.len() > MAX_LABEL_LEN { clip(v, MAX_LABEL_LEN - 4) } else { v.clone() };
+            (k.clone(), v)
+        })
+        .collect()
 }
 
 fn incident(a: &Alert, cfg: &GatewayConfig, services: &dyn Fn(&str) -> bool) -> Result<Incident, String> {
@@ -145,12 +180,13 @@ fn incident(a: &Alert, cfg: &GatewayConfig, services: &dyn Fn(&str) -> bool) -> 
     let mut inc = Incident {
         id: Some(run_id(&a.fingerprint, a.starts_at)),
         service: service.to_string(),
-        host: first_label(a, &cfg.host_labels).map(|h| strip_port(h).to_string()),
-        error: clip(&error, pitcrew_model::incident::MAX_ERROR_LEN - 16),
+        host: first_label(a, &cfg.host_labels).and_then(host_of),
+        // Redacted before it is cut: a redaction makes the text longer.
+        error: clip(&pitcrew_model::redact::redact(&error), pitcrew_model::incident::MAX_ERROR_LEN - 16),
         severity,
         source: Some("alertmanager".into()),
         fingerprint: Some(format!("am-{}", a.fingerprint.trim())),
-        labels: a.labels.clone(),
+        labels: kept_labels(&a.labels),
         observed_at: Some(a.starts_at),
     };
     inc.validate().map_err(|e| e.to_string())?;
@@ -190,6 +226,38 @@ mod tests {
         let resolved = payload(r#"{"alertname":"WebDown","job":"web"}"#, "resolved");
         let Ok(Action::Resolve { run, .. }) = &actions(&resolved, &cfg, &known).unwrap()[0] else { panic!() };
         assert_eq!(Some(*run), i.id, "the resolved alert names the firing alert's run");
+    }
+
+    #[test]
+    fn an_alert_is_kept_whatever_its_instance_labels_and_summary_look_like() {
+        for (instance, host) in [
+            ("10.0.0.5:9100", Some("10.0.0.5")),
+            ("https://web-1.example.com:8443/health?x=1", Some("web-1.example.com")),
+            ("[2001:db8::1]:9100", Some("2001:db8::1")),
+            ("2001:db8::1", Some("2001:db8::1")),
+            ("unix:///run/web.sock", None),
+        ] {
+            assert_eq!(host_of(instance).as_deref(), host, "{instance}");
+        }
+        let cfg = GatewayConfig::default();
+        let known = |s: &str| s == "web";
+        let mut labels = serde_json::Map::new();
+        labels.insert("service".into(), "web".into());
+        labels.insert("instance".into(), "https://web-1.example.com/health".into());
+        labels.insert("runbook".into(), "r".repeat(1000).into());
+        for i in 0..80 {
+            labels.insert(format!("extra{i:02}"), "x".into());
+        }
+        let p = payload(&serde_json::Value::Object(labels).to_string(), "firing");
+        let Ok(Action::Fire(i)) = &actions(&p, &cfg, &known).unwrap()[0] else { panic!("refused") };
+        assert_eq!(i.host.as_deref(), Some("web-1.example.com"));
+        assert_eq!(i.labels.len(), pitcrew_model::incident::MAX_LABELS);
+        // A summary at the length limit that grows when its secrets are redacted.
+        let mut p = payload(r#"{"service":"web"}"#, "firing");
+        let summary = format!("token=a token=b {}", "e".repeat(pitcrew_model::incident::MAX_ERROR_LEN));
+        p.alerts[0].annotations.insert("summary".into(), summary);
+        let Ok(Action::Fire(i)) = &actions(&p, &cfg, &known).unwrap()[0] else { panic!("refused") };
+        assert!(i.error.len() <= pitcrew_model::incident::MAX_ERROR_LEN);
     }
 
     #[test]
