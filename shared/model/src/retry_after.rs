@@ -24,6 +24,15 @@ fn httpdate(v: &str) -> Option<SystemTime> {
     let (d, y): (i64, i64) = (day.parse().ok()?, year.parse().ok()?);
     let hms: Vec<i64> = time.split(':').map(|x| x.parse().ok()).collect::<Option<_>>()?;
     let [h, mi, s] = hms.as_slice() else { return None };
+    // A real date's fields: anything else is not a date (and could overflow the sums below).
+    if !(1..=31).contains(&d)
+        || !(1970..=9999).contains(&y)
+        || !(0..24).contains(h)
+        || !(0..60).contains(mi)
+        || !(0..=60).contains(s)
+    {
+        return None;
+    }
     // Days from civil (Howard Hinnant's algorithm).
     let (y2, m2) = if m <= 2 { (y - 1, m + 9) } else { (y, m - 3) };
     let era = y2.div_euclid(400);
@@ -47,7 +56,18 @@ mod tests {
         assert_eq!(parse("Sun, 06 Nov 1994 08:49:37 GMT", now), Some(Duration::ZERO));
         assert_eq!(parse("Sun, 06 Nov 1994 08:50:07 GMT", now), Some(Duration::from_secs(30)));
         assert_eq!(parse("Sun, 06 Nov 1994 08:00:00 GMT", now), Some(Duration::ZERO), "a date past: at once");
-        for bad in ["soon", "-1", "NaN", "inf", "1e400", "", "Sun, 06 Nov 1994 08:49:37 PST"] {
+        for bad in [
+            "soon",
+            "-1",
+            "NaN",
+            "inf",
+            "1e400",
+            "",
+            "Sun, 06 Nov 1994 08:49:37 PST",
+            "Sun, 06 Nov 9999999999999999 08:49:37 GMT",
+            "Sun, 06 Nov 1994 99999999999999999:49:37 GMT",
+            "Sun, 99999999999999 Nov 1994 08:49:37 GMT",
+        ] {
             assert_eq!(parse(bad, now), None, "{bad:?}");
         }
     }
