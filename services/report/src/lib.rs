@@ -1,15 +1,39 @@
 //! report: the run is resolved. Closes it and says what fixed it.
 
 use futures::future::BoxFuture;
-use pitcrew_model::{ApprovalStatus, EventKind, Outcome, RunState, Stage};
+use pitcrew_model::{ApprovalStatus, EventKind, ExecutionStatus, Outcome, RunState, Stage};
 use pitcrew_runtime::{Cx, StageError, StageHandler, Transition};
 
 /// The report stage (terminal).
 pub struct Report;
 
-/// One line that says what happened.
+/// One line that says what happened: the commands this attempt ran (how each that did not
+/// succeed ended, and those it skipped), not the plan as proposed.
 pub fn summary(state: &RunState) -> String {
-    let plan = state.plan.as_ref().map(|p| p.commands.join(" ; ")).unwrap_or_else(|| "nothing".into());
+    let records: Vec<_> = state.executions.iter().filter(|e| e.attempt == state.attempt).collect();
+    let plan = if records.is_empty() {
+        state.plan.as_ref().map(|p| p.commands.join(" ; ")).unwrap_or_else(|| "nothing".into())
+    } else {
+        let mut ran = Vec::new();
+        let mut skipped = Vec::new();
+        for e in records {
+            match e.status {
+                ExecutionStatus::Succeeded => ran.push(e.command.clone()),
+                ExecutionStatus::Skipped => skipped.push(e.command.as_str()),
+                ExecutionStatus::Failed => ran.push(match e.exit_code {
+                    Some(code) => format!("{} (failed, exit {code})", e.command),
+                    None => format!("{} (failed)", e.command),
+                }),
+                ExecutionStatus::TimedOut => ran.push(format!("{} (timed out)", e.command)),
+                ExecutionStatus::Interrupted => ran.push(format!("{} (interrupted)", e.command)),
+            }
+        }
+        if skipped.is_empty() {
+            ran.join(" ; ")
+        } else {
+            format!("{}`, skipped `{}", ran.join(" ; "), skipped.join(" ; "))
+        }
+    };
     let check = state.verification.as_ref().map(|v| v.detail.as_str()).unwrap_or("-");
     // Who let it run, and the policy rule that asked them.
     let approval = match &state.approval {
@@ -87,6 +111,26 @@ mod tests {
         assert_eq!(
             summary(&s),
             "resolved web after 2 attempt(s): ran `a ; b`; approved by ann (policy rule kill-9); GET / -> 200"
+        );
+        // What ran, as it ended: `a` failed, so `b` never ran, and the service came back anyway.
+        let record = |index: u32, command: &str, status, exit_code| pitcrew_model::ExecutionRecord {
+            attempt: 2,
+            index,
+            command: command.into(),
+            status,
+            exit_code,
+            output: String::new(),
+            duration_ms: 1,
+        };
+        s.executions = vec![
+            record(0, "x", ExecutionStatus::Succeeded, Some(0)),
+            record(0, "a", ExecutionStatus::Failed, Some(3)),
+            record(1, "b", ExecutionStatus::Skipped, None),
+        ];
+        s.executions[0].attempt = 1;
+        assert_eq!(
+            summary(&s),
+            "resolved web after 2 attempt(s): ran `a (failed, exit 3)`, skipped `b`; approved by ann (policy rule kill-9); GET / -> 200"
         );
     }
 }
