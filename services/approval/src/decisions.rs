@@ -178,7 +178,7 @@ impl Decisions {
         // the timeout promises.
         let expired_instead;
         let approving = d.decision == Decision::Approve && pending.as_deref() == Some(plan_hash.as_str());
-        let deadline = if approving { store.approval_expired(d.run_id, &plan_hash).await? } else { None };
+        let deadline = if approving { store.approval_expired(d.run_id, &plan_hash, seq).await? } else { None };
         let d = match deadline {
             Some(deadline) => {
                 tracing::warn!(run = %d.run_id, by = %d.by, %deadline, "approval after the request's deadline: expiring it");

@@ -523,3 +523,34 @@ async fn a_statement_stuck_behind_a_lock_fails_at_the_timeout_and_its_retry_succ
     assert!(matches!(store.commit_transition(&locked, RunStatus::Open, &locked_events).await, Ok(true)));
     Ok(())
 }
+
+#[tokio::test]
+async fn an_expiry_written_for_a_late_approval_is_found_again_on_its_redelivery() -> anyhow::Result<()> {
+    let db = TestDb::create().await?;
+    let store = store(&db).await?;
+    let run = open_runs(&store, 1).await?.remove(0).run_id;
+    let pg = db.client().await?;
+    pg.execute(
+        "INSERT INTO approvals (run_id, plan_hash, attempt, commands, risk, rule, requested_at, expires_at, quorum)
+         VALUES ($1, 'h1', 1, ARRAY['rm -f /tmp/x'], 'critical', 'rm', now() - interval '2 h', now() - interval '1 h', 1)",
+        &[&run],
+    )
+    .await?;
+    assert!(store.approval_expired(run, "h1", 7).await?.is_some(), "pending past its deadline");
+    // Message 7, a late approval, is recorded as the expiry it became...
+    let expire = pitcrew_model::ApprovalDecision {
+        run_id: run,
+        decision: pitcrew_model::Decision::Expire,
+        by: "pitcrew".into(),
+        plan_hash: Some("h1".into()),
+        reason: None,
+        channel: "timeout".into(),
+        decided_at: Utc::now(),
+    };
+    assert_eq!(store.decide_approval("h1", &expire, 7).await?, pitcrew_runtime::store::DecideOutcome::Applied);
+    // ...and its redelivery (the run's transition failed after that write) finds it expired
+    // again, rather than going on as the approval it was.
+    assert!(store.approval_expired(run, "h1", 7).await?.is_some(), "the same message: expired");
+    assert!(store.approval_expired(run, "h1", 8).await?.is_none(), "another message: decided, not pending");
+    Ok(())
+}

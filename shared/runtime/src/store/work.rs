@@ -215,18 +215,22 @@ impl Store {
     }
 
     /// The deadline of the request for `plan_hash` if it is still pending and past it (by
-    /// Postgres's clock): an approval arriving then must not run the plan.
+    /// Postgres's clock): an approval arriving then must not run the plan. Also when the
+    /// decision message `seq` itself already expired it (its redelivery, after a failure
+    /// between that write and the run's transition, must expire it again, not approve).
     pub async fn approval_expired(
         &self,
         run: Uuid,
         plan_hash: &str,
+        seq: u64,
     ) -> Result<Option<chrono::DateTime<chrono::Utc>>, StoreError> {
         let client = self.client().await?;
         let row = client
             .query_opt(
                 "SELECT expires_at FROM approvals
-                 WHERE run_id = $1 AND plan_hash = $2 AND decision IS NULL AND expires_at <= now()",
-                &[&run, &plan_hash],
+                 WHERE run_id = $1 AND plan_hash = $2
+                   AND ((decision IS NULL AND expires_at <= now()) OR (decision = 'expire' AND decision_seq = $3))",
+                &[&run, &plan_hash, &(seq as i64)],
             )
             .await?;
         Ok(row.map(|r| r.get(0)))
