@@ -58,6 +58,8 @@ pub enum Change {
 pub struct Tracker {
     /// Services currently down.
     down: HashMap<String, Outage>,
+    /// When each service was last reported at once after its run resolved (a relapse).
+    relapsed: HashMap<String, chrono::DateTime<chrono::Utc>>,
 }
 
 #[derive(Debug, Clone)]
@@ -121,24 +123,34 @@ impl Tracker {
     }
 
     /// `service` is down again after the run of its outage resolved it (between two rounds,
-    /// so the monitor never saw it healthy): a new outage, reported now, not after `realert`.
-    pub fn relapsed(&mut self, service: &str, now: chrono::DateTime<chrono::Utc>) -> Change {
+    /// so the monitor never saw it healthy): a new outage, reported now rather than after
+    /// `realert`. Once per `realert` only: a service that keeps failing right after each fix
+    /// (a crash loop the fix only restarts) gets a run an hour, not one a round.
+    pub fn relapsed(&mut self, service: &str, now: chrono::DateTime<chrono::Utc>, realert: Duration) -> Change {
+        if let Some(last) = self.relapsed.get(service) {
+            if (now - *last).to_std().unwrap_or_default() < realert {
+                return Change::Nothing;
+            }
+        }
+        self.relapsed.insert(service.to_string(), now);
         self.down.insert(service.to_string(), Outage { since: now, reported: None });
         Change::Down
     }
 }
 
-/// Whether `run` ended resolved (its `resolved` event is on the bus). Any failure to ask
-/// reads as no: the outage is then reported again after `realert`, as before.
-async fn resolved(bus: &Bus, run: Uuid) -> bool {
+/// When `run` ended resolved (its `resolved` event is on the bus), if it did. Any failure to
+/// ask reads as no: the outage is then reported again after `realert`, as before.
+async fn resolved_at(bus: &Bus, run: Uuid) -> Option<chrono::DateTime<chrono::Utc>> {
     let subject = bus.subjects.event(run, EventKind::Resolved.as_str());
-    match bus.js.get_stream(bus.subjects.events_stream()).await {
-        Ok(stream) => stream.get_last_raw_message_by_subject(&subject).await.is_ok(),
+    let stream = match bus.js.get_stream(bus.subjects.events_stream()).await {
+        Ok(stream) => stream,
         Err(e) => {
             tracing::debug!(run = %run, error = %e, "cannot ask the bus whether the run resolved");
-            false
+            return None;
         }
-    }
+    };
+    let msg = stream.get_last_raw_message_by_subject(&subject).await.ok()?;
+    chrono::DateTime::from_timestamp(msg.time.unix_timestamp(), msg.time.nanosecond())
 }
 
 /// The fingerprint of the monitor's incidents for `service`: one open run per service outage.
@@ -187,16 +199,20 @@ pub async fn run(
     let mut tracker = Tracker::default();
     tracing::info!(services = services.len(), every_ms = every.as_millis() as u64, "monitor running");
     loop {
+        let round = chrono::Utc::now();
         for (service, out) in check_all(&services, executor.as_ref()).await {
             let now = chrono::Utc::now();
             let mut change = tracker.observe(&service, out.healthy, now, realert);
             if change == Change::Nothing && !out.healthy {
                 // Reported recently: unless the run it opened has resolved meanwhile (a run
-                // that escalated is people's now, reminded of after `realert`).
+                // that escalated is people's now, reminded of after `realert`), before this
+                // round's check began (one that began earlier may have seen the fix at work).
                 if let Some(run) = tracker.run_of(&service) {
-                    if resolved(&bus, run).await {
-                        tracing::warn!(service = %service, run = %run, "service down again after its run resolved");
-                        change = tracker.relapsed(&service, now);
+                    if resolved_at(&bus, run).await.is_some_and(|at| at < round) {
+                        change = tracker.relapsed(&service, now, realert);
+                        if change == Change::Down {
+                            tracing::warn!(service = %service, run = %run, "service down again after its run resolved");
+                        }
                     }
                 }
             }
@@ -281,6 +297,25 @@ mod tests {
         assert_eq!(round(&mut t, true, s(3710)), Change::Recovered);
         assert_eq!(round(&mut t, true, s(3720)), Change::Nothing);
         assert_eq!(t.down_since("web"), None);
+    }
+
+    #[test]
+    fn a_relapse_is_reported_at_once_only_once_per_realert() {
+        let mut t = Tracker::default();
+        let t0 = chrono::Utc::now();
+        let s = |n: i64| t0 + chrono::Duration::seconds(n);
+        let hour = Duration::from_secs(3600);
+        assert_eq!(t.observe("web", false, s(0), hour), Change::Down);
+        t.reported("web", &Change::Down, s(0), Uuid::from_u128(1));
+        // Its run resolved, yet the next round sees it down: a new outage, at once.
+        assert_eq!(t.relapsed("web", s(30), hour), Change::Down);
+        assert_eq!(t.down_since("web"), Some(s(30)));
+        t.reported("web", &Change::Down, s(30), Uuid::from_u128(2));
+        assert_eq!(t.run_of("web"), Some(Uuid::from_u128(2)));
+        // And again right after the next fix: a crash loop. Not a run a round: after realert.
+        assert_eq!(t.relapsed("web", s(60), hour), Change::Nothing);
+        assert_eq!(t.observe("web", false, s(90), hour), Change::Nothing);
+        assert_eq!(t.relapsed("web", s(3631), hour), Change::Down, "an hour after the last relapse");
     }
 
     #[test]
