@@ -25,15 +25,22 @@ impl StageHandler for Escalate {
         Box::pin(async move {
             let why = reason(state);
             // What failed this attempt, unless verify already stored it. Only commands that
-            // ran and failed count: a denied or rejected plan is not a failure of its
-            // commands, and neither is one that ran to the end where nothing could check it
-            // (no health check, the host lost after it): memory would bar a fix that may work.
+            // ran and failed count (or never told how they ended: one that took its worker
+            // down with it is not one to try again blindly): a denied or rejected plan is not
+            // a failure of its commands, and neither is one that ran to the end where nothing
+            // could check it (no health check, the host lost after it): memory would bar a
+            // fix that may work.
             if state.plan.is_some() && state.verification.as_ref().is_none_or(|v| v.attempt != state.attempt) {
                 let failed: Vec<String> = state
                     .executions
                     .iter()
                     .filter(|e| e.attempt == state.attempt)
-                    .filter(|e| matches!(e.status, ExecutionStatus::Failed | ExecutionStatus::TimedOut))
+                    .filter(|e| {
+                        matches!(
+                            e.status,
+                            ExecutionStatus::Failed | ExecutionStatus::TimedOut | ExecutionStatus::Interrupted
+                        )
+                    })
                     .map(|e| e.command.clone())
                     .collect();
                 cx.record(Record::Episode(Episode::of(state, &failed, false, &why)));

@@ -180,7 +180,9 @@ fn incident(a: &Alert, cfg: &GatewayConfig, services: &dyn Fn(&str) -> bool) -> 
     let mut inc = Incident {
         id: Some(run_id(&a.fingerprint, a.starts_at)),
         service: service.to_string(),
-        host: first_label(a, &cfg.host_labels).and_then(host_of),
+        // The first of the host labels that names a host (an unusable `host` label does not
+        // hide a usable `instance`).
+        host: cfg.host_labels.iter().filter_map(|n| a.labels.get(n)).find_map(|v| host_of(v.trim())),
         // Redacted before it is cut: a redaction makes the text longer.
         error: clip(&pitcrew_model::redact::redact(&error), pitcrew_model::incident::MAX_ERROR_LEN - 16),
         severity,
@@ -248,9 +250,10 @@ mod tests {
         for i in 0..80 {
             labels.insert(format!("extra{i:02}"), "x".into());
         }
+        labels.insert("host".into(), "unix:///run/web.sock".into());
         let p = payload(&serde_json::Value::Object(labels).to_string(), "firing");
         let Ok(Action::Fire(i)) = &actions(&p, &cfg, &known).unwrap()[0] else { panic!("refused") };
-        assert_eq!(i.host.as_deref(), Some("web-1.example.com"));
+        assert_eq!(i.host.as_deref(), Some("web-1.example.com"), "a usable instance behind an unusable host label");
         assert_eq!(i.labels.len(), pitcrew_model::incident::MAX_LABELS);
         // A summary at the length limit that grows when its secrets are redacted.
         let mut p = payload(r#"{"service":"web"}"#, "firing");

@@ -26,13 +26,16 @@ static PATTERNS: LazyLock<Vec<Pattern>> = LazyLock::new(|| {
         p(r"(?i)\b((?:proxy-)?authorization\s*:\s*)(?:(basic|bearer|token|digest)\s+)?\S+", "${1}${2} [REDACTED]"),
         p(r"(?i)\b(bearer\s+)[A-Za-z0-9\-._~+/]+=*", "${1}[REDACTED]"),
         p(
-            r#"(?i)\b([a-z0-9_-]*(?:password|passwd|pwd|pass|secret|token|api[_-]?key|apikey|access[_-]?key|private[_-]?key|credentials?)["']?\s*[:=]\s*["']?)[^\s"',;&]+"#,
+            // `DB_PASSWORD=`, and the run-together names of clients' own variables
+            // (`PGPASSWORD=`, `DBPASS=`), not any word ending in one (`NOPASSWD:`, `OLDPWD=`).
+            r#"(?i)\b((?:[a-z0-9_-]*[_-]|pg|db|mysql|redis|mongo)?(?:password|passwd|pwd|pass|secret|token|api[_-]?key|apikey|access[_-]?key|private[_-]?key|credentials?)["']?\s*[:=]\s*["']?)[^\s"',;&]+"#,
             "${1}[REDACTED]",
         ),
         p(r"(?i)(--?(?:password|passwd|token|secret|api-key|apikey)\s+)\S+", "${1}[REDACTED]"),
         // `redis://:password@cache` has no user part at all.
         p(r"(?i)\b([a-z][a-z0-9+.-]*://[^/\s:@]*:)[^/\s@]+@", "${1}[REDACTED]@"),
-        p(r"(?i)\b((?:set-)?cookie\s*:\s*)[^\r\n]+", "${1}[REDACTED]"),
+        // A header's value up to the line's end or a quote (a log line in JSON goes on).
+        p(r#"(?i)\b((?:set-)?cookie\s*:\s*)[^\r\n"]+"#, "${1}[REDACTED]"),
         p(r"\bAKIA[0-9A-Z]{16}\b", MARK),
         p(r"\bsk-[A-Za-z0-9_-]{16,}", MARK),
         p(r"\bxox[abprs]-[A-Za-z0-9-]{10,}", MARK),
@@ -48,13 +51,26 @@ static ANY: LazyLock<RegexSet> =
 
 /// A name (a label's, a header's, a variable's) whose value is a secret whatever it looks like.
 static SECRET_NAME: LazyLock<Regex> = LazyLock::new(|| {
-    Regex::new(r"(?i)(password|passwd|pwd|pass|secret|token|api[_-]?key|apikey|access[_-]?key|private[_-]?key|credential|cookie|authorization)")
+    // The unmistakable words anywhere in the name; the short ones (`pass`, `pwd`, `token`,
+    // `auth`) only as a part of their own (`db_pass`, `X-Auth-Token`), not `passthrough`.
+    Regex::new(r"(?i)password|passwd|secret|credential|api[_-]?key|apikey|access[_-]?key|private[_-]?key|cookie|authorization|(?:^|[_.-])(?:pass|pwd|token|auth)(?:$|[_.-])")
         .expect("secret name pattern")
 });
 
 /// Whether a value named `name` is a secret by its name (`db_password`, `X-Api-Key`).
 pub fn secret_name(name: &str) -> bool {
     SECRET_NAME.is_match(name)
+}
+
+#[cfg(test)]
+#[test]
+fn secret_names_are_known_by_their_words() {
+    for name in ["db_password", "X-Api-Key", "auth_token", "DB_PASS", "client-secret", "pwd", "Authorization"] {
+        assert!(secret_name(name), "{name}");
+    }
+    for name in ["passthrough", "tokenizer", "team", "author", "compass"] {
+        assert!(!secret_name(name), "{name}");
+    }
 }
 
 /// `text` with every secret it shows replaced.
@@ -112,6 +128,7 @@ mod tests {
             ("DBPASS=x", "DBPASS=[REDACTED]"),
             ("redis://:hunter2@cache:6379", "redis://:[REDACTED]@cache:6379"),
             ("Cookie: session=abc; theme=dark", "Cookie: [REDACTED]"),
+            (r#"{"h":"Cookie: s=1","next":2}"#, r#"{"h":"Cookie: [REDACTED]","next":2}"#),
             (
                 "-----BEGIN RSA PRIVATE KEY-----\nMIIE\n-----END RSA PRIVATE KEY-----\nafter",
                 "[REDACTED PRIVATE KEY]\nafter",
@@ -120,9 +137,16 @@ mod tests {
         for (input, want) in cases {
             assert_eq!(redact(input), want, "{input}");
         }
-        for plain in
-            ["connection refused", "passed: 3 tests", "token bucket full", "GET /health -> 503", "http://web:8080/x"]
-        {
+        for plain in [
+            "connection refused",
+            "passed: 3 tests",
+            "token bucket full",
+            "GET /health -> 503",
+            "http://web:8080/x",
+            "(root) NOPASSWD: /bin/systemctl",
+            "OLDPWD=/home/ops",
+            "bypass=1",
+        ] {
             assert!(matches!(redact(plain), Cow::Borrowed(_)), "{plain} is left alone");
         }
     }
