@@ -164,8 +164,8 @@ impl Incident {
         Ok(())
     }
 
-    /// The error with numbers and hex ids masked: "refused on :8080" and "refused on :9090"
-    /// are the same problem for episodic memory.
+    /// The error with numbers and hex ids masked (see [`error_signature`]): "refused on :8080"
+    /// and "refused on :9090" are the same problem for episodic memory.
     pub fn signature(&self) -> String {
         error_signature(&self.error)
     }
@@ -185,19 +185,52 @@ impl Incident {
     }
 }
 
-/// Lowercase, digits masked as `#`, whitespace collapsed.
+/// Lowercase, numbers and hex ids masked as `#`, whitespace collapsed. A hex id is a word of
+/// at least four hex digits with a digit among them (`3f2a9bc1d0e4`, each part of a UUID,
+/// `0x7ffd5a`), so a request or container id in an alert does not make every alert a new
+/// problem; a word of letters alone (`dead`, `cafe`) is kept.
 pub fn error_signature(error: &str) -> String {
     let mut out = String::with_capacity(error.len());
     let mut last_space = false;
     let mut last_hash = false;
-    for c in error.chars() {
-        if c.is_ascii_digit() {
-            if !last_hash {
-                out.push('#');
-            }
-            last_hash = true;
+    let hash = |out: &mut String, last_hash: &mut bool| {
+        if !*last_hash {
+            out.push('#');
+        }
+        *last_hash = true;
+    };
+    let mut rest = error;
+    while let Some(c) = rest.chars().next() {
+        if c.is_ascii_alphanumeric() {
+            let word_len = rest.find(|c: char| !c.is_ascii_alphanumeric()).unwrap_or(rest.len());
+            let (word, after) = rest.split_at(word_len);
+            rest = after;
             last_space = false;
-        } else if c.is_whitespace() {
+            let digits = word.strip_prefix("0x").or_else(|| word.strip_prefix("0X")).filter(|h| !h.is_empty());
+            let hex_id = match digits {
+                Some(h) => h.chars().all(|c| c.is_ascii_hexdigit()),
+                None => {
+                    word.len() >= 4
+                        && word.chars().all(|c| c.is_ascii_hexdigit())
+                        && word.chars().any(|c| c.is_ascii_digit())
+                }
+            };
+            if hex_id {
+                hash(&mut out, &mut last_hash);
+                continue;
+            }
+            for c in word.chars() {
+                if c.is_ascii_digit() {
+                    hash(&mut out, &mut last_hash);
+                } else {
+                    out.push(c.to_ascii_lowercase());
+                    last_hash = false;
+                }
+            }
+            continue;
+        }
+        rest = &rest[c.len_utf8()..];
+        if c.is_whitespace() {
             if !last_space {
                 out.push(' ');
             }
@@ -256,6 +289,23 @@ mod tests {
         assert_eq!(a.effective_fingerprint(), b.effective_fingerprint());
         assert_ne!(a.effective_fingerprint(), c.effective_fingerprint());
         assert_eq!(a.signature(), "connect to #.#.#.#:# refused");
+    }
+
+    #[test]
+    fn hex_ids_are_masked_and_words_are_not() {
+        for (a, b) in [
+            ("container 3f2a9bc1d0e4 exited", "container 9e0b7c55aa01 exited"),
+            (
+                "request 550e8400-e29b-41d4-a716-446655440000 failed",
+                "request 6ba7b810-9dad-11d1-80b4-00c04fd430c8 failed",
+            ),
+            ("segfault at 0x7ffd5a", "segfault at 0xdeadbeef"),
+        ] {
+            assert_eq!(error_signature(a), error_signature(b), "{a} / {b}");
+        }
+        assert_eq!(error_signature("container 3f2a9bc1d0e4 exited"), "container # exited");
+        assert_eq!(error_signature("Dead beef, utf8 x86 ab12"), "dead beef, utf# x# #");
+        assert_ne!(error_signature("disk full"), error_signature("disk dead"));
     }
 
     #[test]
