@@ -10,21 +10,25 @@ use pitcrew::{cli, crew};
 use pitcrew_model::{Decision, EventKind, Stage};
 use pitcrew_testkit::TestEnv;
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_outage_opens_one_run_and_its_recovery_is_reported() -> anyhow::Result<()> {
+/// A crew (every stage) whose fix for `svc` needs approval, so its run stays open until the
+/// test decides it, with the `[monitor]` settings `monitor`.
+async fn crew_fixing_on_approval(monitor: &str) -> anyhow::Result<Crew> {
     let env = TestEnv::start().await?;
-    // The fix needs approval, so the run stays open while the monitor keeps reporting.
     let book = write(
         &env,
         "playbook.toml",
         "[[rule]]\nname = \"down\"\nmatch = \"exited 1\"\ndiagnosis = \"{service} marker missing\"\n\
          plans = [[\"rm -f {dir}/lock\", \"{start}\"]]\n",
     );
-    let text = format!(
-        "[reasoning]\nplaybook_file = \"{book}\"\n[monitor]\ninterval_ms = 100\nrealert_secs = 0\n{}",
-        marker_service(&env, "svc")
-    );
-    let mut crew = Crew::start_in(env, &text, &Stage::ALL).await?;
+    let text =
+        format!("[reasoning]\nplaybook_file = \"{book}\"\n[monitor]\n{monitor}\n{}", marker_service(&env, "svc"));
+    Crew::start_in(env, &text, &Stage::ALL).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_outage_opens_one_run_and_its_recovery_is_reported() -> anyhow::Result<()> {
+    // The run stays open while the monitor keeps reporting.
+    let mut crew = crew_fixing_on_approval("interval_ms = 100\nrealert_secs = 0").await?;
     let recovered_subject = format!("{}.events.monitor.svc.recovered", crew.bus.subjects.prefix());
     let mut recoveries = crew.bus.client.subscribe(recovered_subject).await?;
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
@@ -76,21 +80,10 @@ async fn an_outage_opens_one_run_and_its_recovery_is_reported() -> anyhow::Resul
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_service_down_again_right_after_its_run_resolved_opens_a_new_run_at_once() -> anyhow::Result<()> {
-    let env = TestEnv::start().await?;
-    let healthy = env.path("svc-healthy");
-    let book = write(
-        &env,
-        "playbook.toml",
-        "[[rule]]\nname = \"down\"\nmatch = \"exited 1\"\ndiagnosis = \"{service} marker missing\"\n\
-         plans = [[\"rm -f {dir}/lock\", \"{start}\"]]\n",
-    );
     // Reminders an hour apart, rounds 1.5 s apart: the service fails again right after the
     // run resolves, before the monitor's next round can see it healthy.
-    let text = format!(
-        "[reasoning]\nplaybook_file = \"{book}\"\n[monitor]\ninterval_ms = 1500\nrealert_secs = 3600\n{}",
-        marker_service(&env, "svc")
-    );
-    let mut crew = Crew::start_in(env, &text, &Stage::ALL).await?;
+    let mut crew = crew_fixing_on_approval("interval_ms = 1500\nrealert_secs = 3600").await?;
+    let healthy = crew.env.path("svc-healthy");
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let shutdown = async move {
         let _ = stopped.await;
