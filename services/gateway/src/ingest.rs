@@ -39,21 +39,60 @@ impl Received {
     }
 }
 
+/// Namespace of the ids of incidents opened again after the run they joined closed.
+const REOPENED: Uuid = Uuid::from_u128(0x3c9e_51d2_7a4b_4f08_9e16_c2d7_0b5a_e413);
+
+/// How many closed runs one incident may have joined in turn before it is no longer opened
+/// again (an alert firing for days, flapping into open runs: each hop is one lookup).
+const MAX_REOPENS: usize = 64;
+
+/// The id incident `id` is opened again under once the run it joined, `closed`, has closed.
+fn reopened_id(id: Uuid, closed: Uuid) -> Uuid {
+    Uuid::new_v5(&REOPENED, format!("{id}:{closed}").as_bytes())
+}
+
 impl Gateway {
     /// Publish a checked incident on `incidents.new` unless its id is already taken care of.
-    /// One that joined a run since closed is published again (`IncidentSeen::JoinedClosed`).
+    /// One that joined a run since closed (`IncidentSeen::JoinedClosed`) is a fault that run
+    /// did not end: it is published again as a new incident, under an id derived from its own
+    /// and the closed run's (so sending it again names the same new run), and that id is
+    /// answered. A new id, not the old one: the old one's timeline already ends in
+    /// `duplicate`, which would end a watch of the new run and take its first event's key.
     pub async fn open(&self, incident: &Incident) -> Result<(Uuid, Received), ApiError> {
-        let id = incident.id.ok_or_else(|| ApiError::BadRequest("incident has no id".into()))?;
-        let published = match self.store.incident_seen(id).await? {
-            IncidentSeen::Taken => return Ok((id, Received::Existing)),
-            IncidentSeen::New => self.bus.open_incident(incident).await,
-            IncidentSeen::JoinedClosed(closed) => {
-                tracing::info!(incident = %id, closed = %closed, "the run this incident joined has closed: publishing it again");
-                self.bus.reopen_incident(incident, closed).await
+        let mut incident = std::borrow::Cow::Borrowed(incident);
+        for _ in 0..MAX_REOPENS {
+            let id = incident.id.ok_or_else(|| ApiError::BadRequest("incident has no id".into()))?;
+            match self.store.incident_seen(id).await? {
+                IncidentSeen::Taken => return Ok((id, Received::Existing)),
+                IncidentSeen::New => {
+                    self.bus.open_incident(&incident).await.map_err(|e| ApiError::unavailable("NATS", e))?;
+                    return Ok((id, Received::Published));
+                }
+                IncidentSeen::JoinedClosed(closed) => {
+                    let again = reopened_id(id, closed);
+                    tracing::info!(incident = %id, closed = %closed, again = %again, "the run this incident joined has closed: opening it again");
+                    incident.to_mut().id = Some(again);
+                }
             }
-        };
-        published.map_err(|e| ApiError::unavailable("NATS", e))?;
-        Ok((id, Received::Published))
+        }
+        let id = incident.id.unwrap_or_default();
+        tracing::warn!(incident = %id, "incident joined {MAX_REOPENS} runs that closed: not opened again");
+        Ok((id, Received::Existing))
+    }
+
+    /// The last id `id` was opened again under (see [`Gateway::open`]), or `id` itself: where
+    /// news of the alert (its resolution at the source) belongs.
+    async fn latest_opening(&self, id: Uuid) -> Result<Uuid, ApiError> {
+        let mut id = id;
+        for _ in 0..MAX_REOPENS {
+            let IncidentSeen::JoinedClosed(closed) = self.store.incident_seen(id).await? else { break };
+            let again = reopened_id(id, closed);
+            if self.store.incident_seen(again).await? == IncidentSeen::New {
+                break;
+            }
+            id = again;
+        }
+        Ok(id)
     }
 
     fn check_service(&self, service: &str) -> Result<(), ApiError> {
@@ -159,6 +198,7 @@ impl Gateway {
         if !self.store.incident_exists(run).await? {
             return Ok("no_run");
         }
+        let run = self.latest_opening(run).await?;
         let ended = ends_at.map(|t| t.to_rfc3339()).unwrap_or_else(|| "-".into());
         let event = RunEvent {
             run_id: run,

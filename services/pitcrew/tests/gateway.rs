@@ -246,16 +246,66 @@ async fn an_incident_sent_again_after_the_run_it_joined_closed_opens_its_own_run
     assert_eq!(api.crew.end(first).await?.kind, EventKind::Escalated);
     let (status, body) = api.post("/v1/incidents", "otto", &incident(again)).await?;
     assert_eq!((status, &body["outcome"]), (StatusCode::ACCEPTED, &json!("accepted")), "{body}");
-    api.crew
+    // A run of its own, under a new id: the old id's timeline ended in `duplicate`.
+    let reopened: Uuid = body["run_id"].as_str().unwrap_or_default().parse()?;
+    assert_ne!(reopened, again);
+    let opened = api
+        .crew
         .events
-        .kind(again, EventKind::ApprovalRequested, WAIT)
+        .wait(reopened, |e| e.kind == EventKind::Status && e.stage == Stage::Intake, WAIT)
         .await
         .map_err(|e| anyhow::anyhow!("the incident sent again opened no run of its own: {e}"))?;
-    // Now it has a run of its own: sent again, nothing more is published.
+    assert!(opened.message.starts_with("run opened for svc"), "{}", opened.message);
+    api.crew.events.kind(reopened, EventKind::ApprovalRequested, WAIT).await?;
+    // Sent again, it names that run and publishes nothing more.
     let (status, body) = api.post("/v1/incidents", "otto", &incident(again)).await?;
-    assert_eq!((status, &body["outcome"]), (StatusCode::OK, &json!("already_received")), "{body}");
+    assert_eq!(
+        (status, &body["outcome"], &body["run_id"]),
+        (StatusCode::OK, &json!("already_received"), &json!(reopened))
+    );
+    // Its timeline is its own: it opened, and nothing ended it.
+    let (status, run) = api.get(&format!("/v1/runs/{reopened}"), "otto").await?;
+    assert_eq!(status, StatusCode::OK, "{run}");
+    assert_eq!(run["status"], "waiting_approval", "{run}");
+    assert!(run["report"].is_null(), "no terminal event in its timeline: {run}");
     let db = api.crew.db().await?;
     assert_eq!(db.query_one("SELECT count(*) FROM runs", &[]).await?.get::<_, i64>(0), 2);
+    api.crew.shutdown().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_alert_opened_again_gets_its_resolution_on_the_run_it_opened() -> anyhow::Result<()> {
+    let mut api = Api::start(&Stage::ALL, "").await?;
+    // One Alertmanager alert (fingerprint f1) firing twice: from S1, then again from S2.
+    let alert = |status: &str, starts: &str| {
+        json!({"version": "4", "status": status, "alerts": [{
+            "status": status, "labels": {"alertname": "Locked", "service": "svc"},
+            "annotations": {"summary": "stale lock held"}, "startsAt": starts, "fingerprint": "f1",
+            "endsAt": if status == "resolved" { "2026-11-22T09:00:00Z" } else { "0001-01-01T00:00:00Z" }}]})
+    };
+    const AM: &str = "/v1/alerts/alertmanager";
+    let run_of = |body: &Value| body["alerts"][0]["run_id"].as_str().unwrap_or_default().parse::<Uuid>();
+    let (_, body) = api.post(AM, "otto", &alert("firing", "2026-11-22T07:00:00Z")).await?;
+    let first = run_of(&body)?;
+    api.crew.events.kind(first, EventKind::ApprovalRequested, WAIT).await?;
+    let (_, body) = api.post(AM, "otto", &alert("firing", "2026-11-22T08:00:00Z")).await?;
+    let second = run_of(&body)?;
+    api.crew.events.kind(second, EventKind::Duplicate, WAIT).await?;
+    let (status, body) = api.post(&format!("/v1/runs/{first}/deny"), "ann", &json!({"reason": "not now"})).await?;
+    assert_eq!(status, StatusCode::ACCEPTED, "{body}");
+    api.crew.end(first).await?;
+    // Still firing, sent again: opened again under a run of its own.
+    let (_, body) = api.post(AM, "otto", &alert("firing", "2026-11-22T08:00:00Z")).await?;
+    assert_eq!(body["alerts"][0]["outcome"], "accepted", "{body}");
+    let reopened = run_of(&body)?;
+    assert_ne!(reopened, second);
+    api.crew.events.kind(reopened, EventKind::ApprovalRequested, WAIT).await?;
+    // Its resolution at the source is news for that run, not for the closed duplicate.
+    let (_, body) = api.post(AM, "otto", &alert("resolved", "2026-11-22T08:00:00Z")).await?;
+    assert_eq!(body["alerts"][0]["outcome"], "recorded", "{body}");
+    let rec =
+        api.crew.events.wait(reopened, |e| e.kind == EventKind::Status && e.data["alert"] == "resolved", WAIT).await?;
+    assert!(rec.message.contains("alert resolved at the source"), "{}", rec.message);
     api.crew.shutdown().await
 }
 

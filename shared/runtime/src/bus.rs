@@ -242,26 +242,11 @@ impl Bus {
     /// header, and wait for the stream's ack; returns the id (the run's id). The one way the
     /// monitor, the gateway, the CLI and the load tool open an incident.
     pub async fn open_incident(&self, incident: &Incident) -> Result<uuid::Uuid, BusError> {
-        self.publish_incident(incident, None).await
-    }
-
-    /// Publish an incident once more, after the run it joined (`closed`) ended: under a
-    /// message id of its own, so the stream's deduplication of the first publication does not
-    /// swallow it, while a repeat of this one still is.
-    pub async fn reopen_incident(&self, incident: &Incident, closed: uuid::Uuid) -> Result<uuid::Uuid, BusError> {
-        self.publish_incident(incident, Some(closed)).await
-    }
-
-    async fn publish_incident(&self, incident: &Incident, after: Option<uuid::Uuid>) -> Result<uuid::Uuid, BusError> {
         let subject = self.subjects.incidents_new();
         let refused = |error: String| BusError::Publish { subject: subject.clone(), error };
         let id = incident.id.ok_or_else(|| refused("the incident has no id".into()))?;
         let payload = serde_json::to_vec(incident).map_err(|e| refused(format!("encoding the incident: {e}")))?;
-        let msg_id = match after {
-            None => id.to_string(),
-            Some(closed) => format!("{id}.after.{closed}"),
-        };
-        self.publish(subject, &msg_id, codec::JSON, Some(id), payload.into()).await?;
+        self.publish(subject, &id.to_string(), codec::JSON, Some(id), payload.into()).await?;
         Ok(id)
     }
 
