@@ -365,6 +365,13 @@ async fn an_approval_arriving_after_the_deadline_expires_the_request_instead() -
     // waits on the bridge subject for it.
     crew.shutdown().await?;
     tokio::time::sleep(std::time::Duration::from_millis(1500)).await;
+    // The CLI (and the HTTP API, and the chat bridges: they submit the same way) says so.
+    let refused =
+        cli::submit(&crew.bus, Some(&crew.store), DecisionInput::cli(run, Decision::Approve, "ann", None, &crew.cfg))
+            .await
+            .unwrap_err();
+    assert!(refused.to_string().contains("expired at"), "{refused}");
+    // A client that does not ask publishes it anyway.
     let late = ApprovalDecision {
         run_id: run,
         decision: Decision::Approve,

@@ -111,6 +111,15 @@ pub async fn submit(
             )));
         }
     }
+    // Past its deadline, an approval is turned into an expiry by the crew: say so here rather
+    // than answer "approved" for a plan that will not run.
+    if decision == Decision::Approve && req.expires_at <= chrono::Utc::now() {
+        return Err(DecideError::Conflict(format!(
+            "the approval request for plan {} of run {run} expired at {}: the run escalates, an approval now would not run it",
+            req.plan_hash,
+            req.expires_at.format("%Y-%m-%d %H:%M:%S")
+        )));
+    }
     if let Some(store) = store {
         if let Some((prev, who, via, when)) = store.approval_decision(run, &req.plan_hash).await? {
             return Err(DecideError::Conflict(format!(
