@@ -412,3 +412,31 @@ async fn a_run_state_from_a_newer_worker_is_left_for_one() -> anyhow::Result<()>
     assert_eq!(info.num_ack_pending + info.num_pending as usize, 2, "both wait for a newer worker: {info:?}");
     crew.shutdown().await
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_made_with_older_settings_takes_the_current_ones() -> anyhow::Result<()> {
+    use async_nats::jetstream::stream;
+    let env = TestEnv::start().await?;
+    let cfg = pitcrew_runtime::Config::from_toml(&env.config_toml(""))?;
+    let bus = pitcrew_runtime::Bus::connect(&cfg).await?;
+    // The stages stream as an older pitcrew made it: pending work expired after 7 days, and a
+    // full stream dropped the oldest.
+    bus.js
+        .create_stream(stream::Config {
+            name: bus.subjects.stages_stream(),
+            subjects: vec![bus.subjects.stages_all()],
+            retention: stream::RetentionPolicy::WorkQueue,
+            max_age: Duration::from_secs(7 * 86_400),
+            max_bytes: 4 << 30,
+            discard: stream::DiscardPolicy::Old,
+            storage: stream::StorageType::File,
+            ..Default::default()
+        })
+        .await?;
+    bus.ensure_streams().await?;
+    let info = bus.js.get_stream(bus.subjects.stages_stream()).await?.info().await?.config.clone();
+    assert_eq!(info.max_age, Duration::ZERO, "pending work never expires");
+    assert_eq!(info.discard, stream::DiscardPolicy::New, "a full stream refuses new work");
+    assert_eq!(info.duplicate_window, Duration::from_secs(120));
+    Ok(())
+}

@@ -101,6 +101,16 @@ pub struct Bus {
     pub subjects: Subjects,
 }
 
+/// Whether a stream's settings differ from the ones pitcrew manages.
+fn differs(old: &stream::Config, new: &stream::Config) -> bool {
+    old.subjects != new.subjects
+        || old.max_age != new.max_age
+        || old.max_bytes != new.max_bytes
+        || old.max_message_size != new.max_message_size
+        || old.duplicate_window != new.duplicate_window
+        || old.discard != new.discard
+}
+
 impl Bus {
     /// Connect, failing fast with a readable error when no server answers.
     pub async fn connect(cfg: &Config) -> Result<Bus, BusError> {
@@ -171,10 +181,12 @@ impl Bus {
                 ..Default::default()
             };
             let mut last = None;
+            let mut found = None;
             for _ in 0..3 {
                 match self.js.get_or_create_stream(config.clone()).await {
-                    Ok(_) => {
+                    Ok(stream) => {
                         last = None;
+                        found = Some(stream.cached_info().config.clone());
                         break;
                     }
                     Err(e) => last = Some(e.to_string()),
@@ -182,6 +194,25 @@ impl Bus {
             }
             if let Some(error) = last {
                 return Err(BusError::Setup { what: format!("stream {name}"), error });
+            }
+            // A stream made by an older pitcrew keeps its settings: bring them up to date (the
+            // stages stream once expired and dropped pending work). Only the crew's and the
+            // operator's NATS users may; the others leave it to them.
+            if let Some(old) = found.filter(|old| differs(old, &config)) {
+                match self.js.update_stream(config.clone()).await {
+                    Ok(_) => tracing::info!(
+                        stream = %name,
+                        max_age_secs = config.max_age.as_secs(),
+                        max_bytes = config.max_bytes,
+                        discard = ?config.discard,
+                        was_max_age_secs = old.max_age.as_secs(),
+                        was_discard = ?old.discard,
+                        "stream settings brought up to date"
+                    ),
+                    Err(e) => {
+                        tracing::warn!(stream = %name, error = %e, "stream settings differ from this version's and could not be updated")
+                    }
+                }
             }
         }
         Ok(())
