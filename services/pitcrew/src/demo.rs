@@ -139,7 +139,8 @@ pub async fn run(ssh: bool, llm: Option<LlmDemo>) -> anyhow::Result<()> {
         text.push_str(&l.config()?);
         println!(
             "demo: reasoning with {} at {} (the playbook answers when the model's answer is unusable)",
-            l.model, l.base_url
+            l.model,
+            pitcrew_runtime::config::redact_url(&l.base_url)
         );
     }
     let cfg = config(&text, &nats)?;
