@@ -46,6 +46,14 @@ const REOPENED: Uuid = Uuid::from_u128(0x3c9e_51d2_7a4b_4f08_9e16_c2d7_0b5a_e413
 /// again (an alert firing for days, flapping into open runs: each hop is one lookup).
 const MAX_REOPENS: usize = 64;
 
+/// Where an incident stands after following the ids it was opened again under.
+struct Opening {
+    id: Uuid,
+    seen: IncidentSeen,
+    /// The id before `id` in that chain, if `id` is not the incident's own.
+    before: Option<Uuid>,
+}
+
 /// The id incident `id` is opened again under once the run it joined, `closed`, has closed.
 fn reopened_id(id: Uuid, closed: Uuid) -> Uuid {
     Uuid::new_v5(&REOPENED, format!("{id}:{closed}").as_bytes())
@@ -59,40 +67,46 @@ impl Gateway {
     /// answered. A new id, not the old one: the old one's timeline already ends in
     /// `duplicate`, which would end a watch of the new run and take its first event's key.
     pub async fn open(&self, incident: &Incident) -> Result<(Uuid, Received), ApiError> {
-        let mut incident = std::borrow::Cow::Borrowed(incident);
-        for _ in 0..MAX_REOPENS {
-            let id = incident.id.ok_or_else(|| ApiError::BadRequest("incident has no id".into()))?;
-            match self.store.incident_seen(id).await? {
-                IncidentSeen::Taken => return Ok((id, Received::Existing)),
-                IncidentSeen::New => {
-                    self.bus.open_incident(&incident).await.map_err(|e| ApiError::unavailable("NATS", e))?;
-                    return Ok((id, Received::Published));
-                }
-                IncidentSeen::JoinedClosed(closed) => {
-                    let again = reopened_id(id, closed);
-                    tracing::info!(incident = %id, closed = %closed, again = %again, "the run this incident joined has closed: opening it again");
-                    incident.to_mut().id = Some(again);
-                }
+        let id = incident.id.ok_or_else(|| ApiError::BadRequest("incident has no id".into()))?;
+        let now = self.opening(id).await?;
+        if now.seen != IncidentSeen::New {
+            if let IncidentSeen::JoinedClosed(_) = now.seen {
+                tracing::warn!(incident = %id, "incident joined {MAX_REOPENS} runs that closed: not opened again");
             }
+            return Ok((now.id, Received::Existing));
         }
-        let id = incident.id.unwrap_or_default();
-        tracing::warn!(incident = %id, "incident joined {MAX_REOPENS} runs that closed: not opened again");
-        Ok((id, Received::Existing))
+        let mut incident = std::borrow::Cow::Borrowed(incident);
+        if now.id != id {
+            tracing::info!(incident = %id, again = %now.id, "the run this incident joined has closed: opening it again");
+            incident.to_mut().id = Some(now.id);
+        }
+        self.bus.open_incident(&incident).await.map_err(|e| ApiError::unavailable("NATS", e))?;
+        Ok((now.id, Received::Published))
     }
 
-    /// The last id `id` was opened again under (see [`Gateway::open`]), or `id` itself: where
-    /// news of the alert (its resolution at the source) belongs.
-    async fn latest_opening(&self, id: Uuid) -> Result<Uuid, ApiError> {
-        let mut id = id;
+    /// Where incident `id` stands: followed through the ids it was opened again under (see
+    /// [`Gateway::open`]) to the first one that is new or taken care of, with the one before
+    /// it. After `MAX_REOPENS` closed runs: the next id, still `JoinedClosed`.
+    async fn opening(&self, id: Uuid) -> Result<Opening, ApiError> {
+        let (mut id, mut before) = (id, None);
+        let mut seen = IncidentSeen::New;
         for _ in 0..MAX_REOPENS {
-            let IncidentSeen::JoinedClosed(closed) = self.store.incident_seen(id).await? else { break };
-            let again = reopened_id(id, closed);
-            if self.store.incident_seen(again).await? == IncidentSeen::New {
-                break;
-            }
-            id = again;
+            seen = self.store.incident_seen(id).await?;
+            let IncidentSeen::JoinedClosed(closed) = seen else { break };
+            (id, before) = (reopened_id(id, closed), Some(id));
         }
-        Ok(id)
+        Ok(Opening { id, seen, before })
+    }
+
+    /// The last id `id` was opened again under, or `id` itself: where news of the alert (its
+    /// resolution at the source) belongs.
+    async fn latest_opening(&self, id: Uuid) -> Result<Uuid, ApiError> {
+        let now = self.opening(id).await?;
+        Ok(match (now.seen, now.before) {
+            // Not opened again (yet) under the last id: the one before it is the latest.
+            (IncidentSeen::New, Some(before)) => before,
+            _ => now.id,
+        })
     }
 
     fn check_service(&self, service: &str) -> Result<(), ApiError> {
