@@ -29,6 +29,26 @@ diagnosis = "{service} is cursed"
 plans = [["mkdir {dir}/try-1"], ["mkdir {dir}/try-2"], ["mkdir {dir}/try-3"], ["mkdir {dir}/try-4"]]
 "#;
 
+/// A decision as any client of the bridge subject may publish it (channel `script`), past
+/// every check the CLI and the HTTP API make.
+fn scripted(run: uuid::Uuid, decision: Decision, by: &str, reason: Option<String>) -> ApprovalDecision {
+    ApprovalDecision {
+        run_id: run,
+        decision,
+        by: by.into(),
+        plan_hash: None,
+        reason,
+        channel: "script".into(),
+        decided_at: chrono::Utc::now(),
+    }
+}
+
+/// Publish `d` on its run's bridge subject as a plain NATS message.
+async fn publish_raw(crew: &Crew, d: &ApprovalDecision) -> anyhow::Result<()> {
+    crew.bus.client.publish(crew.bus.subjects.approval_decided(d.run_id), serde_json::to_vec(d)?.into()).await?;
+    Ok(())
+}
+
 async fn crew_with_playbook(extra: &str) -> anyhow::Result<Crew> {
     let env = TestEnv::start().await?;
     let book = write(&env, "playbook.toml", PLAYBOOK);
@@ -127,15 +147,10 @@ async fn a_critical_plan_parks_until_approved_then_runs() -> anyhow::Result<()> 
     assert!(req.rule.contains("rm"), "{}", req.rule);
     // Someone not under [approvers], straight on the bridge subject: refused, nothing changes.
     let forged = ApprovalDecision {
-        run_id: run,
-        decision: Decision::Approve,
-        by: "mallory".into(),
         plan_hash: Some(req.plan_hash.clone()),
-        reason: None,
-        channel: "script".into(),
-        decided_at: chrono::Utc::now(),
+        ..scripted(run, Decision::Approve, "mallory", None)
     };
-    crew.bus.client.publish(crew.bus.subjects.approval_decided(run), serde_json::to_vec(&forged)?.into()).await?;
+    publish_raw(&crew, &forged).await?;
     let refused = crew.events.wait(run, |e| e.kind == EventKind::Error && e.message.contains("refused"), WAIT).await?;
     assert!(refused.message.contains("mallory is not a configured approver"), "{}", refused.message);
     let status: String = db.query_one("SELECT status FROM runs WHERE id = $1", &[&run]).await?.get(0);
@@ -210,22 +225,14 @@ async fn a_denied_plan_is_escalated_and_nothing_runs() -> anyhow::Result<()> {
             .await
             .unwrap_err();
     assert!(refused.to_string().contains("already decided: deny by bob"), "{refused}");
-    let late = ApprovalDecision {
-        run_id: run,
-        decision: Decision::Approve,
-        by: "carol".into(),
-        plan_hash: None,
-        reason: None,
-        channel: "script".into(),
-        decided_at: chrono::Utc::now(),
-    };
-    crew.bus.client.publish(crew.bus.subjects.approval_decided(run), serde_json::to_vec(&late)?.into()).await?;
+    let late = scripted(run, Decision::Approve, "carol", None);
+    publish_raw(&crew, &late).await?;
     crew.events
         .wait(run, |e| e.kind == EventKind::Error && e.message.contains("not waiting for an approval"), WAIT)
         .await?;
     // Naming the plan explicitly: the request was already settled.
     let named = ApprovalDecision { plan_hash: Some(cli::approval_request(&crew.bus, run).await?.plan_hash), ..late };
-    crew.bus.client.publish(crew.bus.subjects.approval_decided(run), serde_json::to_vec(&named)?.into()).await?;
+    publish_raw(&crew, &named).await?;
     crew.events
         .wait(run, |e| e.kind == EventKind::Error && e.message.contains("already decided (deny by bob)"), WAIT)
         .await?;
@@ -241,16 +248,8 @@ async fn a_denial_whose_reason_holds_a_nul_byte_stops_the_plan() -> anyhow::Resu
     // Any publisher on the bridge subject (a bot, a script, the HTTP API): Postgres takes no
     // NUL in text, and a denial it refused to record was dead-lettered while the run waited
     // on for someone else's approval.
-    let deny = ApprovalDecision {
-        run_id: run,
-        decision: Decision::Deny,
-        by: "bob".into(),
-        plan_hash: None,
-        reason: Some(format!("no\0t now{}", "!".repeat(2000))),
-        channel: "script".into(),
-        decided_at: chrono::Utc::now(),
-    };
-    crew.bus.client.publish(crew.bus.subjects.approval_decided(run), serde_json::to_vec(&deny)?.into()).await?;
+    let deny = scripted(run, Decision::Deny, "bob", Some(format!("no\0t now{}", "!".repeat(2000))));
+    publish_raw(&crew, &deny).await?;
     let end = crew.events.terminal(run, WAIT).await?;
     assert_eq!(end.kind, EventKind::Escalated, "{}", end.message);
     assert!(end.message.contains("denied by bob: no\u{FFFD}t now!!!"), "{}", end.message);
@@ -372,16 +371,8 @@ async fn an_approval_arriving_after_the_deadline_expires_the_request_instead() -
             .unwrap_err();
     assert!(refused.to_string().contains("expired at"), "{refused}");
     // A client that does not ask publishes it anyway.
-    let late = ApprovalDecision {
-        run_id: run,
-        decision: Decision::Approve,
-        by: "ann".into(),
-        plan_hash: None,
-        reason: None,
-        channel: "script".into(),
-        decided_at: chrono::Utc::now(),
-    };
-    crew.bus.client.publish(crew.bus.subjects.approval_decided(run), serde_json::to_vec(&late)?.into()).await?;
+    let late = scripted(run, Decision::Approve, "ann", None);
+    publish_raw(&crew, &late).await?;
     crew.run(&Stage::ALL);
     let end = crew.end(run).await?;
     assert_eq!(end.kind, EventKind::Escalated, "{}", end.message);
@@ -432,15 +423,11 @@ async fn a_two_person_rule_runs_the_plan_only_after_two_distinct_approvers() -> 
     crew.events.wait(run, |e| e.message.contains("approve by ann via cli counted: 1 of 2"), WAIT).await?;
     // The same approver again is still one approval (published straight to the subject).
     let again = ApprovalDecision {
-        run_id: run,
-        decision: Decision::Approve,
-        by: "ann".into(),
         plan_hash: Some(req.plan_hash.clone()),
-        reason: None,
         channel: "chat".into(),
-        decided_at: chrono::Utc::now(),
+        ..scripted(run, Decision::Approve, "ann", None)
     };
-    crew.bus.client.publish(crew.bus.subjects.approval_decided(run), serde_json::to_vec(&again)?.into()).await?;
+    publish_raw(&crew, &again).await?;
     crew.events.wait(run, |e| e.message.contains("approve by ann via chat counted: 1 of 2"), WAIT).await?;
     let status: String = db.query_one("SELECT status FROM runs WHERE id = $1", &[&run]).await?.get(0);
     assert_eq!(status, "waiting_approval");
