@@ -117,6 +117,12 @@ struct Args {
     /// With `--target`: the configured service the incidents are about.
     #[arg(long, requires = "target")]
     service: Option<String>,
+    /// Services of the tool's own crew the incidents are spread over (`svc-0`, `svc-1`, ...,
+    /// identical; incident i is about `svc-{i % N}`). pitcrew remediates a service on a host one
+    /// run at a time, so runs of one service wait for each other in execute: many services is
+    /// what many incidents at once look like in production.
+    #[arg(long, default_value_t = 1000, conflicts_with = "target", value_parser = clap::value_parser!(u32).range(1..))]
+    services: u32,
     /// With `--target`: the error every incident reports (what the crew's playbook or model
     /// acts on). Default: `connection refused`.
     #[arg(long, requires = "target")]
@@ -363,9 +369,13 @@ async fn start_local(args: &Args, endpoint: Option<&str>, crew_rt: &tokio::runti
     };
     let text = env.config_toml(&format!(
         "{stages}{reasoning}\
-         [verify]\nchecks = 1\n[services.svc]\nhost = \"local\"\nstart = \"touch {healthy}\"\n{evidence}\
-         check = {check}\n",
+         [verify]\nchecks = 1\n{services}",
         stages = stage_config(args.concurrency, model_concurrency, args.diagnose_concurrency, args.diagnose_processes),
+        services = (0..args.services)
+            .map(|i| format!(
+                "[services.svc-{i}]\nhost = \"local\"\nstart = \"touch {healthy}\"\n{evidence}check = {check}\n"
+            ))
+            .collect::<String>(),
     ));
     let text = text.replacen("pool_size = 8\n", &format!("pool_size = {}\n", args.pool_size.max(1)), 1);
     // Worker processes (--diagnose-processes) export to the same place.
@@ -504,7 +514,11 @@ async fn drive(args: Args, crew_rt: tokio::runtime::Handle) -> anyhow::Result<()
             (cfg, bus, db)
         }
     };
-    let service = args.service.clone().unwrap_or_else(|| "svc".into());
+    // The tool's own crew has `--services` of them; a running crew, the one named.
+    let service_of = |i: usize| match &args.service {
+        Some(name) => name.clone(),
+        None => format!("svc-{}", i % args.services as usize),
+    };
     // One permit per run allowed in flight; the observer gives one back as each run ends.
     let in_flight = Arc::new(tokio::sync::Semaphore::new(if args.in_flight > 0 {
         args.in_flight
@@ -550,7 +564,7 @@ async fn drive(args: Args, crew_rt: tokio::runtime::Handle) -> anyhow::Result<()
             (None, _) if (i * 100 / args.incidents.max(1)) < args.resolve_percent as usize => "connection refused",
             (None, _) => "disk wiped",
         };
-        let inc = cli::incident(&service, error, None, Severity::Warning, Some(format!("lt-{batch}-{i}")))?;
+        let inc = cli::incident(&service_of(i), error, None, Severity::Warning, Some(format!("lt-{batch}-{i}")))?;
         let run = inc.id.context("the incident has no id")?;
         ours.add(run);
         // Publishes overlap (each waits for its own ack), so the next run starts as soon as
@@ -690,7 +704,8 @@ async fn drive(args: Args, crew_rt: tokio::runtime::Handle) -> anyhow::Result<()
             "evidence_commands": own.then_some(!(args.no_evidence || args.llm_latency_ms > 0)),
             "peak_rss_mb": if own { peak_rss_mb() } else { None },
             "target": args.target.as_ref().map(|p| p.display().to_string()),
-            "service": service,
+            "service": args.service,
+            "services": own.then_some(args.services),
             "cpu_ms_per_run": cpu,
             "otlp": otlp,
             "log": args.log,

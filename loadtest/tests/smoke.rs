@@ -35,9 +35,11 @@ fn accounts_for(report: &serde_json::Value, incidents: u64, resolved: u64) {
 
 #[test]
 fn runs_kept_in_flight_with_http_checks_all_end_and_are_counted() {
-    let report = run(&["--incidents", "20", "--in-flight", "4", "--check", "http", "--no-evidence"]);
+    // Four in flight over three services: runs of one service take turns remediating it.
+    let report = run(&["--incidents", "20", "--in-flight", "4", "--check", "http", "--no-evidence", "--services", "3"]);
     accounts_for(&report, 20, 16);
     assert_eq!(report["check"], "http");
+    assert_eq!(report["services"], 3);
     assert_eq!(report["in_flight"], 4);
     assert!(report["steady_per_second"].as_f64().unwrap_or(0.0) > 0.0, "{report}");
     // Measured from each run's publish to its end: never more than the tool lets in flight.

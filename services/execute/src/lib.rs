@@ -5,11 +5,11 @@ use futures::future::BoxFuture;
 use pitcrew_exec::{CommandOutput, ExecError};
 use pitcrew_model::run::MAX_OUTPUT;
 use pitcrew_model::{ApprovalStatus, EventKind, ExecutionRecord, ExecutionStatus, RunState, Stage};
-use pitcrew_runtime::store::Claim;
+use pitcrew_runtime::store::{Claim, Store, StoreError, TargetLock};
 use pitcrew_runtime::{Cx, StageError, StageHandler, Transition};
 use std::collections::BTreeMap;
 use std::sync::Mutex;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 use uuid::Uuid;
 
 /// The execute stage.
@@ -79,6 +79,75 @@ pub fn recorded_approval(incoming: &RunState, stored: &RunState) -> Result<(), S
     Ok(())
 }
 
+/// The first and the longest pause between two looks at a target another run is remediating.
+const TARGET_POLL: (Duration, Duration) = (Duration::from_millis(100), Duration::from_secs(2));
+
+/// A target this run holds.
+struct Taken {
+    /// Another run that took the target after this run opened.
+    remediated_since: Option<Uuid>,
+    /// A command of this attempt was claimed by an earlier delivery.
+    started: bool,
+    /// The run this one waited for, and how long.
+    waited: Option<(Option<Uuid>, Duration)>,
+}
+
+/// Take the run's target (its service on `host`), waiting while another run executes or
+/// verifies a plan there. `Err(holder)`: still taken after `wait`.
+async fn take_target(
+    store: &Store,
+    state: &RunState,
+    host: &str,
+    wait: Duration,
+) -> Result<Result<Taken, Option<Uuid>>, StoreError> {
+    let start = Instant::now();
+    let mut pause = TARGET_POLL.0;
+    let mut waited_for = None;
+    let mut busy = false;
+    loop {
+        match store.take_target(&state.incident.service, host, state.run_id, state.attempt).await? {
+            TargetLock::Held { remediated_since, started } => {
+                let waited = busy.then(|| (waited_for, start.elapsed()));
+                return Ok(Ok(Taken { remediated_since, started, waited }));
+            }
+            TargetLock::Busy(holder) => {
+                busy = true;
+                if holder.is_some() && holder != waited_for {
+                    tracing::info!(run = %state.run_id, holder = ?holder, service = %state.incident.service, host,
+                        "another run is remediating this target: waiting for it");
+                    waited_for = holder;
+                }
+                if start.elapsed() >= wait {
+                    return Ok(Err(holder.or(waited_for)));
+                }
+                tokio::time::sleep(pause.min(wait.saturating_sub(start.elapsed()))).await;
+                pause = (pause * 2).min(TARGET_POLL.1);
+            }
+        }
+    }
+}
+
+/// Whether this attempt's diagnosis saw the service's health check fail.
+pub fn diagnosed_unhealthy(state: &RunState) -> bool {
+    state.evidence.iter().any(|e| e.attempt == state.attempt && e.source == "check" && !e.ok)
+}
+
+/// Every command of `plan` recorded as not run, saying why.
+fn none_run(attempt: u32, commands: &[String], why: &str) -> Vec<ExecutionRecord> {
+    (0..)
+        .zip(commands)
+        .map(|(index, command)| ExecutionRecord {
+            attempt,
+            index,
+            command: command.clone(),
+            status: ExecutionStatus::Skipped,
+            exit_code: None,
+            output: why.to_string(),
+            duration_ms: 0,
+        })
+        .collect()
+}
+
 /// How a finished command is recorded.
 pub fn record(attempt: u32, index: u32, command: &str, out: &CommandOutput) -> ExecutionRecord {
     let status = if out.timed_out {
@@ -138,6 +207,55 @@ impl StageHandler for Execute {
             let plan = state.plan.clone().expect("checked by approved()");
             let store = cx.deps.store.clone();
             let executor = cx.deps.executor.clone();
+            let service = state.incident.service.clone();
+            // One remediation at a time on a target: two runs of one service (incidents with
+            // different fingerprints: the monitor's and Alertmanager's) never interleave their
+            // commands, nor one's commands with the other's verification.
+            let wait = Duration::from_secs(cfg.limits.target_wait_secs);
+            let taken = match take_target(&store, state, &spec.host, wait).await? {
+                Ok(taken) => taken,
+                Err(holder) => {
+                    let by = holder.map(|r| format!("run {r}")).unwrap_or_else(|| "another run".into());
+                    return Ok(Transition::Escalate(format!(
+                        "{by} has been remediating {service} on {} for over {} s: not running this plan beside it",
+                        spec.host,
+                        wait.as_secs()
+                    )));
+                }
+            };
+            if let Some((holder, waited)) = taken.waited {
+                let by = holder.map(|r| format!("run {r}")).unwrap_or_else(|| "another run".into());
+                cx.emit(
+                    EventKind::Status,
+                    format!(
+                        "waited {:.1} s for {by} to finish remediating {service} on {}",
+                        waited.as_secs_f64(),
+                        spec.host
+                    ),
+                    serde_json::json!({ "waited_for": holder, "waited_ms": waited.as_millis() as u64 }),
+                );
+            }
+            // Another run remediated the target after this one's diagnosis found it failing:
+            // a service that passes its check now is not remediated again on stale facts.
+            if let (Some(other), false, Some(check)) = (taken.remediated_since, taken.started, &spec.check) {
+                if diagnosed_unhealthy(state) {
+                    let now = pitcrew_exec::run_check(check, &spec.host, executor.as_ref()).await;
+                    if now.healthy {
+                        let why = format!(
+                            "not run: run {other} remediated {service} on {} after this run's diagnosis, and its check passes now ({})",
+                            spec.host, now.detail
+                        );
+                        cx.emit(EventKind::Status, why.clone(), serde_json::json!({ "remediated_by": other }));
+                        state.executions = none_run(state.attempt, &plan.commands, &why);
+                        return Ok(Transition::To(Stage::Verify));
+                    }
+                    cx.emit(
+                        EventKind::Status,
+                        format!("run {other} remediated {service} since this run's diagnosis; its check still fails ({}): running the plan", now.detail),
+                        serde_json::json!({ "remediated_by": other }),
+                    );
+                }
+            }
             let mut records = Vec::new();
             let mut stop = false;
             for (i, command) in plan.commands.iter().enumerate() {

@@ -23,6 +23,12 @@ diagnosis = "{service} is held by a stale lock"
 plans = [["rm -f {dir}/svc.lock", "touch {dir}/svc-healthy"]]
 
 [[rule]]
+name = "slow"
+match = "(?i)needs a slow fix"
+diagnosis = "{service} needs a slow fix"
+plans = [["{dir}/slow-fix"]]
+
+[[rule]]
 name = "cursed"
 match = "(?i)cursed"
 diagnosis = "{service} is cursed"
@@ -287,6 +293,97 @@ async fn a_cli_decision_racing_one_the_crew_has_not_recorded_yet_is_refused() ->
     crew.run(&Stage::ALL);
     let end = crew.end(run).await?;
     assert_eq!(end.kind, EventKind::Resolved, "{}", end.message);
+    crew.shutdown().await
+}
+
+/// The playbook's slow fix: two seconds between its start and its end, each written to
+/// `fix.log`; a second copy started while one runs fails at once (so interleaved runs show in
+/// the log). It makes the service healthy when `heals`.
+fn slow_fix(env: &pitcrew_testkit::TestEnv, heals: bool) {
+    let heal = if heals { "touch {dir}/svc-healthy\n" } else { "" };
+    let path = write(
+        env,
+        "slow-fix",
+        &format!(
+            "#!/bin/sh\nmkdir {{dir}}/fixing || exit 1\necho start >> {{dir}}/fix.log\nsleep 2\n\
+             echo end >> {{dir}}/fix.log\nrmdir {{dir}}/fixing\n{heal}"
+        ),
+    );
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+}
+
+/// Two runs of one service at once (their incidents' fingerprints differ: the monitor's and
+/// Alertmanager's, say) with a fix that works: the second waits while the first executes and
+/// verifies, and then runs nothing, since the service its diagnosis saw failing passes now.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_run_of_a_service_waits_for_the_first_and_runs_nothing_once_it_is_fixed() -> anyhow::Result<()> {
+    let mut crew = crew_with_playbook("").await?;
+    slow_fix(&crew.env, true);
+    let a = crew.open_with("svc", "svc needs a slow fix", Some("fp-a".into())).await?;
+    let b = crew.open_with("svc", "svc needs a slow fix", Some("fp-b".into())).await?;
+    for run in [a, b] {
+        let end = crew.events.terminal(run, WAIT).await?;
+        assert_eq!(end.kind, EventKind::Resolved, "{}", end.message);
+    }
+    assert_eq!(std::fs::read_to_string(crew.env.path("fix.log"))?, "start\nend\n", "the fix ran once");
+    let db = crew.db().await?;
+    let ran = |run| count(&db, "SELECT count(*) FROM executions WHERE run_id = $1", run);
+    let (first, second) = if ran(a).await == 1 { (a, b) } else { (b, a) };
+    assert_eq!((ran(first).await, ran(second).await), (1, 0));
+    let skipped = texts(
+        &db,
+        "SELECT e->>'output' FROM runs, jsonb_array_elements(state->'executions') e \
+         WHERE id = $1 AND e->>'status' = 'skipped'",
+        second,
+    )
+    .await;
+    assert_eq!(skipped.len(), 1, "{skipped:?}");
+    assert!(skipped[0].contains(&format!("run {first} remediated svc on local")), "{skipped:?}");
+    assert!(skipped[0].contains("its check passes now"), "{skipped:?}");
+    let status = texts(
+        &db,
+        "SELECT message FROM run_events WHERE run_id = $1 AND kind = 'status' AND stage = 'execute' ORDER BY idx",
+        second,
+    )
+    .await;
+    assert!(
+        status[0].starts_with("waited ") && status[0].contains(&format!("for run {first} to finish")),
+        "{status:?}"
+    );
+    assert_eq!(count(&db, "SELECT count(*) FROM episodes WHERE run_id = $1", second).await, 0, "it tried nothing");
+    crew.shutdown().await
+}
+
+/// The same with a fix that does not work: the second run still waits for the first, finds
+/// the service failing, and runs its plan after the first's, never beside it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_run_of_a_service_runs_its_plan_after_the_first_not_beside_it() -> anyhow::Result<()> {
+    let mut crew = crew_with_playbook("[limits]\nmax_retries = 1\n").await?;
+    slow_fix(&crew.env, false);
+    let a = crew.open_with("svc", "svc needs a slow fix", Some("fp-a".into())).await?;
+    let b = crew.open_with("svc", "svc needs a slow fix", Some("fp-b".into())).await?;
+    for run in [a, b] {
+        let end = crew.events.terminal(run, WAIT).await?;
+        assert_eq!(end.kind, EventKind::Escalated, "{}", end.message);
+    }
+    let log = std::fs::read_to_string(crew.env.path("fix.log"))?;
+    assert_eq!(log, "start\nend\nstart\nend\n", "one after the other");
+    let db = crew.db().await?;
+    for run in [a, b] {
+        assert_eq!(
+            count(&db, "SELECT count(*) FROM executions WHERE run_id = $1 AND status = 'succeeded'", run).await,
+            1
+        );
+    }
+    let said = |run| {
+        texts(&db, "SELECT message FROM run_events WHERE run_id = $1 AND kind = 'status' AND stage = 'execute'", run)
+    };
+    let (first, second) = if said(a).await.is_empty() { (a, b) } else { (b, a) };
+    let status = said(second).await;
+    assert_eq!(status.len(), 2, "{status:?}");
+    assert!(status[0].contains(&format!("for run {first} to finish")), "{status:?}");
+    assert!(status[1].contains("its check still fails") && status[1].ends_with("running the plan"), "{status:?}");
     crew.shutdown().await
 }
 

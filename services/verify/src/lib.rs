@@ -85,7 +85,12 @@ impl StageHandler for Verify {
                 format!("{}: {}", if recovered { "recovered" } else { "not recovered" }, outcome.detail),
                 serde_json::json!({ "recovered": recovered, "attempt": state.attempt }),
             );
-            cx.record(Record::Episode(Episode::of(state, &tried_commands(state), recovered, &outcome.detail)));
+            // An attempt that ran nothing (its plan was left alone because another run fixed
+            // the service first) teaches memory nothing about its commands.
+            let tried = tried_commands(state);
+            if !tried.is_empty() {
+                cx.record(Record::Episode(Episode::of(state, &tried, recovered, &outcome.detail)));
+            }
             match next_step(recovered, state.attempt, cfg.limits.max_retries) {
                 Ok(Stage::Diagnose) => {
                     start_next_attempt(state);

@@ -265,6 +265,9 @@ pub struct Limits {
     pub approval_timeout_secs: u64,
     /// How far back episodic memory looks for failed commands.
     pub memory_window_secs: u64,
+    /// How long execute waits while another run executes or verifies a plan on the same
+    /// service and host (one remediation at a time on a target) before escalating.
+    pub target_wait_secs: u64,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -378,6 +381,7 @@ impl Default for Config {
                 max_output_bytes: 64 * 1024,
                 approval_timeout_secs: 3600,
                 memory_window_secs: 86_400,
+                target_wait_secs: 900,
             },
             stages: StageDefaults {
                 concurrency: 32,

@@ -11,6 +11,7 @@ pub const MIGRATIONS: &[(i32, &str, &str)] = &[
     (4, "gateway_audit", include_str!("../../../../schemas/migrations/0004_gateway_audit.sql")),
     (5, "memory_failures", include_str!("../../../../schemas/migrations/0005_memory_failures.sql")),
     (6, "state_lz4", include_str!("../../../../schemas/migrations/0006_state_lz4.sql")),
+    (7, "target_locks", include_str!("../../../../schemas/migrations/0007_target_locks.sql")),
 ];
 
 /// Arbitrary constant: the advisory lock that serialises migrators.

@@ -7,12 +7,14 @@ mod observe;
 mod query;
 mod recall;
 mod runs;
+mod targets;
 mod votes;
 mod work;
 
 pub use migrate::{ensure_database, migrate as apply_migrations, MIGRATIONS};
 pub use query::{AuditEntry, EvaluationRow, ExecutionRow, RunFilter};
 pub use runs::{IncidentSeen, OpenRun, RunStatus, RunSummary, StoredRun};
+pub use targets::TargetLock;
 pub use work::{Claim, DecideOutcome, Episode, Memory, PendingApproval, Record, FAILED_COMMANDS};
 
 use crate::config::{redact_url, DatabaseConfig};
