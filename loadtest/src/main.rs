@@ -118,11 +118,11 @@ struct Args {
     #[arg(long, requires = "target")]
     service: Option<String>,
     /// Services of the tool's own crew the incidents are spread over (`svc-0`, `svc-1`, ...,
-    /// identical; incident i is about `svc-{i % N}`). pitcrew remediates a service on a host one
-    /// run at a time, so runs of one service wait for each other in execute: many services is
-    /// what many incidents at once look like in production.
-    #[arg(long, default_value_t = 1000, conflicts_with = "target", value_parser = clap::value_parser!(u32).range(1..))]
-    services: u32,
+    /// identical; incident i is about `svc-{i % N}`; default: one per incident). pitcrew
+    /// remediates a service on a host one run at a time, so runs of one service take turns in
+    /// execute: many incidents at once are many services in production.
+    #[arg(long, conflicts_with = "target", value_parser = clap::value_parser!(u32).range(1..))]
+    services: Option<u32>,
     /// With `--target`: the error every incident reports (what the crew's playbook or model
     /// acts on). Default: `connection refused`.
     #[arg(long, requires = "target")]
@@ -130,6 +130,11 @@ struct Args {
 }
 
 impl Args {
+    /// How many services the tool's own crew has: `--services`, else one per incident.
+    fn services(&self) -> usize {
+        self.services.map(|n| n as usize).unwrap_or(self.incidents).max(1)
+    }
+
     /// What diagnose and plan hold at once per process: `--model-concurrency`, else
     /// `--concurrency`.
     fn model_concurrency(&self) -> usize {
@@ -371,7 +376,7 @@ async fn start_local(args: &Args, endpoint: Option<&str>, crew_rt: &tokio::runti
         "{stages}{reasoning}\
          [verify]\nchecks = 1\n{services}",
         stages = stage_config(args.concurrency, model_concurrency, args.diagnose_concurrency, args.diagnose_processes),
-        services = (0..args.services)
+        services = (0..args.services())
             .map(|i| format!(
                 "[services.svc-{i}]\nhost = \"local\"\nstart = \"touch {healthy}\"\n{evidence}check = {check}\n"
             ))
@@ -517,7 +522,7 @@ async fn drive(args: Args, crew_rt: tokio::runtime::Handle) -> anyhow::Result<()
     // The tool's own crew has `--services` of them; a running crew, the one named.
     let service_of = |i: usize| match &args.service {
         Some(name) => name.clone(),
-        None => format!("svc-{}", i % args.services as usize),
+        None => format!("svc-{}", i % args.services()),
     };
     // One permit per run allowed in flight; the observer gives one back as each run ends.
     let in_flight = Arc::new(tokio::sync::Semaphore::new(if args.in_flight > 0 {
@@ -705,7 +710,7 @@ async fn drive(args: Args, crew_rt: tokio::runtime::Handle) -> anyhow::Result<()
             "peak_rss_mb": if own { peak_rss_mb() } else { None },
             "target": args.target.as_ref().map(|p| p.display().to_string()),
             "service": args.service,
-            "services": own.then_some(args.services),
+            "services": own.then(|| args.services()),
             "cpu_ms_per_run": cpu,
             "otlp": otlp,
             "log": args.log,

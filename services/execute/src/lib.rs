@@ -5,7 +5,7 @@ use futures::future::BoxFuture;
 use pitcrew_exec::{CommandOutput, ExecError};
 use pitcrew_model::run::MAX_OUTPUT;
 use pitcrew_model::{ApprovalStatus, EventKind, ExecutionRecord, ExecutionStatus, RunState, Stage};
-use pitcrew_runtime::store::{Claim, Store, StoreError, TargetLock};
+use pitcrew_runtime::store::{Claim, TargetLock};
 use pitcrew_runtime::{Cx, StageError, StageHandler, Transition};
 use std::collections::BTreeMap;
 use std::sync::Mutex;
@@ -79,73 +79,13 @@ pub fn recorded_approval(incoming: &RunState, stored: &RunState) -> Result<(), S
     Ok(())
 }
 
-/// The first and the longest pause between two looks at a target another run is remediating.
-const TARGET_POLL: (Duration, Duration) = (Duration::from_millis(100), Duration::from_secs(2));
-
-/// A target this run holds.
-struct Taken {
-    /// Another run that took the target after this run opened.
-    remediated_since: Option<Uuid>,
-    /// A command of this attempt was claimed by an earlier delivery.
-    started: bool,
-    /// The run this one waited for, and how long.
-    waited: Option<(Option<Uuid>, Duration)>,
-}
-
-/// Take the run's target (its service on `host`), waiting while another run executes or
-/// verifies a plan there. `Err(holder)`: still taken after `wait`.
-async fn take_target(
-    store: &Store,
-    state: &RunState,
-    host: &str,
-    wait: Duration,
-) -> Result<Result<Taken, Option<Uuid>>, StoreError> {
-    let start = Instant::now();
-    let mut pause = TARGET_POLL.0;
-    let mut waited_for = None;
-    let mut busy = false;
-    loop {
-        match store.take_target(&state.incident.service, host, state.run_id, state.attempt).await? {
-            TargetLock::Held { remediated_since, started } => {
-                let waited = busy.then(|| (waited_for, start.elapsed()));
-                return Ok(Ok(Taken { remediated_since, started, waited }));
-            }
-            TargetLock::Busy(holder) => {
-                busy = true;
-                if holder.is_some() && holder != waited_for {
-                    tracing::info!(run = %state.run_id, holder = ?holder, service = %state.incident.service, host,
-                        "another run is remediating this target: waiting for it");
-                    waited_for = holder;
-                }
-                if start.elapsed() >= wait {
-                    return Ok(Err(holder.or(waited_for)));
-                }
-                tokio::time::sleep(pause.min(wait.saturating_sub(start.elapsed()))).await;
-                pause = (pause * 2).min(TARGET_POLL.1);
-            }
-        }
-    }
-}
+/// How long a run waits before it looks again at a target another run is remediating (the
+/// message is naked: a waiting run holds no slot of the stage).
+const TARGET_RETRY: Duration = Duration::from_millis(500);
 
 /// Whether this attempt's diagnosis saw the service's health check fail.
 pub fn diagnosed_unhealthy(state: &RunState) -> bool {
     state.evidence.iter().any(|e| e.attempt == state.attempt && e.source == "check" && !e.ok)
-}
-
-/// Every command of `plan` recorded as not run, saying why.
-fn none_run(attempt: u32, commands: &[String], why: &str) -> Vec<ExecutionRecord> {
-    (0..)
-        .zip(commands)
-        .map(|(index, command)| ExecutionRecord {
-            attempt,
-            index,
-            command: command.clone(),
-            status: ExecutionStatus::Skipped,
-            exit_code: None,
-            output: why.to_string(),
-            duration_ms: 0,
-        })
-        .collect()
 }
 
 /// How a finished command is recorded.
@@ -210,54 +150,58 @@ impl StageHandler for Execute {
             let service = state.incident.service.clone();
             // One remediation at a time on a target: two runs of one service (incidents with
             // different fingerprints: the monitor's and Alertmanager's) never interleave their
-            // commands, nor one's commands with the other's verification.
-            let wait = Duration::from_secs(cfg.limits.target_wait_secs);
-            let taken = match take_target(&store, state, &spec.host, wait).await? {
-                Ok(taken) => taken,
-                Err(holder) => {
-                    let by = holder.map(|r| format!("run {r}")).unwrap_or_else(|| "another run".into());
-                    return Ok(Transition::Escalate(format!(
-                        "{by} has been remediating {service} on {} for over {} s: not running this plan beside it",
-                        spec.host,
-                        wait.as_secs()
-                    )));
-                }
-            };
-            if let Some((holder, waited)) = taken.waited {
-                let by = holder.map(|r| format!("run {r}")).unwrap_or_else(|| "another run".into());
-                cx.emit(
-                    EventKind::Status,
-                    format!(
-                        "waited {:.1} s for {by} to finish remediating {service} on {}",
-                        waited.as_secs_f64(),
-                        spec.host
-                    ),
-                    serde_json::json!({ "waited_for": holder, "waited_ms": waited.as_millis() as u64 }),
-                );
-            }
-            // Another run remediated the target after this one's diagnosis found it failing:
-            // a service that passes its check now is not remediated again on stale facts.
-            if let (Some(other), false, Some(check)) = (taken.remediated_since, taken.started, &spec.check) {
-                if diagnosed_unhealthy(state) {
-                    let now = pitcrew_exec::run_check(check, &spec.host, executor.as_ref()).await;
-                    if now.healthy {
-                        let why = format!(
-                            "not run: run {other} remediated {service} on {} after this run's diagnosis, and its check passes now ({})",
-                            spec.host, now.detail
-                        );
-                        cx.emit(EventKind::Status, why.clone(), serde_json::json!({ "remediated_by": other }));
-                        state.executions = none_run(state.attempt, &plan.commands, &why);
-                        return Ok(Transition::To(Stage::Verify));
+            // commands, nor one's commands with the other's verification. Only a delivery of
+            // the step the run is at takes it; a late one (the run moved on) replays its claims.
+            let at_step = run.state.seq == state.seq && run.state.step == Stage::Execute;
+            // Set when the plan is not to run: why, recorded for each of its commands.
+            let mut skip: Option<String> = None;
+            if at_step {
+                match store.take_target(&service, &spec.host, state.run_id, state.attempt).await? {
+                    TargetLock::Busy { holder, waiting } => {
+                        let by = holder.map(|r| format!("run {r}")).unwrap_or_else(|| "another run".into());
+                        let limit = Duration::from_secs(cfg.limits.target_wait_secs);
+                        if waiting >= limit {
+                            return Ok(Transition::Escalate(format!(
+                                "{service} on {} has been under remediation by other runs for over {} s (now {by}): \
+                                 not running this plan beside it",
+                                spec.host,
+                                limit.as_secs()
+                            )));
+                        }
+                        return Err(StageError::Wait(
+                            format!("{by} is remediating {service} on {}", spec.host),
+                            TARGET_RETRY,
+                        ));
                     }
-                    cx.emit(
-                        EventKind::Status,
-                        format!("run {other} remediated {service} since this run's diagnosis; its check still fails ({}): running the plan", now.detail),
-                        serde_json::json!({ "remediated_by": other }),
-                    );
+                    TargetLock::Held { remediated_since: Some(other), started: false } => {
+                        // Another run remediated the target since this one opened, and this
+                        // attempt's diagnosis found it failing: a service that passes its
+                        // check now is not remediated again on stale facts.
+                        if let (true, Some(check)) = (diagnosed_unhealthy(state), &spec.check) {
+                            let now = pitcrew_exec::run_check(check, &spec.host, executor.as_ref()).await;
+                            let (host, detail) = (&spec.host, &now.detail);
+                            let line = if now.healthy {
+                                let why = format!(
+                                    "not run: run {other} remediated {service} on {host} since this run opened, \
+                                     and its check passes now ({detail})"
+                                );
+                                skip = Some(why.clone());
+                                why
+                            } else {
+                                format!(
+                                    "run {other} remediated {service} on {host} since this run opened; \
+                                     its check still fails ({detail}): running the plan"
+                                )
+                            };
+                            cx.emit(EventKind::Status, line, serde_json::json!({ "remediated_by": other }));
+                        }
+                    }
+                    TargetLock::Held { .. } => {}
                 }
             }
             let mut records = Vec::new();
             let mut stop = false;
+            let mut stop_why = String::new();
             for (i, command) in plan.commands.iter().enumerate() {
                 let index = i as u32;
                 if stop {
@@ -267,7 +211,7 @@ impl StageHandler for Execute {
                         command: command.clone(),
                         status: ExecutionStatus::Skipped,
                         exit_code: None,
-                        output: "not run: an earlier command of the plan did not succeed".into(),
+                        output: stop_why.clone(),
                         duration_ms: 0,
                     });
                     continue;
@@ -300,32 +244,45 @@ impl StageHandler for Execute {
                     }
                     Claim::Claimed => {
                         let started = Instant::now();
-                        let rec = match executor.run(&spec.host, command, cfg.command_timeout()).await {
-                            Ok(out) => record(state.attempt, index, command, &out),
-                            Err(ExecError::Unreachable(e)) => {
-                                // Nothing ran; the host is gone: a human must look.
-                                store.release_execution(state.run_id, state.attempt, index).await?;
-                                cx.emit(
-                                    EventKind::Error,
-                                    format!("cannot reach {}: {e}", spec.host),
-                                    serde_json::Value::Null,
-                                );
-                                return Ok(Transition::Escalate(format!("host {} unreachable: {e}", spec.host)));
-                            }
-                            Err(ExecError::Transient(e)) => {
-                                // Nothing ran: release the claim so the retry can run it.
-                                store.release_execution(state.run_id, state.attempt, index).await?;
-                                return Err(StageError::Transient(e));
-                            }
-                            Err(e) => ExecutionRecord {
+                        let rec = if let Some(why) = &skip {
+                            // Claimed and finished as not run: a redelivery finds it decided.
+                            ExecutionRecord {
                                 attempt: state.attempt,
                                 index,
                                 command: command.clone(),
-                                status: ExecutionStatus::Failed,
+                                status: ExecutionStatus::Skipped,
                                 exit_code: None,
-                                output: e.to_string(),
-                                duration_ms: started.elapsed().as_millis() as u64,
-                            },
+                                output: why.clone(),
+                                duration_ms: 0,
+                            }
+                        } else {
+                            match executor.run(&spec.host, command, cfg.command_timeout()).await {
+                                Ok(out) => record(state.attempt, index, command, &out),
+                                Err(ExecError::Unreachable(e)) => {
+                                    // Nothing ran; the host is gone: a human must look.
+                                    store.release_execution(state.run_id, state.attempt, index).await?;
+                                    cx.emit(
+                                        EventKind::Error,
+                                        format!("cannot reach {}: {e}", spec.host),
+                                        serde_json::Value::Null,
+                                    );
+                                    return Ok(Transition::Escalate(format!("host {} unreachable: {e}", spec.host)));
+                                }
+                                Err(ExecError::Transient(e)) => {
+                                    // Nothing ran: release the claim so the retry can run it.
+                                    store.release_execution(state.run_id, state.attempt, index).await?;
+                                    return Err(StageError::Transient(e));
+                                }
+                                Err(e) => ExecutionRecord {
+                                    attempt: state.attempt,
+                                    index,
+                                    command: command.clone(),
+                                    status: ExecutionStatus::Failed,
+                                    exit_code: None,
+                                    output: e.to_string(),
+                                    duration_ms: started.elapsed().as_millis() as u64,
+                                },
+                            }
                         };
                         if !store.finish_execution(state.run_id, &rec).await? {
                             // Another delivery marked it interrupted while it ran, skipped the
@@ -343,7 +300,15 @@ impl StageHandler for Execute {
                         rec
                     }
                 };
-                stop = rec.status != ExecutionStatus::Succeeded;
+                if rec.status != ExecutionStatus::Succeeded && !stop {
+                    stop = true;
+                    // The rest of a plan left alone is left alone for the same reason.
+                    stop_why = if rec.status == ExecutionStatus::Skipped {
+                        rec.output.clone()
+                    } else {
+                        "not run: an earlier command of the plan did not succeed".into()
+                    };
+                }
                 cx.emit(
                     EventKind::Execution,
                     format!(

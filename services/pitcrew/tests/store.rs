@@ -557,8 +557,9 @@ async fn an_expiry_written_for_a_late_approval_is_found_again_on_its_redelivery(
 
 /// One remediation at a time on a target: a run in execute or verify holds its service's host
 /// against every other run until it is closed or has moved on, whatever process it was in (no
-/// release step a killed worker could miss); taking it again is the same run's redelivery; a
-/// run that takes it after another remediated there is told which one.
+/// release step a killed worker could miss); taking it again is the same attempt's
+/// redelivery; a run that takes it after another was at work there since it opened is told
+/// which one; a waiting run learns how long it has been at execute.
 #[tokio::test]
 async fn a_target_is_held_by_one_run_while_it_executes_and_verifies() -> anyhow::Result<()> {
     use pitcrew_runtime::store::TargetLock;
@@ -567,16 +568,27 @@ async fn a_target_is_held_by_one_run_while_it_executes_and_verifies() -> anyhow:
     let pg = db.client().await?;
     let runs: Vec<Uuid> = open_runs(&store, 3).await?.iter().map(|s| s.run_id).collect();
     let (a, b, c) = (runs[0], runs[1], runs[2]);
+    // What a transition commit writes.
     let at = |stage: &'static str, status: &'static str, run: Uuid| {
         let pg = &pg;
-        async move { pg.execute("UPDATE runs SET stage = $2, status = $3 WHERE id = $1", &[&run, &stage, &status]).await }
+        async move {
+            pg.execute(
+                "UPDATE runs SET stage = $2, status = $3, updated_at = now() WHERE id = $1",
+                &[&run, &stage, &status],
+            )
+            .await
+        }
+    };
+    let holder = |lock: TargetLock| match lock {
+        TargetLock::Busy { holder, .. } => holder,
+        held => panic!("not busy: {held:?}"),
     };
     for run in [a, b, c] {
         at("execute", "open", run).await?;
     }
     let fresh = TargetLock::Held { remediated_since: None, started: false };
     assert_eq!(store.take_target("web", "web-1", a, 1).await?, fresh);
-    assert_eq!(store.take_target("web", "web-1", b, 1).await?, TargetLock::Busy(Some(a)));
+    assert_eq!(holder(store.take_target("web", "web-1", b, 1).await?), Some(a));
     // Another host, or another service, is another target.
     assert_eq!(store.take_target("web", "web-2", b, 1).await?, fresh);
     assert_eq!(store.take_target("db", "web-1", c, 1).await?, fresh);
@@ -586,19 +598,31 @@ async fn a_target_is_held_by_one_run_while_it_executes_and_verifies() -> anyhow:
         store.take_target("web", "web-1", a, 1).await?,
         TargetLock::Held { remediated_since: None, started: true }
     );
-    assert_eq!(store.take_target("web", "web-1", a, 2).await?, fresh, "attempt 2 has claimed nothing");
     // Verifying, A still holds it; once it reports, B takes it and learns A was there.
     at("verify", "open", a).await?;
-    assert_eq!(store.take_target("web", "web-1", b, 1).await?, TargetLock::Busy(Some(a)));
+    assert_eq!(holder(store.take_target("web", "web-1", b, 1).await?), Some(a));
     at("report", "open", a).await?;
     let after_a = TargetLock::Held { remediated_since: Some(a), started: false };
     assert_eq!(store.take_target("web", "web-1", b, 1).await?, after_a);
     assert_eq!(store.take_target("web", "web-1", b, 1).await?, after_a, "a redelivery is told the same");
-    assert_eq!(store.take_target("web", "web-1", c, 1).await?, TargetLock::Busy(Some(b)));
+    // B's next attempt starts afresh: nobody else was there since B's last.
+    assert_eq!(store.take_target("web", "web-1", b, 2).await?, fresh);
+    // C has waited as long as it has been at execute, across deliveries.
+    pg.execute("UPDATE runs SET updated_at = now() - interval '10 minutes' WHERE id = $1", &[&c]).await?;
+    match store.take_target("web", "web-1", c, 1).await? {
+        TargetLock::Busy { holder, waiting } => {
+            assert_eq!(holder, Some(b));
+            assert!(waiting >= std::time::Duration::from_secs(599), "{waiting:?}");
+        }
+        held => panic!("{held:?}"),
+    }
     // A closed run holds nothing, whatever stage it stopped at.
     at("execute", "escalated", b).await?;
-    assert!(matches!(store.take_target("web", "web-1", c, 1).await?, TargetLock::Held { .. }));
-    // A run opened after the last remediation there is not told of it.
+    assert_eq!(
+        store.take_target("web", "web-1", c, 1).await?,
+        TargetLock::Held { remediated_since: Some(b), started: false }
+    );
+    // A run opened after the last one there stopped working is not told of it.
     at("diagnose", "open", c).await?;
     let mut late = Incident::new("web", "down");
     late.fingerprint = Some("late".into());

@@ -12,7 +12,7 @@ pub struct Report;
 pub fn summary(state: &RunState) -> String {
     let records: Vec<_> = state.executions.iter().filter(|e| e.attempt == state.attempt).collect();
     let plan = if records.is_empty() {
-        state.plan.as_ref().map(|p| p.commands.join(" ; ")).unwrap_or_else(|| "nothing".into())
+        state.plan.as_ref().map(|p| format!("`{}`", p.commands.join(" ; "))).unwrap_or_else(|| "nothing".into())
     } else {
         let mut ran = Vec::new();
         let mut skipped = Vec::new();
@@ -29,9 +29,13 @@ pub fn summary(state: &RunState) -> String {
             }
         }
         if skipped.is_empty() {
-            ran.join(" ; ")
+            format!("`{}`", ran.join(" ; "))
+        } else if ran.is_empty() {
+            // Nothing of the plan ran (another run fixed the service first): say why.
+            let why = state.executions.iter().find(|e| e.attempt == state.attempt).map(|e| e.output.as_str());
+            format!("nothing ({})", why.unwrap_or_default().trim_start_matches("not run: "))
         } else {
-            format!("{}`, skipped `{}", ran.join(" ; "), skipped.join(" ; "))
+            format!("`{}`, skipped `{}`", ran.join(" ; "), skipped.join(" ; "))
         }
     };
     let check = state.verification.as_ref().map(|v| v.detail.as_str()).unwrap_or("-");
@@ -44,7 +48,7 @@ pub fn summary(state: &RunState) -> String {
         }
         _ => String::new(),
     };
-    format!("resolved {} after {} attempt(s): ran `{plan}`;{approval} {check}", state.incident.service, state.attempt)
+    format!("resolved {} after {} attempt(s): ran {plan};{approval} {check}", state.incident.service, state.attempt)
 }
 
 /// The policy rules that flagged this attempt's plan.
@@ -131,6 +135,16 @@ mod tests {
         assert_eq!(
             summary(&s),
             "resolved web after 2 attempt(s): ran `a (failed, exit 3)`, skipped `b`; approved by ann (policy rule kill-9); GET / -> 200"
+        );
+        // Nothing of it ran: another run fixed the service first.
+        let why = "not run: run 7 remediated web on web-1 since this run opened, and its check passes now";
+        s.executions =
+            vec![record(0, "a", ExecutionStatus::Skipped, None), record(1, "b", ExecutionStatus::Skipped, None)];
+        s.executions.iter_mut().for_each(|e| e.output = why.into());
+        assert_eq!(
+            summary(&s),
+            "resolved web after 2 attempt(s): ran nothing (run 7 remediated web on web-1 since this run opened, and its \
+             check passes now); approved by ann (policy rule kill-9); GET / -> 200"
         );
     }
 }

@@ -176,6 +176,15 @@ impl StageRunner {
                     span.record("outcome", "transient");
                     self.failed_try(msg, exhausted.as_deref(), &e, "transient failure").await
                 }
+                Err(StageError::Wait(why, delay)) if exhausted.is_none() => {
+                    span.record("outcome", "waiting");
+                    tracing::info!(reason = %why, retry_in_ms = delay.as_millis() as u64, delivered, "waiting");
+                    Disposition::Nak(delay)
+                }
+                Err(StageError::Wait(why, _)) => {
+                    span.record("outcome", "waiting");
+                    self.failed_try(msg, exhausted.as_deref(), &why, "still waiting").await
+                }
                 Err(StageError::Poison(e)) => {
                     span.record("outcome", "poison");
                     self.poison(msg, Some(state), &e).await

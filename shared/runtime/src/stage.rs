@@ -49,6 +49,10 @@ pub enum StageError {
     /// Retrying cannot help: dead-letter the message and escalate its run.
     #[error("{0}")]
     Poison(String),
+    /// Not a failure: the step must wait for something outside it (another run's
+    /// remediation of the same target). Naked with this delay, logged at info.
+    #[error("waiting: {0}")]
+    Wait(String, std::time::Duration),
 }
 
 impl From<StoreError> for StageError {

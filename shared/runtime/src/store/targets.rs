@@ -2,45 +2,58 @@
 //! schemas/migrations/0007_target_locks.sql.
 
 use super::{Store, StoreError};
+use std::time::Duration;
+use tokio_postgres::error::SqlState;
+use tokio_postgres::IsolationLevel;
 use uuid::Uuid;
 
 /// Whether a run may remediate its target now.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum TargetLock {
-    /// The run holds the target (taken now, or already by an earlier delivery of its step).
+    /// The run's attempt holds the target (taken now, or by an earlier delivery of its step).
     Held {
-        /// Another run that took the target after this run opened: its remediation may have
-        /// changed what this run's diagnosis saw.
+        /// Another run that held the target before this attempt took it and was still at work
+        /// after this run opened: its remediation may have changed what this run's
+        /// diagnosis saw.
         remediated_since: Option<Uuid>,
         /// Whether a command of this attempt was claimed already (by an earlier delivery).
         started: bool,
     },
-    /// Another run is executing or verifying its plan there (`None`: it let go while we
-    /// looked; try again).
-    Busy(Option<Uuid>),
+    /// Another run is executing or verifying a plan there (`holder`; `None`: it changed hands
+    /// while we looked). `waiting`: how long this run has been at execute.
+    Busy { holder: Option<Uuid>, waiting: Duration },
 }
 
 /// Take the row unless another run holds it: a holder lets go once its run is closed or past
-/// verify. Taking it again (a redelivery) keeps who held it before.
+/// verify. The same attempt taking it again (a redelivery) keeps who held it before; a new
+/// attempt of the same run starts afresh.
 const TAKE: &str = "
     WITH taken AS (
-        INSERT INTO target_locks AS l (service, host, run_id) VALUES ($1, $2, $3)
+        INSERT INTO target_locks AS l (service, host, run_id, attempt) VALUES ($1, $2, $3, $4)
         ON CONFLICT (service, host) DO UPDATE SET
             run_id = excluded.run_id,
-            taken_at = CASE WHEN l.run_id = excluded.run_id THEN l.taken_at ELSE now() END,
-            previous_run = CASE WHEN l.run_id = excluded.run_id THEN l.previous_run ELSE l.run_id END,
-            previous_at = CASE WHEN l.run_id = excluded.run_id THEN l.previous_at ELSE l.taken_at END
+            attempt = excluded.attempt,
+            taken_at = CASE WHEN (l.run_id, l.attempt) = (excluded.run_id, excluded.attempt)
+                            THEN l.taken_at ELSE now() END,
+            previous_run = CASE WHEN (l.run_id, l.attempt) = (excluded.run_id, excluded.attempt) THEN l.previous_run
+                                WHEN l.run_id = excluded.run_id THEN NULL
+                                ELSE l.run_id END
         WHERE l.run_id = excluded.run_id OR NOT EXISTS (
-            SELECT 1 FROM runs r WHERE r.id = l.run_id
-               AND r.status IN ('open', 'waiting_approval') AND r.stage IN ('execute', 'verify'))
-        RETURNING previous_run, previous_at)
-    SELECT CASE WHEN t.previous_at > r.created_at THEN t.previous_run END,
+            SELECT 1 FROM runs h WHERE h.id = l.run_id
+               AND h.status IN ('open', 'waiting_approval') AND h.stage IN ('execute', 'verify'))
+        RETURNING previous_run)
+    SELECT CASE WHEN p.updated_at > r.created_at THEN t.previous_run END,
            EXISTS (SELECT 1 FROM executions e WHERE e.run_id = $3 AND e.attempt = $4)
-    FROM taken t LEFT JOIN runs r ON r.id = $3";
+    FROM taken t LEFT JOIN runs r ON r.id = $3 LEFT JOIN runs p ON p.id = t.previous_run";
+
+/// Who holds the target, and how long the asking run has been at execute.
+const HOLDER: &str = "
+    SELECT (SELECT run_id FROM target_locks WHERE service = $1 AND host = $2),
+           (SELECT EXTRACT(EPOCH FROM now() - updated_at)::float8 FROM runs WHERE id = $3)";
 
 impl Store {
-    /// Take `service` on `host` for `run`'s attempt `attempt`, unless another run is
-    /// remediating it.
+    /// Take `service` on `host` for attempt `attempt` of `run`, unless another run is
+    /// remediating it there.
     #[tracing::instrument(name = "db_write", skip_all, fields(op = "take_target"))]
     pub async fn take_target(
         &self,
@@ -49,16 +62,32 @@ impl Store {
         run: Uuid,
         attempt: u32,
     ) -> Result<TargetLock, StoreError> {
-        let client = self.client().await?;
-        let take = client.prepare_cached(TAKE).await?;
-        if let Some(row) = client.query_opt(&take, &[&service, &host, &run, &(attempt as i32)]).await? {
-            return Ok(TargetLock::Held { remediated_since: row.get(0), started: row.get(1) });
+        let mut client = self.client().await?;
+        // One snapshot for the holder's row and its run: under READ COMMITTED the holder's
+        // run could be read from before it reached execute while its row is read as taken,
+        // and two runs would hold the target. A row changed since the snapshot fails the
+        // statement instead (a serialization failure): busy, look again.
+        let tx = client.build_transaction().isolation_level(IsolationLevel::RepeatableRead).start().await?;
+        let taken = async {
+            let take = tx.prepare_cached(TAKE).await?;
+            if let Some(row) = tx.query_opt(&take, &[&service, &host, &run, &(attempt as i32)]).await? {
+                return Ok(TargetLock::Held { remediated_since: row.get(0), started: row.get(1) });
+            }
+            let row = tx.query_one(HOLDER, &[&service, &host, &run]).await?;
+            let holder = row.get::<_, Option<Uuid>>(0).filter(|h| *h != run);
+            let waiting = Duration::from_secs_f64(row.get::<_, Option<f64>>(1).unwrap_or(0.0).max(0.0));
+            Ok::<_, tokio_postgres::Error>(TargetLock::Busy { holder, waiting })
         }
-        let holder = client
-            .query_opt("SELECT run_id FROM target_locks WHERE service = $1 AND host = $2", &[&service, &host])
-            .await?
-            .map(|r| r.get::<_, Uuid>(0))
-            .filter(|holder| *holder != run);
-        Ok(TargetLock::Busy(holder))
+        .await;
+        match taken {
+            Ok(lock) => {
+                tx.commit().await?;
+                Ok(lock)
+            }
+            Err(e) if e.code() == Some(&SqlState::T_R_SERIALIZATION_FAILURE) => {
+                Ok(TargetLock::Busy { holder: None, waiting: Duration::ZERO })
+            }
+            Err(e) => Err(e.into()),
+        }
     }
 }
