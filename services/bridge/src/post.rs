@@ -9,7 +9,7 @@ use futures::future::BoxFuture;
 use futures::FutureExt;
 use pitcrew_model::ApprovalRequest;
 use pitcrew_runtime::config::StageSettings;
-use pitcrew_runtime::consume::{backoff, consume, Disposition, MessageHandler};
+use pitcrew_runtime::consume::{backoff, consume, Disposition, MessageHandler, Remake};
 use pitcrew_runtime::{Bus, Store};
 use std::sync::Arc;
 use std::time::Duration;
@@ -40,6 +40,14 @@ pub async fn spawn<C: Chat>(
     let concurrency = concurrency.max(1);
     let max_ack_pending = concurrency as i64 * 4;
     let consumer = requests_consumer(bus, durable, max_ack_pending).await?;
+    // The crew makes the approvals stream again if the server lost it; the bridge its consumer.
+    let remake: Remake = {
+        let (bus, durable) = (bus.clone(), durable.to_string());
+        Arc::new(move || {
+            let (bus, durable) = (bus.clone(), durable.clone());
+            Box::pin(async move { requests_consumer(&bus, &durable, max_ack_pending).await.map_err(|e| e.to_string()) })
+        })
+    };
     let settings = StageSettings {
         concurrency,
         ack_wait: ACK_WAIT,
@@ -48,7 +56,7 @@ pub async fn spawn<C: Chat>(
         poison_after: Duration::MAX,
     };
     let poster = Arc::new(Poster { chat, store, durable: durable.to_string() });
-    Ok(tokio::spawn(consume(consumer, settings, poster, shutdown, DRAIN)))
+    Ok(tokio::spawn(consume(consumer, Some(remake), settings, poster, shutdown, DRAIN)))
 }
 
 /// The bridge's durable consumer of approval requests, created if missing.

@@ -9,9 +9,9 @@ use pitcrew_approval::policy::Policy;
 use pitcrew_exec::Fleet;
 use pitcrew_llm::{OpenAi, Playbook, Reasoner};
 use pitcrew_model::Stage;
-use pitcrew_runtime::consume::consume;
+use pitcrew_runtime::consume::{consume, Remake};
 use pitcrew_runtime::runner::StageRunner;
-use pitcrew_runtime::{Bus, Config, Deps, StageHandler, Store};
+use pitcrew_runtime::{Bus, BusError, Config, Deps, StageHandler, Store};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::task::JoinSet;
@@ -70,6 +70,24 @@ pub async fn connect(cfg: &Config) -> anyhow::Result<(Bus, Store)> {
     Ok((bus, store))
 }
 
+/// How a crew consumer is made again when the server lost it: the streams first (a
+/// nats-server restarted without its store has none), then the consumer.
+fn remaking<F, Fut>(bus: &Bus, make: F) -> Remake
+where
+    F: Fn(Bus) -> Fut + Send + Sync + 'static,
+    Fut: std::future::Future<Output = Result<async_nats::jetstream::consumer::PullConsumer, BusError>> + Send + 'static,
+{
+    let bus = bus.clone();
+    let make = Arc::new(make);
+    Arc::new(move || {
+        let (bus, make) = (bus.clone(), make.clone());
+        Box::pin(async move {
+            bus.ensure_streams().await.map_err(|e| e.to_string())?;
+            make(bus).await.map_err(|e| e.to_string())
+        })
+    })
+}
+
 /// Run `stages` until `shutdown`, then drain. Returns when every consumer has stopped.
 pub async fn run(cfg: Config, stages: &[Stage], shutdown: Shutdown) -> anyhow::Result<()> {
     let (playbook, policy) = providers(&cfg)?;
@@ -96,11 +114,13 @@ pub async fn run(cfg: Config, stages: &[Stage], shutdown: Shutdown) -> anyhow::R
         let settings = cfg.stage_settings(stage);
         let consumer = bus.stage_consumer(stage, settings).await?;
         let runner = Arc::new(StageRunner { bus: bus.clone(), deps: deps.clone(), handler: handler(stage, &policy) });
-        tasks.spawn(consume(consumer, settings, runner, shutdown.clone(), DRAIN));
+        let remake = remaking(&bus, move |bus| async move { bus.stage_consumer(stage, settings).await });
+        tasks.spawn(consume(consumer, Some(remake), settings, runner, shutdown.clone(), DRAIN));
         if stage == Stage::Approval {
             let consumer = bus.decisions_consumer(settings).await?;
             let decisions = Arc::new(Decisions { bus: bus.clone(), deps: deps.clone() });
-            tasks.spawn(consume(consumer, settings, decisions, shutdown.clone(), DRAIN));
+            let remake = remaking(&bus, move |bus| async move { bus.decisions_consumer(settings).await });
+            tasks.spawn(consume(consumer, Some(remake), settings, decisions, shutdown.clone(), DRAIN));
             // Sweep often enough that a request expires within about a quarter of its timeout.
             let every = Duration::from_millis(cfg.limits.approval_timeout_secs.saturating_mul(250))
                 .clamp(Duration::from_millis(200), Duration::from_secs(5));

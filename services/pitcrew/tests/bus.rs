@@ -5,7 +5,7 @@
 mod common;
 
 use async_nats::header::{HeaderMap, NATS_MESSAGE_ID};
-use common::{count, marker_service, write, Crew, WAIT};
+use common::{count, marker_service, texts, write, Crew, WAIT};
 use futures::StreamExt;
 use pitcrew_model::codec::{CONTENT_TYPE, MSGPACK};
 use pitcrew_model::{EventKind, Stage};
@@ -71,7 +71,9 @@ async fn a_stage_message_delivered_twice_executes_nothing_twice() -> anyhow::Res
     })
     .await?;
     let db = crew.db().await?;
-    assert_eq!(count(&db, "SELECT count(*) FROM executions WHERE run_id = $1", run).await, 2);
+    let timeline =
+        texts(&db, "SELECT stage || ': ' || message FROM run_events WHERE run_id = $1 ORDER BY seq, idx", run).await;
+    assert_eq!(count(&db, "SELECT count(*) FROM executions WHERE run_id = $1", run).await, 2, "{timeline:#?}");
     assert_eq!(count(&db, "SELECT count(*) FROM executions WHERE run_id = $1 AND status = 'succeeded'", run).await, 2);
     // mkdir fails when run twice: the target's own record says it ran once.
     assert!(std::path::Path::new(&crew.env.path("made-once")).is_dir());
@@ -253,7 +255,7 @@ async fn a_consumer_told_to_stop_pulls_nothing_more() -> anyhow::Result<()> {
     // about one round in four.)
     for _ in 0..20 {
         let handler = Arc::new(Counting(handled.clone()));
-        consume(consumer.clone(), settings, handler, std::future::ready(()), Duration::from_secs(5)).await;
+        consume(consumer.clone(), None, settings, handler, std::future::ready(()), Duration::from_secs(5)).await;
     }
     assert_eq!(handled.load(Ordering::SeqCst), 0, "a stopping consumer pulled messages");
     let info = consumer.clone().info().await?.clone();
@@ -263,6 +265,7 @@ async fn a_consumer_told_to_stop_pulls_nothing_more() -> anyhow::Result<()> {
     let handler = Arc::new(Counting(handled.clone()));
     let running = tokio::spawn(consume(
         consumer,
+        None,
         settings,
         handler,
         async {
@@ -439,4 +442,31 @@ async fn a_stream_made_with_older_settings_takes_the_current_ones() -> anyhow::R
     assert_eq!(info.discard, stream::DiscardPolicy::New, "a full stream refuses new work");
     assert_eq!(info.duplicate_window, Duration::from_secs(120));
     Ok(())
+}
+
+/// A nats-server that lost its store (restarted on an empty volume, or streams deleted by
+/// hand) leaves every worker pulling from consumers that no longer exist. The crew makes its
+/// streams and consumers again, without a restart, and handles what is published after.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crew_makes_its_streams_and_consumers_again_when_the_server_lost_them() -> anyhow::Result<()> {
+    let env = TestEnv::start().await?;
+    let text = marker_service(&env, "svc");
+    let mut crew = Crew::start_in(env, &text, &Stage::ALL).await?;
+    let first = crew.open_with("svc", "connection refused", Some("before".into())).await?;
+    assert_eq!(crew.end(first).await?.kind, EventKind::Resolved);
+    for stream in [crew.bus.subjects.incidents_stream(), crew.bus.subjects.stages_stream()] {
+        assert!(crew.bus.js.delete_stream(&stream).await?.success, "{stream}");
+    }
+    // Publishing fails until the crew has made the incidents stream again.
+    let deadline = tokio::time::Instant::now() + WAIT;
+    let second = loop {
+        match crew.open_with("svc", "connection refused", Some("after".into())).await {
+            Ok(run) => break run,
+            Err(e) => anyhow::ensure!(tokio::time::Instant::now() < deadline, "never accepted again: {e}"),
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    let end = crew.end(second).await?;
+    assert_eq!(end.kind, EventKind::Resolved, "{}", end.message);
+    crew.shutdown().await
 }

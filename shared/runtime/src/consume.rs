@@ -34,6 +34,14 @@ pub trait MessageHandler: Send + Sync + 'static {
     fn handle(self: Arc<Self>, msg: Arc<jetstream::Message>) -> BoxFuture<'static, Disposition>;
 }
 
+/// Makes a worker's consumer again when the server has lost it (its stream or the consumer
+/// deleted, a nats-server restarted without its store): creates whatever is missing; a no-op
+/// on the server when nothing is.
+pub type Remake = Arc<dyn Fn() -> BoxFuture<'static, Result<PullConsumer, String>> + Send + Sync>;
+
+/// Pulls in a row that failed before the consumer is made again.
+const REMAKE_AFTER: u32 = 2;
+
 /// Exponential backoff for the nth delivery, capped at 30 s.
 pub fn backoff(delivered: i64) -> Duration {
     let n = delivered.clamp(1, 16) as u32 - 1;
@@ -41,10 +49,13 @@ pub fn backoff(delivered: i64) -> Duration {
 }
 
 /// Run `handler` over `consumer` until `shutdown` resolves, then wait up to `drain` for the
-/// messages in hand. A panicking handler naks its message instead of killing the worker. Messages still running after the deadline are not acked: JetStream
-/// redelivers them, and every handler is idempotent.
+/// messages in hand. A panicking handler naks its message instead of killing the worker.
+/// Messages still running after the deadline are not acked: JetStream redelivers them, and
+/// every handler is idempotent. Pulls that keep failing back off (capped), and with `remake`
+/// the consumer is made again after `REMAKE_AFTER` of them in a row.
 pub async fn consume<H: MessageHandler>(
-    consumer: PullConsumer,
+    mut consumer: PullConsumer,
+    remake: Option<Remake>,
     settings: StageSettings,
     handler: Arc<H>,
     shutdown: impl Future<Output = ()>,
@@ -77,23 +88,18 @@ pub async fn consume<H: MessageHandler>(
             b = consumer.fetch().max_messages(want).expires(FETCH_EXPIRES).messages() => b,
         };
         let mut batch = match batch {
-            Ok(b) => {
-                failures = 0;
-                b
-            }
+            Ok(b) => b,
             Err(e) => {
-                failures += 1;
-                let wait = backoff(failures as i64);
-                tracing::warn!(consumer = %name, error = %e, retry_in_ms = wait.as_millis() as u64, "cannot pull messages");
                 drop(first);
-                tokio::select! {
-                    biased;
-                    _ = &mut shutdown => break 'outer,
-                    _ = tokio::time::sleep(wait) => continue,
+                failures += 1;
+                if pull_failed(&name, &e.to_string(), failures, &mut consumer, remake.as_ref(), &mut shutdown).await {
+                    break 'outer;
                 }
+                continue;
             }
         };
         let mut permit = Some(first);
+        let (mut pulled, mut error) = (0usize, None);
         // A fetch holds at most `want` messages, and we hold `want` permits' worth: every
         // message starts at once. Finishing the batch is not raced with shutdown, so none of
         // the fetched messages is left unsettled (it would wait out its ack timer).
@@ -101,10 +107,13 @@ pub async fn consume<H: MessageHandler>(
             let msg = match next {
                 Ok(m) => m,
                 Err(e) => {
-                    tracing::warn!(consumer = %name, error = %e, "pull error");
+                    // A consumer the server no longer has answers every pull with an error at
+                    // once: without backing off, the worker would spin on it.
+                    error = Some(e.to_string());
                     continue;
                 }
             };
+            pulled += 1;
             let permit = match permit.take() {
                 Some(p) => p,
                 None => sem.clone().acquire_owned().await.expect("semaphore never closed"),
@@ -135,6 +144,16 @@ pub async fn consume<H: MessageHandler>(
             });
         }
         drop(permit);
+        match error {
+            Some(e) if pulled == 0 => {
+                failures += 1;
+                if pull_failed(&name, &e, failures, &mut consumer, remake.as_ref(), &mut shutdown).await {
+                    break 'outer;
+                }
+            }
+            Some(e) => tracing::warn!(consumer = %name, error = %e, "pull error"),
+            None => failures = 0,
+        }
     }
     tracing::info!(consumer = %name, in_flight = tasks.len(), "stopping: draining messages in hand");
     let drained = tokio::time::timeout(drain, async { while tasks.join_next().await.is_some() {} }).await;
@@ -142,6 +161,35 @@ pub async fn consume<H: MessageHandler>(
         tracing::warn!(consumer = %name, left = tasks.len(), "drain deadline passed: unfinished messages will be redelivered");
         tasks.abort_all();
     }
+}
+
+/// The `failures`-th pull in a row failed: say so, wait out the backoff and, after
+/// `REMAKE_AFTER` of them, make the consumer again. Returns true when shutdown came meanwhile.
+async fn pull_failed(
+    name: &str,
+    error: &str,
+    failures: u32,
+    consumer: &mut PullConsumer,
+    remake: Option<&Remake>,
+    shutdown: &mut std::pin::Pin<&mut impl Future<Output = ()>>,
+) -> bool {
+    let wait = backoff(failures as i64);
+    tracing::warn!(consumer = %name, error = %error, failures, retry_in_ms = wait.as_millis() as u64, "cannot pull messages");
+    tokio::select! {
+        biased;
+        _ = shutdown.as_mut() => return true,
+        _ = tokio::time::sleep(wait) => {}
+    }
+    if let (Some(remake), true) = (remake, failures >= REMAKE_AFTER) {
+        match remake().await {
+            Ok(made) => {
+                *consumer = made;
+                tracing::info!(consumer = %name, "consumer made again (its stream or itself was missing, or the pulls kept failing)");
+            }
+            Err(e) => tracing::warn!(consumer = %name, error = %e, "cannot make the consumer again: will retry"),
+        }
+    }
+    false
 }
 
 /// Tell the server we are still working, so a long handler is not redelivered mid-flight.
