@@ -12,3 +12,17 @@ CREATE TABLE target_locks (
     previous_run  uuid,
     PRIMARY KEY (service, host)
 );
+
+-- Runs waiting for a target another run holds, since when: the wait's limit counts from the
+-- first time this attempt found it taken (not from when the run reached execute: a backlog
+-- there is no wait), and the number already waiting bounds the queue. A row goes when its
+-- run takes the target.
+CREATE TABLE target_waits (
+    run_id   uuid        NOT NULL,
+    attempt  integer     NOT NULL,
+    service  text        NOT NULL,
+    host     text        NOT NULL,
+    since    timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (run_id, attempt)
+);
+CREATE INDEX target_waits_target ON target_waits (service, host);

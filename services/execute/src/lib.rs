@@ -80,8 +80,14 @@ pub fn recorded_approval(incoming: &RunState, stored: &RunState) -> Result<(), S
 }
 
 /// How long a run waits before it looks again at a target another run is remediating (the
-/// message is naked: a waiting run holds no slot of the stage).
-const TARGET_RETRY: Duration = Duration::from_millis(500);
+/// message is naked: a waiting run holds no slot of the stage): a tenth of how long it has
+/// waited, between these bounds.
+const TARGET_RETRY: (Duration, Duration) = (Duration::from_millis(500), Duration::from_secs(5));
+
+/// Runs that may wait for one target at once; the next escalates instead of queueing (so many
+/// runs of one service at once are a storm for a human, and every waiter is a message the
+/// execute consumer keeps pending).
+pub const MAX_TARGET_WAITERS: u32 = 16;
 
 /// Whether this attempt's diagnosis saw the service's health check fail.
 pub fn diagnosed_unhealthy(state: &RunState) -> bool {
@@ -157,21 +163,25 @@ impl StageHandler for Execute {
             let mut skip: Option<String> = None;
             if at_step {
                 match store.take_target(&service, &spec.host, state.run_id, state.attempt).await? {
-                    TargetLock::Busy { holder, waiting } => {
+                    TargetLock::Busy { holder, waiting, ahead } => {
                         let by = holder.map(|r| format!("run {r}")).unwrap_or_else(|| "another run".into());
+                        let host = &spec.host;
                         let limit = Duration::from_secs(cfg.limits.target_wait_secs);
                         if waiting >= limit {
                             return Ok(Transition::Escalate(format!(
-                                "{service} on {} has been under remediation by other runs for over {} s (now {by}): \
-                                 not running this plan beside it",
-                                spec.host,
-                                limit.as_secs()
+                                "waited {} s for {service} on {host}, under remediation by other runs all along \
+                                 (now {by}): not running this plan beside them",
+                                waiting.as_secs()
                             )));
                         }
-                        return Err(StageError::Wait(
-                            format!("{by} is remediating {service} on {}", spec.host),
-                            TARGET_RETRY,
-                        ));
+                        if ahead >= MAX_TARGET_WAITERS {
+                            return Ok(Transition::Escalate(format!(
+                                "{ahead} runs are already waiting to remediate {service} on {host} (under \
+                                 remediation by {by}): escalating rather than queueing behind them"
+                            )));
+                        }
+                        let retry = (waiting / 10).clamp(TARGET_RETRY.0, TARGET_RETRY.1);
+                        return Err(StageError::Wait(format!("{by} is remediating {service} on {host}"), retry));
                     }
                     TargetLock::Held { remediated_since: Some(other), started: false } => {
                         // Another run remediated the target since this one opened, and this

@@ -85,7 +85,9 @@ async fn a_stage_message_delivered_twice_executes_nothing_twice() -> anyhow::Res
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_processes_of_one_stage_share_its_work() -> anyhow::Result<()> {
     let env = TestEnv::start().await?;
-    let text = marker_service(&env, "svc");
+    // A service a run: runs of one service would take turns in execute (and past 16 waiting,
+    // escalate), which is not what this test is about.
+    let text: String = (0..30).map(|i| marker_service(&env, &format!("s{i}"))).collect();
     let others: Vec<Stage> = Stage::ALL.into_iter().filter(|s| *s != Stage::Diagnose).collect();
     let mut crew = Crew::start_in(env, &text, &others).await?;
     let limit = [("PITCREW_STAGE__DIAGNOSE__CONCURRENCY", "1")];
@@ -93,7 +95,7 @@ async fn two_processes_of_one_stage_share_its_work() -> anyhow::Result<()> {
     let _w2 = crew.spawn_worker("diag-2", &["diagnose"], &limit)?;
     let mut runs = Vec::new();
     for i in 0..30 {
-        runs.push(crew.open_with("svc", "connection refused", Some(format!("fp-{i}"))).await?);
+        runs.push(crew.open_with(&format!("s{i}"), "connection refused", Some(format!("fp-{i}"))).await?);
     }
     for run in &runs {
         let end = crew.end(*run).await?;

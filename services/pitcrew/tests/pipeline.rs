@@ -296,16 +296,16 @@ async fn a_cli_decision_racing_one_the_crew_has_not_recorded_yet_is_refused() ->
     crew.shutdown().await
 }
 
-/// The playbook's slow fix: two seconds between its start and its end, each written to
+/// The playbook's slow fix: `secs` seconds between its start and its end, each written to
 /// `fix.log`; a second copy started while one runs fails at once (so interleaved runs show in
 /// the log). It makes the service healthy when `heals`.
-fn slow_fix(env: &pitcrew_testkit::TestEnv, heals: bool) {
+fn slow_fix(env: &pitcrew_testkit::TestEnv, heals: bool, secs: u32) {
     let heal = if heals { "touch {dir}/svc-healthy\n" } else { "" };
     let path = write(
         env,
         "slow-fix",
         &format!(
-            "#!/bin/sh\nmkdir {{dir}}/fixing || exit 1\necho start >> {{dir}}/fix.log\nsleep 2\n\
+            "#!/bin/sh\nmkdir {{dir}}/fixing || exit 1\necho start >> {{dir}}/fix.log\nsleep {secs}\n\
              echo end >> {{dir}}/fix.log\nrmdir {{dir}}/fixing\n{heal}"
         ),
     );
@@ -329,7 +329,7 @@ async fn execute_said(db: &tokio_postgres::Client, run: uuid::Uuid) -> Vec<Strin
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_second_run_of_a_service_waits_for_the_first_and_runs_nothing_once_it_is_fixed() -> anyhow::Result<()> {
     let mut crew = crew_with_playbook("").await?;
-    slow_fix(&crew.env, true);
+    slow_fix(&crew.env, true, 2);
     let a = crew.open_with("svc", "svc needs a slow fix", Some("fp-a".into())).await?;
     let b = crew.open_with("svc", "svc needs a slow fix", Some("fp-b".into())).await?;
     let mut summaries = std::collections::HashMap::new();
@@ -363,7 +363,7 @@ async fn a_second_run_of_a_service_waits_for_the_first_and_runs_nothing_once_it_
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_second_run_of_a_service_runs_its_plan_after_the_first_not_beside_it() -> anyhow::Result<()> {
     let mut crew = crew_with_playbook("[limits]\nmax_retries = 1\n").await?;
-    slow_fix(&crew.env, false);
+    slow_fix(&crew.env, false, 2);
     let a = crew.open_with("svc", "svc needs a slow fix", Some("fp-a".into())).await?;
     let b = crew.open_with("svc", "svc needs a slow fix", Some("fp-b".into())).await?;
     for run in [a, b] {
@@ -390,6 +390,34 @@ async fn a_second_run_of_a_service_runs_its_plan_after_the_first_not_beside_it()
     let said = still(second).await.unwrap_or_default();
     assert!(said.starts_with(&format!("run {first} remediated svc on local since this run opened")), "{said}");
     assert!(still(first).await.is_none());
+    crew.shutdown().await
+}
+
+/// A storm of runs of one service (many incidents with different fingerprints at once): at
+/// most 16 wait for the target; the others escalate at once rather than queue, each saying
+/// why. The fix still runs once, and the waiters run nothing after it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn past_sixteen_runs_waiting_for_one_target_the_next_escalates() -> anyhow::Result<()> {
+    let mut crew = crew_with_playbook("").await?;
+    slow_fix(&crew.env, true, 5);
+    let mut runs = Vec::new();
+    for i in 0..24 {
+        runs.push(crew.open_with("svc", "svc needs a slow fix", Some(format!("storm-{i}"))).await?);
+    }
+    let (mut resolved, mut turned_away) = (0, 0);
+    for run in runs {
+        let end = crew.events.terminal(run, WAIT).await?;
+        match end.kind {
+            EventKind::Resolved => resolved += 1,
+            EventKind::Escalated if end.message.contains("runs are already waiting to remediate svc on local") => {
+                turned_away += 1
+            }
+            _ => panic!("{:?}: {}", end.kind, end.message),
+        }
+    }
+    assert_eq!(std::fs::read_to_string(crew.env.path("fix.log"))?, "start\nend\n", "the fix ran once");
+    // The holder and the sixteen that waited resolved.
+    assert!(turned_away >= 1 && resolved >= 17, "{resolved} resolved, {turned_away} turned away");
     crew.shutdown().await
 }
 

@@ -607,21 +607,35 @@ async fn a_target_is_held_by_one_run_while_it_executes_and_verifies() -> anyhow:
     assert_eq!(store.take_target("web", "web-1", b, 1).await?, after_a, "a redelivery is told the same");
     // B's next attempt starts afresh: nobody else was there since B's last.
     assert_eq!(store.take_target("web", "web-1", b, 2).await?, fresh);
-    // C has waited as long as it has been at execute, across deliveries.
-    pg.execute("UPDATE runs SET updated_at = now() - interval '10 minutes' WHERE id = $1", &[&c]).await?;
-    match store.take_target("web", "web-1", c, 1).await? {
-        TargetLock::Busy { holder, waiting } => {
-            assert_eq!(holder, Some(b));
-            assert!(waiting >= std::time::Duration::from_secs(599), "{waiting:?}");
-        }
-        held => panic!("{held:?}"),
-    }
-    // A closed run holds nothing, whatever stage it stopped at.
+    // C waits from its first look, across deliveries (not from its arrival at execute: a
+    // backlog there is no wait), and a run that comes to wait after it has C ahead of it.
+    pg.execute("UPDATE runs SET updated_at = now() - interval '1 hour' WHERE id = $1", &[&c]).await?;
+    let waiting = |lock: TargetLock| match lock {
+        TargetLock::Busy { holder, waiting, ahead } => (holder, waiting, ahead),
+        held => panic!("not busy: {held:?}"),
+    };
+    let (by, first, ahead) = waiting(store.take_target("web", "web-1", c, 1).await?);
+    assert_eq!((by, ahead), (Some(b), 0));
+    assert!(first < std::time::Duration::from_secs(60), "{first:?}");
+    pg.execute("UPDATE target_waits SET since = now() - interval '10 minutes' WHERE run_id = $1", &[&c]).await?;
+    let (_, waited, _) = waiting(store.take_target("web", "web-1", c, 1).await?);
+    assert!(waited >= std::time::Duration::from_secs(599), "{waited:?}");
+    let mut next = Incident::new("web", "down");
+    next.fingerprint = Some("next".into());
+    let d = RunState::new(Uuid::now_v7(), next);
+    assert_eq!(store.open_run(&d).await?, OpenRun::Created);
+    let d = d.run_id;
+    at("execute", "open", d).await?;
+    assert_eq!(waiting(store.take_target("web", "web-1", d, 1).await?).2, 1, "C waits ahead of D");
+    // A closed run holds nothing, whatever stage it stopped at; C takes it and waits no more.
     at("execute", "escalated", b).await?;
     assert_eq!(
         store.take_target("web", "web-1", c, 1).await?,
         TargetLock::Held { remediated_since: Some(b), started: false }
     );
+    let left: i64 = pg.query_one("SELECT count(*) FROM target_waits WHERE run_id = $1", &[&c]).await?.get(0);
+    assert_eq!(left, 0);
+    at("diagnose", "open", d).await?;
     // A run opened after the last one there stopped working is not told of it.
     at("diagnose", "open", c).await?;
     let mut late = Incident::new("web", "down");

@@ -144,6 +144,9 @@ pub async fn consume<H: MessageHandler>(
             });
         }
         drop(permit);
+        if pulled > 0 {
+            failures = 0;
+        }
         match error {
             Some(e) if pulled == 0 => {
                 failures += 1;
@@ -181,7 +184,12 @@ async fn pull_failed(
         _ = tokio::time::sleep(wait) => {}
     }
     if let (Some(remake), true) = (remake, failures >= REMAKE_AFTER) {
-        match remake().await {
+        let made = tokio::select! {
+            biased;
+            _ = shutdown.as_mut() => return true,
+            made = remake() => made,
+        };
+        match made {
             Ok(made) => {
                 *consumer = made;
                 tracing::info!(consumer = %name, "consumer made again (its stream or itself was missing, or the pulls kept failing)");

@@ -176,14 +176,12 @@ impl StageRunner {
                     span.record("outcome", "transient");
                     self.failed_try(msg, exhausted.as_deref(), &e, "transient failure").await
                 }
-                Err(StageError::Wait(why, delay)) if exhausted.is_none() => {
+                // Waiting is bounded by the stage itself (it escalates past its own limit), so
+                // the deliveries it takes never count as failures: never dead-lettered for them.
+                Err(StageError::Wait(why, delay)) => {
                     span.record("outcome", "waiting");
                     tracing::info!(reason = %why, retry_in_ms = delay.as_millis() as u64, delivered, "waiting");
                     Disposition::Nak(delay)
-                }
-                Err(StageError::Wait(why, _)) => {
-                    span.record("outcome", "waiting");
-                    self.failed_try(msg, exhausted.as_deref(), &why, "still waiting").await
                 }
                 Err(StageError::Poison(e)) => {
                     span.record("outcome", "poison");

@@ -50,7 +50,8 @@ pub enum StageError {
     #[error("{0}")]
     Poison(String),
     /// Not a failure: the step must wait for something outside it (another run's
-    /// remediation of the same target). Naked with this delay, logged at info.
+    /// remediation of the same target). Naked with this delay, logged at info, never
+    /// dead-lettered: the stage bounds its own wait.
     #[error("waiting: {0}")]
     Wait(String, std::time::Duration),
 }

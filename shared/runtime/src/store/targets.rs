@@ -20,8 +20,9 @@ pub enum TargetLock {
         started: bool,
     },
     /// Another run is executing or verifying a plan there (`holder`; `None`: it changed hands
-    /// while we looked). `waiting`: how long this run has been at execute.
-    Busy { holder: Option<Uuid>, waiting: Duration },
+    /// while we looked). `waiting`: since this attempt first found it taken; `ahead`: runs
+    /// of the target waiting since before that.
+    Busy { holder: Option<Uuid>, waiting: Duration, ahead: u32 },
 }
 
 /// Take the row unless another run holds it: a holder lets go once its run is closed or past
@@ -41,15 +42,28 @@ const TAKE: &str = "
         WHERE l.run_id = excluded.run_id OR NOT EXISTS (
             SELECT 1 FROM runs h WHERE h.id = l.run_id
                AND h.status IN ('open', 'waiting_approval') AND h.stage IN ('execute', 'verify'))
-        RETURNING previous_run)
+        RETURNING previous_run),
+    -- Taken: this run waits no more.
+    forgot AS (DELETE FROM target_waits WHERE run_id = $3 AND EXISTS (SELECT 1 FROM taken))
     SELECT CASE WHEN p.updated_at > r.created_at THEN t.previous_run END,
            EXISTS (SELECT 1 FROM executions e WHERE e.run_id = $3 AND e.attempt = $4)
     FROM taken t LEFT JOIN runs r ON r.id = $3 LEFT JOIN runs p ON p.id = t.previous_run";
 
-/// Who holds the target, and how long the asking run has been at execute.
-const HOLDER: &str = "
+/// Note the attempt as waiting (from its first look); who holds the target, how long this
+/// attempt has waited, and how many open runs at execute have waited longer.
+const WAIT: &str = "
+    WITH noted AS (
+        INSERT INTO target_waits (run_id, attempt, service, host) VALUES ($3, $4, $1, $2)
+        ON CONFLICT (run_id, attempt) DO NOTHING RETURNING since),
+    mine AS (
+        SELECT coalesce((SELECT since FROM noted),
+                        (SELECT since FROM target_waits WHERE run_id = $3 AND attempt = $4)) AS since)
     SELECT (SELECT run_id FROM target_locks WHERE service = $1 AND host = $2),
-           (SELECT EXTRACT(EPOCH FROM now() - updated_at)::float8 FROM runs WHERE id = $3)";
+           EXTRACT(EPOCH FROM now() - mine.since)::float8,
+           (SELECT count(*) FROM target_waits w JOIN runs r ON r.id = w.run_id AND r.attempt = w.attempt
+             WHERE w.service = $1 AND w.host = $2 AND r.status = 'open' AND r.stage = 'execute'
+               AND (w.since, w.run_id) < (mine.since, $3))
+    FROM mine";
 
 impl Store {
     /// Take `service` on `host` for attempt `attempt` of `run`, unless another run is
@@ -70,13 +84,16 @@ impl Store {
         let tx = client.build_transaction().isolation_level(IsolationLevel::RepeatableRead).start().await?;
         let taken = async {
             let take = tx.prepare_cached(TAKE).await?;
-            if let Some(row) = tx.query_opt(&take, &[&service, &host, &run, &(attempt as i32)]).await? {
+            let args: [&(dyn tokio_postgres::types::ToSql + Sync); 4] = [&service, &host, &run, &(attempt as i32)];
+            if let Some(row) = tx.query_opt(&take, &args).await? {
                 return Ok(TargetLock::Held { remediated_since: row.get(0), started: row.get(1) });
             }
-            let row = tx.query_one(HOLDER, &[&service, &host, &run]).await?;
+            let wait = tx.prepare_cached(WAIT).await?;
+            let row = tx.query_one(&wait, &args).await?;
             let holder = row.get::<_, Option<Uuid>>(0).filter(|h| *h != run);
             let waiting = Duration::from_secs_f64(row.get::<_, Option<f64>>(1).unwrap_or(0.0).max(0.0));
-            Ok::<_, tokio_postgres::Error>(TargetLock::Busy { holder, waiting })
+            let ahead = u32::try_from(row.get::<_, i64>(2)).unwrap_or(u32::MAX);
+            Ok::<_, tokio_postgres::Error>(TargetLock::Busy { holder, waiting, ahead })
         }
         .await;
         match taken {
@@ -85,7 +102,7 @@ impl Store {
                 Ok(lock)
             }
             Err(e) if e.code() == Some(&SqlState::T_R_SERIALIZATION_FAILURE) => {
-                Ok(TargetLock::Busy { holder: None, waiting: Duration::ZERO })
+                Ok(TargetLock::Busy { holder: None, waiting: Duration::ZERO, ahead: 0 })
             }
             Err(e) => Err(e.into()),
         }
