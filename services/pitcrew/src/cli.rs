@@ -203,6 +203,42 @@ pub async fn show(store: &Store, run: Uuid) -> anyhow::Result<()> {
 }
 
 /// Outcome word of a terminal event.
+/// A watched run that ended without being resolved: its outcome, as `pitcrew watch`'s exit
+/// status (scripts and CI jobs that open an incident and wait for it can tell).
+#[derive(Debug)]
+pub struct Unresolved(pub &'static str);
+
+impl Unresolved {
+    /// 3: escalated (a human must act); 4: not remediated by this run (a duplicate of an open
+    /// run, or refused at intake).
+    pub fn exit_code(&self) -> u8 {
+        if self.0 == "escalated" {
+            3
+        } else {
+            4
+        }
+    }
+}
+
+impl std::fmt::Display for Unresolved {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "the run ended {}", self.0)
+    }
+}
+
+impl std::error::Error for Unresolved {}
+
+/// Print a watched run's outcome; an error (`Unresolved`) unless it resolved.
+pub fn ended(end: &RunEvent) -> anyhow::Result<()> {
+    let outcome = outcome_of(end);
+    println!("outcome: {outcome}");
+    if end.kind == EventKind::Resolved {
+        Ok(())
+    } else {
+        Err(Unresolved(outcome).into())
+    }
+}
+
 pub fn outcome_of(e: &RunEvent) -> &'static str {
     match e.kind {
         EventKind::Resolved => "resolved",

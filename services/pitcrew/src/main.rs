@@ -69,7 +69,9 @@ enum Command {
         #[command(subcommand)]
         command: IncidentCommand,
     },
-    /// Print a run's events as they happen, until it ends.
+    /// Print a run's events as they happen, until it ends. Exits 0 when it resolved, 3 when it
+    /// escalated, 4 when the incident was a duplicate or refused, 1 on an error (no such run,
+    /// no end within the timeout).
     Watch {
         run: Uuid,
         /// Give up after this many seconds.
@@ -152,7 +154,7 @@ enum IncidentCommand {
         severity: Severity,
         #[arg(long)]
         fingerprint: Option<String>,
-        /// Follow the run until it ends.
+        /// Follow the run until it ends; the exit status is then `pitcrew watch`'s.
         #[arg(long)]
         watch: bool,
     },
@@ -283,6 +285,10 @@ fn gateway_hash_key() -> anyhow::Result<()> {
 fn report(res: anyhow::Result<()>) -> ExitCode {
     match res {
         Ok(()) => ExitCode::SUCCESS,
+        // Already said on stdout ("outcome: escalated").
+        Err(e) if e.is::<cli::Unresolved>() => {
+            ExitCode::from(e.downcast_ref::<cli::Unresolved>().map(cli::Unresolved::exit_code).unwrap_or(1))
+        }
         Err(e) => {
             eprintln!("error: {e:#}");
             ExitCode::FAILURE
@@ -345,7 +351,7 @@ async fn run(args: Args, cfg: Option<Config>) -> anyhow::Result<()> {
             println!("{id}");
             if watch {
                 let end = cli::watch(&bus, None, id, Duration::from_secs(3600)).await?;
-                println!("outcome: {}", cli::outcome_of(&end));
+                return cli::ended(&end);
             }
             Ok(())
         }
@@ -354,8 +360,7 @@ async fn run(args: Args, cfg: Option<Config>) -> anyhow::Result<()> {
             bus.ensure_streams().await?;
             let store = cli::store(&cfg).await.ok();
             let end = cli::watch(&bus, store.as_ref(), run, Duration::from_secs(timeout)).await?;
-            println!("outcome: {}", cli::outcome_of(&end));
-            Ok(())
+            cli::ended(&end)
         }
         Command::Approve { run, by } => {
             if let Some(why) = cfg.refuse_approver(&by) {

@@ -122,6 +122,36 @@ async fn output_and_incidents_with_nul_bytes_are_kept_and_the_run_resolves() -> 
     crew.shutdown().await
 }
 
+/// `pitcrew watch` says how the run ended in its exit status, for the script or CI job that
+/// opened the incident: 0 resolved, 3 escalated, 1 for no such run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn watch_exits_with_how_the_run_ended() -> anyhow::Result<()> {
+    let mut crew = crew_with_playbook("").await?;
+    let fixed = crew.open("svc", "GET /health: connection refused").await?;
+    let refused = crew.open_with("svc", "disk wiped", Some("wiped".into())).await?;
+    for run in [fixed, refused] {
+        crew.events.terminal(run, WAIT).await?;
+    }
+    let config = crew.config_file()?;
+    let watch = |run: uuid::Uuid| -> anyhow::Result<(Option<i32>, String)> {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_pitcrew"))
+            .arg("--config")
+            .arg(&config)
+            .args(["watch", &run.to_string(), "--timeout", "30"])
+            .env_remove("DATABASE_URL")
+            .output()?;
+        Ok((out.status.code(), String::from_utf8_lossy(&out.stdout).into_owned()))
+    };
+    let (code, out) = watch(fixed)?;
+    assert_eq!(code, Some(0), "{out}");
+    assert!(out.ends_with("outcome: resolved\n"), "{out}");
+    let (code, out) = watch(refused)?;
+    assert_eq!(code, Some(3), "{out}");
+    assert!(out.ends_with("outcome: escalated\n"), "{out}");
+    assert_eq!(watch(uuid::Uuid::new_v4())?.0, Some(1), "no such run is an error, not an outcome");
+    crew.shutdown().await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_forbidden_plan_is_escalated_and_nothing_runs() -> anyhow::Result<()> {
     let mut crew = crew_with_playbook("").await?;

@@ -645,3 +645,32 @@ async fn a_target_is_held_by_one_run_while_it_executes_and_verifies() -> anyhow:
     assert_eq!(store.take_target("web", "web-1", late.run_id, 1).await?, fresh);
     Ok(())
 }
+
+/// A Postgres address that accepts connections and never answers (a hung server, a proxy in
+/// front of a dead one) fails start-up within the URL's `connect_timeout` (10 s without one),
+/// saying so, instead of waiting for ever in the handshake.
+#[tokio::test]
+async fn a_postgres_that_never_answers_fails_start_up_within_the_connect_timeout() -> anyhow::Result<()> {
+    let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let port = silent.local_addr()?.port();
+    let _held = tokio::spawn(async move {
+        let mut open = Vec::new();
+        while let Ok((conn, _)) = silent.accept().await {
+            open.push(conn);
+        }
+    });
+    let cfg = DatabaseConfig {
+        url: format!("postgres://postgres@127.0.0.1:{port}/pitcrew?connect_timeout=1"),
+        pool_size: 1,
+        migrate_on_start: false,
+        statement_timeout_secs: 30,
+    };
+    let started = std::time::Instant::now();
+    let refused = tokio::time::timeout(std::time::Duration::from_secs(30), Store::connect(&cfg))
+        .await
+        .map_err(|_| anyhow::anyhow!("still connecting after 30 s"))?;
+    let error = refused.err().map(|e| e.to_string()).unwrap_or_default();
+    assert!(error.contains("no answer within 1 s"), "{error}");
+    assert!(started.elapsed() < std::time::Duration::from_secs(10), "{:?}", started.elapsed());
+    Ok(())
+}

@@ -1,6 +1,7 @@
 //! Schema migrations (schemas/migrations) applied once, safely when many workers start at once.
 
 use super::StoreError;
+use std::time::Duration;
 use tokio_postgres::NoTls;
 
 /// Every migration in order; the number is the version recorded in `pitcrew_migrations`.
@@ -46,17 +47,44 @@ pub async fn migrate(client: &mut tokio_postgres::Client) -> Result<usize, Store
     Ok(applied)
 }
 
-/// Create the database named in `url` if it does not exist (connecting to `postgres` to do so).
+/// How long connecting (TCP and Postgres's start-up) may take when the URL sets no
+/// `connect_timeout`: a host that accepts and never answers must not stall start-up.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Connect with `cfg`, the whole handshake bounded by `limit`.
+async fn connect_within(
+    cfg: &tokio_postgres::Config,
+    limit: Duration,
+) -> Result<Result<tokio_postgres::Client, tokio_postgres::Error>, StoreError> {
+    match tokio::time::timeout(limit, cfg.connect(NoTls)).await {
+        Err(_) => Err(StoreError::Unavailable(format!("no answer within {} s", limit.as_secs_f64()))),
+        Ok(Err(e)) => Ok(Err(e)),
+        Ok(Ok((client, conn))) => {
+            tokio::spawn(conn);
+            Ok(Ok(client))
+        }
+    }
+}
+
+/// Create the database named in `url` if it does not exist. The database itself is tried
+/// first: a role that may not connect to `postgres` (managed services often refuse it) needs
+/// nothing more when the database is there; only a missing one is created from `postgres`.
 pub async fn ensure_database(url: &str) -> Result<(), StoreError> {
     let cfg: tokio_postgres::Config = url.parse().map_err(|e| StoreError::Config(format!("bad database URL: {e}")))?;
     let Some(db) = cfg.get_dbname().map(str::to_string) else { return Ok(()) };
     if !db.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-') {
         return Err(StoreError::Config(format!("database name '{db}' must be letters, digits, '_' or '-'")));
     }
+    let limit = cfg.get_connect_timeout().copied().unwrap_or(CONNECT_TIMEOUT);
+    let failed = |e: StoreError| StoreError::connect(url, e);
+    match connect_within(&cfg, limit).await.map_err(failed)? {
+        Ok(_) => return Ok(()),
+        Err(e) if e.code() == Some(&tokio_postgres::error::SqlState::INVALID_CATALOG_NAME) => {}
+        Err(e) => return Err(StoreError::connect(url, StoreError::Query(e))),
+    }
     let mut admin = cfg.clone();
     admin.dbname("postgres");
-    let (client, conn) = admin.connect(NoTls).await.map_err(|e| StoreError::connect(url, e))?;
-    let task = tokio::spawn(conn);
+    let client = connect_within(&admin, limit).await.map_err(failed)?.map_err(|e| StoreError::connect(url, e))?;
     let exists = client.query_opt("SELECT 1 FROM pg_database WHERE datname = $1", &[&db]).await?.is_some();
     if !exists {
         if let Err(e) = client.batch_execute(&format!("CREATE DATABASE \"{db}\"")).await {
@@ -72,6 +100,5 @@ pub async fn ensure_database(url: &str) -> Result<(), StoreError> {
         }
     }
     drop(client);
-    let _ = task.await;
     Ok(())
 }
