@@ -13,16 +13,19 @@ CREATE TABLE target_locks (
     PRIMARY KEY (service, host)
 );
 
--- Runs waiting for a target another run holds, since when: the wait's limit counts from the
--- first time this attempt found it taken (not from when the run reached execute: a backlog
--- there is no wait), and the number already waiting bounds the queue. A row goes when its
--- run takes the target.
+-- Runs waiting for a target another run holds. The wait's limit counts the time this attempt
+-- was seen waiting: from its first look (a backlog at execute is no wait), with any gap
+-- between two looks longer than a retry (the crew was down) left out (`since` moves forward
+-- by it; `looked` is the last look). The number already waiting bounds the queue. A row goes
+-- when its run takes the target, or at the next look at the target once its run stopped
+-- waiting (closed, or moved on).
 CREATE TABLE target_waits (
     run_id   uuid        NOT NULL,
     attempt  integer     NOT NULL,
     service  text        NOT NULL,
     host     text        NOT NULL,
     since    timestamptz NOT NULL DEFAULT now(),
+    looked   timestamptz NOT NULL DEFAULT now(),
     PRIMARY KEY (run_id, attempt)
 );
 CREATE INDEX target_waits_target ON target_waits (service, host);

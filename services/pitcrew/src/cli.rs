@@ -202,7 +202,6 @@ pub async fn show(store: &Store, run: Uuid) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Outcome word of a terminal event.
 /// A watched run that ended without being resolved: its outcome, as `pitcrew watch`'s exit
 /// status (scripts and CI jobs that open an incident and wait for it can tell).
 #[derive(Debug)]
@@ -239,6 +238,7 @@ pub fn ended(end: &RunEvent) -> anyhow::Result<()> {
     }
 }
 
+/// Outcome word of a terminal event.
 pub fn outcome_of(e: &RunEvent) -> &'static str {
     match e.kind {
         EventKind::Resolved => "resolved",

@@ -133,22 +133,26 @@ async fn watch_exits_with_how_the_run_ended() -> anyhow::Result<()> {
         crew.events.terminal(run, WAIT).await?;
     }
     let config = crew.config_file()?;
-    let watch = |run: uuid::Uuid| -> anyhow::Result<(Option<i32>, String)> {
-        let out = std::process::Command::new(env!("CARGO_BIN_EXE_pitcrew"))
-            .arg("--config")
-            .arg(&config)
-            .args(["watch", &run.to_string(), "--timeout", "30"])
-            .env_remove("DATABASE_URL")
-            .output()?;
-        Ok((out.status.code(), String::from_utf8_lossy(&out.stdout).into_owned()))
+    let watch = |run: uuid::Uuid| {
+        let config = config.clone();
+        async move {
+            let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_pitcrew"))
+                .arg("--config")
+                .arg(&config)
+                .args(["watch", &run.to_string(), "--timeout", "30"])
+                .env_remove("DATABASE_URL")
+                .output()
+                .await?;
+            anyhow::Ok((out.status.code(), String::from_utf8_lossy(&out.stdout).into_owned()))
+        }
     };
-    let (code, out) = watch(fixed)?;
+    let (code, out) = watch(fixed).await?;
     assert_eq!(code, Some(0), "{out}");
     assert!(out.ends_with("outcome: resolved\n"), "{out}");
-    let (code, out) = watch(refused)?;
+    let (code, out) = watch(refused).await?;
     assert_eq!(code, Some(3), "{out}");
     assert!(out.ends_with("outcome: escalated\n"), "{out}");
-    assert_eq!(watch(uuid::Uuid::new_v4())?.0, Some(1), "no such run is an error, not an outcome");
+    assert_eq!(watch(uuid::Uuid::new_v4()).await?.0, Some(1), "no such run is an error, not an outcome");
     crew.shutdown().await
 }
 
@@ -326,16 +330,16 @@ async fn a_cli_decision_racing_one_the_crew_has_not_recorded_yet_is_refused() ->
     crew.shutdown().await
 }
 
-/// The playbook's slow fix: `secs` seconds between its start and its end, each written to
+/// The playbook's slow fix: two seconds between its start and its end, each written to
 /// `fix.log`; a second copy started while one runs fails at once (so interleaved runs show in
 /// the log). It makes the service healthy when `heals`.
-fn slow_fix(env: &pitcrew_testkit::TestEnv, heals: bool, secs: u32) {
+fn slow_fix(env: &pitcrew_testkit::TestEnv, heals: bool) {
     let heal = if heals { "touch {dir}/svc-healthy\n" } else { "" };
     let path = write(
         env,
         "slow-fix",
         &format!(
-            "#!/bin/sh\nmkdir {{dir}}/fixing || exit 1\necho start >> {{dir}}/fix.log\nsleep {secs}\n\
+            "#!/bin/sh\nmkdir {{dir}}/fixing || exit 1\necho start >> {{dir}}/fix.log\nsleep 2\n\
              echo end >> {{dir}}/fix.log\nrmdir {{dir}}/fixing\n{heal}"
         ),
     );
@@ -359,7 +363,7 @@ async fn execute_said(db: &tokio_postgres::Client, run: uuid::Uuid) -> Vec<Strin
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_second_run_of_a_service_waits_for_the_first_and_runs_nothing_once_it_is_fixed() -> anyhow::Result<()> {
     let mut crew = crew_with_playbook("").await?;
-    slow_fix(&crew.env, true, 2);
+    slow_fix(&crew.env, true);
     let a = crew.open_with("svc", "svc needs a slow fix", Some("fp-a".into())).await?;
     let b = crew.open_with("svc", "svc needs a slow fix", Some("fp-b".into())).await?;
     let mut summaries = std::collections::HashMap::new();
@@ -393,7 +397,7 @@ async fn a_second_run_of_a_service_waits_for_the_first_and_runs_nothing_once_it_
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_second_run_of_a_service_runs_its_plan_after_the_first_not_beside_it() -> anyhow::Result<()> {
     let mut crew = crew_with_playbook("[limits]\nmax_retries = 1\n").await?;
-    slow_fix(&crew.env, false, 2);
+    slow_fix(&crew.env, false);
     let a = crew.open_with("svc", "svc needs a slow fix", Some("fp-a".into())).await?;
     let b = crew.open_with("svc", "svc needs a slow fix", Some("fp-b".into())).await?;
     for run in [a, b] {
@@ -425,15 +429,43 @@ async fn a_second_run_of_a_service_runs_its_plan_after_the_first_not_beside_it()
 
 /// A storm of runs of one service (many incidents with different fingerprints at once): at
 /// most 16 wait for the target; the others escalate at once rather than queue, each saying
-/// why. The fix still runs once, and the waiters run nothing after it.
+/// why. The fix runs once, and the waiters run nothing after it. (The fix holds on until every
+/// run has reached execute, whatever the machine's speed.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn past_sixteen_runs_waiting_for_one_target_the_next_escalates() -> anyhow::Result<()> {
     let mut crew = crew_with_playbook("").await?;
-    slow_fix(&crew.env, true, 5);
+    let fix = write(
+        &crew.env,
+        "slow-fix",
+        "#!/bin/sh\necho start >> {dir}/fix.log\nwhile [ ! -f {dir}/release ]; do sleep 0.1; done\n\
+         echo end >> {dir}/fix.log\ntouch {dir}/svc-healthy\n",
+    );
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(fix, std::fs::Permissions::from_mode(0o755))?;
+    const RUNS: i64 = 24;
     let mut runs = Vec::new();
-    for i in 0..24 {
+    for i in 0..RUNS {
         runs.push(crew.open_with("svc", "svc needs a slow fix", Some(format!("storm-{i}"))).await?);
     }
+    // Release the fix once one run holds the target, 16 wait and the rest were turned away.
+    let db = crew.db().await?;
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        let row = db
+            .query_one(
+                "SELECT (SELECT count(*) FROM runs WHERE status = 'open' AND stage = 'execute'), \
+                        (SELECT count(*) FROM runs WHERE status = 'escalated')",
+                &[],
+            )
+            .await?;
+        let (at_execute, escalated): (i64, i64) = (row.get(0), row.get(1));
+        if at_execute == 17 && escalated == RUNS - 17 {
+            break;
+        }
+        anyhow::ensure!(tokio::time::Instant::now() < deadline, "{at_execute} at execute, {escalated} escalated");
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    std::fs::write(crew.env.path("release"), "")?;
     let (mut resolved, mut turned_away) = (0, 0);
     for run in runs {
         let end = crew.events.terminal(run, WAIT).await?;
@@ -445,9 +477,11 @@ async fn past_sixteen_runs_waiting_for_one_target_the_next_escalates() -> anyhow
             _ => panic!("{:?}: {}", end.kind, end.message),
         }
     }
+    assert_eq!((resolved, turned_away), (17, RUNS - 17));
     assert_eq!(std::fs::read_to_string(crew.env.path("fix.log"))?, "start\nend\n", "the fix ran once");
-    // The holder and the sixteen that waited resolved.
-    assert!(turned_away >= 1 && resolved >= 17, "{resolved} resolved, {turned_away} turned away");
+    // The turned-away runs' notes are gone once anyone looks at the target again; the
+    // waiters' went as each took it.
+    assert_eq!(db.query_one("SELECT count(*) FROM target_waits", &[]).await?.get::<_, i64>(0), 0);
     crew.shutdown().await
 }
 

@@ -620,6 +620,16 @@ async fn a_target_is_held_by_one_run_while_it_executes_and_verifies() -> anyhow:
     pg.execute("UPDATE target_waits SET since = now() - interval '10 minutes' WHERE run_id = $1", &[&c]).await?;
     let (_, waited, _) = waiting(store.take_target("web", "web-1", c, 1).await?);
     assert!(waited >= std::time::Duration::from_secs(599), "{waited:?}");
+    // Twenty minutes when nobody looked (the crew was down) are not counted as waiting.
+    pg.execute(
+        "UPDATE target_waits SET since = now() - interval '21 minutes', looked = now() - interval '20 minutes' \
+         WHERE run_id = $1",
+        &[&c],
+    )
+    .await?;
+    let (_, waited, _) = waiting(store.take_target("web", "web-1", c, 1).await?);
+    let minute = std::time::Duration::from_secs(60);
+    assert!(waited >= minute && waited < 2 * minute, "{waited:?}");
     let mut next = Incident::new("web", "down");
     next.fingerprint = Some("next".into());
     let d = RunState::new(Uuid::now_v7(), next);

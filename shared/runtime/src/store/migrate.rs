@@ -75,16 +75,23 @@ pub async fn ensure_database(url: &str) -> Result<(), StoreError> {
     if !db.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-') {
         return Err(StoreError::Config(format!("database name '{db}' must be letters, digits, '_' or '-'")));
     }
-    let limit = cfg.get_connect_timeout().copied().unwrap_or(CONNECT_TIMEOUT);
+    // tokio-postgres tries each host in turn, each within `connect_timeout`.
+    let per_host = cfg.get_connect_timeout().copied().unwrap_or(CONNECT_TIMEOUT);
+    let limit = per_host.saturating_mul(cfg.get_hosts().len().max(1) as u32);
     let failed = |e: StoreError| StoreError::connect(url, e);
     match connect_within(&cfg, limit).await.map_err(failed)? {
         Ok(_) => return Ok(()),
         Err(e) if e.code() == Some(&tokio_postgres::error::SqlState::INVALID_CATALOG_NAME) => {}
-        Err(e) => return Err(StoreError::connect(url, StoreError::Query(e))),
+        Err(e) => return Err(failed(StoreError::Query(e))),
     }
     let mut admin = cfg.clone();
     admin.dbname("postgres");
-    let client = connect_within(&admin, limit).await.map_err(failed)?.map_err(|e| StoreError::connect(url, e))?;
+    let missing = |e: StoreError| {
+        failed(StoreError::Config(format!(
+            "database '{db}' does not exist, and creating it needs the 'postgres' database: {e}"
+        )))
+    };
+    let client = connect_within(&admin, limit).await.map_err(missing)?.map_err(|e| missing(StoreError::Query(e)))?;
     let exists = client.query_opt("SELECT 1 FROM pg_database WHERE datname = $1", &[&db]).await?.is_some();
     if !exists {
         if let Err(e) = client.batch_execute(&format!("CREATE DATABASE \"{db}\"")).await {

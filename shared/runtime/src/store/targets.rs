@@ -49,21 +49,32 @@ const TAKE: &str = "
            EXISTS (SELECT 1 FROM executions e WHERE e.run_id = $3 AND e.attempt = $4)
     FROM taken t LEFT JOIN runs r ON r.id = $3 LEFT JOIN runs p ON p.id = t.previous_run";
 
-/// Note the attempt as waiting (from its first look); who holds the target, how long this
-/// attempt has waited, and how many open runs at execute have waited longer.
+/// Note the attempt as waiting (from its first look; a gap between two looks longer than
+/// `$5` seconds is not counted: nobody was looking); forget the target's waiters whose runs
+/// stopped waiting; who holds the target, how long this attempt has waited, and how many
+/// runs still waiting there have waited longer.
 const WAIT: &str = "
-    WITH noted AS (
-        INSERT INTO target_waits (run_id, attempt, service, host) VALUES ($3, $4, $1, $2)
-        ON CONFLICT (run_id, attempt) DO NOTHING RETURNING since),
-    mine AS (
-        SELECT coalesce((SELECT since FROM noted),
-                        (SELECT since FROM target_waits WHERE run_id = $3 AND attempt = $4)) AS since)
+    WITH gone AS (
+        DELETE FROM target_waits w WHERE w.service = $1 AND w.host = $2 AND w.run_id <> $3
+           AND NOT EXISTS (SELECT 1 FROM runs r WHERE r.id = w.run_id AND r.attempt = w.attempt
+                              AND r.status = 'open' AND r.stage = 'execute')),
+    noted AS (
+        INSERT INTO target_waits AS w (run_id, attempt, service, host) VALUES ($3, $4, $1, $2)
+        ON CONFLICT (run_id, attempt) DO UPDATE SET
+            since = CASE WHEN now() - w.looked > make_interval(secs => $5) THEN w.since + (now() - w.looked)
+                         ELSE w.since END,
+            looked = now()
+        RETURNING since)
     SELECT (SELECT run_id FROM target_locks WHERE service = $1 AND host = $2),
-           EXTRACT(EPOCH FROM now() - mine.since)::float8,
+           EXTRACT(EPOCH FROM now() - noted.since)::float8,
            (SELECT count(*) FROM target_waits w JOIN runs r ON r.id = w.run_id AND r.attempt = w.attempt
              WHERE w.service = $1 AND w.host = $2 AND r.status = 'open' AND r.stage = 'execute'
-               AND (w.since, w.run_id) < (mine.since, $3))
-    FROM mine";
+               AND (w.since, w.run_id) < (noted.since, $3))
+    FROM noted";
+
+/// A gap between two looks of a waiting run longer than this is not counted as waiting (the
+/// retries are at most 5 s apart: a longer gap is a crew that was down).
+const LOOK_GAP: Duration = Duration::from_secs(30);
 
 impl Store {
     /// Take `service` on `host` for attempt `attempt` of `run`, unless another run is
@@ -89,7 +100,8 @@ impl Store {
                 return Ok(TargetLock::Held { remediated_since: row.get(0), started: row.get(1) });
             }
             let wait = tx.prepare_cached(WAIT).await?;
-            let row = tx.query_one(&wait, &args).await?;
+            let gap = LOOK_GAP.as_secs_f64();
+            let row = tx.query_one(&wait, &[&service, &host, &run, &(attempt as i32), &gap]).await?;
             let holder = row.get::<_, Option<Uuid>>(0).filter(|h| *h != run);
             let waiting = Duration::from_secs_f64(row.get::<_, Option<f64>>(1).unwrap_or(0.0).max(0.0));
             let ahead = u32::try_from(row.get::<_, i64>(2)).unwrap_or(u32::MAX);
