@@ -62,6 +62,9 @@ pub struct Findings {
     pub failed: Vec<String>,
     pub forbidden: Option<String>,
     pub judge: Option<Result<pitcrew_llm::Judgement, String>>,
+    /// The host the service runs on, from the inventory: like the service's name and the
+    /// incident's host, a name the diagnosis may state without having observed it.
+    pub host: Option<String>,
 }
 
 /// Score the current diagnosis and plan. Pure: no I/O.
@@ -82,7 +85,13 @@ pub fn assess(state: &RunState, found: &Findings, max_attempts: u32) -> Evaluati
             detail.into_iter().chain(output)
         }))
         .collect();
-    let seen = |fact: &str| observed.iter().any(|o| o.contains(fact));
+    // What the run is about is known, not claimed: "pe1's BGP session is down" states `pe1`.
+    let names: Vec<String> = [Some(&state.incident.service), state.incident.host.as_ref(), found.host.as_ref()]
+        .into_iter()
+        .flatten()
+        .map(|n| n.to_lowercase())
+        .collect();
+    let seen = |fact: &str| observed.iter().any(|o| o.contains(fact)) || names.iter().any(|n| n == fact);
     let (grounded, detail) = match state.diagnosis() {
         None => (false, "no diagnosis for this attempt".to_string()),
         Some(d) if d.grounds.is_empty() => (false, "the diagnosis cites no observed evidence".to_string()),
@@ -233,7 +242,8 @@ impl StageHandler for EvaluateStage {
                 _ => (None, None),
             };
             let judge = if cfg.reasoning.judge { judge(cx, state, &reasoning).await? } else { None };
-            let found = Findings { tools, failed, forbidden, judge };
+            let host = cfg.services.get(&state.incident.service).map(|spec| spec.host.clone());
+            let found = Findings { tools, failed, forbidden, judge, host };
             let ev = assess(state, &found, cfg.limits.max_attempts);
             let ungrounded = ev.checks.iter().any(|c| c.name == "grounded" && !c.passed);
             cx.record(Record::Evaluation(state.run_id, ev.clone()));
@@ -310,6 +320,7 @@ mod tests {
             failed: failed.iter().map(|f| f.to_string()).collect(),
             forbidden,
             judge: None,
+            host: None,
         }
     }
 
@@ -409,6 +420,27 @@ mod tests {
         let grounded = ev.checks.iter().find(|c| c.name == "grounded").unwrap();
         assert!(grounded.detail.contains("/dev/sda1"), "{grounded:?}");
         assert_eq!(facts("pid 4242 holds :8080, see /var/log/x.log."), vec!["4242", "8080", "/var/log/x.log"]);
+    }
+
+    /// The service's name, the incident's host and the inventory's host are what the run is
+    /// about: a diagnosis may name them (`pe1`, `svc-72`, `web-01`) without observing them, but
+    /// a number inside one of them grounds nothing else.
+    #[test]
+    fn the_names_a_run_is_about_need_no_observing() {
+        let mut s = state(&["connection refused"], &["systemctl restart web"]);
+        s.incident.service = "svc-72".into();
+        s.diagnosis_log[0].summary = "svc-72 is down on web-01".into();
+        let ev = assess(&s, &found(&[], &["systemctl"], None), 3);
+        assert_eq!(ev.verdict, Verdict::Regenerate, "web-01 is known to no one here: {ev:?}");
+        let mut on_host = found(&[], &["systemctl"], None);
+        on_host.host = Some("WEB-01".into());
+        let ev = assess(&s, &on_host, 3);
+        assert_eq!(ev.verdict, Verdict::Pass, "the service and its host: {ev:?}");
+        s.incident.host = Some("web-01".into());
+        assert_eq!(assess(&s, &found(&[], &["systemctl"], None), 3).verdict, Verdict::Pass, "the incident's host");
+        s.diagnosis_log[0].summary = "svc-72 is down: port 72 closed".into();
+        let ev = assess(&s, &found(&[], &["systemctl"], None), 3);
+        assert_eq!(ev.verdict, Verdict::Regenerate, "72 is part of a name, not an observation: {ev:?}");
     }
 
     #[test]
