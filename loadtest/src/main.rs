@@ -120,7 +120,8 @@ struct Args {
     /// Services of the tool's own crew the incidents are spread over (`svc-0`, `svc-1`, ...,
     /// identical; incident i is about `svc-{i % N}`; default: one per incident). pitcrew
     /// remediates a service on a host one run at a time, so runs of one service take turns in
-    /// execute: many incidents at once are many services in production.
+    /// execute (past 16 waiting, the next escalate): many incidents at once are many services
+    /// in production.
     #[arg(long, conflicts_with = "target", value_parser = clap::value_parser!(u32).range(1..))]
     services: Option<u32>,
     /// With `--target`: the error every incident reports (what the crew's playbook or model

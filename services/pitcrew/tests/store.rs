@@ -559,7 +559,8 @@ async fn an_expiry_written_for_a_late_approval_is_found_again_on_its_redelivery(
 /// against every other run until it is closed or has moved on, whatever process it was in (no
 /// release step a killed worker could miss); taking it again is the same attempt's
 /// redelivery; a run that takes it after another was at work there since it opened is told
-/// which one; a waiting run learns how long it has been at execute.
+/// which one; a waiting run learns how long it has waited since its first look (gaps when
+/// nobody looked left out) and how many wait ahead of it.
 #[tokio::test]
 async fn a_target_is_held_by_one_run_while_it_executes_and_verifies() -> anyhow::Result<()> {
     use pitcrew_runtime::store::TargetLock;

@@ -35,8 +35,9 @@ pub trait MessageHandler: Send + Sync + 'static {
 }
 
 /// Makes a worker's consumer again when the server has lost it (its stream or the consumer
-/// deleted, a nats-server restarted without its store): creates whatever is missing; a no-op
-/// on the server when nothing is.
+/// deleted, a nats-server restarted without its store): creates what of it is missing (the
+/// crew's also makes the streams; the bridge waits for the crew to); a no-op on the server
+/// when nothing is.
 pub type Remake = Arc<dyn Fn() -> BoxFuture<'static, Result<PullConsumer, String>> + Send + Sync>;
 
 /// Pulls in a row that failed before the consumer is made again.
