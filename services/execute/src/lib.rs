@@ -94,6 +94,19 @@ pub fn diagnosed_unhealthy(state: &RunState) -> bool {
     state.evidence.iter().any(|e| e.attempt == state.attempt && e.source == "check" && !e.ok)
 }
 
+/// A command of the plan recorded as not run, saying why.
+fn not_run(attempt: u32, index: u32, command: &str, why: &str) -> ExecutionRecord {
+    ExecutionRecord {
+        attempt,
+        index,
+        command: command.to_string(),
+        status: ExecutionStatus::Skipped,
+        exit_code: None,
+        output: why.to_string(),
+        duration_ms: 0,
+    }
+}
+
 /// How a finished command is recorded.
 pub fn record(attempt: u32, index: u32, command: &str, out: &CommandOutput) -> ExecutionRecord {
     let status = if out.timed_out {
@@ -215,15 +228,7 @@ impl StageHandler for Execute {
             for (i, command) in plan.commands.iter().enumerate() {
                 let index = i as u32;
                 if stop {
-                    records.push(ExecutionRecord {
-                        attempt: state.attempt,
-                        index,
-                        command: command.clone(),
-                        status: ExecutionStatus::Skipped,
-                        exit_code: None,
-                        output: stop_why.clone(),
-                        duration_ms: 0,
-                    });
+                    records.push(not_run(state.attempt, index, command, &stop_why));
                     continue;
                 }
                 let at = AtCommand::enter((state.run_id, state.attempt, index));
@@ -256,15 +261,7 @@ impl StageHandler for Execute {
                         let started = Instant::now();
                         let rec = if let Some(why) = &skip {
                             // Claimed and finished as not run: a redelivery finds it decided.
-                            ExecutionRecord {
-                                attempt: state.attempt,
-                                index,
-                                command: command.clone(),
-                                status: ExecutionStatus::Skipped,
-                                exit_code: None,
-                                output: why.clone(),
-                                duration_ms: 0,
-                            }
+                            not_run(state.attempt, index, command, why)
                         } else {
                             match executor.run(&spec.host, command, cfg.command_timeout()).await {
                                 Ok(out) => record(state.attempt, index, command, &out),

@@ -205,13 +205,13 @@ pub async fn show(store: &Store, run: Uuid) -> anyhow::Result<()> {
 /// A watched run that ended without being resolved: its outcome, as `pitcrew watch`'s exit
 /// status (scripts and CI jobs that open an incident and wait for it can tell).
 #[derive(Debug)]
-pub struct Unresolved(pub &'static str);
+pub struct Unresolved(pub EventKind);
 
 impl Unresolved {
     /// 3: escalated (a human must act); 4: not remediated by this run (a duplicate of an open
     /// run, or refused at intake).
     pub fn exit_code(&self) -> u8 {
-        if self.0 == "escalated" {
+        if self.0 == EventKind::Escalated {
             3
         } else {
             4
@@ -221,7 +221,7 @@ impl Unresolved {
 
 impl std::fmt::Display for Unresolved {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "the run ended {}", self.0)
+        write!(f, "the run ended {}", kind_outcome(self.0))
     }
 }
 
@@ -229,18 +229,21 @@ impl std::error::Error for Unresolved {}
 
 /// Print a watched run's outcome; an error (`Unresolved`) unless it resolved.
 pub fn ended(end: &RunEvent) -> anyhow::Result<()> {
-    let outcome = outcome_of(end);
-    println!("outcome: {outcome}");
+    println!("outcome: {}", outcome_of(end));
     if end.kind == EventKind::Resolved {
         Ok(())
     } else {
-        Err(Unresolved(outcome).into())
+        Err(Unresolved(end.kind).into())
     }
 }
 
 /// Outcome word of a terminal event.
 pub fn outcome_of(e: &RunEvent) -> &'static str {
-    match e.kind {
+    kind_outcome(e.kind)
+}
+
+fn kind_outcome(kind: EventKind) -> &'static str {
+    match kind {
         EventKind::Resolved => "resolved",
         EventKind::Escalated => "escalated",
         EventKind::Duplicate => "duplicate",
