@@ -335,16 +335,37 @@ async fn a_cli_decision_racing_one_the_crew_has_not_recorded_yet_is_refused() ->
 /// the log). It makes the service healthy when `heals`.
 fn slow_fix(env: &pitcrew_testkit::TestEnv, heals: bool) {
     let heal = if heals { "touch {dir}/svc-healthy\n" } else { "" };
-    let path = write(
+    fix_script(
         env,
-        "slow-fix",
         &format!(
             "#!/bin/sh\nmkdir {{dir}}/fixing || exit 1\necho start >> {{dir}}/fix.log\nsleep 2\n\
              echo end >> {{dir}}/fix.log\nrmdir {{dir}}/fixing\n{heal}"
         ),
     );
+}
+
+/// Write the playbook's `slow-fix` script (`{dir}` replaced) and make it executable.
+fn fix_script(env: &pitcrew_testkit::TestEnv, script: &str) {
     use std::os::unix::fs::PermissionsExt;
+    let path = write(env, "slow-fix", script);
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+}
+
+/// Open two runs of `svc` with the slow fix's incident (different fingerprints) and wait for
+/// both to end as `kind`; returns them and their terminal messages.
+async fn two_runs_of_svc(
+    crew: &mut Crew,
+    kind: EventKind,
+) -> anyhow::Result<(uuid::Uuid, uuid::Uuid, std::collections::HashMap<uuid::Uuid, String>)> {
+    let a = crew.open_with("svc", "svc needs a slow fix", Some("fp-a".into())).await?;
+    let b = crew.open_with("svc", "svc needs a slow fix", Some("fp-b".into())).await?;
+    let mut said = std::collections::HashMap::new();
+    for run in [a, b] {
+        let end = crew.events.terminal(run, WAIT).await?;
+        assert_eq!(end.kind, kind, "{}", end.message);
+        said.insert(run, end.message);
+    }
+    Ok((a, b, said))
 }
 
 /// The status lines a run's execute steps said, in order.
@@ -364,14 +385,7 @@ async fn execute_said(db: &tokio_postgres::Client, run: uuid::Uuid) -> Vec<Strin
 async fn a_second_run_of_a_service_waits_for_the_first_and_runs_nothing_once_it_is_fixed() -> anyhow::Result<()> {
     let mut crew = crew_with_playbook("").await?;
     slow_fix(&crew.env, true);
-    let a = crew.open_with("svc", "svc needs a slow fix", Some("fp-a".into())).await?;
-    let b = crew.open_with("svc", "svc needs a slow fix", Some("fp-b".into())).await?;
-    let mut summaries = std::collections::HashMap::new();
-    for run in [a, b] {
-        let end = crew.events.terminal(run, WAIT).await?;
-        assert_eq!(end.kind, EventKind::Resolved, "{}", end.message);
-        summaries.insert(run, end.message);
-    }
+    let (a, b, summaries) = two_runs_of_svc(&mut crew, EventKind::Resolved).await?;
     assert_eq!(std::fs::read_to_string(crew.env.path("fix.log"))?, "start\nend\n", "the fix ran once");
     let db = crew.db().await?;
     let ran = |run| count(&db, "SELECT count(*) FROM executions WHERE run_id = $1 AND status = 'succeeded'", run);
@@ -382,10 +396,10 @@ async fn a_second_run_of_a_service_waits_for_the_first_and_runs_nothing_once_it_
     assert_eq!(skipped.len(), 1, "{skipped:?}");
     let why = format!("not run: run {first} remediated svc on local since this run opened, and its check passes now");
     assert!(skipped[0].starts_with(&why), "{skipped:?}");
-    assert!(execute_said(&db, second).await.iter().any(|m| m.starts_with(&why)));
+    let said = execute_said(&db, second).await;
+    assert!(said.iter().any(|m| m.starts_with(&why)), "{said:?}");
     // It waited: its execute message was naked until the first had verified.
-    let delivered = execute_said(&db, second).await;
-    assert!(delivered.iter().any(|m| m.starts_with("execute: attempt 1, delivery ")), "{delivered:?}");
+    assert!(said.iter().any(|m| m.starts_with("execute: attempt 1, delivery ")), "{said:?}");
     let summary = &summaries[&second];
     assert!(summary.contains(&format!("ran nothing (run {first} remediated svc")), "{summary}");
     assert_eq!(count(&db, "SELECT count(*) FROM episodes WHERE run_id = $1", second).await, 0, "it tried nothing");
@@ -398,12 +412,7 @@ async fn a_second_run_of_a_service_waits_for_the_first_and_runs_nothing_once_it_
 async fn a_second_run_of_a_service_runs_its_plan_after_the_first_not_beside_it() -> anyhow::Result<()> {
     let mut crew = crew_with_playbook("[limits]\nmax_retries = 1\n").await?;
     slow_fix(&crew.env, false);
-    let a = crew.open_with("svc", "svc needs a slow fix", Some("fp-a".into())).await?;
-    let b = crew.open_with("svc", "svc needs a slow fix", Some("fp-b".into())).await?;
-    for run in [a, b] {
-        let end = crew.events.terminal(run, WAIT).await?;
-        assert_eq!(end.kind, EventKind::Escalated, "{}", end.message);
-    }
+    let (a, b, _) = two_runs_of_svc(&mut crew, EventKind::Escalated).await?;
     let log = std::fs::read_to_string(crew.env.path("fix.log"))?;
     assert_eq!(log, "start\nend\nstart\nend\n", "one after the other");
     let db = crew.db().await?;
@@ -434,14 +443,11 @@ async fn a_second_run_of_a_service_runs_its_plan_after_the_first_not_beside_it()
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn past_sixteen_runs_waiting_for_one_target_the_next_escalates() -> anyhow::Result<()> {
     let mut crew = crew_with_playbook("").await?;
-    let fix = write(
+    fix_script(
         &crew.env,
-        "slow-fix",
         "#!/bin/sh\necho start >> {dir}/fix.log\nwhile [ ! -f {dir}/release ]; do sleep 0.1; done\n\
          echo end >> {dir}/fix.log\ntouch {dir}/svc-healthy\n",
     );
-    use std::os::unix::fs::PermissionsExt;
-    std::fs::set_permissions(fix, std::fs::Permissions::from_mode(0o755))?;
     const RUNS: i64 = 24;
     let mut runs = Vec::new();
     for i in 0..RUNS {
