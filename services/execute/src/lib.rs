@@ -4,7 +4,7 @@
 use futures::future::BoxFuture;
 use pitcrew_exec::{CommandOutput, ExecError};
 use pitcrew_model::run::MAX_OUTPUT;
-use pitcrew_model::{ApprovalStatus, EventKind, ExecutionRecord, ExecutionStatus, RunState, Stage};
+use pitcrew_model::{ApprovalStatus, EventKind, ExecutionRecord, ExecutionStatus, RunState, ServiceSpec, Stage};
 use pitcrew_runtime::store::{Claim, TargetLock};
 use pitcrew_runtime::{Cx, StageError, StageHandler, Transition};
 use std::collections::BTreeMap;
@@ -134,6 +134,76 @@ pub fn record(attempt: u32, index: u32, command: &str, out: &CommandOutput) -> E
     }
 }
 
+/// What a run at execute does about its target before the plan's first command.
+enum Turn {
+    /// Run the plan.
+    Run,
+    /// Run none of it, recording why for each command.
+    Skip(String),
+    /// Stop waiting: a human's.
+    Escalate(String),
+}
+
+/// Take the run's target (its service on its host) for this attempt. Taken, the plan runs,
+/// unless another run remediated the target since this one opened, this attempt's diagnosis
+/// saw the check fail and the check passes now: a service that passes its check is not
+/// remediated again on stale facts. Not taken, the run waits (its message is naked; a waiting
+/// run holds no slot of the stage), or escalates past `limits.target_wait_secs` of waiting or
+/// behind `MAX_TARGET_WAITERS` others.
+async fn turn(state: &RunState, cx: &mut Cx<'_>, spec: &ServiceSpec) -> Result<Turn, StageError> {
+    let (service, host) = (&state.incident.service, &spec.host);
+    match cx.deps.store.take_target(service, host, state.run_id, state.attempt).await? {
+        TargetLock::Busy { holder, waiting, ahead } => {
+            let by = match holder {
+                Some(run) => format!("run {run} is remediating {service} on {host}"),
+                None if ahead > 0 => format!("{ahead} runs that waited longer for {service} on {host} go first"),
+                None => format!("another run took {service} on {host}"),
+            };
+            let limit = Duration::from_secs(cx.deps.config.limits.target_wait_secs);
+            if waiting >= limit {
+                return Ok(Turn::Escalate(format!(
+                    "waited {} s for {service} on {host}, under remediation by other runs all along \
+                     (now: {by}): not running this plan beside them",
+                    waiting.as_secs()
+                )));
+            }
+            if ahead >= MAX_TARGET_WAITERS {
+                return Ok(Turn::Escalate(format!(
+                    "{ahead} runs are already waiting to remediate {service} on {host} ({by}): \
+                     escalating rather than queueing behind them"
+                )));
+            }
+            // The next in line looks often: the target is free for nobody else meanwhile.
+            let retry = if ahead == 0 { TARGET_RETRY.0 } else { (waiting / 10).clamp(TARGET_RETRY.0, TARGET_RETRY.1) };
+            Err(StageError::Wait(by, retry))
+        }
+        TargetLock::Held { remediated_since: Some(other), started: false } => {
+            let (true, Some(check)) = (diagnosed_unhealthy(state), &spec.check) else { return Ok(Turn::Run) };
+            let now = pitcrew_exec::run_check(check, host, cx.deps.executor.as_ref()).await;
+            let detail = &now.detail;
+            let data = serde_json::json!({ "remediated_by": other });
+            if now.healthy {
+                let why = format!(
+                    "not run: run {other} remediated {service} on {host} since this run opened, \
+                     and its check passes now ({detail})"
+                );
+                cx.emit(EventKind::Status, why.clone(), data);
+                return Ok(Turn::Skip(why));
+            }
+            cx.emit(
+                EventKind::Status,
+                format!(
+                    "run {other} remediated {service} on {host} since this run opened; \
+                     its check still fails ({detail}): running the plan"
+                ),
+                data,
+            );
+            Ok(Turn::Run)
+        }
+        TargetLock::Held { .. } => Ok(Turn::Run),
+    }
+}
+
 impl StageHandler for Execute {
     fn stage(&self) -> Stage {
         Stage::Execute
@@ -166,7 +236,6 @@ impl StageHandler for Execute {
             let plan = state.plan.clone().expect("checked by approved()");
             let store = cx.deps.store.clone();
             let executor = cx.deps.executor.clone();
-            let service = state.incident.service.clone();
             // One remediation at a time on a target: two runs of one service (incidents with
             // different fingerprints: the monitor's and Alertmanager's) never interleave their
             // commands, nor one's commands with the other's verification. Only a delivery of
@@ -175,51 +244,10 @@ impl StageHandler for Execute {
             // Set when the plan is not to run: why, recorded for each of its commands.
             let mut skip: Option<String> = None;
             if at_step {
-                match store.take_target(&service, &spec.host, state.run_id, state.attempt).await? {
-                    TargetLock::Busy { holder, waiting, ahead } => {
-                        let by = holder.map(|r| format!("run {r}")).unwrap_or_else(|| "another run".into());
-                        let host = &spec.host;
-                        let limit = Duration::from_secs(cfg.limits.target_wait_secs);
-                        if waiting >= limit {
-                            return Ok(Transition::Escalate(format!(
-                                "waited {} s for {service} on {host}, under remediation by other runs all along \
-                                 (now {by}): not running this plan beside them",
-                                waiting.as_secs()
-                            )));
-                        }
-                        if ahead >= MAX_TARGET_WAITERS {
-                            return Ok(Transition::Escalate(format!(
-                                "{ahead} runs are already waiting to remediate {service} on {host} (under \
-                                 remediation by {by}): escalating rather than queueing behind them"
-                            )));
-                        }
-                        let retry = (waiting / 10).clamp(TARGET_RETRY.0, TARGET_RETRY.1);
-                        return Err(StageError::Wait(format!("{by} is remediating {service} on {host}"), retry));
-                    }
-                    TargetLock::Held { remediated_since: Some(other), started: false } => {
-                        // Another run remediated the target since this one opened, and this
-                        // attempt's diagnosis found it failing: a service that passes its
-                        // check now is not remediated again on stale facts.
-                        if let (true, Some(check)) = (diagnosed_unhealthy(state), &spec.check) {
-                            let now = pitcrew_exec::run_check(check, &spec.host, executor.as_ref()).await;
-                            let (host, detail) = (&spec.host, &now.detail);
-                            let line = if now.healthy {
-                                let why = format!(
-                                    "not run: run {other} remediated {service} on {host} since this run opened, \
-                                     and its check passes now ({detail})"
-                                );
-                                skip = Some(why.clone());
-                                why
-                            } else {
-                                format!(
-                                    "run {other} remediated {service} on {host} since this run opened; \
-                                     its check still fails ({detail}): running the plan"
-                                )
-                            };
-                            cx.emit(EventKind::Status, line, serde_json::json!({ "remediated_by": other }));
-                        }
-                    }
-                    TargetLock::Held { .. } => {}
+                match turn(state, cx, spec).await? {
+                    Turn::Run => {}
+                    Turn::Skip(why) => skip = Some(why),
+                    Turn::Escalate(why) => return Ok(Transition::Escalate(why)),
                 }
             }
             let mut records = Vec::new();

@@ -657,6 +657,52 @@ async fn a_target_is_held_by_one_run_while_it_executes_and_verifies() -> anyhow:
     Ok(())
 }
 
+/// Waiting runs take a target in the order they came to wait: once its holder lets go, a run
+/// that comes later is told how many go first and waits, while the one that waited longest
+/// takes it; a waiter that stopped looking (its crew down past the 30 s gap) is not waited for.
+#[tokio::test]
+async fn waiting_runs_take_a_target_in_the_order_they_came() -> anyhow::Result<()> {
+    use pitcrew_runtime::store::TargetLock;
+    let db = TestDb::create().await?;
+    let store = store(&db).await?;
+    let pg = db.client().await?;
+    let runs: Vec<Uuid> = open_runs(&store, 6).await?.iter().map(|s| s.run_id).collect();
+    let move_to = |stage: &'static str, run: Uuid| {
+        let pg = &pg;
+        async move { pg.execute("UPDATE runs SET stage = $2, updated_at = now() WHERE id = $1", &[&run, &stage]).await }
+    };
+    for run in &runs {
+        move_to("execute", *run).await?;
+    }
+    let busy = |lock: TargetLock| match lock {
+        TargetLock::Busy { holder, ahead, .. } => (holder, ahead),
+        held => panic!("not busy: {held:?}"),
+    };
+    let (holder, first, later) = (runs[0], runs[1], runs[2]);
+    assert!(matches!(store.take_target("api", "api-1", holder, 1).await?, TargetLock::Held { .. }));
+    assert_eq!(busy(store.take_target("api", "api-1", first, 1).await?), (Some(holder), 0));
+    move_to("report", holder).await?;
+    // Free, but not for a newcomer: the run that waited longer goes first.
+    assert_eq!(busy(store.take_target("api", "api-1", later, 1).await?), (None, 1));
+    assert_eq!(
+        store.take_target("api", "api-1", first, 1).await?,
+        TargetLock::Held { remediated_since: Some(holder), started: false }
+    );
+    assert_eq!(busy(store.take_target("api", "api-1", later, 1).await?), (Some(first), 0));
+    move_to("report", first).await?;
+    assert!(matches!(store.take_target("api", "api-1", later, 1).await?, TargetLock::Held { .. }));
+    // A waiter that has not looked for 40 s holds nobody up.
+    let (holder, stalled, newcomer) = (runs[3], runs[4], runs[5]);
+    assert!(matches!(store.take_target("db", "db-1", holder, 1).await?, TargetLock::Held { .. }));
+    assert_eq!(busy(store.take_target("db", "db-1", stalled, 1).await?), (Some(holder), 0));
+    pg.execute("UPDATE target_waits SET looked = now() - interval '40 seconds' WHERE run_id = $1", &[&stalled]).await?;
+    move_to("report", holder).await?;
+    assert!(matches!(store.take_target("db", "db-1", newcomer, 1).await?, TargetLock::Held { .. }));
+    // It is still in line once it looks again, behind the run that now holds the target.
+    assert_eq!(busy(store.take_target("db", "db-1", stalled, 1).await?), (Some(newcomer), 0));
+    Ok(())
+}
+
 /// A Postgres address that accepts connections and never answers (a hung server, a proxy in
 /// front of a dead one) fails start-up within the URL's `connect_timeout` (10 s without one),
 /// saying so, instead of waiting for ever in the handshake.

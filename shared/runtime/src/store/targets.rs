@@ -4,7 +4,6 @@
 use super::{Store, StoreError};
 use std::time::Duration;
 use tokio_postgres::error::SqlState;
-use tokio_postgres::IsolationLevel;
 use uuid::Uuid;
 
 /// Whether a run may remediate its target now.
@@ -19,17 +18,27 @@ pub enum TargetLock {
         /// Whether a command of this attempt was claimed already (by an earlier delivery).
         started: bool,
     },
-    /// Another run is executing or verifying a plan there (`holder`; `None`: it changed hands
-    /// while we looked). `waiting`: since this attempt first found it taken; `ahead`: runs
-    /// of the target waiting since before that.
+    /// Another run is executing or verifying a plan there (`holder`), or the target is free
+    /// and `ahead` runs that have waited longer go first (`holder` is `None` then, and when it
+    /// changed hands while we looked). `waiting`: since this attempt first found it taken.
     Busy { holder: Option<Uuid>, waiting: Duration, ahead: u32 },
 }
 
-/// Take the row unless another run holds it: a holder lets go once its run is closed or past
-/// verify. The same attempt taking it again (a redelivery) keeps who held it before; a new
-/// attempt of the same run starts afresh.
+/// One statement, one snapshot: take the target's row unless another run holds it (a holder
+/// lets go once its run is closed or past verify) or a run that has waited longer is still
+/// waiting for it (waiters are served in order; one that stopped looking, its crew down for
+/// over `$5` seconds, is passed over); otherwise note this attempt as waiting.
+///
+/// Taking it again is the same attempt's redelivery, which keeps who held it before; a new
+/// attempt of the same run starts afresh. Taken, the run waits no more. Waiting, the wait
+/// counts from the attempt's first look, leaving out any gap between two looks longer than `$5`
+/// seconds (nobody was looking), and the target's waiters whose runs stopped waiting are
+/// forgotten. Returns whether it was taken; if so, who held it before since this run opened
+/// and whether this attempt claimed a command already; if not, who holds it, how long this
+/// attempt has waited and how many of the runs still waiting there have waited longer.
 const TAKE: &str = "
-    WITH taken AS (
+    WITH mine AS (SELECT since FROM target_waits WHERE run_id = $3 AND attempt = $4),
+    taken AS (
         INSERT INTO target_locks AS l (service, host, run_id, attempt) VALUES ($1, $2, $3, $4)
         ON CONFLICT (service, host) DO UPDATE SET
             run_id = excluded.run_id,
@@ -39,46 +48,60 @@ const TAKE: &str = "
             previous_run = CASE WHEN (l.run_id, l.attempt) = (excluded.run_id, excluded.attempt) THEN l.previous_run
                                 WHEN l.run_id = excluded.run_id THEN NULL
                                 ELSE l.run_id END
-        WHERE l.run_id = excluded.run_id OR NOT EXISTS (
-            SELECT 1 FROM runs h WHERE h.id = l.run_id
-               AND h.status IN ('open', 'waiting_approval') AND h.stage IN ('execute', 'verify'))
+        WHERE l.run_id = excluded.run_id OR (
+            NOT EXISTS (
+                SELECT 1 FROM runs h WHERE h.id = l.run_id
+                   AND h.status IN ('open', 'waiting_approval') AND h.stage IN ('execute', 'verify'))
+            AND NOT EXISTS (
+                SELECT 1 FROM target_waits w JOIN runs r ON r.id = w.run_id AND r.attempt = w.attempt
+                 WHERE w.service = $1 AND w.host = $2 AND w.run_id <> $3
+                   AND r.status = 'open' AND r.stage = 'execute'
+                   AND w.looked > now() - make_interval(secs => $5)
+                   AND (w.since, w.run_id) < (coalesce((SELECT since FROM mine), now()), $3)))
         RETURNING previous_run),
-    -- Taken: this run waits no more.
-    forgot AS (DELETE FROM target_waits WHERE run_id = $3 AND EXISTS (SELECT 1 FROM taken))
-    SELECT CASE WHEN p.updated_at > r.created_at THEN t.previous_run END,
-           EXISTS (SELECT 1 FROM executions e WHERE e.run_id = $3 AND e.attempt = $4)
-    FROM taken t LEFT JOIN runs r ON r.id = $3 LEFT JOIN runs p ON p.id = t.previous_run";
-
-/// Note the attempt as waiting (from its first look; a gap between two looks longer than
-/// `$5` seconds is not counted: nobody was looking); forget the target's waiters whose runs
-/// stopped waiting; who holds the target, how long this attempt has waited, and how many
-/// runs still waiting there have waited longer.
-const WAIT: &str = "
-    WITH gone AS (
+    forgot AS (DELETE FROM target_waits WHERE run_id = $3 AND EXISTS (SELECT 1 FROM taken)),
+    gone AS (
         DELETE FROM target_waits w WHERE w.service = $1 AND w.host = $2 AND w.run_id <> $3
+           AND NOT EXISTS (SELECT 1 FROM taken)
            AND NOT EXISTS (SELECT 1 FROM runs r WHERE r.id = w.run_id AND r.attempt = w.attempt
                               AND r.status = 'open' AND r.stage = 'execute')),
     noted AS (
-        INSERT INTO target_waits AS w (run_id, attempt, service, host) VALUES ($3, $4, $1, $2)
+        INSERT INTO target_waits AS w (run_id, attempt, service, host)
+        SELECT $3, $4, $1, $2 WHERE NOT EXISTS (SELECT 1 FROM taken)
         ON CONFLICT (run_id, attempt) DO UPDATE SET
             since = CASE WHEN now() - w.looked > make_interval(secs => $5) THEN w.since + (now() - w.looked)
                          ELSE w.since END,
             looked = now()
         RETURNING since)
-    SELECT (SELECT run_id FROM target_locks WHERE service = $1 AND host = $2),
-           EXTRACT(EPOCH FROM now() - noted.since)::float8,
+    SELECT EXISTS (SELECT 1 FROM taken),
+           (SELECT CASE WHEN p.updated_at > r.created_at THEN t.previous_run END
+              FROM taken t LEFT JOIN runs r ON r.id = $3 LEFT JOIN runs p ON p.id = t.previous_run),
+           EXISTS (SELECT 1 FROM executions e WHERE e.run_id = $3 AND e.attempt = $4),
+           (SELECT l.run_id FROM target_locks l JOIN runs h ON h.id = l.run_id
+             WHERE l.service = $1 AND l.host = $2 AND l.run_id <> $3
+               AND h.status IN ('open', 'waiting_approval') AND h.stage IN ('execute', 'verify')),
+           (SELECT EXTRACT(EPOCH FROM now() - since)::float8 FROM noted),
            (SELECT count(*) FROM target_waits w JOIN runs r ON r.id = w.run_id AND r.attempt = w.attempt
-             WHERE w.service = $1 AND w.host = $2 AND r.status = 'open' AND r.stage = 'execute'
-               AND (w.since, w.run_id) < (noted.since, $3))
-    FROM noted";
+             WHERE w.service = $1 AND w.host = $2 AND w.run_id <> $3 AND r.status = 'open' AND r.stage = 'execute'
+               AND (w.since, w.run_id) < ((SELECT since FROM noted), $3))";
 
-/// A gap between two looks of a waiting run longer than this is not counted as waiting (the
-/// retries are at most 5 s apart: a longer gap is a crew that was down).
+/// The take's transaction: one snapshot for the holder's row, its run and the waiters (under
+/// READ COMMITTED the holder's run could be read from before it reached execute while its row
+/// is read as taken, and two runs would hold the target; a row changed since the snapshot fails
+/// the statement instead, a serialization failure: busy, look again). Its commit need not wait
+/// for the disk: nothing runs on the strength of a take alone, and the first command's claim,
+/// committed before the command starts, flushes the take with it. A take lost in a Postgres
+/// crash before that is taken again by the run's redelivery.
+const BEGIN: &str = "BEGIN ISOLATION LEVEL REPEATABLE READ; SET LOCAL synchronous_commit TO off";
+
+/// A gap between two looks of a waiting run longer than this is not counted as waiting, and a
+/// waiter that has not looked for this long is not waited for (the retries are at most 5 s
+/// apart: a longer gap is a crew that was down).
 const LOOK_GAP: Duration = Duration::from_secs(30);
 
 impl Store {
     /// Take `service` on `host` for attempt `attempt` of `run`, unless another run is
-    /// remediating it there.
+    /// remediating it there or has waited longer for it.
     #[tracing::instrument(name = "db_write", skip_all, fields(op = "take_target"))]
     pub async fn take_target(
         &self,
@@ -87,36 +110,34 @@ impl Store {
         run: Uuid,
         attempt: u32,
     ) -> Result<TargetLock, StoreError> {
-        let mut client = self.client().await?;
-        // One snapshot for the holder's row and its run: under READ COMMITTED the holder's
-        // run could be read from before it reached execute while its row is read as taken,
-        // and two runs would hold the target. A row changed since the snapshot fails the
-        // statement instead (a serialization failure): busy, look again.
-        let tx = client.build_transaction().isolation_level(IsolationLevel::RepeatableRead).start().await?;
-        let taken = async {
-            let take = tx.prepare_cached(TAKE).await?;
-            let args: [&(dyn tokio_postgres::types::ToSql + Sync); 4] = [&service, &host, &run, &(attempt as i32)];
-            if let Some(row) = tx.query_opt(&take, &args).await? {
-                return Ok(TargetLock::Held { remediated_since: row.get(0), started: row.get(1) });
-            }
-            let wait = tx.prepare_cached(WAIT).await?;
-            let gap = LOOK_GAP.as_secs_f64();
-            let row = tx.query_one(&wait, &[&service, &host, &run, &(attempt as i32), &gap]).await?;
-            let holder = row.get::<_, Option<Uuid>>(0).filter(|h| *h != run);
-            let waiting = Duration::from_secs_f64(row.get::<_, Option<f64>>(1).unwrap_or(0.0).max(0.0));
-            let ahead = u32::try_from(row.get::<_, i64>(2)).unwrap_or(u32::MAX);
-            Ok::<_, tokio_postgres::Error>(TargetLock::Busy { holder, waiting, ahead })
-        }
+        let client = self.client().await?;
+        let take = client.prepare_cached(TAKE).await?;
+        let (attempt, gap) = (attempt as i32, LOOK_GAP.as_secs_f64());
+        // BEGIN, the statement and COMMIT go out together, one round trip: each request is
+        // sent when first polled, and `join3` polls all three at once, in order, so none can
+        // be left unsent (a connection left inside a transaction) by a caller that gives up. A
+        // failed statement turns the COMMIT into a rollback.
+        let (begun, taken, committed) = futures::future::join3(
+            client.batch_execute(BEGIN),
+            client.query_one(&take, &[&service, &host, &run, &attempt, &gap]),
+            client.batch_execute("COMMIT"),
+        )
         .await;
-        match taken {
-            Ok(lock) => {
-                tx.commit().await?;
-                Ok(lock)
-            }
+        begun?;
+        let row = match taken {
+            Ok(row) => row,
             Err(e) if e.code() == Some(&SqlState::T_R_SERIALIZATION_FAILURE) => {
-                Ok(TargetLock::Busy { holder: None, waiting: Duration::ZERO, ahead: 0 })
+                committed?;
+                return Ok(TargetLock::Busy { holder: None, waiting: Duration::ZERO, ahead: 0 });
             }
-            Err(e) => Err(e.into()),
+            Err(e) => return Err(e.into()),
+        };
+        committed?;
+        if row.get(0) {
+            return Ok(TargetLock::Held { remediated_since: row.get(1), started: row.get(2) });
         }
+        let waiting = Duration::from_secs_f64(row.get::<_, Option<f64>>(4).unwrap_or(0.0).max(0.0));
+        let ahead = u32::try_from(row.get::<_, Option<i64>>(5).unwrap_or(0)).unwrap_or(u32::MAX);
+        Ok(TargetLock::Busy { holder: row.get(3), waiting, ahead })
     }
 }
