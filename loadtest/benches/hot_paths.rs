@@ -124,6 +124,9 @@ fn codec_benches(c: &mut Criterion) {
     let dirty = format!("{clean}curl -H 'Authorization: Bearer abcdef0123456789' https://u:pw@example.com\n");
     g.bench_function("redact_clean_4k", |b| b.iter(|| pitcrew_model::redact::redact(std::hint::black_box(&clean))));
     g.bench_function("redact_secret_4k", |b| b.iter(|| pitcrew_model::redact::redact(std::hint::black_box(&dirty))));
+    // `systemctl status` and many logs are not ASCII: the same automaton must serve them.
+    let status = "● web.service - web\n     Active: active (running) since Tue; 2h ago\n   CGroup: /system.slice/web.service\n             └─812 /usr/bin/web --port 8080\n".repeat(20);
+    g.bench_function("redact_status_4k", |b| b.iter(|| pitcrew_model::redact::redact(std::hint::black_box(&status))));
     g.finish();
 }
 

@@ -16,6 +16,11 @@ struct Pattern {
     with: &'static str,
 }
 
+/// Word boundaries are ASCII ones, `(?-u:\b)`: the secrets' own characters are ASCII, so such
+/// a boundary is found wherever a Unicode one is, and also beside a non-ASCII letter (more is
+/// redacted, never less). A Unicode boundary would make the regex engine leave its DFA for
+/// its slowest one on any text with a non-ASCII character (`systemctl status`'s `●` and `└─`,
+/// an em dash in a message): 150 times slower (19 us against 0.12 for a 60-byte line).
 static PATTERNS: LazyLock<Vec<Pattern>> = LazyLock::new(|| {
     let p = |re: &str, with: &'static str| Pattern { re: Regex::new(re).expect("redaction pattern"), with };
     vec![
@@ -23,25 +28,28 @@ static PATTERNS: LazyLock<Vec<Pattern>> = LazyLock::new(|| {
             r"(?s)-----BEGIN [A-Z0-9 ]*PRIVATE KEY-----.*?(?:-----END [A-Z0-9 ]*PRIVATE KEY-----|\z)",
             "[REDACTED PRIVATE KEY]",
         ),
-        p(r"(?i)\b((?:proxy-)?authorization\s*:\s*)(?:(basic|bearer|token|digest)\s+)?\S+", "${1}${2} [REDACTED]"),
-        p(r"(?i)\b(bearer\s+)[A-Za-z0-9\-._~+/]+=*", "${1}[REDACTED]"),
+        p(
+            r"(?i)(?-u:\b)((?:proxy-)?authorization\s*:\s*)(?:(basic|bearer|token|digest)\s+)?\S+",
+            "${1}${2} [REDACTED]",
+        ),
+        p(r"(?i)(?-u:\b)(bearer\s+)[A-Za-z0-9\-._~+/]+=*", "${1}[REDACTED]"),
         p(
             // `DB_PASSWORD=`, and the run-together names of clients' own variables
             // (`PGPASSWORD=`, `DBPASS=`), not any word ending in one (`NOPASSWD:`, `OLDPWD=`).
-            r#"(?i)\b((?:[a-z0-9_-]*[_-]|pg|db|mysql|redis|mongo)?(?:password|passwd|pwd|pass|secret|token|api[_-]?key|apikey|access[_-]?key|private[_-]?key|credentials?)["']?\s*[:=]\s*["']?)[^\s"',;&]+"#,
+            r#"(?i)(?-u:\b)((?:[a-z0-9_-]*[_-]|pg|db|mysql|redis|mongo)?(?:password|passwd|pwd|pass|secret|token|api[_-]?key|apikey|access[_-]?key|private[_-]?key|credentials?)["']?\s*[:=]\s*["']?)[^\s"',;&]+"#,
             "${1}[REDACTED]",
         ),
         p(r"(?i)(--?(?:password|passwd|token|secret|api-key|apikey)\s+)\S+", "${1}[REDACTED]"),
         // `redis://:password@cache` has no user part at all.
-        p(r"(?i)\b([a-z][a-z0-9+.-]*://[^/\s:@]*:)[^/\s@]+@", "${1}[REDACTED]@"),
+        p(r"(?i)(?-u:\b)([a-z][a-z0-9+.-]*://[^/\s:@]*:)[^/\s@]+@", "${1}[REDACTED]@"),
         // A header's value up to the line's end or a quote (a log line in JSON goes on).
-        p(r#"(?i)\b((?:set-)?cookie\s*:\s*)[^\r\n"]+"#, "${1}[REDACTED]"),
-        p(r"\bAKIA[0-9A-Z]{16}\b", MARK),
-        p(r"\bsk-[A-Za-z0-9_-]{16,}", MARK),
-        p(r"\bxox[abprs]-[A-Za-z0-9-]{10,}", MARK),
-        p(r"\bgh[pousr]_[A-Za-z0-9]{20,}", MARK),
-        p(r"\bglpat-[A-Za-z0-9_-]{20,}", MARK),
-        p(r"\beyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}", MARK),
+        p(r#"(?i)(?-u:\b)((?:set-)?cookie\s*:\s*)[^\r\n"]+"#, "${1}[REDACTED]"),
+        p(r"(?-u:\b)AKIA[0-9A-Z]{16}(?-u:\b)", MARK),
+        p(r"(?-u:\b)sk-[A-Za-z0-9_-]{16,}", MARK),
+        p(r"(?-u:\b)xox[abprs]-[A-Za-z0-9-]{10,}", MARK),
+        p(r"(?-u:\b)gh[pousr]_[A-Za-z0-9]{20,}", MARK),
+        p(r"(?-u:\b)glpat-[A-Za-z0-9_-]{20,}", MARK),
+        p(r"(?-u:\b)eyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}", MARK),
     ]
 });
 
@@ -115,6 +123,10 @@ mod tests {
             ("mysqladmin --password s3cret status", "mysqladmin --password [REDACTED] status"),
             ("PGPASSWORD=hunter2 psql", "PGPASSWORD=[REDACTED] psql"),
             ("DBPASS=x", "DBPASS=[REDACTED]"),
+            // Beside non-ASCII text (a unit's status line, an accented word).
+            ("● db.service — PGPASSWORD=hunter2 └─", "● db.service — PGPASSWORD=[REDACTED] └─"),
+            ("clé AKIAIOSFODNN7EXAMPLEé", "clé [REDACTED]é"),
+            ("éAuthorization: Bearer abc", "éAuthorization: Bearer [REDACTED]"),
             ("redis://:hunter2@cache:6379", "redis://:[REDACTED]@cache:6379"),
             ("Cookie: session=abc; theme=dark", "Cookie: [REDACTED]"),
             (r#"{"h":"Cookie: s=1","next":2}"#, r#"{"h":"Cookie: [REDACTED]","next":2}"#),
