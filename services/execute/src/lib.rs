@@ -154,28 +154,30 @@ async fn turn(state: &RunState, cx: &mut Cx<'_>, spec: &ServiceSpec) -> Result<T
     let (service, host) = (&state.incident.service, &spec.host);
     match cx.deps.store.take_target(service, host, state.run_id, state.attempt).await? {
         TargetLock::Busy { holder, waiting, ahead } => {
-            let by = match holder {
-                Some(run) => format!("run {run} is remediating {service} on {host}"),
-                None if ahead > 0 => format!("{ahead} runs that waited longer for {service} on {host} go first"),
-                None => format!("another run took {service} on {host}"),
+            let who = match (holder, ahead) {
+                (Some(run), _) => format!("run {run} is remediating it"),
+                (None, 1) => "a run that has waited longer goes first".to_string(),
+                (None, n) if n > 1 => format!("{n} runs that have waited longer go first"),
+                (None, _) => "it changed hands as this run looked".to_string(),
             };
             let limit = Duration::from_secs(cx.deps.config.limits.target_wait_secs);
             if waiting >= limit {
                 return Ok(Turn::Escalate(format!(
-                    "waited {} s for {service} on {host}, under remediation by other runs all along \
-                     (now: {by}): not running this plan beside them",
+                    "waited {} s for {service} on {host} while other runs remediated it or waited ahead of this \
+                     one (now {who}): escalating rather than waiting longer",
                     waiting.as_secs()
                 )));
             }
             if ahead >= MAX_TARGET_WAITERS {
+                let held = holder.map(|run| format!(" (run {run} is remediating it)")).unwrap_or_default();
                 return Ok(Turn::Escalate(format!(
-                    "{ahead} runs are already waiting to remediate {service} on {host} ({by}): \
+                    "{ahead} runs are already waiting to remediate {service} on {host}{held}: \
                      escalating rather than queueing behind them"
                 )));
             }
             // The next in line looks often: the target is free for nobody else meanwhile.
             let retry = if ahead == 0 { TARGET_RETRY.0 } else { (waiting / 10).clamp(TARGET_RETRY.0, TARGET_RETRY.1) };
-            Err(StageError::Wait(by, retry))
+            Err(StageError::Wait(format!("{service} on {host}: {who}"), retry))
         }
         TargetLock::Held { remediated_since: Some(other), started: false } => {
             let (true, Some(check)) = (diagnosed_unhealthy(state), &spec.check) else { return Ok(Turn::Run) };

@@ -607,6 +607,7 @@ async fn a_target_is_held_by_one_run_while_it_executes_and_verifies() -> anyhow:
     assert_eq!(store.take_target("web", "web-1", b, 1).await?, after_a);
     assert_eq!(store.take_target("web", "web-1", b, 1).await?, after_a, "a redelivery is told the same");
     // B's next attempt starts afresh: nobody else was there since B's last.
+    pg.execute("UPDATE runs SET attempt = 2 WHERE id = $1", &[&b]).await?;
     assert_eq!(store.take_target("web", "web-1", b, 2).await?, fresh);
     // C waits from its first look, across deliveries (not from its arrival at execute: a
     // backlog there is no wait), and a run that comes to wait after it has C ahead of it.
@@ -659,20 +660,28 @@ async fn a_target_is_held_by_one_run_while_it_executes_and_verifies() -> anyhow:
 
 /// Waiting runs take a target in the order they came to wait: once its holder lets go, a run
 /// that comes later is told how many go first and waits, while the one that waited longest
-/// takes it; a waiter that stopped looking (its crew down past the 30 s gap) is not waited for.
+/// takes it; the holder's own next attempt queues like any other; a waiter that stopped
+/// looking for 15 s (its crew down, its message backing off) is neither waited for nor counted
+/// ahead, and is back in line once it looks again.
 #[tokio::test]
 async fn waiting_runs_take_a_target_in_the_order_they_came() -> anyhow::Result<()> {
     use pitcrew_runtime::store::TargetLock;
     let db = TestDb::create().await?;
     let store = store(&db).await?;
     let pg = db.client().await?;
-    let runs: Vec<Uuid> = open_runs(&store, 6).await?.iter().map(|s| s.run_id).collect();
-    let move_to = |stage: &'static str, run: Uuid| {
+    let runs: Vec<Uuid> = open_runs(&store, 7).await?.iter().map(|s| s.run_id).collect();
+    let at = |stage: &'static str, attempt: i32, run: Uuid| {
         let pg = &pg;
-        async move { pg.execute("UPDATE runs SET stage = $2, updated_at = now() WHERE id = $1", &[&run, &stage]).await }
+        async move {
+            pg.execute(
+                "UPDATE runs SET stage = $2, attempt = $3, updated_at = now() WHERE id = $1",
+                &[&run, &stage, &attempt],
+            )
+            .await
+        }
     };
     for run in &runs {
-        move_to("execute", *run).await?;
+        at("execute", 1, *run).await?;
     }
     let busy = |lock: TargetLock| match lock {
         TargetLock::Busy { holder, ahead, .. } => (holder, ahead),
@@ -681,7 +690,7 @@ async fn waiting_runs_take_a_target_in_the_order_they_came() -> anyhow::Result<(
     let (holder, first, later) = (runs[0], runs[1], runs[2]);
     assert!(matches!(store.take_target("api", "api-1", holder, 1).await?, TargetLock::Held { .. }));
     assert_eq!(busy(store.take_target("api", "api-1", first, 1).await?), (Some(holder), 0));
-    move_to("report", holder).await?;
+    at("report", 1, holder).await?;
     // Free, but not for a newcomer: the run that waited longer goes first.
     assert_eq!(busy(store.take_target("api", "api-1", later, 1).await?), (None, 1));
     assert_eq!(
@@ -689,17 +698,21 @@ async fn waiting_runs_take_a_target_in_the_order_they_came() -> anyhow::Result<(
         TargetLock::Held { remediated_since: Some(holder), started: false }
     );
     assert_eq!(busy(store.take_target("api", "api-1", later, 1).await?), (Some(first), 0));
-    move_to("report", first).await?;
+    // The holder's verify failed: its second attempt comes back behind the run waiting.
+    at("execute", 2, first).await?;
+    assert_eq!(busy(store.take_target("api", "api-1", first, 2).await?), (None, 1));
     assert!(matches!(store.take_target("api", "api-1", later, 1).await?, TargetLock::Held { .. }));
-    // A waiter that has not looked for 40 s holds nobody up.
-    let (holder, stalled, newcomer) = (runs[3], runs[4], runs[5]);
+    // A waiter that has not looked for 20 s holds nobody up and counts for nobody.
+    let (holder, stalled, newcomer, next) = (runs[3], runs[4], runs[5], runs[6]);
     assert!(matches!(store.take_target("db", "db-1", holder, 1).await?, TargetLock::Held { .. }));
     assert_eq!(busy(store.take_target("db", "db-1", stalled, 1).await?), (Some(holder), 0));
-    pg.execute("UPDATE target_waits SET looked = now() - interval '40 seconds' WHERE run_id = $1", &[&stalled]).await?;
-    move_to("report", holder).await?;
-    assert!(matches!(store.take_target("db", "db-1", newcomer, 1).await?, TargetLock::Held { .. }));
-    // It is still in line once it looks again, behind the run that now holds the target.
-    assert_eq!(busy(store.take_target("db", "db-1", stalled, 1).await?), (Some(newcomer), 0));
+    pg.execute("UPDATE target_waits SET looked = now() - interval '20 seconds' WHERE run_id = $1", &[&stalled]).await?;
+    assert_eq!(busy(store.take_target("db", "db-1", next, 1).await?), (Some(holder), 0), "none ahead that looks");
+    at("report", 1, holder).await?;
+    assert!(matches!(store.take_target("db", "db-1", next, 1).await?, TargetLock::Held { .. }));
+    // Looking again, it is first in line once more, and ahead of a run that comes after.
+    assert_eq!(busy(store.take_target("db", "db-1", stalled, 1).await?), (Some(next), 0));
+    assert_eq!(busy(store.take_target("db", "db-1", newcomer, 1).await?), (Some(next), 1));
     Ok(())
 }
 
