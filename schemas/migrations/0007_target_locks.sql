@@ -17,7 +17,8 @@ CREATE TABLE target_locks (
 -- Runs waiting for a target another run holds. The wait's limit counts the time this attempt
 -- was seen waiting: from its first look (a backlog at execute is no wait), with any gap
 -- between two looks longer than 30 s (retries are at most 5 s apart: the crew was down) left
--- out (`since` moves forward by it; `looked` is the last look). The number already waiting bounds the queue. A row goes
+-- out (`since` moves forward by it; `looked` is the last look). The number waiting ahead of a
+-- run bounds the queue; waiters take the target in `since` order. A row goes
 -- when its run takes the target, or at the next look at the target once its run stopped
 -- waiting (closed, or moved on).
 CREATE TABLE target_waits (

@@ -153,7 +153,7 @@ enum Turn {
 async fn turn(state: &RunState, cx: &mut Cx<'_>, spec: &ServiceSpec) -> Result<Turn, StageError> {
     let (service, host) = (&state.incident.service, &spec.host);
     match cx.deps.store.take_target(service, host, state.run_id, state.attempt).await? {
-        TargetLock::Busy { holder, waiting, ahead } => {
+        TargetLock::Busy { holder, waiting, ahead, queue } => {
             let who = match (holder, ahead) {
                 (Some(run), _) => format!("run {run} is remediating it"),
                 (None, 1) => "a run that has waited longer goes first".to_string(),
@@ -168,10 +168,12 @@ async fn turn(state: &RunState, cx: &mut Cx<'_>, spec: &ServiceSpec) -> Result<T
                     waiting.as_secs()
                 )));
             }
-            if ahead >= MAX_TARGET_WAITERS {
+            // Runs that came at once may all have joined: the ones past the cap leave at their
+            // next look (no run is ever added ahead of one already waiting).
+            if queue >= MAX_TARGET_WAITERS {
                 let held = holder.map(|run| format!(" (run {run} is remediating it)")).unwrap_or_default();
                 return Ok(Turn::Escalate(format!(
-                    "{ahead} runs are already waiting to remediate {service} on {host}{held}: \
+                    "{queue} runs are already waiting to remediate {service} on {host}{held}: \
                      escalating rather than queueing behind them"
                 )));
             }

@@ -613,7 +613,7 @@ async fn a_target_is_held_by_one_run_while_it_executes_and_verifies() -> anyhow:
     // backlog there is no wait), and a run that comes to wait after it has C ahead of it.
     pg.execute("UPDATE runs SET updated_at = now() - interval '1 hour' WHERE id = $1", &[&c]).await?;
     let waiting = |lock: TargetLock| match lock {
-        TargetLock::Busy { holder, waiting, ahead } => (holder, waiting, ahead),
+        TargetLock::Busy { holder, waiting, ahead, .. } => (holder, waiting, ahead),
         held => panic!("not busy: {held:?}"),
     };
     let (by, first, ahead) = waiting(store.take_target("web", "web-1", c, 1).await?);
@@ -669,7 +669,7 @@ async fn waiting_runs_take_a_target_in_the_order_they_came() -> anyhow::Result<(
     let db = TestDb::create().await?;
     let store = store(&db).await?;
     let pg = db.client().await?;
-    let runs: Vec<Uuid> = open_runs(&store, 7).await?.iter().map(|s| s.run_id).collect();
+    let runs: Vec<Uuid> = open_runs(&store, 10).await?.iter().map(|s| s.run_id).collect();
     let at = |stage: &'static str, attempt: i32, run: Uuid| {
         let pg = &pg;
         async move {
@@ -687,8 +687,18 @@ async fn waiting_runs_take_a_target_in_the_order_they_came() -> anyhow::Result<(
         TargetLock::Busy { holder, ahead, .. } => (holder, ahead),
         held => panic!("not busy: {held:?}"),
     };
+    let lines = |lock: TargetLock| match lock {
+        TargetLock::Busy { ahead, queue, .. } => (ahead, queue),
+        held => panic!("not busy: {held:?}"),
+    };
     let (holder, first, later) = (runs[0], runs[1], runs[2]);
     assert!(matches!(store.take_target("api", "api-1", holder, 1).await?, TargetLock::Held { .. }));
+    // Who waits ahead: those still looking, and all of them (each is a pending message).
+    assert_eq!(lines(store.take_target("api", "api-1", first, 1).await?), (0, 0));
+    assert_eq!(lines(store.take_target("api", "api-1", later, 1).await?), (1, 1));
+    pg.execute("UPDATE target_waits SET looked = now() - interval '20 seconds' WHERE run_id = $1", &[&first]).await?;
+    assert_eq!(lines(store.take_target("api", "api-1", later, 1).await?), (0, 1));
+    pg.execute("DELETE FROM target_waits WHERE run_id = $1", &[&later]).await?;
     assert_eq!(busy(store.take_target("api", "api-1", first, 1).await?), (Some(holder), 0));
     at("report", 1, holder).await?;
     // Free, but not for a newcomer: the run that waited longer goes first.
@@ -713,6 +723,22 @@ async fn waiting_runs_take_a_target_in_the_order_they_came() -> anyhow::Result<(
     // Looking again, it is first in line once more, and ahead of a run that comes after.
     assert_eq!(busy(store.take_target("db", "db-1", stalled, 1).await?), (Some(next), 0));
     assert_eq!(busy(store.take_target("db", "db-1", newcomer, 1).await?), (Some(next), 1));
+    // A waiter away for longer than 30 s loses the time it was away: one that came to wait
+    // meanwhile, and has waited longer than it since, goes first.
+    let (holder, away, stayed) = (runs[7], runs[8], runs[9]);
+    assert!(matches!(store.take_target("mq", "mq-1", holder, 1).await?, TargetLock::Held { .. }));
+    busy(store.take_target("mq", "mq-1", away, 1).await?);
+    pg.execute(
+        "UPDATE target_waits SET since = now() - interval '41 seconds', looked = now() - interval '40 seconds' \
+         WHERE run_id = $1",
+        &[&away],
+    )
+    .await?;
+    busy(store.take_target("mq", "mq-1", stayed, 1).await?);
+    pg.execute("UPDATE target_waits SET since = now() - interval '10 seconds' WHERE run_id = $1", &[&stayed]).await?;
+    at("report", 1, holder).await?;
+    assert_eq!(busy(store.take_target("mq", "mq-1", away, 1).await?), (None, 1));
+    assert!(matches!(store.take_target("mq", "mq-1", stayed, 1).await?, TargetLock::Held { .. }));
     Ok(())
 }
 

@@ -21,8 +21,10 @@ pub enum TargetLock {
     /// Another run is executing or verifying a plan there (`holder`), or the target is free
     /// and runs that have waited longer go first (`holder` is `None` then, and when it changed
     /// hands while we looked). `waiting`: since this attempt first found it taken; `ahead`:
-    /// runs waiting there since before that, and still looking.
-    Busy { holder: Option<Uuid>, waiting: Duration, ahead: u32 },
+    /// runs waiting there since before that, and still looking; `queue`: the same, looking or
+    /// not (each is a message pending on the execute consumer). Neither grows while a run
+    /// waits: a run that comes later waits behind it.
+    Busy { holder: Option<Uuid>, waiting: Duration, ahead: u32, queue: u32 },
 }
 
 /// One statement, one snapshot: take the target's row unless another run holds it (a holder
@@ -37,8 +39,8 @@ pub enum TargetLock {
 /// two looks longer than `$5` seconds (nobody was looking), and the target's waiters whose
 /// runs stopped waiting are forgotten. Returns whether it was taken; if so, who held it before
 /// since this run opened and whether this attempt claimed a command already; if not, who holds
-/// it, how long this attempt has waited and how many of the runs still looking there have
-/// waited longer.
+/// it, how long this attempt has waited, and how many of the runs waiting there have waited
+/// longer: those still looking, and all of them.
 const TAKE: &str = "
     WITH mine AS (
         SELECT CASE WHEN now() - looked > make_interval(secs => $5) THEN since + (now() - looked) ELSE since END AS since
@@ -89,6 +91,9 @@ const TAKE: &str = "
            (SELECT count(*) FROM target_waits w JOIN runs r ON r.id = w.run_id AND r.attempt = w.attempt
              WHERE w.service = $1 AND w.host = $2 AND w.run_id <> $3 AND r.status = 'open' AND r.stage = 'execute'
                AND w.looked > now() - make_interval(secs => $6)
+               AND (w.since, w.run_id) < ((SELECT since FROM noted), $3)),
+           (SELECT count(*) FROM target_waits w JOIN runs r ON r.id = w.run_id AND r.attempt = w.attempt
+             WHERE w.service = $1 AND w.host = $2 AND w.run_id <> $3 AND r.status = 'open' AND r.stage = 'execute'
                AND (w.since, w.run_id) < ((SELECT since FROM noted), $3))";
 
 /// The take's transaction: one snapshot for the holder's row, its run and the waiters (under
@@ -106,8 +111,10 @@ const BEGIN: &str = "BEGIN ISOLATION LEVEL REPEATABLE READ; SET LOCAL synchronou
 const LOOK_GAP: Duration = Duration::from_secs(30);
 
 /// A waiter that has not looked for this long is not waited for, nor counted ahead of others:
-/// three times the longest retry, so a run looking as it should is never passed over, and a
-/// target freed while the next in line backs off from a failure (up to 30 s) is not left idle.
+/// three times the longest retry, so a run whose redelivery is handled in time is not passed
+/// over (one held up longer behind a full execute stage may be: order only, never safety),
+/// and a target freed while the next in line backs off from a failure (up to 30 s) is not
+/// left idle.
 const LIVE: Duration = Duration::from_secs(15);
 
 impl Store {
@@ -139,7 +146,7 @@ impl Store {
             Ok(row) => row,
             Err(e) if e.code() == Some(&SqlState::T_R_SERIALIZATION_FAILURE) => {
                 committed?;
-                return Ok(TargetLock::Busy { holder: None, waiting: Duration::ZERO, ahead: 0 });
+                return Ok(TargetLock::Busy { holder: None, waiting: Duration::ZERO, ahead: 0, queue: 0 });
             }
             Err(e) => return Err(e.into()),
         };
@@ -148,7 +155,9 @@ impl Store {
             return Ok(TargetLock::Held { remediated_since: row.get(1), started: row.get(2) });
         }
         let waiting = Duration::from_secs_f64(row.get::<_, Option<f64>>(4).unwrap_or(0.0).max(0.0));
-        let ahead = u32::try_from(row.get::<_, Option<i64>>(5).unwrap_or(0)).unwrap_or(u32::MAX);
-        Ok(TargetLock::Busy { holder: row.get(3), waiting, ahead })
+        let count = |n: i64| u32::try_from(n).unwrap_or(u32::MAX);
+        let ahead = count(row.get::<_, Option<i64>>(5).unwrap_or(0));
+        let queue = count(row.get::<_, Option<i64>>(6).unwrap_or(0));
+        Ok(TargetLock::Busy { holder: row.get(3), waiting, ahead, queue })
     }
 }
