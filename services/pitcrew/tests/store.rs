@@ -40,6 +40,21 @@ async fn open_runs(store: &Store, n: usize) -> anyhow::Result<Vec<RunState>> {
     Ok(runs)
 }
 
+/// Where a transition commit leaves a run: its stage and status, and its attempt if given.
+async fn move_run(
+    pg: &tokio_postgres::Client,
+    run: Uuid,
+    stage: &str,
+    status: &str,
+    attempt: Option<i32>,
+) -> Result<u64, tokio_postgres::Error> {
+    pg.execute(
+        "UPDATE runs SET stage = $2, status = $3, attempt = coalesce($4, attempt), updated_at = now() WHERE id = $1",
+        &[&run, &stage, &status, &attempt],
+    )
+    .await
+}
+
 fn event(state: &RunState, index: u32, message: &str) -> RunEvent {
     RunEvent {
         run_id: state.run_id,
@@ -569,17 +584,7 @@ async fn a_target_is_held_by_one_run_while_it_executes_and_verifies() -> anyhow:
     let pg = db.client().await?;
     let runs: Vec<Uuid> = open_runs(&store, 3).await?.iter().map(|s| s.run_id).collect();
     let (a, b, c) = (runs[0], runs[1], runs[2]);
-    // What a transition commit writes.
-    let at = |stage: &'static str, status: &'static str, run: Uuid| {
-        let pg = &pg;
-        async move {
-            pg.execute(
-                "UPDATE runs SET stage = $2, status = $3, updated_at = now() WHERE id = $1",
-                &[&run, &stage, &status],
-            )
-            .await
-        }
-    };
+    let at = |stage: &'static str, status: &'static str, run: Uuid| move_run(&pg, run, stage, status, None);
     let holder = |lock: TargetLock| match lock {
         TargetLock::Busy { holder, .. } => holder,
         held => panic!("not busy: {held:?}"),
@@ -670,16 +675,7 @@ async fn waiting_runs_take_a_target_in_the_order_they_came() -> anyhow::Result<(
     let store = store(&db).await?;
     let pg = db.client().await?;
     let runs: Vec<Uuid> = open_runs(&store, 10).await?.iter().map(|s| s.run_id).collect();
-    let at = |stage: &'static str, attempt: i32, run: Uuid| {
-        let pg = &pg;
-        async move {
-            pg.execute(
-                "UPDATE runs SET stage = $2, attempt = $3, updated_at = now() WHERE id = $1",
-                &[&run, &stage, &attempt],
-            )
-            .await
-        }
-    };
+    let at = |stage: &'static str, attempt: i32, run: Uuid| move_run(&pg, run, stage, "open", Some(attempt));
     for run in &runs {
         at("execute", 1, *run).await?;
     }
