@@ -153,7 +153,7 @@ enum Turn {
 async fn turn(state: &RunState, cx: &mut Cx<'_>, spec: &ServiceSpec) -> Result<Turn, StageError> {
     let (service, host) = (&state.incident.service, &spec.host);
     match cx.deps.store.take_target(service, host, state.run_id, state.attempt).await? {
-        TargetLock::Busy { holder, waiting, ahead, queue } => {
+        TargetLock::Busy { holder, waiting, ahead, queue, first } => {
             let who = match (holder, ahead) {
                 (Some(run), _) => format!("run {run} is remediating it"),
                 (None, 1) => "a run that has waited longer goes first".to_string(),
@@ -179,7 +179,7 @@ async fn turn(state: &RunState, cx: &mut Cx<'_>, spec: &ServiceSpec) -> Result<T
             }
             // The next in line looks often: the target is free for nobody else meanwhile.
             let retry = if ahead == 0 { TARGET_RETRY.0 } else { (waiting / 10).clamp(TARGET_RETRY.0, TARGET_RETRY.1) };
-            Err(StageError::Wait(format!("{service} on {host}: {who}"), retry))
+            Err(StageError::Wait { why: format!("{service} on {host}: {who}"), retry, first })
         }
         TargetLock::Held { remediated_since: Some(other), started: false } => {
             let (true, Some(check)) = (diagnosed_unhealthy(state), &spec.check) else { return Ok(Turn::Run) };

@@ -398,8 +398,13 @@ async fn a_second_run_of_a_service_waits_for_the_first_and_runs_nothing_once_it_
     assert!(skipped[0].starts_with(&why), "{skipped:?}");
     let said = execute_said(&db, second).await;
     assert!(said.iter().any(|m| m.starts_with(&why)), "{said:?}");
-    // It waited: its execute message was naked until the first had verified.
+    // It waited: its execute message was naked until the first had verified; its timeline
+    // says so once, with who it waited for.
     assert!(said.iter().any(|m| m.starts_with("execute: attempt 1, delivery ")), "{said:?}");
+    let waits: Vec<_> = said.iter().filter(|m| m.starts_with("execute waits: ")).collect();
+    assert_eq!(waits, [&format!("execute waits: svc on local: run {first} is remediating it")], "{said:?}");
+    let at = |prefix: &str| said.iter().position(|m| m.starts_with(prefix));
+    assert!(at("execute waits: ") < at(&why), "the wait comes first on the timeline: {said:?}");
     let summary = &summaries[&second];
     assert!(summary.contains(&format!("ran nothing (run {first} remediated svc")), "{summary}");
     assert_eq!(count(&db, "SELECT count(*) FROM episodes WHERE run_id = $1", second).await, 0, "it tried nothing");

@@ -684,16 +684,17 @@ async fn waiting_runs_take_a_target_in_the_order_they_came() -> anyhow::Result<(
         held => panic!("not busy: {held:?}"),
     };
     let lines = |lock: TargetLock| match lock {
-        TargetLock::Busy { ahead, queue, .. } => (ahead, queue),
+        TargetLock::Busy { ahead, queue, first, .. } => (ahead, queue, first),
         held => panic!("not busy: {held:?}"),
     };
     let (holder, first, later) = (runs[0], runs[1], runs[2]);
     assert!(matches!(store.take_target("api", "api-1", holder, 1).await?, TargetLock::Held { .. }));
-    // Who waits ahead: those still looking, and all of them (each is a pending message).
-    assert_eq!(lines(store.take_target("api", "api-1", first, 1).await?), (0, 0));
-    assert_eq!(lines(store.take_target("api", "api-1", later, 1).await?), (1, 1));
+    // Who waits ahead: those still looking, and all of them (each is a pending message);
+    // and whether it is the run's first look (the one that goes on its timeline).
+    assert_eq!(lines(store.take_target("api", "api-1", first, 1).await?), (0, 0, true));
+    assert_eq!(lines(store.take_target("api", "api-1", later, 1).await?), (1, 1, true));
     pg.execute("UPDATE target_waits SET looked = now() - interval '20 seconds' WHERE run_id = $1", &[&first]).await?;
-    assert_eq!(lines(store.take_target("api", "api-1", later, 1).await?), (0, 1));
+    assert_eq!(lines(store.take_target("api", "api-1", later, 1).await?), (0, 1, false));
     pg.execute("DELETE FROM target_waits WHERE run_id = $1", &[&later]).await?;
     assert_eq!(busy(store.take_target("api", "api-1", first, 1).await?), (Some(holder), 0));
     at("report", 1, holder).await?;

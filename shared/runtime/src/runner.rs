@@ -19,6 +19,9 @@ use uuid::Uuid;
 
 /// First event index of runtime events about poison messages.
 const POISON_EVENT_BASE: u32 = 10_000;
+/// Index of the timeline event saying a step waits: one a step, clear of the previous step's
+/// own events, of the poison events (from `POISON_EVENT_BASE`, 2 a delivery) and of the live ones (1_000_000).
+const WAIT_EVENT_INDEX: u32 = 500_000;
 
 /// Failing to commit or publish: always worth a retry.
 #[derive(Debug, thiserror::Error)]
@@ -178,10 +181,13 @@ impl StageRunner {
                 }
                 // Waiting is bounded by the stage itself (it escalates past its own limit), so
                 // the deliveries it takes never count as failures: never dead-lettered for them.
-                Err(StageError::Wait(why, delay)) => {
+                Err(StageError::Wait { why, retry, first }) => {
                     span.record("outcome", "waiting");
-                    tracing::info!(reason = %why, retry_in_ms = delay.as_millis() as u64, delivered, "waiting");
-                    Disposition::Nak(delay)
+                    tracing::info!(reason = %why, retry_in_ms = retry.as_millis() as u64, delivered, "waiting");
+                    if first {
+                        self.note_wait(state.run_id, input_seq, &why).await;
+                    }
+                    Disposition::Nak(retry)
                 }
                 Err(StageError::Poison(e)) => {
                     span.record("outcome", "poison");
@@ -190,6 +196,26 @@ impl StageRunner {
             }
         };
         work.instrument(span).await
+    }
+
+    /// Put a step's wait on its run's timeline (stored and published), so `pitcrew watch` and
+    /// the run's events say why it does not move on. Best effort: the wait goes on either way.
+    async fn note_wait(&self, run: Uuid, seq: u32, why: &str) {
+        let stage = self.handler.stage();
+        // Filed under the transition that brought the run here, after its events: the
+        // timeline (ordered by seq, then index) shows the wait before the step's own events,
+        // which are stored only when the step ends.
+        let mut cx = Cx::new(&self.deps, stage, run, seq.saturating_sub(1), WAIT_EVENT_INDEX);
+        cx.emit(EventKind::Status, format!("{stage} waits: {why}"), serde_json::json!({ "waiting": why }));
+        let events = cx.take_events();
+        let stored = self.deps.store.insert_events(&events).await.map_err(|e| e.to_string());
+        let published = match stored {
+            Ok(()) => publish_events(&self.bus, &events).await.map_err(|e| e.to_string()),
+            Err(e) => Err(e),
+        };
+        if let Err(e) = published {
+            tracing::warn!(error = %e, "cannot put the wait on the run's timeline (waiting anyway)");
+        }
     }
 
     /// Decode the message into the state this stage works on.

@@ -50,10 +50,11 @@ pub enum StageError {
     #[error("{0}")]
     Poison(String),
     /// Not a failure: the step must wait for something outside it (another run's
-    /// remediation of the same target). Naked with this delay, logged at info, never
-    /// dead-lettered: the stage bounds its own wait.
-    #[error("waiting: {0}")]
-    Wait(String, std::time::Duration),
+    /// remediation of the same target). Naked after `retry`, logged at info, never
+    /// dead-lettered: the stage bounds its own wait. The `first` look of a step also puts
+    /// the wait on the run's timeline, once.
+    #[error("waiting: {why}")]
+    Wait { why: String, retry: std::time::Duration, first: bool },
 }
 
 impl From<StoreError> for StageError {

@@ -23,8 +23,8 @@ pub enum TargetLock {
     /// hands while we looked). `waiting`: since this attempt first found it taken; `ahead`:
     /// runs waiting there since before that, and still looking; `queue`: the same, looking or
     /// not (each is a message pending on the execute consumer). Neither grows while a run
-    /// waits: a run that comes later waits behind it.
-    Busy { holder: Option<Uuid>, waiting: Duration, ahead: u32, queue: u32 },
+    /// waits: a run that comes later waits behind it. `first`: this attempt's first look.
+    Busy { holder: Option<Uuid>, waiting: Duration, ahead: u32, queue: u32, first: bool },
 }
 
 /// One statement, one snapshot: take the target's row unless another run holds it (a holder
@@ -39,8 +39,9 @@ pub enum TargetLock {
 /// two looks longer than `$5` seconds (nobody was looking), and the target's waiters whose
 /// runs stopped waiting are forgotten. Returns whether it was taken; if so, who held it before
 /// since this run opened and whether this attempt claimed a command already; if not, who holds
-/// it, how long this attempt has waited, and how many of the runs waiting there have waited
-/// longer: those still looking, and all of them.
+/// it, how long this attempt has waited, how many of the runs waiting there have waited
+/// longer (those still looking, and all of them), and whether this was the attempt's first
+/// look.
 const TAKE: &str = "
     WITH mine AS (
         SELECT CASE WHEN now() - looked > make_interval(secs => $5) THEN since + (now() - looked) ELSE since END AS since
@@ -94,7 +95,8 @@ const TAKE: &str = "
                AND (w.since, w.run_id) < ((SELECT since FROM noted), $3)),
            (SELECT count(*) FROM target_waits w JOIN runs r ON r.id = w.run_id AND r.attempt = w.attempt
              WHERE w.service = $1 AND w.host = $2 AND w.run_id <> $3 AND r.status = 'open' AND r.stage = 'execute'
-               AND (w.since, w.run_id) < ((SELECT since FROM noted), $3))";
+               AND (w.since, w.run_id) < ((SELECT since FROM noted), $3)),
+           NOT EXISTS (SELECT 1 FROM mine)";
 
 /// The take's transaction: one snapshot for the holder's row, its run and the waiters (under
 /// READ COMMITTED the holder's run could be read from before it reached execute while its row
@@ -146,7 +148,13 @@ impl Store {
             Ok(row) => row,
             Err(e) if e.code() == Some(&SqlState::T_R_SERIALIZATION_FAILURE) => {
                 committed?;
-                return Ok(TargetLock::Busy { holder: None, waiting: Duration::ZERO, ahead: 0, queue: 0 });
+                return Ok(TargetLock::Busy {
+                    holder: None,
+                    waiting: Duration::ZERO,
+                    ahead: 0,
+                    queue: 0,
+                    first: false,
+                });
             }
             Err(e) => return Err(e.into()),
         };
@@ -158,6 +166,6 @@ impl Store {
         let count = |n: i64| u32::try_from(n).unwrap_or(u32::MAX);
         let ahead = count(row.get::<_, Option<i64>>(5).unwrap_or(0));
         let queue = count(row.get::<_, Option<i64>>(6).unwrap_or(0));
-        Ok(TargetLock::Busy { holder: row.get(3), waiting, ahead, queue })
+        Ok(TargetLock::Busy { holder: row.get(3), waiting, ahead, queue, first: row.get(7) })
     }
 }
