@@ -83,7 +83,8 @@ pub async fn terminals(bus: &Bus, ours: Ours) -> anyhow::Result<mpsc::UnboundedR
 /// Each stage's latency, per run step: from the previous step's end (its last event; for
 /// intake, the incident's publish, from `published`) to this step's end, so queueing, the
 /// stage's work and the hand-over (the previous step's commit and publish) are all in it.
-/// From the timestamps Postgres holds.
+/// From the timestamps Postgres holds. A waiting step's note (filed under the previous
+/// transition's seq, before the step ends) is no step's end and is left out.
 pub async fn stage_latencies(
     db: &tokio_postgres::Client,
     published: &HashMap<Uuid, chrono::DateTime<chrono::Utc>>,
@@ -93,9 +94,9 @@ pub async fn stage_latencies(
     let ids: Vec<Uuid> = published.keys().copied().collect();
     let rows = db
         .query(
-            "SELECT run_id, stage, max(at) FROM run_events WHERE run_id = ANY($1)
-             GROUP BY run_id, seq, stage ORDER BY run_id, seq",
-            &[&ids],
+            "SELECT run_id, stage, max(at) FROM run_events WHERE run_id = ANY($1) AND idx <> $2
+             GROUP BY run_id, seq, stage ORDER BY run_id, seq, max(at)",
+            &[&ids, &(pitcrew_runtime::runner::WAIT_EVENT_INDEX as i32)],
         )
         .await
         .context("reading the timelines")?;

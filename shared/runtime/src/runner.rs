@@ -19,9 +19,15 @@ use uuid::Uuid;
 
 /// First event index of runtime events about poison messages.
 const POISON_EVENT_BASE: u32 = 10_000;
-/// Index of the timeline event saying a step waits: one a step, clear of the previous step's
-/// own events, of the poison events (from `POISON_EVENT_BASE`, 2 a delivery) and of the live ones (1_000_000).
-const WAIT_EVENT_INDEX: u32 = 500_000;
+/// Index of the timeline event saying a step waits: one a step, above every other event stored
+/// under a transition's seq (its step's own from 0, poison events from `POISON_EVENT_BASE`, 2 a
+/// delivery up to 210_000, approval decisions 1000 to 1_000_999, live ones from 1_000_000, not
+/// stored), so it sorts last under the seq it is filed at; below the gateway's resolved event
+/// (2_000_000, seq 0 only).
+pub const WAIT_EVENT_INDEX: u32 = 1_500_000;
+
+/// How long a wait's timeline note may take before the message is naked without it.
+const NOTE_WAIT_LIMIT: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// Failing to commit or publish: always worth a retry.
 #[derive(Debug, thiserror::Error)]
@@ -185,7 +191,11 @@ impl StageRunner {
                     span.record("outcome", "waiting");
                     tracing::info!(reason = %why, retry_in_ms = retry.as_millis() as u64, delivered, "waiting");
                     if first {
-                        self.note_wait(state.run_id, input_seq, &why).await;
+                        // Bounded: a slow store or bus must not hold up the next look.
+                        let note = self.note_wait(state.run_id, input_seq, &why);
+                        if tokio::time::timeout(NOTE_WAIT_LIMIT, note).await.is_err() {
+                            tracing::warn!("cannot put the wait on the run's timeline in time (waiting anyway)");
+                        }
                     }
                     Disposition::Nak(retry)
                 }
