@@ -98,14 +98,10 @@ async fn decide_click(
     if decision == Decision::Approve && req.quorum > 1 {
         // The crew counts the votes; this click completes the quorum when the approvers
         // already counted and this one are enough (a vote still in flight counts later).
-        let mut voters = store.approval_voters(run, plan_hash).await.unwrap_or_else(|e| {
+        let voters = store.voters_with(run, plan_hash, approver).await.unwrap_or_else(|e| {
             tracing::warn!(%run, error = %e, "cannot read the votes so far: the message is left as it is");
-            Vec::new()
+            vec![approver.to_string()]
         });
-        if !voters.iter().any(|v| v == approver) {
-            voters.push(approver.to_string());
-        }
-        voters.sort();
         if (voters.len() as u32) < req.quorum {
             return Ok(Outcome::Counted {
                 note: format!(

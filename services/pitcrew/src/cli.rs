@@ -26,6 +26,32 @@ pub fn incident(
     Ok(i)
 }
 
+/// What `pitcrew approve` says once its approval is published: under a quorum it is one vote,
+/// and the plan runs only once enough distinct approvers have approved (`voters`: those
+/// counted so far with this one; `None` when Postgres cannot say).
+pub fn approved(req: &pitcrew_model::ApprovalRequest, by: &str, voters: Option<&[String]>) -> String {
+    let (plan, run, quorum) = (&req.plan_hash, req.run_id, req.quorum);
+    let commands = req.plan.join(" ; ");
+    if quorum <= 1 {
+        return format!("approved plan {plan} of run {run}: {commands}");
+    }
+    match voters {
+        Some(v) if v.len() as u32 >= quorum => {
+            format!("approved plan {plan} of run {run} ({quorum} of {quorum} approvers: {}): {commands}", v.join(", "))
+        }
+        Some(v) => format!(
+            "your approval of plan {plan} of run {run} is counted ({} of {quorum}, by {}): it runs once {quorum} \
+             distinct approvers approve: {commands}",
+            v.len(),
+            v.join(", ")
+        ),
+        None => format!(
+            "your approval of plan {plan} of run {run} is published as {by}'s vote: it runs once {quorum} distinct \
+             approvers approve (the votes so far are unknown: Postgres is unreachable): {commands}"
+        ),
+    }
+}
+
 /// One event as a line for humans.
 pub fn format_event(e: &RunEvent) -> String {
     format!("{} {:<9} {:<18} {}", e.at.format("%H:%M:%S%.3f"), e.stage.as_str(), e.kind.as_str(), e.message)
@@ -255,4 +281,42 @@ fn kind_outcome(kind: EventKind) -> &'static str {
 /// Connect to Postgres for a read-only command.
 pub async fn store(cfg: &Config) -> anyhow::Result<Store> {
     Ok(Store::connect(&cfg.database).await?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_approval_under_a_quorum_says_it_is_one_vote_until_the_quorum_is_met() {
+        let mut req = pitcrew_model::ApprovalRequest {
+            run_id: Uuid::nil(),
+            service: "svc".into(),
+            host: None,
+            error: "down".into(),
+            attempt: 1,
+            plan: vec!["rm -f /run/svc.lock".into()],
+            plan_hash: "ab12".into(),
+            risk: "critical".into(),
+            rule: "two-person-rm".into(),
+            diagnosis: String::new(),
+            evidence: Vec::new(),
+            requested_at: chrono::Utc::now(),
+            expires_at: chrono::Utc::now(),
+            quorum: 1,
+        };
+        let run = Uuid::nil();
+        assert_eq!(approved(&req, "ann", None), format!("approved plan ab12 of run {run}: rm -f /run/svc.lock"));
+        req.quorum = 2;
+        let one = approved(&req, "ann", Some(&["ann".to_string()]));
+        assert!(
+            one.starts_with(&format!("your approval of plan ab12 of run {run} is counted (1 of 2, by ann)")),
+            "{one}"
+        );
+        assert!(!one.contains("approved plan"), "{one}");
+        let both = approved(&req, "bob", Some(&["ann".to_string(), "bob".to_string()]));
+        assert!(both.starts_with(&format!("approved plan ab12 of run {run} (2 of 2 approvers: ann, bob)")), "{both}");
+        let unknown = approved(&req, "ann", None);
+        assert!(unknown.contains("published as ann's vote: it runs once 2 distinct approvers approve"), "{unknown}");
+    }
 }

@@ -370,7 +370,11 @@ async fn run(args: Args, cfg: Option<Config>) -> anyhow::Result<()> {
             let store = cli::store(&cfg).await.ok();
             let req =
                 cli::submit(&bus, store.as_ref(), DecisionInput::cli(run, Decision::Approve, &by, None, &cfg)).await?;
-            println!("approved plan {} of run {run}: {}", req.plan_hash, req.plan.join(" ; "));
+            let voters = match (&store, req.quorum > 1) {
+                (Some(store), true) => store.voters_with(run, &req.plan_hash, &by).await.ok(),
+                _ => None,
+            };
+            println!("{}", cli::approved(&req, &by, voters.as_deref()));
             Ok(())
         }
         Command::Deny { run, by, reason } => {

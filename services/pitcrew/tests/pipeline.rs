@@ -624,8 +624,17 @@ async fn a_two_person_rule_runs_the_plan_only_after_two_distinct_approvers() -> 
     assert_eq!(req.quorum, 2, "{req:?}");
     let db = crew.db().await?;
 
-    cli::submit(&crew.bus, Some(&crew.store), DecisionInput::cli(run, Decision::Approve, "ann", None, &crew.cfg))
+    // `pitcrew approve` says the approval is one vote of two, not that the plan is approved.
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_pitcrew"))
+        .arg("--config")
+        .arg(crew.config_file()?)
+        .args(["approve", &run.to_string(), "--by", "ann"])
+        .env_remove("DATABASE_URL")
+        .output()
         .await?;
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{said}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(said.contains("is counted (1 of 2, by ann): it runs once 2 distinct approvers approve"), "{said}");
     crew.events.wait(run, |e| e.message.contains("approve by ann via cli counted: 1 of 2"), WAIT).await?;
     // The same approver again is still one approval (published straight to the subject).
     let again = ApprovalDecision {
@@ -660,8 +669,17 @@ async fn a_two_person_rule_runs_the_plan_only_after_two_distinct_approvers() -> 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn under_a_two_person_rule_a_denial_right_after_one_approval_stops_the_plan() -> anyhow::Result<()> {
     let (mut crew, run) = waiting_for_two_approvers().await?;
-    cli::submit(&crew.bus, Some(&crew.store), DecisionInput::cli(run, Decision::Approve, "ann", None, &crew.cfg))
+    // `pitcrew approve` says the approval is one vote of two, not that the plan is approved.
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_pitcrew"))
+        .arg("--config")
+        .arg(crew.config_file()?)
+        .args(["approve", &run.to_string(), "--by", "ann"])
+        .env_remove("DATABASE_URL")
+        .output()
         .await?;
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{said}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(said.contains("is counted (1 of 2, by ann): it runs once 2 distinct approvers approve"), "{said}");
     crew.events.wait(run, |e| e.message.contains("approve by ann via cli counted: 1 of 2"), WAIT).await?;
     // Within the minute a published decision counts as in flight.
     let no = DecisionInput::cli(run, Decision::Deny, "bob", Some("not on a Friday".into()), &crew.cfg);

@@ -15,4 +15,15 @@ impl Store {
             .await?;
         Ok(rows.iter().map(|r| r.get(0)).collect())
     }
+
+    /// The distinct approvers of `plan_hash` once `approver`'s vote, just published, is
+    /// counted (the crew records votes as they arrive: a vote still in flight counts later).
+    pub async fn voters_with(&self, run: Uuid, plan_hash: &str, approver: &str) -> Result<Vec<String>, StoreError> {
+        let mut voters = self.approval_voters(run, plan_hash).await?;
+        if !voters.iter().any(|v| v == approver) {
+            voters.push(approver.to_string());
+            voters.sort();
+        }
+        Ok(voters)
+    }
 }
