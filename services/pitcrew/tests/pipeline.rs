@@ -122,6 +122,20 @@ async fn output_and_incidents_with_nul_bytes_are_kept_and_the_run_resolves() -> 
     crew.shutdown().await
 }
 
+/// The `pitcrew` binary run against the crew's config (and not an outer `DATABASE_URL`):
+/// its exit code, standard output and standard error.
+async fn pitcrew_cli(config: &std::path::Path, args: &[&str]) -> anyhow::Result<(Option<i32>, String, String)> {
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_pitcrew"))
+        .arg("--config")
+        .arg(config)
+        .args(args)
+        .env_remove("DATABASE_URL")
+        .output()
+        .await?;
+    let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+    Ok((out.status.code(), text(&out.stdout), text(&out.stderr)))
+}
+
 /// `pitcrew watch` says how the run ended in its exit status, for the script or CI job that
 /// opened the incident: 0 resolved, 3 escalated, 1 for no such run.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -136,14 +150,8 @@ async fn watch_exits_with_how_the_run_ended() -> anyhow::Result<()> {
     let watch = |run: uuid::Uuid| {
         let config = config.clone();
         async move {
-            let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_pitcrew"))
-                .arg("--config")
-                .arg(&config)
-                .args(["watch", &run.to_string(), "--timeout", "30"])
-                .env_remove("DATABASE_URL")
-                .output()
-                .await?;
-            anyhow::Ok((out.status.code(), String::from_utf8_lossy(&out.stdout).into_owned()))
+            let (code, out, _) = pitcrew_cli(&config, &["watch", &run.to_string(), "--timeout", "30"]).await?;
+            anyhow::Ok((code, out))
         }
     };
     let (code, out) = watch(fixed).await?;
@@ -625,15 +633,8 @@ async fn a_two_person_rule_runs_the_plan_only_after_two_distinct_approvers() -> 
     let db = crew.db().await?;
 
     // `pitcrew approve` says the approval is one vote of two, not that the plan is approved.
-    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_pitcrew"))
-        .arg("--config")
-        .arg(crew.config_file()?)
-        .args(["approve", &run.to_string(), "--by", "ann"])
-        .env_remove("DATABASE_URL")
-        .output()
-        .await?;
-    let said = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{said}{}", String::from_utf8_lossy(&out.stderr));
+    let (code, said, err) = pitcrew_cli(&crew.config_file()?, &["approve", &run.to_string(), "--by", "ann"]).await?;
+    assert_eq!(code, Some(0), "{said}{err}");
     assert!(said.contains("is counted (1 of 2, by ann): it runs once 2 distinct approvers approve"), "{said}");
     crew.events.wait(run, |e| e.message.contains("approve by ann via cli counted: 1 of 2"), WAIT).await?;
     // The same approver again is still one approval (published straight to the subject).
