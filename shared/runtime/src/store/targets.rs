@@ -46,6 +46,11 @@ const TAKE: &str = "
     WITH mine AS (
         SELECT CASE WHEN now() - looked > make_interval(secs => $5) THEN since + (now() - looked) ELSE since END AS since
           FROM target_waits WHERE run_id = $3 AND attempt = $4),
+    -- The other runs waiting for the target: at execute, at the attempt that noted its wait.
+    waiting AS (
+        SELECT w.run_id, w.attempt, w.since, w.looked FROM target_waits w
+          JOIN runs r ON r.id = w.run_id AND r.attempt = w.attempt
+         WHERE w.service = $1 AND w.host = $2 AND w.run_id <> $3 AND r.status = 'open' AND r.stage = 'execute'),
     taken AS (
         INSERT INTO target_locks AS l (service, host, run_id, attempt) VALUES ($1, $2, $3, $4)
         ON CONFLICT (service, host) DO UPDATE SET
@@ -61,18 +66,14 @@ const TAKE: &str = "
                 SELECT 1 FROM runs h WHERE h.id = l.run_id AND h.attempt = l.attempt
                    AND h.status IN ('open', 'waiting_approval') AND h.stage IN ('execute', 'verify'))
             AND NOT EXISTS (
-                SELECT 1 FROM target_waits w JOIN runs r ON r.id = w.run_id AND r.attempt = w.attempt
-                 WHERE w.service = $1 AND w.host = $2 AND w.run_id <> $3
-                   AND r.status = 'open' AND r.stage = 'execute'
-                   AND w.looked > now() - make_interval(secs => $6)
+                SELECT 1 FROM waiting w WHERE w.looked > now() - make_interval(secs => $6)
                    AND (w.since, w.run_id) < (coalesce((SELECT since FROM mine), now()), $3)))
         RETURNING previous_run),
     forgot AS (DELETE FROM target_waits WHERE run_id = $3 AND EXISTS (SELECT 1 FROM taken)),
     gone AS (
         DELETE FROM target_waits w WHERE w.service = $1 AND w.host = $2 AND w.run_id <> $3
            AND NOT EXISTS (SELECT 1 FROM taken)
-           AND NOT EXISTS (SELECT 1 FROM runs r WHERE r.id = w.run_id AND r.attempt = w.attempt
-                              AND r.status = 'open' AND r.stage = 'execute')),
+           AND NOT EXISTS (SELECT 1 FROM waiting k WHERE k.run_id = w.run_id AND k.attempt = w.attempt)),
     noted AS (
         INSERT INTO target_waits AS w (run_id, attempt, service, host)
         SELECT $3, $4, $1, $2 WHERE NOT EXISTS (SELECT 1 FROM taken)
@@ -89,13 +90,9 @@ const TAKE: &str = "
              WHERE l.service = $1 AND l.host = $2 AND l.run_id <> $3
                AND h.status IN ('open', 'waiting_approval') AND h.stage IN ('execute', 'verify')),
            (SELECT EXTRACT(EPOCH FROM now() - since)::float8 FROM noted),
-           (SELECT count(*) FROM target_waits w JOIN runs r ON r.id = w.run_id AND r.attempt = w.attempt
-             WHERE w.service = $1 AND w.host = $2 AND w.run_id <> $3 AND r.status = 'open' AND r.stage = 'execute'
-               AND w.looked > now() - make_interval(secs => $6)
+           (SELECT count(*) FROM waiting w WHERE w.looked > now() - make_interval(secs => $6)
                AND (w.since, w.run_id) < ((SELECT since FROM noted), $3)),
-           (SELECT count(*) FROM target_waits w JOIN runs r ON r.id = w.run_id AND r.attempt = w.attempt
-             WHERE w.service = $1 AND w.host = $2 AND w.run_id <> $3 AND r.status = 'open' AND r.stage = 'execute'
-               AND (w.since, w.run_id) < ((SELECT since FROM noted), $3)),
+           (SELECT count(*) FROM waiting w WHERE (w.since, w.run_id) < ((SELECT since FROM noted), $3)),
            NOT EXISTS (SELECT 1 FROM mine)";
 
 /// The take's transaction: one snapshot for the holder's row, its run and the waiters (under
