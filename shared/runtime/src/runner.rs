@@ -218,12 +218,11 @@ impl StageRunner {
         let mut cx = Cx::new(&self.deps, stage, run, seq.saturating_sub(1), WAIT_EVENT_INDEX);
         cx.emit(EventKind::Status, format!("{stage} waits: {why}"), serde_json::json!({ "waiting": why }));
         let events = cx.take_events();
-        let stored = self.deps.store.insert_events(&events).await.map_err(|e| e.to_string());
-        let published = match stored {
-            Ok(()) => publish_events(&self.bus, &events).await.map_err(|e| e.to_string()),
-            Err(e) => Err(e),
+        let written = async {
+            self.deps.store.insert_events(&events).await.map_err(|e| e.to_string())?;
+            publish_events(&self.bus, &events).await.map_err(|e| e.to_string())
         };
-        if let Err(e) = published {
+        if let Err(e) = written.await {
             tracing::warn!(error = %e, "cannot put the wait on the run's timeline (waiting anyway)");
         }
     }
