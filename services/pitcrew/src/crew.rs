@@ -19,9 +19,6 @@ use tokio::task::JoinSet;
 /// A shutdown signal every task can await.
 pub type Shutdown = Shared<BoxFuture<'static, ()>>;
 
-/// How long a stopping worker waits for the messages it holds.
-pub const DRAIN: Duration = Duration::from_secs(20);
-
 /// The handler of one stage.
 pub fn handler(stage: Stage, policy: &Policy) -> Arc<dyn StageHandler> {
     match stage {
@@ -115,12 +112,12 @@ pub async fn run(cfg: Config, stages: &[Stage], shutdown: Shutdown) -> anyhow::R
         let consumer = bus.stage_consumer(stage, settings).await?;
         let runner = Arc::new(StageRunner { bus: bus.clone(), deps: deps.clone(), handler: handler(stage, &policy) });
         let remake = remaking(&bus, move |bus| async move { bus.stage_consumer(stage, settings).await });
-        tasks.spawn(consume(consumer, Some(remake), settings, runner, shutdown.clone(), DRAIN));
+        tasks.spawn(consume(consumer, Some(remake), settings, runner, shutdown.clone(), cfg.drain()));
         if stage == Stage::Approval {
             let consumer = bus.decisions_consumer(settings).await?;
             let decisions = Arc::new(Decisions { bus: bus.clone(), deps: deps.clone() });
             let remake = remaking(&bus, move |bus| async move { bus.decisions_consumer(settings).await });
-            tasks.spawn(consume(consumer, Some(remake), settings, decisions, shutdown.clone(), DRAIN));
+            tasks.spawn(consume(consumer, Some(remake), settings, decisions, shutdown.clone(), cfg.drain()));
             // Sweep often enough that a request expires within about a quarter of its timeout.
             let every = Duration::from_millis(cfg.limits.approval_timeout_secs.saturating_mul(250))
                 .clamp(Duration::from_millis(200), Duration::from_secs(5));

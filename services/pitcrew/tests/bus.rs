@@ -286,6 +286,95 @@ async fn a_consumer_told_to_stop_pulls_nothing_more() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Records the payload of every message it is handed. Stalling, it never finishes one that
+/// says "stuck" and acks the others after a moment; otherwise it acks everything at once.
+struct Recording {
+    seen: Arc<std::sync::Mutex<Vec<String>>>,
+    stalling: bool,
+}
+
+impl MessageHandler for Recording {
+    fn name(&self) -> String {
+        "recording".into()
+    }
+
+    fn handle(
+        self: Arc<Self>,
+        msg: Arc<async_nats::jetstream::Message>,
+    ) -> futures::future::BoxFuture<'static, Disposition> {
+        let payload = String::from_utf8_lossy(&msg.payload).to_string();
+        self.seen.lock().unwrap().push(payload.clone());
+        Box::pin(async move {
+            if self.stalling {
+                if payload == "stuck" {
+                    std::future::pending::<()>().await;
+                }
+                tokio::time::sleep(Duration::from_millis(300)).await;
+            }
+            Disposition::Ack
+        })
+    }
+}
+
+/// A stopping worker lets what it holds finish within its drain deadline; what is still
+/// running then is stopped and handed back at once, so another worker takes it now instead of
+/// after its ack wait (30 s here); what finished is not delivered again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_past_its_drain_deadline_hands_back_what_it_holds_at_once() -> anyhow::Result<()> {
+    let env = TestEnv::start().await?;
+    let cfg = pitcrew_runtime::Config::from_toml(&env.config_toml("[stages]\ndrain_secs = 1\n"))?;
+    assert_eq!(cfg.drain(), Duration::from_secs(1));
+    let bus = pitcrew_runtime::Bus::connect(&cfg).await?;
+    bus.ensure_streams().await?;
+    for body in ["quick", "stuck"] {
+        let mut headers = HeaderMap::new();
+        headers.insert(NATS_MESSAGE_ID, body);
+        bus.js.publish_with_headers(bus.subjects.stage(Stage::Report), headers, body.into()).await?.await?;
+    }
+    let settings = cfg.stage_settings(Stage::Report);
+    assert_eq!(settings.ack_wait, Duration::from_secs(30));
+    let consumer = bus.stage_consumer(Stage::Report, settings).await?;
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let handler = Arc::new(Recording { seen: seen.clone(), stalling: true });
+    let stopping = async {
+        let _ = stopped.await;
+    };
+    let running = tokio::spawn(consume(consumer.clone(), None, settings, handler, stopping, cfg.drain()));
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while seen.lock().unwrap().len() < 2 {
+        anyhow::ensure!(tokio::time::Instant::now() < deadline, "handed only {:?}", seen.lock().unwrap());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let asked = tokio::time::Instant::now();
+    let _ = stop.send(());
+    tokio::time::timeout(Duration::from_secs(10), running).await??;
+    let took = asked.elapsed();
+    assert!(took >= Duration::from_secs(1), "returned {took:?} after shutdown, before its drain deadline");
+
+    // Another worker: the stuck message comes to it well within its ack wait, the quick one never.
+    let again = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let handler = Arc::new(Recording { seen: again.clone(), stalling: false });
+    let stopping = async {
+        let _ = stopped.await;
+    };
+    let running = tokio::spawn(consume(consumer.clone(), None, settings, handler, stopping, cfg.drain()));
+    let handed = tokio::time::Instant::now();
+    while again.lock().unwrap().is_empty() {
+        anyhow::ensure!(handed.elapsed() < Duration::from_secs(5), "the stuck message was not handed back");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // Time for a wrong redelivery of the quick one to show.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let _ = stop.send(());
+    running.await?;
+    assert_eq!(*again.lock().unwrap(), vec!["stuck".to_string()]);
+    let info = consumer.clone().info().await?.clone();
+    assert_eq!((info.num_pending, info.num_ack_pending), (0, 0), "{info:?}");
+    Ok(())
+}
+
 /// A step that keeps failing for a reason outside Postgres (here the model's endpoint refuses
 /// every connection) is still given up on: past its limits it gets one more try, then it is
 /// dead-lettered with both reasons and its run escalated.

@@ -230,6 +230,92 @@ async fn a_worker_sigtermed_mid_batch_drains_and_exits_cleanly() -> anyhow::Resu
     Ok(())
 }
 
+/// A playbook whose plan starts with a command that outlasts a 1 s drain deadline.
+const NAP: &str = r#"
+[[rule]]
+name = "nap"
+match = "(?i)needs a nap"
+diagnosis = "{service} needs a nap"
+plans = [["sleep 27.5", "touch {dir}/svc-healthy"], ["touch {dir}/svc-healthy"]]
+"#;
+
+/// Processes running `sleep 27.5` (the nap command) on this machine.
+fn naps() -> usize {
+    let Ok(dir) = std::fs::read_dir("/proc") else { return 0 };
+    dir.filter_map(|e| std::fs::read(e.ok()?.path().join("cmdline")).ok()).filter(|c| c == b"sleep\x0027.5\x00").count()
+}
+
+/// A worker stopped while a command outlasts its drain deadline (`stages.drain_secs = 1`):
+/// it exits 0 about a second after SIGTERM, the command is killed with it, and the message it
+/// held is handed back at once: the next worker records the command interrupted (never run
+/// again) and moves the run on within seconds, not after the 30 s ack wait.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_past_its_drain_deadline_hands_its_run_on_at_once() -> anyhow::Result<()> {
+    let env = TestEnv::start().await?;
+    let book = common::write(&env, "playbook.toml", NAP);
+    let text = format!("[reasoning]\nplaybook_file = \"{book}\"\n{}", common::marker_service(&env, "svc"));
+    let mut crew = Crew::start_in(env, &text, &[]).await?;
+    let stages = all_stages();
+    let mut w0 = crew.spawn_worker("w0", &stages, &[("PITCREW_STAGES__DRAIN_SECS", "1")])?;
+    let run = crew.open("svc", "svc needs a nap").await?;
+    let db = crew.db().await?;
+    let state = |status: Option<&'static str>| {
+        let db = &db;
+        async move {
+            let n: i64 = db
+                .query_one(
+                    "SELECT count(*) FROM executions WHERE run_id = $1 AND idx = 0 AND status IS NOT DISTINCT FROM $2",
+                    &[&run, &status],
+                )
+                .await?
+                .get(0);
+            anyhow::Ok(n == 1)
+        }
+    };
+    let started = Instant::now();
+    while !(state(None).await? && naps() > 0) {
+        anyhow::ensure!(started.elapsed() < Duration::from_secs(60), "the nap never started");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // SAFETY: kill(2) on our own child's pid.
+    unsafe { libc::kill(w0.child.id() as i32, libc::SIGTERM) };
+    let asked = Instant::now();
+    let status = loop {
+        if let Some(s) = w0.child.try_wait()? {
+            break s;
+        }
+        anyhow::ensure!(asked.elapsed() < Duration::from_secs(15), "the worker did not exit within 15 s of SIGTERM");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    let exited = asked.elapsed();
+    eprintln!("w0 exited {status} {:.2} s after SIGTERM", exited.as_secs_f64());
+    assert!(status.success(), "a worker past its drain deadline still exits 0: {status}");
+    assert!(exited >= Duration::from_secs(1), "exited before its drain deadline: {exited:?}");
+    assert_eq!(naps(), 0, "the command was killed with the worker");
+    let log = std::fs::read_to_string(&w0.log)?;
+    assert!(!log.contains('\x1b'), "a log written to a file has no colour codes: {log}");
+    assert!(log.contains("drain deadline passed") && log.contains("handed_back=1"), "{log}");
+
+    let _w1 = crew.spawn_worker("w1", &stages, &[])?;
+    let handed = Instant::now();
+    while !state(Some("interrupted")).await? {
+        anyhow::ensure!(
+            handed.elapsed() < Duration::from_secs(15),
+            "the next worker did not take the run over within 15 s (the ack wait is 30 s)"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    eprintln!("w1 recorded the nap interrupted {:.2} s after it started", handed.elapsed().as_secs_f64());
+    let end = crew.events.terminal(run, common::WAIT).await?;
+    assert_eq!(end.kind, pitcrew_model::EventKind::Resolved, "{}", end.message);
+    let ran: i64 = db
+        .query_one("SELECT count(*) FROM executions WHERE run_id = $1 AND command = 'sleep 27.5'", &[&run])
+        .await?
+        .get(0);
+    assert_eq!(ran, 1, "the interrupted command is never started again");
+    Ok(())
+}
+
 /// An outage that outlasts the delivery limits (here 2 deliveries and 1 s, against the
 /// defaults' 20 and an hour): messages past them are retried while Postgres is unreachable,
 /// not dead-lettered, and an incident that arrived during the outage is not refused for want

@@ -287,6 +287,13 @@ pub struct StageDefaults {
     /// Postgres is unreachable (an outage is waited out, however long).
     pub max_deliveries: u64,
     pub poison_after_secs: u64,
+    /// On SIGTERM a worker stops pulling and gives the messages in hand this long to finish;
+    /// it then stops what is left (a command it ran is killed: recorded interrupted, verify
+    /// decides) and hands those messages back for another worker at once. Keep it below the
+    /// time the supervisor allows before SIGKILL (`stop_grace_period`,
+    /// `terminationGracePeriodSeconds`), and above `limits.command_timeout_secs` where no
+    /// command should ever be cut short by a restart.
+    pub drain_secs: u64,
 }
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
@@ -389,6 +396,7 @@ impl Default for Config {
                 max_ack_pending: 1024,
                 max_deliveries: 20,
                 poison_after_secs: 3600,
+                drain_secs: 20,
             },
             stage: BTreeMap::new(),
             reasoning: ReasoningConfig {
@@ -633,6 +641,11 @@ impl Config {
 
     pub fn command_timeout(&self) -> Duration {
         Duration::from_secs(self.limits.command_timeout_secs.max(1))
+    }
+
+    /// How long a stopping worker lets the messages in hand finish (`stages.drain_secs`).
+    pub fn drain(&self) -> Duration {
+        Duration::from_secs(self.stages.drain_secs)
     }
 }
 

@@ -5,6 +5,7 @@ use crate::config::StageSettings;
 use async_nats::jetstream::{self, consumer::PullConsumer, AckKind};
 use futures::future::BoxFuture;
 use futures::{FutureExt, StreamExt};
+use std::collections::HashMap;
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
@@ -51,9 +52,10 @@ pub fn backoff(delivered: i64) -> Duration {
 
 /// Run `handler` over `consumer` until `shutdown` resolves, then wait up to `drain` for the
 /// messages in hand. A panicking handler naks its message instead of killing the worker.
-/// Messages still running after the deadline are not acked: JetStream redelivers them, and
-/// every handler is idempotent. Pulls that keep failing back off (capped), and with `remake`
-/// the consumer is made again after `REMAKE_AFTER` of them in a row.
+/// Handlers still running at the deadline are stopped and their messages naked without delay,
+/// so another worker takes them at once (not after their ack wait); every handler is
+/// idempotent. Pulls that keep failing back off (capped), and with `remake` the consumer is
+/// made again after `REMAKE_AFTER` of them in a row.
 pub async fn consume<H: MessageHandler>(
     mut consumer: PullConsumer,
     remake: Option<Remake>,
@@ -65,13 +67,14 @@ pub async fn consume<H: MessageHandler>(
     let name = handler.name();
     let sem = Arc::new(Semaphore::new(settings.concurrency));
     let mut tasks = JoinSet::new();
+    // The message of each task, to nak it should the drain deadline stop its handler: at most
+    // `concurrency` entries (a task's goes when it is joined).
+    let mut held: HashMap<tokio::task::Id, Arc<jetstream::Message>> = HashMap::new();
     tokio::pin!(shutdown);
     let mut failures = 0u32;
     'outer: loop {
-        while let Some(done) = tasks.try_join_next() {
-            if let Err(e) = done {
-                tracing::error!(consumer = %name, error = %e, "message task failed");
-            }
+        while let Some(done) = tasks.try_join_next_with_id() {
+            joined(&name, done, &mut held);
         }
         // Pull only what can start now: a message never waits in a client buffer while its
         // ack timer runs (async-nats' default pull batch would). Shutdown is looked at first
@@ -122,10 +125,11 @@ pub async fn consume<H: MessageHandler>(
             let handler = handler.clone();
             let ack_wait = settings.ack_wait;
             let metric_name = name.clone();
-            tasks.spawn(async move {
+            let msg = Arc::new(msg);
+            let kept = msg.clone();
+            let task = tasks.spawn(async move {
                 let began = std::time::Instant::now();
                 crate::metrics::started(&metric_name);
-                let msg = Arc::new(msg);
                 let work = AssertUnwindSafe(handler.handle(msg.clone())).catch_unwind();
                 let disposition = tokio::select! {
                     d = work => d.unwrap_or_else(|_| {
@@ -143,6 +147,7 @@ pub async fn consume<H: MessageHandler>(
                 crate::metrics::finished(&metric_name, outcome, began.elapsed());
                 drop(permit);
             });
+            held.insert(task.id(), kept);
         }
         drop(permit);
         if pulled > 0 {
@@ -160,10 +165,60 @@ pub async fn consume<H: MessageHandler>(
         }
     }
     tracing::info!(consumer = %name, in_flight = tasks.len(), "stopping: draining messages in hand");
-    let drained = tokio::time::timeout(drain, async { while tasks.join_next().await.is_some() {} }).await;
+    let drained = tokio::time::timeout(drain, async {
+        while let Some(done) = tasks.join_next_with_id().await {
+            joined(&name, done, &mut held);
+        }
+    })
+    .await;
     if drained.is_err() {
-        tracing::warn!(consumer = %name, left = tasks.len(), "drain deadline passed: unfinished messages will be redelivered");
+        tracing::warn!(
+            consumer = %name,
+            left = tasks.len(),
+            drain_secs = drain.as_secs_f64(),
+            "drain deadline passed: stopping what is left and handing its messages back for another worker"
+        );
         tasks.abort_all();
+        // A task stopped at an await: its handler is gone (a command it ran killed with it), its
+        // message neither acked nor naked. One that ended anyway (settled) has nothing to hand
+        // back. Naked without delay: another worker takes it now rather than after its ack wait.
+        let mut stopped = Vec::new();
+        while let Some(done) = tasks.join_next_with_id().await {
+            match done {
+                Err(e) if e.is_cancelled() => stopped.extend(held.remove(&e.id())),
+                other => joined(&name, other, &mut held),
+            }
+        }
+        let handed_back = futures::future::join_all(stopped.iter().map(|msg| async move {
+            match msg.ack_with(AckKind::Nak(None)).await {
+                Ok(()) => true,
+                Err(e) => {
+                    tracing::warn!(subject = %msg.subject, error = %e, "cannot hand a message back: it is redelivered after its ack wait");
+                    false
+                }
+            }
+        }))
+        .await;
+        let handed_back = handed_back.into_iter().filter(|ok| *ok).count();
+        tracing::info!(consumer = %name, handed_back, "messages handed back for another worker");
+    }
+}
+
+/// A message task ended: forget its message; say so if it failed (a handler's panic is caught
+/// inside the task, so this is a bug, or an abort).
+fn joined(
+    name: &str,
+    done: Result<(tokio::task::Id, ()), tokio::task::JoinError>,
+    held: &mut HashMap<tokio::task::Id, Arc<jetstream::Message>>,
+) {
+    match done {
+        Ok((id, ())) => {
+            held.remove(&id);
+        }
+        Err(e) => {
+            held.remove(&e.id());
+            tracing::error!(consumer = %name, error = %e, "message task failed");
+        }
     }
 }
 

@@ -66,7 +66,9 @@ pub fn init(default: &str) {
 /// (a second call in one process changes nothing and exports nothing).
 pub fn init_with(default: &str, cfg: &TelemetryConfig) -> Result<Guard, TelemetryError> {
     let json = std::env::var("PITCREW_LOG_FORMAT").as_deref() == Ok("json");
-    let fmt = tracing_subscriber::fmt::layer().with_writer(std::io::stderr);
+    // Colour only on a terminal: a log a file, journald or `docker logs` keeps is plain text.
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let fmt = tracing_subscriber::fmt::layer().with_writer(std::io::stderr).with_ansi(ansi);
     let fmt: Box<dyn Layer<Registry> + Send + Sync> = if json {
         fmt.json().with_filter(log_filter(default)).boxed()
     } else {
