@@ -89,6 +89,16 @@ const TARGET_RETRY: (Duration, Duration) = (Duration::from_millis(500), Duration
 /// execute consumer keeps pending).
 pub const MAX_TARGET_WAITERS: u32 = 16;
 
+/// Past its timeout, how long a command may still take to be gone: the remote `timeout -k 2`
+/// sends SIGKILL 2 s after the deadline, and the deadline starts once the command runs, after
+/// its claim (a turn for an SSH channel, a connection).
+pub const STRAGGLER_GRACE: Duration = Duration::from_secs(10);
+
+/// How long after its claim a command that nobody finished may still be running.
+fn straggler_deadline(cfg: &pitcrew_runtime::Config) -> Duration {
+    cfg.command_timeout() + STRAGGLER_GRACE
+}
+
 /// Whether this attempt's diagnosis saw the service's health check fail.
 pub fn diagnosed_unhealthy(state: &RunState) -> bool {
     state.evidence.iter().any(|e| e.attempt == state.attempt && e.source == "check" && !e.ok)
@@ -263,20 +273,57 @@ impl StageHandler for Execute {
                     records.push(not_run(state.attempt, index, command, &stop_why));
                     continue;
                 }
+                // A stopping worker starts no command its drain might cut short: the rest of the
+                // plan goes to another worker at once (what ran is replayed from its records).
+                if let (None, Some(left)) = (&skip, cx.deps.stopping.left()) {
+                    if left < cfg.command_timeout() {
+                        return Err(StageError::Wait {
+                            why: format!(
+                                "worker {} is stopping ({} s of its drain left, a command may take {} s): \
+                                 command {index} of the plan and the rest run on another worker",
+                                cx.deps.worker,
+                                left.as_secs(),
+                                cfg.command_timeout().as_secs()
+                            ),
+                            retry: Duration::ZERO,
+                            first: true,
+                        });
+                    }
+                }
                 let at = AtCommand::enter((state.run_id, state.attempt, index));
                 let rec = match store
                     .claim_execution(state.run_id, state.attempt, index, command, &spec.host, &cx.deps.worker)
                     .await?
                 {
                     Claim::Finished(rec) => rec,
-                    Claim::Unfinished if at.shared() => {
+                    Claim::Unfinished { .. } if at.shared() => {
                         // Still running in this process: try again once it has ended.
                         return Err(StageError::Transient(format!(
                             "command {index} of attempt {} is running in this process for another copy of this message",
                             state.attempt
                         )));
                     }
-                    Claim::Unfinished => {
+                    Claim::Unfinished { running_for } if running_for < straggler_deadline(&cfg) => {
+                        // Its worker died or was stopped mid-command, and the command may still be
+                        // running: over SSH until the remote `timeout` ends it, locally (a worker
+                        // killed outright leaves its child behind) until it ends. Nothing moves on
+                        // (verify, a next attempt, another run on the target) before that.
+                        let left = straggler_deadline(&cfg) - running_for;
+                        return Err(StageError::Wait {
+                            why: format!(
+                                "command {index} of attempt {} (`{command}`), started {} s ago by a delivery that \
+                                 never finished it, may still be running on {}: it is recorded interrupted once its \
+                                 deadline has passed, in {} s",
+                                state.attempt,
+                                running_for.as_secs(),
+                                spec.host,
+                                left.as_secs().max(1)
+                            ),
+                            retry: left,
+                            first: true,
+                        });
+                    }
+                    Claim::Unfinished { .. } => {
                         store.mark_interrupted(state.run_id, state.attempt, index).await?;
                         ExecutionRecord {
                             attempt: state.attempt,

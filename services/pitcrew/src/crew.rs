@@ -11,7 +11,7 @@ use pitcrew_llm::{OpenAi, Playbook, Reasoner};
 use pitcrew_model::Stage;
 use pitcrew_runtime::consume::{consume, Remake};
 use pitcrew_runtime::runner::StageRunner;
-use pitcrew_runtime::{Bus, BusError, Config, Deps, StageHandler, Store};
+use pitcrew_runtime::{Bus, BusError, Config, Deps, StageHandler, Stopping, Store};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::task::JoinSet;
@@ -99,7 +99,15 @@ pub async fn run(cfg: Config, stages: &[Stage], shutdown: Shutdown) -> anyhow::R
         executor: Arc::new(Fleet::new(cfg.hosts.clone(), cfg.limits.max_output_bytes)),
         policy: Arc::new(policy.clone()),
         live: Some(pitcrew_runtime::live::Live { client: bus.client.clone(), subjects: bus.subjects.clone() }),
+        stopping: Stopping::default(),
     });
+    {
+        let (stopping, shutdown, drain) = (deps.stopping.clone(), shutdown.clone(), cfg.drain());
+        tokio::spawn(async move {
+            shutdown.await;
+            stopping.begin(drain);
+        });
+    }
     let mut tasks = JoinSet::new();
     let collector = pitcrew_runtime::metrics::Collector {
         bus: bus.clone(),

@@ -215,7 +215,8 @@ pub async fn run(ssh: bool, llm: Option<LlmDemo>) -> anyhow::Result<()> {
         );
     }
     let _ = stop_tx.send(());
-    let _ = tokio::time::timeout(Duration::from_secs(25), crew).await;
+    // Its drain, and a little more for its last pull and the hand-back past the drain.
+    let _ = tokio::time::timeout(cfg.drain() + Duration::from_secs(5), crew).await;
     for t in &toys {
         let _ = std::fs::remove_file(t.dir.join("broken"));
         let _ = toy::stop(t.port, &t.dir);
@@ -365,7 +366,8 @@ async fn run_ssh() -> anyhow::Result<()> {
         println!("  {host}  {status:<9}  {command}");
     }
     let _ = stop_tx.send(());
-    let _ = tokio::time::timeout(Duration::from_secs(25), crew).await;
+    // Its drain, and a little more for its last pull and the hand-back past the drain.
+    let _ = tokio::time::timeout(cfg.drain() + Duration::from_secs(5), crew).await;
     if let Some(m) = monitor {
         let _ = tokio::time::timeout(Duration::from_secs(5), m).await;
     }

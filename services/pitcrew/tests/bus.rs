@@ -291,6 +291,17 @@ async fn a_consumer_told_to_stop_pulls_nothing_more() -> anyhow::Result<()> {
 struct Recording {
     seen: Arc<std::sync::Mutex<Vec<String>>>,
     stalling: bool,
+    /// Set when a stuck handler is dropped (stopped).
+    dropped: Arc<std::sync::atomic::AtomicBool>,
+}
+
+/// Sets its flag when dropped.
+struct OnDrop(Arc<std::sync::atomic::AtomicBool>);
+
+impl Drop for OnDrop {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::SeqCst);
+    }
 }
 
 impl MessageHandler for Recording {
@@ -307,6 +318,7 @@ impl MessageHandler for Recording {
         Box::pin(async move {
             if self.stalling {
                 if payload == "stuck" {
+                    let _guard = OnDrop(self.dropped.clone());
                     std::future::pending::<()>().await;
                 }
                 tokio::time::sleep(Duration::from_millis(300)).await;
@@ -336,7 +348,8 @@ async fn a_worker_past_its_drain_deadline_hands_back_what_it_holds_at_once() -> 
     let consumer = bus.stage_consumer(Stage::Report, settings).await?;
     let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let handler = Arc::new(Recording { seen: seen.clone(), stalling: true });
+    let dropped = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let handler = Arc::new(Recording { seen: seen.clone(), stalling: true, dropped: dropped.clone() });
     let stopping = async {
         let _ = stopped.await;
     };
@@ -355,7 +368,8 @@ async fn a_worker_past_its_drain_deadline_hands_back_what_it_holds_at_once() -> 
     // Another worker: the stuck message comes to it well within its ack wait, the quick one never.
     let again = Arc::new(std::sync::Mutex::new(Vec::new()));
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let handler = Arc::new(Recording { seen: again.clone(), stalling: false });
+    assert!(dropped.load(Ordering::SeqCst), "the stuck handler was stopped before its message was handed back");
+    let handler = Arc::new(Recording { seen: again.clone(), stalling: false, dropped: Default::default() });
     let stopping = async {
         let _ = stopped.await;
     };
@@ -423,6 +437,7 @@ async fn a_closing_step_whose_publish_failed_publishes_its_events_when_redeliver
         policy: Arc::new(policy),
         worker: "test".into(),
         live: None,
+        stopping: Default::default(),
     };
     let mut state = RunState::new(uuid::Uuid::now_v7(), Incident::new("svc", "down"));
     assert_eq!(crew.store.open_run(&state).await?, OpenRun::Created);

@@ -60,7 +60,9 @@ async fn wait_finished(db: &tokio_postgres::Client, n: usize, started: Instant, 
 /// The batch under way in `env`: no stage in this process, every stage in two worker
 /// processes (`w0`, `w1`), one incident per service published.
 async fn batch_under_way(env: TestEnv) -> anyhow::Result<(Crew, Vec<Worker>)> {
-    let text = inventory(&env);
+    // A command cut short by a kill is recorded interrupted once it can no longer be running:
+    // its timeout and 10 s past its claim. Commands here take milliseconds.
+    let text = format!("[limits]\ncommand_timeout_secs = 5\n{}", inventory(&env));
     let crew = Crew::start_in(env, &text, &[]).await?;
     let stages = all_stages();
     let workers = vec![crew.spawn_worker("w0", &stages, &[])?, crew.spawn_worker("w1", &stages, &[])?];
@@ -230,89 +232,163 @@ async fn a_worker_sigtermed_mid_batch_drains_and_exits_cleanly() -> anyhow::Resu
     Ok(())
 }
 
-/// A playbook whose plan starts with a command that outlasts a 1 s drain deadline.
-const NAP: &str = r#"
+/// A playbook whose first plan starts with a nap (`sleep <secs>`), then makes the service
+/// healthy; its second plan only makes it healthy.
+fn nap_playbook(secs: &str) -> String {
+    format!(
+        r#"
 [[rule]]
 name = "nap"
 match = "(?i)needs a nap"
-diagnosis = "{service} needs a nap"
-plans = [["sleep 27.5", "touch {dir}/svc-healthy"], ["touch {dir}/svc-healthy"]]
-"#;
-
-/// Processes running `sleep 27.5` (the nap command) on this machine.
-fn naps() -> usize {
-    let Ok(dir) = std::fs::read_dir("/proc") else { return 0 };
-    dir.filter_map(|e| std::fs::read(e.ok()?.path().join("cmdline")).ok()).filter(|c| c == b"sleep\x0027.5\x00").count()
+diagnosis = "{{service}} needs a nap"
+plans = [["sleep {secs}", "touch {{dir}}/svc-healthy"], ["touch {{dir}}/svc-healthy"]]
+"#
+    )
 }
 
-/// A worker stopped while a command outlasts its drain deadline (`stages.drain_secs = 1`):
-/// it exits 0 about a second after SIGTERM, the command is killed with it, and the message it
-/// held is handed back at once: the next worker records the command interrupted (never run
-/// again) and moves the run on within seconds, not after the 30 s ack wait.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_worker_past_its_drain_deadline_hands_its_run_on_at_once() -> anyhow::Result<()> {
+/// Processes on this machine running `sleep <secs>`.
+fn naps(secs: &str) -> usize {
+    let Ok(dir) = std::fs::read_dir("/proc") else { return 0 };
+    let line = format!("sleep\0{secs}\0");
+    dir.filter_map(|e| std::fs::read(e.ok()?.path().join("cmdline")).ok()).filter(|c| c == line.as_bytes()).count()
+}
+
+/// A crew with no stage of its own whose one service needs the nap of `secs`, under `limits`.
+async fn napping(secs: &str, limits: &str) -> anyhow::Result<Crew> {
     let env = TestEnv::start().await?;
-    let book = common::write(&env, "playbook.toml", NAP);
-    let text = format!("[reasoning]\nplaybook_file = \"{book}\"\n{}", common::marker_service(&env, "svc"));
-    let mut crew = Crew::start_in(env, &text, &[]).await?;
-    let stages = all_stages();
-    let mut w0 = crew.spawn_worker("w0", &stages, &[("PITCREW_STAGES__DRAIN_SECS", "1")])?;
-    let run = crew.open("svc", "svc needs a nap").await?;
-    let db = crew.db().await?;
-    let state = |status: Option<&'static str>| {
-        let db = &db;
-        async move {
-            let n: i64 = db
-                .query_one(
-                    "SELECT count(*) FROM executions WHERE run_id = $1 AND idx = 0 AND status IS NOT DISTINCT FROM $2",
-                    &[&run, &status],
-                )
-                .await?
-                .get(0);
-            anyhow::Ok(n == 1)
-        }
-    };
-    let started = Instant::now();
-    while !(state(None).await? && naps() > 0) {
-        anyhow::ensure!(started.elapsed() < Duration::from_secs(60), "the nap never started");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let book = common::write(&env, "playbook.toml", &nap_playbook(secs));
+    let text = format!("{limits}[reasoning]\nplaybook_file = \"{book}\"\n{}", common::marker_service(&env, "svc"));
+    Crew::start_in(env, &text, &[]).await
+}
+
+/// The status of command `index` of `run`'s first attempt, once claimed ("" while it runs).
+async fn command_status(db: &tokio_postgres::Client, run: uuid::Uuid, index: i32) -> anyhow::Result<Option<String>> {
+    let row = db
+        .query_opt(
+            "SELECT coalesce(status, '') FROM executions WHERE run_id = $1 AND attempt = 1 AND idx = $2",
+            &[&run, &index],
+        )
+        .await?;
+    Ok(row.map(|r| r.get(0)))
+}
+
+/// SIGTERM `w` and wait for it to exit; how long it took.
+async fn sigterm(w: &mut Worker) -> anyhow::Result<Duration> {
     // SAFETY: kill(2) on our own child's pid.
-    unsafe { libc::kill(w0.child.id() as i32, libc::SIGTERM) };
+    unsafe { libc::kill(w.child.id() as i32, libc::SIGTERM) };
     let asked = Instant::now();
     let status = loop {
-        if let Some(s) = w0.child.try_wait()? {
+        if let Some(s) = w.child.try_wait()? {
             break s;
         }
         anyhow::ensure!(asked.elapsed() < Duration::from_secs(15), "the worker did not exit within 15 s of SIGTERM");
         tokio::time::sleep(Duration::from_millis(20)).await;
     };
-    let exited = asked.elapsed();
-    eprintln!("w0 exited {status} {:.2} s after SIGTERM", exited.as_secs_f64());
-    assert!(status.success(), "a worker past its drain deadline still exits 0: {status}");
+    eprintln!("worker exited {status} {:.2} s after SIGTERM", asked.elapsed().as_secs_f64());
+    anyhow::ensure!(status.success(), "a stopping worker exits 0: {status}");
+    Ok(asked.elapsed())
+}
+
+/// A worker stopped while a command outlasts its drain deadline (`drain_secs = 1`): it exits 0
+/// about a second after SIGTERM, the command killed with it, and hands the message back at
+/// once: the next worker takes it over within seconds (not after the 30 s ack wait), but
+/// records the command interrupted only once it can no longer be running (its 6 s timeout and
+/// 10 s past its claim), then the run moves on and resolves on its second plan.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_past_its_drain_deadline_hands_its_run_on_at_once() -> anyhow::Result<()> {
+    const NAP: &str = "4.73";
+    let mut crew = napping(NAP, "[limits]\ncommand_timeout_secs = 6\n").await?;
+    let stages = all_stages();
+    let mut w0 = crew.spawn_worker("w0", &stages, &[("PITCREW_STAGES__DRAIN_SECS", "1")])?;
+    let run = crew.open("svc", "svc needs a nap").await?;
+    let db = crew.db().await?;
+    let started = Instant::now();
+    while !(command_status(&db, run, 0).await?.as_deref() == Some("") && naps(NAP) > 0) {
+        anyhow::ensure!(started.elapsed() < Duration::from_secs(60), "the nap never started");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let exited = sigterm(&mut w0).await?;
     assert!(exited >= Duration::from_secs(1), "exited before its drain deadline: {exited:?}");
-    assert_eq!(naps(), 0, "the command was killed with the worker");
+    assert_eq!(naps(NAP), 0, "the command was killed with the worker");
+    assert_eq!(command_status(&db, run, 0).await?.as_deref(), Some(""), "nobody recorded an end");
     let log = std::fs::read_to_string(&w0.log)?;
     assert!(!log.contains('\x1b'), "a log written to a file has no colour codes: {log}");
     assert!(log.contains("drain deadline passed") && log.contains("handed_back=1"), "{log}");
 
     let _w1 = crew.spawn_worker("w1", &stages, &[])?;
     let handed = Instant::now();
-    while !state(Some("interrupted")).await? {
-        anyhow::ensure!(
-            handed.elapsed() < Duration::from_secs(15),
-            "the next worker did not take the run over within 15 s (the ack wait is 30 s)"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    eprintln!("w1 recorded the nap interrupted {:.2} s after it started", handed.elapsed().as_secs_f64());
+    let waiting = crew.events.wait(run, |e| e.message.contains("may still be running on local"), common::WAIT).await?;
+    let took = handed.elapsed();
+    eprintln!("w1 took the run over {:.2} s after it started: {}", took.as_secs_f64(), waiting.message);
+    assert!(took < Duration::from_secs(10), "not handed back at once: the next worker took {took:?}");
     let end = crew.events.terminal(run, common::WAIT).await?;
     assert_eq!(end.kind, pitcrew_model::EventKind::Resolved, "{}", end.message);
-    let ran: i64 = db
-        .query_one("SELECT count(*) FROM executions WHERE run_id = $1 AND command = 'sleep 27.5'", &[&run])
+    let row = db
+        .query_one(
+            "SELECT status, EXTRACT(EPOCH FROM finished_at - started_at)::float8 FROM executions
+             WHERE run_id = $1 AND attempt = 1 AND idx = 0",
+            &[&run],
+        )
+        .await?;
+    let (status, after): (String, f64) = (row.get(0), row.get(1));
+    assert_eq!(status, "interrupted");
+    assert!(after >= 16.0, "recorded interrupted {after:.1} s after its claim, before its deadline (6 + 10 s)");
+    let naps_run: i64 = db
+        .query_one(
+            "SELECT count(*) FROM executions WHERE run_id = $1 AND command = $2",
+            &[&run, &format!("sleep {NAP}")],
+        )
         .await?
         .get(0);
-    assert_eq!(ran, 1, "the interrupted command is never started again");
+    assert_eq!(naps_run, 1, "the interrupted command is never started again");
+    Ok(())
+}
+
+/// A stopping worker finishes the command it is running but starts no other that its drain
+/// (3 s) might cut short (a command may take 5 s): the rest of the plan goes to the next worker
+/// at once, and the run resolves on its first attempt with nothing interrupted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopping_worker_starts_no_command_its_drain_might_cut_short() -> anyhow::Result<()> {
+    const NAP: &str = "1.37";
+    let mut crew = napping(NAP, "[limits]\ncommand_timeout_secs = 5\n[stages]\ndrain_secs = 3\n").await?;
+    let stages = all_stages();
+    let mut w0 = crew.spawn_worker("w0", &stages, &[])?;
+    let run = crew.open("svc", "svc needs a nap").await?;
+    let db = crew.db().await?;
+    let started = Instant::now();
+    while !(command_status(&db, run, 0).await?.as_deref() == Some("") && naps(NAP) > 0) {
+        anyhow::ensure!(started.elapsed() < Duration::from_secs(60), "the nap never started");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    sigterm(&mut w0).await?;
+    assert_eq!(command_status(&db, run, 0).await?.as_deref(), Some("succeeded"), "the running command finished");
+    assert_eq!(command_status(&db, run, 1).await?, None, "a stopping worker started the next command");
+    let log = std::fs::read_to_string(&w0.log)?;
+    assert!(!log.contains("drain deadline passed"), "{log}");
+
+    let _w1 = crew.spawn_worker("w1", &stages, &[])?;
+    let end = crew.events.terminal(run, common::WAIT).await?;
+    assert_eq!(end.kind, pitcrew_model::EventKind::Resolved, "{}", end.message);
+    let rows = db
+        .query("SELECT attempt, idx, worker, status FROM executions WHERE run_id = $1 ORDER BY attempt, idx", &[&run])
+        .await?;
+    let rows: Vec<(i32, i32, String, String)> = rows.iter().map(|r| (r.get(0), r.get(1), r.get(2), r.get(3))).collect();
+    assert_eq!(
+        rows,
+        vec![(1, 0, "w0".to_string(), "succeeded".to_string()), (1, 1, "w1".to_string(), "succeeded".to_string())]
+    );
+    let timeline: Vec<String> = db
+        .query("SELECT message FROM run_events WHERE run_id = $1 ORDER BY seq, idx", &[&run])
+        .await?
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert!(
+        timeline
+            .iter()
+            .any(|m| m.contains("worker w0 is stopping") && m.contains("command 1 of the plan and the rest")),
+        "{timeline:#?}"
+    );
     Ok(())
 }
 

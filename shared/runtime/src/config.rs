@@ -287,12 +287,12 @@ pub struct StageDefaults {
     /// Postgres is unreachable (an outage is waited out, however long).
     pub max_deliveries: u64,
     pub poison_after_secs: u64,
-    /// On SIGTERM a worker stops pulling and gives the messages in hand this long to finish;
-    /// it then stops what is left (a command it ran is killed: recorded interrupted, verify
-    /// decides) and hands those messages back for another worker at once. Keep it below the
-    /// time the supervisor allows before SIGKILL (`stop_grace_period`,
-    /// `terminationGracePeriodSeconds`), and above `limits.command_timeout_secs` where no
-    /// command should ever be cut short by a restart.
+    /// On SIGTERM a worker stops pulling and gives the messages in hand this long to finish
+    /// (execute starts no command that might outlast it: the rest of the plan goes to another
+    /// worker); it then stops what is left and hands those messages back for another worker
+    /// at once (0: at once). Keep it a few seconds below the time the supervisor allows before
+    /// SIGKILL (`stop_grace_period`, `terminationGracePeriodSeconds`); at or above
+    /// `limits.command_timeout_secs`, a restart never cuts a command short.
     pub drain_secs: u64,
 }
 

@@ -9,7 +9,7 @@ use std::collections::HashMap;
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 
@@ -67,9 +67,10 @@ pub async fn consume<H: MessageHandler>(
     let name = handler.name();
     let sem = Arc::new(Semaphore::new(settings.concurrency));
     let mut tasks = JoinSet::new();
-    // The message of each task, to nak it should the drain deadline stop its handler: at most
-    // `concurrency` entries (a task's goes when it is joined).
-    let mut held: HashMap<tokio::task::Id, Arc<jetstream::Message>> = HashMap::new();
+    // The message of each task and when it started, to hand it back should the drain deadline
+    // stop its handler: one entry per task not yet joined (`concurrency` running, and those
+    // that ended since the last join).
+    let mut held: HashMap<tokio::task::Id, (Arc<jetstream::Message>, Instant)> = HashMap::new();
     tokio::pin!(shutdown);
     let mut failures = 0u32;
     'outer: loop {
@@ -147,7 +148,7 @@ pub async fn consume<H: MessageHandler>(
                 crate::metrics::finished(&metric_name, outcome, began.elapsed());
                 drop(permit);
             });
-            held.insert(task.id(), kept);
+            held.insert(task.id(), (kept, Instant::now()));
         }
         drop(permit);
         if pulled > 0 {
@@ -179,17 +180,25 @@ pub async fn consume<H: MessageHandler>(
             "drain deadline passed: stopping what is left and handing its messages back for another worker"
         );
         tasks.abort_all();
-        // A task stopped at an await: its handler is gone (a command it ran killed with it), its
-        // message neither acked nor naked. One that ended anyway (settled) has nothing to hand
-        // back. Naked without delay: another worker takes it now rather than after its ack wait.
+        // A task stopped at an await (or whose handler panicked as it was dropped): its handler
+        // is gone (a local command it ran killed with it), its message neither acked nor naked.
+        // One that ended anyway had settled its message: nothing to hand back (the settle is
+        // each task's last await, so a task is never stopped after it). Naked without delay:
+        // another worker takes it now rather than after its ack wait.
         let mut stopped = Vec::new();
         while let Some(done) = tasks.join_next_with_id().await {
             match done {
-                Err(e) if e.is_cancelled() => stopped.extend(held.remove(&e.id())),
-                other => joined(&name, other, &mut held),
+                Err(e) => {
+                    if e.is_panic() {
+                        tracing::error!(consumer = %name, error = %e, "a message task panicked as it was stopped");
+                    }
+                    stopped.extend(held.remove(&e.id()));
+                }
+                ok => joined(&name, ok, &mut held),
             }
         }
-        let handed_back = futures::future::join_all(stopped.iter().map(|msg| async move {
+        let handed_back = futures::future::join_all(stopped.iter().map(|(msg, began)| async {
+            crate::metrics::finished(&name, "nak", began.elapsed());
             match msg.ack_with(AckKind::Nak(None)).await {
                 Ok(()) => true,
                 Err(e) => {
@@ -209,7 +218,7 @@ pub async fn consume<H: MessageHandler>(
 fn joined(
     name: &str,
     done: Result<(tokio::task::Id, ()), tokio::task::JoinError>,
-    held: &mut HashMap<tokio::task::Id, Arc<jetstream::Message>>,
+    held: &mut HashMap<tokio::task::Id, (Arc<jetstream::Message>, Instant)>,
 ) {
     match done {
         Ok((id, ())) => {

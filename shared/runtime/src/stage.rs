@@ -23,6 +23,26 @@ pub struct Deps {
     pub worker: String,
     /// Live events (a model's answer as it streams); None where nothing watches.
     pub live: Option<crate::live::Live>,
+    /// Set when this process stops taking work (SIGTERM).
+    pub stopping: Stopping,
+}
+
+/// When this process stops taking work: set once, on SIGTERM, to the end of its drain
+/// (`stages.drain_secs`). A step asks it before starting what it might not finish by then.
+#[derive(Debug, Clone, Default)]
+pub struct Stopping(Arc<std::sync::OnceLock<std::time::Instant>>);
+
+impl Stopping {
+    /// The process stops: what it holds has `drain` from now (the consumers' own deadline
+    /// starts a little later, once their last pull has ended).
+    pub fn begin(&self, drain: std::time::Duration) {
+        let _ = self.0.set(std::time::Instant::now() + drain);
+    }
+
+    /// What is left of the drain, once the process is stopping.
+    pub fn left(&self) -> Option<std::time::Duration> {
+        self.0.get().map(|end| end.saturating_duration_since(std::time::Instant::now()))
+    }
 }
 
 /// Where the run goes next.

@@ -69,8 +69,9 @@ pub enum Claim {
     Claimed,
     /// An earlier delivery ran it to the end: reuse its record.
     Finished(ExecutionRecord),
-    /// An earlier delivery started it and never recorded an end: do not run it again.
-    Unfinished,
+    /// An earlier delivery started it `running_for` ago (Postgres' clock) and never recorded
+    /// an end: do not run it again.
+    Unfinished { running_for: std::time::Duration },
 }
 
 /// The result of applying a decision.
@@ -385,13 +386,17 @@ impl Store {
         let row = client
             .query_one(
                 "SELECT command, status, exit_code, output,
-                        (EXTRACT(EPOCH FROM (finished_at - started_at)) * 1000)::bigint
+                        (EXTRACT(EPOCH FROM (finished_at - started_at)) * 1000)::bigint,
+                        (EXTRACT(EPOCH FROM (now() - started_at)) * 1000)::bigint
                  FROM executions WHERE run_id = $1 AND attempt = $2 AND idx = $3",
                 &[&run, &(attempt as i32), &(index as i32)],
             )
             .await?;
         let status: Option<String> = row.get(1);
-        let Some(status) = status else { return Ok(Claim::Unfinished) };
+        let Some(status) = status else {
+            let ms: i64 = row.get(5);
+            return Ok(Claim::Unfinished { running_for: std::time::Duration::from_millis(ms.max(0) as u64) });
+        };
         let status: ExecutionStatus =
             serde_json::from_value(serde_json::Value::String(status)).unwrap_or(ExecutionStatus::Failed);
         let ms: Option<i64> = row.get(4);
