@@ -94,9 +94,14 @@ pub async fn stage_latencies(
     let ids: Vec<Uuid> = published.keys().copied().collect();
     let rows = db
         .query(
-            "SELECT run_id, stage, max(at) FROM run_events WHERE run_id = ANY($1) AND idx <> $2
+            "SELECT run_id, stage, max(at) FROM run_events
+             WHERE run_id = ANY($1) AND idx NOT BETWEEN $2 AND $2 + $3 - 1
              GROUP BY run_id, seq, stage ORDER BY run_id, seq, max(at)",
-            &[&ids, &(pitcrew_runtime::runner::WAIT_EVENT_INDEX as i32)],
+            &[
+                &ids,
+                &(pitcrew_runtime::runner::WAIT_EVENT_INDEX as i32),
+                &(pitcrew_runtime::runner::WAIT_NOTE_KINDS as i32),
+            ],
         )
         .await
         .context("reading the timelines")?;

@@ -2,11 +2,11 @@
 //! its end after, so a redelivery never runs a command of the same attempt twice.
 
 use futures::future::BoxFuture;
-use pitcrew_exec::{CommandOutput, ExecError};
+use pitcrew_exec::{BeforeStart, CommandOutput, ExecError};
 use pitcrew_model::run::MAX_OUTPUT;
 use pitcrew_model::{ApprovalStatus, EventKind, ExecutionRecord, ExecutionStatus, RunState, ServiceSpec, Stage};
 use pitcrew_runtime::store::{Claim, TargetLock};
-use pitcrew_runtime::{Cx, StageError, StageHandler, Transition};
+use pitcrew_runtime::{Cx, StageError, StageHandler, Transition, WaitNote};
 use std::collections::BTreeMap;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -94,10 +94,18 @@ pub const MAX_TARGET_WAITERS: u32 = 16;
 /// its claim (a turn for an SSH channel, a connection).
 pub const STRAGGLER_GRACE: Duration = Duration::from_secs(10);
 
-/// How long after its claim a command that nobody finished may still be running.
+/// How long after its start a command that nobody finished may still be running.
 fn straggler_deadline(cfg: &pitcrew_runtime::Config) -> Duration {
-    cfg.command_timeout() + STRAGGLER_GRACE
+    cfg.command_timeout().saturating_add(STRAGGLER_GRACE)
 }
+
+/// A command that starts this long after its claim records its start (the time it is surely
+/// gone by moves with it); a sooner start is inside `STRAGGLER_GRACE`.
+const LATE_START: Duration = Duration::from_secs(1);
+
+/// How soon a stopping worker's step is looked at again: past the last pull the worker may
+/// still have out (1 s), so it goes to another worker.
+const HAND_OVER: Duration = Duration::from_secs(2);
 
 /// Whether this attempt's diagnosis saw the service's health check fail.
 pub fn diagnosed_unhealthy(state: &RunState) -> bool {
@@ -189,7 +197,11 @@ async fn turn(state: &RunState, cx: &mut Cx<'_>, spec: &ServiceSpec) -> Result<T
             }
             // The next in line looks often: the target is free for nobody else meanwhile.
             let retry = if ahead == 0 { TARGET_RETRY.0 } else { (waiting / 10).clamp(TARGET_RETRY.0, TARGET_RETRY.1) };
-            Err(StageError::Wait { why: format!("{service} on {host}: {who}"), retry, first })
+            Err(StageError::Wait {
+                why: format!("{service} on {host}: {who}"),
+                retry,
+                note: first.then_some(WaitNote::Target),
+            })
         }
         TargetLock::Held { remediated_since: Some(other), started: false } => {
             let (true, Some(check)) = (diagnosed_unhealthy(state), &spec.check) else { return Ok(Turn::Run) };
@@ -273,10 +285,11 @@ impl StageHandler for Execute {
                     records.push(not_run(state.attempt, index, command, &stop_why));
                     continue;
                 }
-                // A stopping worker starts no command its drain might cut short: the rest of the
-                // plan goes to another worker at once (what ran is replayed from its records).
-                if let (None, Some(left)) = (&skip, cx.deps.stopping.left()) {
-                    if left < cfg.command_timeout() {
+                // A stopping worker starts no command its drain might cut short (its timeout, and
+                // the time to end it and record that): the rest of the plan goes to another worker
+                // (what ran is replayed from its records).
+                if let (true, None, Some(left)) = (at_step, &skip, cx.deps.stopping.left()) {
+                    if left < straggler_deadline(&cfg) {
                         return Err(StageError::Wait {
                             why: format!(
                                 "worker {} is stopping ({} s of its drain left, a command may take {} s): \
@@ -285,16 +298,39 @@ impl StageHandler for Execute {
                                 left.as_secs(),
                                 cfg.command_timeout().as_secs()
                             ),
-                            retry: Duration::ZERO,
-                            first: true,
+                            // Past the last pull the stopping worker may still have out.
+                            retry: HAND_OVER,
+                            note: Some(WaitNote::Stopping),
                         });
                     }
                 }
                 let at = AtCommand::enter((state.run_id, state.attempt, index));
-                let rec = match store
-                    .claim_execution(state.run_id, state.attempt, index, command, &spec.host, &cx.deps.worker)
-                    .await?
-                {
+                // A command not to run is gone at once; one to run may be running until its
+                // timeout and the time to end it have passed (moved on if it starts late).
+                let gone_after = if skip.is_some() { Duration::ZERO } else { straggler_deadline(&cfg) };
+                let claimed_at = Instant::now();
+                let claim = store
+                    .claim_execution(
+                        state.run_id,
+                        state.attempt,
+                        index,
+                        command,
+                        &spec.host,
+                        &cx.deps.worker,
+                        gone_after,
+                    )
+                    .await?;
+                if claim == Claim::Claimed && !at_step {
+                    // A late delivery (the run moved on, or escalated here without running its
+                    // plan) replays claims, never makes one: it holds no target.
+                    store.release_execution(state.run_id, state.attempt, index).await?;
+                    tracing::warn!(
+                        run = %state.run_id, attempt = state.attempt, index,
+                        "a late delivery of execute found a command never claimed: running nothing"
+                    );
+                    return Ok(Transition::Drop);
+                }
+                let rec = match claim {
                     Claim::Finished(rec) => rec,
                     Claim::Unfinished { .. } if at.shared() => {
                         // Still running in this process: try again once it has ended.
@@ -303,12 +339,16 @@ impl StageHandler for Execute {
                             state.attempt
                         )));
                     }
-                    Claim::Unfinished { running_for } if running_for < straggler_deadline(&cfg) => {
+                    Claim::Unfinished { running_for, gone_in }
+                        if !gone_in
+                            .unwrap_or_else(|| straggler_deadline(&cfg).saturating_sub(running_for))
+                            .is_zero() =>
+                    {
                         // Its worker died or was stopped mid-command, and the command may still be
-                        // running: over SSH until the remote `timeout` ends it, locally (a worker
-                        // killed outright leaves its child behind) until it ends. Nothing moves on
-                        // (verify, a next attempt, another run on the target) before that.
-                        let left = straggler_deadline(&cfg) - running_for;
+                        // running (over SSH until the remote `timeout` ends it): nothing moves on
+                        // (verify, a next attempt, another run on the target) before its claim says
+                        // it is surely gone.
+                        let left = gone_in.unwrap_or_else(|| straggler_deadline(&cfg).saturating_sub(running_for));
                         return Err(StageError::Wait {
                             why: format!(
                                 "command {index} of attempt {} (`{command}`), started {} s ago by a delivery that \
@@ -319,8 +359,8 @@ impl StageHandler for Execute {
                                 spec.host,
                                 left.as_secs().max(1)
                             ),
-                            retry: left,
-                            first: true,
+                            retry: left + Duration::from_millis(250),
+                            note: Some(WaitNote::Straggler),
                         });
                     }
                     Claim::Unfinished { .. } => {
@@ -342,7 +382,22 @@ impl StageHandler for Execute {
                             // Claimed and finished as not run: a redelivery finds it decided.
                             not_run(state.attempt, index, command, why)
                         } else {
-                            match executor.run(&spec.host, command, cfg.command_timeout()).await {
+                            let (run_id, attempt) = (state.run_id, state.attempt);
+                            let starts = store.clone();
+                            let ready: BeforeStart = Box::new(move || {
+                                Box::pin(async move {
+                                    // Started long after its claim (a turn on its host, a
+                                    // connection): its claim says when it is surely gone.
+                                    if claimed_at.elapsed() > LATE_START {
+                                        starts
+                                            .command_starts(run_id, attempt, index, gone_after)
+                                            .await
+                                            .map_err(|e| format!("cannot record the command's start: {e}"))?;
+                                    }
+                                    Ok(())
+                                })
+                            });
+                            match executor.run_when_ready(&spec.host, command, cfg.command_timeout(), ready).await {
                                 Ok(out) => record(state.attempt, index, command, &out),
                                 Err(ExecError::Unreachable(e)) => {
                                     // Nothing ran; the host is gone: a human must look.

@@ -152,6 +152,53 @@ async fn a_storm_of_commands_on_one_host_waits_for_channels_instead_of_failing()
     Ok(())
 }
 
+/// `run_when_ready` calls its hook once the command has its turn on the host (here behind
+/// another on a one-session host), just before the command starts; a hook that fails starts
+/// nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_command_says_when_it_starts_after_waiting_for_its_turn() -> anyhow::Result<()> {
+    let sshd = start_target()?;
+    let mut host = sshd.host(true);
+    host.max_sessions = 1;
+    let f = std::sync::Arc::new(fleet(host, 4096));
+    let dir = sshd.workdir("ready")?;
+    let first = {
+        let f = f.clone();
+        tokio::spawn(async move { f.run("box", "sleep 1.5", T).await })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let asked = Instant::now();
+    let ready_at = std::sync::Arc::new(std::sync::Mutex::new(None));
+    let at = ready_at.clone();
+    let mark = dir.join("ran");
+    let cmd = format!("touch {}", mark.display());
+    let out = f
+        .run_when_ready(
+            "box",
+            &cmd,
+            T,
+            Box::new(move || {
+                Box::pin(async move {
+                    *at.lock().unwrap() = Some(asked.elapsed());
+                    Ok(())
+                })
+            }),
+        )
+        .await?;
+    assert_eq!(out.exit_code, Some(0), "{out:?}");
+    first.await??;
+    let waited = ready_at.lock().unwrap().expect("the hook was called");
+    assert!(waited >= Duration::from_millis(900), "the hook was called before the command had its turn: {waited:?}");
+    assert!(mark.exists(), "the command ran after its hook");
+
+    let refused = dir.join("refused");
+    let cmd = format!("touch {}", refused.display());
+    let failed = f.run_when_ready("box", &cmd, T, Box::new(|| Box::pin(async { Err("no".to_string()) }))).await;
+    assert!(matches!(failed, Err(ExecError::Transient(ref e)) if e == "no"), "{failed:?}");
+    assert!(!refused.exists(), "a failed hook started the command");
+    Ok(())
+}
+
 #[tokio::test]
 async fn sudo_is_non_interactive_and_tools_are_known() -> anyhow::Result<()> {
     let sshd = start_target()?;

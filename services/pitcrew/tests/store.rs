@@ -11,6 +11,10 @@ use pitcrew_runtime::Store;
 use pitcrew_testkit::TestDb;
 use uuid::Uuid;
 
+fn secs(n: u64) -> std::time::Duration {
+    std::time::Duration::from_secs(n)
+}
+
 async fn store(db: &TestDb) -> anyhow::Result<Store> {
     store_with_pool(db, 4).await
 }
@@ -479,20 +483,29 @@ async fn a_late_finish_of_a_command_taken_over_by_another_delivery_changes_no_de
         duration_ms: 5,
     };
     // Its own delivery finishes a command nobody else touched.
-    assert_eq!(store.claim_execution(run, 1, 0, "touch /tmp/x0", "local", "a").await?, Claim::Claimed);
+    assert_eq!(store.claim_execution(run, 1, 0, "touch /tmp/x0", "local", "a", secs(70)).await?, Claim::Claimed);
     assert!(store.finish_execution(run, &done(0)).await?, "still ours");
     // Another delivery finds command 1 started and never finished: interrupted.
-    assert_eq!(store.claim_execution(run, 1, 1, "touch /tmp/x1", "local", "a").await?, Claim::Claimed);
-    match store.claim_execution(run, 1, 1, "touch /tmp/x1", "local", "b").await? {
-        Claim::Unfinished { running_for } => {
-            assert!(running_for < std::time::Duration::from_secs(10), "{running_for:?}")
+    assert_eq!(store.claim_execution(run, 1, 1, "touch /tmp/x1", "local", "a", secs(70)).await?, Claim::Claimed);
+    let unfinished = || store.claim_execution(run, 1, 1, "touch /tmp/x1", "local", "b", secs(5));
+    match unfinished().await? {
+        // The claim's own time counts, not the later reader's.
+        Claim::Unfinished { running_for, gone_in: Some(gone_in) } => {
+            assert!(running_for < secs(10), "{running_for:?}");
+            assert!(gone_in > secs(60) && gone_in <= secs(70), "{gone_in:?}");
         }
+        other => panic!("{other:?}"),
+    }
+    // Started long after its claim: gone that long after its start.
+    store.command_starts(run, 1, 1, secs(100)).await?;
+    match unfinished().await? {
+        Claim::Unfinished { gone_in: Some(gone_in), .. } => assert!(gone_in > secs(90), "{gone_in:?}"),
         other => panic!("{other:?}"),
     }
     store.mark_interrupted(run, 1, 1).await?;
     // The first delivery's command ends after all: not ours any more, nothing is overwritten.
     assert!(!store.finish_execution(run, &done(1)).await?, "taken over");
-    match store.claim_execution(run, 1, 1, "touch /tmp/x1", "local", "c").await? {
+    match store.claim_execution(run, 1, 1, "touch /tmp/x1", "local", "c", secs(70)).await? {
         Claim::Finished(rec) => {
             assert_eq!(rec.status, ExecutionStatus::Interrupted, "later deliveries decide as the one that took over");
             assert!(rec.output.contains("finished it later: succeeded (exit 0)"), "{}", rec.output);
@@ -604,7 +617,7 @@ async fn a_target_is_held_by_one_run_while_it_executes_and_verifies() -> anyhow:
     assert_eq!(store.take_target("web", "web-2", b, 1).await?, fresh);
     assert_eq!(store.take_target("db", "web-1", c, 1).await?, fresh);
     // A's redelivery holds it still, and sees the command its first delivery claimed.
-    store.claim_execution(a, 1, 0, "touch /tmp/x", "web-1", "w").await?;
+    store.claim_execution(a, 1, 0, "touch /tmp/x", "web-1", "w", secs(70)).await?;
     assert_eq!(
         store.take_target("web", "web-1", a, 1).await?,
         TargetLock::Held { remediated_since: None, started: true }

@@ -112,6 +112,9 @@ pub enum ExecError {
 
 /// Runs commands on a target host. Object-safe so services hold an `Arc<dyn Executor>` and
 /// tests or other transports (ssh) can be swapped in.
+/// What a command's caller does just before it starts (see `Executor::run_when_ready`).
+pub type BeforeStart<'a> = Box<dyn FnOnce() -> BoxFuture<'a, Result<(), String>> + Send + 'a>;
+
 pub trait Executor: Send + Sync + 'static {
     /// Run one command line on `host`. The command is parsed with shell-words into argv and
     /// executed WITHOUT a shell, so no chaining, pipes or redirection can happen. Output is
@@ -123,6 +126,21 @@ pub trait Executor: Send + Sync + 'static {
         command: &'a str,
         timeout: Duration,
     ) -> BoxFuture<'a, Result<CommandOutput, ExecError>>;
+
+    /// As `run`, calling `ready` once the command has its turn on the host and a connection,
+    /// just before it starts (an error from `ready` starts nothing: `ExecError::Transient`).
+    fn run_when_ready<'a>(
+        &'a self,
+        host: &'a str,
+        command: &'a str,
+        timeout: Duration,
+        ready: BeforeStart<'a>,
+    ) -> BoxFuture<'a, Result<CommandOutput, ExecError>> {
+        Box::pin(async move {
+            ready().await.map_err(ExecError::Transient)?;
+            self.run(host, command, timeout).await
+        })
+    }
 
     /// Whether `tool` (a program name like "systemctl") exists on `host`, so planners only
     /// propose commands the host can run. Unknown hosts have no tools.
@@ -156,9 +174,23 @@ impl Executor for Fleet {
         timeout: Duration,
     ) -> BoxFuture<'a, Result<CommandOutput, ExecError>> {
         if self.ssh.knows(host) {
-            Box::pin(observed("ssh", host, command, self.ssh.run_ssh(host, command, timeout)))
+            Box::pin(observed("ssh", host, command, self.ssh.run_ssh(host, command, timeout, None)))
         } else {
             self.local.run(host, command, timeout)
+        }
+    }
+
+    fn run_when_ready<'a>(
+        &'a self,
+        host: &'a str,
+        command: &'a str,
+        timeout: Duration,
+        ready: BeforeStart<'a>,
+    ) -> BoxFuture<'a, Result<CommandOutput, ExecError>> {
+        if self.ssh.knows(host) {
+            Box::pin(observed("ssh", host, command, self.ssh.run_ssh(host, command, timeout, Some(ready))))
+        } else {
+            self.local.run_when_ready(host, command, timeout, ready)
         }
     }
 

@@ -291,8 +291,8 @@ pub struct StageDefaults {
     /// (execute starts no command that might outlast it: the rest of the plan goes to another
     /// worker); it then stops what is left and hands those messages back for another worker
     /// at once (0: at once). Keep it a few seconds below the time the supervisor allows before
-    /// SIGKILL (`stop_grace_period`, `terminationGracePeriodSeconds`); at or above
-    /// `limits.command_timeout_secs`, a restart never cuts a command short.
+    /// SIGKILL (`stop_grace_period`, `terminationGracePeriodSeconds`); at least
+    /// `limits.command_timeout_secs` + 10, a restart never cuts a command short.
     pub drain_secs: u64,
 }
 

@@ -18,5 +18,5 @@ pub mod trace;
 
 pub use bus::{Bus, BusError};
 pub use config::Config;
-pub use stage::{Cx, Deps, StageError, StageHandler, Stopping, Transition};
+pub use stage::{Cx, Deps, StageError, StageHandler, Stopping, Transition, WaitNote};
 pub use store::{Store, StoreError};

@@ -19,12 +19,15 @@ use uuid::Uuid;
 
 /// First event index of runtime events about poison messages.
 const POISON_EVENT_BASE: u32 = 10_000;
-/// Index of the timeline event saying a step waits: one a step, above every other event stored
-/// under a transition's seq (its step's own from 0, poison events from `POISON_EVENT_BASE`, 2 a
-/// delivery up to 210_000, approval decisions 1000 to 1_000_999, live ones from 1_000_000, not
-/// stored), so it sorts last under the seq it is filed at; below the gateway's resolved event
-/// (2_000_000, seq 0 only).
+/// Index of the first timeline event saying a step waits (one a kind of wait a step, up to
+/// `WAIT_EVENT_INDEX + WAIT_NOTE_KINDS - 1`: `WaitNote::index`), above every other event
+/// stored under a transition's seq (its step's own from 0, poison events from
+/// `POISON_EVENT_BASE`, 2 a delivery up to 210_000, approval decisions 1000 to 1_000_999, live
+/// ones from 1_000_000, not stored), so they sort last under the seq they are filed at; below
+/// the gateway's resolved event (2_000_000, seq 0 only).
 pub const WAIT_EVENT_INDEX: u32 = 1_500_000;
+/// How many indexes from `WAIT_EVENT_INDEX` wait notes may use.
+pub const WAIT_NOTE_KINDS: u32 = 16;
 
 /// How long a wait's timeline note may take before the message is naked without it.
 const NOTE_WAIT_LIMIT: std::time::Duration = std::time::Duration::from_secs(2);
@@ -187,12 +190,12 @@ impl StageRunner {
                 }
                 // Waiting is bounded by the stage itself (it escalates past its own limit), so
                 // the deliveries it takes never count as failures: never dead-lettered for them.
-                Err(StageError::Wait { why, retry, first }) => {
+                Err(StageError::Wait { why, retry, note }) => {
                     span.record("outcome", "waiting");
                     tracing::info!(reason = %why, retry_in_ms = retry.as_millis() as u64, delivered, "waiting");
-                    if first {
+                    if let Some(kind) = note {
                         // Bounded: a slow store or bus must not hold up the next look.
-                        let note = self.note_wait(state.run_id, input_seq, &why);
+                        let note = self.note_wait(state.run_id, input_seq, &why, kind.index());
                         if tokio::time::timeout(NOTE_WAIT_LIMIT, note).await.is_err() {
                             tracing::warn!("cannot put the wait on the run's timeline in time (waiting anyway)");
                         }
@@ -210,12 +213,12 @@ impl StageRunner {
 
     /// Put a step's wait on its run's timeline (stored and published), so `pitcrew watch` and
     /// the run's events say why it does not move on. Best effort: the wait goes on either way.
-    async fn note_wait(&self, run: Uuid, seq: u32, why: &str) {
+    async fn note_wait(&self, run: Uuid, seq: u32, why: &str, index: u32) {
         let stage = self.handler.stage();
         // Filed under the transition that brought the run here, after its events: the
         // timeline (ordered by seq, then index) shows the wait before the step's own events,
         // which are stored only when the step ends.
-        let mut cx = Cx::new(&self.deps, stage, run, seq.saturating_sub(1), WAIT_EVENT_INDEX);
+        let mut cx = Cx::new(&self.deps, stage, run, seq.saturating_sub(1), index);
         cx.emit(EventKind::Status, format!("{stage} waits: {why}"), serde_json::json!({ "waiting": why }));
         let events = cx.take_events();
         let written = async {

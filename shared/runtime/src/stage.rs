@@ -36,7 +36,11 @@ impl Stopping {
     /// The process stops: what it holds has `drain` from now (the consumers' own deadline
     /// starts a little later, once their last pull has ended).
     pub fn begin(&self, drain: std::time::Duration) {
-        let _ = self.0.set(std::time::Instant::now() + drain);
+        let now = std::time::Instant::now();
+        // A drain too long for the clock is no deadline: nothing is ever refused for it.
+        if let Some(end) = now.checked_add(drain) {
+            let _ = self.0.set(end);
+        }
     }
 
     /// What is left of the drain, once the process is stopping.
@@ -70,11 +74,30 @@ pub enum StageError {
     #[error("{0}")]
     Poison(String),
     /// Not a failure: the step must wait for something outside it (another run's
-    /// remediation of the same target). Naked after `retry`, logged at info, never
-    /// dead-lettered: the stage bounds its own wait. The `first` look of a step also puts
-    /// the wait on the run's timeline, once.
+    /// remediation of the same target, a command that may still be running, another worker).
+    /// Naked after `retry`, logged at info, never dead-lettered: the stage bounds its own
+    /// wait. With a `note`, the wait is also put on the run's timeline (once a kind a step).
     #[error("waiting: {why}")]
-    Wait { why: String, retry: std::time::Duration, first: bool },
+    Wait { why: String, retry: std::time::Duration, note: Option<WaitNote> },
+}
+
+/// The kinds of wait a step puts on its run's timeline. Each has its own event index, so the
+/// note of one never hides another's (a note is stored and published once per index).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WaitNote {
+    /// Another run holds the target, or runs that came first wait for it.
+    Target = 0,
+    /// A command an earlier delivery started may still be running.
+    Straggler = 1,
+    /// This worker is stopping: another takes the step over.
+    Stopping = 2,
+}
+
+impl WaitNote {
+    /// Its event index under the seq it is filed at (`runner::WAIT_EVENT_INDEX` and up).
+    pub fn index(self) -> u32 {
+        crate::runner::WAIT_EVENT_INDEX + self as u32
+    }
 }
 
 impl From<StoreError> for StageError {

@@ -13,6 +13,7 @@ pub const MIGRATIONS: &[(i32, &str, &str)] = &[
     (5, "memory_failures", include_str!("../../../../schemas/migrations/0005_memory_failures.sql")),
     (6, "state_lz4", include_str!("../../../../schemas/migrations/0006_state_lz4.sql")),
     (7, "target_locks", include_str!("../../../../schemas/migrations/0007_target_locks.sql")),
+    (8, "execution_gone_by", include_str!("../../../../schemas/migrations/0008_execution_gone_by.sql")),
 ];
 
 /// Arbitrary constant: the advisory lock that serialises migrators.

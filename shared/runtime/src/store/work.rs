@@ -62,6 +62,9 @@ impl Episode {
     }
 }
 
+/// The longest a claimed command is taken to run (a year): a larger timeout is not a time.
+const MAX_GONE_SECS: f64 = 365.0 * 86_400.0;
+
 /// The result of trying to record intent to run a command.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Claim {
@@ -69,9 +72,10 @@ pub enum Claim {
     Claimed,
     /// An earlier delivery ran it to the end: reuse its record.
     Finished(ExecutionRecord),
-    /// An earlier delivery started it `running_for` ago (Postgres' clock) and never recorded
-    /// an end: do not run it again.
-    Unfinished { running_for: std::time::Duration },
+    /// An earlier delivery claimed it `running_for` ago (Postgres' clock) and never recorded
+    /// an end: do not run it again. `gone_in`: how long it may still be running, by its claim
+    /// (None on a claim written before that was recorded).
+    Unfinished { running_for: std::time::Duration, gone_in: Option<std::time::Duration> },
 }
 
 /// The result of applying a decision.
@@ -361,8 +365,10 @@ impl Store {
             .collect())
     }
 
-    /// Record the intent to run command `index` of `attempt` before running it.
+    /// Record the intent to run command `index` of `attempt` before running it; should it never
+    /// be finished, it may be running for up to `gone_after` from now.
     #[tracing::instrument(name = "db_write", skip_all, fields(op = "claim_execution"))]
+    #[allow(clippy::too_many_arguments)]
     pub async fn claim_execution(
         &self,
         run: Uuid,
@@ -371,15 +377,18 @@ impl Store {
         command: &str,
         host: &str,
         worker: &str,
+        gone_after: std::time::Duration,
     ) -> Result<Claim, StoreError> {
         let client = self.client().await?;
         let ins = client
             .prepare_cached(
-                "INSERT INTO executions (run_id, attempt, idx, command, host, worker)
-                 VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT DO NOTHING",
+                "INSERT INTO executions (run_id, attempt, idx, command, host, worker, gone_by)
+                 VALUES ($1, $2, $3, $4, $5, $6, now() + $7::float8 * interval '1 second') ON CONFLICT DO NOTHING",
             )
             .await?;
-        let n = client.execute(&ins, &[&run, &(attempt as i32), &(index as i32), &command, &host, &worker]).await?;
+        let secs = gone_after.as_secs_f64().min(MAX_GONE_SECS);
+        let n =
+            client.execute(&ins, &[&run, &(attempt as i32), &(index as i32), &command, &host, &worker, &secs]).await?;
         if n == 1 {
             return Ok(Claim::Claimed);
         }
@@ -387,15 +396,17 @@ impl Store {
             .query_one(
                 "SELECT command, status, exit_code, output,
                         (EXTRACT(EPOCH FROM (finished_at - started_at)) * 1000)::bigint,
-                        (EXTRACT(EPOCH FROM (now() - started_at)) * 1000)::bigint
+                        (EXTRACT(EPOCH FROM (now() - started_at)) * 1000)::bigint,
+                        (EXTRACT(EPOCH FROM (gone_by - now())) * 1000)::bigint
                  FROM executions WHERE run_id = $1 AND attempt = $2 AND idx = $3",
                 &[&run, &(attempt as i32), &(index as i32)],
             )
             .await?;
         let status: Option<String> = row.get(1);
         let Some(status) = status else {
-            let ms: i64 = row.get(5);
-            return Ok(Claim::Unfinished { running_for: std::time::Duration::from_millis(ms.max(0) as u64) });
+            let ms = |v: i64| std::time::Duration::from_millis(v.max(0) as u64);
+            let gone_in: Option<i64> = row.get(6);
+            return Ok(Claim::Unfinished { running_for: ms(row.get(5)), gone_in: gone_in.map(ms) });
         };
         let status: ExecutionStatus =
             serde_json::from_value(serde_json::Value::String(status)).unwrap_or(ExecutionStatus::Failed);
@@ -409,6 +420,29 @@ impl Store {
             output: row.get::<_, Option<String>>(3).unwrap_or_default(),
             duration_ms: ms.unwrap_or(0).max(0) as u64,
         }))
+    }
+
+    /// A claimed command starts now, long after its claim (it waited for a turn on its host,
+    /// a connection): it may be running for up to `gone_after` from now. Before it starts, so
+    /// a worker killed as it runs leaves the right time behind.
+    #[tracing::instrument(name = "db_write", skip_all, fields(op = "command_starts"))]
+    pub async fn command_starts(
+        &self,
+        run: Uuid,
+        attempt: u32,
+        index: u32,
+        gone_after: std::time::Duration,
+    ) -> Result<(), StoreError> {
+        let client = self.client().await?;
+        let stmt = client
+            .prepare_cached(
+                "UPDATE executions SET gone_by = now() + $4::float8 * interval '1 second'
+                 WHERE run_id = $1 AND attempt = $2 AND idx = $3 AND status IS NULL",
+            )
+            .await?;
+        let secs = gone_after.as_secs_f64().min(MAX_GONE_SECS);
+        client.execute(&stmt, &[&run, &(attempt as i32), &(index as i32), &secs]).await?;
+        Ok(())
     }
 
     /// Record that a claimed command's outcome is unknown (its worker died while it ran): only
