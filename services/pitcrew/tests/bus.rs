@@ -82,6 +82,37 @@ async fn a_stage_message_delivered_twice_executes_nothing_twice() -> anyhow::Res
     crew.shutdown().await
 }
 
+/// An execute message delivered after its run moved on without running its plan (here: sent
+/// to escalate, as a target wait past its limit or an unreachable host does, its escalation not
+/// yet handled) runs nothing: a late delivery replays claims, never makes one, and holds no
+/// target.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_execute_delivery_for_a_run_that_moved_on_runs_nothing() -> anyhow::Result<()> {
+    let (mut crew, run) = held_before_execute().await?;
+    crew.shutdown().await?;
+    let db = crew.db().await?;
+    let moved = db
+        .execute(
+            "UPDATE runs SET seq = seq + 1, stage = 'escalate',
+                 state = jsonb_set(jsonb_set(state, '{seq}', to_jsonb(seq + 1)), '{step}', '\"escalate\"')
+             WHERE id = $1 AND stage = 'execute'",
+            &[&run],
+        )
+        .await?;
+    assert_eq!(moved, 1);
+    crew.run(&[Stage::Execute]);
+    let stream = crew.bus.js.get_stream(crew.bus.subjects.stages_stream()).await?;
+    tokio::time::timeout(WAIT, async {
+        while stream.get_info().await.map(|i| i.state.messages).unwrap_or(1) > 0 {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await?;
+    assert_eq!(count(&db, "SELECT count(*) FROM executions WHERE run_id = $1", run).await, 0);
+    assert!(!std::path::Path::new(&crew.env.path("made-once")).exists(), "the late delivery ran the plan");
+    crew.shutdown().await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_processes_of_one_stage_share_its_work() -> anyhow::Result<()> {
     let env = TestEnv::start().await?;
