@@ -99,6 +99,10 @@ fn straggler_deadline(cfg: &pitcrew_runtime::Config) -> Duration {
     cfg.command_timeout().saturating_add(STRAGGLER_GRACE)
 }
 
+/// How long a claim finished as not run (the plan skipped) may stay unfinished before another
+/// delivery records it interrupted: the time to record it.
+const SKIP_GONE_AFTER: Duration = Duration::from_secs(5);
+
 /// A command that starts this long after its claim records its start (the time it is surely
 /// gone by moves with it); a sooner start is inside `STRAGGLER_GRACE`.
 const LATE_START: Duration = Duration::from_secs(1);
@@ -307,29 +311,36 @@ impl StageHandler for Execute {
                 let at = AtCommand::enter((state.run_id, state.attempt, index));
                 // A command not to run is gone at once; one to run may be running until its
                 // timeout and the time to end it have passed (moved on if it starts late).
-                let gone_after = if skip.is_some() { Duration::ZERO } else { straggler_deadline(&cfg) };
+                let gone_after = if skip.is_some() { SKIP_GONE_AFTER } else { straggler_deadline(&cfg) };
                 let claimed_at = Instant::now();
-                let claim = store
-                    .claim_execution(
-                        state.run_id,
-                        state.attempt,
-                        index,
-                        command,
-                        &spec.host,
-                        &cx.deps.worker,
-                        gone_after,
-                    )
-                    .await?;
-                if claim == Claim::Claimed && !at_step {
+                let claim = if at_step {
+                    store
+                        .claim_execution(
+                            state.run_id,
+                            state.attempt,
+                            index,
+                            command,
+                            &spec.host,
+                            &cx.deps.worker,
+                            gone_after,
+                        )
+                        .await?
+                } else {
                     // A late delivery (the run moved on, or escalated here without running its
                     // plan) replays claims, never makes one: it holds no target.
-                    store.release_execution(state.run_id, state.attempt, index).await?;
-                    tracing::warn!(
-                        run = %state.run_id, attempt = state.attempt, index,
-                        "a late delivery of execute found a command never claimed: running nothing"
-                    );
-                    return Ok(Transition::Drop);
-                }
+                    match store.execution_claim(state.run_id, state.attempt, index).await? {
+                        Some(claim) => claim,
+                        None => {
+                            tracing::warn!(
+                                run = %state.run_id, attempt = state.attempt, index,
+                                "a late delivery of execute found a command never claimed: running nothing"
+                            );
+                            // Its replayed lines would be filed again under a step the run left.
+                            cx.take_events();
+                            return Ok(Transition::Drop);
+                        }
+                    }
+                };
                 let rec = match claim {
                     Claim::Finished(rec) => rec,
                     Claim::Unfinished { .. } if at.shared() => {
@@ -364,7 +375,17 @@ impl StageHandler for Execute {
                         });
                     }
                     Claim::Unfinished { .. } => {
-                        store.mark_interrupted(state.run_id, state.attempt, index).await?;
+                        if !store.mark_interrupted(state.run_id, state.attempt, index).await? {
+                            // Finished, or started late and given more time, as we looked.
+                            return Err(StageError::Wait {
+                                why: format!(
+                                    "command {index} of attempt {} changed as it was looked at",
+                                    state.attempt
+                                ),
+                                retry: Duration::from_secs(1),
+                                note: None,
+                            });
+                        }
                         ExecutionRecord {
                             attempt: state.attempt,
                             index,
@@ -383,18 +404,27 @@ impl StageHandler for Execute {
                             not_run(state.attempt, index, command, why)
                         } else {
                             let (run_id, attempt) = (state.run_id, state.attempt);
-                            let starts = store.clone();
+                            let (starts, stopping) = (store.clone(), cx.deps.stopping.clone());
                             let ready: BeforeStart = Box::new(move || {
                                 Box::pin(async move {
-                                    // Started long after its claim (a turn on its host, a
-                                    // connection): its claim says when it is surely gone.
-                                    if claimed_at.elapsed() > LATE_START {
-                                        starts
-                                            .command_starts(run_id, attempt, index, gone_after)
-                                            .await
-                                            .map_err(|e| format!("cannot record the command's start: {e}"))?;
+                                    if claimed_at.elapsed() <= LATE_START {
+                                        return Ok(());
                                     }
-                                    Ok(())
+                                    // Started long after its claim (a turn on its host, a
+                                    // connection): not if the worker began to stop meanwhile,
+                                    // and its claim says when it is surely gone.
+                                    if stopping.left().is_some_and(|left| left < gone_after) {
+                                        return Err(
+                                            "the worker began to stop while the command waited for its turn".into()
+                                        );
+                                    }
+                                    match starts.command_starts(run_id, attempt, index, gone_after).await {
+                                        Ok(true) => Ok(()),
+                                        Ok(false) => Err("the command's claim was taken over (recorded interrupted) \
+                                                          while it waited for its turn: not starting it"
+                                            .into()),
+                                        Err(e) => Err(format!("cannot record the command's start: {e}")),
+                                    }
                                 })
                             });
                             match executor.run_when_ready(&spec.host, command, cfg.command_timeout(), ready).await {

@@ -497,12 +497,22 @@ async fn a_late_finish_of_a_command_taken_over_by_another_delivery_changes_no_de
         other => panic!("{other:?}"),
     }
     // Started long after its claim: gone that long after its start.
-    store.command_starts(run, 1, 1, secs(100)).await?;
+    assert!(store.command_starts(run, 1, 1, secs(100)).await?);
     match unfinished().await? {
         Claim::Unfinished { gone_in: Some(gone_in), .. } => assert!(gone_in > secs(90), "{gone_in:?}"),
         other => panic!("{other:?}"),
     }
-    store.mark_interrupted(run, 1, 1).await?;
+    // Not recorded interrupted while it may still be running.
+    assert!(!store.mark_interrupted(run, 1, 1).await?, "marked before its time");
+    let pg = db.client().await?;
+    pg.execute("UPDATE executions SET gone_by = now() WHERE run_id = $1 AND idx = 1", &[&run]).await?;
+    assert!(store.mark_interrupted(run, 1, 1).await?);
+    // Past its time and taken over: a start that comes now is refused (it must not run).
+    assert!(!store.command_starts(run, 1, 1, secs(100)).await?, "a taken-over claim started");
+    assert_eq!(store.claim_execution(run, 1, 3, "touch /tmp/x3", "local", "a", secs(0)).await?, Claim::Claimed);
+    assert!(!store.command_starts(run, 1, 3, secs(100)).await?, "a claim past its time started");
+    assert_eq!(store.execution_claim(run, 1, 4).await?, None, "reading claims none");
+    assert!(matches!(store.execution_claim(run, 1, 3).await?, Some(Claim::Unfinished { .. })));
     // The first delivery's command ends after all: not ours any more, nothing is overwritten.
     assert!(!store.finish_execution(run, &done(1)).await?, "taken over");
     match store.claim_execution(run, 1, 1, "touch /tmp/x1", "local", "c", secs(70)).await? {

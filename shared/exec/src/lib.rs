@@ -110,11 +110,11 @@ pub enum ExecError {
     Transient(String),
 }
 
-/// Runs commands on a target host. Object-safe so services hold an `Arc<dyn Executor>` and
-/// tests or other transports (ssh) can be swapped in.
 /// What a command's caller does just before it starts (see `Executor::run_when_ready`).
 pub type BeforeStart<'a> = Box<dyn FnOnce() -> BoxFuture<'a, Result<(), String>> + Send + 'a>;
 
+/// Runs commands on a target host. Object-safe so services hold an `Arc<dyn Executor>` and
+/// tests or other transports (ssh) can be swapped in.
 pub trait Executor: Send + Sync + 'static {
     /// Run one command line on `host`. The command is parsed with shell-words into argv and
     /// executed WITHOUT a shell, so no chaining, pipes or redirection can happen. Output is

@@ -93,6 +93,8 @@ pub enum WaitNote {
     Stopping = 2,
 }
 
+const _: () = assert!((WaitNote::Stopping as u32) < crate::runner::WAIT_NOTE_KINDS, "a wait note past its range");
+
 impl WaitNote {
     /// Its event index under the seq it is filed at (`runner::WAIT_EVENT_INDEX` and up).
     pub fn index(self) -> u32 {

@@ -392,39 +392,23 @@ impl Store {
         if n == 1 {
             return Ok(Claim::Claimed);
         }
-        let row = client
-            .query_one(
-                "SELECT command, status, exit_code, output,
-                        (EXTRACT(EPOCH FROM (finished_at - started_at)) * 1000)::bigint,
-                        (EXTRACT(EPOCH FROM (now() - started_at)) * 1000)::bigint,
-                        (EXTRACT(EPOCH FROM (gone_by - now())) * 1000)::bigint
-                 FROM executions WHERE run_id = $1 AND attempt = $2 AND idx = $3",
-                &[&run, &(attempt as i32), &(index as i32)],
-            )
-            .await?;
-        let status: Option<String> = row.get(1);
-        let Some(status) = status else {
-            let ms = |v: i64| std::time::Duration::from_millis(v.max(0) as u64);
-            let gone_in: Option<i64> = row.get(6);
-            return Ok(Claim::Unfinished { running_for: ms(row.get(5)), gone_in: gone_in.map(ms) });
-        };
-        let status: ExecutionStatus =
-            serde_json::from_value(serde_json::Value::String(status)).unwrap_or(ExecutionStatus::Failed);
-        let ms: Option<i64> = row.get(4);
-        Ok(Claim::Finished(ExecutionRecord {
-            attempt,
-            index,
-            command: row.get(0),
-            status,
-            exit_code: row.get(2),
-            output: row.get::<_, Option<String>>(3).unwrap_or_default(),
-            duration_ms: ms.unwrap_or(0).max(0) as u64,
-        }))
+        // Gone since the insert found it: a claim released (nothing ran). The retry claims it.
+        existing_claim(&client, run, attempt, index)
+            .await?
+            .ok_or_else(|| StoreError::Unavailable("a command's claim was released as it was read".into()))
+    }
+
+    /// What became of command `index` of `attempt`, without claiming it: None if nobody has.
+    pub async fn execution_claim(&self, run: Uuid, attempt: u32, index: u32) -> Result<Option<Claim>, StoreError> {
+        let client = self.client().await?;
+        existing_claim(&client, run, attempt, index).await
     }
 
     /// A claimed command starts now, long after its claim (it waited for a turn on its host,
     /// a connection): it may be running for up to `gone_after` from now. Before it starts, so
-    /// a worker killed as it runs leaves the right time behind.
+    /// a worker killed as it runs leaves the right time behind. False when its claim no longer
+    /// stands (past the time it gave, another delivery may have recorded it interrupted and
+    /// moved on): it must not start then.
     #[tracing::instrument(name = "db_write", skip_all, fields(op = "command_starts"))]
     pub async fn command_starts(
         &self,
@@ -432,33 +416,35 @@ impl Store {
         attempt: u32,
         index: u32,
         gone_after: std::time::Duration,
-    ) -> Result<(), StoreError> {
+    ) -> Result<bool, StoreError> {
         let client = self.client().await?;
         let stmt = client
             .prepare_cached(
                 "UPDATE executions SET gone_by = now() + $4::float8 * interval '1 second'
-                 WHERE run_id = $1 AND attempt = $2 AND idx = $3 AND status IS NULL",
+                 WHERE run_id = $1 AND attempt = $2 AND idx = $3 AND status IS NULL
+                   AND (gone_by IS NULL OR gone_by > now())",
             )
             .await?;
         let secs = gone_after.as_secs_f64().min(MAX_GONE_SECS);
-        client.execute(&stmt, &[&run, &(attempt as i32), &(index as i32), &secs]).await?;
-        Ok(())
+        Ok(client.execute(&stmt, &[&run, &(attempt as i32), &(index as i32), &secs]).await? == 1)
     }
 
     /// Record that a claimed command's outcome is unknown (its worker died while it ran): only
-    /// while nothing finished it, so a late finish by a live worker is never overwritten.
+    /// while nothing finished it, so a late finish by a live worker is never overwritten, and
+    /// only once the time its claim gave has passed (a late start may have just moved it).
+    /// False when either kept it from being recorded.
     #[tracing::instrument(name = "db_write", skip_all, fields(op = "mark_interrupted"))]
-    pub async fn mark_interrupted(&self, run: Uuid, attempt: u32, index: u32) -> Result<(), StoreError> {
+    pub async fn mark_interrupted(&self, run: Uuid, attempt: u32, index: u32) -> Result<bool, StoreError> {
         let client = self.client().await?;
         let stmt = client
             .prepare_cached(
                 "UPDATE executions SET status = 'interrupted', finished_at = now(),
                      output = 'started by an earlier delivery that never finished: not run again'
-                 WHERE run_id = $1 AND attempt = $2 AND idx = $3 AND status IS NULL",
+                 WHERE run_id = $1 AND attempt = $2 AND idx = $3 AND status IS NULL
+                   AND (gone_by IS NULL OR gone_by <= now())",
             )
             .await?;
-        client.execute(&stmt, &[&run, &(attempt as i32), &(index as i32)]).await?;
-        Ok(())
+        Ok(client.execute(&stmt, &[&run, &(attempt as i32), &(index as i32)]).await? == 1)
     }
 
     /// (command, host, status) of every command run for `run`, in order; status is empty
@@ -521,4 +507,44 @@ impl Store {
             .await?;
         Ok(())
     }
+}
+
+/// The claim of command `index` of `attempt` as it stands: finished, or unfinished with its
+/// times; None if there is none.
+async fn existing_claim(
+    client: &deadpool_postgres::Object,
+    run: Uuid,
+    attempt: u32,
+    index: u32,
+) -> Result<Option<Claim>, StoreError> {
+    let stmt = client
+        .prepare_cached(
+            "SELECT command, status, exit_code, output,
+                    (EXTRACT(EPOCH FROM (finished_at - started_at)) * 1000)::bigint,
+                    (EXTRACT(EPOCH FROM (now() - started_at)) * 1000)::bigint,
+                    (EXTRACT(EPOCH FROM (gone_by - now())) * 1000)::bigint
+             FROM executions WHERE run_id = $1 AND attempt = $2 AND idx = $3",
+        )
+        .await?;
+    let Some(row) = client.query_opt(&stmt, &[&run, &(attempt as i32), &(index as i32)]).await? else {
+        return Ok(None);
+    };
+    let status: Option<String> = row.get(1);
+    let Some(status) = status else {
+        let ms = |v: i64| std::time::Duration::from_millis(v.max(0) as u64);
+        let gone_in: Option<i64> = row.get(6);
+        return Ok(Some(Claim::Unfinished { running_for: ms(row.get(5)), gone_in: gone_in.map(ms) }));
+    };
+    let status: ExecutionStatus =
+        serde_json::from_value(serde_json::Value::String(status)).unwrap_or(ExecutionStatus::Failed);
+    let ms: Option<i64> = row.get(4);
+    Ok(Some(Claim::Finished(ExecutionRecord {
+        attempt,
+        index,
+        command: row.get(0),
+        status,
+        exit_code: row.get(2),
+        output: row.get::<_, Option<String>>(3).unwrap_or_default(),
+        duration_ms: ms.unwrap_or(0).max(0) as u64,
+    })))
 }
