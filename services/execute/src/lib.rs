@@ -100,8 +100,11 @@ fn straggler_deadline(cfg: &pitcrew_runtime::Config) -> Duration {
 }
 
 /// How long a claim finished as not run (the plan skipped) may stay unfinished before another
-/// delivery records it interrupted: the time to record it.
-const SKIP_GONE_AFTER: Duration = Duration::from_secs(5);
+/// delivery records it interrupted: ample time to record it.
+const SKIP_GONE_AFTER: Duration = Duration::from_secs(30);
+
+/// What the start hook says when the worker began to stop while a command waited for its turn.
+const STOPPED_BEFORE_START: &str = "the worker began to stop while the command waited for its turn";
 
 /// A command that starts this long after its claim records its start (the time it is surely
 /// gone by moves with it); a sooner start is inside `STRAGGLER_GRACE`.
@@ -414,13 +417,11 @@ impl StageHandler for Execute {
                                     // connection): not if the worker began to stop meanwhile,
                                     // and its claim says when it is surely gone.
                                     if stopping.left().is_some_and(|left| left < gone_after) {
-                                        return Err(
-                                            "the worker began to stop while the command waited for its turn".into()
-                                        );
+                                        return Err(STOPPED_BEFORE_START.into());
                                     }
                                     match starts.command_starts(run_id, attempt, index, gone_after).await {
                                         Ok(true) => Ok(()),
-                                        Ok(false) => Err("the command's claim was taken over (recorded interrupted) \
+                                        Ok(false) => Err("the command's claim was taken over by another delivery \
                                                           while it waited for its turn: not starting it"
                                             .into()),
                                         Err(e) => Err(format!("cannot record the command's start: {e}")),
@@ -442,6 +443,17 @@ impl StageHandler for Execute {
                                 Err(ExecError::Transient(e)) => {
                                     // Nothing ran: release the claim so the retry can run it.
                                     store.release_execution(state.run_id, state.attempt, index).await?;
+                                    if e == STOPPED_BEFORE_START {
+                                        return Err(StageError::Wait {
+                                            why: format!(
+                                                "worker {} began to stop while command {index} of the plan waited \
+                                                 for its turn on {}: it and the rest run on another worker",
+                                                cx.deps.worker, spec.host
+                                            ),
+                                            retry: HAND_OVER,
+                                            note: Some(WaitNote::Stopping),
+                                        });
+                                    }
                                     return Err(StageError::Transient(e));
                                 }
                                 Err(e) => ExecutionRecord {

@@ -211,18 +211,7 @@ async fn a_worker_sigtermed_mid_batch_drains_and_exits_cleanly() -> anyhow::Resu
     let db = crew.db().await?;
     let started = Instant::now();
     wait_finished(&db, N / 4, started, "the batch never got going").await?;
-    // SAFETY: kill(2) on our own child's pid.
-    unsafe { libc::kill(w0.child.id() as i32, libc::SIGTERM) };
-    let asked = Instant::now();
-    let status = loop {
-        if let Some(s) = w0.child.try_wait()? {
-            break s;
-        }
-        anyhow::ensure!(asked.elapsed() < Duration::from_secs(45), "the worker did not exit within 45 s of SIGTERM");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
-    eprintln!("w0 exited {status} {:.2} s after SIGTERM", asked.elapsed().as_secs_f64());
-    assert!(status.success(), "a graceful shutdown exits 0: {status}");
+    sigterm(w0, Duration::from_secs(45)).await?;
     let log = std::fs::read_to_string(&w0.log)?;
     assert!(log.contains("finishing messages in hand"), "{log}");
     wait_finished(&db, N, started, "batch not done with one worker left").await?;
@@ -272,8 +261,8 @@ async fn command_status(db: &tokio_postgres::Client, run: uuid::Uuid, index: i32
     Ok(row.map(|r| r.get(0)))
 }
 
-/// SIGTERM `w` and wait for it to exit; how long it took.
-async fn sigterm(w: &mut Worker) -> anyhow::Result<Duration> {
+/// SIGTERM `w` and wait (up to `within`) for it to exit 0; how long it took.
+async fn sigterm(w: &mut Worker, within: Duration) -> anyhow::Result<Duration> {
     // SAFETY: kill(2) on our own child's pid.
     unsafe { libc::kill(w.child.id() as i32, libc::SIGTERM) };
     let asked = Instant::now();
@@ -281,7 +270,7 @@ async fn sigterm(w: &mut Worker) -> anyhow::Result<Duration> {
         if let Some(s) = w.child.try_wait()? {
             break s;
         }
-        anyhow::ensure!(asked.elapsed() < Duration::from_secs(15), "the worker did not exit within 15 s of SIGTERM");
+        anyhow::ensure!(asked.elapsed() < within, "the worker did not exit within {within:?} of SIGTERM");
         tokio::time::sleep(Duration::from_millis(20)).await;
     };
     eprintln!("worker exited {status} {:.2} s after SIGTERM", asked.elapsed().as_secs_f64());
@@ -308,7 +297,7 @@ async fn a_worker_past_its_drain_deadline_hands_its_run_on_at_once() -> anyhow::
         anyhow::ensure!(started.elapsed() < Duration::from_secs(60), "the nap never started");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    let exited = sigterm(&mut w0).await?;
+    let exited = sigterm(&mut w0, Duration::from_secs(15)).await?;
     assert!(exited >= Duration::from_secs(1), "exited before its drain deadline: {exited:?}");
     assert_eq!(naps(NAP), 0, "the command was killed with the worker");
     assert_eq!(command_status(&db, run, 0).await?.as_deref(), Some(""), "nobody recorded an end");
@@ -362,7 +351,7 @@ async fn a_stopping_worker_starts_no_command_its_drain_might_cut_short() -> anyh
         anyhow::ensure!(started.elapsed() < Duration::from_secs(60), "the nap never started");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    sigterm(&mut w0).await?;
+    sigterm(&mut w0, Duration::from_secs(15)).await?;
     assert_eq!(command_status(&db, run, 0).await?.as_deref(), Some("succeeded"), "the running command finished");
     assert_eq!(command_status(&db, run, 1).await?, None, "a stopping worker started the next command");
     let log = std::fs::read_to_string(&w0.log)?;

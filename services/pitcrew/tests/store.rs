@@ -510,9 +510,32 @@ async fn a_late_finish_of_a_command_taken_over_by_another_delivery_changes_no_de
     // Past its time and taken over: a start that comes now is refused (it must not run).
     assert!(!store.command_starts(run, 1, 1, secs(100)).await?, "a taken-over claim started");
     assert_eq!(store.claim_execution(run, 1, 3, "touch /tmp/x3", "local", "a", secs(0)).await?, Claim::Claimed);
-    assert!(!store.command_starts(run, 1, 3, secs(100)).await?, "a claim past its time started");
+    // Past its time but not taken over: a late start moves it, and the mark then waits.
+    assert!(store.command_starts(run, 1, 3, secs(100)).await?);
+    assert!(!store.mark_interrupted(run, 1, 3).await?, "marked a command that just started");
     assert_eq!(store.execution_claim(run, 1, 4).await?, None, "reading claims none");
     assert!(matches!(store.execution_claim(run, 1, 3).await?, Some(Claim::Unfinished { .. })));
+    // A start racing a mark: the mark holds the row, the start waits for it, sees the claim
+    // taken over and is refused.
+    assert_eq!(store.claim_execution(run, 1, 5, "touch /tmp/x5", "local", "a", secs(0)).await?, Claim::Claimed);
+    let mut marker = db.client().await?;
+    let tx = marker.transaction().await?;
+    let marked = tx
+        .execute(
+            "UPDATE executions SET status = 'interrupted', finished_at = now()
+             WHERE run_id = $1 AND idx = 5 AND status IS NULL AND gone_by <= now()",
+            &[&run],
+        )
+        .await?;
+    assert_eq!(marked, 1);
+    let start = {
+        let store = store.clone();
+        tokio::spawn(async move { store.command_starts(run, 1, 5, secs(100)).await })
+    };
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    assert!(!start.is_finished(), "the start did not wait for the mark's row lock");
+    tx.commit().await?;
+    assert!(!start.await??, "a start went ahead of a mark that committed first");
     // The first delivery's command ends after all: not ours any more, nothing is overwritten.
     assert!(!store.finish_execution(run, &done(1)).await?, "taken over");
     match store.claim_execution(run, 1, 1, "touch /tmp/x1", "local", "c", secs(70)).await? {

@@ -93,6 +93,7 @@ pub enum WaitNote {
     Stopping = 2,
 }
 
+/// The last kind must stay inside the range the runner gives wait notes (keep it the last).
 const _: () = assert!((WaitNote::Stopping as u32) < crate::runner::WAIT_NOTE_KINDS, "a wait note past its range");
 
 impl WaitNote {

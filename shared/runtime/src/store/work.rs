@@ -407,8 +407,8 @@ impl Store {
     /// A claimed command starts now, long after its claim (it waited for a turn on its host,
     /// a connection): it may be running for up to `gone_after` from now. Before it starts, so
     /// a worker killed as it runs leaves the right time behind. False when its claim no longer
-    /// stands (past the time it gave, another delivery may have recorded it interrupted and
-    /// moved on): it must not start then.
+    /// stands (another delivery recorded it interrupted and moved on): it must not start then.
+    /// A claim past its time that nobody marked yet is moved (the mark checks the time again).
     #[tracing::instrument(name = "db_write", skip_all, fields(op = "command_starts"))]
     pub async fn command_starts(
         &self,
@@ -421,8 +421,7 @@ impl Store {
         let stmt = client
             .prepare_cached(
                 "UPDATE executions SET gone_by = now() + $4::float8 * interval '1 second'
-                 WHERE run_id = $1 AND attempt = $2 AND idx = $3 AND status IS NULL
-                   AND (gone_by IS NULL OR gone_by > now())",
+                 WHERE run_id = $1 AND attempt = $2 AND idx = $3 AND status IS NULL",
             )
             .await?;
         let secs = gone_after.as_secs_f64().min(MAX_GONE_SECS);
