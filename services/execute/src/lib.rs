@@ -110,9 +110,11 @@ const STOPPED_BEFORE_START: &str = "the worker began to stop while the command w
 /// gone by moves with it); a sooner start is inside `STRAGGLER_GRACE`.
 const LATE_START: Duration = Duration::from_secs(1);
 
-/// How soon a stopping worker's step is looked at again: past the last pull the worker may
-/// still have out (1 s), so it goes to another worker.
-const HAND_OVER: Duration = Duration::from_secs(2);
+/// A stopping worker leaves the step (`why`) to another: it is looked at again past the last
+/// pull the worker may still have out (1 s), so it goes to another worker.
+fn hand_over(why: String) -> StageError {
+    StageError::Wait { why, retry: Duration::from_secs(2), note: Some(WaitNote::Stopping) }
+}
 
 /// Whether this attempt's diagnosis saw the service's health check fail.
 pub fn diagnosed_unhealthy(state: &RunState) -> bool {
@@ -297,18 +299,13 @@ impl StageHandler for Execute {
                 // (what ran is replayed from its records).
                 if let (true, None, Some(left)) = (at_step, &skip, cx.deps.stopping.left()) {
                     if left < straggler_deadline(&cfg) {
-                        return Err(StageError::Wait {
-                            why: format!(
-                                "worker {} is stopping ({} s of its drain left, a command may take {} s): \
-                                 command {index} of the plan and the rest run on another worker",
-                                cx.deps.worker,
-                                left.as_secs(),
-                                cfg.command_timeout().as_secs()
-                            ),
-                            // Past the last pull the stopping worker may still have out.
-                            retry: HAND_OVER,
-                            note: Some(WaitNote::Stopping),
-                        });
+                        return Err(hand_over(format!(
+                            "worker {} is stopping ({} s of its drain left, a command may need {} s to end): \
+                             command {index} of the plan and the rest run on another worker",
+                            cx.deps.worker,
+                            left.as_secs(),
+                            straggler_deadline(&cfg).as_secs()
+                        )));
                     }
                 }
                 let at = AtCommand::enter((state.run_id, state.attempt, index));
@@ -334,12 +331,20 @@ impl StageHandler for Execute {
                     match store.execution_claim(state.run_id, state.attempt, index).await? {
                         Some(claim) => claim,
                         None => {
+                            // Its replayed lines would be filed again under a step the run left.
+                            cx.take_events();
+                            if run.state.seq == state.seq + 1 && run.state.step == Stage::Escalate {
+                                // This very step escalated before running anything (a target
+                                // waited for too long, a host unreachable) and its publish may
+                                // have failed: send the run on again, as it was stored (the
+                                // commit rewrites the same transition, the bus deduplicates).
+                                let why = run.state.escalation_reason.clone().unwrap_or_default();
+                                return Ok(Transition::Escalate(why));
+                            }
                             tracing::warn!(
                                 run = %state.run_id, attempt = state.attempt, index,
                                 "a late delivery of execute found a command never claimed: running nothing"
                             );
-                            // Its replayed lines would be filed again under a step the run left.
-                            cx.take_events();
                             return Ok(Transition::Drop);
                         }
                     }
@@ -353,31 +358,27 @@ impl StageHandler for Execute {
                             state.attempt
                         )));
                     }
-                    Claim::Unfinished { running_for, gone_in }
-                        if !gone_in
-                            .unwrap_or_else(|| straggler_deadline(&cfg).saturating_sub(running_for))
-                            .is_zero() =>
-                    {
+                    Claim::Unfinished { running_for, gone_in } => {
                         // Its worker died or was stopped mid-command, and the command may still be
                         // running (over SSH until the remote `timeout` ends it): nothing moves on
                         // (verify, a next attempt, another run on the target) before its claim says
-                        // it is surely gone.
+                        // it is surely gone (a claim from before that was recorded: by our timeout).
                         let left = gone_in.unwrap_or_else(|| straggler_deadline(&cfg).saturating_sub(running_for));
-                        return Err(StageError::Wait {
-                            why: format!(
-                                "command {index} of attempt {} (`{command}`), started {} s ago by a delivery that \
-                                 never finished it, may still be running on {}: it is recorded interrupted once its \
-                                 deadline has passed, in {} s",
-                                state.attempt,
-                                running_for.as_secs(),
-                                spec.host,
-                                left.as_secs().max(1)
-                            ),
-                            retry: left + Duration::from_millis(250),
-                            note: Some(WaitNote::Straggler),
-                        });
-                    }
-                    Claim::Unfinished { .. } => {
+                        if !left.is_zero() {
+                            return Err(StageError::Wait {
+                                why: format!(
+                                    "command {index} of attempt {} (`{command}`), started {} s ago by a delivery \
+                                     that never finished it, may still be running on {}: it is recorded \
+                                     interrupted once its deadline has passed, in {} s",
+                                    state.attempt,
+                                    running_for.as_secs(),
+                                    spec.host,
+                                    left.as_secs().max(1)
+                                ),
+                                retry: left + Duration::from_millis(250),
+                                note: Some(WaitNote::Straggler),
+                            });
+                        }
                         if !store.mark_interrupted(state.run_id, state.attempt, index).await? {
                             // Finished, or started late and given more time, as we looked.
                             return Err(StageError::Wait {
@@ -410,15 +411,16 @@ impl StageHandler for Execute {
                             let (starts, stopping) = (store.clone(), cx.deps.stopping.clone());
                             let ready: BeforeStart = Box::new(move || {
                                 Box::pin(async move {
-                                    if claimed_at.elapsed() <= LATE_START {
-                                        return Ok(());
-                                    }
-                                    // Started long after its claim (a turn on its host, a
-                                    // connection): not if the worker began to stop meanwhile,
-                                    // and its claim says when it is surely gone.
+                                    // Not if the worker began to stop since the look before
+                                    // the claim (a turn on its host, a connection, a signal).
                                     if stopping.left().is_some_and(|left| left < gone_after) {
                                         return Err(STOPPED_BEFORE_START.into());
                                     }
+                                    if claimed_at.elapsed() <= LATE_START {
+                                        return Ok(());
+                                    }
+                                    // Started long after its claim: its claim says when it is
+                                    // surely gone.
                                     match starts.command_starts(run_id, attempt, index, gone_after).await {
                                         Ok(true) => Ok(()),
                                         Ok(false) => Err("the command's claim was taken over by another delivery \
@@ -444,15 +446,11 @@ impl StageHandler for Execute {
                                     // Nothing ran: release the claim so the retry can run it.
                                     store.release_execution(state.run_id, state.attempt, index).await?;
                                     if e == STOPPED_BEFORE_START {
-                                        return Err(StageError::Wait {
-                                            why: format!(
-                                                "worker {} began to stop while command {index} of the plan waited \
-                                                 for its turn on {}: it and the rest run on another worker",
-                                                cx.deps.worker, spec.host
-                                            ),
-                                            retry: HAND_OVER,
-                                            note: Some(WaitNote::Stopping),
-                                        });
+                                        return Err(hand_over(format!(
+                                            "worker {} began to stop while command {index} of the plan waited for \
+                                             its turn on {}: it and the rest run on another worker",
+                                            cx.deps.worker, spec.host
+                                        )));
                                     }
                                     return Err(StageError::Transient(e));
                                 }

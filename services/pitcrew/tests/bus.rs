@@ -82,34 +82,34 @@ async fn a_stage_message_delivered_twice_executes_nothing_twice() -> anyhow::Res
     crew.shutdown().await
 }
 
-/// An execute message delivered after its run moved on without running its plan (here: sent
-/// to escalate, as a target wait past its limit or an unreachable host does, its escalation not
-/// yet handled) runs nothing: a late delivery replays claims, never makes one, and holds no
-/// target.
+/// An execute message delivered again after its step escalated without running its plan (as a
+/// target wait past its limit or an unreachable host does) and its publish was lost (here: the
+/// run moved to escalate in Postgres, no escalate message on the bus): it runs nothing (a late
+/// delivery replays claims, never makes one, and holds no target) and sends the run on to
+/// escalate again, so the run ends escalated instead of staying open.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_late_execute_delivery_for_a_run_that_moved_on_runs_nothing() -> anyhow::Result<()> {
+async fn a_late_execute_delivery_runs_nothing_and_resends_its_escalation() -> anyhow::Result<()> {
     let (mut crew, run) = held_before_execute().await?;
     crew.shutdown().await?;
     let db = crew.db().await?;
     let moved = db
         .execute(
             "UPDATE runs SET seq = seq + 1, stage = 'escalate',
-                 state = jsonb_set(jsonb_set(state, '{seq}', to_jsonb(seq + 1)), '{step}', '\"escalate\"')
+                 state = jsonb_set(jsonb_set(jsonb_set(state, '{seq}', to_jsonb(seq + 1)), '{step}', '\"escalate\"'),
+                                   '{escalation_reason}', '\"waited too long for svc\"')
              WHERE id = $1 AND stage = 'execute'",
             &[&run],
         )
         .await?;
     assert_eq!(moved, 1);
-    crew.run(&[Stage::Execute]);
-    let stream = crew.bus.js.get_stream(crew.bus.subjects.stages_stream()).await?;
-    tokio::time::timeout(WAIT, async {
-        while stream.get_info().await.map(|i| i.state.messages).unwrap_or(1) > 0 {
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    })
-    .await?;
+    crew.run(&[Stage::Execute, Stage::Escalate]);
+    let end = crew.end(run).await?;
+    assert_eq!(end.kind, EventKind::Escalated, "{}", end.message);
+    assert!(end.message.contains("waited too long for svc"), "{}", end.message);
     assert_eq!(count(&db, "SELECT count(*) FROM executions WHERE run_id = $1", run).await, 0);
     assert!(!std::path::Path::new(&crew.env.path("made-once")).exists(), "the late delivery ran the plan");
+    let mut dlq = crew.bus.js.get_stream(crew.bus.subjects.dlq_stream()).await?;
+    assert_eq!(dlq.info().await?.state.messages, 0, "nothing dead-lettered");
     crew.shutdown().await
 }
 
@@ -268,6 +268,20 @@ impl MessageHandler for Counting {
     }
 }
 
+/// `consume` running in a task until the returned sender is used (or dropped).
+fn consuming<H: MessageHandler>(
+    consumer: async_nats::jetstream::consumer::PullConsumer,
+    settings: pitcrew_runtime::config::StageSettings,
+    handler: Arc<H>,
+    drain: Duration,
+) -> (tokio::sync::oneshot::Sender<()>, tokio::task::JoinHandle<()>) {
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let stopping = async {
+        let _ = stopped.await;
+    };
+    (stop, tokio::spawn(consume(consumer, None, settings, handler, stopping, drain)))
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_consumer_told_to_stop_pulls_nothing_more() -> anyhow::Result<()> {
     let env = TestEnv::start().await?;
@@ -294,18 +308,7 @@ async fn a_consumer_told_to_stop_pulls_nothing_more() -> anyhow::Result<()> {
     let info = consumer.clone().info().await?.clone();
     assert_eq!((info.num_pending, info.num_ack_pending), (WAITING as u64, 0), "{info:?}");
     // The same consumer, not stopping, takes every waiting message.
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let handler = Arc::new(Counting(handled.clone()));
-    let running = tokio::spawn(consume(
-        consumer,
-        None,
-        settings,
-        handler,
-        async {
-            let _ = stopped.await;
-        },
-        Duration::from_secs(5),
-    ));
+    let (stop, running) = consuming(consumer, settings, Arc::new(Counting(handled.clone())), Duration::from_secs(5));
     let deadline = tokio::time::Instant::now() + WAIT;
     while handled.load(Ordering::SeqCst) < WAITING {
         anyhow::ensure!(tokio::time::Instant::now() < deadline, "only {} handled", handled.load(Ordering::SeqCst));
@@ -378,13 +381,9 @@ async fn a_worker_past_its_drain_deadline_hands_back_what_it_holds_at_once() -> 
     assert_eq!(settings.ack_wait, Duration::from_secs(30));
     let consumer = bus.stage_consumer(Stage::Report, settings).await?;
     let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let dropped = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let handler = Arc::new(Recording { seen: seen.clone(), stalling: true, dropped: dropped.clone() });
-    let stopping = async {
-        let _ = stopped.await;
-    };
-    let running = tokio::spawn(consume(consumer.clone(), None, settings, handler, stopping, cfg.drain()));
+    let (stop, running) = consuming(consumer.clone(), settings, handler, cfg.drain());
     let deadline = tokio::time::Instant::now() + WAIT;
     while seen.lock().unwrap().len() < 2 {
         anyhow::ensure!(tokio::time::Instant::now() < deadline, "handed only {:?}", seen.lock().unwrap());
@@ -398,13 +397,9 @@ async fn a_worker_past_its_drain_deadline_hands_back_what_it_holds_at_once() -> 
 
     // Another worker: the stuck message comes to it well within its ack wait, the quick one never.
     let again = Arc::new(std::sync::Mutex::new(Vec::new()));
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     assert!(dropped.load(Ordering::SeqCst), "the stuck handler was stopped before its message was handed back");
     let handler = Arc::new(Recording { seen: again.clone(), stalling: false, dropped: Default::default() });
-    let stopping = async {
-        let _ = stopped.await;
-    };
-    let running = tokio::spawn(consume(consumer.clone(), None, settings, handler, stopping, cfg.drain()));
+    let (stop, running) = consuming(consumer.clone(), settings, handler, cfg.drain());
     let handed = tokio::time::Instant::now();
     while again.lock().unwrap().is_empty() {
         anyhow::ensure!(handed.elapsed() < Duration::from_secs(5), "the stuck message was not handed back");

@@ -261,6 +261,16 @@ async fn command_status(db: &tokio_postgres::Client, run: uuid::Uuid, index: i32
     Ok(row.map(|r| r.get(0)))
 }
 
+/// Wait until `run`'s first command, the nap of `secs`, is claimed and running.
+async fn nap_started(db: &tokio_postgres::Client, run: uuid::Uuid, secs: &str) -> anyhow::Result<()> {
+    let started = Instant::now();
+    while !(command_status(db, run, 0).await?.as_deref() == Some("") && naps(secs) > 0) {
+        anyhow::ensure!(started.elapsed() < Duration::from_secs(60), "the nap never started");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    Ok(())
+}
+
 /// SIGTERM `w` and wait (up to `within`) for it to exit 0; how long it took.
 async fn sigterm(w: &mut Worker, within: Duration) -> anyhow::Result<Duration> {
     // SAFETY: kill(2) on our own child's pid.
@@ -292,11 +302,7 @@ async fn a_worker_past_its_drain_deadline_hands_its_run_on_at_once() -> anyhow::
     let mut w0 = crew.spawn_worker("w0", &stages, &[("PITCREW_STAGES__DRAIN_SECS", "1")])?;
     let run = crew.open("svc", "svc needs a nap").await?;
     let db = crew.db().await?;
-    let started = Instant::now();
-    while !(command_status(&db, run, 0).await?.as_deref() == Some("") && naps(NAP) > 0) {
-        anyhow::ensure!(started.elapsed() < Duration::from_secs(60), "the nap never started");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    nap_started(&db, run, NAP).await?;
     let exited = sigterm(&mut w0, Duration::from_secs(15)).await?;
     assert!(exited >= Duration::from_secs(1), "exited before its drain deadline: {exited:?}");
     assert_eq!(naps(NAP), 0, "the command was killed with the worker");
@@ -346,11 +352,7 @@ async fn a_stopping_worker_starts_no_command_its_drain_might_cut_short() -> anyh
     let mut w0 = crew.spawn_worker("w0", &stages, &[])?;
     let run = crew.open("svc", "svc needs a nap").await?;
     let db = crew.db().await?;
-    let started = Instant::now();
-    while !(command_status(&db, run, 0).await?.as_deref() == Some("") && naps(NAP) > 0) {
-        anyhow::ensure!(started.elapsed() < Duration::from_secs(60), "the nap never started");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    nap_started(&db, run, NAP).await?;
     sigterm(&mut w0, Duration::from_secs(15)).await?;
     assert_eq!(command_status(&db, run, 0).await?.as_deref(), Some("succeeded"), "the running command finished");
     assert_eq!(command_status(&db, run, 1).await?, None, "a stopping worker started the next command");

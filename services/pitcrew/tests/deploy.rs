@@ -202,7 +202,12 @@ fn the_compose_file_agrees_with_itself_and_the_image() -> anyhow::Result<()> {
         );
         let grace = svc["stop_grace_period"].as_str().unwrap_or("10s");
         let secs: u64 = grace.trim_end_matches('s').parse()?;
-        assert!(secs > 20, "{name} gets more than its 20 s drain to stop, not {grace}");
+        let drain = Config::from_toml(&std::fs::read_to_string(repo().join("deploy/pitcrew.toml"))?)?.drain();
+        assert!(
+            secs > drain.as_secs() + 1,
+            "{name} gets more than its {} s drain (and its last pull) to stop, not {grace}",
+            drain.as_secs()
+        );
     }
     // The shipped file loads, and so does its example once uncommented.
     let shipped = std::fs::read_to_string(repo().join("deploy/pitcrew.toml"))?;

@@ -173,11 +173,8 @@ impl Executor for Fleet {
         command: &'a str,
         timeout: Duration,
     ) -> BoxFuture<'a, Result<CommandOutput, ExecError>> {
-        if self.ssh.knows(host) {
-            Box::pin(observed("ssh", host, command, self.ssh.run_ssh(host, command, timeout, None)))
-        } else {
-            self.local.run(host, command, timeout)
-        }
+        // Nothing to do before the start.
+        self.run_when_ready(host, command, timeout, Box::new(|| Box::pin(async { Ok(()) })))
     }
 
     fn run_when_ready<'a>(
@@ -188,7 +185,7 @@ impl Executor for Fleet {
         ready: BeforeStart<'a>,
     ) -> BoxFuture<'a, Result<CommandOutput, ExecError>> {
         if self.ssh.knows(host) {
-            Box::pin(observed("ssh", host, command, self.ssh.run_ssh(host, command, timeout, Some(ready))))
+            Box::pin(observed("ssh", host, command, self.ssh.run_ssh(host, command, timeout, ready)))
         } else {
             self.local.run_when_ready(host, command, timeout, ready)
         }

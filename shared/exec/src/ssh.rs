@@ -123,14 +123,14 @@ impl SshExecutor {
         Ok(slots.acquire().await.expect("the channel semaphore is never closed"))
     }
 
-    /// Run argv on `host` within `timeout`; `ready`, if any, is called once the command has a
-    /// channel and a connection, just before it starts.
+    /// Run argv on `host` within `timeout`; `ready` is called once the command has a channel
+    /// and a connection, just before it starts.
     pub async fn run_ssh(
         &self,
         host: &str,
         command: &str,
         timeout: Duration,
-        ready: Option<crate::BeforeStart<'_>>,
+        ready: crate::BeforeStart<'_>,
     ) -> Result<CommandOutput, ExecError> {
         let argv = shell_words::split(command).map_err(|e| ExecError::Parse(e.to_string()))?;
         if argv.is_empty() {
@@ -140,9 +140,7 @@ impl SshExecutor {
         // Waiting for a channel is not the command's time: its deadline starts once it runs.
         let _channel = self.channel(host).await?;
         let session = self.session(host).await?;
-        if let Some(ready) = ready {
-            ready().await.map_err(ExecError::Transient)?;
-        }
+        ready().await.map_err(ExecError::Transient)?;
         let started = Instant::now();
         // The remote `timeout` kills the command at the deadline even if our channel dies.
         let secs = timeout.as_secs().max(1);

@@ -128,9 +128,10 @@ pub async fn consume<H: MessageHandler>(
             let metric_name = name.clone();
             let msg = Arc::new(msg);
             let kept = msg.clone();
+            // Counted in flight from its spawn: a task stopped before it ran is settled too.
+            crate::metrics::started(&name);
+            let began = Instant::now();
             let task = tasks.spawn(async move {
-                let began = std::time::Instant::now();
-                crate::metrics::started(&metric_name);
                 let work = AssertUnwindSafe(handler.handle(msg.clone())).catch_unwind();
                 let disposition = tokio::select! {
                     d = work => d.unwrap_or_else(|_| {
@@ -148,7 +149,7 @@ pub async fn consume<H: MessageHandler>(
                 crate::metrics::finished(&metric_name, outcome, began.elapsed());
                 drop(permit);
             });
-            held.insert(task.id(), (kept, Instant::now()));
+            held.insert(task.id(), (kept, began));
         }
         drop(permit);
         if pulled > 0 {

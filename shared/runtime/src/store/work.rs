@@ -62,8 +62,11 @@ impl Episode {
     }
 }
 
-/// The longest a claimed command is taken to run (a year): a larger timeout is not a time.
-const MAX_GONE_SECS: f64 = 365.0 * 86_400.0;
+/// `gone_after` as the seconds `gone_by` is set to from now, at most a year (a larger timeout
+/// is not a time).
+fn gone_secs(gone_after: std::time::Duration) -> f64 {
+    gone_after.as_secs_f64().min(365.0 * 86_400.0)
+}
 
 /// The result of trying to record intent to run a command.
 #[derive(Debug, Clone, PartialEq)]
@@ -386,7 +389,7 @@ impl Store {
                  VALUES ($1, $2, $3, $4, $5, $6, now() + $7::float8 * interval '1 second') ON CONFLICT DO NOTHING",
             )
             .await?;
-        let secs = gone_after.as_secs_f64().min(MAX_GONE_SECS);
+        let secs = gone_secs(gone_after);
         let n =
             client.execute(&ins, &[&run, &(attempt as i32), &(index as i32), &command, &host, &worker, &secs]).await?;
         if n == 1 {
@@ -424,7 +427,7 @@ impl Store {
                  WHERE run_id = $1 AND attempt = $2 AND idx = $3 AND status IS NULL",
             )
             .await?;
-        let secs = gone_after.as_secs_f64().min(MAX_GONE_SECS);
+        let secs = gone_secs(gone_after);
         Ok(client.execute(&stmt, &[&run, &(attempt as i32), &(index as i32), &secs]).await? == 1)
     }
 
