@@ -4,9 +4,10 @@
 use futures::future::BoxFuture;
 use pitcrew_model::codec::{self, CONTENT_TYPE, JSON};
 use pitcrew_model::{ApprovalDecision, ApprovalStatus, Decision, EventKind, Stage};
+use pitcrew_runtime::bus::DECISIONS_CONSUMER;
 use pitcrew_runtime::consume::{backoff, Disposition, MessageHandler};
 use pitcrew_runtime::runner::{
-    apply, dead_letter, delivery, exhausted, header, publish_events, publish_state, ApplyError,
+    apply, dead_letter, delivery, exhausted, header, outage, publish_events, publish_state, ApplyError,
 };
 use pitcrew_runtime::store::{DecideOutcome, RunStatus, StoreError};
 use pitcrew_runtime::{Bus, BusError, Cx, Deps, Transition};
@@ -66,7 +67,7 @@ const DECISION_EVENT_BASE: u32 = 1000;
 
 impl MessageHandler for Decisions {
     fn name(&self) -> String {
-        "approval-decisions".into()
+        DECISIONS_CONSUMER.into()
     }
 
     fn handle(self: Arc<Self>, msg: Arc<async_nats::jetstream::Message>) -> BoxFuture<'static, Disposition> {
@@ -77,8 +78,14 @@ impl MessageHandler for Decisions {
 impl Decisions {
     async fn process(&self, msg: &async_nats::jetstream::Message) -> Disposition {
         let (stream, seq, delivered) = delivery(msg);
-        if let Some(why) = exhausted(msg, self.deps.config.stage_settings(Stage::Approval)) {
-            return self.reject(msg, &why, &stream, seq).await;
+        // As a stage's message: past its limits, a decision still gets its try (not while
+        // Postgres is unreachable: an operator's approval is not dropped for an outage), and is
+        // dead-lettered only when that fails too.
+        let exhausted = exhausted(msg, self.deps.config.stage_settings(Stage::Approval));
+        if exhausted.is_some() {
+            if let Some(wait) = outage(&self.deps, DECISIONS_CONSUMER, delivered).await {
+                return wait;
+            }
         }
         let d = match codec::decode::<ApprovalDecision>(header(msg, CONTENT_TYPE), &msg.payload) {
             Ok(d) => d.storable(),
@@ -114,10 +121,15 @@ impl Decisions {
             Err(DecideError::Permanent(e)) => {
                 self.reject(msg, &format!("decision cannot be applied: {e}"), &stream, seq).await
             }
-            Err(DecideError::Transient(e)) => {
-                tracing::warn!(run = %d.run_id, error = %e, "applying decision failed: will retry");
-                Disposition::Nak(backoff(delivered))
-            }
+            Err(DecideError::Transient(e)) => match exhausted {
+                Some(limits) if outage(&self.deps, DECISIONS_CONSUMER, delivered).await.is_none() => {
+                    self.reject(msg, &format!("{limits}; the last try: {e}"), &stream, seq).await
+                }
+                _ => {
+                    tracing::warn!(run = %d.run_id, error = %e, "applying decision failed: will retry");
+                    Disposition::Nak(backoff(delivered))
+                }
+            },
         }
     }
 

@@ -136,7 +136,7 @@ pub async fn run(cfg: Config, stages: &[Stage], shutdown: Shutdown) -> anyhow::R
     let nats = pitcrew_runtime::config::redact_url(&cfg.nats.url);
     tracing::info!(stages = ?names, worker = %deps.worker, nats = %nats, "crew running");
     while tasks.join_next().await.is_some() {}
-    bus.client.flush().await.ok();
+    bus.flush_before_exit().await;
     tracing::info!("crew stopped");
     Ok(())
 }
@@ -149,7 +149,7 @@ pub fn consumers_of(bus: &Bus, stages: &[Stage]) -> Vec<(String, String)> {
             if stage == Stage::Intake { bus.subjects.incidents_stream() } else { bus.subjects.stages_stream() };
         out.push((stream, stage.as_str().to_string()));
         if stage == Stage::Approval {
-            out.push((bus.subjects.approvals_stream(), "approval-decisions".to_string()));
+            out.push((bus.subjects.approvals_stream(), pitcrew_runtime::bus::DECISIONS_CONSUMER.to_string()));
         }
     }
     out

@@ -36,7 +36,7 @@ pub async fn frame(bus: &Bus, store: Option<&Store>, prev: &mut HashMap<String, 
             (stream, s.as_str().to_string())
         })
         .collect();
-    consumers.push((bus.subjects.approvals_stream(), "approval-decisions".into()));
+    consumers.push((bus.subjects.approvals_stream(), pitcrew_runtime::bus::DECISIONS_CONSUMER.into()));
     for (stream, name) in consumers {
         let info = tokio::time::timeout(Duration::from_secs(2), consumer_info(bus, &stream, &name)).await;
         match info {

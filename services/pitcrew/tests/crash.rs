@@ -387,28 +387,77 @@ async fn a_stopping_worker_starts_no_command_its_drain_might_cut_short() -> anyh
 
 /// An outage that outlasts the delivery limits (here 2 deliveries and 1 s, against the
 /// defaults' 20 and an hour): messages past them are retried while Postgres is unreachable,
-/// not dead-lettered, and an incident that arrived during the outage is not refused for want
-/// of a run once it is back: it is opened and remediated.
+/// not dead-lettered. An incident that arrived during the outage is not refused for want of a
+/// run once it is back: it is opened and remediated; an approval given during the outage is
+/// not dropped: the plan it approves runs once Postgres is back.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_outage_longer_than_the_delivery_limits_dead_letters_nothing() -> anyhow::Result<()> {
     let mut pg = pitcrew_testkit::pg::PrivatePostgres::start()?;
     let env = TestEnv::start_on(&pg.admin_url()).await?;
+    let book = common::write(&env, "playbook.toml", common::LOCKED_PLAYBOOK);
     let svc = common::marker_service(&env, "svc");
     let limits = "[stages]\nmax_deliveries = 2\npoison_after_secs = 1\n";
-    let mut crew = Crew::start_in(env, &format!("{limits}{svc}"), &[]).await?;
+    let text = format!("{limits}[reasoning]\nplaybook_file = \"{book}\"\n{svc}");
+    let mut crew = Crew::start_in(env, &text, &[]).await?;
     let _worker = crew.spawn_worker("w0", &all_stages(), &[])?;
     // The worker is up: a first incident goes through.
     let first = crew.open_with("svc", "GET /health: connection refused", Some("first".into())).await?;
     assert_eq!(crew.events.terminal(first, common::WAIT).await?.kind, pitcrew_model::EventKind::Resolved);
     std::fs::remove_file(crew.env.path("svc-healthy"))?;
+    // A run whose plan waits for an approval.
+    let parked = crew.open_with("svc", "stale lock held", Some("parked".into())).await?;
+    crew.events.kind(parked, pitcrew_model::EventKind::ApprovalRequested, common::WAIT).await?;
     pg.stop();
     let run = crew.open_with("svc", "GET /health: connection refused", Some("second".into())).await?;
-    // Intake is delivered again and again past both limits while Postgres is down.
+    // Given while Postgres is down (the CLI cannot look at the store either).
+    let approve = pitcrew::cli::DecisionInput::cli(parked, pitcrew_model::Decision::Approve, "ann", None, &crew.cfg);
+    pitcrew::cli::submit(&crew.bus, None, approve).await?;
+    // Intake and the decision are delivered again and again past both limits while Postgres
+    // is down.
     tokio::time::sleep(Duration::from_secs(6)).await;
     pg.restart()?;
     let end = crew.events.terminal(run, common::WAIT).await?;
     assert_eq!(end.kind, pitcrew_model::EventKind::Resolved, "{}", end.message);
+    let end = crew.events.terminal(parked, common::WAIT).await?;
+    assert_eq!(end.kind, pitcrew_model::EventKind::Resolved, "{}", end.message);
+    assert!(end.message.contains("approved by ann"), "{}", end.message);
     let mut dlq = crew.bus.js.get_stream(crew.bus.subjects.dlq_stream()).await?;
     assert_eq!(dlq.info().await?.state.messages, 0, "nothing was dead-lettered");
+    Ok(())
+}
+
+/// A worker told to stop while the nats-server is down still exits, within its drain deadline
+/// and the bounded wait for NATS to take its hand-backs and acks (it used to wait forever for
+/// its last flush), and nothing it held is lost: once NATS is back, the run it held comes
+/// again after its ack wait and the next worker resolves it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_stopped_while_nats_is_down_still_exits_and_loses_nothing() -> anyhow::Result<()> {
+    const NAP: &str = "30.79";
+    let mut crew = napping(NAP, "[limits]\ncommand_timeout_secs = 8\n").await?;
+    let stages = all_stages();
+    let mut w0 = crew.spawn_worker("w0", &stages, &[("PITCREW_STAGES__DRAIN_SECS", "1")])?;
+    let run = crew.open("svc", "svc needs a nap").await?;
+    let db = crew.db().await?;
+    nap_started(&db, run, NAP).await?;
+    crew.env.nats.kill();
+    let exited = sigterm(&mut w0, Duration::from_secs(20)).await?;
+    assert!(exited >= Duration::from_secs(1), "exited before its drain deadline: {exited:?}");
+    assert_eq!(naps(NAP), 0, "the command was killed with the worker");
+    let log = std::fs::read_to_string(&w0.log)?;
+    assert!(log.contains("drain deadline passed"), "{log}");
+
+    crew.env.nats.restart()?;
+    let _w1 = crew.spawn_worker("w1", &stages, &[])?;
+    let started = Instant::now();
+    loop {
+        let status: String = db.query_one("SELECT status FROM runs WHERE id = $1", &[&run]).await?.get(0);
+        if status == "resolved" {
+            break;
+        }
+        anyhow::ensure!(started.elapsed() < Duration::from_secs(120), "the run held at the stop never ended: {status}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    eprintln!("the run resolved {:.1} s after NATS came back", started.elapsed().as_secs_f64());
+    assert_eq!(command_status(&db, run, 0).await?.as_deref(), Some("interrupted"));
     Ok(())
 }

@@ -818,3 +818,28 @@ async fn a_postgres_that_never_answers_fails_start_up_within_the_connect_timeout
     assert!(started.elapsed() < std::time::Duration::from_secs(10), "{:?}", started.elapsed());
     Ok(())
 }
+
+/// A failover can leave the pool on a server that refuses writes (a standby, a demoted
+/// primary: SQLSTATE 25006): that is worth a retry, as a connection lost is, never a reason to
+/// dead-letter the step. A value Postgres cannot store is not.
+#[tokio::test]
+async fn a_write_refused_by_a_read_only_server_is_worth_a_retry() -> anyhow::Result<()> {
+    let db = TestDb::create().await?;
+    let store = store(&db).await?;
+    let runs = open_runs(&store, 1).await?;
+    let sep = if db.url.contains('?') { '&' } else { '?' };
+    let read_only = Store::connect(&DatabaseConfig {
+        url: format!("{}{sep}options=-c%20default_transaction_read_only%3Don", db.url),
+        pool_size: 1,
+        migrate_on_start: false,
+        statement_timeout_secs: 30,
+    })
+    .await?;
+    let (moved, events) = step(&runs[0], Stage::Plan, "diagnosed");
+    let err = read_only.commit_transition(&moved, RunStatus::Open, &events).await.expect_err("a read-only server");
+    assert!(err.to_string().contains("25006"), "Postgres says why: {err}");
+    assert!(err.is_transient(), "a server that turned read-only is worth a retry: {err}");
+    // The same write where it can be written: taken.
+    assert!(matches!(store.commit_transition(&moved, RunStatus::Open, &events).await, Ok(true)));
+    Ok(())
+}

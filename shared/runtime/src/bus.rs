@@ -9,6 +9,10 @@ use pitcrew_model::subjects::Subjects;
 use pitcrew_model::{Incident, Stage};
 use std::time::Duration;
 
+/// How long a stopping process waits for NATS to take what it still holds.
+pub const FLUSH_LIMIT: Duration = Duration::from_secs(5);
+/// The durable consumer of approval decisions.
+pub const DECISIONS_CONSUMER: &str = "approval-decisions";
 /// Header naming the run a message belongs to (lets a poison message still escalate its run).
 pub const RUN_HEADER: &str = "Pitcrew-Run";
 /// Header carrying the dead-letter reason.
@@ -150,6 +154,24 @@ impl Bus {
         Ok(Bus { client, js, subjects: Subjects::new(&cfg.prefix) })
     }
 
+    /// Write out what the client still holds (acks, naks, publishes) before the process
+    /// exits, waiting at most `FLUSH_LIMIT`: while the server is unreachable the client only
+    /// reconnects, and an unbounded flush would keep a stopping process from ever exiting.
+    /// What is not written is not lost: its messages come again after their ack wait.
+    pub async fn flush_before_exit(&self) {
+        match tokio::time::timeout(FLUSH_LIMIT, self.client.flush()).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => {
+                tracing::warn!(error = %e, "cannot flush to NATS before exiting: messages not settled come again after their ack wait")
+            }
+            Err(_) => tracing::warn!(
+                limit_secs = FLUSH_LIMIT.as_secs(),
+                state = ?self.client.connection_state(),
+                "NATS did not take what this process still held in time: messages not settled come again after their ack wait"
+            ),
+        }
+    }
+
     /// Create the five streams if missing. Safe when many processes start at once.
     pub async fn ensure_streams(&self) -> Result<(), BusError> {
         let s = &self.subjects;
@@ -233,11 +255,12 @@ impl Bus {
         self.durable(&stream, stage.as_str(), filter, settings).await
     }
 
-    /// The durable consumer of approval decisions (run by the approval stage).
+    /// The durable consumer of approval decisions (run by the approval stage), named
+    /// [`DECISIONS_CONSUMER`].
     pub async fn decisions_consumer(&self, settings: StageSettings) -> Result<consumer::PullConsumer, BusError> {
         let stream = self.subjects.approvals_stream();
         let filter = self.subjects.approvals_decided_all();
-        self.durable(&stream, "approval-decisions", filter, settings).await
+        self.durable(&stream, DECISIONS_CONSUMER, filter, settings).await
     }
 
     async fn durable(

@@ -198,8 +198,12 @@ pub async fn consume<H: MessageHandler>(
                 ok => joined(&name, ok, &mut held),
             }
         }
-        let handed_back = futures::future::join_all(stopped.iter().map(|(msg, began)| async {
+        for (_, began) in &stopped {
             crate::metrics::finished(&name, "nak", began.elapsed());
+        }
+        // Bounded: with NATS unreachable the naks cannot go out (the client's queue may be
+        // full), and the worker must still exit; those messages come back after their ack wait.
+        let naks = futures::future::join_all(stopped.iter().map(|(msg, _)| async {
             match msg.ack_with(AckKind::Nak(None)).await {
                 Ok(()) => true,
                 Err(e) => {
@@ -207,10 +211,18 @@ pub async fn consume<H: MessageHandler>(
                     false
                 }
             }
-        }))
-        .await;
-        let handed_back = handed_back.into_iter().filter(|ok| *ok).count();
-        tracing::info!(consumer = %name, handed_back, "messages handed back for another worker");
+        }));
+        match tokio::time::timeout(crate::bus::FLUSH_LIMIT, naks).await {
+            Ok(naked) => {
+                let handed_back = naked.into_iter().filter(|ok| *ok).count();
+                tracing::info!(consumer = %name, handed_back, "messages handed back for another worker");
+            }
+            Err(_) => tracing::warn!(
+                consumer = %name,
+                left = stopped.len(),
+                "NATS did not take the hand-backs in time: those messages are redelivered after their ack wait"
+            ),
+        }
     }
 }
 

@@ -93,6 +93,20 @@ pub fn exhausted(msg: &jetstream::Message, settings: crate::config::StageSetting
     })
 }
 
+/// A message past its limits is neither tried nor dead-lettered while Postgres is unreachable:
+/// that is an outage, not a poison message. `Some(nak)` then (said in the log), `None` when
+/// Postgres answers. Asked again after a try that failed, so a try failing because Postgres
+/// went away meanwhile (or its pool is swamped by the backlog an outage left) waits too.
+pub async fn outage(deps: &Deps, consumer: &str, delivered: i64) -> Option<Disposition> {
+    match deps.store.ping().await {
+        Err(e) if e.is_transient() => {
+            tracing::warn!(consumer, error = %e, delivered, "past its delivery limits while Postgres is unreachable: retrying, not dead-lettering");
+            Some(Disposition::Nak(backoff(delivered)))
+        }
+        _ => None,
+    }
+}
+
 /// Stream name, stream sequence and delivery count of a JetStream message.
 pub fn delivery(msg: &jetstream::Message) -> (String, u64, i64) {
     match msg.info() {
@@ -123,11 +137,8 @@ impl StageRunner {
         // Postgres is back, any other step escalated untried, however long the outage).
         let exhausted = exhausted(msg, settings);
         if exhausted.is_some() {
-            if let Err(e) = self.deps.store.ping().await {
-                if e.is_transient() {
-                    tracing::warn!(stage = %stage, error = %e, delivered, "past its delivery limits while Postgres is unreachable: retrying, not dead-lettering");
-                    return Disposition::Nak(backoff(delivered));
-                }
+            if let Some(wait) = outage(&self.deps, stage.as_str(), delivered).await {
+                return wait;
             }
         }
         let mut state = match self.decode(msg, &stream, stream_seq) {
@@ -287,6 +298,10 @@ impl StageRunner {
             tracing::warn!(error = %error, delivered, "{what}: will retry");
             return Disposition::Nak(backoff(delivered));
         };
+        if let Some(wait) = outage(&self.deps, self.handler.stage().as_str(), delivered).await {
+            tracing::warn!(error = %error, "{what}");
+            return wait;
+        }
         let state = self.decode(msg, &stream, stream_seq).ok();
         self.poison(msg, state, &format!("{limits}; the last try: {error}")).await
     }

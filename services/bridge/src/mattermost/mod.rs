@@ -82,7 +82,7 @@ pub async fn run(cfg: Config, secrets: Secrets, listener: TcpListener, shutdown:
     );
     let served = pitcrew_runtime::httpd::serve(listener, callback::router(app), shutdown).await;
     posting.await.context("the posting task failed")?;
-    bus.client.flush().await.ok();
+    bus.flush_before_exit().await;
     tracing::info!("mattermost bridge stopped");
     served.context("the action server failed")
 }

@@ -55,7 +55,10 @@ impl StoreError {
         matches!(self, StoreError::Query(e) if e.code() == Some(&tokio_postgres::error::SqlState::QUERY_CANCELED))
     }
 
-    /// A retry later may succeed (connection lost, pool exhausted, serialization failure).
+    /// A retry later may succeed (connection lost, pool exhausted, serialization failure, a
+    /// server that turned read-only in a failover, an I/O or internal error of the server).
+    /// What is left is about the statement or its data (a constraint, a value Postgres cannot
+    /// store): the same try fails the same way.
     pub fn is_transient(&self) -> bool {
         match self {
             StoreError::Connect { .. } | StoreError::Unavailable(_) => true,
@@ -63,10 +66,14 @@ impl StoreError {
                 e.is_closed()
                     || e.code().is_none()
                     || e.code().is_some_and(|c| {
-                        c.code().starts_with("08")
-                            || c.code().starts_with("40")
-                            || c.code().starts_with("53")
-                            || c.code().starts_with("57")
+                        let code = c.code();
+                        // 08 connection, 40 rollback (serialization, deadlock), 53 resources,
+                        // 57 operator intervention (shutdown, cancel), 58 system (I/O), XX
+                        // internal; 25006: a write reached a standby or a demoted primary;
+                        // 55P03: a lock not granted in time.
+                        ["08", "40", "53", "57", "58", "XX"].iter().any(|class| code.starts_with(class))
+                            || code == "25006"
+                            || code == "55P03"
                     })
             }
             StoreError::Config(_) | StoreError::Migration(_) => false,
