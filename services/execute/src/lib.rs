@@ -265,7 +265,13 @@ impl StageHandler for Execute {
                 );
                 return Ok(Transition::Drop);
             }
-            recorded_approval(state, &run.state).map_err(StageError::Poison)?;
+            // A late delivery (the run moved on, to a next attempt say: its worker died
+            // between the commit and the ack) runs nothing, only replays its claims; it is no
+            // poison when the approval stored now is another attempt's.
+            let at_step = run.state.seq == state.seq && run.state.step == Stage::Execute;
+            if at_step {
+                recorded_approval(state, &run.state).map_err(StageError::Poison)?;
+            }
             let cfg = cx.deps.config.clone();
             let spec = pitcrew_runtime::service_or_escalate!(&cfg, state);
             let plan = state.plan.clone().expect("checked by approved()");
@@ -275,7 +281,6 @@ impl StageHandler for Execute {
             // different fingerprints: the monitor's and Alertmanager's) never interleave their
             // commands, nor one's commands with the other's verification. Only a delivery of
             // the step the run is at takes it; a late one (the run moved on) replays its claims.
-            let at_step = run.state.seq == state.seq && run.state.step == Stage::Execute;
             // Set when the plan is not to run: why, recorded for each of its commands.
             let mut skip: Option<String> = None;
             if at_step {

@@ -113,6 +113,42 @@ async fn a_late_execute_delivery_runs_nothing_and_resends_its_escalation() -> an
     crew.shutdown().await
 }
 
+/// An execute message delivered again after its run moved on to its next attempt (its worker
+/// died between the commit and the ack; the run failed verification meanwhile): the approval
+/// stored now is the next attempt's, and the late delivery runs nothing and is no poison (it
+/// was dead-lettered, an alarm for an operator about nothing).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_execute_delivery_from_an_earlier_attempt_is_dropped_not_dead_lettered() -> anyhow::Result<()> {
+    let (mut crew, run) = held_before_execute().await?;
+    crew.shutdown().await?;
+    let db = crew.db().await?;
+    let moved = db
+        .execute(
+            "UPDATE runs SET seq = seq + 3, stage = 'plan', attempt = 2,
+                 state = jsonb_set(jsonb_set(jsonb_set(state, '{seq}', to_jsonb(seq + 3)), '{step}', '\"plan\"'),
+                                   '{attempt}', '2')
+             WHERE id = $1 AND stage = 'execute'",
+            &[&run],
+        )
+        .await?;
+    assert_eq!(moved, 1);
+    crew.run(&[Stage::Execute]);
+    let stream = crew.bus.js.get_stream(crew.bus.subjects.stages_stream()).await?;
+    tokio::time::timeout(WAIT, async {
+        while stream.get_info().await.map(|i| i.state.messages).unwrap_or(1) > 0 {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await?;
+    let mut dlq = crew.bus.js.get_stream(crew.bus.subjects.dlq_stream()).await?;
+    assert_eq!(dlq.info().await?.state.messages, 0, "nothing dead-lettered");
+    assert_eq!(count(&db, "SELECT count(*) FROM executions WHERE run_id = $1", run).await, 0);
+    let (status, stage): (String, String) =
+        db.query_one("SELECT status, stage FROM runs WHERE id = $1", &[&run]).await.map(|r| (r.get(0), r.get(1)))?;
+    assert_eq!((status.as_str(), stage.as_str()), ("open", "plan"), "the run is left where it is");
+    crew.shutdown().await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_processes_of_one_stage_share_its_work() -> anyhow::Result<()> {
     let env = TestEnv::start().await?;
@@ -443,19 +479,10 @@ async fn a_step_failing_past_its_limits_is_tried_once_more_then_dead_lettered() 
     crew.shutdown().await
 }
 
-/// The last step's commit landed but publishing its events failed: the redelivered step finds
-/// the run closed, by itself, and publishes the events then, so whoever follows the run on
-/// the bus (`pitcrew watch`, live streams) still sees how it ended.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_closing_step_whose_publish_failed_publishes_its_events_when_redelivered() -> anyhow::Result<()> {
-    use pitcrew_model::{Incident, Outcome, RunEvent, RunState};
-    use pitcrew_runtime::store::{OpenRun, RunStatus};
-    use pitcrew_runtime::{Deps, Transition};
-    let env = TestEnv::start().await?;
-    let text = marker_service(&env, "svc");
-    let mut crew = Crew::start_in(env, &text, &[]).await?;
+/// What a stage of `crew` runs with, in this process (worker "test").
+fn deps_of(crew: &Crew) -> anyhow::Result<pitcrew_runtime::Deps> {
     let (playbook, policy) = pitcrew::crew::providers(&crew.cfg)?;
-    let deps = Deps {
+    Ok(pitcrew_runtime::Deps {
         config: Arc::new(crew.cfg.clone()),
         store: crew.store.clone(),
         reasoner: pitcrew::crew::reasoner(&crew.cfg, playbook)?,
@@ -464,7 +491,70 @@ async fn a_closing_step_whose_publish_failed_publishes_its_events_when_redeliver
         worker: "test".into(),
         live: None,
         stopping: Default::default(),
+    })
+}
+
+/// A closing step delivered again after its commit landed and its events were published (its
+/// worker died before the ack): the redelivery starts its timeline with a "delivery 2" line,
+/// yet its terminal event keeps its id, so the bus holds the run's end once (it held it twice,
+/// under two ids, and whoever follows the bus saw the run end twice).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_closing_step_delivered_again_ends_its_run_once_on_the_bus() -> anyhow::Result<()> {
+    use pitcrew_model::{Incident, RunState};
+    use pitcrew_runtime::runner::StageRunner;
+    use pitcrew_runtime::store::{OpenRun, RunStatus};
+    let env = TestEnv::start().await?;
+    let text = marker_service(&env, "svc");
+    let crew = Crew::start_in(env, &text, &[]).await?;
+    let mut state = RunState::new(uuid::Uuid::now_v7(), Incident::new("svc", "down"));
+    assert_eq!(crew.store.open_run(&state).await?, OpenRun::Created);
+    state.escalate("a human must look");
+    assert!(crew.store.commit_transition_with(&state, RunStatus::Open, &[], vec![]).await?);
+    pitcrew_runtime::runner::publish_state(&crew.bus, &state).await?;
+    let settings = pitcrew_runtime::config::StageSettings {
+        ack_wait: Duration::from_secs(1),
+        ..crew.cfg.stage_settings(Stage::Escalate)
     };
+    let consumer = crew.bus.stage_consumer(Stage::Escalate, settings).await?;
+    let policy = pitcrew::crew::providers(&crew.cfg)?.1;
+    let runner = Arc::new(StageRunner {
+        bus: crew.bus.clone(),
+        deps: Arc::new(deps_of(&crew)?),
+        handler: pitcrew::crew::handler(Stage::Escalate, &policy),
+    });
+    for delivery in 1..=2 {
+        let next = consumer.fetch().max_messages(1).expires(Duration::from_secs(5)).messages().await?.next().await;
+        let msg = next.ok_or_else(|| anyhow::anyhow!("delivery {delivery} never came"))?;
+        let msg = Arc::new(msg.map_err(|e| anyhow::anyhow!("{e}"))?);
+        assert_eq!(msg.info().map_err(|e| anyhow::anyhow!("{e}"))?.delivered, delivery);
+        // Handled, never acked: the worker died first.
+        assert_eq!(runner.clone().handle(msg).await, Disposition::Ack, "delivery {delivery}");
+    }
+    let events = crew.bus.js.get_stream(crew.bus.subjects.events_stream()).await?;
+    let mut ends = events.info_with_subjects(crew.bus.subjects.event(state.run_id, "escalated")).await?;
+    let published: Vec<(String, usize)> = ends.by_ref().filter_map(|r| async move { r.ok() }).collect().await;
+    assert_eq!(published.len(), 1, "{published:?}");
+    assert_eq!(published[0].1, 1, "the run's end is on the bus once: {published:?}");
+    let db = crew.db().await?;
+    assert_eq!(
+        count(&db, "SELECT count(*) FROM run_events WHERE run_id = $1 AND kind = 'escalated'", state.run_id).await,
+        1
+    );
+    Ok(())
+}
+
+/// The last step's commit landed but publishing its events failed: the redelivered step finds
+/// the run closed, by itself, and publishes the events then, so whoever follows the run on
+/// the bus (`pitcrew watch`, live streams) still sees how it ended.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_closing_step_whose_publish_failed_publishes_its_events_when_redelivered() -> anyhow::Result<()> {
+    use pitcrew_model::{Incident, Outcome, RunEvent, RunState};
+    use pitcrew_runtime::store::{OpenRun, RunStatus};
+    use pitcrew_runtime::Transition;
+    let env = TestEnv::start().await?;
+    let text = marker_service(&env, "svc");
+    let mut crew = Crew::start_in(env, &text, &[]).await?;
+    let deps = deps_of(&crew)?;
     let mut state = RunState::new(uuid::Uuid::now_v7(), Incident::new("svc", "down"));
     assert_eq!(crew.store.open_run(&state).await?, OpenRun::Created);
     state.advance(Stage::Report);

@@ -167,8 +167,14 @@ impl StageRunner {
         crate::trace::adopt(&span, parent.as_deref());
         let work = async {
             let mut cx = Cx::new(&self.deps, stage, state.run_id, input_seq, 0);
-            if let Some((message, data)) = start_line(stage, state.attempt, delivered) {
-                cx.emit(EventKind::Status, message, data);
+            // Index 0 is the start line's, used or not: the step's own events keep their
+            // indexes, so their ids, on every delivery. A redelivery of a step whose commit
+            // landed (its worker died before the ack) then rewrites the same rows and
+            // publishes the same ids (the bus drops them as duplicates): its terminal event is
+            // not published a second time under another id.
+            match start_line(stage, state.attempt, delivered) {
+                Some((message, data)) => cx.emit(EventKind::Status, message, data),
+                None => cx.leave_index(),
             }
             let handled = match AssertUnwindSafe(self.handler.handle(&mut state, &mut cx)).catch_unwind().await {
                 Ok(handled) => handled,

@@ -130,6 +130,11 @@ impl<'a> Cx<'a> {
         Cx { deps, stage, run_id, seq, next_index: first_index, events: Vec::new(), records: Vec::new() }
     }
 
+    /// Leave the next index unused.
+    pub fn leave_index(&mut self) {
+        self.next_index += 1;
+    }
+
     /// Add a timeline event (stored and published once the step commits).
     pub fn emit(&mut self, kind: EventKind, message: impl Into<String>, mut data: serde_json::Value) {
         // Secrets never reach the timeline, the bus or Postgres.
