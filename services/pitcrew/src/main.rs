@@ -202,7 +202,8 @@ enum ToyCommand {
         #[arg(long)]
         port: u16,
     },
-    /// Append `tag` to `file` (the target's own record of what ran), then create `touch`.
+    /// Append `tag` and the time to `file` (the target's own record of what ran), then
+    /// create `touch`; take `hold_ms` in all, half before and half after.
     Mark {
         #[arg(long)]
         file: PathBuf,
@@ -210,6 +211,8 @@ enum ToyCommand {
         tag: String,
         #[arg(long)]
         touch: Option<PathBuf>,
+        #[arg(long, default_value_t = 0)]
+        hold_ms: u64,
     },
 }
 
@@ -307,7 +310,9 @@ fn toy_command(c: &ToyCommand) -> anyhow::Result<()> {
             toy::start(&exe, *port, dir)
         }
         ToyCommand::Squat { port } => toy::squat(*port),
-        ToyCommand::Mark { file, tag, touch } => toy::mark(file, tag, touch.as_deref()),
+        ToyCommand::Mark { file, tag, touch, hold_ms } => {
+            toy::mark(file, tag, touch.as_deref(), Duration::from_millis(*hold_ms))
+        }
     }
 }
 

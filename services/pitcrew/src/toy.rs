@@ -124,14 +124,19 @@ pub fn squat(port: u16) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Append `tag` and a newline to `file` in one write (O_APPEND: concurrent marks never
-/// interleave), then create `touch` if given: a command whose every run leaves a trace.
-pub fn mark(file: &Path, tag: &str, touch: Option<&Path>) -> anyhow::Result<()> {
+/// Append `tag`, the time (microseconds since the epoch) and a newline to `file` in one write
+/// (O_APPEND: concurrent marks never interleave), then create `touch` if given: a command
+/// whose every run leaves a trace, and when. It takes `hold` in all, half before its trace
+/// and half after, so a worker killed while it runs may leave it with or without its effect.
+pub fn mark(file: &Path, tag: &str, touch: Option<&Path>, hold: Duration) -> anyhow::Result<()> {
+    sleep(hold / 2);
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?.as_micros();
     let mut f = std::fs::OpenOptions::new().create(true).append(true).open(file)?;
-    f.write_all(format!("{tag}\n").as_bytes())?;
+    f.write_all(format!("{tag} {now}\n").as_bytes())?;
     if let Some(t) = touch {
         std::fs::OpenOptions::new().create(true).truncate(false).write(true).open(t)?;
     }
+    sleep(hold / 2);
     Ok(())
 }
 
