@@ -839,6 +839,11 @@ async fn a_write_refused_by_a_read_only_server_is_worth_a_retry() -> anyhow::Res
     let err = read_only.commit_transition(&moved, RunStatus::Open, &events).await.expect_err("a read-only server");
     assert!(err.to_string().contains("25006"), "Postgres says why: {err}");
     assert!(err.is_transient(), "a server that turned read-only is worth a retry: {err}");
+    // It answers a ping, but is no place to write: an outage for writers.
+    read_only.ping().await?;
+    let refused = read_only.writable().await.expect_err("read-only");
+    assert!(refused.is_transient() && refused.to_string().contains("read-only"), "{refused}");
+    store.writable().await?;
     // The same write where it can be written: taken.
     assert!(matches!(store.commit_transition(&moved, RunStatus::Open, &events).await, Ok(true)));
     Ok(())

@@ -93,14 +93,14 @@ pub fn exhausted(msg: &jetstream::Message, settings: crate::config::StageSetting
     })
 }
 
-/// A message past its limits is neither tried nor dead-lettered while Postgres is unreachable:
-/// that is an outage, not a poison message. `Some(nak)` then (said in the log), `None` when
+/// A message past its limits is neither tried nor dead-lettered while Postgres is unreachable
+/// or read-only (`Store::writable`): that is an outage, not a poison message. `Some(nak)` then (said in the log), `None` when
 /// Postgres answers. Asked again after a try that failed, so a try failing because Postgres
 /// went away meanwhile (or its pool is swamped by the backlog an outage left) waits too.
 pub async fn outage(deps: &Deps, consumer: &str, delivered: i64) -> Option<Disposition> {
-    match deps.store.ping().await {
+    match deps.store.writable().await {
         Err(e) if e.is_transient() => {
-            tracing::warn!(consumer, error = %e, delivered, "past its delivery limits while Postgres is unreachable: retrying, not dead-lettering");
+            tracing::warn!(consumer, error = %e, delivered, "past its delivery limits while Postgres cannot take writes: retrying, not dead-lettering");
             Some(Disposition::Nak(backoff(delivered)))
         }
         _ => None,

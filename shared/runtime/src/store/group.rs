@@ -150,10 +150,11 @@ async fn write(pool: &Pool, batch: Vec<Pending>) {
                 let _ = p.reply.send(Ok(moved.contains(&(i as i64 + 1))));
             }
         }
-        Err(e) if batch.len() == 1 || (e.is_transient() && !e.is_statement_timeout()) => {
+        Err(e) if batch.len() == 1 || (e.is_transient() && !e.may_be_one_row()) => {
             // Alone, the answer is its own; together and Postgres unreachable or busy, every
-            // caller retries later anyway. A statement that ran out of time is most likely
-            // one run's row locked elsewhere: the others go on alone, below.
+            // caller retries later anyway. A statement that ran out of time (or was refused a
+            // lock) is most likely one run's row locked elsewhere, an internal error maybe one
+            // corrupt row: the others go on alone, below.
             let why = e.to_string();
             let mut batch = batch.into_iter();
             if let Some(p) = batch.next() {

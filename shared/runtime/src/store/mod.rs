@@ -55,6 +55,13 @@ impl StoreError {
         matches!(self, StoreError::Query(e) if e.code() == Some(&tokio_postgres::error::SqlState::QUERY_CANCELED))
     }
 
+    /// A failure that may come from one transition of a group alone (its row locked elsewhere
+    /// past the statement or lock timeout, a corrupt row): the others are committed one by one.
+    pub fn may_be_one_row(&self) -> bool {
+        self.is_statement_timeout()
+            || matches!(self, StoreError::Query(e) if e.code().is_some_and(|c| c.code() == "55P03" || c.code().starts_with("XX")))
+    }
+
     /// A retry later may succeed (connection lost, pool exhausted, serialization failure, a
     /// server that turned read-only in a failover, an I/O or internal error of the server).
     /// What is left is about the statement or its data (a constraint, a value Postgres cannot

@@ -178,4 +178,21 @@ impl Store {
         client.query_one("SELECT 1", &[]).await?;
         Ok(())
     }
+
+    /// Whether Postgres takes writes now: reachable, and not read-only (a standby, a primary
+    /// demoted by a failover, a read-only default answer `SELECT 1` but refuse every write).
+    /// Read-only is `StoreError::Unavailable`: transient, an outage for writers.
+    pub async fn writable(&self) -> Result<(), StoreError> {
+        let client = self.client().await?;
+        let read_only: bool = client
+            .query_one("SELECT pg_is_in_recovery() OR current_setting('transaction_read_only') = 'on'", &[])
+            .await?
+            .get(0);
+        if read_only {
+            return Err(StoreError::Unavailable(
+                "Postgres is read-only (a standby, or a primary demoted by a failover): writes wait".into(),
+            ));
+        }
+        Ok(())
+    }
 }
