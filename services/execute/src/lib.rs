@@ -6,7 +6,7 @@ use pitcrew_exec::{BeforeStart, CommandOutput, ExecError};
 use pitcrew_model::run::MAX_OUTPUT;
 use pitcrew_model::{ApprovalStatus, EventKind, ExecutionRecord, ExecutionStatus, RunState, ServiceSpec, Stage};
 use pitcrew_runtime::store::{Claim, TargetLock};
-use pitcrew_runtime::{Cx, StageError, StageHandler, Transition, WaitNote};
+use pitcrew_runtime::{Cx, StageError, StageHandler, Store, StoreError, Transition, WaitNote};
 use std::collections::BTreeMap;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -103,9 +103,6 @@ fn straggler_deadline(cfg: &pitcrew_runtime::Config) -> Duration {
 /// delivery records it interrupted: ample time to record it.
 const SKIP_GONE_AFTER: Duration = Duration::from_secs(30);
 
-/// What the start hook says when the worker began to stop while a command waited for its turn.
-const STOPPED_BEFORE_START: &str = "the worker began to stop while the command waited for its turn";
-
 /// A command that starts this long after its claim records its start (the time it is surely
 /// gone by moves with it); a sooner start is inside `STRAGGLER_GRACE`.
 const LATE_START: Duration = Duration::from_secs(1);
@@ -114,6 +111,45 @@ const LATE_START: Duration = Duration::from_secs(1);
 /// pull the worker may still have out (1 s), so it goes to another worker.
 fn hand_over(why: String) -> StageError {
     StageError::Wait { why, retry: Duration::from_secs(2), note: Some(WaitNote::Stopping) }
+}
+
+/// How long a command's end is retried while Postgres cannot take it (an outage, a failover)
+/// before the step gives up on it: its claim is then left unfinished, and recorded interrupted
+/// by a later delivery (outcome unknown; verify decides). The message's progress acks keep it
+/// from being redelivered meanwhile; a stopping worker's drain deadline cuts it short.
+const FINISH_RETRY_LIMIT: Duration = Duration::from_secs(120);
+
+/// Record how a command that ran ended (`Store::finish_execution`), retrying for up to
+/// `FINISH_RETRY_LIMIT` while Postgres cannot take it: the result is known here and nowhere
+/// else, so a short outage must not turn a command that succeeded into one whose outcome is
+/// unknown.
+async fn finish(store: &Store, run: Uuid, rec: &ExecutionRecord) -> Result<bool, StoreError> {
+    let began = Instant::now();
+    let mut wait = Duration::from_millis(500);
+    let mut retried = false;
+    loop {
+        match store.finish_execution(run, rec).await {
+            Err(e) if e.is_transient() && began.elapsed() + wait < FINISH_RETRY_LIMIT => {
+                tracing::warn!(
+                    run = %run, attempt = rec.attempt, index = rec.index, status = ?rec.status, error = %e,
+                    retry_in_ms = wait.as_millis() as u64,
+                    "cannot record how the command ended: retrying (it ran; its result is known only here)"
+                );
+                tokio::time::sleep(wait).await;
+                wait = (wait * 2).min(Duration::from_secs(5));
+                retried = true;
+            }
+            // A write that landed as its connection failed finds its own record on the retry:
+            // recorded, not taken over.
+            Ok(false) if retried => {
+                return Ok(matches!(
+                    store.execution_claim(run, rec.attempt, rec.index).await?,
+                    Some(Claim::Finished(found)) if found.status == rec.status && found.exit_code == rec.exit_code
+                ));
+            }
+            done => return done,
+        }
+    }
 }
 
 /// Whether this attempt's diagnosis saw the service's health check fail.
@@ -419,7 +455,7 @@ impl StageHandler for Execute {
                                     // Not if the worker began to stop since the look before
                                     // the claim (a turn on its host, a connection, a signal).
                                     if stopping.left().is_some_and(|left| left < gone_after) {
-                                        return Err(STOPPED_BEFORE_START.into());
+                                        return Err("the worker began to stop while the command waited".into());
                                     }
                                     if claimed_at.elapsed() <= LATE_START {
                                         return Ok(());
@@ -450,10 +486,13 @@ impl StageHandler for Execute {
                                 Err(ExecError::Transient(e)) => {
                                     // Nothing ran: release the claim so the retry can run it.
                                     store.release_execution(state.run_id, state.attempt, index).await?;
-                                    if e == STOPPED_BEFORE_START {
+                                    // A worker stopping now (its start hook saw it, or the
+                                    // wait for a connection failed as it stopped) leaves the
+                                    // plan to another, as before the claim.
+                                    if cx.deps.stopping.left().is_some_and(|left| left < gone_after) {
                                         return Err(hand_over(format!(
-                                            "worker {} began to stop while command {index} of the plan waited for \
-                                             its turn on {}: it and the rest run on another worker",
+                                            "worker {} began to stop before command {index} of the plan started on \
+                                             {} ({e}): it and the rest run on another worker",
                                             cx.deps.worker, spec.host
                                         )));
                                     }
@@ -470,7 +509,7 @@ impl StageHandler for Execute {
                                 },
                             }
                         };
-                        if !store.finish_execution(state.run_id, &rec).await? {
+                        if !finish(&store, state.run_id, &rec).await? {
                             // Another delivery marked it interrupted while it ran, skipped the
                             // rest and moved the run on: running on would run commands the run
                             // recorded as not run. The retry finds this step decided.

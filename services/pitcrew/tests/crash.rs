@@ -198,10 +198,11 @@ async fn check_batch(crew: &Crew) -> anyhow::Result<i64> {
         let inside = lines.get(&tag).map_or(0, |at| at.iter().filter(|t| (from..=to).contains(*t)).count());
         let what = format!("{tag} (run {run}, attempt {attempt}, command {idx}, {status:?}) ran {inside} times");
         match status.as_str() {
-            "succeeded" | "failed" | "timed_out" => assert_eq!(inside, 1, "{what}"),
-            "interrupted" => {
+            "succeeded" | "failed" => assert_eq!(inside, 1, "{what}"),
+            // Killed at its deadline, maybe before it wrote its line (a slow start).
+            "timed_out" | "interrupted" => {
                 assert!(inside <= 1, "{what}");
-                interrupted += 1;
+                interrupted += i64::from(status == "interrupted");
             }
             _ => assert_eq!(inside, 0, "{what}"),
         }
@@ -369,9 +370,9 @@ fn naps(secs: &str) -> usize {
     dir.filter_map(|e| std::fs::read(e.ok()?.path().join("cmdline")).ok()).filter(|c| c == line.as_bytes()).count()
 }
 
-/// A crew with no stage of its own whose one service needs the nap of `secs`, under `limits`.
-async fn napping(secs: &str, limits: &str) -> anyhow::Result<Crew> {
-    let env = TestEnv::start().await?;
+/// A crew in `env` with no stage of its own whose one service needs the nap of `secs`, under
+/// `limits`.
+async fn napping(env: TestEnv, secs: &str, limits: &str) -> anyhow::Result<Crew> {
     let book = common::write(&env, "playbook.toml", &nap_playbook(secs));
     let text = format!("{limits}[reasoning]\nplaybook_file = \"{book}\"\n{}", common::marker_service(&env, "svc"));
     Crew::start_in(env, &text, &[]).await
@@ -424,7 +425,7 @@ async fn sigterm(w: &mut Worker, within: Duration) -> anyhow::Result<Duration> {
 async fn a_worker_past_its_drain_deadline_hands_its_run_on_at_once() -> anyhow::Result<()> {
     // Longer than its timeout: whenever the SIGTERM comes, the drain cuts it.
     const NAP: &str = "30.73";
-    let mut crew = napping(NAP, "[limits]\ncommand_timeout_secs = 8\n").await?;
+    let mut crew = napping(TestEnv::start().await?, NAP, "[limits]\ncommand_timeout_secs = 8\n").await?;
     let stages = all_stages();
     let mut w0 = crew.spawn_worker("w0", &stages, &[("PITCREW_STAGES__DRAIN_SECS", "1")])?;
     let run = crew.open("svc", "svc needs a nap").await?;
@@ -474,7 +475,8 @@ async fn a_worker_past_its_drain_deadline_hands_its_run_on_at_once() -> anyhow::
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stopping_worker_starts_no_command_its_drain_might_cut_short() -> anyhow::Result<()> {
     const NAP: &str = "1.37";
-    let mut crew = napping(NAP, "[limits]\ncommand_timeout_secs = 5\n[stages]\ndrain_secs = 3\n").await?;
+    let mut crew =
+        napping(TestEnv::start().await?, NAP, "[limits]\ncommand_timeout_secs = 5\n[stages]\ndrain_secs = 3\n").await?;
     let stages = all_stages();
     let mut w0 = crew.spawn_worker("w0", &stages, &[])?;
     let run = crew.open("svc", "svc needs a nap").await?;
@@ -560,7 +562,7 @@ async fn an_outage_longer_than_the_delivery_limits_dead_letters_nothing() -> any
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_stopped_while_nats_is_down_still_exits_and_loses_nothing() -> anyhow::Result<()> {
     const NAP: &str = "30.79";
-    let mut crew = napping(NAP, "[limits]\ncommand_timeout_secs = 8\n").await?;
+    let mut crew = napping(TestEnv::start().await?, NAP, "[limits]\ncommand_timeout_secs = 8\n").await?;
     let stages = all_stages();
     let mut w0 = crew.spawn_worker("w0", &stages, &[("PITCREW_STAGES__DRAIN_SECS", "1")])?;
     let run = crew.open("svc", "svc needs a nap").await?;
@@ -586,5 +588,45 @@ async fn a_worker_stopped_while_nats_is_down_still_exits_and_loses_nothing() -> 
     }
     eprintln!("the run resolved {:.1} s after NATS came back", started.elapsed().as_secs_f64());
     assert_eq!(command_status(&db, run, 0).await?.as_deref(), Some("interrupted"));
+    Ok(())
+}
+
+/// A command that ends while Postgres is down is recorded as it ended once Postgres is back:
+/// its worker knows the result and retries writing it (it used to give up at once, and the
+/// next delivery recorded the command interrupted, outcome unknown, a minute later).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_command_ending_during_a_postgres_outage_is_recorded_as_it_ended() -> anyhow::Result<()> {
+    const NAP: &str = "2.71";
+    let mut pg = pitcrew_testkit::pg::PrivatePostgres::start()?;
+    let crew = napping(TestEnv::start_on(&pg.admin_url()).await?, NAP, "").await?;
+    let _w0 = crew.spawn_worker("w0", &all_stages(), &[])?;
+    let run = crew.open("svc", "svc needs a nap").await?;
+    nap_started(&crew.db().await?, run, NAP).await?;
+    pg.stop();
+    assert!(naps(NAP) > 0, "the nap ended before Postgres was down");
+    let down = Instant::now();
+    while naps(NAP) > 0 {
+        anyhow::ensure!(down.elapsed() < Duration::from_secs(30), "the nap never ended");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // The nap ended with Postgres down; it stays down a while longer.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    pg.restart()?;
+    eprintln!("postgres down for {:.1} s", down.elapsed().as_secs_f64());
+    let db = crew.db().await?;
+    let back = Instant::now();
+    loop {
+        let status: String = db.query_one("SELECT status FROM runs WHERE id = $1", &[&run]).await?.get(0);
+        if status == "resolved" {
+            break;
+        }
+        anyhow::ensure!(back.elapsed() < Duration::from_secs(120), "the run never ended: {status}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    eprintln!("the run resolved {:.1} s after Postgres came back", back.elapsed().as_secs_f64());
+    assert_eq!(command_status(&db, run, 0).await?.as_deref(), Some("succeeded"), "the nap is recorded as it ended");
+    let later: i64 =
+        db.query_one("SELECT count(*) FROM executions WHERE run_id = $1 AND attempt > 1", &[&run]).await?.get(0);
+    assert_eq!(later, 0, "resolved by its first plan");
     Ok(())
 }
