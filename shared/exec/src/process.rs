@@ -9,9 +9,35 @@ use std::sync::mpsc;
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
-/// A free TCP port on loopback (the kernel's choice, released before returning).
+/// A free TCP port on loopback (released before returning), below the kernel's range of
+/// ephemeral ports when there is room: the tests restart servers (nats-server, Postgres) on
+/// their port, and a port in that range may be taken meanwhile by any outgoing connection, or
+/// by a client retrying to reach the server, which then connects to itself (a TCP
+/// self-connect: its local port is the port it dials). Failing that, the kernel's choice.
 pub fn free_port() -> std::io::Result<u16> {
+    let low = ephemeral_ports().map_or(32_768, |(low, _)| low);
+    if low > FIXED_PORTS_FROM + 1_000 {
+        use std::hash::BuildHasher;
+        let random = std::collections::hash_map::RandomState::new();
+        for i in 0..64u64 {
+            let pick = random.hash_one((i, std::time::SystemTime::now()));
+            let port = FIXED_PORTS_FROM + (pick % u64::from(low - FIXED_PORTS_FROM)) as u16;
+            if let Ok(l) = TcpListener::bind(("127.0.0.1", port)) {
+                return Ok(l.local_addr()?.port());
+            }
+        }
+    }
     Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+/// Ports `free_port` picks from, up to the ephemeral range (clear of well-known services).
+const FIXED_PORTS_FROM: u16 = 10_000;
+
+/// The kernel's range of ephemeral ports (`net.ipv4.ip_local_port_range`).
+fn ephemeral_ports() -> Option<(u16, u16)> {
+    let text = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range").ok()?;
+    let mut parts = text.split_whitespace().map(|p| p.parse::<u16>().ok());
+    Some((parts.next()??, parts.next()??))
 }
 
 /// The uid and gid of the account `user` (from `id`).
@@ -172,6 +198,9 @@ mod tests {
         assert!(account_ids("no-such-user-pitcrew").unwrap_err().contains("no such user"));
         let port = free_port().unwrap();
         assert!(!listening(port));
+        if let Some((low, _)) = ephemeral_ports().filter(|(low, _)| *low > FIXED_PORTS_FROM + 1_000) {
+            assert!((FIXED_PORTS_FROM..low).contains(&port), "{port} is not below the ephemeral range ({low})");
+        }
         let _ = std::fs::remove_dir_all(dir);
     }
 }
