@@ -399,6 +399,20 @@ async fn nap_started(db: &tokio_postgres::Client, run: uuid::Uuid, secs: &str) -
     Ok(())
 }
 
+/// Wait (up to 120 s, polling Postgres: the bus may have been down) until `run` resolved; how
+/// long it took.
+async fn resolved(db: &tokio_postgres::Client, run: uuid::Uuid) -> anyhow::Result<Duration> {
+    let started = Instant::now();
+    loop {
+        let status: String = db.query_one("SELECT status FROM runs WHERE id = $1", &[&run]).await?.get(0);
+        if status == "resolved" {
+            return Ok(started.elapsed());
+        }
+        anyhow::ensure!(started.elapsed() < Duration::from_secs(120), "run {run} never resolved: {status}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
 /// SIGTERM `w` and wait (up to `within`) for it to exit 0; how long it took.
 async fn sigterm(w: &mut Worker, within: Duration) -> anyhow::Result<Duration> {
     // SAFETY: kill(2) on our own child's pid.
@@ -577,16 +591,8 @@ async fn a_worker_stopped_while_nats_is_down_still_exits_and_loses_nothing() -> 
 
     crew.env.nats.restart()?;
     let _w1 = crew.spawn_worker("w1", &stages, &[])?;
-    let started = Instant::now();
-    loop {
-        let status: String = db.query_one("SELECT status FROM runs WHERE id = $1", &[&run]).await?.get(0);
-        if status == "resolved" {
-            break;
-        }
-        anyhow::ensure!(started.elapsed() < Duration::from_secs(120), "the run held at the stop never ended: {status}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    eprintln!("the run resolved {:.1} s after NATS came back", started.elapsed().as_secs_f64());
+    let took = resolved(&db, run).await?;
+    eprintln!("the run resolved {:.1} s after NATS came back", took.as_secs_f64());
     assert_eq!(command_status(&db, run, 0).await?.as_deref(), Some("interrupted"));
     Ok(())
 }
@@ -614,16 +620,8 @@ async fn a_command_ending_during_a_postgres_outage_is_recorded_as_it_ended() -> 
     pg.restart()?;
     eprintln!("postgres down for {:.1} s", down.elapsed().as_secs_f64());
     let db = crew.db().await?;
-    let back = Instant::now();
-    loop {
-        let status: String = db.query_one("SELECT status FROM runs WHERE id = $1", &[&run]).await?.get(0);
-        if status == "resolved" {
-            break;
-        }
-        anyhow::ensure!(back.elapsed() < Duration::from_secs(120), "the run never ended: {status}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    eprintln!("the run resolved {:.1} s after Postgres came back", back.elapsed().as_secs_f64());
+    let took = resolved(&db, run).await?;
+    eprintln!("the run resolved {:.1} s after Postgres came back", took.as_secs_f64());
     assert_eq!(command_status(&db, run, 0).await?.as_deref(), Some("succeeded"), "the nap is recorded as it ended");
     let later: i64 =
         db.query_one("SELECT count(*) FROM executions WHERE run_id = $1 AND attempt > 1", &[&run]).await?.get(0);
