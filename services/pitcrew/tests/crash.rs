@@ -399,6 +399,17 @@ async fn nap_started(db: &tokio_postgres::Client, run: uuid::Uuid, secs: &str) -
     Ok(())
 }
 
+/// A run whose nap (`secs`, longer than its 8 s timeout) runs on worker `w0`, whose drain is
+/// 1 s: a SIGTERM cuts the nap short. The crew, the worker, the run and a Postgres client.
+async fn cut_by_the_drain(secs: &str) -> anyhow::Result<(Crew, Worker, uuid::Uuid, tokio_postgres::Client)> {
+    let crew = napping(TestEnv::start().await?, secs, "[limits]\ncommand_timeout_secs = 8\n").await?;
+    let w0 = crew.spawn_worker("w0", &all_stages(), &[("PITCREW_STAGES__DRAIN_SECS", "1")])?;
+    let run = crew.open("svc", "svc needs a nap").await?;
+    let db = crew.db().await?;
+    nap_started(&db, run, secs).await?;
+    Ok((crew, w0, run, db))
+}
+
 /// Wait (up to 120 s, polling Postgres: the bus may have been down) until `run` resolved; how
 /// long it took.
 async fn resolved(db: &tokio_postgres::Client, run: uuid::Uuid) -> anyhow::Result<Duration> {
@@ -439,12 +450,8 @@ async fn sigterm(w: &mut Worker, within: Duration) -> anyhow::Result<Duration> {
 async fn a_worker_past_its_drain_deadline_hands_its_run_on_at_once() -> anyhow::Result<()> {
     // Longer than its timeout: whenever the SIGTERM comes, the drain cuts it.
     const NAP: &str = "30.73";
-    let mut crew = napping(TestEnv::start().await?, NAP, "[limits]\ncommand_timeout_secs = 8\n").await?;
+    let (mut crew, mut w0, run, db) = cut_by_the_drain(NAP).await?;
     let stages = all_stages();
-    let mut w0 = crew.spawn_worker("w0", &stages, &[("PITCREW_STAGES__DRAIN_SECS", "1")])?;
-    let run = crew.open("svc", "svc needs a nap").await?;
-    let db = crew.db().await?;
-    nap_started(&db, run, NAP).await?;
     let exited = sigterm(&mut w0, Duration::from_secs(15)).await?;
     assert!(exited >= Duration::from_secs(1), "exited before its drain deadline: {exited:?}");
     assert_eq!(naps(NAP), 0, "the command was killed with the worker");
@@ -576,12 +583,8 @@ async fn an_outage_longer_than_the_delivery_limits_dead_letters_nothing() -> any
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_stopped_while_nats_is_down_still_exits_and_loses_nothing() -> anyhow::Result<()> {
     const NAP: &str = "30.79";
-    let mut crew = napping(TestEnv::start().await?, NAP, "[limits]\ncommand_timeout_secs = 8\n").await?;
+    let (mut crew, mut w0, run, db) = cut_by_the_drain(NAP).await?;
     let stages = all_stages();
-    let mut w0 = crew.spawn_worker("w0", &stages, &[("PITCREW_STAGES__DRAIN_SECS", "1")])?;
-    let run = crew.open("svc", "svc needs a nap").await?;
-    let db = crew.db().await?;
-    nap_started(&db, run, NAP).await?;
     crew.env.nats.kill();
     let exited = sigterm(&mut w0, Duration::from_secs(20)).await?;
     assert!(exited >= Duration::from_secs(1), "exited before its drain deadline: {exited:?}");
