@@ -11,7 +11,7 @@ use pitcrew_llm::{OpenAi, Playbook, Reasoner};
 use pitcrew_model::Stage;
 use pitcrew_runtime::consume::{consume, Remake};
 use pitcrew_runtime::runner::StageRunner;
-use pitcrew_runtime::{Bus, BusError, Config, Deps, StageHandler, Stopping, Store};
+use pitcrew_runtime::{Bus, BusError, Config, Deps, StageHandler, Stopping, Store, StoreError};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::task::JoinSet;
@@ -67,6 +67,33 @@ pub async fn connect(cfg: &Config) -> anyhow::Result<(Bus, Store)> {
     Ok((bus, store))
 }
 
+/// As `connect`, for a process that runs until told to stop: while NATS or Postgres cannot be
+/// reached (they start after it, or are down), it says so and tries again, backing off up to
+/// 15 s, instead of exiting (a supervisor's restarts back off far longer, minutes under
+/// Kubernetes, after they are back). A login refused, a bad config or a server without
+/// JetStream still fail at once. `None` when `shutdown` came first.
+pub async fn connect_patiently(cfg: &Config, shutdown: &Shutdown) -> anyhow::Result<Option<(Bus, Store)>> {
+    let mut wait = Duration::from_secs(1);
+    for tries in 1u32.. {
+        let e = match connect(cfg).await {
+            Ok(connected) => return Ok(Some(connected)),
+            Err(e) => e,
+        };
+        let unreachable = e.downcast_ref::<BusError>().is_some_and(BusError::is_unreachable)
+            || e.downcast_ref::<StoreError>().is_some_and(StoreError::is_transient);
+        if !unreachable {
+            return Err(e);
+        }
+        tracing::warn!(error = %format!("{e:#}"), tries, retry_in_secs = wait.as_secs(), "waiting for NATS and Postgres");
+        tokio::select! {
+            _ = shutdown.clone() => return Ok(None),
+            _ = tokio::time::sleep(wait) => {}
+        }
+        wait = (wait * 2).min(Duration::from_secs(15));
+    }
+    unreachable!("tries never runs out")
+}
+
 /// How a crew consumer is made again when the server lost it: the streams first (a
 /// nats-server restarted without its store has none), then the consumer.
 fn remaking<F, Fut>(bus: &Bus, make: F) -> Remake
@@ -89,7 +116,10 @@ where
 pub async fn run(cfg: Config, stages: &[Stage], shutdown: Shutdown) -> anyhow::Result<()> {
     let (playbook, policy) = providers(&cfg)?;
     let reasoner = reasoner(&cfg, playbook)?;
-    let (bus, store) = connect(&cfg).await?;
+    let Some((bus, store)) = connect_patiently(&cfg, &shutdown).await? else {
+        tracing::info!("stopped before NATS and Postgres could be reached");
+        return Ok(());
+    };
     let cfg = Arc::new(cfg);
     let deps = Arc::new(Deps {
         worker: cfg.worker(),

@@ -410,16 +410,32 @@ async fn cut_by_the_drain(secs: &str) -> anyhow::Result<(Crew, Worker, uuid::Uui
     Ok((crew, w0, run, db))
 }
 
+/// Wait (up to 30 s) until `w`'s log holds `line`, failing if `w` exits first.
+async fn logged(w: &mut Worker, line: &str) -> anyhow::Result<()> {
+    let started = Instant::now();
+    loop {
+        let log = std::fs::read_to_string(&w.log)?;
+        if log.contains(line) {
+            return Ok(());
+        }
+        anyhow::ensure!(w.child.try_wait()?.is_none(), "the worker exited: {log}");
+        anyhow::ensure!(started.elapsed() < Duration::from_secs(30), "no {line:?} in 30 s: {log}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
 /// Wait (up to 120 s, polling Postgres: the bus may have been down) until `run` resolved; how
 /// long it took.
 async fn resolved(db: &tokio_postgres::Client, run: uuid::Uuid) -> anyhow::Result<Duration> {
     let started = Instant::now();
     loop {
-        let status: String = db.query_one("SELECT status FROM runs WHERE id = $1", &[&run]).await?.get(0);
-        if status == "resolved" {
+        // No row yet: intake has not opened the run.
+        let status: Option<String> =
+            db.query_opt("SELECT status FROM runs WHERE id = $1", &[&run]).await?.map(|r| r.get(0));
+        if status.as_deref() == Some("resolved") {
             return Ok(started.elapsed());
         }
-        anyhow::ensure!(started.elapsed() < Duration::from_secs(120), "run {run} never resolved: {status}");
+        anyhow::ensure!(started.elapsed() < Duration::from_secs(120), "run {run} never resolved: {status:?}");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
@@ -629,5 +645,40 @@ async fn a_command_ending_during_a_postgres_outage_is_recorded_as_it_ended() -> 
     let later: i64 =
         db.query_one("SELECT count(*) FROM executions WHERE run_id = $1 AND attempt > 1", &[&run]).await?.get(0);
     assert_eq!(later, 0, "resolved by its first plan");
+    Ok(())
+}
+
+/// A worker started while NATS and Postgres are both down (started after it, or in an outage)
+/// waits for them, saying so, instead of exiting; once they are up it serves.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_started_before_nats_and_postgres_waits_for_them() -> anyhow::Result<()> {
+    let mut pg = pitcrew_testkit::pg::PrivatePostgres::start()?;
+    let env = TestEnv::start_on(&pg.admin_url()).await?;
+    let svc = common::marker_service(&env, "svc");
+    let mut crew = Crew::start_in(env, &svc, &[]).await?;
+    crew.env.nats.kill();
+    pg.stop();
+    let mut w0 = crew.spawn_worker("w0", &all_stages(), &[])?;
+    logged(&mut w0, "waiting for NATS and Postgres error=cannot reach NATS").await?;
+    crew.env.nats.restart()?;
+    // Its next try gets past NATS.
+    logged(&mut w0, "waiting for NATS and Postgres error=cannot reach Postgres").await?;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    anyhow::ensure!(w0.child.try_wait()?.is_none(), "the worker exited: {}", std::fs::read_to_string(&w0.log)?);
+    pg.restart()?;
+    // The test's own client reconnects to the restarted server on its own.
+    let started = Instant::now();
+    let run = loop {
+        match crew.open("svc", "GET /health: connection refused").await {
+            Ok(run) => break run,
+            Err(e) if started.elapsed() < Duration::from_secs(30) => {
+                eprintln!("cannot open the incident yet: {e:#}");
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+            Err(e) => return Err(e),
+        }
+    };
+    let took = resolved(&crew.db().await?, run).await?;
+    eprintln!("the worker that waited resolved a run {:.1} s after it was opened", took.as_secs_f64());
     Ok(())
 }

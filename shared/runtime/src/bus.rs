@@ -33,9 +33,21 @@ pub enum BusError {
     Publish { subject: String, error: String },
 }
 
+impl BusError {
+    /// No server answered (down, not started yet, unreachable): worth waiting for, unlike a
+    /// login the server refused or a server without JetStream.
+    pub fn is_unreachable(&self) -> bool {
+        matches!(self, BusError::Connect { error, .. } if !login_refused(error))
+    }
+}
+
+fn login_refused(error: &str) -> bool {
+    error.contains("authorization violation") || error.contains("authentication")
+}
+
 /// What to check when connecting failed.
 fn connect_hint(error: &str) -> &'static str {
-    if error.contains("authorization violation") || error.contains("authentication") {
+    if login_refused(error) {
         "the server refused the login: check the user and password (or token) in the NATS URL"
     } else {
         "is nats-server running?"
