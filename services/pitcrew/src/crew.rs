@@ -75,7 +75,11 @@ pub async fn connect(cfg: &Config) -> anyhow::Result<(Bus, Store)> {
 pub async fn connect_patiently(cfg: &Config, shutdown: &Shutdown) -> anyhow::Result<Option<(Bus, Store)>> {
     let mut wait = Duration::from_secs(1);
     for tries in 1u32.. {
-        let e = match connect(cfg).await {
+        let tried = tokio::select! {
+            _ = shutdown.clone() => return Ok(None),
+            tried = connect(cfg) => tried,
+        };
+        let e = match tried {
             Ok(connected) => return Ok(Some(connected)),
             Err(e) => e,
         };

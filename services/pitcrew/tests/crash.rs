@@ -309,7 +309,8 @@ async fn postgres_down_for_ten_seconds_mid_batch_loses_nothing_and_repeats_nothi
     eprintln!("postgres back at {:.1} s", started.elapsed().as_secs_f64());
     wait_finished(&crew.db().await?, N, started, "batch not done after the outage").await?;
     eprintln!("batch done in {:.1} s", started.elapsed().as_secs_f64());
-    check_batch(&crew).await?;
+    let cut = check_batch(&crew).await?;
+    assert_eq!(cut, 0, "a command that ran through the outage is recorded as it ended, not interrupted");
     // The steps retried through the outage say so where they start in their timelines; a
     // first delivery has no such line.
     let rows = crew
@@ -621,7 +622,7 @@ async fn a_worker_stopped_while_nats_is_down_still_exits_and_loses_nothing() -> 
 /// next delivery recorded the command interrupted, outcome unknown, a minute later).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_command_ending_during_a_postgres_outage_is_recorded_as_it_ended() -> anyhow::Result<()> {
-    const NAP: &str = "2.71";
+    const NAP: &str = "4.71";
     let mut pg = pitcrew_testkit::pg::PrivatePostgres::start()?;
     let crew = napping(TestEnv::start_on(&pg.admin_url()).await?, NAP, "").await?;
     let _w0 = crew.spawn_worker("w0", &all_stages(), &[])?;
@@ -680,5 +681,28 @@ async fn a_worker_started_before_nats_and_postgres_waits_for_them() -> anyhow::R
     };
     let took = resolved(&crew.db().await?, run).await?;
     eprintln!("the worker that waited resolved a run {:.1} s after it was opened", took.as_secs_f64());
+    Ok(())
+}
+
+/// ... but a login Postgres refuses stops it at once, saying what to check: waiting would not
+/// mend it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_whose_postgres_login_is_refused_stops_at_once() -> anyhow::Result<()> {
+    let crew = Crew::start_in(TestEnv::start().await?, "", &[]).await?;
+    let url = crew.cfg.database.url.replacen("://postgres@", "://pitcrew-no-such-role@", 1);
+    anyhow::ensure!(url != crew.cfg.database.url, "the test database URL names no postgres user: {url}");
+    let mut w0 = crew.spawn_worker("w0", &all_stages(), &[("PITCREW_DATABASE__URL", &url)])?;
+    let started = Instant::now();
+    let status = loop {
+        if let Some(status) = w0.child.try_wait()? {
+            break status;
+        }
+        anyhow::ensure!(started.elapsed() < Duration::from_secs(30), "the worker is still waiting");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let log = std::fs::read_to_string(&w0.log)?;
+    assert!(!status.success(), "{status}: {log}");
+    assert!(log.contains("refused the connection") && log.contains("check the user"), "{log}");
+    assert!(!log.contains("waiting for NATS and Postgres"), "{log}");
     Ok(())
 }

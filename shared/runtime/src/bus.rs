@@ -34,10 +34,25 @@ pub enum BusError {
 }
 
 impl BusError {
-    /// No server answered (down, not started yet, unreachable): worth waiting for, unlike a
-    /// login the server refused or a server without JetStream.
+    /// No server answered, or JetStream was not ready yet (a server still starting, a cluster
+    /// electing its leader, a connection lost between connect and set-up): worth waiting for,
+    /// unlike a login the server refused, a URL that does not parse, TLS, or a server without
+    /// JetStream.
     pub fn is_unreachable(&self) -> bool {
-        matches!(self, BusError::Connect { error, .. } if !login_refused(error))
+        let said = |error: &str, signs: &[&str]| {
+            let error = error.to_lowercase();
+            signs.iter().any(|s| error.contains(s))
+        };
+        match self {
+            BusError::Connect { error, .. } => {
+                !login_refused(error) && said(error, &["io error", "timed out", "no answer", "dns"])
+            }
+            BusError::Setup { error, .. } => said(
+                error,
+                &["timed out", "timeout", "no responders", "503", "temporarily unavailable", "disconnected"],
+            ),
+            BusError::Publish { .. } => false,
+        }
     }
 }
 
@@ -358,5 +373,28 @@ mod tests {
         assert_eq!(url_credentials("127.0.0.1:4222"), None);
         assert_eq!(url_credentials("nats://@nats:4222"), None);
         assert_eq!(percent_decode("100%"), "100%");
+    }
+
+    /// What the real client says when nothing listens, or the URL is bad: only the first is
+    /// worth waiting for at start-up.
+    #[tokio::test]
+    async fn only_a_server_that_did_not_answer_is_worth_waiting_for() {
+        let port = crate::natsd::free_port().unwrap();
+        let connect = |url: String| async move {
+            let mut cfg = Config::from_toml("").unwrap();
+            cfg.nats.url = url;
+            cfg.nats.connect_timeout_secs = 2;
+            Bus::connect(&cfg).await.err().expect("no server there")
+        };
+        let down = connect(format!("nats://127.0.0.1:{port}")).await;
+        assert!(down.is_unreachable(), "{down}");
+        let bad = connect("nats://127.0.0.1:notaport".into()).await;
+        assert!(!bad.is_unreachable(), "{bad}");
+        let setup = |error: &str| BusError::Setup { what: "stream X".into(), error: error.into() };
+        assert!(setup("timed out: didn't receive any response").is_unreachable());
+        assert!(setup("jetstream error: JetStream system temporarily unavailable (code 503)").is_unreachable());
+        assert!(!setup("stream name already in use with a different configuration").is_unreachable());
+        let refused = BusError::Connect { url: "nats://x".into(), error: "authorization violation".into() };
+        assert!(!refused.is_unreachable());
     }
 }

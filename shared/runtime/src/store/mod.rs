@@ -22,11 +22,18 @@ use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
 use std::time::Duration;
 use tokio_postgres::NoTls;
 
-/// What went wrong with Postgres. Every variant but `Config` and `Migration` is worth a retry.
+/// What went wrong with Postgres. Every variant but `Refused`, `Config` and `Migration` is
+/// worth a retry.
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
     #[error("cannot reach Postgres at {url}: {error} (is PostgreSQL running? set DATABASE_URL)")]
     Connect { url: String, error: String },
+    /// Postgres answered and refused: a login (SQLSTATE class 28), a database that is not
+    /// there and cannot be made (3D, or the creation refused). Not worth waiting for.
+    #[error(
+        "Postgres at {url} refused the connection: {error} (check the user, password and database in DATABASE_URL)"
+    )]
+    Refused { url: String, error: String },
     #[error("database unavailable: {0}")]
     Unavailable(String),
     #[error("database error: {}", said(.0))]
@@ -46,8 +53,19 @@ fn said(e: &tokio_postgres::Error) -> String {
 }
 
 impl StoreError {
-    pub(crate) fn connect(url: &str, e: impl std::fmt::Display) -> Self {
-        StoreError::Connect { url: redact_url(url), error: e.to_string() }
+    /// Connecting to `url` failed with `e`: unreachable (worth a retry), or refused.
+    pub(crate) fn connect(url: &str, e: StoreError) -> Self {
+        let refused = match &e {
+            StoreError::Config(_) | StoreError::Migration(_) | StoreError::Refused { .. } => true,
+            StoreError::Query(q) => q.code().is_some_and(|c| c.code().starts_with("28") || c.code().starts_with("3D")),
+            _ => false,
+        };
+        let (url, error) = (redact_url(url), e.to_string());
+        if refused {
+            StoreError::Refused { url, error }
+        } else {
+            StoreError::Connect { url, error }
+        }
     }
 
     /// Postgres cancelled the statement at `statement_timeout` (SQLSTATE 57014).
@@ -83,7 +101,7 @@ impl StoreError {
                             || code == "55P03"
                     })
             }
-            StoreError::Config(_) | StoreError::Migration(_) => false,
+            StoreError::Config(_) | StoreError::Migration(_) | StoreError::Refused { .. } => false,
         }
     }
 }
