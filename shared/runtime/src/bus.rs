@@ -44,8 +44,11 @@ impl BusError {
             signs.iter().any(|s| error.contains(s))
         };
         match self {
+            // A TLS handshake refused reads "IO error: invalid peer certificate ..." too.
             BusError::Connect { error, .. } => {
-                !login_refused(error) && said(error, &["io error", "timed out", "no answer", "dns"])
+                !login_refused(error)
+                    && said(error, &["io error", "timed out", "no answer", "dns"])
+                    && !said(error, &["certificate", "tls", "ssl", "handshake"])
             }
             BusError::Setup { error, .. } => said(
                 error,
@@ -57,6 +60,7 @@ impl BusError {
 }
 
 fn login_refused(error: &str) -> bool {
+    let error = error.to_lowercase();
     error.contains("authorization violation") || error.contains("authentication")
 }
 
@@ -396,5 +400,13 @@ mod tests {
         assert!(!setup("stream name already in use with a different configuration").is_unreachable());
         let refused = BusError::Connect { url: "nats://x".into(), error: "authorization violation".into() };
         assert!(!refused.is_unreachable());
+        let tls = BusError::Connect {
+            url: "tls://x".into(),
+            error: "IO error: invalid peer certificate: UnknownIssuer".into(),
+        };
+        assert!(!tls.is_unreachable());
+        let expired =
+            BusError::Connect { url: "nats://x".into(), error: "IO error: -ERR 'User Authentication Expired'".into() };
+        assert!(!expired.is_unreachable());
     }
 }

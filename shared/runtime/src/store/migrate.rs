@@ -92,7 +92,13 @@ pub async fn ensure_database(url: &str) -> Result<(), StoreError> {
             "database '{db}' does not exist, and creating it needs the 'postgres' database: {e}"
         )))
     };
-    let client = connect_within(&admin, limit).await.map_err(missing)?.map_err(|e| missing(StoreError::Query(e)))?;
+    // Refused there (a role that may not connect to it): the database cannot be made. Not
+    // reached (a restart, too many connections): as any connection failure, worth a retry.
+    let client = match connect_within(&admin, limit).await.map_err(failed)? {
+        Ok(client) => client,
+        Err(e) if super::refusal(&e) => return Err(missing(StoreError::Query(e))),
+        Err(e) => return Err(failed(StoreError::Query(e))),
+    };
     let exists = client.query_opt("SELECT 1 FROM pg_database WHERE datname = $1", &[&db]).await?.is_some();
     if !exists {
         if let Err(e) = client.batch_execute(&format!("CREATE DATABASE \"{db}\"")).await {

@@ -29,7 +29,8 @@ pub enum StoreError {
     #[error("cannot reach Postgres at {url}: {error} (is PostgreSQL running? set DATABASE_URL)")]
     Connect { url: String, error: String },
     /// Postgres answered and refused: a login (SQLSTATE class 28), a database that is not
-    /// there and cannot be made (3D, or the creation refused). Not worth waiting for.
+    /// there and cannot be made (3D, or its creation refused), no right to connect (42501).
+    /// Not worth waiting for.
     #[error(
         "Postgres at {url} refused the connection: {error} (check the user, password and database in DATABASE_URL)"
     )]
@@ -42,6 +43,12 @@ pub enum StoreError {
     Config(String),
     #[error("{0}")]
     Migration(String),
+}
+
+/// Postgres answered a connection and refused it: a login (class 28), a database that does not
+/// exist (3D), no CONNECT privilege on it (42501).
+pub(crate) fn refusal(e: &tokio_postgres::Error) -> bool {
+    e.code().is_some_and(|c| c.code().starts_with("28") || c.code().starts_with("3D") || c.code() == "42501")
 }
 
 /// What Postgres said (`tokio_postgres::Error` shows only "db error" for any server error).
@@ -57,7 +64,7 @@ impl StoreError {
     pub(crate) fn connect(url: &str, e: StoreError) -> Self {
         let refused = match &e {
             StoreError::Config(_) | StoreError::Migration(_) | StoreError::Refused { .. } => true,
-            StoreError::Query(q) => q.code().is_some_and(|c| c.code().starts_with("28") || c.code().starts_with("3D")),
+            StoreError::Query(q) => refusal(q),
             _ => false,
         };
         let (url, error) = (redact_url(url), e.to_string());
