@@ -335,24 +335,22 @@ impl StageHandler for Execute {
                     records.push(not_run(state.attempt, index, command, &stop_why));
                     continue;
                 }
-                // A stopping worker starts no command its drain might cut short (its timeout, and
-                // the time to end it and record that): the rest of the plan goes to another worker
-                // (what ran is replayed from its records).
-                if let (true, None, Some(left)) = (at_step, &skip, cx.deps.stopping.left()) {
-                    if left < straggler_deadline(&cfg) {
-                        return Err(hand_over(format!(
-                            "worker {} is stopping ({} s of its drain left, a command may need {} s to end): \
-                             command {index} of the plan and the rest run on another worker",
-                            cx.deps.worker,
-                            left.as_secs(),
-                            straggler_deadline(&cfg).as_secs()
-                        )));
-                    }
-                }
-                let at = AtCommand::enter((state.run_id, state.attempt, index));
                 // A command not to run is gone at once; one to run may be running until its
                 // timeout and the time to end it have passed (moved on if it starts late).
                 let gone_after = if skip.is_some() { SKIP_GONE_AFTER } else { straggler_deadline(&cfg) };
+                // A stopping worker starts no command its drain might cut short (its timeout, and
+                // the time to end it and record that): the rest of the plan goes to another worker
+                // (what ran is replayed from its records).
+                if let (true, None, Some(left)) = (at_step, &skip, cx.deps.stopping.short_of(gone_after)) {
+                    return Err(hand_over(format!(
+                        "worker {} is stopping ({} s of its drain left, a command may need {} s to end): \
+                         command {index} of the plan and the rest run on another worker",
+                        cx.deps.worker,
+                        left.as_secs(),
+                        gone_after.as_secs()
+                    )));
+                }
+                let at = AtCommand::enter((state.run_id, state.attempt, index));
                 let claimed_at = Instant::now();
                 let claim = if at_step {
                     store
@@ -454,7 +452,7 @@ impl StageHandler for Execute {
                                 Box::pin(async move {
                                     // Not if the worker began to stop since the look before
                                     // the claim (a turn on its host, a connection, a signal).
-                                    if stopping.left().is_some_and(|left| left < gone_after) {
+                                    if stopping.short_of(gone_after).is_some() {
                                         return Err("the worker began to stop while the command waited".into());
                                     }
                                     if claimed_at.elapsed() <= LATE_START {
@@ -489,7 +487,7 @@ impl StageHandler for Execute {
                                     // A worker stopping now (its start hook saw it, or the
                                     // wait for a connection failed as it stopped) leaves the
                                     // plan to another, as before the claim.
-                                    if cx.deps.stopping.left().is_some_and(|left| left < gone_after) {
+                                    if cx.deps.stopping.short_of(gone_after).is_some() {
                                         return Err(hand_over(format!(
                                             "worker {} began to stop before command {index} of the plan started on \
                                              {} ({e}): it and the rest run on another worker",

@@ -73,8 +73,9 @@ pub async fn connect(cfg: &Config) -> anyhow::Result<(Bus, Store)> {
 /// Kubernetes, after they are back). A login refused, a bad config or a server without
 /// JetStream still fail at once. `None` when `shutdown` came first.
 pub async fn connect_patiently(cfg: &Config, shutdown: &Shutdown) -> anyhow::Result<Option<(Bus, Store)>> {
-    let mut wait = Duration::from_secs(1);
-    for tries in 1u32.. {
+    let (mut wait, mut tries) = (Duration::from_secs(1), 0u32);
+    loop {
+        tries += 1;
         let tried = tokio::select! {
             _ = shutdown.clone() => return Ok(None),
             tried = connect(cfg) => tried,
@@ -95,7 +96,6 @@ pub async fn connect_patiently(cfg: &Config, shutdown: &Shutdown) -> anyhow::Res
         }
         wait = (wait * 2).min(Duration::from_secs(15));
     }
-    unreachable!("tries never runs out")
 }
 
 /// How a crew consumer is made again when the server lost it: the streams first (a

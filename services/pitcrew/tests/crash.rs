@@ -441,18 +441,24 @@ async fn resolved(db: &tokio_postgres::Client, run: uuid::Uuid) -> anyhow::Resul
     }
 }
 
+/// Wait (up to `within`) for `w` to exit; how, or fail saying `what` did not happen.
+async fn exited(w: &mut Worker, within: Duration, what: &str) -> anyhow::Result<std::process::ExitStatus> {
+    let started = Instant::now();
+    loop {
+        if let Some(status) = w.child.try_wait()? {
+            return Ok(status);
+        }
+        anyhow::ensure!(started.elapsed() < within, "the worker did not exit within {within:?} {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 /// SIGTERM `w` and wait (up to `within`) for it to exit 0; how long it took.
 async fn sigterm(w: &mut Worker, within: Duration) -> anyhow::Result<Duration> {
     // SAFETY: kill(2) on our own child's pid.
     unsafe { libc::kill(w.child.id() as i32, libc::SIGTERM) };
     let asked = Instant::now();
-    let status = loop {
-        if let Some(s) = w.child.try_wait()? {
-            break s;
-        }
-        anyhow::ensure!(asked.elapsed() < within, "the worker did not exit within {within:?} of SIGTERM");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
+    let status = exited(w, within, "of SIGTERM").await?;
     eprintln!("worker exited {status} {:.2} s after SIGTERM", asked.elapsed().as_secs_f64());
     anyhow::ensure!(status.success(), "a stopping worker exits 0: {status}");
     Ok(asked.elapsed())
@@ -537,12 +543,7 @@ async fn a_stopping_worker_starts_no_command_its_drain_might_cut_short() -> anyh
         rows,
         vec![(1, 0, "w0".to_string(), "succeeded".to_string()), (1, 1, "w1".to_string(), "succeeded".to_string())]
     );
-    let timeline: Vec<String> = db
-        .query("SELECT message FROM run_events WHERE run_id = $1 ORDER BY seq, idx", &[&run])
-        .await?
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
+    let timeline = common::texts(&db, "SELECT message FROM run_events WHERE run_id = $1 ORDER BY seq, idx", run).await;
     assert!(
         timeline
             .iter()
@@ -695,14 +696,7 @@ async fn a_worker_whose_postgres_login_is_refused_stops_at_once() -> anyhow::Res
     let host = rest.rsplit_once('@').map_or(rest, |(_, host)| host);
     let url = format!("{scheme}://pitcrew-no-such-role@{host}");
     let mut w0 = crew.spawn_worker("w0", &all_stages(), &[("PITCREW_DATABASE__URL", &url)])?;
-    let started = Instant::now();
-    let status = loop {
-        if let Some(status) = w0.child.try_wait()? {
-            break status;
-        }
-        anyhow::ensure!(started.elapsed() < Duration::from_secs(30), "the worker is still waiting");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
+    let status = exited(&mut w0, Duration::from_secs(30), "of its start: it is still waiting").await?;
     let log = std::fs::read_to_string(&w0.log)?;
     assert!(!status.success(), "{status}: {log}");
     assert!(log.contains("refused the connection") && log.contains("check the user"), "{log}");

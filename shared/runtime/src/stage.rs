@@ -47,6 +47,12 @@ impl Stopping {
     pub fn left(&self) -> Option<std::time::Duration> {
         self.0.get().map(|end| end.saturating_duration_since(std::time::Instant::now()))
     }
+
+    /// What is left of the drain when the process is stopping and that is less than `need`
+    /// (what is about to start might not end by then); `None` otherwise.
+    pub fn short_of(&self, need: std::time::Duration) -> Option<std::time::Duration> {
+        self.left().filter(|left| *left < need)
+    }
 }
 
 /// Where the run goes next.
