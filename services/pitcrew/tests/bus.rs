@@ -36,6 +36,17 @@ async fn held_before_execute() -> anyhow::Result<(Crew, uuid::Uuid)> {
     Ok((crew, run))
 }
 
+/// Wait (up to `WAIT`) until the work-queue `stream` holds nothing: every message consumed.
+async fn emptied(stream: &async_nats::jetstream::stream::Stream) -> anyhow::Result<()> {
+    tokio::time::timeout(WAIT, async {
+        while stream.get_info().await.map(|i| i.state.messages).unwrap_or(1) > 0 {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await?;
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stage_message_delivered_twice_executes_nothing_twice() -> anyhow::Result<()> {
     let (mut crew, run) = held_before_execute().await?;
@@ -64,12 +75,7 @@ async fn a_stage_message_delivered_twice_executes_nothing_twice() -> anyhow::Res
     let end = crew.events.terminal(run, WAIT).await?;
     assert_eq!(end.kind, EventKind::Resolved, "{}", end.message);
     // Wait until the second copy is consumed too (work-queue stream empties).
-    tokio::time::timeout(WAIT, async {
-        while stream.get_info().await.map(|i| i.state.messages).unwrap_or(1) > 0 {
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    })
-    .await?;
+    emptied(&stream).await?;
     let db = crew.db().await?;
     let timeline =
         texts(&db, "SELECT stage || ': ' || message FROM run_events WHERE run_id = $1 ORDER BY seq, idx", run).await;
@@ -134,12 +140,7 @@ async fn a_late_execute_delivery_from_an_earlier_attempt_is_dropped_not_dead_let
     assert_eq!(moved, 1);
     crew.run(&[Stage::Execute]);
     let stream = crew.bus.js.get_stream(crew.bus.subjects.stages_stream()).await?;
-    tokio::time::timeout(WAIT, async {
-        while stream.get_info().await.map(|i| i.state.messages).unwrap_or(1) > 0 {
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    })
-    .await?;
+    emptied(&stream).await?;
     let mut dlq = crew.bus.js.get_stream(crew.bus.subjects.dlq_stream()).await?;
     assert_eq!(dlq.info().await?.state.messages, 0, "nothing dead-lettered");
     assert_eq!(count(&db, "SELECT count(*) FROM executions WHERE run_id = $1", run).await, 0);
