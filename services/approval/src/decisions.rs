@@ -9,6 +9,7 @@ use pitcrew_runtime::consume::{backoff, Disposition, MessageHandler};
 use pitcrew_runtime::runner::{
     apply, dead_letter, delivery, exhausted, header, outage, publish_events, publish_state, ApplyError,
 };
+use pitcrew_runtime::runner::{DECISION_EVENT_BASE, DECISION_EVENT_SPAN};
 use pitcrew_runtime::store::{DecideOutcome, RunStatus, StoreError};
 use pitcrew_runtime::{Bus, BusError, Cx, Deps, Transition};
 use std::future::Future;
@@ -61,9 +62,6 @@ impl From<serde_json::Error> for DecideError {
         DecideError::Permanent(e.to_string())
     }
 }
-
-/// Events about a decision are keyed apart from the stage's own (index >= this).
-const DECISION_EVENT_BASE: u32 = 1000;
 
 impl MessageHandler for Decisions {
     fn name(&self) -> String {
@@ -167,7 +165,7 @@ impl Decisions {
             ApprovalStatus::Waiting { plan_hash, .. } => Some(plan_hash.clone()),
             _ => None,
         };
-        let index = DECISION_EVENT_BASE + (seq % 1_000_000) as u32;
+        let index = DECISION_EVENT_BASE + (seq % u64::from(DECISION_EVENT_SPAN)) as u32;
         let mut cx = Cx::new(&self.deps, Stage::Approval, d.run_id, state.seq, index);
         let Some(plan_hash) = d.plan_hash.clone().or(pending.clone()) else {
             let why = format!("run is not waiting for an approval (it is {})", run.status.as_str());

@@ -11,19 +11,7 @@ pub mod post;
 pub mod secret;
 pub mod slack;
 
-/// A shutdown signal every task can await (the crew's `signals()` is one).
-pub type Shutdown = futures::future::Shared<futures::future::BoxFuture<'static, ()>>;
-
-/// Connect to NATS and Postgres, prepare streams and schema (as every pitcrew process does).
-pub async fn connect(cfg: &pitcrew_runtime::Config) -> anyhow::Result<(pitcrew_runtime::Bus, pitcrew_runtime::Store)> {
-    let bus = pitcrew_runtime::Bus::connect(cfg).await?;
-    bus.ensure_streams().await?;
-    let store = pitcrew_runtime::Store::connect(&cfg.database).await?;
-    if cfg.database.migrate_on_start {
-        store.migrate().await?;
-    }
-    Ok((bus, store))
-}
+pub use pitcrew_runtime::start::Shutdown;
 
 static POSTS: pitcrew_metrics::Counter = pitcrew_metrics::Counter::new(
     "pitcrew_bridge_posts_total",

@@ -20,7 +20,6 @@ use axum::http::{header, Method, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Extension, Json, Router};
-use futures::future::{BoxFuture, Shared};
 use pitcrew_runtime::{Bus, Config, Store};
 use serde_json::json;
 use std::collections::HashMap;
@@ -31,8 +30,7 @@ use tokio::sync::Semaphore;
 /// The OpenAPI document, served at `GET /v1/openapi.json`.
 pub const OPENAPI: &str = include_str!("../../../schemas/openapi.json");
 
-/// A shutdown signal every task can await.
-pub type Shutdown = Shared<BoxFuture<'static, ()>>;
+pub use pitcrew_runtime::start::Shutdown;
 
 /// Everything a request needs.
 pub struct Gateway {
@@ -193,14 +191,13 @@ pub async fn serve(gw: Arc<Gateway>, listener: tokio::net::TcpListener) -> anyho
     pitcrew_runtime::httpd::serve(listener, router(gw), shutdown).await.context("gateway server failed")
 }
 
-/// `pitcrew gateway`: connect, bind `[gateway] listen` and serve until `shutdown`.
+/// `pitcrew gateway`: connect (waiting for NATS and Postgres), bind `[gateway] listen` and
+/// serve until `shutdown`.
 pub async fn run(cfg: Config, shutdown: Shutdown) -> anyhow::Result<()> {
-    let bus = Bus::connect(&cfg).await?;
-    bus.ensure_streams().await?;
-    let store = Store::connect(&cfg.database).await?;
-    if cfg.database.migrate_on_start {
-        store.migrate().await?;
-    }
+    let Some((bus, store)) = pitcrew_runtime::start::connect_patiently(&cfg, &shutdown).await? else {
+        tracing::info!("stopped before NATS and Postgres could be reached");
+        return Ok(());
+    };
     if cfg.gateway.keys.is_empty() {
         tracing::warn!("no [gateway.keys] configured: every route but health and the OpenAPI document answers 401");
     }

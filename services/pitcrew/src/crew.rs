@@ -2,7 +2,7 @@
 //! shutdown future resolves. `pitcrew up`, `pitcrew worker` and `pitcrew demo` all use it.
 
 use anyhow::Context;
-use futures::future::{BoxFuture, FutureExt, Shared};
+use futures::future::FutureExt;
 use pitcrew_approval::decisions::{sweep_expired, Decisions};
 use pitcrew_approval::gate::ApprovalStage;
 use pitcrew_approval::policy::Policy;
@@ -11,13 +11,12 @@ use pitcrew_llm::{OpenAi, Playbook, Reasoner};
 use pitcrew_model::Stage;
 use pitcrew_runtime::consume::{consume, Remake};
 use pitcrew_runtime::runner::StageRunner;
-use pitcrew_runtime::{Bus, BusError, Config, Deps, StageHandler, Stopping, Store, StoreError};
+use pitcrew_runtime::{Bus, BusError, Config, Deps, StageHandler, Stopping};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::task::JoinSet;
 
-/// A shutdown signal every task can await.
-pub type Shutdown = Shared<BoxFuture<'static, ()>>;
+pub use pitcrew_runtime::start::{connect, connect_patiently, Shutdown};
 
 /// The handler of one stage.
 pub fn handler(stage: Stage, policy: &Policy) -> Arc<dyn StageHandler> {
@@ -54,48 +53,6 @@ pub fn providers(cfg: &Config) -> anyhow::Result<(Playbook, Policy)> {
         None => Policy::default_policy(),
     };
     Ok((playbook, policy))
-}
-
-/// Connect to NATS and Postgres and prepare streams and schema.
-pub async fn connect(cfg: &Config) -> anyhow::Result<(Bus, Store)> {
-    let bus = Bus::connect(cfg).await?;
-    bus.ensure_streams().await?;
-    let store = Store::connect(&cfg.database).await?;
-    if cfg.database.migrate_on_start {
-        store.migrate().await?;
-    }
-    Ok((bus, store))
-}
-
-/// As `connect`, for a process that runs until told to stop: while NATS or Postgres cannot be
-/// reached (they start after it, or are down), it says so and tries again, backing off up to
-/// 15 s, instead of exiting (a supervisor's restarts back off far longer, minutes under
-/// Kubernetes, after they are back). A login refused, a bad config or a server without
-/// JetStream still fail at once. `None` when `shutdown` came first.
-pub async fn connect_patiently(cfg: &Config, shutdown: &Shutdown) -> anyhow::Result<Option<(Bus, Store)>> {
-    let (mut wait, mut tries) = (Duration::from_secs(1), 0u32);
-    loop {
-        tries += 1;
-        let tried = tokio::select! {
-            _ = shutdown.clone() => return Ok(None),
-            tried = connect(cfg) => tried,
-        };
-        let e = match tried {
-            Ok(connected) => return Ok(Some(connected)),
-            Err(e) => e,
-        };
-        let unreachable = e.downcast_ref::<BusError>().is_some_and(BusError::is_unreachable)
-            || e.downcast_ref::<StoreError>().is_some_and(StoreError::is_transient);
-        if !unreachable {
-            return Err(e);
-        }
-        tracing::warn!(error = %format!("{e:#}"), tries, retry_in_secs = wait.as_secs(), "waiting for NATS and Postgres");
-        tokio::select! {
-            _ = shutdown.clone() => return Ok(None),
-            _ = tokio::time::sleep(wait) => {}
-        }
-        wait = (wait * 2).min(Duration::from_secs(15));
-    }
 }
 
 /// How a crew consumer is made again when the server lost it: the streams first (a
@@ -213,14 +170,16 @@ pub fn signals() -> Shutdown {
 
 /// `pitcrew monitor`: check every service with a health check until `shutdown`.
 pub async fn monitor(cfg: Config, shutdown: Shutdown) -> anyhow::Result<()> {
-    let bus = Bus::connect(&cfg).await?;
-    bus.ensure_streams().await?;
     let executor: Arc<dyn pitcrew_exec::Executor> =
         Arc::new(Fleet::new(cfg.hosts.clone(), cfg.limits.max_output_bytes));
     let checked = cfg.services.values().filter(|s| s.check.is_some()).count();
     if checked == 0 {
         anyhow::bail!("no service has a health check: add `check = {{ ... }}` under [services.<name>]");
     }
+    let Some(bus) = pitcrew_runtime::start::connect_bus_patiently(&cfg, &shutdown).await? else {
+        tracing::info!("stopped before NATS could be reached");
+        return Ok(());
+    };
     // Nothing to read at scrape time: the monitor's series are its own counters.
     pitcrew_runtime::metrics::spawn_endpoint(cfg.metrics.listen.as_deref(), None, shutdown.clone()).await?;
     pitcrew_monitor::run(

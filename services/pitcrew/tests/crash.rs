@@ -685,6 +685,54 @@ async fn a_worker_started_before_nats_and_postgres_waits_for_them() -> anyhow::R
     Ok(())
 }
 
+/// The gateway, the monitor and a chat bridge started while NATS and Postgres are down wait for
+/// them as the crew does (they exited at once before), say what they wait for, and serve once
+/// both are back (the monitor, which needs only NATS, once NATS is); a SIGTERM while one waits
+/// stops it cleanly.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_gateway_the_monitor_and_a_bridge_wait_for_nats_and_postgres_too() -> anyhow::Result<()> {
+    let mut pg = pitcrew_testkit::pg::PrivatePostgres::start()?;
+    let env = TestEnv::start_on(&pg.admin_url()).await?;
+    let svc = common::marker_service(&env, "svc");
+    let free = pitcrew_runtime::natsd::free_port;
+    let (gateway_at, spare_at, bridge_port) =
+        (format!("127.0.0.1:{}", free()?), format!("127.0.0.1:{}", free()?), free()?);
+    let slack = format!(
+        "[bridge.slack]\napi_url = \"http://127.0.0.1:9\"\nchannel = \"C1\"\nlisten = \"127.0.0.1:{bridge_port}\"\n"
+    );
+    let mut crew = Crew::start_in(env, &format!("{svc}{slack}"), &[]).await?;
+    crew.env.nats.kill();
+    pg.stop();
+    let mut gateway = crew.spawn_process("gateway", &["gateway"], &[("PITCREW_GATEWAY__LISTEN", &gateway_at)], "")?;
+    let mut spare = crew.spawn_process("spare", &["gateway"], &[("PITCREW_GATEWAY__LISTEN", &spare_at)], "")?;
+    let mut monitor = crew.spawn_process("monitor", &["monitor"], &[], "")?;
+    let secrets = [("SLACK_BOT_TOKEN", "xoxb-test"), ("SLACK_SIGNING_SECRET", "signing-secret")];
+    let mut bridge = crew.spawn_process("bridge", &["bridge", "slack"], &secrets, "")?;
+    for p in [&mut gateway, &mut spare, &mut bridge] {
+        logged(p, "waiting for NATS and Postgres error=cannot reach NATS").await?;
+    }
+    logged(&mut monitor, "waiting for NATS error=cannot reach NATS").await?;
+    sigterm(&mut spare, Duration::from_secs(10)).await?;
+    crew.env.nats.restart()?;
+    logged(&mut monitor, "monitor running").await?;
+    for p in [&mut gateway, &mut bridge] {
+        logged(p, "waiting for NATS and Postgres error=cannot reach Postgres").await?;
+    }
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    for p in [&mut gateway, &mut bridge] {
+        anyhow::ensure!(p.child.try_wait()?.is_none(), "it exited: {}", std::fs::read_to_string(&p.log)?);
+    }
+    pg.restart()?;
+    logged(&mut gateway, "gateway serving").await?;
+    logged(&mut bridge, "slack bridge running").await?;
+    let ready = reqwest::get(format!("http://{gateway_at}/readyz")).await?;
+    assert_eq!(ready.status(), 200, "{}", ready.text().await?);
+    for p in [&mut gateway, &mut monitor, &mut bridge] {
+        sigterm(p, Duration::from_secs(20)).await?;
+    }
+    Ok(())
+}
+
 /// ... but a login Postgres refuses stops it at once, saying what to check: waiting would not
 /// mend it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

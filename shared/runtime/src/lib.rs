@@ -11,6 +11,7 @@ pub mod metrics;
 pub mod natsd;
 pub mod runner;
 pub mod stage;
+pub mod start;
 pub mod store;
 pub mod target;
 pub mod telemetry;

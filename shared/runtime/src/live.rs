@@ -25,7 +25,7 @@ const FLUSH: Duration = Duration::from_millis(250);
 /// Thinking events published per stage visit; the rest is in the finished answer.
 const MAX_EVENTS: u32 = 200;
 /// Live events are numbered from here, clear of the stored ones of the same transition.
-const FIRST_INDEX: u32 = 1_000_000;
+pub const FIRST_INDEX: u32 = 1_000_000;
 
 /// Streams one stage's model output for one run. `finish` flushes what is left.
 pub struct Thinking {

@@ -17,17 +17,33 @@ use std::sync::Arc;
 use tracing::Instrument;
 use uuid::Uuid;
 
-/// First event index of runtime events about poison messages.
+/// First event index of runtime events about poison messages (2 a delivery, up to
+/// `POISON_EVENT_END`).
 const POISON_EVENT_BASE: u32 = 10_000;
+/// How many deliveries of one message get poison events of their own.
+const POISON_DELIVERIES: u32 = 100_000;
+const POISON_EVENT_END: u32 = POISON_EVENT_BASE + 2 * POISON_DELIVERIES + 1;
+/// First event index of an approval decision's events: `DECISION_EVENT_BASE` + the decision's
+/// stream sequence modulo `DECISION_EVENT_SPAN` (so a decision delivered again keeps its index).
+pub const DECISION_EVENT_BASE: u32 = 300_000;
+pub const DECISION_EVENT_SPAN: u32 = 700_000;
 /// Index of the first timeline event saying a step waits (one a kind of wait a step, up to
 /// `WAIT_EVENT_INDEX + WAIT_NOTE_KINDS - 1`: `WaitNote::index`), above every other event
 /// stored under a transition's seq (its step's own from 0, poison events from
-/// `POISON_EVENT_BASE`, 2 a delivery up to 210_000, approval decisions 1000 to 1_000_999, live
-/// ones from 1_000_000, not stored), so they sort last under the seq they are filed at; below
-/// the gateway's resolved event (2_000_000, seq 0 only).
+/// `POISON_EVENT_BASE`, approval decisions from `DECISION_EVENT_BASE`, live ones from
+/// 1_000_000, not stored), so they sort last under the seq they are filed at; below the
+/// gateway's resolved event (2_000_000, seq 0 only).
 pub const WAIT_EVENT_INDEX: u32 = 1_500_000;
 /// How many indexes from `WAIT_EVENT_INDEX` wait notes may use.
 pub const WAIT_NOTE_KINDS: u32 = 16;
+/// Live events' first index (never stored).
+const LIVE_EVENT_BASE: u32 = crate::live::FIRST_INDEX;
+
+// The ranges never meet: two events of one run under one seq and one index are one row, and
+// the second is dropped. A step's own events stay below `POISON_EVENT_BASE`.
+const _: () = assert!(POISON_EVENT_END < DECISION_EVENT_BASE);
+const _: () = assert!(DECISION_EVENT_BASE + DECISION_EVENT_SPAN <= LIVE_EVENT_BASE);
+const _: () = assert!(LIVE_EVENT_BASE < WAIT_EVENT_INDEX && WAIT_EVENT_INDEX + WAIT_NOTE_KINDS < 2_000_000);
 
 /// How long a wait's timeline note may take before the message is naked without it.
 const NOTE_WAIT_LIMIT: std::time::Duration = std::time::Duration::from_secs(2);
@@ -343,7 +359,7 @@ impl StageRunner {
         let Some(state) = state else { return Disposition::Term };
         // Runtime events about a poison message get indexes of their own, so they never
         // collide with events an earlier delivery stored for the same step.
-        let index = POISON_EVENT_BASE + delivered.clamp(0, 100_000) as u32 * 2;
+        let index = POISON_EVENT_BASE + delivered.clamp(0, i64::from(POISON_DELIVERIES)) as u32 * 2;
         let run_exists = match self.deps.store.load_run(state.run_id).await {
             Ok(found) => found.is_some(),
             Err(e) if e.is_transient() => return Disposition::Nak(backoff(delivered)),

@@ -57,7 +57,10 @@ pub async fn run_from_env(cfg: Config, shutdown: Shutdown) -> anyhow::Result<()>
 /// Run both halves until `shutdown`: post requests, serve action calls on `listener`.
 pub async fn run(cfg: Config, secrets: Secrets, listener: TcpListener, shutdown: Shutdown) -> anyhow::Result<()> {
     let mm = settings(&cfg)?.clone();
-    let (bus, store) = crate::connect(&cfg).await?;
+    let Some((bus, store)) = pitcrew_runtime::start::connect_patiently(&cfg, &shutdown).await? else {
+        tracing::info!("stopped before NATS and Postgres could be reached");
+        return Ok(());
+    };
     crate::serve_metrics(&cfg, &bus, &store, &mm.durable, shutdown.clone()).await?;
     let api = api::MattermostApi::new(&mm.url, secrets.token, Duration::from_secs(mm.timeout_secs.max(1)))?;
     let action_url = format!("{}/mattermost/actions", mm.public_url.trim_end_matches('/'));

@@ -66,7 +66,10 @@ pub async fn run_from_env(cfg: Config, shutdown: Shutdown) -> anyhow::Result<()>
 /// Run both halves until `shutdown`: post requests, serve callbacks on `listener`.
 pub async fn run(cfg: Config, secrets: Secrets, listener: TcpListener, shutdown: Shutdown) -> anyhow::Result<()> {
     let slack = settings(&cfg)?.clone();
-    let (bus, store) = crate::connect(&cfg).await?;
+    let Some((bus, store)) = pitcrew_runtime::start::connect_patiently(&cfg, &shutdown).await? else {
+        tracing::info!("stopped before NATS and Postgres could be reached");
+        return Ok(());
+    };
     crate::serve_metrics(&cfg, &bus, &store, &slack.durable, shutdown.clone()).await?;
     let timeout = Duration::from_secs(slack.timeout_secs.max(1));
     let api = api::SlackApi::new(&slack.api_url, secrets.token, secrets.webhook_url, timeout)?;

@@ -149,6 +149,19 @@ impl Crew {
         env: &[(&str, &str)],
         extra: &str,
     ) -> anyhow::Result<Worker> {
+        let args: Vec<&str> = ["worker"].into_iter().chain(stages.iter().copied()).collect();
+        self.spawn_process(name, &args, env, extra)
+    }
+
+    /// Start `pitcrew <args>` as a real process named `name` (its log in `<name>.log`), with
+    /// the crew's config plus `extra`.
+    pub fn spawn_process(
+        &self,
+        name: &str,
+        args: &[&str],
+        env: &[(&str, &str)],
+        extra: &str,
+    ) -> anyhow::Result<Worker> {
         let file = self.config_file()?;
         let file = if extra.is_empty() {
             file
@@ -159,7 +172,7 @@ impl Crew {
         };
         let log = std::fs::File::create(self.env.dir.path().join(format!("{name}.log")))?;
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_pitcrew"));
-        cmd.arg("--config").arg(&file).arg("worker").args(stages);
+        cmd.arg("--config").arg(&file).args(args);
         cmd.env("PITCREW_WORKER_NAME", name).env_remove("DATABASE_URL").env("PITCREW_LOG", "info");
         for (k, v) in env {
             cmd.env(k, v);
@@ -169,7 +182,7 @@ impl Crew {
     }
 }
 
-/// A worker process, killed on drop.
+/// A `pitcrew` process (a worker, or any other), killed on drop.
 pub struct Worker {
     pub child: Child,
     pub log: std::path::PathBuf,
