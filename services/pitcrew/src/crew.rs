@@ -106,17 +106,24 @@ pub async fn run(cfg: Config, stages: &[Stage], shutdown: Shutdown) -> anyhow::R
         consumers: consumers_of(&bus, stages),
     };
     pitcrew_runtime::metrics::spawn_endpoint(cfg.metrics.listen.as_deref(), Some(collector), shutdown.clone()).await?;
+    // Every consumer is made before any is read: one that cannot be made stops the worker
+    // before a stage has taken a message the stopping process would then drop (it would wait
+    // out its ack wait in no one's hands).
+    let mut made = Vec::with_capacity(stages.len());
     for &stage in stages {
         let settings = cfg.stage_settings(stage);
         let consumer = bus.stage_consumer(stage, settings).await?;
+        let decisions = if stage == Stage::Approval { Some(bus.decisions_consumer(settings).await?) } else { None };
+        made.push((stage, settings, consumer, decisions));
+    }
+    for (stage, settings, consumer, decisions) in made {
         let runner = Arc::new(StageRunner { bus: bus.clone(), deps: deps.clone(), handler: handler(stage, &policy) });
         let remake = remaking(&bus, move |bus| async move { bus.stage_consumer(stage, settings).await });
         tasks.spawn(consume(consumer, Some(remake), settings, runner, shutdown.clone(), cfg.drain()));
-        if stage == Stage::Approval {
-            let consumer = bus.decisions_consumer(settings).await?;
-            let decisions = Arc::new(Decisions { bus: bus.clone(), deps: deps.clone() });
+        if let Some(consumer) = decisions {
+            let handler = Arc::new(Decisions { bus: bus.clone(), deps: deps.clone() });
             let remake = remaking(&bus, move |bus| async move { bus.decisions_consumer(settings).await });
-            tasks.spawn(consume(consumer, Some(remake), settings, decisions, shutdown.clone(), cfg.drain()));
+            tasks.spawn(consume(consumer, Some(remake), settings, handler, shutdown.clone(), cfg.drain()));
             // Sweep often enough that a request expires within about a quarter of its timeout.
             let every = Duration::from_millis(cfg.limits.approval_timeout_secs.saturating_mul(250))
                 .clamp(Duration::from_millis(200), Duration::from_secs(5));

@@ -733,6 +733,42 @@ async fn the_gateway_the_monitor_and_a_bridge_wait_for_nats_and_postgres_too() -
     Ok(())
 }
 
+/// A worker that cannot make one of its consumers (here report's: another consumer already
+/// reads its subject, which a work-queue stream allows only once) stops, saying which,
+/// before any of its stages has read a message: the incident waiting for intake is neither
+/// taken nor opened, and stays for the next worker.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_that_cannot_make_a_consumer_stops_before_any_stage_reads() -> anyhow::Result<()> {
+    use async_nats::jetstream::consumer::pull;
+    let env = TestEnv::start().await?;
+    let svc = common::marker_service(&env, "svc");
+    let crew = Crew::start_in(env, &svc, &[]).await?;
+    let stages = crew.bus.js.get_stream(crew.bus.subjects.stages_stream()).await?;
+    stages
+        .create_consumer(pull::Config {
+            durable_name: Some("reporter-of-old".into()),
+            filter_subject: crew.bus.subjects.stage(Stage::Report),
+            ..Default::default()
+        })
+        .await?;
+    let run = crew.open("svc", "GET /health: connection refused").await?;
+    let mut w0 = crew.spawn_worker("w0", &all_stages(), &[])?;
+    let status = exited(&mut w0, Duration::from_secs(30), "though a consumer cannot be made").await?;
+    let log = std::fs::read_to_string(&w0.log)?;
+    assert!(!status.success(), "{status}: {log}");
+    assert!(log.contains("consumer report"), "{log}");
+    let mut intake = crew
+        .bus
+        .js
+        .get_consumer_from_stream::<pull::Config, _, _>("intake", crew.bus.subjects.incidents_stream())
+        .await?;
+    let info = intake.info().await?;
+    assert_eq!((info.num_pending, info.num_ack_pending, info.delivered.consumer_sequence), (1, 0, 0), "{info:?}");
+    let opened = common::count(&crew.db().await?, "SELECT count(*) FROM runs WHERE id = $1", run).await;
+    assert_eq!(opened, 0);
+    Ok(())
+}
+
 /// ... but a login Postgres refuses stops it at once, saying what to check: waiting would not
 /// mend it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
