@@ -323,6 +323,21 @@ impl Bus {
         Err(setup(last))
     }
 
+    /// Whether the last event of `event`'s run and kind on the bus is `event` itself (by its
+    /// message id). For a run's end, one a run: a publish that landed longer ago than the
+    /// stream's duplicate window is not deduplicated, so a step delivered again that late asks
+    /// this before publishing its end again.
+    pub async fn holds_event(&self, event: &pitcrew_model::RunEvent) -> Result<bool, BusError> {
+        let failed =
+            |e: String| BusError::Setup { what: format!("reading the events of run {}", event.run_id), error: e };
+        let stream = self.js.get_stream(self.subjects.events_stream()).await.map_err(|e| failed(e.to_string()))?;
+        match stream.get_last_raw_message_by_subject(&self.subjects.event(event.run_id, event.kind.as_str())).await {
+            Ok(last) => Ok(last.headers.get(NATS_MESSAGE_ID).is_some_and(|id| id.as_str() == event.msg_id())),
+            Err(e) if e.kind() == stream::LastRawMessageErrorKind::NoMessageFound => Ok(false),
+            Err(e) => Err(failed(e.to_string())),
+        }
+    }
+
     /// Publish an incident (JSON) on `incidents.new`, its id as the message id and the run
     /// header, and wait for the stream's ack; returns the id (the run's id). The one way the
     /// monitor, the gateway, the CLI and the load tool open an incident.

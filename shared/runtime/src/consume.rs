@@ -285,7 +285,9 @@ async fn progress(msg: Arc<jetstream::Message>, ack_wait: Duration) {
     loop {
         tokio::time::sleep(every).await;
         if let Err(e) = msg.ack_with(AckKind::Progress).await {
-            tracing::debug!(error = %e, "progress ack failed");
+            // Handlers are idempotent, but another worker may now take the message up while
+            // this one still works on it: worth an operator's eye if it recurs.
+            tracing::warn!(error = %e, "progress ack failed: the message may be delivered again meanwhile");
         }
     }
 }

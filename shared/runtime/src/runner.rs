@@ -487,7 +487,17 @@ pub async fn apply(
                     .await?
                     .is_some_and(|r| r.status == status && r.state.seq == state.seq && r.state.step == state.step);
                 if closed_here {
-                    publish_events(bus, &events).await?;
+                    // Unless its end is on the bus already: past the bus's duplicate window (a
+                    // redelivery after a long outage, a long ack wait) a publish that landed is
+                    // not deduplicated, and followers would see the run end twice.
+                    let end = events.iter().find(|e| e.kind.is_terminal());
+                    let published = match end {
+                        Some(end) => bus.holds_event(end).await?,
+                        None => false,
+                    };
+                    if !published {
+                        publish_events(bus, &events).await?;
+                    }
                     return Ok(());
                 }
                 return stale(state.run_id);
