@@ -127,6 +127,15 @@ const TCP_USER_TIMEOUT: Duration = Duration::from_secs(30);
 fn connection_config(cfg: &DatabaseConfig) -> Result<tokio_postgres::Config, StoreError> {
     let mut pg: tokio_postgres::Config =
         cfg.url.parse().map_err(|e| StoreError::Config(format!("bad database URL {}: {e}", redact_url(&cfg.url))))?;
+    // Connections are plain TCP (`NoTls`): a URL that requires TLS can never be met, and
+    // failing each try as if Postgres were down would keep a worker waiting forever.
+    if pg.get_ssl_mode() == tokio_postgres::config::SslMode::Require {
+        return Err(StoreError::Config(format!(
+            "database URL {} asks for sslmode=require, but pitcrew connects to Postgres without TLS: \
+             use sslmode=disable or prefer (a TLS-terminating proxy, or a private network)",
+            redact_url(&cfg.url)
+        )));
+    }
     // `postgres://...?keepalives_idle=5` or `host=... keepalives_idle=5`.
     let names = |key: &str| cfg.url.split(['?', '&', ' ']).any(|kv| kv.split('=').next() == Some(key));
     if cfg.statement_timeout_secs > 0 && !pg.get_options().is_some_and(|o| o.contains("statement_timeout")) {
@@ -163,8 +172,8 @@ pub struct Store {
 impl Store {
     /// Create the database if missing, build the pool and prove a connection works.
     pub async fn connect(cfg: &DatabaseConfig) -> Result<Store, StoreError> {
-        ensure_database(&cfg.url).await?;
         let pg = connection_config(cfg)?;
+        ensure_database(&cfg.url).await?;
         let mgr = Manager::from_config(pg, NoTls, ManagerConfig { recycling_method: RecyclingMethod::Fast });
         let pool = Pool::builder(mgr)
             .max_size(cfg.pool_size)
@@ -189,5 +198,28 @@ impl Store {
 
     pub(crate) async fn client(&self) -> Result<deadpool_postgres::Object, StoreError> {
         self.pool.get().await.map_err(|e| StoreError::Unavailable(e.to_string()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn url(url: &str) -> DatabaseConfig {
+        DatabaseConfig { url: url.into(), pool_size: 4, migrate_on_start: false, statement_timeout_secs: 30 }
+    }
+
+    #[test]
+    fn a_url_that_requires_tls_is_refused_before_any_connection_as_a_config_error() {
+        let e = connection_config(&url("postgres://u:hunter2@db.example:5432/pitcrew?sslmode=require")).unwrap_err();
+        assert!(matches!(e, StoreError::Config(_)) && !e.is_transient(), "{e:?}");
+        let said = e.to_string();
+        assert!(said.contains("sslmode=require") && said.contains("without TLS"), "{said}");
+        assert!(!said.contains("hunter2"), "{said}");
+        for ok in
+            ["postgres://u@db:5432/p", "postgres://u@db:5432/p?sslmode=prefer", "postgres://u@db/p?sslmode=disable"]
+        {
+            assert!(connection_config(&url(ok)).is_ok(), "{ok}");
+        }
     }
 }
