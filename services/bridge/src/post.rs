@@ -56,7 +56,7 @@ pub async fn spawn<C: Chat>(
         poison_after: Duration::MAX,
     };
     let poster = Arc::new(Poster { chat, store, durable: durable.to_string() });
-    Ok(tokio::spawn(consume(consumer, Some(remake), settings, poster, shutdown, DRAIN)))
+    Ok(tokio::spawn(consume(bus.client.clone(), consumer, Some(remake), settings, poster, shutdown, DRAIN)))
 }
 
 /// The bridge's durable consumer of approval requests, created if missing.

@@ -18,6 +18,7 @@ use axum::response::sse::{Event, KeepAlive, KeepAliveStream, Sse};
 use chrono::{DateTime, Utc};
 use futures::{Stream, StreamExt};
 use pitcrew_model::{EventKind, RunEvent};
+use pitcrew_runtime::bus::within;
 use serde::Deserialize;
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -103,17 +104,18 @@ async fn ended_on_bus(gw: &Gateway, run: Uuid) -> Result<bool, ApiError> {
 
 /// The subjects the bus holds events of the run on (one per kind of event: a few).
 async fn subjects_on_bus(gw: &Gateway, run: Uuid) -> Result<Vec<String>, ApiError> {
-    let stream =
-        gw.bus.js.get_stream(gw.bus.subjects.events_stream()).await.map_err(|e| ApiError::unavailable("NATS", e))?;
-    let mut subjects = stream
-        .info_with_subjects(gw.bus.subjects.events_of(run))
-        .await
-        .map_err(|e| ApiError::unavailable("NATS", e))?;
-    let mut found = Vec::new();
-    while let Some(s) = subjects.next().await {
-        found.push(s.map_err(|e| ApiError::unavailable("NATS", e))?.0);
-    }
-    Ok(found)
+    let nats = |e: String| ApiError::unavailable("NATS", e);
+    let listed = within("the run's event subjects", async {
+        let stream = gw.bus.js.get_stream(gw.bus.subjects.events_stream()).await.map_err(|e| e.to_string())?;
+        let mut subjects =
+            stream.info_with_subjects(gw.bus.subjects.events_of(run)).await.map_err(|e| e.to_string())?;
+        let mut found = Vec::new();
+        while let Some(s) = subjects.next().await {
+            found.push(s.map_err(|e| e.to_string())?.0);
+        }
+        Ok(found)
+    });
+    listed.await.map_err(|e| nats(e.to_string()))?.map_err(nats)
 }
 
 /// A finished run whose events have expired from the bus (7 days) is replayed from its
@@ -219,11 +221,15 @@ async fn follow(
         .try_acquire_owned()
         .map_err(|_| ApiError::Unavailable(format!("{MAX_STREAMS} live streams are open already: retry later")))?;
     let key_permit = key_permit(gw, caller)?;
-    let stream =
-        gw.bus.js.get_stream(gw.bus.subjects.events_stream()).await.map_err(|e| ApiError::unavailable("NATS", e))?;
-    let consumer = stream
-        .create_consumer(OrderedConfig { filter_subjects, deliver_policy, ..Default::default() })
+    let nats = |e| ApiError::unavailable("NATS", e);
+    let stream = within("the events stream", gw.bus.js.get_stream(gw.bus.subjects.events_stream()))
         .await
+        .map_err(nats)?
+        .map_err(|e| ApiError::unavailable("NATS", e))?;
+    let config = OrderedConfig { filter_subjects, deliver_policy, ..Default::default() };
+    let consumer = within("a consumer of events", stream.create_consumer(config))
+        .await
+        .map_err(nats)?
         .map_err(|e| ApiError::unavailable("NATS", e))?;
     if end == End::CaughtUp && consumer.cached_info().num_pending == 0 {
         // Nothing left to send of a run that has ended: the stream ends at once.

@@ -119,11 +119,27 @@ pub async fn run(cfg: Config, stages: &[Stage], shutdown: Shutdown) -> anyhow::R
     for (stage, settings, consumer, decisions) in made {
         let runner = Arc::new(StageRunner { bus: bus.clone(), deps: deps.clone(), handler: handler(stage, &policy) });
         let remake = remaking(&bus, move |bus| async move { bus.stage_consumer(stage, settings).await });
-        tasks.spawn(consume(consumer, Some(remake), settings, runner, shutdown.clone(), cfg.drain()));
+        tasks.spawn(consume(
+            bus.client.clone(),
+            consumer,
+            Some(remake),
+            settings,
+            runner,
+            shutdown.clone(),
+            cfg.drain(),
+        ));
         if let Some(consumer) = decisions {
             let handler = Arc::new(Decisions { bus: bus.clone(), deps: deps.clone() });
             let remake = remaking(&bus, move |bus| async move { bus.decisions_consumer(settings).await });
-            tasks.spawn(consume(consumer, Some(remake), settings, handler, shutdown.clone(), cfg.drain()));
+            tasks.spawn(consume(
+                bus.client.clone(),
+                consumer,
+                Some(remake),
+                settings,
+                handler,
+                shutdown.clone(),
+                cfg.drain(),
+            ));
             // Sweep often enough that a request expires within about a quarter of its timeout.
             let every = Duration::from_millis(cfg.limits.approval_timeout_secs.saturating_mul(250))
                 .clamp(Duration::from_millis(200), Duration::from_secs(5));

@@ -307,6 +307,7 @@ impl MessageHandler for Counting {
 
 /// `consume` running in a task until the returned sender is used (or dropped).
 fn consuming<H: MessageHandler>(
+    client: async_nats::Client,
     consumer: async_nats::jetstream::consumer::PullConsumer,
     settings: pitcrew_runtime::config::StageSettings,
     handler: Arc<H>,
@@ -316,7 +317,7 @@ fn consuming<H: MessageHandler>(
     let stopping = async {
         let _ = stopped.await;
     };
-    (stop, tokio::spawn(consume(consumer, None, settings, handler, stopping, drain)))
+    (stop, tokio::spawn(consume(client, consumer, None, settings, handler, stopping, drain)))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -339,13 +340,23 @@ async fn a_consumer_told_to_stop_pulls_nothing_more() -> anyhow::Result<()> {
     // about one round in four.)
     for _ in 0..20 {
         let handler = Arc::new(Counting(handled.clone()));
-        consume(consumer.clone(), None, settings, handler, std::future::ready(()), Duration::from_secs(5)).await;
+        consume(
+            bus.client.clone(),
+            consumer.clone(),
+            None,
+            settings,
+            handler,
+            std::future::ready(()),
+            Duration::from_secs(5),
+        )
+        .await;
     }
     assert_eq!(handled.load(Ordering::SeqCst), 0, "a stopping consumer pulled messages");
     let info = consumer.clone().info().await?.clone();
     assert_eq!((info.num_pending, info.num_ack_pending), (WAITING as u64, 0), "{info:?}");
     // The same consumer, not stopping, takes every waiting message.
-    let (stop, running) = consuming(consumer, settings, Arc::new(Counting(handled.clone())), Duration::from_secs(5));
+    let (stop, running) =
+        consuming(bus.client.clone(), consumer, settings, Arc::new(Counting(handled.clone())), Duration::from_secs(5));
     let deadline = tokio::time::Instant::now() + WAIT;
     while handled.load(Ordering::SeqCst) < WAITING {
         anyhow::ensure!(tokio::time::Instant::now() < deadline, "only {} handled", handled.load(Ordering::SeqCst));
@@ -420,7 +431,7 @@ async fn a_worker_past_its_drain_deadline_hands_back_what_it_holds_at_once() -> 
     let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
     let dropped = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let handler = Arc::new(Recording { seen: seen.clone(), stalling: true, dropped: dropped.clone() });
-    let (stop, running) = consuming(consumer.clone(), settings, handler, cfg.drain());
+    let (stop, running) = consuming(bus.client.clone(), consumer.clone(), settings, handler, cfg.drain());
     let deadline = tokio::time::Instant::now() + WAIT;
     while seen.lock().unwrap().len() < 2 {
         anyhow::ensure!(tokio::time::Instant::now() < deadline, "handed only {:?}", seen.lock().unwrap());
@@ -436,7 +447,7 @@ async fn a_worker_past_its_drain_deadline_hands_back_what_it_holds_at_once() -> 
     let again = Arc::new(std::sync::Mutex::new(Vec::new()));
     assert!(dropped.load(Ordering::SeqCst), "the stuck handler was stopped before its message was handed back");
     let handler = Arc::new(Recording { seen: again.clone(), stalling: false, dropped: Default::default() });
-    let (stop, running) = consuming(consumer.clone(), settings, handler, cfg.drain());
+    let (stop, running) = consuming(bus.client.clone(), consumer.clone(), settings, handler, cfg.drain());
     let handed = tokio::time::Instant::now();
     while again.lock().unwrap().is_empty() {
         anyhow::ensure!(handed.elapsed() < Duration::from_secs(5), "the stuck message was not handed back");

@@ -921,3 +921,44 @@ async fn a_decision_racing_one_the_crew_has_not_recorded_yet_gets_409() -> anyho
     assert!(end.message.contains("approved by ann"), "{}", end.message);
     api.crew.shutdown().await
 }
+
+/// An approval while NATS is down and the client's queue is full (what piles up over a long
+/// outage: publishes, pulls, requests) answers 503 within the bus's API limit, and nothing is
+/// decided behind the operator's back once NATS is back: the request waited in that queue with
+/// no limit and went on when NATS returned, approving a plan the operator was never told
+/// was approved.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_approval_while_the_nats_client_is_backed_up_answers_503_and_decides_nothing_later() -> anyhow::Result<()> {
+    let mut api = Api::start(&Stage::ALL, "").await?;
+    let (status, body) =
+        api.post("/v1/incidents", "otto", &json!({"service": "svc", "error": "stale lock held"})).await?;
+    assert_eq!(status, StatusCode::ACCEPTED, "{body}");
+    let run: Uuid = body["run_id"].as_str().unwrap_or_default().parse()?;
+    api.crew.events.kind(run, EventKind::ApprovalRequested, WAIT).await?;
+    let (_, pending) = api.get("/v1/approvals", "rita").await?;
+    let plan_hash = pending["approvals"][0]["plan_hash"].as_str().unwrap_or_default().to_string();
+    api.crew.env.nats.kill();
+    // Fill the client's queue (2048 commands) with publishes to a subject no stream keeps.
+    let filler = format!("{}.test.filler", api.crew.bus.subjects.prefix());
+    for i in 0..2100 {
+        let (bus, subject) = (api.crew.bus.clone(), filler.clone());
+        tokio::spawn(async move {
+            let _ = bus.publish(subject, &format!("filler-{i}"), "application/json", None, "{}".into()).await;
+        });
+    }
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let asked = std::time::Instant::now();
+    let (status, body) = api.post(&format!("/v1/runs/{run}/approve"), "ann", &json!({"plan_hash": plan_hash})).await?;
+    let took = asked.elapsed();
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{body}");
+    assert!(took < Duration::from_secs(15), "answered after {took:?}");
+    assert!(body["error"].as_str().unwrap_or_default().contains("NATS"), "{body}");
+    api.crew.env.nats.restart()?;
+    // What the client held goes out; the run must still wait for a decision.
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let db = api.crew.db().await?;
+    let status: String = db.query_one("SELECT status FROM runs WHERE id = $1", &[&run]).await?.get(0);
+    assert_eq!(status, "waiting_approval");
+    assert_eq!(count(&db, "SELECT count(*) FROM executions WHERE run_id = $1", run).await, 0);
+    Ok(())
+}

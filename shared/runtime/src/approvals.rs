@@ -36,8 +36,13 @@ pub async fn find_request(bus: &Bus, run: Uuid) -> anyhow::Result<Option<Approva
 /// The last message on `subject` of the approvals stream: None when there is none; an error
 /// when the bus could not say.
 async fn last_on(bus: &Bus, subject: &str) -> anyhow::Result<Option<StreamMessage>> {
-    let stream = bus.js.get_stream(bus.subjects.approvals_stream()).await.context("approvals stream unavailable")?;
-    match stream.get_last_raw_message_by_subject(subject).await {
+    let last = crate::bus::within(&format!("reading {subject}"), async {
+        let stream =
+            bus.js.get_stream(bus.subjects.approvals_stream()).await.context("approvals stream unavailable")?;
+        Ok::<_, anyhow::Error>(stream.get_last_raw_message_by_subject(subject).await)
+    })
+    .await??;
+    match last {
         Ok(msg) => Ok(Some(msg)),
         Err(e) if e.kind() == LastRawMessageErrorKind::NoMessageFound => Ok(None),
         Err(e) => Err(anyhow!("cannot read the last message on {subject}: {e} (retry)")),
@@ -145,6 +150,14 @@ pub async fn submit(
     };
     let id = format!("{run}.{}.{}.{by}", req.plan_hash, decision.as_str());
     let payload = serde_json::to_vec(&d).expect("a decision serialises");
+    // Not while the client is cut off: the publish would wait in its queue and go out whenever
+    // NATS is back, long after the decider was told it failed.
+    if bus.client.connection_state() != async_nats::connection::State::Connected {
+        return Err(DecideError::Bus(format!(
+            "NATS is unreachable ({:?}): nothing was decided, try again",
+            bus.client.connection_state()
+        )));
+    }
     bus.publish(bus.subjects.approval_decided(run), &id, JSON, Some(run), payload.into())
         .await
         .map_err(|e| DecideError::Bus(e.to_string()))?;

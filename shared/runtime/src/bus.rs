@@ -11,6 +11,11 @@ use std::time::Duration;
 
 /// How long a stopping process waits for NATS to take what it still holds.
 pub const FLUSH_LIMIT: Duration = Duration::from_secs(5);
+/// How long a JetStream API request (a stream, a consumer, a stream's last message) may take,
+/// its wait for room in the client's queue included: while NATS is unreachable nothing reads
+/// that queue, and once it is full a request would wait there for as long as the outage lasts
+/// (async-nats bounds only the wait for the reply).
+pub const API_LIMIT: Duration = Duration::from_secs(10);
 /// The durable consumer of approval decisions.
 pub const DECISIONS_CONSUMER: &str = "approval-decisions";
 /// Header naming the run a message belongs to (lets a poison message still escalate its run).
@@ -31,6 +36,13 @@ pub enum BusError {
     Setup { what: String, error: String },
     #[error("publish to {subject} failed: {error}")]
     Publish { subject: String, error: String },
+    #[error("NATS did not answer {what} within {} s (is it reachable?)", API_LIMIT.as_secs())]
+    Unanswered { what: String },
+}
+
+/// `call`, a JetStream API request about `what`, given at most [`API_LIMIT`].
+pub async fn within<F: std::future::Future>(what: &str, call: F) -> Result<F::Output, BusError> {
+    tokio::time::timeout(API_LIMIT, call).await.map_err(|_| BusError::Unanswered { what: what.to_string() })
 }
 
 impl BusError {
@@ -55,6 +67,7 @@ impl BusError {
                 &["timed out", "timeout", "no responders", "503", "temporarily unavailable", "disconnected"],
             ),
             BusError::Publish { .. } => false,
+            BusError::Unanswered { .. } => true,
         }
     }
 }
@@ -328,10 +341,15 @@ impl Bus {
     /// stream's duplicate window is not deduplicated, so a step delivered again that late asks
     /// this before publishing its end again.
     pub async fn holds_event(&self, event: &pitcrew_model::RunEvent) -> Result<bool, BusError> {
-        let failed =
-            |e: String| BusError::Setup { what: format!("reading the events of run {}", event.run_id), error: e };
-        let stream = self.js.get_stream(self.subjects.events_stream()).await.map_err(|e| failed(e.to_string()))?;
-        match stream.get_last_raw_message_by_subject(&self.subjects.event(event.run_id, event.kind.as_str())).await {
+        let what = format!("reading the events of run {}", event.run_id);
+        let failed = |e: String| BusError::Setup { what: what.clone(), error: e };
+        let subject = self.subjects.event(event.run_id, event.kind.as_str());
+        let last = within(&what, async {
+            let stream = self.js.get_stream(self.subjects.events_stream()).await.map_err(|e| failed(e.to_string()))?;
+            Ok::<_, BusError>(stream.get_last_raw_message_by_subject(&subject).await)
+        })
+        .await??;
+        match last {
             Ok(last) => Ok(last.headers.get(NATS_MESSAGE_ID).is_some_and(|id| id.as_str() == event.msg_id())),
             Err(e) if e.kind() == stream::LastRawMessageErrorKind::NoMessageFound => Ok(false),
             Err(e) => Err(failed(e.to_string())),
@@ -372,7 +390,9 @@ impl Bus {
         let err = |e: String| BusError::Publish { subject: subject.clone(), error: e };
         let ack =
             self.js.publish_with_headers(subject.clone(), headers, payload).await.map_err(|e| err(e.to_string()))?;
-        ack.await.map_err(|e| err(e.to_string()))?;
+        // Sent, or queued in the client: without its ack nobody can say whether it is stored,
+        // or will be once NATS answers.
+        ack.await.map_err(|e| err(format!("{e}: no ack, so it may be stored all the same")))?;
         Ok(())
     }
 }

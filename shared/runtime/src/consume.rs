@@ -17,6 +17,9 @@ use tokio::task::JoinSet;
 /// worker takes to notice shutdown (a pull in progress is finished, never abandoned).
 const FETCH_EXPIRES: Duration = Duration::from_secs(1);
 
+/// How often a consumer looks whether a client cut off from NATS is connected again.
+const DISCONNECTED_LOOK: Duration = Duration::from_millis(250);
+
 /// What to do with a message once handled. Every path ends in exactly one of these.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Disposition {
@@ -55,8 +58,10 @@ pub fn backoff(delivered: i64) -> Duration {
 /// Handlers still running at the deadline are stopped and their messages naked without delay,
 /// so another worker takes them at once (not after their ack wait); every handler is
 /// idempotent. Pulls that keep failing back off (capped), and with `remake` the consumer is
-/// made again after `REMAKE_AFTER` of them in a row.
+/// made again after `REMAKE_AFTER` of them in a row. Nothing is pulled while `client` (the
+/// consumer's) is cut off from NATS.
 pub async fn consume<H: MessageHandler>(
+    client: async_nats::Client,
     mut consumer: PullConsumer,
     remake: Option<Remake>,
     settings: StageSettings,
@@ -81,6 +86,16 @@ pub async fn consume<H: MessageHandler>(
         // ack timer runs (async-nats' default pull batch would). Shutdown is looked at first
         // (`biased`): with a permit free as well, an unbiased select would pick either, and a
         // stopping worker would go on pulling.
+        if client.connection_state() != async_nats::connection::State::Connected {
+            // Nothing reads the client's queue while it is cut off: a pull now would only wait
+            // there, and pulls piling up for the length of an outage fill it, holding up
+            // every other request of the process. Pull again once it is back.
+            tokio::select! {
+                biased;
+                _ = &mut shutdown => break 'outer,
+                _ = tokio::time::sleep(DISCONNECTED_LOOK) => continue,
+            }
+        }
         let first = tokio::select! {
             biased;
             _ = &mut shutdown => break 'outer,
