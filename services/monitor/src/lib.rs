@@ -65,8 +65,24 @@ pub struct Tracker {
 #[derive(Debug, Clone)]
 struct Outage {
     since: chrono::DateTime<chrono::Utc>,
-    /// When its incident was last published, and the run that incident opened.
-    reported: Option<(chrono::DateTime<chrono::Utc>, Uuid)>,
+    /// When its incident was last published.
+    reported: Option<chrono::DateTime<chrono::Utc>>,
+    /// The incidents published for it (the run the first opened, reminders: duplicates of it
+    /// or runs of their own once it closed), newest last, at most `RUNS_KEPT`.
+    runs: Vec<Uuid>,
+    /// The id its next incident goes out under, kept across failed tries: a publish that
+    /// reached the bus after all (its ack lost in an outage, or queued in the client until
+    /// NATS came back) and its retry are then one incident, not a run and its duplicates.
+    next: Uuid,
+}
+
+/// Incidents of one outage whose runs are looked at for a resolution (one a `realert`).
+const RUNS_KEPT: usize = 4;
+
+impl Outage {
+    fn new(since: chrono::DateTime<chrono::Utc>) -> Outage {
+        Outage { since, reported: None, runs: Vec::new(), next: Uuid::now_v7() }
+    }
 }
 
 impl Tracker {
@@ -83,11 +99,11 @@ impl Tracker {
             (true, None) => Change::Nothing,
             (true, Some(_)) => Change::Recovered,
             (false, None) => {
-                self.down.insert(service.to_string(), Outage { since: now, reported: None });
+                self.down.insert(service.to_string(), Outage::new(now));
                 Change::Down
             }
             (false, Some(Outage { reported: None, .. })) => Change::Down,
-            (false, Some(Outage { reported: Some((last, _)), .. })) => {
+            (false, Some(Outage { reported: Some(last), .. })) => {
                 if (now - *last).to_std().unwrap_or_default() >= realert {
                     Change::Down
                 } else {
@@ -97,13 +113,24 @@ impl Tracker {
         }
     }
 
-    /// `change` of `service` was published at `now` (an incident: for `run`).
-    pub fn reported(&mut self, service: &str, change: &Change, now: chrono::DateTime<chrono::Utc>, run: Uuid) {
+    /// The id the incident `service`'s outage is reported under now (the same on every try
+    /// until one is published), if it is down.
+    pub fn incident_id(&self, service: &str) -> Option<Uuid> {
+        self.down.get(service).map(|o| o.next)
+    }
+
+    /// `change` of `service` was published at `now`.
+    pub fn reported(&mut self, service: &str, change: &Change, now: chrono::DateTime<chrono::Utc>) {
         match change {
             Change::Nothing => {}
             Change::Down => {
                 if let Some(outage) = self.down.get_mut(service) {
-                    outage.reported = Some((now, run));
+                    outage.reported = Some(now);
+                    outage.runs.push(outage.next);
+                    if outage.runs.len() > RUNS_KEPT {
+                        outage.runs.remove(0);
+                    }
+                    outage.next = Uuid::now_v7();
                 }
             }
             Change::Recovered => {
@@ -117,9 +144,9 @@ impl Tracker {
         self.down.get(service).map(|o| o.since)
     }
 
-    /// The run the incident of `service`'s outage opened, once published.
-    pub fn run_of(&self, service: &str) -> Option<Uuid> {
-        self.down.get(service).and_then(|o| o.reported.map(|(_, run)| run))
+    /// The incidents published for `service`'s outage (their runs), newest last.
+    pub fn runs_of(&self, service: &str) -> &[Uuid] {
+        self.down.get(service).map_or(&[], |o| o.runs.as_slice())
     }
 
     /// `service` is down again after the run of its outage resolved it (between two rounds,
@@ -133,24 +160,31 @@ impl Tracker {
             }
         }
         self.relapsed.insert(service.to_string(), now);
-        self.down.insert(service.to_string(), Outage { since: now, reported: None });
+        self.down.insert(service.to_string(), Outage::new(now));
         Change::Down
     }
 }
 
 /// When `run` ended resolved (its `resolved` event is on the bus), if it did. Any failure to
-/// ask reads as no: the outage is then reported again after `realert`, as before.
+/// ask (bounded: `bus::within`) reads as no: the outage is then reported again after
+/// `realert`, as before.
 async fn resolved_at(bus: &Bus, run: Uuid) -> Option<chrono::DateTime<chrono::Utc>> {
     let subject = bus.subjects.event(run, EventKind::Resolved.as_str());
-    let stream = match bus.js.get_stream(bus.subjects.events_stream()).await {
-        Ok(stream) => stream,
+    let asked = pitcrew_runtime::bus::within("whether a run resolved", async {
+        let stream = bus.js.get_stream(bus.subjects.events_stream()).await.map_err(|e| e.to_string())?;
+        stream.get_last_raw_message_by_subject(&subject).await.map_err(|e| e.to_string())
+    });
+    match asked.await {
+        Ok(Ok(msg)) => chrono::DateTime::from_timestamp(msg.time.unix_timestamp(), msg.time.nanosecond()),
+        Ok(Err(e)) => {
+            tracing::debug!(run = %run, error = %e, "no resolution of the run on the bus");
+            None
+        }
         Err(e) => {
             tracing::debug!(run = %run, error = %e, "cannot ask the bus whether the run resolved");
-            return None;
+            None
         }
-    };
-    let msg = stream.get_last_raw_message_by_subject(&subject).await.ok()?;
-    chrono::DateTime::from_timestamp(msg.time.unix_timestamp(), msg.time.nanosecond())
+    }
 }
 
 /// The fingerprint of the monitor's incidents for `service`: one open run per service outage.
@@ -199,35 +233,12 @@ pub async fn run(
     let mut tracker = Tracker::default();
     tracing::info!(services = services.len(), every_ms = every.as_millis() as u64, "monitor running");
     loop {
-        let round = chrono::Utc::now();
-        for (service, out) in check_all(&services, executor.as_ref()).await {
-            let now = chrono::Utc::now();
-            let mut change = tracker.observe(&service, out.healthy, now, realert);
-            if change == Change::Nothing && !out.healthy {
-                // Reported recently: unless the run it opened has resolved meanwhile (a run
-                // that escalated is people's now, reminded of after `realert`), before this
-                // round's check began (one that began earlier may have seen the fix at work).
-                if let Some(run) = tracker.run_of(&service) {
-                    if resolved_at(&bus, run).await.is_some_and(|at| at < round) {
-                        change = tracker.relapsed(&service, now, realert);
-                        if change == Change::Down {
-                            tracing::warn!(service = %service, run = %run, "service down again after its run resolved");
-                        }
-                    }
-                }
-            }
-            let since = tracker.down_since(&service);
-            let (kind, sent) = match change {
-                Change::Nothing => continue,
-                Change::Down => ("incident", open(&bus, &service, &out, since.unwrap_or(now)).await),
-                Change::Recovered => ("recovery", recovered(&bus, &service, &out, since).await.map(|()| Uuid::nil())),
-            };
-            PUBLISHED.inc(&[kind, if sent.is_ok() { "ok" } else { "failed" }]);
-            match sent {
-                Ok(run) => tracker.reported(&service, &change, now, run),
-                // Not remembered as reported: the next round publishes it again.
-                Err(e) => tracing::warn!(service = %service, error = %e, "monitor publish failed: retrying next round"),
-            }
+        // A round is raced with shutdown: its checks and publishes may each take seconds while
+        // NATS is down, and one left half-done is done again by the next start (a publish that
+        // landed after all is the same incident).
+        tokio::select! {
+            _ = one_round(&bus, &services, executor.as_ref(), &mut tracker, realert) => {}
+            _ = &mut shutdown => return,
         }
         let at = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
         LAST_ROUND.set(&[], at.as_secs_f64());
@@ -238,20 +249,66 @@ pub async fn run(
     }
 }
 
+/// Check every service once and publish what changed.
+async fn one_round(
+    bus: &Bus,
+    services: &BTreeMap<String, ServiceSpec>,
+    executor: &dyn Executor,
+    tracker: &mut Tracker,
+    realert: Duration,
+) {
+    let round = chrono::Utc::now();
+    for (service, out) in check_all(services, executor).await {
+        let now = chrono::Utc::now();
+        let mut change = tracker.observe(&service, out.healthy, now, realert);
+        if change == Change::Nothing && !out.healthy {
+            // Reported recently: unless a run of the outage has resolved meanwhile (a run that
+            // escalated is people's now, reminded of after `realert`), before this round's
+            // check began (one that began earlier may have seen the fix at work).
+            for run in tracker.runs_of(&service).to_vec().into_iter().rev() {
+                if resolved_at(bus, run).await.is_some_and(|at| at < round) {
+                    change = tracker.relapsed(&service, now, realert);
+                    if change == Change::Down {
+                        tracing::warn!(service = %service, run = %run, "service down again after its run resolved");
+                    }
+                    break;
+                }
+            }
+        }
+        let since = tracker.down_since(&service);
+        let (kind, sent) = match change {
+            Change::Nothing => continue,
+            Change::Down => {
+                let id = tracker.incident_id(&service).unwrap_or_else(Uuid::now_v7);
+                ("incident", open(bus, &service, &out, since.unwrap_or(now), id).await)
+            }
+            Change::Recovered => ("recovery", recovered(bus, &service, &out, since).await),
+        };
+        PUBLISHED.inc(&[kind, if sent.is_ok() { "ok" } else { "failed" }]);
+        match sent {
+            Ok(()) => tracker.reported(&service, &change, now),
+            // Not remembered as reported: the next round publishes it again.
+            Err(e) => tracing::warn!(service = %service, error = %e, "monitor publish failed: retrying next round"),
+        }
+    }
+}
+
 async fn open(
     bus: &Bus,
     service: &str,
     out: &CheckOutcome,
     since: chrono::DateTime<chrono::Utc>,
-) -> Result<Uuid, BusError> {
+    id: Uuid,
+) -> Result<(), BusError> {
     let mut incident = Incident::new(service, out.detail.clone());
+    incident.id = Some(id);
     incident.source = Some("monitor".into());
     incident.severity = Severity::Critical;
     incident.fingerprint = Some(fingerprint(service));
     incident.observed_at = Some(since);
-    let id = bus.open_incident(&incident).await?;
+    bus.open_incident(&incident).await?;
     tracing::warn!(service, detail = %out.detail, run = %id, "service down: incident opened");
-    Ok(id)
+    Ok(())
 }
 
 async fn recovered(
@@ -285,7 +342,7 @@ mod tests {
         // Observe and publish at once, as a round does when the bus takes every message.
         let round = |t: &mut Tracker, healthy: bool, at| {
             let change = t.observe("web", healthy, at, hour);
-            t.reported("web", &change, at, Uuid::nil());
+            t.reported("web", &change, at);
             change
         };
         assert_eq!(round(&mut t, true, s(0)), Change::Nothing);
@@ -306,12 +363,16 @@ mod tests {
         let s = |n: i64| t0 + chrono::Duration::seconds(n);
         let hour = Duration::from_secs(3600);
         assert_eq!(t.observe("web", false, s(0), hour), Change::Down);
-        t.reported("web", &Change::Down, s(0), Uuid::from_u128(1));
+        let first = t.incident_id("web");
+        t.reported("web", &Change::Down, s(0));
+        assert_eq!(t.runs_of("web"), first.as_slice());
         // Its run resolved, yet the next round sees it down: a new outage, at once.
         assert_eq!(t.relapsed("web", s(30), hour), Change::Down);
         assert_eq!(t.down_since("web"), Some(s(30)));
-        t.reported("web", &Change::Down, s(30), Uuid::from_u128(2));
-        assert_eq!(t.run_of("web"), Some(Uuid::from_u128(2)));
+        let second = t.incident_id("web");
+        assert_ne!(second, first, "a new outage, a new incident");
+        t.reported("web", &Change::Down, s(30));
+        assert_eq!(t.runs_of("web"), second.as_slice(), "the new outage's run alone");
         // And again right after the next fix: a crash loop. Not a run a round: after realert.
         assert_eq!(t.relapsed("web", s(60), hour), Change::Nothing);
         assert_eq!(t.observe("web", false, s(90), hour), Change::Nothing);
@@ -327,17 +388,36 @@ mod tests {
         // The outage's incident fails to publish: the next round reports it again, with the
         // outage's start unchanged; once published, it is not repeated.
         assert_eq!(t.observe("web", false, s(10), hour), Change::Down);
+        let id = t.incident_id("web");
         assert_eq!(t.observe("web", false, s(20), hour), Change::Down, "not published yet");
+        assert_eq!(t.incident_id("web"), id, "a retry is the same incident: a copy that landed after all dedupes");
         assert_eq!(t.down_since("web"), Some(s(10)));
-        t.reported("web", &Change::Down, s(20), Uuid::nil());
+        t.reported("web", &Change::Down, s(20));
+        assert_eq!(t.runs_of("web"), id.as_slice());
+        assert_ne!(t.incident_id("web"), id, "a reminder is an incident of its own");
         assert_eq!(t.observe("web", false, s(30), hour), Change::Nothing);
         // The recovery fails to publish: it is reported again, with when the outage began,
         // until the bus takes it.
         assert_eq!(t.observe("web", true, s(40), hour), Change::Recovered);
         assert_eq!(t.observe("web", true, s(50), hour), Change::Recovered, "a lost recovery is not forgotten");
         assert_eq!(t.down_since("web"), Some(s(10)));
-        t.reported("web", &Change::Recovered, s(50), Uuid::nil());
+        t.reported("web", &Change::Recovered, s(50));
         assert_eq!(t.observe("web", true, s(60), hour), Change::Nothing);
         assert_eq!(t.down_since("web"), None);
+    }
+
+    #[test]
+    fn reminders_are_remembered_with_the_first_run_up_to_a_few() {
+        let mut t = Tracker::default();
+        let t0 = chrono::Utc::now();
+        let s = |n: i64| t0 + chrono::Duration::seconds(n);
+        let hour = Duration::from_secs(3600);
+        let mut published = Vec::new();
+        for k in 0..6 {
+            assert_eq!(t.observe("web", false, s(k * 3600), hour), Change::Down);
+            published.extend(t.incident_id("web"));
+            t.reported("web", &Change::Down, s(k * 3600));
+        }
+        assert_eq!(t.runs_of("web"), &published[6 - RUNS_KEPT..], "the newest {RUNS_KEPT}");
     }
 }

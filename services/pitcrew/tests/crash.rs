@@ -769,6 +769,46 @@ async fn a_worker_that_cannot_make_a_consumer_stops_before_any_stage_reads() -> 
     Ok(())
 }
 
+/// The monitor while NATS is down: a service that goes down then is reported every round
+/// until a publish gets its ack, and every try is one incident (one id), so the copies the
+/// client held and sent once NATS was back are one message on the bus, not a run and its
+/// duplicates (each try had an id of its own); and a SIGTERM mid-round, its request to the bus
+/// unanswerable, stops it at once (it waited for the round's end).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_monitor_reports_an_outage_seen_while_nats_is_down_once_and_stops_at_once() -> anyhow::Result<()> {
+    let env = TestEnv::start().await?;
+    let svc = common::marker_service(&env, "svc");
+    let healthy = env.path("svc-healthy");
+    std::fs::write(&healthy, "")?;
+    let mut crew = Crew::start_in(env, &svc, &[]).await?;
+    let incidents = || async {
+        let mut stream = crew.bus.js.get_stream(crew.bus.subjects.incidents_stream()).await?;
+        anyhow::Ok(stream.info().await?.state.messages)
+    };
+    let mut monitor = crew.spawn_process("monitor", &["monitor"], &[("PITCREW_MONITOR__INTERVAL_MS", "200")], "")?;
+    logged(&mut monitor, "monitor running").await?;
+    crew.env.nats.kill();
+    std::fs::remove_file(&healthy)?;
+    // Two tries at least, each failing for want of an ack.
+    let started = Instant::now();
+    while std::fs::read_to_string(&monitor.log)?.matches("monitor publish failed").count() < 2 {
+        anyhow::ensure!(started.elapsed() < Duration::from_secs(60), "{}", std::fs::read_to_string(&monitor.log)?);
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    crew.env.nats.restart()?;
+    logged(&mut monitor, "service down: incident opened").await?;
+    // Whatever the client held is out by now (it reconnected before the last try's ack).
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(incidents().await?, 1, "one incident on the bus: {}", std::fs::read_to_string(&monitor.log)?);
+    // Reported: each round now asks the bus whether its run resolved, and with NATS down that
+    // question goes unanswered (up to its 10 s limit).
+    crew.env.nats.kill();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let took = sigterm(&mut monitor, Duration::from_secs(30)).await?;
+    assert!(took < Duration::from_secs(5), "the monitor took {took:?} to stop");
+    Ok(())
+}
+
 /// ... but a login Postgres refuses stops it at once, saying what to check: waiting would not
 /// mend it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
