@@ -1,19 +1,24 @@
 //! Criterion benchmarks of the hot paths every stage transition takes:
 //! - `codec/*`: a typical mid-run state (incident, six pieces of evidence, diagnosis, plan,
 //!   evaluation, one execution) encoded and decoded as MessagePack (the bus format) and JSON
-//!   (the Postgres format), and the redaction every kept text goes through;
+//!   (the Postgres format, encoded to a string as the store's group committer does), and the
+//!   redaction every kept text goes through;
 //! - `policy/*`: the shipped policy gate over a typical three-command plan (evaluate and
 //!   approval each judge every plan);
-//! - `hop`: one hop through JetStream: publish a state and wait for the stream's ack, pull it
-//!   from a durable consumer and ack it (a real nats-server the bench starts);
+//! - `hop/*`: one hop through JetStream: publish a state and wait for the stream's ack, pull it
+//!   from a durable consumer and ack it as the crew settles a message (`publish_consume_ack`:
+//!   the ack sent, not waited for), or waiting for the server to confirm the ack
+//!   (`publish_consume_double_ack`) (a real nats-server the bench starts);
 //! - `store/*`: the Postgres writes of a transition (a fresh database the bench creates):
-//!   `commit_transition` with two events (alone, and 64 runs' at once), `open_run`.
+//!   `commit_transition` with two events (alone, and 64 runs' at once), `open_run` (a fresh
+//!   run's state, as intake opens it).
 //!
 //! Run: `cargo bench -p pitcrew-loadtest --bench hot_paths` (needs what `scripts/dev test`
 //! sets up: a nats-server >= 2.10 and Postgres).
 
-use async_nats::jetstream::consumer::pull;
-use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughput};
+use async_nats::jetstream::consumer::{pull, PullConsumer};
+use async_nats::jetstream::AckKind;
+use criterion::{criterion_group, criterion_main, BatchSize, Bencher, Criterion, Throughput};
 use futures::StreamExt;
 use pitcrew_model::codec::{self, JSON, MSGPACK};
 use pitcrew_model::{
@@ -27,12 +32,17 @@ use pitcrew_testkit::TestEnv;
 use std::time::Duration;
 use uuid::Uuid;
 
-/// A state as it leaves execute: what every later hop carries.
-fn typical_state() -> RunState {
+/// The incident every state here is about.
+fn typical_incident() -> Incident {
     let mut incident = Incident::new("checkout", "connection refused on :8080 after deploy 4711");
     incident.host = Some("web-1".into());
     incident.fingerprint = Some("alertmanager:4f1c2a".into());
-    let mut s = RunState::new(Uuid::now_v7(), incident);
+    incident
+}
+
+/// A state as it leaves execute: what every later hop carries.
+fn typical_state() -> RunState {
+    let mut s = RunState::new(Uuid::now_v7(), typical_incident());
     let output = "tcp LISTEN 0 4096 127.0.0.1:5432 0.0.0.0:*\n".repeat(12);
     for (source, detail) in [
         ("check", "http http://127.0.0.1:8080/health"),
@@ -115,7 +125,8 @@ fn codec_benches(c: &mut Criterion) {
     g.bench_function("msgpack_decode", |b| {
         b.iter(|| codec::decode::<RunState>(Some(MSGPACK), std::hint::black_box(&packed)).expect("decodes"))
     });
-    g.bench_function("json_encode", |b| b.iter(|| serde_json::to_value(std::hint::black_box(&state))));
+    // As the store encodes a state for its row (`serde_json::to_string`, store/group.rs).
+    g.bench_function("json_encode", |b| b.iter(|| serde_json::to_string(std::hint::black_box(&state))));
     g.bench_function("json_decode", |b| {
         b.iter(|| codec::decode::<RunState>(Some(JSON), std::hint::black_box(&json)).expect("decodes"))
     });
@@ -179,35 +190,57 @@ fn hop_bench(c: &mut Criterion) {
     });
     let mut g = c.benchmark_group("hop");
     g.throughput(Throughput::Elements(1));
-    g.bench_function("publish_consume_ack", |b| {
-        b.to_async(&rt).iter_batched(
-            || {
-                let mut s = typical_state();
-                s.run_id = Uuid::now_v7();
-                s
-            },
-            |state| {
-                let (bus, consumer) = (bus.clone(), consumer.clone());
-                async move {
-                    publish_state(&bus, &state).await.expect("publish");
-                    let mut batch = consumer
-                        .fetch()
-                        .max_messages(1)
-                        .expires(Duration::from_secs(5))
-                        .messages()
-                        .await
-                        .expect("fetch");
-                    let msg = batch.next().await.expect("a message").expect("no error");
-                    let got: RunState = codec::decode(Some(MSGPACK), &msg.payload).expect("decodes");
-                    assert_eq!(got.run_id, state.run_id);
-                    msg.double_ack().await.expect("ack");
-                }
-            },
-            BatchSize::SmallInput,
-        )
-    });
+    g.bench_function("publish_consume_ack", |b| hop(b, &rt, &bus, &consumer, false));
+    g.bench_function("publish_consume_double_ack", |b| hop(b, &rt, &bus, &consumer, true));
     g.finish();
+    rt.block_on(all_acked(&bus, &consumer));
     drop(live);
+}
+
+/// Publish a state and wait for the stream's ack, pull it and ack it: as the crew settles a
+/// message (`ack_with(AckKind::Ack)`: the ack is on the connection, ahead of the next pull,
+/// when the hop ends; the server's answer is not waited for), or with `double` waiting for
+/// the server to confirm it.
+fn hop(b: &mut Bencher, rt: &tokio::runtime::Runtime, bus: &Bus, consumer: &PullConsumer, double: bool) {
+    b.to_async(rt).iter_batched(
+        || {
+            let mut s = typical_state();
+            s.run_id = Uuid::now_v7();
+            s
+        },
+        |state| {
+            let (bus, consumer) = (bus.clone(), consumer.clone());
+            async move {
+                publish_state(&bus, &state).await.expect("publish");
+                let mut batch =
+                    consumer.fetch().max_messages(1).expires(Duration::from_secs(5)).messages().await.expect("fetch");
+                let msg = batch.next().await.expect("a message").expect("no error");
+                let got: RunState = codec::decode(Some(MSGPACK), &msg.payload).expect("decodes");
+                assert_eq!(got.run_id, state.run_id);
+                if double {
+                    msg.double_ack().await.expect("ack");
+                } else {
+                    msg.ack_with(AckKind::Ack).await.expect("ack");
+                }
+            }
+        },
+        BatchSize::SmallInput,
+    )
+}
+
+/// Every message the hops pulled was acked: once the connection is flushed, the server soon
+/// holds none pending (the acks sent without waiting are checked here, not in each hop).
+async fn all_acked(bus: &Bus, consumer: &PullConsumer) {
+    bus.client.flush().await.expect("flush");
+    let mut pending = usize::MAX;
+    for _ in 0..50 {
+        pending = consumer.get_info().await.expect("consumer info").num_ack_pending;
+        if pending == 0 {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!("{pending} messages of the hop benchmarks still unacked");
 }
 
 fn store_benches(c: &mut Criterion) {
@@ -216,11 +249,11 @@ fn store_benches(c: &mut Criterion) {
     let store = live.store.clone();
     let mut g = c.benchmark_group("store");
     g.throughput(Throughput::Elements(1));
+    // A fresh run's state, as intake opens it (the incident, nothing gathered yet).
     g.bench_function("open_run", |b| {
         b.to_async(&rt).iter_batched(
             || {
-                let mut s = typical_state();
-                s.run_id = Uuid::now_v7();
+                let mut s = RunState::new(Uuid::now_v7(), typical_incident());
                 s.incident.fingerprint = Some(s.run_id.to_string());
                 s
             },

@@ -16,6 +16,7 @@ mod llm;
 mod observe;
 mod service;
 mod steady;
+mod tally;
 
 use anyhow::{bail, Context};
 use clap::{Parser, ValueEnum};
@@ -24,7 +25,7 @@ use pitcrew::{cli, crew};
 use pitcrew_model::{EventKind, Severity, Stage};
 use pitcrew_runtime::Config;
 use pitcrew_testkit::TestEnv;
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -41,11 +42,14 @@ struct Args {
     /// Incidents to publish.
     #[arg(long, default_value_t = 200)]
     incidents: usize,
-    /// Incidents per second; 0 publishes as fast as possible.
-    #[arg(long, default_value_t = 0.0)]
+    /// Incidents per second; 0 publishes as fast as possible. End-to-end latency then counts
+    /// from each incident's due time, so a publisher that falls behind counts its delay. Not
+    /// with `--in-flight`, which paces the publishes by the ends instead.
+    #[arg(long, default_value_t = 0.0, conflicts_with = "in_flight")]
     rate: f64,
-    /// Percentage of incidents that resolve (the rest are refused by policy and escalate).
-    #[arg(long, default_value_t = 80)]
+    /// Percentage of incidents that resolve (the rest are refused by policy and escalate),
+    /// spread evenly over the batch.
+    #[arg(long, default_value_t = 80, value_parser = clap::value_parser!(u8).range(0..=100))]
     resolve_percent: u8,
     /// Messages each stage of the crew handles at once per process (diagnose and plan too,
     /// unless --model-concurrency is given).
@@ -141,6 +145,21 @@ impl Args {
     fn model_concurrency(&self) -> usize {
         self.model_concurrency.unwrap_or(self.concurrency)
     }
+
+    /// Model calls a process may have in flight: diagnose's runs and plan's at once (one call
+    /// each), so neither stage's calls queue in the client behind the other's. A diagnose
+    /// worker process (`--diagnose-processes`) holds only diagnose's, this one only plan's.
+    fn model_calls_at_once(&self) -> usize {
+        self.diagnose_concurrency.unwrap_or(self.model_concurrency()) + self.model_concurrency()
+    }
+}
+
+/// Whether incident `i` resolves (else it escalates): the first k incidents hold
+/// floor(k * percent / 100) resolving ones, for every k, so each stretch of the batch sees
+/// the chosen mix (not the resolving ones first and the escalating ones last).
+fn resolves(i: usize, percent: u8) -> bool {
+    let p = percent as usize;
+    (i + 1) * p / 100 != i * p / 100
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -231,18 +250,19 @@ fn machine_busy_ms() -> Option<f64> {
     Some(busy * 1000.0 / hz.max(1.0))
 }
 
-/// With a simulated model and a known number of runs in flight (`--in-flight`, or every
-/// incident at once): the most runs a second the model's latency allows, that number over
-/// the model time a run spends (its calls times the latency), and the share of it `rate` (the
-/// steady rate, or the overall one) reached. None without a model or with `--rate`.
-fn llm_bound(args: &Args, calls: Option<u64>, completed: usize, rate: f64) -> Option<serde_json::Value> {
+/// With a simulated model and a known number of runs in flight (`--in-flight`, at most the
+/// batch, or every incident at once): the most runs a second the model's latency allows, that
+/// number over the model time a run spends (the calls over the `runs` that ended, times the
+/// latency), and the share of it `rate` (the steady rate, or the overall one) reached. None
+/// without a model or with `--rate`.
+fn llm_bound(args: &Args, calls: Option<u64>, runs: usize, rate: f64) -> Option<serde_json::Value> {
     let in_flight = match (args.in_flight, args.rate > 0.0) {
         (0, false) => args.incidents,
-        (n, false) => n,
+        (n, false) => n.min(args.incidents),
         (_, true) => return None,
     };
-    let calls = calls.filter(|c| *c > 0 && completed > 0 && args.llm_latency_ms > 0)?;
-    let model_secs = calls as f64 / completed as f64 * args.llm_latency_ms as f64 / 1000.0;
+    let calls = calls.filter(|c| *c > 0 && runs > 0 && args.llm_latency_ms > 0)?;
+    let model_secs = calls as f64 / runs as f64 * args.llm_latency_ms as f64 / 1000.0;
     let per_second = in_flight as f64 / model_secs;
     Some(serde_json::json!({
         "in_flight": in_flight,
@@ -361,7 +381,7 @@ async fn start_local(args: &Args, endpoint: Option<&str>, crew_rt: &tokio::runti
             "[reasoning]\nprovider = \"openai\"\nplaybook_file = \"{book}\"\n[reasoning.openai]\nbase_url = \"{}\"\n\
              model = \"simulated\"\napi_key_env = \"\"\nmax_concurrent = {}\ntimeout_secs = 120\nstream = false\n",
             l.base_url,
-            model_concurrency * 2
+            args.model_calls_at_once()
         ),
         None => format!("[reasoning]\nplaybook_file = \"{book}\"\n"),
     };
@@ -544,45 +564,52 @@ async fn drive(args: Args, crew_rt: tokio::runtime::Handle) -> anyhow::Result<()
         if args.in_flight > 0 { format!(", at most {} in flight", args.in_flight) } else { String::new() }
     );
     let started = Instant::now();
+    let started_at = chrono::Utc::now();
     let (cpu_self0, cpu_children0) = cpu_ms();
     let machine0 = machine_busy_ms();
     let mut sent: HashMap<Uuid, chrono::DateTime<chrono::Utc>> = HashMap::with_capacity(args.incidents);
+    let mut planned: HashMap<Uuid, tally::Planned> = HashMap::with_capacity(args.incidents);
     let mut ended: Vec<(chrono::DateTime<chrono::Utc>, EventKind, Uuid)> = Vec::with_capacity(args.incidents);
-    let mut errors = 0usize;
+    let mut publish_errors = 0usize;
+    // Incidents left unpublished because the runs in flight did not end before the deadline.
+    let mut unpublished = 0usize;
     let mut publishing = Publishing { tasks: tokio::task::JoinSet::new(), runs: HashMap::new() };
     let mut last_progress = Instant::now();
     let deadline = Instant::now() + Duration::from_secs(args.timeout);
     for i in 0..args.incidents {
-        if args.rate > 0.0 {
-            let due = started + Duration::from_secs_f64(i as f64 / args.rate);
-            tokio::time::sleep_until(due.into()).await;
+        let due = (args.rate > 0.0).then(|| Duration::from_secs_f64(i as f64 / args.rate));
+        if let Some(after) = due {
+            tokio::time::sleep_until((started + after).into()).await;
         }
-        let permit = tokio::time::timeout_at(deadline.into(), in_flight.acquire())
-            .await
-            .with_context(|| format!("{} runs still in flight after {} s", args.in_flight, args.timeout))?;
+        let Ok(permit) = tokio::time::timeout_at(deadline.into(), in_flight.acquire()).await else {
+            eprintln!("loadtest: {} runs still in flight after {} s: publishing stopped", args.in_flight, args.timeout);
+            unpublished = args.incidents - i;
+            break;
+        };
         permit?.forget();
         while let Ok(e) = finished.try_recv() {
             ended.push((e.at, e.kind, e.run_id));
         }
-        let error = match (&args.target, &args.error) {
-            (Some(_), Some(e)) => e.as_str(),
-            (Some(_), None) => "connection refused",
-            (None, _) if (i * 100 / args.incidents.max(1)) < args.resolve_percent as usize => "connection refused",
-            (None, _) => "disk wiped",
+        let (error, expected) = match (&args.target, &args.error) {
+            (Some(_), Some(e)) => (e.as_str(), None),
+            (Some(_), None) => ("connection refused", None),
+            (None, _) if resolves(i, args.resolve_percent) => ("connection refused", Some(EventKind::Resolved)),
+            (None, _) => ("disk wiped", Some(EventKind::Escalated)),
         };
         let inc = cli::incident(&service_of(i), error, None, Severity::Warning, Some(format!("lt-{batch}-{i}")))?;
         let run = inc.id.context("the incident has no id")?;
+        planned.insert(run, tally::Planned { expected, due: due.map(|after| started_at + after) });
         ours.add(run);
         // Publishes overlap (each waits for its own ack), so the next run starts as soon as
         // a permit frees, not one stream ack later: a publisher that waits for each ack in
         // turn falls behind the ends and keeps fewer runs in flight than asked.
         while publishing.tasks.len() >= PUBLISH_WINDOW {
             if let Some(done) = publishing.tasks.join_next_with_id().await {
-                publishing.answered(done, &mut sent, &mut errors, &ours);
+                publishing.answered(done, &mut sent, &mut publish_errors, &ours);
             }
         }
         while let Some(done) = publishing.tasks.try_join_next_with_id() {
-            publishing.answered(done, &mut sent, &mut errors, &ours);
+            publishing.answered(done, &mut sent, &mut publish_errors, &ours);
         }
         let bus = bus.clone();
         publishing.spawn(run, async move {
@@ -595,19 +622,20 @@ async fn drive(args: Args, crew_rt: tokio::runtime::Handle) -> anyhow::Result<()
         }
     }
     while let Some(done) = publishing.tasks.join_next_with_id().await {
-        publishing.answered(done, &mut sent, &mut errors, &ours);
+        publishing.answered(done, &mut sent, &mut publish_errors, &ours);
     }
     let published = started.elapsed().as_secs_f64();
     // A run whose publish failed may have ended anyway (its ack lost on the way back): it is
     // an error, not a result.
     ended.retain(|(_, _, run)| sent.contains_key(run));
+    // A run that does not end by the deadline is an error of the report, not its loss.
     while ended.len() < sent.len() {
         let left = deadline.saturating_duration_since(Instant::now());
         match tokio::time::timeout(left, finished.recv()).await {
             Ok(Some(e)) if sent.contains_key(&e.run_id) => ended.push((e.at, e.kind, e.run_id)),
             Ok(Some(_)) => {}
             Ok(None) => bail!("the terminal-event stream ended"),
-            Err(_) => bail!("{} runs did not finish within {} s", sent.len() - ended.len(), args.timeout),
+            Err(_) => break,
         }
         if last_progress.elapsed() > Duration::from_secs(5) {
             eprintln!("loadtest: {} of {} runs finished", ended.len(), sent.len());
@@ -615,36 +643,29 @@ async fn drive(args: Args, crew_rt: tokio::runtime::Handle) -> anyhow::Result<()
         }
     }
     let elapsed = started.elapsed().as_secs_f64();
+    // With --target the crew runs elsewhere: this process holds only the tool.
+    let own = args.target.is_none();
+    // Here, before the timelines are read below (rows of every run in this process's memory).
+    let peak_rss = if own { peak_rss_mb() } else { None };
     let (cpu_self1, cpu_children1) = cpu_ms();
     let machine1 = machine_busy_ms();
-    let mut e2e = Vec::with_capacity(ended.len());
-    let mut outcomes: BTreeMap<&'static str, usize> = [("resolved", 0), ("escalated", 0)].into();
-    for (at, kind, run) in &ended {
-        let Some(t0) = sent.get(run) else { continue };
-        // Published (our clock) to the terminal event (the worker's clock: the same machine).
-        e2e.push(at.signed_duration_since(*t0).num_microseconds().unwrap_or(0) as f64 / 1000.0);
-        *outcomes
-            .entry(match kind {
-                EventKind::Resolved => "resolved",
-                EventKind::Escalated => "escalated",
-                _ => "other",
-            })
-            .or_default() += 1;
-    }
-    // With runs kept in flight: the rate while N were in flight (see `steady::window`).
+    let timed_out = unpublished + (sent.len() - ended.len());
+    let tally = tally::Tally::of(&ended, &sent, &planned);
+    let errors = publish_errors + tally.unexpected + tally.not_run + timed_out;
+    // With runs kept in flight: the rate while N were in flight (see `steady::window`). Every
+    // end frees a slot, so every end places the window; only completed runs count in its rate.
     let mut ends: Vec<chrono::DateTime<chrono::Utc>> = ended.iter().map(|(at, _, _)| *at).collect();
     ends.sort();
     let window =
         (args.in_flight > 0).then(|| steady::window(&ends, args.in_flight, sent.values().max().copied())).flatten();
-    let steady = window.map(|w| steady::rate(&ends, w));
+    let steady = window.map(|w| steady::rate(&tally.completed, w));
     // What the bound assumes is `--in-flight`; a tool that lags behind the ends keeps fewer.
     let in_flight_mean = window
         .map(|w| steady::mean_in_flight(ended.iter().filter_map(|(end, _, run)| sent.get(run).map(|s| (*s, *end))), w));
-    let per_run = |ms: f64| ((ms / e2e.len().max(1) as f64) * 100.0).round() / 100.0;
-    // What one run costs in CPU: this process (the crew and the tool), the commands it ran,
-    // and the whole machine (adds Postgres and nats-server; only meaningful on a quiet one).
-    // With --target the crew runs elsewhere: this process holds only the tool.
-    let own = args.target.is_none();
+    let per_run = |ms: f64| ((ms / ended.len().max(1) as f64) * 100.0).round() / 100.0;
+    // What a run that ended costs in CPU: this process (the crew and the tool), the commands
+    // it ran, and the whole machine (adds Postgres and nats-server; only meaningful on a quiet
+    // one).
     let cpu = serde_json::json!({
         "crew": own.then(|| per_run(cpu_self1 - cpu_self0)),
         "commands": own.then(|| per_run(cpu_children1 - cpu_children0)),
@@ -681,13 +702,14 @@ async fn drive(args: Args, crew_rt: tokio::runtime::Handle) -> anyhow::Result<()
     });
     let stages: serde_json::Map<String, serde_json::Value> =
         stage_ms.into_iter().map(|(k, v)| (k, summary(v))).collect();
-    let rate = ((e2e.len() as f64 / elapsed) * 10.0).round() / 10.0;
-    let bound = llm_bound(&args, llm_calls, e2e.len(), steady.unwrap_or(rate));
+    let completed = tally.e2e.len();
+    let rate = ((completed as f64 / elapsed) * 10.0).round() / 10.0;
+    let bound = llm_bound(&args, llm_calls, ended.len(), steady.unwrap_or(rate));
     println!(
         "{}",
         serde_json::json!({
             "incidents": args.incidents,
-            "completed": e2e.len(),
+            "completed": completed,
             "seconds": (elapsed * 1000.0).round() / 1000.0,
             "publish_seconds": (published * 1000.0).round() / 1000.0,
             "completed_per_second": rate,
@@ -695,10 +717,13 @@ async fn drive(args: Args, crew_rt: tokio::runtime::Handle) -> anyhow::Result<()
             "in_flight": args.in_flight,
             "in_flight_mean": in_flight_mean,
             "check": own.then_some(match args.check { CheckKind::Command => "command", CheckKind::Http => "http" }),
-            "e2e_ms": summary(e2e),
+            "e2e_ms": summary(tally.e2e),
             "stage_ms": stages,
-            "outcomes": outcomes,
+            "outcomes": tally.outcomes,
             "errors": errors,
+            "publish_errors": publish_errors,
+            "unexpected_outcomes": tally.unexpected,
+            "timed_out": timed_out,
             "concurrency": own.then_some(args.concurrency),
             "pool_size": cfg.database.pool_size,
             "llm_latency_ms": args.llm_latency_ms,
@@ -708,7 +733,7 @@ async fn drive(args: Args, crew_rt: tokio::runtime::Handle) -> anyhow::Result<()
             "model_concurrency": own.then(|| args.model_concurrency()),
             "diagnose_concurrency": args.diagnose_concurrency,
             "evidence_commands": own.then_some(!(args.no_evidence || args.llm_latency_ms > 0)),
-            "peak_rss_mb": if own { peak_rss_mb() } else { None },
+            "peak_rss_mb": peak_rss,
             "target": args.target.as_ref().map(|p| p.display().to_string()),
             "service": args.service,
             "services": own.then(|| args.services()),
@@ -717,12 +742,80 @@ async fn drive(args: Args, crew_rt: tokio::runtime::Handle) -> anyhow::Result<()
             "log": args.log,
         })
     );
+    if timed_out > 0 {
+        bail!("{timed_out} incidents did not end within {} s (counted in errors)", args.timeout);
+    }
     Ok(())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn args(more: &[&str]) -> Args {
+        Args::parse_from(std::iter::once("pitcrew-loadtest").chain(more.iter().copied()))
+    }
+
+    #[test]
+    fn the_mix_is_spread_so_every_prefix_holds_the_chosen_share() {
+        for percent in 0..=100u8 {
+            let mut resolving = 0;
+            for i in 0..1000 {
+                resolving += resolves(i, percent) as usize;
+                // The first i + 1 incidents: their share, rounded down, exactly.
+                assert_eq!(resolving, (i + 1) * percent as usize / 100, "{percent} % after {}", i + 1);
+            }
+        }
+        // 80 %: one escalation in every five, not the last fifth of the batch.
+        let five: Vec<bool> = (0..10).map(|i| resolves(i, 80)).collect();
+        assert_eq!(five, [false, true, true, true, true, false, true, true, true, true]);
+    }
+
+    #[test]
+    fn percentiles_are_nearest_rank_over_the_sorted_values_to_two_decimals() {
+        let empty = summary(Vec::new());
+        assert_eq!(empty, serde_json::json!({ "p50": 0.0, "p90": 0.0, "p99": 0.0, "n": 0 }));
+        // 0..=100 in reverse: the p-th percentile is p.
+        let hundred = summary((0..=100).rev().map(f64::from).collect());
+        assert_eq!(hundred, serde_json::json!({ "p50": 50.0, "p90": 90.0, "p99": 99.0, "n": 101 }));
+        assert_eq!(summary(vec![1.23456])["p99"], 1.23);
+        assert_eq!(percentile(&[1.0, 2.0], 100.0), 2.0);
+    }
+
+    #[test]
+    fn the_model_bound_counts_no_more_runs_in_flight_than_the_batch_has() {
+        let bound = |more: &[&str]| {
+            let mut all = vec!["--incidents", "10", "--llm-latency-ms", "100"];
+            all.extend_from_slice(more);
+            llm_bound(&args(&all), Some(20), 10, 25.0)
+        };
+        // Ten runs at 2 x 100 ms of model time each: 50 a second, whatever --in-flight says above ten.
+        for more in [&[][..], &["--in-flight", "50"][..], &["--in-flight", "10"][..]] {
+            let b = bound(more).unwrap();
+            assert_eq!(b["in_flight"], 10, "{more:?}");
+            assert_eq!(b["per_second"], 50.0, "{more:?}");
+            assert_eq!(b["reached"], 0.5, "{more:?}");
+        }
+        assert_eq!(bound(&["--in-flight", "4"]).unwrap()["per_second"], 20.0);
+        assert!(bound(&["--rate", "5"]).is_none());
+    }
+
+    #[test]
+    fn rate_and_in_flight_are_not_taken_together() {
+        let both = Args::try_parse_from(["pitcrew-loadtest", "--rate", "10", "--in-flight", "4"]);
+        let said = both.err().expect("refused").to_string();
+        assert!(said.contains("--rate") && said.contains("--in-flight"), "{said}");
+        assert!(Args::try_parse_from(["pitcrew-loadtest", "--resolve-percent", "101"]).is_err());
+    }
+
+    #[test]
+    fn the_model_client_lets_diagnose_and_plan_all_call_at_once() {
+        assert_eq!(args(&["--concurrency", "8"]).model_calls_at_once(), 16);
+        assert_eq!(args(&["--model-concurrency", "100"]).model_calls_at_once(), 200);
+        // Diagnose above the model stages' own concurrency: its calls too.
+        let a = args(&["--model-concurrency", "10", "--diagnose-concurrency", "50"]);
+        assert_eq!(a.model_calls_at_once(), 60);
+    }
 
     #[test]
     fn model_stages_get_their_own_concurrency_and_every_consumer_room_for_it() {

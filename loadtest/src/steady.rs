@@ -5,12 +5,14 @@ use chrono::{DateTime, Utc};
 
 type At = DateTime<Utc>;
 
-/// The window of the steady state, with `n` runs kept in flight: from the n-th end or the 10th
-/// percentile of the ends, whichever comes later, to the last publish or the 90th percentile,
-/// whichever comes first. Before the n-th end the first n runs, published together, are on
-/// their first pass: nothing ends for a while, then their ends come in a clump, faster than
-/// the crew keeps up once runs arrive at its own pace. After the last publish comes the
-/// drain: fewer than n in flight. `ends` sorted.
+/// The window of the steady state, with `n` runs kept in flight: from the end at index n of
+/// the sorted `ends` (the (n+1)-th: the first after n ends) or the one at index len / 10,
+/// whichever comes later, to the last publish or the end at index len * 9 / 10, whichever
+/// comes first (indexes rounded down). Until the first n have ended, the first n runs,
+/// published together, are on their first pass: nothing ends for a while, then their ends
+/// come in a clump, faster than the crew keeps up once runs arrive at its own pace. After the
+/// last publish comes the drain: fewer than n in flight. `rate` counts the ends after the
+/// window's start up to its end.
 pub fn window(ends: &[At], n: usize, last_publish: Option<At>) -> Option<(At, At)> {
     let a = *ends.get((ends.len() / 10).max(n))?;
     let b = *ends.get(ends.len() * 9 / 10)?;
@@ -81,7 +83,7 @@ mod tests {
         ends.sort();
         ends.extend((1..=100).map(|k| t(100 + k * 10)));
         let w = window(&ends, 20, None).unwrap();
-        assert_eq!(w.0, t(110), "the n-th end, past the clump of the first n");
+        assert_eq!(w.0, t(110), "the (n+1)-th end, the first past the clump of the first n");
         assert_eq!(rate(&ends, w), 100.0);
         // From the 10th percentile alone, part of the clump counts: a rate the crew never kept.
         assert!(rate(&ends, window(&ends, 0, None).unwrap()) > 100.0);

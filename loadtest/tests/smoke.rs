@@ -3,17 +3,27 @@
 
 use std::process::Command;
 
-/// Run the tool with `args` and parse the JSON line it prints.
-fn run(args: &[&str]) -> serde_json::Value {
+/// Run the tool with `args` (and `--timeout 120` unless they give one) and parse the JSON
+/// line it prints; whether it succeeded too.
+fn run_as_is(args: &[&str]) -> (bool, serde_json::Value) {
+    let timeout: &[&str] = if args.contains(&"--timeout") { &[] } else { &["--timeout", "120"] };
     let out = Command::new(env!("CARGO_BIN_EXE_pitcrew-loadtest"))
         .args(args)
-        .args(["--timeout", "120"])
+        .args(timeout)
         .output()
         .expect("the load tool starts");
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "pitcrew-loadtest {args:?} failed: {stderr}");
     let line = String::from_utf8_lossy(&out.stdout);
-    serde_json::from_str(line.trim()).unwrap_or_else(|e| panic!("not one JSON line ({e}): {line}\n{stderr}"))
+    let report =
+        serde_json::from_str(line.trim()).unwrap_or_else(|e| panic!("not one JSON line ({e}): {line}\n{stderr}"));
+    (out.status.success(), report)
+}
+
+/// Run the tool with `args`, which must succeed, and parse the JSON line it prints.
+fn run(args: &[&str]) -> serde_json::Value {
+    let (ok, report) = run_as_is(args);
+    assert!(ok, "pitcrew-loadtest {args:?} failed: {report}");
+    report
 }
 
 /// Every incident ended once, as its scenario dictates, and each stage of the resolving
@@ -21,6 +31,9 @@ fn run(args: &[&str]) -> serde_json::Value {
 fn accounts_for(report: &serde_json::Value, incidents: u64, resolved: u64) {
     assert_eq!(report["completed"], incidents, "{report}");
     assert_eq!(report["errors"], 0, "{report}");
+    for error in ["publish_errors", "unexpected_outcomes", "timed_out"] {
+        assert_eq!(report[error], 0, "{error}: {report}");
+    }
     assert_eq!(report["outcomes"]["resolved"], resolved, "{report}");
     assert_eq!(report["outcomes"]["escalated"], incidents - resolved, "{report}");
     assert_eq!(report["e2e_ms"]["n"], incidents, "{report}");
@@ -46,6 +59,27 @@ fn runs_kept_in_flight_with_http_checks_all_end_and_are_counted() {
     let mean = report["in_flight_mean"].as_f64().unwrap_or(0.0);
     assert!(mean > 0.0 && mean <= 4.0, "{report}");
     assert!(report["llm_bound"].is_null(), "no model, no bound: {report}");
+}
+
+#[test]
+fn a_paced_batch_accounts_for_every_incident() {
+    // Latency from each incident's due time; the mix spread over the batch: 4 of 6 resolve.
+    let report = run(&["--incidents", "6", "--rate", "50", "--no-evidence"]);
+    accounts_for(&report, 6, 4);
+    assert!(report["llm_bound"].is_null() && report["steady_per_second"].is_null(), "{report}");
+}
+
+#[test]
+fn runs_that_do_not_end_in_time_are_reported_as_errors_before_the_tool_fails() {
+    // One run in flight, no time to wait: it cannot end (its model call alone takes 1 s),
+    // and the two incidents behind it are never published.
+    let (ok, report) =
+        run_as_is(&["--incidents", "3", "--in-flight", "1", "--llm-latency-ms", "1000", "--timeout", "0"]);
+    assert!(!ok, "{report}");
+    assert_eq!(report["timed_out"], 3, "{report}");
+    assert_eq!(report["errors"], 3, "{report}");
+    assert_eq!(report["completed"], 0, "{report}");
+    assert_eq!(report["e2e_ms"]["n"], 0, "{report}");
 }
 
 #[test]
