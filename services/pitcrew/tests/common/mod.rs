@@ -119,7 +119,7 @@ impl Crew {
     /// Write the config to a file for worker processes.
     pub fn config_file(&self) -> anyhow::Result<std::path::PathBuf> {
         let path = self.env.dir.path().join("pitcrew.toml");
-        std::fs::write(&path, &self.toml)?;
+        write_whole(&path, &self.toml)?;
         Ok(path)
     }
 
@@ -167,7 +167,7 @@ impl Crew {
             file
         } else {
             let own = self.env.dir.path().join(format!("{name}.toml"));
-            std::fs::write(&own, format!("{}\n{extra}", self.toml))?;
+            write_whole(&own, &format!("{}\n{extra}", self.toml))?;
             own
         };
         let log = std::fs::File::create(self.env.dir.path().join(format!("{name}.log")))?;
@@ -180,6 +180,16 @@ impl Crew {
         let child = cmd.stdin(Stdio::null()).stdout(Stdio::null()).stderr(log).spawn()?;
         Ok(Worker { child, log: self.env.dir.path().join(format!("{name}.log")) })
     }
+}
+
+/// Write `text` to `path` whole, never truncated in place: a process started a moment before
+/// may be reading the file (rewritten by the next spawn), and a half-written config reads as
+/// the defaults (the machine's own NATS and Postgres).
+fn write_whole(path: &std::path::Path, text: &str) -> anyhow::Result<()> {
+    let tmp = path.with_extension(format!("tmp-{}", Uuid::now_v7()));
+    std::fs::write(&tmp, text)?;
+    std::fs::rename(&tmp, path)?;
+    Ok(())
 }
 
 /// A `pitcrew` process (a worker, or any other), killed on drop.
