@@ -81,17 +81,7 @@ pub fn access_table() -> anyhow::Result<HashMap<(Method, String), Access>> {
 impl Gateway {
     /// Check `[gateway]` and build the shared state.
     pub fn new(cfg: Config, bus: Bus, store: Store, shutdown: Shutdown) -> anyhow::Result<Arc<Gateway>> {
-        let keys = Keys::from_config(&cfg.gateway.keys).map_err(|e| anyhow::anyhow!("bad configuration: {e}"))?;
-        if !cfg.gateway.rate_per_sec.is_finite() || cfg.gateway.rate_per_sec <= 0.0 || cfg.gateway.body_limit_bytes == 0
-        {
-            anyhow::bail!("bad configuration: [gateway] rate_per_sec and body_limit_bytes must be above 0");
-        }
-        if !(1..=MAX_SSE_BUFFER).contains(&cfg.gateway.sse_buffer) {
-            anyhow::bail!("bad configuration: [gateway] sse_buffer must be between 1 and {MAX_SSE_BUFFER} events");
-        }
-        if !(1..=events::MAX_STREAMS).contains(&cfg.gateway.streams_per_key) {
-            anyhow::bail!("bad configuration: [gateway] streams_per_key must be between 1 and {}", events::MAX_STREAMS);
-        }
+        let keys = Gateway::check(&cfg)?;
         Ok(Arc::new(Gateway {
             limiter: RateLimiter::new(&cfg.gateway),
             keys,
@@ -105,6 +95,24 @@ impl Gateway {
             shutdown,
             ready: tokio::sync::Mutex::new(None),
         }))
+    }
+
+    /// Check `[gateway]` (before anything is reached for: a bad setting is said at once, not
+    /// once NATS and Postgres answer); its keys.
+    pub fn check(cfg: &Config) -> anyhow::Result<Keys> {
+        let keys = Keys::from_config(&cfg.gateway.keys).map_err(|e| anyhow::anyhow!("bad configuration: {e}"))?;
+        if !cfg.gateway.rate_per_sec.is_finite() || cfg.gateway.rate_per_sec <= 0.0 || cfg.gateway.body_limit_bytes == 0
+        {
+            anyhow::bail!("bad configuration: [gateway] rate_per_sec and body_limit_bytes must be above 0");
+        }
+        if !(1..=MAX_SSE_BUFFER).contains(&cfg.gateway.sse_buffer) {
+            anyhow::bail!("bad configuration: [gateway] sse_buffer must be between 1 and {MAX_SSE_BUFFER} events");
+        }
+        if !(1..=events::MAX_STREAMS).contains(&cfg.gateway.streams_per_key) {
+            anyhow::bail!("bad configuration: [gateway] streams_per_key must be between 1 and {}", events::MAX_STREAMS);
+        }
+        access_table()?;
+        Ok(keys)
     }
 }
 
@@ -194,6 +202,8 @@ pub async fn serve(gw: Arc<Gateway>, listener: tokio::net::TcpListener) -> anyho
 /// `pitcrew gateway`: connect (waiting for NATS and Postgres), bind `[gateway] listen` and
 /// serve until `shutdown`.
 pub async fn run(cfg: Config, shutdown: Shutdown) -> anyhow::Result<()> {
+    Gateway::check(&cfg)?;
+    pitcrew_runtime::httpd::can_bind(&cfg.gateway.listen, "[gateway] listen").await?;
     let Some((bus, store)) = pitcrew_runtime::start::connect_patiently(&cfg, &shutdown).await? else {
         tracing::info!("stopped before NATS and Postgres could be reached");
         return Ok(());

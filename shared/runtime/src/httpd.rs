@@ -15,6 +15,16 @@ use std::pin::pin;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::net::TcpListener;
+
+/// Bind `listen` and let it go at once: a port taken, or an address that is not this
+/// machine's, is said before a process waits for NATS and Postgres, though it serves only
+/// after (a socket listening meanwhile would take in requests nobody answers). `what` names
+/// the setting, as in `[gateway] listen`.
+pub async fn can_bind(listen: &str, what: &str) -> anyhow::Result<()> {
+    use anyhow::Context;
+    TcpListener::bind(listen).await.with_context(|| format!("{what} = \"{listen}\": cannot bind"))?;
+    Ok(())
+}
 use tokio::sync::{watch, Semaphore};
 
 /// How long a client may take to send a request's headers (or stay idle between requests).

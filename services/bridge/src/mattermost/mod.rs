@@ -46,23 +46,26 @@ pub fn settings(cfg: &Config) -> anyhow::Result<&MattermostConfig> {
 
 /// `pitcrew bridge mattermost`: secrets from the environment, the endpoint on `listen`.
 pub async fn run_from_env(cfg: Config, shutdown: Shutdown) -> anyhow::Result<()> {
-    let mm = settings(&cfg)?;
-    let secrets = Secrets::from_env(mm)?;
-    let listener = TcpListener::bind(&mm.listen)
-        .await
-        .with_context(|| format!("[bridge.mattermost] listen = \"{}\": cannot bind", mm.listen))?;
-    run(cfg, secrets, listener, shutdown).await
+    let secrets = Secrets::from_env(settings(&cfg)?)?;
+    run(cfg, secrets, shutdown).await
 }
 
-/// Run both halves until `shutdown`: post requests, serve action calls on `listener`.
-pub async fn run(cfg: Config, secrets: Secrets, listener: TcpListener, shutdown: Shutdown) -> anyhow::Result<()> {
+/// Run both halves until `shutdown`: post requests, serve action calls on `listen`. The
+/// settings are checked first; the port opens only once NATS and Postgres answer: a click the
+/// kernel took in before could not be decided, would time out in Mattermost, and be applied
+/// once they answered, behind the clicker's back.
+pub async fn run(cfg: Config, secrets: Secrets, shutdown: Shutdown) -> anyhow::Result<()> {
     let mm = settings(&cfg)?.clone();
+    let api = api::MattermostApi::new(&mm.url, secrets.token, Duration::from_secs(mm.timeout_secs.max(1)))?;
+    pitcrew_runtime::httpd::can_bind(&mm.listen, "[bridge.mattermost] listen").await?;
     let Some((bus, store)) = pitcrew_runtime::start::connect_patiently(&cfg, &shutdown).await? else {
         tracing::info!("stopped before NATS and Postgres could be reached");
         return Ok(());
     };
+    let listener = TcpListener::bind(&mm.listen)
+        .await
+        .with_context(|| format!("[bridge.mattermost] listen = \"{}\": cannot bind", mm.listen))?;
     crate::serve_metrics(&cfg, &bus, &store, &mm.durable, shutdown.clone()).await?;
-    let api = api::MattermostApi::new(&mm.url, secrets.token, Duration::from_secs(mm.timeout_secs.max(1)))?;
     let action_url = format!("{}/mattermost/actions", mm.public_url.trim_end_matches('/'));
     let chat = api::MattermostChat {
         api,

@@ -55,24 +55,27 @@ pub fn settings(cfg: &Config) -> anyhow::Result<&SlackConfig> {
 
 /// `pitcrew bridge slack`: secrets from the environment, the endpoint on `listen`.
 pub async fn run_from_env(cfg: Config, shutdown: Shutdown) -> anyhow::Result<()> {
-    let slack = settings(&cfg)?;
-    let secrets = Secrets::from_env(slack)?;
-    let listener = TcpListener::bind(&slack.listen)
-        .await
-        .with_context(|| format!("[bridge.slack] listen = \"{}\": cannot bind", slack.listen))?;
-    run(cfg, secrets, listener, shutdown).await
+    let secrets = Secrets::from_env(settings(&cfg)?)?;
+    run(cfg, secrets, shutdown).await
 }
 
-/// Run both halves until `shutdown`: post requests, serve callbacks on `listener`.
-pub async fn run(cfg: Config, secrets: Secrets, listener: TcpListener, shutdown: Shutdown) -> anyhow::Result<()> {
+/// Run both halves until `shutdown`: post requests, serve callbacks on `listen`. The settings
+/// are checked first; the port opens only once NATS and Postgres answer: a click the kernel
+/// took in before could not be decided, would time out in Slack, and be applied once they
+/// answered, behind the clicker's back.
+pub async fn run(cfg: Config, secrets: Secrets, shutdown: Shutdown) -> anyhow::Result<()> {
     let slack = settings(&cfg)?.clone();
+    let timeout = Duration::from_secs(slack.timeout_secs.max(1));
+    let api = api::SlackApi::new(&slack.api_url, secrets.token, secrets.webhook_url, timeout)?;
+    pitcrew_runtime::httpd::can_bind(&slack.listen, "[bridge.slack] listen").await?;
     let Some((bus, store)) = pitcrew_runtime::start::connect_patiently(&cfg, &shutdown).await? else {
         tracing::info!("stopped before NATS and Postgres could be reached");
         return Ok(());
     };
+    let listener = TcpListener::bind(&slack.listen)
+        .await
+        .with_context(|| format!("[bridge.slack] listen = \"{}\": cannot bind", slack.listen))?;
     crate::serve_metrics(&cfg, &bus, &store, &slack.durable, shutdown.clone()).await?;
-    let timeout = Duration::from_secs(slack.timeout_secs.max(1));
-    let api = api::SlackApi::new(&slack.api_url, secrets.token, secrets.webhook_url, timeout)?;
     let chat = api::SlackChat { api: api.clone(), channel: slack.channel.clone() };
     let posting =
         crate::post::spawn(&bus, store.clone(), chat, &slack.durable, slack.concurrency, shutdown.clone()).await?;
