@@ -68,7 +68,8 @@ struct Outage {
     /// When its incident was last published.
     reported: Option<chrono::DateTime<chrono::Utc>>,
     /// The incidents published for it (the run the first opened, reminders: duplicates of it
-    /// or runs of their own once it closed), newest last, at most `RUNS_KEPT`.
+    /// or runs of their own once it closed), newest last, at most `RUNS_KEPT`: the first and
+    /// the latest reminders.
     runs: Vec<Uuid>,
     /// The id its next incident goes out under, kept across failed tries: a publish that
     /// reached the bus after all (its ack lost in an outage, or queued in the client until
@@ -127,8 +128,10 @@ impl Tracker {
                 if let Some(outage) = self.down.get_mut(service) {
                     outage.reported = Some(now);
                     outage.runs.push(outage.next);
+                    // The first run is kept (while it is open, every reminder joins it as a
+                    // duplicate that never resolves); the oldest reminder goes.
                     if outage.runs.len() > RUNS_KEPT {
-                        outage.runs.remove(0);
+                        outage.runs.remove(1);
                     }
                     outage.next = Uuid::now_v7();
                 }
@@ -234,8 +237,9 @@ pub async fn run(
     tracing::info!(services = services.len(), every_ms = every.as_millis() as u64, "monitor running");
     loop {
         // A round is raced with shutdown: its checks and publishes may each take seconds while
-        // NATS is down, and one left half-done is done again by the next start (a publish that
-        // landed after all is the same incident).
+        // NATS is down. One left half-done is done again by the next start, under a new
+        // incident id (the tracker is in memory): a publish of this one that landed after all
+        // makes that one a duplicate of its run.
         tokio::select! {
             _ = one_round(&bus, &services, executor.as_ref(), &mut tracker, realert) => {}
             _ = &mut shutdown => return,
@@ -407,7 +411,7 @@ mod tests {
     }
 
     #[test]
-    fn reminders_are_remembered_with_the_first_run_up_to_a_few() {
+    fn the_first_run_is_remembered_with_the_latest_reminders() {
         let mut t = Tracker::default();
         let t0 = chrono::Utc::now();
         let s = |n: i64| t0 + chrono::Duration::seconds(n);
@@ -418,6 +422,8 @@ mod tests {
             published.extend(t.incident_id("web"));
             t.reported("web", &Change::Down, s(k * 3600));
         }
-        assert_eq!(t.runs_of("web"), &published[6 - RUNS_KEPT..], "the newest {RUNS_KEPT}");
+        let kept: Vec<Uuid> =
+            std::iter::once(published[0]).chain(published[6 - RUNS_KEPT + 1..].iter().copied()).collect();
+        assert_eq!(t.runs_of("web"), kept, "the first and the newest reminders, {RUNS_KEPT} in all");
     }
 }

@@ -420,7 +420,8 @@ async fn logged(w: &mut Worker, line: &str) -> anyhow::Result<()> {
             return Ok(());
         }
         anyhow::ensure!(w.child.try_wait()?.is_none(), "the worker exited: {log}");
-        anyhow::ensure!(started.elapsed() < Duration::from_secs(30), "no {line:?} in 30 s: {log}");
+        // Start-up tries are up to 15 s apart.
+        anyhow::ensure!(started.elapsed() < Duration::from_secs(60), "no {line:?} in 60 s: {log}");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }

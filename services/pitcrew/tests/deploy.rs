@@ -537,3 +537,42 @@ async fn each_nats_user_does_its_services_job_and_nothing_more() -> anyhow::Resu
     assert!(!crew.log().contains("Violation"), "the crew was never refused:\n{}", crew.log());
     Ok(())
 }
+
+/// A process whose NATS user may not do what start-up needs (here the monitor under another
+/// prefix than the server's permissions name: it may not make that prefix's streams) stops at
+/// once saying what the server refused: the refused request only times out in the client, and
+/// the process waited for it forever as if NATS were down.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_process_whose_nats_user_is_refused_at_start_up_stops_saying_so() -> anyhow::Result<()> {
+    let env = TestEnv::start().await?;
+    let passwords: BTreeMap<String, String> = ["CREW", "OPERATOR", "GATEWAY", "MONITOR", "BRIDGE"]
+        .into_iter()
+        .map(|u| (format!("NATS_{u}_PASSWORD"), format!("{}-{}", u.to_lowercase(), uuid::Uuid::new_v4().simple())))
+        .collect();
+    let nats = ConfiguredNats::start(&passwords)?;
+    let toml = format!(
+        "prefix = \"elsewhere\"\n[nats]\nurl = \"{}\"\n[database]\nurl = \"{}\"\n\
+         [services.svc]\nhost = \"local\"\ncheck = {{ kind = \"command\", command = \"true\" }}\n",
+        nats.url("monitor", &passwords["NATS_MONITOR_PASSWORD"]),
+        env.db.url
+    );
+    let file = env.path("pitcrew.toml");
+    std::fs::write(&file, &toml)?;
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_pitcrew"));
+    cmd.args(["--config", &file, "monitor"]).env_remove("DATABASE_URL").env_remove("PITCREW_NATS_URL");
+    let mut monitor = Pitcrew::spawn(cmd, Path::new(&env.path("monitor.log")), "the monitor".into())?;
+    let started = std::time::Instant::now();
+    let status = loop {
+        if let Some(status) = monitor.child.try_wait()? {
+            break status;
+        }
+        anyhow::ensure!(started.elapsed() < Duration::from_secs(90), "still running:\n{}", monitor.log());
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    let log = monitor.log();
+    assert!(!status.success(), "{status}: {log}");
+    assert!(log.contains("NATS refused stream ELSEWHERE_INCIDENTS") && log.contains("Permissions Violation"), "{log}");
+    assert!(!log.contains("waiting for NATS"), "{log}");
+    assert!(!log.contains(&passwords["NATS_MONITOR_PASSWORD"]), "{log}");
+    Ok(())
+}

@@ -947,6 +947,14 @@ async fn an_approval_while_the_nats_client_is_backed_up_answers_503_and_decides_
         });
     }
     tokio::time::sleep(Duration::from_secs(1)).await;
+    // Full: a request cannot even be queued (one that could would time out waiting for its
+    // reply within the client's 10 s, and the test would prove nothing).
+    let queued = tokio::time::timeout(
+        Duration::from_secs(12),
+        api.crew.bus.js.get_stream(api.crew.bus.subjects.approvals_stream()),
+    )
+    .await;
+    assert!(queued.is_err(), "the client's queue is not full: {:?}", queued.map(|r| r.map(|_| ())));
     let asked = std::time::Instant::now();
     let (status, body) = api.post(&format!("/v1/runs/{run}/approve"), "ann", &json!({"plan_hash": plan_hash})).await?;
     let took = asked.elapsed();

@@ -7,6 +7,7 @@ use bytes::Bytes;
 use pitcrew_model::codec::{self, CONTENT_TYPE};
 use pitcrew_model::subjects::Subjects;
 use pitcrew_model::{Incident, Stage};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 /// How long a stopping process waits for NATS to take what it still holds.
@@ -38,6 +39,10 @@ pub enum BusError {
     Publish { subject: String, error: String },
     #[error("NATS did not answer {what} within {} s (is it reachable?)", API_LIMIT.as_secs())]
     Unanswered { what: String },
+    #[error("NATS refused {what} to this user: {error} (check the user's permissions in the server's config, and pitcrew's prefix)")]
+    Refused { what: String, error: String },
+    #[error("reading {what} failed: {error}")]
+    Read { what: String, error: String },
 }
 
 /// `call`, a JetStream API request about `what`, given at most [`API_LIMIT`].
@@ -68,6 +73,7 @@ impl BusError {
             ),
             BusError::Publish { .. } => false,
             BusError::Unanswered { .. } => true,
+            BusError::Refused { .. } | BusError::Read { .. } => false,
         }
     }
 }
@@ -147,6 +153,9 @@ pub struct Bus {
     pub client: async_nats::Client,
     pub js: jetstream::Context,
     pub subjects: Subjects,
+    /// The last permissions violation the server reported on this connection: async-nats
+    /// surfaces it only as an event, and the request it refused just times out.
+    refused: Arc<Mutex<Option<String>>>,
 }
 
 /// Whether a stream's settings differ from the ones pitcrew manages.
@@ -165,6 +174,8 @@ impl Bus {
         let url = cfg.nats.url.clone();
         // The URL may carry credentials: errors show it redacted.
         let err = |e: String| BusError::Connect { url: crate::config::redact_url(&url), error: e };
+        let refused: Arc<Mutex<Option<String>>> = Arc::default();
+        let refusals = refused.clone();
         let mut opts = async_nats::ConnectOptions::new()
             .name(format!("pitcrew {}", cfg.worker()))
             .connection_timeout(Duration::from_secs(cfg.nats.connect_timeout_secs.max(1)))
@@ -173,14 +184,26 @@ impl Bus {
             // What the server refuses after connecting (a subject this user may not publish
             // to, say) reaches the client only as an event: say it, or the publish just
             // times out waiting for its ack.
-            .event_callback(|event| async move {
-                match event {
-                    async_nats::Event::ServerError(e) => tracing::error!(error = %e, "NATS server refused a request"),
-                    async_nats::Event::SlowConsumer(sid) => {
-                        tracing::warn!(subscription = sid, "NATS: a subscription fell behind, messages were dropped")
+            .event_callback(move |event| {
+                let refusals = refusals.clone();
+                async move {
+                    match event {
+                        async_nats::Event::ServerError(e) => {
+                            tracing::error!(error = %e, "NATS server refused a request");
+                            let said = e.to_string();
+                            if said.to_lowercase().contains("permissions violation") {
+                                *refusals.lock().unwrap_or_else(|p| p.into_inner()) = Some(said);
+                            }
+                        }
+                        async_nats::Event::SlowConsumer(sid) => {
+                            tracing::warn!(
+                                subscription = sid,
+                                "NATS: a subscription fell behind, messages were dropped"
+                            )
+                        }
+                        // async-nats logs the rest (connected, disconnected, ...) itself.
+                        _ => {}
                     }
-                    // async-nats logs the rest (connected, disconnected, ...) itself.
-                    _ => {}
                 }
             });
         // async-nats ignores credentials in the URL: pass them on.
@@ -195,7 +218,7 @@ impl Bus {
             .map_err(|_| err("no answer within the connect timeout".into()))?
             .map_err(|e| err(e.to_string()))?;
         let js = jetstream::new(client.clone());
-        Ok(Bus { client, js, subjects: Subjects::new(&cfg.prefix) })
+        Ok(Bus { client, js, subjects: Subjects::new(&cfg.prefix), refused })
     }
 
     /// Write out what the client still holds (acks, naks, publishes) before the process
@@ -255,10 +278,20 @@ impl Bus {
                         found = Some(stream.cached_info().config.clone());
                         break;
                     }
-                    Err(e) => last = Some(e.to_string()),
+                    Err(e) => {
+                        last = Some(e.to_string());
+                        // Refused: trying again is refused again.
+                        if self.refused.lock().unwrap_or_else(|p| p.into_inner()).is_some() {
+                            break;
+                        }
+                    }
                 }
             }
             if let Some(error) = last {
+                // Refused, the request only timed out: say what the server said instead.
+                if let Some(violation) = self.refused.lock().unwrap_or_else(|p| p.into_inner()).clone() {
+                    return Err(BusError::Refused { what: format!("stream {name}"), error: violation });
+                }
                 return Err(BusError::Setup { what: format!("stream {name}"), error });
             }
             // A stream made by an older pitcrew keeps its settings: bring them up to date (the
@@ -341,8 +374,8 @@ impl Bus {
     /// stream's duplicate window is not deduplicated, so a step delivered again that late asks
     /// this before publishing its end again.
     pub async fn holds_event(&self, event: &pitcrew_model::RunEvent) -> Result<bool, BusError> {
-        let what = format!("reading the events of run {}", event.run_id);
-        let failed = |e: String| BusError::Setup { what: what.clone(), error: e };
+        let what = format!("the events of run {}", event.run_id);
+        let failed = |e: String| BusError::Read { what: what.clone(), error: e };
         let subject = self.subjects.event(event.run_id, event.kind.as_str());
         let last = within(&what, async {
             let stream = self.js.get_stream(self.subjects.events_stream()).await.map_err(|e| failed(e.to_string()))?;
