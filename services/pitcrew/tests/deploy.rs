@@ -426,13 +426,18 @@ async fn refused(nats: &ConfiguredNats, bus: &Bus, user: &str, observer: &Bus) -
     Ok(())
 }
 
+/// A fresh password for each NATS user of deploy/nats.conf, by the variable it is read from.
+fn passwords() -> BTreeMap<String, String> {
+    ["CREW", "OPERATOR", "GATEWAY", "MONITOR", "BRIDGE"]
+        .into_iter()
+        .map(|u| (format!("NATS_{u}_PASSWORD"), format!("{}-{}", u.to_lowercase(), uuid::Uuid::new_v4().simple())))
+        .collect()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn each_nats_user_does_its_services_job_and_nothing_more() -> anyhow::Result<()> {
     let env = TestEnv::start().await?;
-    let passwords: BTreeMap<String, String> = ["CREW", "OPERATOR", "GATEWAY", "MONITOR", "BRIDGE"]
-        .into_iter()
-        .map(|u| (format!("NATS_{u}_PASSWORD"), format!("{}-{}", u.to_lowercase(), uuid::Uuid::new_v4().simple())))
-        .collect();
+    let passwords = passwords();
     let pw = |user: &str| passwords[&format!("NATS_{}_PASSWORD", user.to_uppercase())].clone();
     let nats = ConfiguredNats::start(&passwords)?;
     let db = env.db.url.clone();
@@ -545,10 +550,7 @@ async fn each_nats_user_does_its_services_job_and_nothing_more() -> anyhow::Resu
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_process_whose_nats_user_is_refused_at_start_up_stops_saying_so() -> anyhow::Result<()> {
     let env = TestEnv::start().await?;
-    let passwords: BTreeMap<String, String> = ["CREW", "OPERATOR", "GATEWAY", "MONITOR", "BRIDGE"]
-        .into_iter()
-        .map(|u| (format!("NATS_{u}_PASSWORD"), format!("{}-{}", u.to_lowercase(), uuid::Uuid::new_v4().simple())))
-        .collect();
+    let passwords = passwords();
     let nats = ConfiguredNats::start(&passwords)?;
     let toml = format!(
         "prefix = \"elsewhere\"\n[nats]\nurl = \"{}\"\n[database]\nurl = \"{}\"\n\

@@ -84,6 +84,16 @@ impl Api {
         Ok(Api { crew, url, http: reqwest::Client::new(), gw, stop: Some(stop) })
     }
 
+    /// Open an incident over HTTP whose plan waits for approval; its run, once it waits.
+    async fn parked(&mut self) -> anyhow::Result<Uuid> {
+        let (status, body) =
+            self.post("/v1/incidents", "otto", &json!({"service": "svc", "error": "stale lock held"})).await?;
+        assert_eq!(status, StatusCode::ACCEPTED, "{body}");
+        let run: Uuid = body["run_id"].as_str().unwrap_or_default().parse()?;
+        self.crew.events.kind(run, EventKind::ApprovalRequested, WAIT).await?;
+        Ok(run)
+    }
+
     fn req(&self, method: reqwest::Method, path: &str, owner: Option<&str>) -> reqwest::RequestBuilder {
         let r = self.http.request(method, format!("{}{path}", self.url)).timeout(Duration::from_secs(30));
         match owner {
@@ -421,11 +431,7 @@ async fn a_run_streams_its_past_then_live_events_and_is_approved_over_http() -> 
     let all = api.stream("/v1/events?kind=resolved,approval_decided", "rita").await?;
     assert_eq!(all.status(), StatusCode::OK);
     let mut all = Sse::new(all);
-    let (status, body) =
-        api.post("/v1/incidents", "otto", &json!({"service": "svc", "error": "stale lock held"})).await?;
-    assert_eq!(status, StatusCode::ACCEPTED, "{body}");
-    let run: Uuid = body["run_id"].as_str().unwrap_or_default().parse()?;
-    api.crew.events.kind(run, EventKind::ApprovalRequested, WAIT).await?;
+    let run = api.parked().await?;
     let (status, pending) = api.get("/v1/approvals", "rita").await?;
     assert_eq!(status, StatusCode::OK);
     let plan_hash = pending["approvals"][0]["plan_hash"].as_str().unwrap_or_default().to_string();
@@ -901,11 +907,7 @@ async fn a_client_too_slow_with_its_headers_or_its_body_holds_no_connection() ->
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_decision_racing_one_the_crew_has_not_recorded_yet_gets_409() -> anyhow::Result<()> {
     let mut api = Api::start(&Stage::ALL, "").await?;
-    let (status, body) =
-        api.post("/v1/incidents", "otto", &json!({"service": "svc", "error": "stale lock held"})).await?;
-    assert_eq!(status, StatusCode::ACCEPTED, "{body}");
-    let run: Uuid = body["run_id"].as_str().unwrap_or_default().parse()?;
-    api.crew.events.kind(run, EventKind::ApprovalRequested, WAIT).await?;
+    let run = api.parked().await?;
     // The crew is stopped: Ann's approval is published, not recorded yet.
     api.crew.shutdown().await?;
     let (status, body) = api.post(&format!("/v1/runs/{run}/approve"), "ann", &json!({})).await?;
@@ -930,11 +932,7 @@ async fn a_decision_racing_one_the_crew_has_not_recorded_yet_gets_409() -> anyho
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_approval_while_the_nats_client_is_backed_up_answers_503_and_decides_nothing_later() -> anyhow::Result<()> {
     let mut api = Api::start(&Stage::ALL, "").await?;
-    let (status, body) =
-        api.post("/v1/incidents", "otto", &json!({"service": "svc", "error": "stale lock held"})).await?;
-    assert_eq!(status, StatusCode::ACCEPTED, "{body}");
-    let run: Uuid = body["run_id"].as_str().unwrap_or_default().parse()?;
-    api.crew.events.kind(run, EventKind::ApprovalRequested, WAIT).await?;
+    let run = api.parked().await?;
     let (_, pending) = api.get("/v1/approvals", "rita").await?;
     let plan_hash = pending["approvals"][0]["plan_hash"].as_str().unwrap_or_default().to_string();
     api.crew.env.nats.kill();
