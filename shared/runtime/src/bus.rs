@@ -271,6 +271,13 @@ impl Bus {
             };
             let mut last = None;
             let mut found = None;
+            // Only a refusal of this stream's own requests counts below (one of an update
+            // refused earlier, which some users may not make, is no reason to stop).
+            self.refused.lock().unwrap_or_else(|p| p.into_inner()).take();
+            let refused = || {
+                let said = self.refused.lock().unwrap_or_else(|p| p.into_inner()).clone();
+                said.filter(|violation| violation.contains(&format!(".{name}")))
+            };
             for _ in 0..3 {
                 match self.js.get_or_create_stream(config.clone()).await {
                     Ok(stream) => {
@@ -281,7 +288,7 @@ impl Bus {
                     Err(e) => {
                         last = Some(e.to_string());
                         // Refused: trying again is refused again.
-                        if self.refused.lock().unwrap_or_else(|p| p.into_inner()).is_some() {
+                        if refused().is_some() {
                             break;
                         }
                     }
@@ -289,7 +296,7 @@ impl Bus {
             }
             if let Some(error) = last {
                 // Refused, the request only timed out: say what the server said instead.
-                if let Some(violation) = self.refused.lock().unwrap_or_else(|p| p.into_inner()).clone() {
+                if let Some(violation) = refused() {
                     return Err(BusError::Refused { what: format!("stream {name}"), error: violation });
                 }
                 return Err(BusError::Setup { what: format!("stream {name}"), error });

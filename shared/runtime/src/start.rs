@@ -35,12 +35,23 @@ pub async fn connect(cfg: &Config) -> anyhow::Result<(Bus, Store)> {
 /// As [`connect`], waiting while NATS or Postgres cannot be reached. `None` when `shutdown`
 /// came first.
 pub async fn connect_patiently(cfg: &Config, shutdown: &Shutdown) -> anyhow::Result<Option<(Bus, Store)>> {
+    metrics_port_free(cfg).await?;
     patiently("NATS and Postgres", shutdown, || connect(cfg)).await
 }
 
 /// As [`connect_bus`], waiting while NATS cannot be reached. `None` when `shutdown` came first.
 pub async fn connect_bus_patiently(cfg: &Config, shutdown: &Shutdown) -> anyhow::Result<Option<Bus>> {
+    metrics_port_free(cfg).await?;
     patiently("NATS", shutdown, || async { Ok(connect_bus(cfg).await?) }).await
+}
+
+/// `[metrics] listen`, when set, can be bound: a port taken is said before the wait, not once
+/// NATS and Postgres answer.
+async fn metrics_port_free(cfg: &Config) -> anyhow::Result<()> {
+    match cfg.metrics.listen.as_deref() {
+        Some(listen) => crate::httpd::can_bind(listen, "[metrics] listen").await,
+        None => Ok(()),
+    }
 }
 
 /// Whether a start-up failure is one that waiting may mend: a server that did not answer (or a

@@ -62,9 +62,6 @@ pub async fn run(cfg: Config, secrets: Secrets, shutdown: Shutdown) -> anyhow::R
         tracing::info!("stopped before NATS and Postgres could be reached");
         return Ok(());
     };
-    let listener = TcpListener::bind(&mm.listen)
-        .await
-        .with_context(|| format!("[bridge.mattermost] listen = \"{}\": cannot bind", mm.listen))?;
     crate::serve_metrics(&cfg, &bus, &store, &mm.durable, shutdown.clone()).await?;
     let action_url = format!("{}/mattermost/actions", mm.public_url.trim_end_matches('/'));
     let chat = api::MattermostChat {
@@ -81,6 +78,10 @@ pub async fn run(cfg: Config, secrets: Secrets, shutdown: Shutdown) -> anyhow::R
         cfg: Arc::new(cfg),
         action_secret: secrets.action_secret,
     });
+    // Last: clicks come in only once every part of the bridge is ready to decide them.
+    let listener = TcpListener::bind(&mm.listen)
+        .await
+        .with_context(|| format!("[bridge.mattermost] listen = \"{}\": cannot bind", mm.listen))?;
     let listen = listener.local_addr()?;
     tracing::info!(
         %listen, server = %mm.url, channel = %mm.channel_id, %action_url, users = mm.users.len(), durable = %mm.durable,

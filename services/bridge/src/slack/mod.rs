@@ -72,15 +72,16 @@ pub async fn run(cfg: Config, secrets: Secrets, shutdown: Shutdown) -> anyhow::R
         tracing::info!("stopped before NATS and Postgres could be reached");
         return Ok(());
     };
-    let listener = TcpListener::bind(&slack.listen)
-        .await
-        .with_context(|| format!("[bridge.slack] listen = \"{}\": cannot bind", slack.listen))?;
     crate::serve_metrics(&cfg, &bus, &store, &slack.durable, shutdown.clone()).await?;
     let chat = api::SlackChat { api: api.clone(), channel: slack.channel.clone() };
     let posting =
         crate::post::spawn(&bus, store.clone(), chat, &slack.durable, slack.concurrency, shutdown.clone()).await?;
     let cfg = Arc::new(cfg);
     let app = Arc::new(callback::App::new(bus.clone(), store, cfg.clone(), api, secrets.signing_secret));
+    // Last: clicks come in only once every part of the bridge is ready to decide them.
+    let listener = TcpListener::bind(&slack.listen)
+        .await
+        .with_context(|| format!("[bridge.slack] listen = \"{}\": cannot bind", slack.listen))?;
     let listen = listener.local_addr()?;
     tracing::info!(
         %listen, api = %slack.api_url, channel = %slack.channel, webhook = slack.webhook_url_env.is_some(), users = slack.users.len(), durable = %slack.durable,
