@@ -204,10 +204,7 @@ pub async fn serve(gw: Arc<Gateway>, listener: tokio::net::TcpListener) -> anyho
 pub async fn run(cfg: Config, shutdown: Shutdown) -> anyhow::Result<()> {
     Gateway::check(&cfg)?;
     pitcrew_runtime::httpd::can_bind(&cfg.gateway.listen, "[gateway] listen").await?;
-    let Some((bus, store)) = pitcrew_runtime::start::connect_patiently(&cfg, &shutdown).await? else {
-        tracing::info!("stopped before NATS and Postgres could be reached");
-        return Ok(());
-    };
+    let Some((bus, store)) = pitcrew_runtime::start::connect_patiently(&cfg, &shutdown).await? else { return Ok(()) };
     if cfg.gateway.keys.is_empty() {
         tracing::warn!("no [gateway.keys] configured: every route but health and the OpenAPI document answers 401");
     }
@@ -216,9 +213,7 @@ pub async fn run(cfg: Config, shutdown: Shutdown) -> anyhow::Result<()> {
         pitcrew_runtime::metrics::Collector { bus: bus.clone(), store: Some(store.clone()), consumers: Vec::new() };
     pitcrew_runtime::metrics::spawn_endpoint(cfg.metrics.listen.as_deref(), Some(collector), shutdown.clone()).await?;
     let gw = Gateway::new(cfg, bus, store, shutdown)?;
-    let listener = tokio::net::TcpListener::bind(&listen)
-        .await
-        .with_context(|| format!("[gateway] listen = \"{listen}\": cannot bind"))?;
+    let listener = pitcrew_runtime::httpd::bind(&listen, "[gateway] listen").await?;
     tracing::info!(listen = %listener.local_addr()?, "gateway serving");
     serve(gw, listener).await
 }

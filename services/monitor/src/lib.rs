@@ -169,19 +169,13 @@ impl Tracker {
 }
 
 /// When `run` ended resolved (its `resolved` event is on the bus), if it did. Any failure to
-/// ask (bounded: `bus::within`) reads as no: the outage is then reported again after
+/// ask (bounded: `Bus::last_on`) reads as no: the outage is then reported again after
 /// `realert`, as before.
 async fn resolved_at(bus: &Bus, run: Uuid) -> Option<chrono::DateTime<chrono::Utc>> {
     let subject = bus.subjects.event(run, EventKind::Resolved.as_str());
-    let asked = pitcrew_runtime::bus::within("whether a run resolved", async {
-        let stream = bus.js.get_stream(bus.subjects.events_stream()).await.map_err(|e| e.to_string())?;
-        stream.get_last_raw_message_by_subject(&subject).await.map_err(|e| e.to_string())
-    });
-    match asked.await {
-        Ok(Ok(msg)) => chrono::DateTime::from_timestamp(msg.time.unix_timestamp(), msg.time.nanosecond()),
-        Ok(Err(e)) => {
-            tracing::debug!(run = %run, error = %e, "no resolution of the run on the bus");
-            None
+    match bus.last_on(&bus.subjects.events_stream(), &subject).await {
+        Ok(msg) => {
+            msg.and_then(|msg| chrono::DateTime::from_timestamp(msg.time.unix_timestamp(), msg.time.nanosecond()))
         }
         Err(e) => {
             tracing::debug!(run = %run, error = %e, "cannot ask the bus whether the run resolved");

@@ -77,10 +77,7 @@ where
 pub async fn run(cfg: Config, stages: &[Stage], shutdown: Shutdown) -> anyhow::Result<()> {
     let (playbook, policy) = providers(&cfg)?;
     let reasoner = reasoner(&cfg, playbook)?;
-    let Some((bus, store)) = connect_patiently(&cfg, &shutdown).await? else {
-        tracing::info!("stopped before NATS and Postgres could be reached");
-        return Ok(());
-    };
+    let Some((bus, store)) = connect_patiently(&cfg, &shutdown).await? else { return Ok(()) };
     let cfg = Arc::new(cfg);
     let deps = Arc::new(Deps {
         worker: cfg.worker(),
@@ -199,10 +196,7 @@ pub async fn monitor(cfg: Config, shutdown: Shutdown) -> anyhow::Result<()> {
     if checked == 0 {
         anyhow::bail!("no service has a health check: add `check = {{ ... }}` under [services.<name>]");
     }
-    let Some(bus) = pitcrew_runtime::start::connect_bus_patiently(&cfg, &shutdown).await? else {
-        tracing::info!("stopped before NATS could be reached");
-        return Ok(());
-    };
+    let Some(bus) = pitcrew_runtime::start::connect_bus_patiently(&cfg, &shutdown).await? else { return Ok(()) };
     // Nothing to read at scrape time: the monitor's series are its own counters.
     pitcrew_runtime::metrics::spawn_endpoint(cfg.metrics.listen.as_deref(), None, shutdown.clone()).await?;
     pitcrew_monitor::run(

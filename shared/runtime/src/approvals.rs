@@ -6,7 +6,6 @@
 use crate::{Bus, Config, Store};
 use anyhow::{anyhow, Context};
 use async_nats::jetstream::message::StreamMessage;
-use async_nats::jetstream::stream::LastRawMessageErrorKind;
 use pitcrew_model::codec::JSON;
 use pitcrew_model::{ApprovalDecision, ApprovalRequest, Decision};
 use std::time::Duration;
@@ -36,17 +35,7 @@ pub async fn find_request(bus: &Bus, run: Uuid) -> anyhow::Result<Option<Approva
 /// The last message on `subject` of the approvals stream: None when there is none; an error
 /// when the bus could not say.
 async fn last_on(bus: &Bus, subject: &str) -> anyhow::Result<Option<StreamMessage>> {
-    let last = crate::bus::within(&format!("reading {subject}"), async {
-        let stream =
-            bus.js.get_stream(bus.subjects.approvals_stream()).await.context("approvals stream unavailable")?;
-        Ok::<_, anyhow::Error>(stream.get_last_raw_message_by_subject(subject).await)
-    })
-    .await??;
-    match last {
-        Ok(msg) => Ok(Some(msg)),
-        Err(e) if e.kind() == LastRawMessageErrorKind::NoMessageFound => Ok(None),
-        Err(e) => Err(anyhow!("cannot read the last message on {subject}: {e} (retry)")),
-    }
+    bus.last_on(&bus.subjects.approvals_stream(), subject).await.map_err(|e| anyhow!("{e} (retry)"))
 }
 
 /// Why a decision was not published; the variant says what the channel answers.

@@ -2,6 +2,7 @@
 
 use crate::config::{Config, StageSettings};
 use async_nats::header::{HeaderMap, NATS_MESSAGE_ID};
+use async_nats::jetstream::message::StreamMessage;
 use async_nats::jetstream::{self, consumer, stream};
 use bytes::Bytes;
 use pitcrew_model::codec::{self, CONTENT_TYPE};
@@ -376,24 +377,30 @@ impl Bus {
         Err(setup(last))
     }
 
+    /// The last message on `subject` of `stream`, asked within [`API_LIMIT`]: None when it
+    /// has none.
+    pub async fn last_on(&self, stream: &str, subject: &str) -> Result<Option<StreamMessage>, BusError> {
+        let failed = |e: String| BusError::Read { what: subject.to_string(), error: e };
+        let last = within(&format!("a read of {subject}"), async {
+            let stream = self.js.get_stream(stream).await.map_err(|e| failed(e.to_string()))?;
+            Ok::<_, BusError>(stream.get_last_raw_message_by_subject(subject).await)
+        })
+        .await??;
+        match last {
+            Ok(msg) => Ok(Some(msg)),
+            Err(e) if e.kind() == stream::LastRawMessageErrorKind::NoMessageFound => Ok(None),
+            Err(e) => Err(failed(e.to_string())),
+        }
+    }
+
     /// Whether the last event of `event`'s run and kind on the bus is `event` itself (by its
     /// message id). For a run's end, one a run: a publish that landed longer ago than the
     /// stream's duplicate window is not deduplicated, so a step delivered again that late asks
     /// this before publishing its end again.
     pub async fn holds_event(&self, event: &pitcrew_model::RunEvent) -> Result<bool, BusError> {
-        let what = format!("the events of run {}", event.run_id);
-        let failed = |e: String| BusError::Read { what: what.clone(), error: e };
         let subject = self.subjects.event(event.run_id, event.kind.as_str());
-        let last = within(&what, async {
-            let stream = self.js.get_stream(self.subjects.events_stream()).await.map_err(|e| failed(e.to_string()))?;
-            Ok::<_, BusError>(stream.get_last_raw_message_by_subject(&subject).await)
-        })
-        .await??;
-        match last {
-            Ok(last) => Ok(last.headers.get(NATS_MESSAGE_ID).is_some_and(|id| id.as_str() == event.msg_id())),
-            Err(e) if e.kind() == stream::LastRawMessageErrorKind::NoMessageFound => Ok(false),
-            Err(e) => Err(failed(e.to_string())),
-        }
+        let last = self.last_on(&self.subjects.events_stream(), &subject).await?;
+        Ok(last.is_some_and(|last| last.headers.get(NATS_MESSAGE_ID).is_some_and(|id| id.as_str() == event.msg_id())))
     }
 
     /// Publish an incident (JSON) on `incidents.new`, its id as the message id and the run

@@ -15,17 +15,20 @@ use std::pin::pin;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::net::TcpListener;
+use tokio::sync::{watch, Semaphore};
+
+/// Bind `listen`, the setting `what` (as in `[gateway] listen`): an error names both.
+pub async fn bind(listen: &str, what: &str) -> anyhow::Result<TcpListener> {
+    use anyhow::Context;
+    TcpListener::bind(listen).await.with_context(|| format!("{what} = \"{listen}\": cannot bind"))
+}
 
 /// Bind `listen` and let it go at once: a port taken, or an address that is not this
 /// machine's, is said before a process waits for NATS and Postgres, though it serves only
-/// after (a socket listening meanwhile would take in requests nobody answers). `what` names
-/// the setting, as in `[gateway] listen`.
+/// after (a socket listening meanwhile would take in requests nobody answers).
 pub async fn can_bind(listen: &str, what: &str) -> anyhow::Result<()> {
-    use anyhow::Context;
-    TcpListener::bind(listen).await.with_context(|| format!("{what} = \"{listen}\": cannot bind"))?;
-    Ok(())
+    bind(listen, what).await.map(drop)
 }
-use tokio::sync::{watch, Semaphore};
 
 /// How long a client may take to send a request's headers (or stay idle between requests).
 pub const HEADER_TIMEOUT: Duration = Duration::from_secs(10);

@@ -160,11 +160,8 @@ pub async fn spawn_endpoint(
     collector: Option<Collector>,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<Option<std::net::SocketAddr>> {
-    use anyhow::Context as _;
     let Some(listen) = listen else { return Ok(None) };
-    let listener = tokio::net::TcpListener::bind(listen)
-        .await
-        .with_context(|| format!("[metrics] listen = \"{listen}\": cannot bind"))?;
+    let listener = crate::httpd::bind(listen, "[metrics] listen").await?;
     let at = listener.local_addr()?;
     tracing::info!(listen = %at, "serving Prometheus metrics at /metrics");
     tokio::spawn(serve(listener, collector, shutdown));

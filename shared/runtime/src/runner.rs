@@ -113,9 +113,10 @@ pub fn exhausted(msg: &jetstream::Message, settings: crate::config::StageSetting
 }
 
 /// A message past its limits is neither tried nor dead-lettered while Postgres is unreachable
-/// or read-only (`Store::writable`): that is an outage, not a poison message. `Some(nak)` then (said in the log), `None` when
-/// Postgres answers. Asked again after a try that failed, so a try failing because Postgres
-/// went away meanwhile (or its pool is swamped by the backlog an outage left) waits too.
+/// or read-only (`Store::writable`): that is an outage, not a poison message. `Some(nak)` then
+/// (said in the log), `None` when Postgres answers. Asked again after a try that failed, so a
+/// try failing because Postgres went away meanwhile (or its pool is swamped by the backlog an
+/// outage left) waits too.
 pub async fn outage(deps: &Deps, consumer: &str, delivered: i64) -> Option<Disposition> {
     match deps.store.writable().await {
         Err(e) if e.is_transient() => {

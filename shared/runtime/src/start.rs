@@ -62,18 +62,22 @@ pub fn worth_waiting_for(e: &anyhow::Error) -> bool {
 }
 
 /// Try `attempt` until it succeeds, a failure [`worth_waiting_for`] is not, or `shutdown`
-/// (`None`, also in the middle of a try). Each failed try is a warning naming `what` is waited
-/// for; the wait doubles from 1 s up to 15 s.
+/// (`None`, also in the middle of a try, said in the log). Each failed try is a warning naming
+/// `what` is waited for; the wait doubles from 1 s up to 15 s.
 pub async fn patiently<T, F, Fut>(what: &str, shutdown: &Shutdown, mut attempt: F) -> anyhow::Result<Option<T>>
 where
     F: FnMut() -> Fut,
     Fut: Future<Output = anyhow::Result<T>>,
 {
+    let stopped = || {
+        tracing::info!("stopped before {what} could be reached");
+        Ok(None)
+    };
     let (mut wait, mut tries) = (Duration::from_secs(1), 0u32);
     loop {
         tries += 1;
         let tried = tokio::select! {
-            _ = shutdown.clone() => return Ok(None),
+            _ = shutdown.clone() => return stopped(),
             tried = attempt() => tried,
         };
         let e = match tried {
@@ -83,7 +87,7 @@ where
         };
         tracing::warn!(error = %format!("{e:#}"), tries, retry_in_secs = wait.as_secs(), "waiting for {what}");
         tokio::select! {
-            _ = shutdown.clone() => return Ok(None),
+            _ = shutdown.clone() => return stopped(),
             _ = tokio::time::sleep(wait) => {}
         }
         wait = (wait * 2).min(MAX_WAIT);

@@ -13,7 +13,6 @@ use pitcrew_runtime::config::MattermostConfig;
 use pitcrew_runtime::Config;
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::net::TcpListener;
 
 /// The bridge's two secrets, read from the variables the config names.
 #[derive(Debug, Clone)]
@@ -58,10 +57,7 @@ pub async fn run(cfg: Config, secrets: Secrets, shutdown: Shutdown) -> anyhow::R
     let mm = settings(&cfg)?.clone();
     let api = api::MattermostApi::new(&mm.url, secrets.token, Duration::from_secs(mm.timeout_secs.max(1)))?;
     pitcrew_runtime::httpd::can_bind(&mm.listen, "[bridge.mattermost] listen").await?;
-    let Some((bus, store)) = pitcrew_runtime::start::connect_patiently(&cfg, &shutdown).await? else {
-        tracing::info!("stopped before NATS and Postgres could be reached");
-        return Ok(());
-    };
+    let Some((bus, store)) = pitcrew_runtime::start::connect_patiently(&cfg, &shutdown).await? else { return Ok(()) };
     crate::serve_metrics(&cfg, &bus, &store, &mm.durable, shutdown.clone()).await?;
     let action_url = format!("{}/mattermost/actions", mm.public_url.trim_end_matches('/'));
     let chat = api::MattermostChat {
@@ -79,9 +75,7 @@ pub async fn run(cfg: Config, secrets: Secrets, shutdown: Shutdown) -> anyhow::R
         action_secret: secrets.action_secret,
     });
     // Last: clicks come in only once every part of the bridge is ready to decide them.
-    let listener = TcpListener::bind(&mm.listen)
-        .await
-        .with_context(|| format!("[bridge.mattermost] listen = \"{}\": cannot bind", mm.listen))?;
+    let listener = pitcrew_runtime::httpd::bind(&mm.listen, "[bridge.mattermost] listen").await?;
     let listen = listener.local_addr()?;
     tracing::info!(
         %listen, server = %mm.url, channel = %mm.channel_id, %action_url, users = mm.users.len(), durable = %mm.durable,

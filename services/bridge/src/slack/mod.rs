@@ -15,7 +15,6 @@ use pitcrew_runtime::config::SlackConfig;
 use pitcrew_runtime::Config;
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::net::TcpListener;
 
 /// The bridge's secrets, read from the variables the config names.
 #[derive(Debug, Clone)]
@@ -68,10 +67,7 @@ pub async fn run(cfg: Config, secrets: Secrets, shutdown: Shutdown) -> anyhow::R
     let timeout = Duration::from_secs(slack.timeout_secs.max(1));
     let api = api::SlackApi::new(&slack.api_url, secrets.token, secrets.webhook_url, timeout)?;
     pitcrew_runtime::httpd::can_bind(&slack.listen, "[bridge.slack] listen").await?;
-    let Some((bus, store)) = pitcrew_runtime::start::connect_patiently(&cfg, &shutdown).await? else {
-        tracing::info!("stopped before NATS and Postgres could be reached");
-        return Ok(());
-    };
+    let Some((bus, store)) = pitcrew_runtime::start::connect_patiently(&cfg, &shutdown).await? else { return Ok(()) };
     crate::serve_metrics(&cfg, &bus, &store, &slack.durable, shutdown.clone()).await?;
     let chat = api::SlackChat { api: api.clone(), channel: slack.channel.clone() };
     let posting =
@@ -79,9 +75,7 @@ pub async fn run(cfg: Config, secrets: Secrets, shutdown: Shutdown) -> anyhow::R
     let cfg = Arc::new(cfg);
     let app = Arc::new(callback::App::new(bus.clone(), store, cfg.clone(), api, secrets.signing_secret));
     // Last: clicks come in only once every part of the bridge is ready to decide them.
-    let listener = TcpListener::bind(&slack.listen)
-        .await
-        .with_context(|| format!("[bridge.slack] listen = \"{}\": cannot bind", slack.listen))?;
+    let listener = pitcrew_runtime::httpd::bind(&slack.listen, "[bridge.slack] listen").await?;
     let listen = listener.local_addr()?;
     tracing::info!(
         %listen, api = %slack.api_url, channel = %slack.channel, webhook = slack.webhook_url_env.is_some(), users = slack.users.len(), durable = %slack.durable,
