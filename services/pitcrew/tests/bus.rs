@@ -114,8 +114,7 @@ async fn a_late_execute_delivery_runs_nothing_and_resends_its_escalation() -> an
     assert!(end.message.contains("waited too long for svc"), "{}", end.message);
     assert_eq!(count(&db, "SELECT count(*) FROM executions WHERE run_id = $1", run).await, 0);
     assert!(!std::path::Path::new(&crew.env.path("made-once")).exists(), "the late delivery ran the plan");
-    let mut dlq = crew.bus.js.get_stream(crew.bus.subjects.dlq_stream()).await?;
-    assert_eq!(dlq.info().await?.state.messages, 0, "nothing dead-lettered");
+    assert_eq!(crew.dead_letters().await?, 0, "nothing dead-lettered");
     crew.shutdown().await
 }
 
@@ -141,8 +140,7 @@ async fn a_late_execute_delivery_from_an_earlier_attempt_is_dropped_not_dead_let
     crew.run(&[Stage::Execute]);
     let stream = crew.bus.js.get_stream(crew.bus.subjects.stages_stream()).await?;
     emptied(&stream).await?;
-    let mut dlq = crew.bus.js.get_stream(crew.bus.subjects.dlq_stream()).await?;
-    assert_eq!(dlq.info().await?.state.messages, 0, "nothing dead-lettered");
+    assert_eq!(crew.dead_letters().await?, 0, "nothing dead-lettered");
     assert_eq!(count(&db, "SELECT count(*) FROM executions WHERE run_id = $1", run).await, 0);
     let (status, stage): (String, String) =
         db.query_one("SELECT status, stage FROM runs WHERE id = $1", &[&run]).await.map(|r| (r.get(0), r.get(1)))?;
@@ -644,8 +642,7 @@ async fn a_run_state_from_a_newer_worker_is_left_for_one() -> anyhow::Result<()>
     tokio::time::sleep(Duration::from_secs(3)).await;
     let status: String = db.query_one("SELECT status FROM runs WHERE id = $1", &[&run]).await?.get(0);
     assert_eq!(status, "open", "a healthy run is not escalated");
-    let mut dlq = crew.bus.js.get_stream(crew.bus.subjects.dlq_stream()).await?;
-    assert_eq!(dlq.info().await?.state.messages, 0, "nothing dead-lettered");
+    assert_eq!(crew.dead_letters().await?, 0, "nothing dead-lettered");
     let mut consumer: async_nats::jetstream::consumer::PullConsumer = crew
         .bus
         .js

@@ -590,8 +590,7 @@ async fn an_outage_longer_than_the_delivery_limits_dead_letters_nothing() -> any
     let end = crew.events.terminal(parked, common::WAIT).await?;
     assert_eq!(end.kind, pitcrew_model::EventKind::Resolved, "{}", end.message);
     assert!(end.message.contains("approved by ann"), "{}", end.message);
-    let mut dlq = crew.bus.js.get_stream(crew.bus.subjects.dlq_stream()).await?;
-    assert_eq!(dlq.info().await?.state.messages, 0, "nothing was dead-lettered");
+    assert_eq!(crew.dead_letters().await?, 0, "nothing was dead-lettered");
     Ok(())
 }
 
@@ -651,16 +650,24 @@ async fn a_command_ending_during_a_postgres_outage_is_recorded_as_it_ended() -> 
     Ok(())
 }
 
+/// A crew (no stage in this process) on a Postgres of its own, with the marker service `svc`
+/// and the config `extra`; then NATS killed and Postgres stopped: the outage a process started
+/// now meets. Postgres is handed back, to be restarted.
+async fn crew_in_an_outage(extra: &str) -> anyhow::Result<(pitcrew_testkit::pg::PrivatePostgres, Crew)> {
+    let mut pg = pitcrew_testkit::pg::PrivatePostgres::start()?;
+    let env = TestEnv::start_on(&pg.admin_url()).await?;
+    let svc = common::marker_service(&env, "svc");
+    let mut crew = Crew::start_in(env, &format!("{svc}{extra}"), &[]).await?;
+    crew.env.nats.kill();
+    pg.stop();
+    Ok((pg, crew))
+}
+
 /// A worker started while NATS and Postgres are both down (started after it, or in an outage)
 /// waits for them, saying so, instead of exiting; once they are up it serves.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_started_before_nats_and_postgres_waits_for_them() -> anyhow::Result<()> {
-    let mut pg = pitcrew_testkit::pg::PrivatePostgres::start()?;
-    let env = TestEnv::start_on(&pg.admin_url()).await?;
-    let svc = common::marker_service(&env, "svc");
-    let mut crew = Crew::start_in(env, &svc, &[]).await?;
-    crew.env.nats.kill();
-    pg.stop();
+    let (mut pg, mut crew) = crew_in_an_outage("").await?;
     let mut w0 = crew.spawn_worker("w0", &all_stages(), &[])?;
     logged(&mut w0, "waiting for NATS and Postgres error=cannot reach NATS").await?;
     crew.env.nats.restart()?;
@@ -692,18 +699,13 @@ async fn a_worker_started_before_nats_and_postgres_waits_for_them() -> anyhow::R
 /// stops it cleanly.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_gateway_the_monitor_and_a_bridge_wait_for_nats_and_postgres_too() -> anyhow::Result<()> {
-    let mut pg = pitcrew_testkit::pg::PrivatePostgres::start()?;
-    let env = TestEnv::start_on(&pg.admin_url()).await?;
-    let svc = common::marker_service(&env, "svc");
     let free = pitcrew_runtime::natsd::free_port;
     let (gateway_at, spare_at, bridge_port) =
         (format!("127.0.0.1:{}", free()?), format!("127.0.0.1:{}", free()?), free()?);
     let slack = format!(
         "[bridge.slack]\napi_url = \"http://127.0.0.1:9\"\nchannel = \"C1\"\nlisten = \"127.0.0.1:{bridge_port}\"\n"
     );
-    let mut crew = Crew::start_in(env, &format!("{svc}{slack}"), &[]).await?;
-    crew.env.nats.kill();
-    pg.stop();
+    let (mut pg, mut crew) = crew_in_an_outage(&slack).await?;
     let mut gateway = crew.spawn_process("gateway", &["gateway"], &[("PITCREW_GATEWAY__LISTEN", &gateway_at)], "")?;
     let mut spare = crew.spawn_process("spare", &["gateway"], &[("PITCREW_GATEWAY__LISTEN", &spare_at)], "")?;
     let mut monitor = crew.spawn_process("monitor", &["monitor"], &[], "")?;

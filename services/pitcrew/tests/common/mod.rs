@@ -112,6 +112,12 @@ impl Crew {
         Ok(self.bus.open_incident(&i).await?)
     }
 
+    /// Messages on the dead-letter stream.
+    pub async fn dead_letters(&self) -> anyhow::Result<u64> {
+        let mut dlq = self.bus.js.get_stream(self.bus.subjects.dlq_stream()).await?;
+        Ok(dlq.info().await?.state.messages)
+    }
+
     pub async fn db(&self) -> anyhow::Result<tokio_postgres::Client> {
         self.env.db.client().await
     }
