@@ -669,8 +669,12 @@ async fn drive(args: Args, crew_rt: tokio::runtime::Handle) -> anyhow::Result<()
         (args.in_flight > 0).then(|| steady::window(&ends, args.in_flight, sent.values().max().copied())).flatten();
     let steady = window.map(|w| steady::rate(&tally.completed, w));
     // What the bound assumes is `--in-flight`; a tool that lags behind the ends keeps fewer.
-    let in_flight_mean = window
-        .map(|w| steady::mean_in_flight(ended.iter().filter_map(|(end, _, run)| sent.get(run).map(|s| (*s, *end))), w));
+    // Every run published counts, those that never ended too (in flight to the window's end).
+    let in_flight_mean = window.map(|w| {
+        let end_of: HashMap<Uuid, chrono::DateTime<chrono::Utc>> =
+            ended.iter().map(|(at, _, run)| (*run, *at)).collect();
+        steady::mean_in_flight(sent.iter().map(|(run, s)| (*s, end_of.get(run).copied())), w)
+    });
     let per_run = |ms: f64| ((ms / ended.len().max(1) as f64) * 100.0).round() / 100.0;
     // What a run that ended costs in CPU: this process (the crew and the tool), the commands
     // it ran, and the whole machine (adds Postgres and nats-server; only meaningful on a quiet

@@ -28,11 +28,12 @@ pub fn rate(ends: &[At], (a, b): (At, At)) -> f64 {
 }
 
 /// The mean number of runs in flight over the window, each from its publish to its end
-/// (time-weighted), to one decimal.
-pub fn mean_in_flight(runs: impl Iterator<Item = (At, At)>, (a, b): (At, At)) -> f64 {
+/// (time-weighted), to one decimal. A run with no end (timed out, or its end not seen) is in
+/// flight from its publish to the window's end.
+pub fn mean_in_flight(runs: impl Iterator<Item = (At, Option<At>)>, (a, b): (At, At)) -> f64 {
     let span = (b - a).num_microseconds().unwrap_or(1).max(1) as f64;
     let held: f64 = runs
-        .map(|(start, end)| (start.max(a), end.min(b)))
+        .map(|(start, end)| (start.max(a), end.unwrap_or(b).min(b)))
         .filter(|(s, e)| e > s)
         .map(|(s, e)| (e - s).num_microseconds().unwrap_or(0) as f64)
         .sum();
@@ -70,7 +71,7 @@ mod tests {
         let w = window(&ends, 2, Some(last)).unwrap();
         assert_eq!(w.1, last, "the slow ends after the last publish are left out");
         assert_eq!(rate(&ends, w), 20.0);
-        assert_eq!(mean_in_flight(runs.iter().copied(), w), 2.0);
+        assert_eq!(mean_in_flight(runs.iter().map(|(s, e)| (*s, Some(*e))), w), 2.0);
         // Without the cut the drain's slow ends drag the rate down.
         let whole = window(&ends, 2, None).unwrap();
         assert!(rate(&ends, whole) < 20.0);
@@ -94,7 +95,15 @@ mod tests {
         // One slot refilled only 100 ms after each end.
         let runs: Vec<(At, At)> = (0..10).map(|k| (t(k * 200), t(k * 200 + 100))).collect();
         let w = (t(0), t(2000));
-        assert_eq!(mean_in_flight(runs.into_iter(), w), 0.5);
+        assert_eq!(mean_in_flight(runs.into_iter().map(|(s, e)| (s, Some(e))), w), 0.5);
         assert!(window(&[t(0)], 1, None).is_none(), "one end makes no window");
+    }
+
+    #[test]
+    fn a_run_that_never_ends_is_in_flight_to_the_windows_end() {
+        // One run ends at 500 ms; the other, published at 250 ms, never does.
+        let runs = [(t(0), Some(t(500))), (t(250), None)];
+        let w = (t(0), t(1000));
+        assert_eq!(mean_in_flight(runs.into_iter(), w), 1.3, "0.5 of the window and 0.75 of it");
     }
 }
