@@ -1,7 +1,9 @@
 //! Serving an axum router over HTTP/1.1 with the limits `axum::serve` lacks: a client must
 //! send its request headers within [`HEADER_TIMEOUT`] (an idle keep-alive connection is closed
 //! after it too), so a slow or silent client (slowloris) cannot hold connections open forever;
-//! at most [`MAX_CONNECTIONS`] connections are served at once. On shutdown it stops accepting,
+//! a client that stops reading its answer is cut off once nothing could be written to it for
+//! [`WRITE_TIMEOUT`] (hyper has no write timeout: such a connection, its buffers and its
+//! slot were held for good); at most [`MAX_CONNECTIONS`] connections are served at once. On shutdown it stops accepting,
 //! lets the requests in hand finish for [`DRAIN`], then returns. Each request carries the
 //! peer's address as axum's `ConnectInfo<SocketAddr>`.
 
@@ -11,11 +13,15 @@ use hyper::body::Incoming;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::service::TowerToHyperService;
 use std::future::Future;
-use std::pin::pin;
+use std::io;
+use std::pin::{pin, Pin};
 use std::sync::Arc;
+use std::task::{ready, Context, Poll};
 use std::time::Duration;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpListener;
 use tokio::sync::{watch, Semaphore};
+use tokio::time::Sleep;
 
 /// Bind `listen`, the setting `what` (as in `[gateway] listen`): an error names both.
 pub async fn bind(listen: &str, what: &str) -> anyhow::Result<TcpListener> {
@@ -34,11 +40,24 @@ pub async fn can_bind(listen: &str, what: &str) -> anyhow::Result<()> {
 pub const HEADER_TIMEOUT: Duration = Duration::from_secs(10);
 /// Connections served at once; more are closed as they arrive.
 pub const MAX_CONNECTIONS: usize = 4096;
+/// How long an answer may wait to be written (a client that does not read: its socket's
+/// buffers full) before its connection is closed. A client that reads, however slowly,
+/// resets it with every byte taken.
+pub const WRITE_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long a stopping server waits for the connections in hand.
 pub const DRAIN: Duration = Duration::from_secs(10);
 
 /// Serve `router` on `listener` until `shutdown` resolves, then drain.
 pub async fn serve(listener: TcpListener, router: Router, shutdown: impl Future<Output = ()>) -> std::io::Result<()> {
+    serve_limited(listener, router, shutdown, WRITE_TIMEOUT).await
+}
+
+async fn serve_limited(
+    listener: TcpListener,
+    router: Router,
+    shutdown: impl Future<Output = ()>,
+    write_timeout: Duration,
+) -> std::io::Result<()> {
     let conns = Arc::new(Semaphore::new(MAX_CONNECTIONS));
     let (stop_tx, stop_rx) = watch::channel(false);
     let mut shutdown = pin!(shutdown);
@@ -76,7 +95,7 @@ pub async fn serve(listener: TcpListener, router: Router, shutdown: impl Future<
             let conn = hyper::server::conn::http1::Builder::new()
                 .timer(TokioTimer::new())
                 .header_read_timeout(HEADER_TIMEOUT)
-                .serve_connection(TokioIo::new(stream), svc);
+                .serve_connection(TokioIo::new(WriteDeadline::new(stream, write_timeout)), svc);
             let mut conn = pin!(conn);
             let stopping = async move {
                 let _ = stop.wait_for(|s| *s).await;
@@ -107,4 +126,145 @@ pub async fn serve(listener: TcpListener, router: Router, shutdown: impl Future<
         );
     }
     Ok(())
+}
+
+/// A stream whose writes fail (`TimedOut`) once they have made no progress for `limit`: the
+/// peer stopped reading. Reads pass through.
+struct WriteDeadline<S> {
+    inner: S,
+    limit: Duration,
+    /// Set when a write found no room, cleared when one goes through.
+    stalled: Option<Pin<Box<Sleep>>>,
+}
+
+impl<S> WriteDeadline<S> {
+    fn new(inner: S, limit: Duration) -> Self {
+        WriteDeadline { inner, limit, stalled: None }
+    }
+
+    /// Pass on a write's result; while it cannot go on, see whether it has waited too long.
+    fn watch<T>(&mut self, cx: &mut Context<'_>, polled: Poll<io::Result<T>>) -> Poll<io::Result<T>> {
+        if polled.is_ready() {
+            self.stalled = None;
+            return polled;
+        }
+        let limit = self.limit;
+        let stalled = self.stalled.get_or_insert_with(|| Box::pin(tokio::time::sleep(limit)));
+        ready!(stalled.as_mut().poll(cx));
+        Poll::Ready(Err(io::Error::new(
+            io::ErrorKind::TimedOut,
+            format!("nothing could be written for {} s: the client does not read", limit.as_secs_f64()),
+        )))
+    }
+}
+
+impl<S: AsyncRead + Unpin> AsyncRead for WriteDeadline<S> {
+    fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_read(cx, buf)
+    }
+}
+
+impl<S: AsyncWrite + Unpin> AsyncWrite for WriteDeadline<S> {
+    fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+        let polled = Pin::new(&mut self.inner).poll_write(cx, buf);
+        self.watch(cx, polled)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        let polled = Pin::new(&mut self.inner).poll_write_vectored(cx, bufs);
+        self.watch(cx, polled)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let polled = Pin::new(&mut self.inner).poll_flush(cx);
+        self.watch(cx, polled)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let polled = Pin::new(&mut self.inner).poll_shutdown(cx);
+        self.watch(cx, polled)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    /// An endless answer, 64 KiB at a time.
+    fn endless() -> Router {
+        let chunk = bytes::Bytes::from(vec![b'x'; 64 * 1024]);
+        let body = move || {
+            let chunk = chunk.clone();
+            async move {
+                let chunks = futures::stream::repeat_with(move || Ok::<_, io::Error>(chunk.clone()));
+                axum::body::Body::from_stream(chunks)
+            }
+        };
+        Router::new().route("/", axum::routing::get(body))
+    }
+
+    /// Read until the server closes the connection, or give up past `cap` bytes or 10 s:
+    /// whether it was closed.
+    async fn closed_within(stream: &mut tokio::net::TcpStream, cap: usize) -> bool {
+        let mut buf = vec![0u8; 256 * 1024];
+        let mut total = 0;
+        let read_all = async {
+            loop {
+                match stream.read(&mut buf).await {
+                    Ok(0) | Err(_) => return true,
+                    Ok(n) => total += n,
+                }
+                if total > cap {
+                    return false;
+                }
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(10), read_all).await.unwrap_or(false)
+    }
+
+    #[tokio::test]
+    async fn a_client_that_stops_reading_is_cut_off_and_one_that_reads_is_not() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let at = listener.local_addr().unwrap();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let server = tokio::spawn(serve_limited(
+            listener,
+            endless(),
+            async move {
+                let _ = stopped.await;
+            },
+            Duration::from_millis(500),
+        ));
+        let request = format!("GET / HTTP/1.1\r\nHost: {at}\r\n\r\n");
+
+        // Asks, then reads nothing for longer than the limit: the server gives up on it (what
+        // the socket's buffers held still comes, then the end).
+        let mut idle = tokio::net::TcpStream::connect(at).await.unwrap();
+        idle.write_all(request.as_bytes()).await.unwrap();
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        assert!(closed_within(&mut idle, 256 * 1024 * 1024).await, "a client that stopped reading was cut off");
+
+        // One that keeps reading gets its endless answer well past the limit.
+        let mut reader = tokio::net::TcpStream::connect(at).await.unwrap();
+        reader.write_all(request.as_bytes()).await.unwrap();
+        let mut buf = vec![0u8; 64 * 1024];
+        let began = tokio::time::Instant::now();
+        while began.elapsed() < Duration::from_secs(2) {
+            let n = reader.read(&mut buf).await.unwrap();
+            assert!(n > 0, "a reading client is never cut off");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let _ = stop.send(());
+        drop((idle, reader));
+        server.await.unwrap().unwrap();
+    }
 }
