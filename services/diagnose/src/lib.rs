@@ -116,7 +116,13 @@ async fn port_holder(
     if listeners.is_empty() {
         return (evidence("port", true, output.clone()), format!("port {port}: nothing listens"));
     }
-    let procs: Vec<(String, String)> = listeners.iter().flat_map(|l| socket_users(l)).collect();
+    let Some(procs) = listeners.iter().map(|l| socket_users(l)).collect::<Option<Vec<_>>>() else {
+        // A program's name is printed as it is: one with a quote in it could make a line read
+        // as another pid's (`",pid=777` shows pid 777), which a playbook would then kill.
+        let line = format!("port {port} is held by a process whose name `ss` cannot show unambiguously: no pid taken");
+        return (evidence("port", true, output.clone()), line);
+    };
+    let procs: Vec<(String, String)> = procs.into_iter().flatten().collect();
     let Some((pid, program)) = procs.first().cloned() else {
         let line = format!("port {port} is held by a process this login cannot see (ss -p shows no pid)");
         return (evidence("port", true, output.clone()), line);
@@ -135,18 +141,32 @@ async fn port_holder(
     (evidence("port-holder", true, format!("{line}\n{output}")), line)
 }
 
-/// The (pid, program) pairs of one `ss -p` line: `users:(("nginx",pid=10,fd=6),...)`.
-fn socket_users(line: &str) -> Vec<(String, String)> {
-    let Some(users) = line.split_once("users:(").map(|(_, u)| u) else { return Vec::new() };
-    users
-        .split("),(")
-        .filter_map(|entry| {
-            let entry = entry.trim_start_matches('(');
-            let program = entry.split('"').nth(1).unwrap_or("?").to_string();
-            let pid = entry.split("pid=").nth(1)?.split(|c: char| !c.is_ascii_digit()).next()?;
-            (!pid.is_empty()).then(|| (pid.to_string(), program))
-        })
-        .collect()
+/// The (pid, program) pairs of one `ss -p` line: `users:(("nginx",pid=10,fd=6),...)`; none
+/// when the line shows no users (another login's sockets). `ss` prints program names as they
+/// are, and a process may name itself anything (`prctl(PR_SET_NAME)`): the users are read
+/// strictly, each `("name",pid=N,fd=M)` with no quote in the name, or not at all (`None`), so a
+/// name like `",pid=777` can never pass for a pid.
+fn socket_users(line: &str) -> Option<Vec<(String, String)>> {
+    let Some((_, mut rest)) = line.split_once("users:(") else { return Some(Vec::new()) };
+    let digits = |s: &str| s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+    let mut users = Vec::new();
+    loop {
+        let after = rest.strip_prefix("(\"")?;
+        let (program, after) = after.split_once('"')?;
+        let after = after.strip_prefix(",pid=")?;
+        let (pid, after) = after.split_at(digits(after));
+        let after = after.strip_prefix(",fd=")?;
+        let (fd, after) = after.split_at(digits(after));
+        let after = after.strip_prefix(')')?;
+        if pid.is_empty() || fd.is_empty() {
+            return None;
+        }
+        users.push((pid.to_string(), program.to_string()));
+        match after.strip_prefix(',') {
+            Some(next) => rest = next,
+            None => return after.strip_prefix(')').filter(|end| end.trim().is_empty()).map(|_| users),
+        }
+    }
 }
 
 /// Tool calls one diagnosis may make.
@@ -469,8 +489,24 @@ mod port_tests {
     #[test]
     fn ss_users_are_parsed() {
         let line = r#"LISTEN 0 128 0.0.0.0:80 0.0.0.0:* users:(("nginx",pid=10,fd=6),("nginx",pid=11,fd=6))"#;
-        assert_eq!(socket_users(line), vec![("10".into(), "nginx".into()), ("11".into(), "nginx".into())]);
-        assert!(socket_users("LISTEN 0 128 0.0.0.0:80 0.0.0.0:*").is_empty(), "no users: another login's");
+        assert_eq!(socket_users(line), Some(vec![("10".into(), "nginx".into()), ("11".into(), "nginx".into())]));
+        assert_eq!(socket_users("LISTEN 0 128 0.0.0.0:80 0.0.0.0:*"), Some(vec![]), "no users: another login's");
+        let odd = r#"LISTEN 0 128 0.0.0.0:80 0.0.0.0:* users:(("my (app),1",pid=12,fd=3))   "#;
+        assert_eq!(socket_users(odd), Some(vec![("12".into(), "my (app),1".into())]), "no quote: still plain");
+    }
+
+    #[test]
+    fn a_program_named_to_look_like_another_pid_gives_no_pid() {
+        // A process on pid 4242 named `",pid=777` (PR_SET_NAME), and the forms near it.
+        for line in [
+            r#"LISTEN 0 128 0.0.0.0:80 0.0.0.0:* users:(("",pid=777",pid=4242,fd=3))"#,
+            r#"LISTEN 0 128 0.0.0.0:80 0.0.0.0:* users:(("sh",pid=7,fd=1)",pid=4242,fd=3))"#,
+            r#"LISTEN 0 128 0.0.0.0:80 0.0.0.0:* users:(("a"),("b",pid=4242,fd=3))"#,
+            r#"LISTEN 0 128 0.0.0.0:80 0.0.0.0:* users:(("nginx",pid=10,fd=6)) pid=777"#,
+            r#"LISTEN 0 128 0.0.0.0:80 0.0.0.0:* users:(("nginx",pid=,fd=6))"#,
+        ] {
+            assert_eq!(socket_users(line), None, "{line}");
+        }
     }
 
     #[tokio::test]
@@ -507,6 +543,52 @@ mod port_tests {
         let found = gather(&spec, 1, &LocalExecutor::new(64 * 1024), &policy).await;
         let (none, line) = found.iter().find(|(e, _)| e.source.starts_with("port")).unwrap();
         assert!(none.source == "port" && line.ends_with("nothing listens"), "{line}");
+    }
+
+    /// A process may name itself to look like another pid in `ss -p` (here by the name it is
+    /// started under: `",pid=<this test's pid>`): no pid is taken from it, so no playbook kills
+    /// the process it names.
+    #[tokio::test]
+    async fn a_squatter_named_like_another_pid_hands_no_pid_to_a_playbook() {
+        let dir = tempfile::tempdir().unwrap();
+        let me = std::process::id();
+        let disguised = dir.path().join(format!("\",pid={me}"));
+        let python = std::process::Command::new("sh").args(["-c", "command -v python3"]).output().unwrap();
+        let python = String::from_utf8(python.stdout).unwrap().trim().to_string();
+        assert!(!python.is_empty(), "python3 is on the machine");
+        std::os::unix::fs::symlink(&python, &disguised).unwrap();
+        let probe = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = probe.local_addr().unwrap().port();
+        drop(probe);
+        let listen = format!(
+            "import socket, time; s = socket.socket(); s.bind(('127.0.0.1', {port})); s.listen(); print('up', flush=True); time.sleep(60)"
+        );
+        let mut squatter = std::process::Command::new(&disguised)
+            .args(["-c", &listen])
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut up = String::new();
+        std::io::BufRead::read_line(&mut std::io::BufReader::new(squatter.stdout.take().unwrap()), &mut up).unwrap();
+        assert_eq!(up.trim(), "up");
+        let comm = std::fs::read_to_string(format!("/proc/{}/comm", squatter.id())).unwrap();
+        assert_eq!(comm.trim(), format!("\",pid={me}"), "the squatter goes by the disguised name");
+
+        let mut spec: ServiceSpec = serde_json::from_value(serde_json::json!({ "evidence": [] })).unwrap();
+        spec.check = Some(CheckSpec::Http {
+            url: format!("http://127.0.0.1:{port}/health"),
+            expect_status: 200,
+            timeout_ms: 300,
+        });
+        spec.pidfile = Some(dir.path().join("pid").display().to_string());
+        std::fs::write(dir.path().join("pid"), "99999999\n").unwrap();
+        let found = gather(&spec, 1, &LocalExecutor::new(64 * 1024), &Policy::default_policy()).await;
+        let _ = squatter.kill();
+        let _ = squatter.wait();
+        let (port_evidence, line) = found.iter().find(|(e, _)| e.source.starts_with("port")).expect("port evidence");
+        assert_eq!(port_evidence.source, "port", "no holder taken: {line}");
+        assert!(line.contains("cannot show unambiguously"), "{line}");
+        assert!(!line.contains(&format!("held by pid {me}")), "{line}");
     }
 }
 
