@@ -553,9 +553,12 @@ mod port_tests {
         let dir = tempfile::tempdir().unwrap();
         let me = std::process::id();
         let disguised = dir.path().join(format!("\",pid={me}"));
-        let python = std::process::Command::new("sh").args(["-c", "command -v python3"]).output().unwrap();
+        // The interpreter itself, not a launcher script (pyenv's shims pick by their name).
+        let python = std::process::Command::new("python3")
+            .args(["-c", "import os, sys; print(os.path.realpath(sys.executable))"])
+            .output()
+            .expect("python3 is on the machine");
         let python = String::from_utf8(python.stdout).unwrap().trim().to_string();
-        assert!(!python.is_empty(), "python3 is on the machine");
         std::os::unix::fs::symlink(&python, &disguised).unwrap();
         let probe = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let port = probe.local_addr().unwrap().port();
