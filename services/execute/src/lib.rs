@@ -61,9 +61,23 @@ pub fn approved(state: &RunState) -> Result<(), String> {
     }
 }
 
-/// The plan to execute must be the one the run recorded when approval committed it.
+/// The plan to execute must be the one the run recorded when approval committed it, for the
+/// incident it recorded: the service (so the host) a plan runs on is the one its approver saw,
+/// whatever a message on the bus says (a state with the approved plan and another service
+/// would run it on a host whose rules were never checked).
 pub fn recorded_approval(incoming: &RunState, stored: &RunState) -> Result<(), String> {
     approved(stored).map_err(|e| format!("Postgres has no approval for this plan: {e}"))?;
+    if incoming.incident != stored.incident {
+        let (i, s) = (&incoming.incident, &stored.incident);
+        return Err(format!(
+            "the incident on the bus (service {}, host {}) is not the one Postgres recorded for this run \
+             (service {}, host {}): refusing to execute",
+            i.service,
+            i.host.as_deref().unwrap_or("-"),
+            s.service,
+            s.host.as_deref().unwrap_or("-")
+        ));
+    }
     let (Some(want), Some(got)) = (&stored.plan, &incoming.plan) else {
         return Err("no plan to execute".into());
     };
@@ -586,6 +600,14 @@ mod tests {
         let mut unapproved = stored.clone();
         unapproved.approval = ApprovalStatus::Waiting { plan_hash: "h".into(), rule: "r".into() };
         assert!(recorded_approval(&stored, &unapproved).is_err());
+        // The approved plan, sent for another service (another host, other rules).
+        let mut elsewhere = stored.clone();
+        elsewhere.incident.service = "db".into();
+        let why = recorded_approval(&elsewhere, &stored).unwrap_err();
+        assert!(why.contains("service db") && why.contains("service web"), "{why}");
+        let mut moved = stored.clone();
+        moved.incident.host = Some("db-1".into());
+        assert!(recorded_approval(&moved, &stored).is_err());
     }
 
     #[test]
