@@ -23,6 +23,21 @@ const KILL_GRACE: Duration = Duration::from_secs(2);
 /// Used when `now + timeout` does not fit in an `Instant` (a "forever" timeout).
 const FAR_FUTURE: Duration = Duration::from_secs(365 * 24 * 3600);
 
+/// The only variables of pitcrew's environment a command inherits: where programs are, who
+/// and where the user is, the locale and the time zone. pitcrew's own environment holds its
+/// secrets (`OPENAI_API_KEY`, `SLACK_BOT_TOKEN`, the database URL): a command's output is
+/// evidence, a timeline line and a model's input, and `env` or `cat /proc/self/environ` would
+/// hand them on.
+const INHERITED: [&str; 8] = ["PATH", "HOME", "USER", "LOGNAME", "LANG", "TZ", "TMPDIR", "XDG_RUNTIME_DIR"];
+
+/// The environment a command runs with: the inherited variables (see [`INHERITED`]) and the
+/// locale's `LC_*` ones, nothing else.
+fn inherited_env() -> impl Iterator<Item = (std::ffi::OsString, std::ffi::OsString)> {
+    std::env::vars_os().filter(|(k, _)| {
+        k.to_str().is_some_and(|k| INHERITED.contains(&k) || (k.starts_with("LC_") && !k.contains('=')))
+    })
+}
+
 /// Runs commands on the machine pitcrew itself runs on.
 #[derive(Debug, Clone)]
 pub struct LocalExecutor {
@@ -47,6 +62,8 @@ impl LocalExecutor {
         let deadline = started.checked_add(timeout).unwrap_or(started + FAR_FUTURE);
         let mut child = tokio::process::Command::new(program)
             .args(args)
+            .env_clear()
+            .envs(inherited_env())
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())

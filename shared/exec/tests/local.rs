@@ -129,3 +129,19 @@ async fn works_as_a_trait_object() {
     let out = e.run("local", "true", T).await.unwrap();
     assert!(out.success());
 }
+
+/// pitcrew's environment holds its secrets (the model's key, the chat tokens, the database
+/// URL): a command inherits only where programs are, the user and the locale, so neither
+/// `env` nor `/proc/self/environ` shows the rest.
+#[tokio::test]
+async fn a_command_inherits_none_of_pitcrews_secrets() {
+    let name = format!("PITCREW_TEST_SECRET_{}", std::process::id());
+    std::env::set_var(&name, "do-not-show-me-4f2a");
+    for cmd in ["env", "cat /proc/self/environ"] {
+        let out = exec().run("local", cmd, T).await.unwrap();
+        assert!(out.success(), "{cmd}: {out:?}");
+        assert!(!out.stdout.contains("do-not-show-me-4f2a") && !out.stdout.contains(&name), "{cmd}: {}", out.stdout);
+        assert!(out.stdout.contains("PATH="), "{cmd} still finds programs: {}", out.stdout);
+    }
+    std::env::remove_var(&name);
+}
