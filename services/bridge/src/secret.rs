@@ -30,7 +30,11 @@ impl Secret {
         bridge: &'static str,
     ) -> Result<Secret, MissingSecret> {
         match std::env::var(var) {
-            Ok(v) if !v.trim().is_empty() => Ok(Secret(v.trim().to_string())),
+            Ok(v) if !v.trim().is_empty() => {
+                // Redacted wherever it shows, a command's output or a log line.
+                pitcrew_model::redact::register_secret(&v);
+                Ok(Secret(v.trim().to_string()))
+            }
             _ => Err(MissingSecret { what, var: var.to_string(), key, bridge }),
         }
     }

@@ -243,7 +243,10 @@ impl OpenAi {
         let key = match cfg.api_key_env.trim() {
             "" => None,
             var => match std::env::var(var) {
-                Ok(k) if !k.trim().is_empty() => Some(k.trim().to_string()),
+                Ok(k) if !k.trim().is_empty() => {
+                    pitcrew_model::redact::register_secret(&k);
+                    Some(k.trim().to_string())
+                }
                 _ => {
                     return Err(format!(
                         "[reasoning.openai] api_key_env names {var}, which is not set (set it, or api_key_env = \"\" for an endpoint without auth)"

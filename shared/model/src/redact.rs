@@ -5,7 +5,7 @@
 
 use regex::{Regex, RegexSet};
 use std::borrow::Cow;
-use std::sync::LazyLock;
+use std::sync::{LazyLock, RwLock};
 
 /// What replaces a secret.
 pub const MARK: &str = "[REDACTED]";
@@ -44,6 +44,8 @@ static PATTERNS: LazyLock<Vec<Pattern>> = LazyLock::new(|| {
         p(r"(?i)(--?(?:password|passwd|token|secret|api-key|apikey)\s+)\S+", "${1}[REDACTED]"),
         // `redis://:password@cache` has no user part at all.
         p(r"(?i)(?-u:\b)([a-z][a-z0-9+.-]*://[^/\s:@]*:)[^/\s@]+@", "${1}[REDACTED]@"),
+        // A NATS URL's lone user part is its token (`nats://s3cret@nats:4222`).
+        p(r"(?i)(?-u:\b)((?:nats|tls|wss?)://)[^/\s:@,]+@", "${1}[REDACTED]@"),
         // A header's value up to the line's end or a quote (a log line in JSON goes on).
         p(r#"(?i)(?-u:\b)((?:set-)?cookie\s*:\s*)[^\r\n"]+"#, "${1}[REDACTED]"),
         p(r"(?-u:\b)AKIA[0-9A-Z]{16}(?-u:\b)", MARK),
@@ -72,12 +74,47 @@ pub fn secret_name(name: &str) -> bool {
     SECRET_NAME.is_match(name)
 }
 
+/// The values of the secrets this process was given (its model key, chat tokens, database
+/// and NATS passwords): redacted wherever they show, whatever they look like or are called
+/// (`cat /proc/<pid>/environ`, a config file echoed back, an error quoting a URL).
+static KNOWN: RwLock<Vec<String>> = RwLock::new(Vec::new());
+
+/// Values shorter than this are not registered: a short value (`admin`) would be redacted out
+/// of ordinary words; the patterns still catch it where it is named.
+pub const MIN_KNOWN_LEN: usize = 8;
+
+/// Most values registered: the secrets of one process's configuration.
+const MAX_KNOWN: usize = 64;
+
+/// Redact `value`, one of this process's secrets, wherever it shows from now on (when it is
+/// at least [`MIN_KNOWN_LEN`] bytes long).
+pub fn register_secret(value: &str) {
+    let value = value.trim();
+    if value.len() < MIN_KNOWN_LEN {
+        return;
+    }
+    let mut known = KNOWN.write().unwrap_or_else(|p| p.into_inner());
+    if known.len() < MAX_KNOWN && !known.iter().any(|k| k == value) {
+        known.push(value.to_string());
+    }
+}
+
 /// `text` with every secret it shows replaced.
 pub fn redact(text: &str) -> Cow<'_, str> {
-    if !ANY.is_match(text) {
+    let known = KNOWN.read().unwrap_or_else(|p| p.into_inner());
+    let shows_known = known.iter().any(|k| text.contains(k.as_str()));
+    if !shows_known && !ANY.is_match(text) {
         return Cow::Borrowed(text);
     }
     let mut out = Cow::Borrowed(text);
+    if shows_known {
+        for k in known.iter() {
+            if out.contains(k.as_str()) {
+                out = Cow::Owned(out.replace(k.as_str(), MARK));
+            }
+        }
+    }
+    drop(known);
     for p in PATTERNS.iter() {
         if p.re.is_match(&out) {
             out = Cow::Owned(p.re.replace_all(&out, p.with).into_owned());
@@ -130,6 +167,8 @@ mod tests {
             ("clé AKIAIOSFODNN7EXAMPLEé", "clé [REDACTED]é"),
             ("éAuthorization: Bearer abc", "éAuthorization: Bearer [REDACTED]"),
             ("redis://:hunter2@cache:6379", "redis://:[REDACTED]@cache:6379"),
+            ("nats://s3cret@nats:4222", "nats://[REDACTED]@nats:4222"),
+            ("tls://a@n1:4222,tls://b@n2:4222", "tls://[REDACTED]@n1:4222,tls://[REDACTED]@n2:4222"),
             ("Cookie: session=abc; theme=dark", "Cookie: [REDACTED]"),
             (r#"{"h":"Cookie: s=1","next":2}"#, r#"{"h":"Cookie: [REDACTED]","next":2}"#),
             (
@@ -146,12 +185,29 @@ mod tests {
             "token bucket full",
             "GET /health -> 503",
             "http://web:8080/x",
+            "ssh://deploy@web-1",
             "(root) NOPASSWD: /bin/systemctl",
             "OLDPWD=/home/ops",
             "bypass=1",
         ] {
             assert!(matches!(redact(plain), Cow::Borrowed(_)), "{plain} is left alone");
         }
+    }
+
+    /// A secret this process was given is redacted by its value, whatever shows it: an
+    /// environment dump names it nothing a pattern knows.
+    #[test]
+    fn a_registered_secret_is_redacted_wherever_it_shows() {
+        let value = "hooks-T0-B1-9f8e7d6c5b4a";
+        let text = format!("SLACK_HOOK={value}\0HOME=/root\0and again {value}.");
+        assert!(redact(&text).contains(value), "not a secret until registered");
+        register_secret(value);
+        register_secret("short");
+        assert_eq!(redact(&text), "SLACK_HOOK=[REDACTED]\0HOME=/root\0and again [REDACTED].");
+        assert!(
+            matches!(redact("a short word"), Cow::Borrowed(_)),
+            "values under {MIN_KNOWN_LEN} bytes are not registered"
+        );
     }
 
     #[test]

@@ -209,8 +209,14 @@ impl Bus {
             });
         // async-nats ignores credentials in the URL: pass them on.
         opts = match url_credentials(&url) {
-            Some(Credentials::UserPassword(user, password)) => opts.user_and_password(user, password),
-            Some(Credentials::Token(token)) => opts.token(token),
+            Some(Credentials::UserPassword(user, password)) => {
+                pitcrew_model::redact::register_secret(&password);
+                opts.user_and_password(user, password)
+            }
+            Some(Credentials::Token(token)) => {
+                pitcrew_model::redact::register_secret(&token);
+                opts.token(token)
+            }
             None => opts,
         };
         let connecting = opts.connect(url.as_str());

@@ -652,6 +652,14 @@ impl Config {
 /// `postgres://user:secret@host/db` → `postgres://user:***@host/db`, for logs and errors; in a
 /// NATS URL every server of a list, and a token (`nats://token@host`) as `***`.
 pub fn redact_url(url: &str) -> String {
+    // Postgres's keyword form (`host=db user=app password=hunter2`) has no user part (and its
+    // password may hold a comma).
+    if !url.contains("://") {
+        static PASSWORD: std::sync::LazyLock<regex::Regex> = std::sync::LazyLock::new(|| {
+            regex::Regex::new(r"(?i)(password\s*=\s*)(?:'(?:[^'\\]|\\.)*'?|\S+)").expect("password pattern")
+        });
+        return PASSWORD.replace_all(url, "${1}***").into_owned();
+    }
     // A NATS URL may list several servers, each with its own credentials.
     url.split(',').map(redact_one).collect::<Vec<_>>().join(",")
 }
@@ -691,6 +699,8 @@ mod tests {
         assert_eq!(redact_url("nats://a:p1@h1:4222,nats://b:p2@h2:4222"), "nats://a:***@h1:4222,nats://b:***@h2:4222");
         // A NATS URL's lone user part is a token: hidden.
         assert_eq!(redact_url("nats://s3cret-token@h:4222"), "nats://***@h:4222");
+        assert_eq!(redact_url("host=db user=app password=hun,ter2 dbname=x"), "host=db user=app password=*** dbname=x");
+        assert_eq!(redact_url("host=db password = 'a b\\' c' user=app"), "host=db password = *** user=app");
         assert_eq!(redact_url("tls://a:p@h1:4222,tls://tok@h2:4222"), "tls://a:***@h1:4222,tls://***@h2:4222");
     }
 

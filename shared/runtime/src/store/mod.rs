@@ -127,6 +127,9 @@ const TCP_USER_TIMEOUT: Duration = Duration::from_secs(30);
 fn connection_config(cfg: &DatabaseConfig) -> Result<tokio_postgres::Config, StoreError> {
     let mut pg: tokio_postgres::Config =
         cfg.url.parse().map_err(|e| StoreError::Config(format!("bad database URL {}: {e}", redact_url(&cfg.url))))?;
+    if let Some(password) = pg.get_password() {
+        pitcrew_model::redact::register_secret(&String::from_utf8_lossy(password));
+    }
     // Connections are plain TCP (`NoTls`): a URL that requires TLS can never be met, and
     // failing each try as if Postgres were down would keep a worker waiting forever.
     if pg.get_ssl_mode() == tokio_postgres::config::SslMode::Require {
@@ -220,6 +223,21 @@ mod tests {
             ["postgres://u@db:5432/p", "postgres://u@db:5432/p?sslmode=prefer", "postgres://u@db/p?sslmode=disable"]
         {
             assert!(connection_config(&url(ok)).is_ok(), "{ok}");
+        }
+    }
+
+    /// The database password is redacted by its value wherever it shows (a command's output
+    /// of a config file, an error of a client that quotes it), in either form of the URL.
+    #[test]
+    fn the_database_password_is_redacted_wherever_it_shows() {
+        for (cfg, password) in [
+            ("postgres://app:pw-in-the-url-7c1d@db/pitcrew", "pw-in-the-url-7c1d"),
+            ("host=db user=app password=pw-as-a-keyword-5e2b dbname=pitcrew", "pw-as-a-keyword-5e2b"),
+        ] {
+            connection_config(&url(cfg)).unwrap();
+            let text = format!("DB={password}");
+            assert_eq!(pitcrew_model::redact::redact(&text), "DB=[REDACTED]", "{cfg}");
+            assert!(!redact_url(cfg).contains(password), "{cfg}");
         }
     }
 }
