@@ -168,6 +168,25 @@ pub async fn spawn_endpoint(
     Ok(Some(at))
 }
 
+/// Scrapes closer together than this share one collection: the endpoint has no key, and each
+/// collection asks Postgres and JetStream (a scanner hammering the port would load both).
+const MIN_COLLECT_INTERVAL: Duration = Duration::from_secs(1);
+
+/// When something last ran; callers that come at once wait for the one running it.
+#[derive(Clone, Default)]
+struct Throttle(std::sync::Arc<tokio::sync::Mutex<Option<tokio::time::Instant>>>);
+
+impl Throttle {
+    /// Run `f` unless it ran less than `interval` ago (or runs now: then wait for it).
+    async fn at_most_every<F: std::future::Future<Output = ()>>(&self, interval: Duration, f: impl FnOnce() -> F) {
+        let mut last = self.0.lock().await;
+        if last.is_none_or(|t| t.elapsed() >= interval) {
+            f().await;
+            *last = Some(tokio::time::Instant::now());
+        }
+    }
+}
+
 /// Serve `GET /metrics` on `listener` until `shutdown`, refreshing the scrape-time gauges of
 /// `collector` before each answer. Served by [`crate::httpd`], so a slow or silent scraper
 /// holds no connection and connections are capped.
@@ -178,11 +197,12 @@ async fn serve(
 ) {
     use axum::http::header::CONTENT_TYPE;
     let not_found = || async { (axum::http::StatusCode::NOT_FOUND, [(CONTENT_TYPE, "text/plain")], "not found\n") };
+    let last = Throttle::default();
     let scrape = move || {
-        let collector = collector.clone();
+        let (collector, last) = (collector.clone(), last.clone());
         async move {
             if let Some(c) = &collector {
-                c.collect().await;
+                last.at_most_every(MIN_COLLECT_INTERVAL, || c.collect()).await;
             }
             ([(CONTENT_TYPE, "text/plain; version=0.0.4")], render())
         }
@@ -199,6 +219,21 @@ async fn serve(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn scrapes_at_once_share_one_collection_and_a_later_one_collects_again() {
+        let (throttle, runs) = (Throttle::default(), std::sync::atomic::AtomicUsize::new(0));
+        let collect = || async {
+            runs.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        let interval = Duration::from_millis(300);
+        futures::future::join_all((0..100).map(|_| throttle.at_most_every(interval, collect))).await;
+        assert_eq!(runs.load(std::sync::atomic::Ordering::SeqCst), 1, "100 scrapes at once, one collection");
+        tokio::time::sleep(interval).await;
+        throttle.at_most_every(interval, collect).await;
+        assert_eq!(runs.load(std::sync::atomic::Ordering::SeqCst), 2);
+    }
 
     #[tokio::test]
     async fn an_endpoint_is_off_unless_set_and_a_taken_address_is_an_error_naming_the_setting() {
