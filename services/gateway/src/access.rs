@@ -328,6 +328,12 @@ fn authorise(gw: &Gateway, req: &Request, access: Access) -> Result<Option<Calle
     let Some(caller) = gw.keys.authenticate(key) else {
         return Err(refused(ApiError::Unauthorized("unknown API key".into())));
     };
+    // The token is taken before the role is checked: a refusal costs its key a token too, or
+    // a key looping on a route its role may not use would write an audit row to Postgres per
+    // request, as fast as it can send them.
+    if let Err(wait) = gw.limiter.take(&caller.name) {
+        return Err(ApiError::RateLimited { key: caller.name, retry_after: wait.as_secs_f64().ceil().max(1.0) as u64 });
+    }
     if !caller.role.may(access) {
         return Err(ApiError::Forbidden(format!(
             "key '{}' has role {}: {} {} needs role {}",
@@ -337,9 +343,6 @@ fn authorise(gw: &Gateway, req: &Request, access: Access) -> Result<Option<Calle
             req.uri().path(),
             access.roles()
         )));
-    }
-    if let Err(wait) = gw.limiter.take(&caller.name) {
-        return Err(ApiError::RateLimited { key: caller.name, retry_after: wait.as_secs_f64().ceil().max(1.0) as u64 });
     }
     Ok(Some(caller))
 }

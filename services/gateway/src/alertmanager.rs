@@ -139,20 +139,54 @@ fn host_of(instance: &str) -> Option<String> {
     ok.then(|| host.to_string())
 }
 
-/// The alert's labels as an incident keeps them: at most `MAX_LABELS`, each value cut to
-/// `MAX_LABEL_LEN` (a key longer than that is dropped): labels describe, they never decide
-/// whether an alert is handled.
+/// The alert's labels as an incident keeps them: at most `MAX_LABELS`, each value as
+/// `Incident::validate` keeps it and cut to fit `MAX_LABEL_LEN` (a key longer than that is
+/// dropped): labels describe, they never decide whether an alert is handled.
 fn kept_labels(labels: &BTreeMap<String, String>) -> BTreeMap<String, String> {
     use pitcrew_model::incident::{MAX_LABELS, MAX_LABEL_LEN};
     labels
         .iter()
+        // validate replaces a key's NULs too (each becomes three bytes).
+        .map(|(k, v)| (pitcrew_model::trim::storable(k.clone()), v))
         .filter(|(k, _)| k.len() <= MAX_LABEL_LEN)
         .take(MAX_LABELS)
         .map(|(k, v)| {
-            let v = if v.len() > MAX_LABEL_LEN { clip(v, MAX_LABEL_LEN - 4) } else { v.clone() };
-            (k.clone(), v)
+            let v = kept_value(&k, v);
+            (k, v)
         })
         .collect()
+}
+
+/// A label's value that fits `MAX_LABEL_LEN` once `Incident::validate` has redacted it.
+/// Redaction makes text longer (`app:pw@` becomes `app:[REDACTED]@`, a NUL a three-byte
+/// U+FFFD): cut before it, a value at the limit would grow past it and the whole alert be
+/// refused, which Alertmanager never sends again.
+fn kept_value(key: &str, value: &str) -> String {
+    use pitcrew_model::incident::MAX_LABEL_LEN;
+    // What validate makes of a value.
+    let validated = |v: &str| {
+        if pitcrew_model::redact::secret_name(key) && !v.is_empty() {
+            pitcrew_model::redact::MARK.to_string()
+        } else {
+            pitcrew_model::trim::storable(pitcrew_model::redact::redact(v).into_owned())
+        }
+    };
+    let whole = validated(value);
+    if validated(&whole).len() <= MAX_LABEL_LEN {
+        return whole;
+    }
+    // A cut can leave the start of a redaction a pattern matches again, longer (`token=[RED…`
+    // becomes `token=[REDACTED]`): what validate makes of the cut is measured, and the cut
+    // made shorter by what it is over until it fits. `clip` appends '…'.
+    let mut cut = MAX_LABEL_LEN - '…'.len_utf8();
+    loop {
+        let kept = validated(&clip(&whole, cut));
+        let over = validated(&kept).len().saturating_sub(MAX_LABEL_LEN);
+        if over == 0 || cut == 0 {
+            return kept;
+        }
+        cut = cut.saturating_sub(over);
+    }
 }
 
 fn incident(a: &Alert, cfg: &GatewayConfig, services: &dyn Fn(&str) -> bool) -> Result<Incident, String> {
@@ -183,8 +217,12 @@ fn incident(a: &Alert, cfg: &GatewayConfig, services: &dyn Fn(&str) -> bool) -> 
         // The first of the host labels that names a host (an unusable `host` label does not
         // hide a usable `instance`).
         host: cfg.host_labels.iter().filter_map(|n| a.labels.get(n)).find_map(|v| host_of(v.trim())),
-        // Redacted before it is cut: a redaction makes the text longer.
-        error: clip(&pitcrew_model::redact::redact(&error), pitcrew_model::incident::MAX_ERROR_LEN - 16),
+        // Redacted (and its NULs replaced, three bytes each) before it is cut: both make the
+        // text longer, and an alert refused for it is never sent again.
+        error: clip(
+            &pitcrew_model::trim::storable(pitcrew_model::redact::redact(&error).into_owned()),
+            pitcrew_model::incident::MAX_ERROR_LEN - 16,
+        ),
         severity,
         source: Some("alertmanager".into()),
         fingerprint: Some(format!("am-{}", a.fingerprint.trim())),
@@ -261,6 +299,39 @@ mod tests {
         p.alerts[0].annotations.insert("summary".into(), summary);
         let Ok(Action::Fire(i)) = &actions(&p, &cfg, &known).unwrap()[0] else { panic!("refused") };
         assert!(i.error.len() <= pitcrew_model::incident::MAX_ERROR_LEN);
+    }
+
+    #[test]
+    fn a_label_that_grows_when_redacted_is_cut_to_fit_not_refused() {
+        use pitcrew_model::incident::MAX_LABEL_LEN;
+        let cfg = GatewayConfig::default();
+        let known = |s: &str| s == "web";
+        let dsn = format!("postgres://app:pw@db/{}", "x".repeat(MAX_LABEL_LEN - 21));
+        assert_eq!(dsn.len(), MAX_LABEL_LEN);
+        // Cut in the middle of its redaction, `token=[RED…` would be redacted again, longer.
+        let token = format!("{} token=abc", "y".repeat(242));
+        let mut labels = serde_json::Map::new();
+        labels.insert("service".into(), "web".into());
+        labels.insert("dsn".into(), dsn.into());
+        labels.insert("nul".into(), "\0".repeat(MAX_LABEL_LEN).into());
+        labels.insert("note".into(), token.into());
+        labels.insert("db_password".into(), "p".repeat(MAX_LABEL_LEN).into());
+        let p = payload(&serde_json::Value::Object(labels).to_string(), "firing");
+        let Ok(Action::Fire(i)) = &actions(&p, &cfg, &known).unwrap()[0] else { panic!("refused") };
+        for (k, v) in &i.labels {
+            assert!(v.len() <= MAX_LABEL_LEN, "{k}: {} bytes", v.len());
+        }
+        assert!(i.labels["dsn"].starts_with("postgres://app:[REDACTED]@db/xxx"), "{}", i.labels["dsn"]);
+        assert!(i.labels["nul"].starts_with('\u{FFFD}') && !i.labels["nul"].contains('\0'));
+        assert!(i.labels["note"].starts_with("yyy") && !i.labels["note"].contains("abc"), "{}", i.labels["note"]);
+        assert_eq!(i.labels["db_password"], "[REDACTED]");
+
+        // A summary of NULs (each kept as a three-byte U+FFFD) is cut to fit, not refused.
+        let nuls = "\0".repeat(pitcrew_model::incident::MAX_ERROR_LEN);
+        let mut p = payload(r#"{"service":"web"}"#, "firing");
+        p.alerts[0].annotations.insert("summary".into(), nuls);
+        let Ok(Action::Fire(i)) = &actions(&p, &cfg, &known).unwrap()[0] else { panic!("refused") };
+        assert!(i.error.len() <= pitcrew_model::incident::MAX_ERROR_LEN && i.error.contains('\u{FFFD}'));
     }
 
     #[test]

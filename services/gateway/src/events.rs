@@ -175,15 +175,24 @@ pub async fn all_events(
     };
     let deliver = match (last_event_id(&headers)?, q.since) {
         (Some(next), _) => DeliverPolicy::ByStartSequence { start_sequence: next },
-        (None, Some(t)) => DeliverPolicy::ByStartTime {
-            start_time: time::OffsetDateTime::from_unix_timestamp_nanos(i128::from(
-                t.timestamp_nanos_opt().unwrap_or(0),
-            ))
-            .map_err(|_| ApiError::BadRequest("since is out of range".into()))?,
-        },
+        (None, Some(t)) => DeliverPolicy::ByStartTime { start_time: start_time(t)? },
         (None, None) => DeliverPolicy::New,
     };
     follow(&gw, &caller, subjects, deliver, Some(kinds), End::Never).await
+}
+
+/// `since` as JetStream's start time. Nanoseconds since 1970 in an i64 reach from 1677 to
+/// 2262: a `since` outside is refused (as 1970 it would replay every stored event).
+fn start_time(since: DateTime<Utc>) -> Result<time::OffsetDateTime, ApiError> {
+    since
+        .timestamp_nanos_opt()
+        .and_then(|nanos| time::OffsetDateTime::from_unix_timestamp_nanos(i128::from(nanos)).ok())
+        .ok_or_else(|| {
+            ApiError::BadRequest(format!(
+                "since '{}' is out of range: it must be between 1677-09-21 and 2262-04-11",
+                since.to_rfc3339_opts(chrono::SecondsFormat::AutoSi, true)
+            ))
+        })
 }
 
 /// A permit of `caller`'s own share of live streams.
@@ -304,4 +313,23 @@ async fn follow(
     let body = futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|e| (Ok(e), rx)) });
     let body: std::pin::Pin<Box<dyn Stream<Item = Result<Event, Infallible>> + Send>> = Box::pin(body);
     Ok(Sse::new(body).keep_alive(KeepAlive::new().interval(KEEP_ALIVE)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_since_beyond_what_jetstream_can_start_at_is_refused_not_1970() {
+        let t = |s: &str| s.parse::<DateTime<Utc>>().unwrap();
+        let start = start_time(t("2026-11-22T07:00:00.5Z")).unwrap();
+        assert_eq!((start.year(), start.nanosecond()), (2026, 500_000_000));
+        for far in ["2300-01-01T00:00:00Z", "1600-01-01T00:00:00Z"] {
+            let e = start_time(t(far)).unwrap_err();
+            assert!(
+                matches!(&e, ApiError::BadRequest(m) if m.contains(&format!("since '{far}' is out of range"))),
+                "{e:?}"
+            );
+        }
+    }
 }

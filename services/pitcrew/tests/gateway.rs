@@ -716,6 +716,34 @@ async fn a_key_over_its_rate_gets_429_with_retry_after_and_readiness_follows_nat
     Ok(())
 }
 
+/// A key refused by its role pays for the request like any other: a read-only key looping on
+/// an approval gets 429 once its burst is spent, and its refusals stop reaching Postgres.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_refused_by_its_role_is_rate_limited_and_stops_filling_the_audit_trail() -> anyhow::Result<()> {
+    // Slow enough a refill that no token comes back while the ten requests are sent.
+    let api = Api::start(&[], "rate_per_sec = 0.05\nrate_burst = 2").await?;
+    let path = format!("/v1/runs/{}/approve", Uuid::now_v7());
+    let mut statuses = Vec::new();
+    for _ in 0..10 {
+        let resp = api.req(reqwest::Method::POST, &path, Some("rita")).json(&json!({})).send().await?;
+        if resp.status() == StatusCode::TOO_MANY_REQUESTS {
+            let retry: u64 = resp.headers()["retry-after"].to_str()?.parse()?;
+            assert!(retry >= 1, "{retry}");
+        }
+        statuses.push(resp.status());
+    }
+    let mut want = vec![StatusCode::FORBIDDEN; 2];
+    want.resize(10, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(statuses, want);
+    // A refusal by role names the key in its outcome (it has no principal: the request was
+    // not admitted); one by the rate limit is not stored.
+    let db = api.crew.db().await?;
+    let rows: i64 =
+        db.query_one("SELECT count(*) FROM gateway_audit WHERE outcome LIKE '%key ''rita''%'", &[]).await?.get(0);
+    assert_eq!(rows, 2, "the refusals within the burst are audited, none past it");
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_slow_live_stream_client_is_dropped_and_blocks_no_one() -> anyhow::Result<()> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
