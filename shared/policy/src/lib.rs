@@ -1,6 +1,8 @@
 //! The policy gate: deterministic rules every plan passes after every model output.
 //! Forbidden commands never run, critical ones wait for a human, the rest run unattended.
 
+mod ip;
+mod read_only;
 mod shell;
 #[cfg(test)]
 mod tests;
@@ -292,7 +294,14 @@ impl Policy {
             }
             let written = argv.join(" ");
             let normalised = unwrapped.argv.join(" ");
-            let matches = |r: &Rule| r.pattern.is_match(&normalised) || r.pattern.is_match(&written);
+            // A file a wrapper writes (`time -o /etc/passwd true`) is judged as `tee FILE`
+            // would be, so the rules that look for writes see it.
+            let writes: Vec<String> = unwrapped.writes.iter().map(|f| format!("tee {f}")).collect();
+            let matches = |r: &Rule| {
+                r.pattern.is_match(&normalised)
+                    || r.pattern.is_match(&written)
+                    || writes.iter().any(|w| r.pattern.is_match(w))
+            };
             for r in self.forbidden.iter().filter(|r| matches(r)) {
                 forbidden.push(hit(&r.name, FORBIDDEN, r.reason.clone()));
             }
@@ -352,52 +361,6 @@ impl Policy {
     }
 }
 
-/// Programs evidence may run, each with the first arguments that keep it read-only
-/// (empty: any arguments). Evidence never changes the target.
-const READ_ONLY: &[(&str, &[&str])] = &[
-    ("cat", &[]),
-    ("tail", &[]),
-    ("head", &[]),
-    ("ss", &[]),
-    ("netstat", &[]),
-    ("df", &[]),
-    ("free", &[]),
-    ("uptime", &[]),
-    ("ps", &[]),
-    ("pgrep", &[]),
-    ("journalctl", &[]),
-    ("systemctl", &["status", "is-active", "is-failed", "show", "list-units"]),
-    ("service", &[]),
-    ("ip", &["addr", "address", "a", "route", "r", "link", "l", "neigh", "-br", "-s"]),
-    ("uname", &[]),
-    ("test", &[]),
-];
-
-/// journalctl's options that write (or never end): long ones are refused abbreviated too
-/// (getopt takes any unambiguous prefix: `--vacuum-s` is `--vacuum-size`).
-const JOURNALCTL_WRITES: &[&str] = &[
-    "--vacuum-size",
-    "--vacuum-time",
-    "--vacuum-files",
-    "--rotate",
-    "--flush",
-    "--sync",
-    "--relinquish-var",
-    "--smart-relinquish-var",
-    "--setup-keys",
-    "--update-catalog",
-    "--follow",
-];
-
-/// `a` is `--name` or a prefix of it long enough to mean it (`--fl` for `--flush`), with or
-/// without `=value`.
-fn long_option_is(a: &str, name: &str) -> bool {
-    let Some(given) = a.split('=').next().filter(|g| g.starts_with("--") && g.len() > 3) else {
-        return false;
-    };
-    name.starts_with(given)
-}
-
 impl Policy {
     /// The read-only class, for evidence: the gate must allow the command outright, and its
     /// program must be one that only reads (`systemctl status`, never `systemctl restart`).
@@ -415,43 +378,11 @@ impl Policy {
             return Err(reason);
         }
         let argv = shell_words::split(command).map_err(|e| format!("cannot parse `{command}`: {e}"))?;
-        let argv = shell::normalise(&argv);
-        let Some(program) = argv.first() else { return Err("empty command".into()) };
-        let Some((_, subs)) = READ_ONLY.iter().find(|(p, _)| p == program) else {
-            return Err(format!("`{program}` is not in the read-only class (evidence cannot run it)"));
-        };
-        if !subs.is_empty() && !argv.get(1).is_some_and(|a| subs.contains(&a.as_str())) {
-            return Err(format!("`{program}` is read-only only as: {}", subs.join(", ")));
+        let unwrapped = shell::unwrap(&argv);
+        if let Some(why) = unwrapped.not_read_only {
+            return Err(why);
         }
-        if program == "service" && argv.last().map(String::as_str) != Some("status") {
-            return Err("`service` is read-only only as `service <name> status`".into());
-        }
-        let mutating = ["set", "add", "del", "delete", "change", "replace", "flush", "append", "exec"];
-        // `-batch FILE` runs the commands a file lists (ip takes any prefix, `-b` included, and
-        // `--` for `-`); `-force` goes on past errors in a batch.
-        let batch = |a: &String| {
-            let o = if a.starts_with("--") { &a[1..] } else { a.as_str() };
-            o.len() >= 2 && "-batch".starts_with(o) || o.len() >= 3 && "-force".starts_with(o)
-        };
-        if program == "ip" && argv.iter().any(|a| mutating.contains(&a.as_str()) || batch(a)) {
-            return Err("`ip` is read-only only to show".into());
-        }
-        let short_flag = |a: &String, f: char| a.starts_with('-') && !a.starts_with("--") && a.contains(f);
-        if program == "ss" && argv.iter().any(|a| long_option_is(a, "--kill") || short_flag(a, 'K')) {
-            return Err("`ss -K` closes sockets".into());
-        }
-        if program == "ss" && argv.iter().any(|a| long_option_is(a, "--diag") || short_flag(a, 'D')) {
-            return Err("`ss -D FILE` writes (and truncates) FILE".into());
-        }
-        if program == "journalctl"
-            && argv.iter().any(|a| a == "-f" || JOURNALCTL_WRITES.iter().any(|w| long_option_is(a, w)))
-        {
-            return Err("`journalctl` with a vacuum/rotate/flush/sync/follow option writes or never ends".into());
-        }
-        if program == "tail" && argv.iter().any(|a| a == "-f" || a == "-F" || long_option_is(a, "--follow")) {
-            return Err("`tail -f` never ends".into());
-        }
-        Ok(())
+        read_only::check(&unwrapped.argv)
     }
 }
 

@@ -127,11 +127,101 @@ fn is_assignment(word: &str) -> bool {
     }
 }
 
-/// Skip `w`'s options and positionals; returns where the inner command starts and the
-/// value of `env -S` (a whole command line in one argument), if any.
-fn skip_options(args: &[String], w: &Wrapper) -> (usize, Option<String>) {
+/// Wrapper options that keep a command read-only: they write nothing and touch no other
+/// process (`time -o FILE` writes FILE, `ionice -p`/`taskset -p` change running processes,
+/// `sudo -e` edits files, `setsid -f` leaves the command running). A wrapper missing here is
+/// not read-only at all (`chroot`: it runs whatever program the new root holds). Long options
+/// count only spelled out in full: a prefix's meaning depends on the wrapper's version.
+const READ_ONLY_OPTIONS: &[(&str, &[&str])] = &[
+    (
+        "sudo",
+        &["-n", "--non-interactive", "-u", "--user", "-g", "--group", "-H", "--set-home", "-P", "--preserve-groups"],
+    ),
+    ("doas", &["-n", "-u"]),
+    ("env", &["-i", "--ignore-environment", "-u", "--unset"]),
+    ("nice", &["-n", "--adjustment"]),
+    ("timeout", &["-s", "--signal", "-k", "--kill-after", "--preserve-status", "--foreground", "-v", "--verbose"]),
+    ("ionice", &["-c", "--class", "-n", "--classdata", "-t", "--ignore"]),
+    ("stdbuf", &["-i", "--input", "-o", "--output", "-e", "--error"]),
+    ("taskset", &["-c", "--cpu-list"]),
+    ("time", &["-f", "--format", "-p", "--portability", "-v", "--verbose", "-q", "--quiet"]),
+    ("exec", &[]),
+    ("nohup", &[]),
+    ("setsid", &["-w", "--wait"]),
+    ("command", &[]),
+    ("builtin", &[]),
+    ("busybox", &[]),
+];
+
+/// Wrapper options that name a file the wrapper writes (`time -o FILE`, `--output=FILE`).
+const OUTPUT_OPTIONS: &[(&str, &[&str])] = &[("time", &["-o", "--output"])];
+
+/// Leading `VAR=value` that keep a command read-only: `LD_PRELOAD=`, `PATH=`, `PAGER=` and
+/// the like change what runs.
+fn read_only_assignment(word: &str) -> bool {
+    let name = word.split('=').next().unwrap_or(word);
+    matches!(name, "LANG" | "LANGUAGE" | "TZ") || name.starts_with("LC_")
+}
+
+/// What [`skip_options`] read in a wrapper's arguments.
+#[derive(Debug, Default)]
+struct Skipped {
+    /// Where the inner command starts.
+    end: usize,
+    /// Each option given, as `-x` or `--name` (as written: perhaps abbreviated).
+    options: Vec<String>,
+    /// Each option that takes a value, by its full name, with the value (`None` at the end).
+    values: Vec<(String, Option<String>)>,
+}
+
+impl Skipped {
+    /// The values given to any of `names`, in order.
+    fn values_of<'a>(&'a self, names: &'a [&str]) -> impl Iterator<Item = String> + 'a {
+        self.values.iter().filter(|(o, _)| names.contains(&o.as_str())).filter_map(|(_, v)| v.clone())
+    }
+}
+
+/// One `--name[=value]`; true when its value is the next word. getopt takes any unambiguous
+/// prefix (`--out` is `--output`, `--split` is `--split-string`), so a prefix of an option
+/// that takes a value is read as that option.
+fn long_option(long: &str, w: &Wrapper, next: Option<&String>, out: &mut Skipped) -> bool {
+    let (name, attached) = match long.split_once('=') {
+        Some((n, v)) => (n, Some(v.to_string())),
+        None => (long, None),
+    };
+    out.options.push(format!("--{name}"));
+    let with_value = &w.long_with_value;
+    let Some(full) =
+        with_value.iter().find(|o| **o == name).or_else(|| with_value.iter().find(|o| o.starts_with(name)))
+    else {
+        return false;
+    };
+    let next_word = attached.is_none();
+    let value = attached.or_else(|| next.cloned());
+    out.values.push((format!("--{full}"), value));
+    next_word
+}
+
+/// One cluster of short options (`-nu root`, `-nuroot`); true when a value is the next word.
+/// The first option that takes a value takes the rest of the word, or the next word.
+fn short_options(cluster: &str, w: &Wrapper, next: Option<&String>, out: &mut Skipped) -> bool {
+    for (j, ch) in cluster.char_indices() {
+        out.options.push(format!("-{ch}"));
+        if w.short_with_value.contains(ch) {
+            let attached = &cluster[j + ch.len_utf8()..];
+            let value = if attached.is_empty() { next.cloned() } else { Some(attached.to_string()) };
+            out.values.push((format!("-{ch}"), value));
+            return attached.is_empty();
+        }
+    }
+    false
+}
+
+/// Read `w`'s options and skip its positionals: where the inner command starts, and what
+/// options (and values) were given on the way.
+fn skip_options(args: &[String], w: &Wrapper) -> Skipped {
+    let mut out = Skipped::default();
     let mut i = 0;
-    let mut split = None;
     while i < args.len() {
         let a = args[i].as_str();
         if a == "--" {
@@ -141,36 +231,25 @@ fn skip_options(args: &[String], w: &Wrapper) -> (usize, Option<String>) {
         if !a.starts_with('-') {
             break;
         }
-        let mut width = 1;
-        if let Some(long) = a.strip_prefix("--") {
-            let (name, attached) = match long.split_once('=') {
-                Some((n, v)) => (n, Some(v.to_string())),
-                None => (long, None),
-            };
-            if w.long_with_value.contains(&name) {
-                if attached.is_none() {
-                    width = 2;
-                }
-                let value = attached.or_else(|| args.get(i + 1).cloned());
-                if name == "split-string" {
-                    split = value;
-                }
-            }
-        } else if let Some((j, ch)) = a[1..].char_indices().find(|(_, c)| w.short_with_value.contains(*c)) {
-            let attached = &a[1 + j + ch.len_utf8()..];
-            let value = if attached.is_empty() {
-                width = 2;
-                args.get(i + 1).cloned()
-            } else {
-                Some(attached.to_string())
-            };
-            if w.name == "env" && ch == 'S' {
-                split = value;
-            }
-        }
-        i += width;
+        let next = args.get(i + 1);
+        let took_next = match a.strip_prefix("--") {
+            Some(long) => long_option(long, w, next, &mut out),
+            None => short_options(&a[1..], w, next, &mut out),
+        };
+        i += 1 + usize::from(took_next);
     }
-    ((i + w.positionals).min(args.len()), split)
+    out.end = (i + w.positionals).min(args.len());
+    out
+}
+
+/// Why `w` with `options` is not read-only, if it is not.
+fn not_read_only(w: &Wrapper, options: &[String]) -> Option<String> {
+    let Some((_, allowed)) = READ_ONLY_OPTIONS.iter().find(|(name, _)| *name == w.name) else {
+        return Some(format!("`{}` is not in the read-only class", w.name));
+    };
+    let bad = options.iter().find(|o| !allowed.contains(&o.as_str()))?;
+    let admitted = if allowed.is_empty() { "none".to_string() } else { allowed.join(" ") };
+    Some(format!("`{} {bad}` is not read-only (its read-only options: {admitted})", w.name))
 }
 
 /// A command as policy patterns judge it, with what unwrapping it found on the way.
@@ -185,28 +264,34 @@ pub(crate) struct Unwrapped {
     pub elevated: bool,
     /// Why the inner command cannot be told for sure: the gate refuses such a command.
     pub opaque: Option<String>,
+    /// Files a wrapper writes (`time -o FILE`): rules that look for writes judge them.
+    pub writes: Vec<String>,
+    /// Why the wrappers or `VAR=value` on the way are not read-only (`time -o`, `ionice -p`,
+    /// `LD_PRELOAD=`): the read-only class refuses such a command.
+    pub not_read_only: Option<String>,
 }
 
 /// Wrappers that run their command as another user.
 const ELEVATING: &[&str] = &["sudo", "doas"];
 
-/// The command policy patterns judge: wrappers and leading `VAR=value` removed and the
-/// program reduced to its basename (`/usr/bin/sudo -n /bin/rm -rf /` -> `rm -rf /`), so a
-/// wrapper cannot hide a forbidden program.
-pub(crate) fn normalise(argv: &[String]) -> Vec<String> {
-    unwrap(argv).argv
-}
-
-/// As [`normalise`], saying whether a privilege wrapper was on the way and whether the
-/// inner command could not be told for sure: more wrappers than [`MAX_UNWRAP`], or `env -S`
-/// (which splits its argument with escapes of its own, `\c` ending it early: the words the
-/// gate would judge are not the words env runs).
+/// The command policy patterns judge: wrappers and leading `VAR=value` removed, the program
+/// reduced to its basename (`/usr/bin/sudo -n /bin/rm -rf /` -> `rm -rf /`), so a wrapper
+/// cannot hide a forbidden program, and `ip`'s abbreviations spelled out (`ip l s eth0 down`
+/// -> `ip link set eth0 down`). On the way it notes whether a privilege wrapper was there,
+/// which files wrappers write, whether wrappers or assignments make it more than read-only,
+/// and whether the inner command could not be told for sure: more wrappers than
+/// [`MAX_UNWRAP`], or `env -S` (which splits its argument with escapes of its own, `\c`
+/// ending it early: the words the gate would judge are not the words env runs).
 pub(crate) fn unwrap(argv: &[String]) -> Unwrapped {
     let mut rest: Vec<String> = argv.to_vec();
     let mut out = Unwrapped::default();
     let mut unwrapped = 0;
     loop {
         let skip = rest.iter().take_while(|w| is_assignment(w)).count();
+        if let Some(a) = rest[..skip].iter().find(|a| !read_only_assignment(a)) {
+            let name = a.split('=').next().unwrap_or(a);
+            out.not_read_only.get_or_insert_with(|| format!("`{name}=` changes what the program does"));
+        }
         rest.drain(..skip);
         let Some(first) = rest.first() else { break };
         let Some(w) = WRAPPERS.iter().find(|w| w.name == basename(first)) else {
@@ -218,8 +303,16 @@ pub(crate) fn unwrap(argv: &[String]) -> Unwrapped {
         }
         unwrapped += 1;
         out.elevated |= ELEVATING.contains(&w.name);
-        let (start, split) = skip_options(&rest[1..], w);
-        let mut inner: Vec<String> = rest[1 + start..].to_vec();
+        let skipped = skip_options(&rest[1..], w);
+        if out.not_read_only.is_none() {
+            out.not_read_only = not_read_only(w, &skipped.options);
+        }
+        for (_, names) in OUTPUT_OPTIONS.iter().filter(|(name, _)| *name == w.name) {
+            // Every one: getopt keeps the last, and the gate need not know which.
+            out.writes.extend(skipped.values_of(names));
+        }
+        let mut inner: Vec<String> = rest[1 + skipped.end..].to_vec();
+        let split = if w.name == "env" { skipped.values_of(&["-S", "--split-string"]).next() } else { None };
         if let Some(line) = split {
             out.opaque.get_or_insert_with(|| {
                 "`env -S` splits its argument by rules of its own: what it runs cannot be told".into()
@@ -234,6 +327,11 @@ pub(crate) fn unwrap(argv: &[String]) -> Unwrapped {
         out.path = first.clone();
         *first = basename(first).to_string();
     }
+    if rest.first().is_some_and(|p| p == "ip") {
+        let args = crate::ip::normalise(&rest[1..]);
+        rest.truncate(1);
+        rest.extend(args);
+    }
     out.argv = rest;
     out
 }
@@ -243,7 +341,7 @@ mod tests {
     use super::*;
 
     fn norm(cmd: &str) -> String {
-        normalise(&shell_words::split(cmd).unwrap()).join(" ")
+        unwrap(&shell_words::split(cmd).unwrap()).argv.join(" ")
     }
 
     #[test]
@@ -314,8 +412,37 @@ mod tests {
         let eight = format!("{}reboot", "nice ".repeat(MAX_UNWRAP));
         assert_eq!(of(&eight), Unwrapped { argv: vec!["reboot".into()], path: "reboot".into(), ..Default::default() });
         assert_eq!(of("sudo /opt/app/bin/start -p 1").path, "/opt/app/bin/start");
-        for cmd in ["env -S 'reboot\\c'", "env --split-string='rm x'", "sudo env -S'ls' x"] {
+        for cmd in ["env -S 'reboot\\c'", "env --split-string='rm x'", "sudo env -S'ls' x", "env --split 'reboot\\c'"] {
             assert!(of(cmd).opaque.is_some_and(|why| why.contains("env -S")), "{cmd}");
         }
+    }
+
+    /// getopt reads `--out` as `--output`: the file is seen, and the value is not taken for
+    /// the program.
+    #[test]
+    fn files_wrappers_write_are_noted_however_the_option_is_spelled() {
+        let of = |cmd: &str| unwrap(&shell_words::split(cmd).unwrap());
+        let u = of("sudo time -o /etc/passwd true");
+        assert_eq!((u.argv, u.writes), (vec!["true".to_string()], vec!["/etc/passwd".to_string()]));
+        let u = of("time --output=/a -ao/b --out /c --outp /d -f %e true");
+        assert_eq!(u.writes, ["/a", "/b", "/c", "/d"]);
+        assert_eq!(u.argv, ["true"]);
+        assert!(of("time -p uptime").writes.is_empty());
+    }
+
+    #[test]
+    fn read_only_wrappers_take_only_options_that_neither_write_nor_reach_other_processes() {
+        let of = |cmd: &str| unwrap(&shell_words::split(cmd).unwrap()).not_read_only;
+        for ok in
+            ["sudo -n -u app uptime", "sudo -nuapp uptime", "nice -n 5 timeout -s KILL 5 uptime", "LC_ALL=C uptime"]
+        {
+            assert_eq!(of(ok), None, "{ok}");
+        }
+        for bad in
+            ["ionice -p 1 uptime", "time -o x uptime", "chroot /r uptime", "sudo -e /etc/hosts", "PAGER=x uptime"]
+        {
+            assert!(of(bad).is_some(), "{bad}");
+        }
+        assert_eq!(norm("sudo /sbin/ip -s l s eth0 down"), "ip -stats link set eth0 down");
     }
 }

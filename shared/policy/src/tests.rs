@@ -118,6 +118,10 @@ const FORBIDDEN_CASES: &[(&str, &[&str], &[&str])] = &[
             "ssh other-host reboot",
             "watch -n1 df -h",
             "sudo xargs -a /tmp/list rm",
+            "ip -b /tmp/cmds",
+            "ip -force --batch /tmp/cmds",
+            "ip net e ns1 reboot",
+            "ip -n ns1 netns exec ns2 reboot",
         ],
         &["ip netns list", "ip -s link", "sshd -t", "atop -1", "flockd --help"],
     ),
@@ -242,8 +246,19 @@ const CRITICAL_CASES: &[(&str, &[&str], &[&str])] = &[
             "sed -i d /etc/passwd",
             "sed --in-place=.bak s/a/b/ /etc/hosts",
             "find / -maxdepth 0 -fprint /etc/passwd",
+            "sudo time -o /etc/passwd true",
+            "time --output=/etc/hosts true",
+            "time --out /etc/hosts true",
+            "time -ao/etc/hosts true",
+            "time -o /tmp/t -o /etc/hosts true",
+            "sudo -n time -f %e --outp /usr/bin/ls true",
+            "journalctl -n1 --cursor-file=/etc/nologin",
+            "journalctl --cursor-f /etc/passwd",
         ],
         &[
+            "time -o /tmp/t uptime",
+            "time -p uptime",
+            "journalctl --cursor-file=/var/lib/app/cursor",
             "cp /etc/app.conf /tmp/app.conf.bak",
             "rsync -a /srv/app/ /srv/app.bak/",
             "tee /tmp/out",
@@ -270,11 +285,29 @@ const CRITICAL_CASES: &[(&str, &[&str], &[&str])] = &[
             "ip link set dev eth0 down",
             "ip route flush all",
             "ip addr flush dev eth0",
+            "ip l s eth0 down",
+            "ip a f dev eth0",
+            "ip r d default",
+            "ip ro fl all",
+            "ip -n ns1 -s link set eth0 down",
+            "ip link set eth0 mtu 1400 down",
+            "ip link ch eth0 down",
+            "ip link del veth0",
+            "ip ru f",
+            "busybox ip l s eth0 down",
             "ifconfig eth0 down",
             "ifdown eth0",
             "tc qdisc add dev eth0 root netem loss 100%",
         ],
-        &["ip link set eth1 up", "ip route add default via 10.0.0.1", "ip addr show", "tc qdisc show"],
+        &[
+            "ip link set eth1 up",
+            "ip l s eth1 up",
+            "ip route add default via 10.0.0.1",
+            "ip addr show",
+            "ip a s",
+            "ip r g 10.0.0.1",
+            "tc qdisc show",
+        ],
     ),
     (
         "kill-9",
@@ -497,11 +530,130 @@ fn the_read_only_class_admits_only_commands_that_read() {
     }
 }
 
+/// Found by review: each passed as read-only before. getopt and ip take any unambiguous
+/// prefix, and wrappers have options of their own, so the read-only class is allow-lists.
+#[test]
+fn review_evasions_of_the_read_only_class_are_refused() {
+    let p = Policy::default_policy();
+    for bad in [
+        // `service` hands every word on: this restarts.
+        "service web restart status",
+        "service --status-all",
+        "service web status --force",
+        // ip's abbreviations, and verbs that change things.
+        "ip l s eth0 down",
+        "ip a f dev eth0",
+        "ip r d default",
+        "ip route prepend default via 10.0.0.1",
+        "ip route chg default via 10.0.0.1",
+        "ip link ch eth0 mtu 1400",
+        "ip -n ns1 addr",
+        "ip -fo addr",
+        "ip monitor",
+        "ip -s",
+        "ip addr save",
+        // ss: any prefix of --kill, and the options that write, read files or never end.
+        "ss --k",
+        "ss --ki dport = :22",
+        "ss -ltn --kil",
+        "ss -tn -K",
+        "ss -F /tmp/filter",
+        "ss -N ns1 -ltn",
+        "ss -E",
+        "ss --di=/etc/app.conf",
+        // journalctl: --cursor-file writes, abbreviated or not.
+        "journalctl -n1 --cursor-file=/etc/nologin",
+        "journalctl -n1 --cursor-f=/etc/nologin",
+        "journalctl --vac=1M",
+        "journalctl -u web -fn 5",
+        "journalctl -D /tmp/j",
+        "journalctl -u -- -f",
+        "journalctl --unit -- --cursor-file=/srv/app/cursor",
+        // tail: follow, however spelled.
+        "tail --f /var/log/syslog",
+        "tail -qf /var/log/syslog",
+        "tail -10f /var/log/syslog",
+        "tail --pid 1 -n 5 /var/log/syslog",
+        // Wrappers' options that write, act on other processes, or run something else.
+        "time -o /srv/app/data.db uptime",
+        "time --output=/srv/app/data.db uptime",
+        "time --out /srv/app/data.db uptime",
+        "time -ao /srv/app/data.db uptime",
+        "time -a uptime",
+        "sudo time -o /srv/app/data.db uptime",
+        "ionice -c3 -p 1 uptime",
+        "taskset -p 1 uptime",
+        "setsid -f uptime",
+        "chroot /tmp/root uptime",
+        "sudo -e /etc/hosts",
+        "sudo -s uptime",
+        "sudo --us root uptime",
+        "busybox --install -s /usr/local/bin",
+        "LD_PRELOAD=/tmp/x.so uptime",
+        "env PATH=/tmp uptime",
+    ] {
+        assert!(p.read_only(bad).is_err(), "{bad} must not pass as evidence: {:?}", p.read_only(bad));
+    }
+}
+
+#[test]
+fn read_only_allow_lists_admit_the_forms_that_only_read() {
+    let p = Policy::default_policy();
+    for ok in [
+        "service web status",
+        "ip a",
+        "ip a s",
+        "ip addr show dev eth0",
+        "ip -4 -br -c a",
+        "ip -j -p -d link show dev eth0",
+        "ip -s -s link ls",
+        "ip r",
+        "ip route get 10.0.0.1",
+        "ip -6 route list table all",
+        "ip neigh",
+        "ip rule show",
+        "ip maddr",
+        "ss -Atcp -n",
+        "ss -s",
+        "ss --tcp --listening --numeric --processes",
+        "ss -H -o state established '( dport = :443 or sport = :443 )'",
+        "journalctl -b -1 -p err --no-pager",
+        "journalctl -u web -n50 -o short-iso --utc --no-pager",
+        "journalctl --unit=web --since=-1h -g timeout -r",
+        "tail -100 /var/log/web.log",
+        "tail -n +5 /var/log/web.log",
+        "time -p uptime",
+        "timeout -s KILL 5 uptime",
+        "nice -n 10 ionice -c3 uptime",
+        "LC_ALL=C df -h",
+        "env -i LANG=C free -m",
+    ] {
+        assert!(p.read_only(ok).is_ok(), "{ok}: {:?}", p.read_only(ok));
+    }
+}
+
+/// Found by review: the same tricks let plans past critical rules.
+#[test]
+fn abbreviated_ip_and_a_wrapper_s_output_file_need_approval() {
+    let p = Policy::default_policy();
+    for (cmd, rule) in [
+        ("ip l s eth0 down", "network-down"),
+        ("sudo time -o /etc/passwd true", "system-file-write"),
+        ("sudo time --output=/etc/passwd true", "system-file-write"),
+    ] {
+        match p.gate(&plan(&[cmd])) {
+            GateDecision::NeedsApproval { rule: hit, .. } => assert_eq!(hit, rule, "{cmd}"),
+            other => panic!("{cmd} must need approval ({rule}): {other:?}"),
+        }
+    }
+    assert_eq!(p.gate(&plan(&["ip l s eth0 up"])), GateDecision::Allow);
+}
+
 #[test]
 fn a_command_the_gate_cannot_see_through_is_refused() {
     let p = Policy::default_policy();
     let deep = format!("{}reboot", "nice ".repeat(9));
-    for cmd in [deep.as_str(), "env -S 'reboot\\c'", "sudo env --split-string='ls' x"] {
+    for cmd in [deep.as_str(), "env -S 'reboot\\c'", "sudo env --split-string='ls' x", "env --split 'reboot\\c'"] {
         match p.gate(&plan(&[cmd])) {
             GateDecision::Reject { rule, .. } => assert_eq!(rule, "opaque-command", "{cmd}"),
             other => panic!("{cmd}: {other:?}"),

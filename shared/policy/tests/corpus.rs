@@ -141,6 +141,10 @@ const DANGEROUS: &[&str] = &[
     "tee /etc/passwd",
     "find / -maxdepth 0 -fprint /etc/passwd",
     "sed -i d /etc/passwd",
+    // Found by review: abbreviations and a wrapper's output file.
+    "ip l s eth0 down",
+    "ip r d default",
+    "sudo time -o /etc/passwd true",
 ];
 
 /// Disguises that must not turn a dangerous command into an allowed one.
