@@ -212,7 +212,7 @@ impl Decisions {
         };
         // A plan that needs several approvers runs on the last approval of its quorum.
         if d.decision == Decision::Approve && pending.as_deref() == Some(plan_hash.as_str()) {
-            if let Some((votes, quorum)) = store.vote(d.run_id, &plan_hash, &d.by, &d.channel).await? {
+            if let Some((votes, quorum)) = store.vote(d.run_id, &plan_hash, &d.by, &d.channel, seq).await? {
                 if votes < quorum {
                     let msg = format!("approve by {} via {} counted: {votes} of {quorum} approvals", d.by, d.channel);
                     return self.record(cx, EventKind::ApprovalDecided, msg, d).await;
@@ -246,6 +246,9 @@ impl Decisions {
             DecideOutcome::AlreadyDecided { decision, by } => {
                 Some(format!("plan {plan_hash} was already decided ({decision} by {by})"))
             }
+            DecideOutcome::Stale => Some(format!(
+                "decided before plan {plan_hash} was asked for again by a later attempt (an answer to the earlier request)"
+            )),
             DecideOutcome::NoSuchRequest => {
                 Some(format!("no approval request for plan {plan_hash} (was the plan regenerated?)"))
             }

@@ -621,6 +621,65 @@ async fn an_expiry_written_for_a_late_approval_is_found_again_on_its_redelivery(
     Ok(())
 }
 
+/// The same plan asked for again by a later attempt (its commands all skipped the first time)
+/// is a new request: the first attempt's approval does not settle it, neither as it stands nor
+/// by a redelivery of the message that decided it, nor do its votes count; a new decision does.
+#[tokio::test]
+async fn the_same_plan_asked_for_again_by_a_later_attempt_waits_for_a_new_decision() -> anyhow::Result<()> {
+    use pitcrew_runtime::store::DecideOutcome;
+    let db = TestDb::create().await?;
+    let store = store(&db).await?;
+    let run = open_runs(&store, 1).await?.remove(0).run_id;
+    let request = |attempt: u32, quorum: u32| pitcrew_model::ApprovalRequest {
+        run_id: run,
+        service: "svc-0".into(),
+        host: None,
+        error: "down".into(),
+        attempt,
+        plan: vec!["systemctl restart svc-0".into()],
+        plan_hash: "h1".into(),
+        risk: "critical".into(),
+        rule: "restart".into(),
+        diagnosis: "down".into(),
+        evidence: vec![],
+        requested_at: Utc::now(),
+        expires_at: Utc::now() + chrono::Duration::hours(1),
+        quorum,
+    };
+    let approve = |by: &str| pitcrew_model::ApprovalDecision {
+        run_id: run,
+        decision: pitcrew_model::Decision::Approve,
+        by: by.into(),
+        plan_hash: Some("h1".into()),
+        reason: None,
+        channel: "cli".into(),
+        decided_at: Utc::now(),
+    };
+    store.request_approval(&request(1, 2)).await?;
+    assert_eq!(store.vote(run, "h1", "ann", "cli", 4).await?, Some((1, 2)));
+    assert_eq!(store.vote(run, "h1", "bob", "cli", 5).await?, Some((2, 2)));
+    assert_eq!(store.decide_approval("h1", &approve("bob"), 5).await?, DecideOutcome::Applied);
+    // Attempt 1's request again (a redelivery of its step): still decided.
+    store.request_approval(&request(1, 2)).await?;
+    assert_eq!(store.decide_approval("h1", &approve("bob"), 5).await?, DecideOutcome::Repeated);
+
+    // Attempt 2 plans the same commands: pending again, and what decided attempt 1 does not.
+    store.request_approval(&request(2, 2)).await?;
+    let pending = store.approval_decision(run, "h1").await?;
+    assert!(pending.is_none(), "the request waits for a decision: {pending:?}");
+    assert_eq!(store.vote(run, "h1", "ann", "cli", 4).await?, None, "a vote from before counts for nothing");
+    assert_eq!(store.decide_approval("h1", &approve("bob"), 5).await?, DecideOutcome::Stale);
+    assert!(store.approval_decision(run, "h1").await?.is_none(), "still pending");
+    // New votes, counted from none.
+    assert_eq!(store.vote(run, "h1", "ann", "cli", 9).await?, Some((1, 2)));
+    assert_eq!(store.vote(run, "h1", "bob", "cli", 10).await?, Some((2, 2)));
+    assert_eq!(store.decide_approval("h1", &approve("bob"), 10).await?, DecideOutcome::Applied);
+    let attempt: i32 =
+        db.client().await?.query_one("SELECT attempt FROM approvals WHERE run_id = $1", &[&run]).await?.get(0);
+    assert_eq!(attempt, 2);
+    Ok(())
+}
+
 /// One remediation at a time on a target: a run in execute or verify holds its service's host
 /// against every other run until it is closed or has moved on, whatever process it was in (no
 /// release step a killed worker could miss); taking it again is the same attempt's

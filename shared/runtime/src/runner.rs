@@ -470,7 +470,9 @@ pub async fn apply(
             // The request first, then the events: whoever sees `approval_requested` (an
             // operator, `pitcrew watch`, the demo) finds the request on the bridge subject.
             let payload = serde_json::to_vec(&req).expect("approval request serialises");
-            let id = format!("{}.{}.request", req.run_id, req.plan_hash);
+            // The attempt in the id: the same plan asked for again by a later attempt is a new
+            // request, not a duplicate the bus drops.
+            let id = format!("{}.{}.{}.request", req.run_id, req.plan_hash, req.attempt);
             bus.publish(bus.subjects.approval_requested(req.run_id), &id, JSON, Some(req.run_id), payload.into())
                 .await?;
             publish_events(bus, &events).await?;

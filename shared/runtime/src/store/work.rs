@@ -90,6 +90,9 @@ pub enum DecideOutcome {
     Repeated,
     /// The request was already settled by another decision.
     AlreadyDecided { decision: String, by: String },
+    /// The decision came before the request was made again for a later attempt (the same
+    /// commands planned again): it answered the earlier request, not this one.
+    Stale,
     /// No request for this run and plan.
     NoSuchRequest,
 }
@@ -161,13 +164,27 @@ impl Store {
         })
     }
 
+    /// Record a request for the run's plan. The same plan asked for again by a later attempt
+    /// (its commands all skipped the first time, so none failed) is a new request: the earlier
+    /// attempt's decision and votes are dropped, and the sequence of the decision that settled
+    /// it is kept as a floor, so no decision message from before (a redelivery) settles the new
+    /// one. A redelivery of the same attempt's request changes nothing.
     #[tracing::instrument(name = "db_write", skip_all, fields(op = "request_approval"))]
     pub async fn request_approval(&self, req: &ApprovalRequest) -> Result<(), StoreError> {
         let client = self.client().await?;
         let stmt = client
             .prepare_cached(
-                "INSERT INTO approvals (run_id, plan_hash, attempt, commands, risk, rule, requested_at, expires_at, quorum)
-                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9) ON CONFLICT DO NOTHING",
+                "WITH req AS (
+                     INSERT INTO approvals (run_id, plan_hash, attempt, commands, risk, rule, requested_at, expires_at, quorum)
+                     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)
+                     ON CONFLICT (run_id, plan_hash) DO UPDATE SET
+                         attempt = excluded.attempt, commands = excluded.commands, risk = excluded.risk,
+                         rule = excluded.rule, requested_at = excluded.requested_at, expires_at = excluded.expires_at,
+                         quorum = excluded.quorum, decision = NULL, decided_by = NULL, decided_at = NULL,
+                         channel = NULL, reason = NULL
+                     WHERE approvals.attempt < excluded.attempt
+                     RETURNING 1)
+                 DELETE FROM approval_votes WHERE run_id = $1 AND plan_hash = $2 AND EXISTS (SELECT 1 FROM req)",
             )
             .await?;
         client
@@ -199,12 +216,16 @@ impl Store {
         plan_hash: &str,
         by: &str,
         channel: &str,
+        seq: u64,
     ) -> Result<Option<(i64, i64)>, StoreError> {
         let client = self.client().await?;
+        // A vote from before the request was made again (see `request_approval`) counts for
+        // nothing.
         let quorum = client
             .query_opt(
-                "SELECT quorum FROM approvals WHERE run_id = $1 AND plan_hash = $2 AND decision IS NULL",
-                &[&run, &plan_hash],
+                "SELECT quorum FROM approvals WHERE run_id = $1 AND plan_hash = $2 AND decision IS NULL
+                   AND (decision_seq IS NULL OR decision_seq < $3)",
+                &[&run, &plan_hash, &(seq as i64)],
             )
             .await?;
         let Some(quorum) = quorum.map(|r| i64::from(r.get::<_, i32>(0))) else { return Ok(None) };
@@ -258,7 +279,8 @@ impl Store {
             .prepare_cached(
                 "UPDATE approvals SET decision = $3, decided_by = $4, decided_at = $5, channel = $6, reason = $7,
                         decision_seq = $8
-                 WHERE run_id = $1 AND plan_hash = $2 AND decision IS NULL",
+                 WHERE run_id = $1 AND plan_hash = $2 AND decision IS NULL
+                   AND (decision_seq IS NULL OR decision_seq < $8)",
             )
             .await?;
         let n = client
@@ -288,13 +310,14 @@ impl Store {
         Ok(match row {
             None => DecideOutcome::NoSuchRequest,
             Some(r) => {
-                let decision: String = r.get(0);
-                let by: String = r.get(1);
+                let decision: Option<String> = r.get(0);
+                let by: Option<String> = r.get(1);
                 let decided_seq: Option<i64> = r.get(2);
-                if decided_seq == Some(seq as i64) {
-                    DecideOutcome::Repeated
-                } else {
-                    DecideOutcome::AlreadyDecided { decision, by }
+                match decision {
+                    // Pending, and this decision is from before its floor.
+                    None => DecideOutcome::Stale,
+                    Some(_) if decided_seq == Some(seq as i64) => DecideOutcome::Repeated,
+                    Some(decision) => DecideOutcome::AlreadyDecided { decision, by: by.unwrap_or_default() },
                 }
             }
         })
