@@ -84,7 +84,7 @@ pub async fn run(cfg: Config, stages: &[Stage], shutdown: Shutdown) -> anyhow::R
         config: cfg.clone(),
         store,
         reasoner,
-        executor: Arc::new(Fleet::new(cfg.hosts.clone(), cfg.limits.max_output_bytes)),
+        executor: Arc::new(fleet(&cfg)),
         policy: Arc::new(policy.clone()),
         live: Some(pitcrew_runtime::live::Live { client: bus.client.clone(), subjects: bus.subjects.clone() }),
         stopping: Stopping::default(),
@@ -188,10 +188,17 @@ pub fn signals() -> Shutdown {
     .shared()
 }
 
+/// The executor of the configured inventory: SSH hosts, and this machine with the variables
+/// `[exec] pass_env` names passed on to its commands.
+fn fleet(cfg: &Config) -> Fleet {
+    let mut fleet = Fleet::new(cfg.hosts.clone(), cfg.limits.max_output_bytes);
+    fleet.local = fleet.local.passing(&cfg.exec.pass_env);
+    fleet
+}
+
 /// `pitcrew monitor`: check every service with a health check until `shutdown`.
 pub async fn monitor(cfg: Config, shutdown: Shutdown) -> anyhow::Result<()> {
-    let executor: Arc<dyn pitcrew_exec::Executor> =
-        Arc::new(Fleet::new(cfg.hosts.clone(), cfg.limits.max_output_bytes));
+    let executor: Arc<dyn pitcrew_exec::Executor> = Arc::new(fleet(&cfg));
     let checked = cfg.services.values().filter(|s| s.check.is_some()).count();
     if checked == 0 {
         anyhow::bail!("no service has a health check: add `check = {{ ... }}` under [services.<name>]");

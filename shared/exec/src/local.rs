@@ -23,20 +23,32 @@ const KILL_GRACE: Duration = Duration::from_secs(2);
 /// Used when `now + timeout` does not fit in an `Instant` (a "forever" timeout).
 const FAR_FUTURE: Duration = Duration::from_secs(365 * 24 * 3600);
 
-/// The only variables of pitcrew's environment a command inherits: where programs are, who
-/// and where the user is, the locale and the time zone. pitcrew's own environment holds its
-/// secrets (`OPENAI_API_KEY`, `SLACK_BOT_TOKEN`, the database URL): a command's output is
+/// The variables of pitcrew's environment every command inherits: where programs are, who
+/// and where the user is, the locale and time zone, and where TLS trust and proxies are (a
+/// `curl` health check needs them as much as the shell would). pitcrew's own environment holds
+/// its secrets (`OPENAI_API_KEY`, `SLACK_BOT_TOKEN`, the database URL): a command's output is
 /// evidence, a timeline line and a model's input, and `env` or `cat /proc/self/environ` would
-/// hand them on.
-const INHERITED: [&str; 8] = ["PATH", "HOME", "USER", "LOGNAME", "LANG", "TZ", "TMPDIR", "XDG_RUNTIME_DIR"];
-
-/// The environment a command runs with: the inherited variables (see [`INHERITED`]) and the
-/// locale's `LC_*` ones, nothing else.
-fn inherited_env() -> impl Iterator<Item = (std::ffi::OsString, std::ffi::OsString)> {
-    std::env::vars_os().filter(|(k, _)| {
-        k.to_str().is_some_and(|k| INHERITED.contains(&k) || (k.starts_with("LC_") && !k.contains('=')))
-    })
-}
+/// hand them on. More are passed by name with `[exec] pass_env`.
+pub const INHERITED: [&str; 18] = [
+    "PATH",
+    "HOME",
+    "USER",
+    "LOGNAME",
+    "LANG",
+    "TZ",
+    "TMPDIR",
+    "XDG_RUNTIME_DIR",
+    "SSL_CERT_FILE",
+    "SSL_CERT_DIR",
+    "CURL_CA_BUNDLE",
+    "REQUESTS_CA_BUNDLE",
+    "http_proxy",
+    "https_proxy",
+    "no_proxy",
+    "HTTP_PROXY",
+    "HTTPS_PROXY",
+    "NO_PROXY",
+];
 
 /// Runs commands on the machine pitcrew itself runs on.
 #[derive(Debug, Clone)]
@@ -44,11 +56,28 @@ pub struct LocalExecutor {
     /// Bytes kept from each of stdout and stderr; the rest is read and discarded so the
     /// child never blocks on a full pipe.
     pub max_output: usize,
+    /// Variables passed on besides [`INHERITED`] and the locale's `LC_*` (`[exec] pass_env`).
+    pass_env: Vec<String>,
 }
 
 impl LocalExecutor {
     pub fn new(max_output: usize) -> Self {
-        Self { max_output }
+        Self { max_output, pass_env: Vec::new() }
+    }
+
+    /// Also pass these variables of pitcrew's environment on to every command.
+    pub fn passing(mut self, vars: &[String]) -> Self {
+        self.pass_env = vars.to_vec();
+        self
+    }
+
+    /// The environment a command runs with: the inherited variables, the locale's `LC_*` and
+    /// those passed by name; nothing else.
+    fn env(&self) -> impl Iterator<Item = (std::ffi::OsString, std::ffi::OsString)> + '_ {
+        std::env::vars_os().filter(|(k, _)| {
+            k.to_str()
+                .is_some_and(|k| INHERITED.contains(&k) || k.starts_with("LC_") || self.pass_env.iter().any(|p| p == k))
+        })
     }
 
     async fn run_local(&self, host: &str, command: &str, timeout: Duration) -> Result<CommandOutput, ExecError> {
@@ -63,7 +92,7 @@ impl LocalExecutor {
         let mut child = tokio::process::Command::new(program)
             .args(args)
             .env_clear()
-            .envs(inherited_env())
+            .envs(self.env())
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())

@@ -143,5 +143,9 @@ async fn a_command_inherits_none_of_pitcrews_secrets() {
         assert!(!out.stdout.contains("do-not-show-me-4f2a") && !out.stdout.contains(&name), "{cmd}: {}", out.stdout);
         assert!(out.stdout.contains("PATH="), "{cmd} still finds programs: {}", out.stdout);
     }
+    // One a check needs is passed by name (`[exec] pass_env`).
+    let passing = exec().passing(std::slice::from_ref(&name));
+    let out = passing.run("local", "env", T).await.unwrap();
+    assert!(out.stdout.contains(&format!("{name}=do-not-show-me-4f2a")), "{}", out.stdout);
     std::env::remove_var(&name);
 }

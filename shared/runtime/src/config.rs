@@ -44,6 +44,19 @@ pub struct Config {
     /// `[bridge.*]`: chat bridges carrying approval requests to people and decisions back.
     #[serde(default)]
     pub bridge: BridgeConfig,
+    /// `[exec]`: how commands run on this machine.
+    #[serde(default)]
+    pub exec: ExecConfig,
+}
+
+/// `[exec]`: commands run on this machine (`local` services) inherit only a few variables of
+/// pitcrew's environment (`pitcrew_exec::local::INHERITED`: the path, the user, the locale,
+/// TLS trust and proxies), never its secrets; a check or start script that needs more
+/// (`JAVA_HOME`, `KUBECONFIG`, `DOCKER_HOST`) names them here.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct ExecConfig {
+    pub pass_env: Vec<String>,
 }
 
 /// `[telemetry]`: where spans go. Off by default; an unreachable collector never stops
@@ -416,6 +429,7 @@ impl Default for Config {
             gateway: GatewayConfig::default(),
             bridge: BridgeConfig::default(),
             telemetry: TelemetryConfig::default(),
+            exec: ExecConfig::default(),
         }
     }
 }
@@ -715,6 +729,10 @@ mod tests {
         let e = Config::from_toml("[limits]\nmax_retrys = 2\n").unwrap_err();
         assert!(e.to_string().contains("max_retrys"), "{e}");
         assert!(Config::load(Some(Path::new("/nonexistent/pitcrew.toml"))).is_err());
+        assert!(Config::default().exec.pass_env.is_empty(), "nothing passed on unless named");
+        let c = Config::from_toml("[exec]\npass_env = [\"JAVA_HOME\", \"KUBECONFIG\"]\n").unwrap();
+        assert_eq!(c.exec.pass_env, ["JAVA_HOME", "KUBECONFIG"]);
+        assert!(Config::from_toml("[exec]\npass_envs = []\n").is_err());
     }
 
     #[test]
