@@ -69,14 +69,15 @@ pub fn recorded_approval(incoming: &RunState, stored: &RunState) -> Result<(), S
     approved(stored).map_err(|e| format!("Postgres has no approval for this plan: {e}"))?;
     if incoming.incident != stored.incident {
         let (i, s) = (&incoming.incident, &stored.incident);
-        return Err(format!(
-            "the incident on the bus (service {}, host {}) is not the one Postgres recorded for this run \
-             (service {}, host {}): refusing to execute",
-            i.service,
-            i.host.as_deref().unwrap_or("-"),
-            s.service,
-            s.host.as_deref().unwrap_or("-")
-        ));
+        let host = |h: &Option<String>| h.clone().unwrap_or_else(|| "(the service's)".into());
+        let differs = if i.service != s.service {
+            format!("service {} where Postgres recorded service {}", i.service, s.service)
+        } else if i.host != s.host {
+            format!("host {} where Postgres recorded host {}", host(&i.host), host(&s.host))
+        } else {
+            "its error, labels or other fields differ from what Postgres recorded".into()
+        };
+        return Err(format!("the incident on the bus is not this run's: {differs}; refusing to execute"));
     }
     let (Some(want), Some(got)) = (&stored.plan, &incoming.plan) else {
         return Err("no plan to execute".into());
@@ -604,10 +605,14 @@ mod tests {
         let mut elsewhere = stored.clone();
         elsewhere.incident.service = "db".into();
         let why = recorded_approval(&elsewhere, &stored).unwrap_err();
-        assert!(why.contains("service db") && why.contains("service web"), "{why}");
+        assert!(why.contains("service db where Postgres recorded service web"), "{why}");
         let mut moved = stored.clone();
         moved.incident.host = Some("db-1".into());
-        assert!(recorded_approval(&moved, &stored).is_err());
+        let why = recorded_approval(&moved, &stored).unwrap_err();
+        assert!(why.contains("host db-1 where Postgres recorded host (the service's)"), "{why}");
+        let mut reworded = stored.clone();
+        reworded.incident.error = "disk full".into();
+        assert!(recorded_approval(&reworded, &stored).unwrap_err().contains("error, labels or other fields"));
     }
 
     #[test]

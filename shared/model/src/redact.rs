@@ -79,23 +79,29 @@ pub fn secret_name(name: &str) -> bool {
 /// (`cat /proc/<pid>/environ`, a config file echoed back, an error quoting a URL).
 static KNOWN: RwLock<Vec<String>> = RwLock::new(Vec::new());
 
-/// Values shorter than this are not registered: a short value (`admin`) would be redacted out
-/// of ordinary words; the patterns still catch it where it is named.
-pub const MIN_KNOWN_LEN: usize = 8;
+/// Values shorter than this are not registered: a short value (`admin`, the `postgres` of a
+/// development DSN) would be redacted out of ordinary words, and a replacement is then never
+/// longer than what it replaces (a text measured against a limit stays within it, whatever
+/// secrets the process that measures it knows); the patterns still catch such a value where
+/// it is named.
+pub const MIN_KNOWN_LEN: usize = MARK.len();
 
 /// Most values registered: the secrets of one process's configuration.
 const MAX_KNOWN: usize = 64;
 
-/// Redact `value`, one of this process's secrets, wherever it shows from now on (when it is
-/// at least [`MIN_KNOWN_LEN`] bytes long).
+/// Redact `value`, one of this process's secrets, wherever it shows from now on: when it is
+/// at least [`MIN_KNOWN_LEN`] bytes long and not a plain word (letters only: `postgresql`
+/// would be redacted out of every error that names the database).
 pub fn register_secret(value: &str) {
     let value = value.trim();
-    if value.len() < MIN_KNOWN_LEN {
+    if value.len() < MIN_KNOWN_LEN || value.chars().all(|c| c.is_alphabetic()) {
         return;
     }
     let mut known = KNOWN.write().unwrap_or_else(|p| p.into_inner());
     if known.len() < MAX_KNOWN && !known.iter().any(|k| k == value) {
         known.push(value.to_string());
+        // Longest first: a secret that holds another is replaced whole, not around it.
+        known.sort_by_key(|k| std::cmp::Reverse(k.len()));
     }
 }
 
@@ -208,6 +214,12 @@ mod tests {
             matches!(redact("a short word"), Cow::Borrowed(_)),
             "values under {MIN_KNOWN_LEN} bytes are not registered"
         );
+        register_secret("postgresql");
+        assert!(matches!(redact("postgresql is down"), Cow::Borrowed(_)), "nor plain words");
+        // One secret inside another: the longer is replaced whole.
+        register_secret("abc-123-def");
+        register_secret("abc-123-def-456-ghi");
+        assert_eq!(redact("k=abc-123-def-456-ghi"), "k=[REDACTED]");
     }
 
     #[test]
