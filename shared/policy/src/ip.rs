@@ -1,6 +1,21 @@
 //! iproute2's `ip` reads any prefix of an option, an object or a verb as the first one it
 //! begins (`ip l s eth0 down` is `ip link set eth0 down`, `ip r d default` is `ip route
-//! delete default`): rules and the read-only class judge it spelled out in full.
+//! delete default`): rules and the read-only class judge it spelled out in full. `tc` reads
+//! its command line the same way (see [`crate::tc`]).
+
+/// How an iproute2 program reads its command line.
+pub(crate) struct Grammar {
+    /// Its options in the order it tries them: (name, only the exact word counts, a value
+    /// follows). `-color` may carry `=always|auto|never`.
+    pub options: &'static [(&'static str, bool, bool)],
+    /// Its objects in the order it tries them, each with its verbs in the order that object
+    /// tries them (empty: verbs left as written).
+    pub objects: &'static [(&'static str, &'static [&'static str])],
+    /// `--` ends the options and `--stats` is `-stats` (ip); tc reads neither (it refuses them).
+    pub double_dash: bool,
+}
+
+const IP: Grammar = Grammar { options: OPTIONS, objects: OBJECTS, double_dash: true };
 
 /// ip's options in the order it tries them: (name, only the exact word counts, a value
 /// follows). `-color` may carry `=always|auto|never`.
@@ -55,6 +70,7 @@ const NETNS: &[&str] = &[
     "list", "show", "lst", "list-id", "help", "add", "set", "delete", "identify", "pids", "exec", "monitor", "attach",
 ];
 const VRF: &[&str] = &["identify", "pids", "exec", "show", "lst", "list", "help"];
+const NEXTHOP: &[&str] = &["add", "replace", "delete", "list", "show", "lst", "get", "flush", "bucket", "help"];
 
 /// ip's objects in the order it tries them, each with its verbs in the order that object
 /// tries them (empty: verbs left as written; the read-only class admits none of those).
@@ -88,7 +104,7 @@ const OBJECTS: &[(&str, &[&str])] = &[
     ("netconf", &[]),
     ("vrf", VRF),
     ("sr", &[]),
-    ("nexthop", &[]),
+    ("nexthop", NEXTHOP),
     ("mptcp", &[]),
     ("ioam", &[]),
     ("help", &[]),
@@ -101,11 +117,11 @@ fn expand<'a>(word: &str, names: &[&'a str]) -> Option<&'a str> {
     names.iter().copied().find(|n| n.starts_with(word))
 }
 
-/// The option `word` is, by its full name, and whether its value follows.
-fn option(word: &str) -> Option<(&'static str, bool)> {
-    // `--stats` is `-stats`.
-    let word = if word.starts_with("--") { &word[1..] } else { word };
-    OPTIONS.iter().find_map(|&(name, exact, value)| {
+/// The option `word` is to `grammar`, by its full name, and whether its value follows.
+fn option(grammar: &Grammar, word: &str) -> Option<(&'static str, bool)> {
+    // `--stats` is `-stats` to ip.
+    let word = if grammar.double_dash && word.starts_with("--") { &word[1..] } else { word };
+    grammar.options.iter().find_map(|&(name, exact, value)| {
         let given = if name == "-color" { word.split('=').next().unwrap_or(word) } else { word };
         let hit = if exact { given == name } else { name.starts_with(given) };
         hit.then_some((name, value))
@@ -122,17 +138,23 @@ pub(crate) fn verbs(object: &str) -> &'static [&'static str] {
 /// eth0 down`); the object and its verb by their full names; the rest as written. An option
 /// ip does not know is kept as written (ip refuses it).
 pub(crate) fn normalise(args: &[String]) -> Vec<String> {
+    spell_out(&IP, args)
+}
+
+/// The arguments of a program that reads them by `grammar`, spelled out in full as
+/// [`normalise`] spells out ip's.
+pub(crate) fn spell_out(grammar: &Grammar, args: &[String]) -> Vec<String> {
     let mut out = Vec::with_capacity(args.len());
     let mut i = 0;
     while let Some(a) = args.get(i) {
-        if a == "--" {
+        if grammar.double_dash && a == "--" {
             i += 1;
             break;
         }
         if !a.starts_with('-') {
             break;
         }
-        match option(a) {
+        match option(grammar, a) {
             Some((name, value)) => {
                 out.push(name.to_string());
                 i += usize::from(value);
@@ -142,7 +164,7 @@ pub(crate) fn normalise(args: &[String]) -> Vec<String> {
         i += 1;
     }
     let Some(object) = args.get(i) else { return out };
-    let Some(&(name, verbs)) = OBJECTS.iter().find(|(name, _)| name.starts_with(object.as_str())) else {
+    let Some(&(name, verbs)) = grammar.objects.iter().find(|(name, _)| name.starts_with(object.as_str())) else {
         out.extend_from_slice(&args[i..]);
         return out;
     };
@@ -184,6 +206,9 @@ mod tests {
             ("-x link", "-x link"),
             ("'' f dev eth0", "address flush dev eth0"),
             ("frob x", "frob x"),
+            ("nex f", "nexthop flush"),
+            ("nexthop d id 4", "nexthop delete id 4"),
+            ("nexthop r id 4 via 10.0.0.1", "nexthop replace id 4 via 10.0.0.1"),
         ] {
             assert_eq!(norm(given), want, "ip {given}");
         }

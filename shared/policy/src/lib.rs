@@ -2,8 +2,10 @@
 //! Forbidden commands never run, critical ones wait for a human, the rest run unattended.
 
 mod ip;
+mod ps;
 mod read_only;
 mod shell;
+mod tc;
 #[cfg(test)]
 mod tests;
 

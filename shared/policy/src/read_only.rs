@@ -1,20 +1,26 @@
 //! The read-only class: the programs evidence and a model's diagnostic calls may run, each
-//! with the arguments that keep it reading. Allow-lists throughout: an option or verb not
-//! named here is refused, however harmless, so a new or abbreviated one cannot slip past.
+//! with the arguments that keep it reading. `systemctl`, `service`, `ip`, `ss`, `journalctl`,
+//! `tail`, `netstat` and `ps` take allow-lists: an option or verb not named here is refused,
+//! however harmless, so a new or abbreviated one cannot slip past. `cat`, `head` and `tail`
+//! read any file but a process's environment (`/proc/<pid>/environ`: pitcrew's own holds its
+//! secrets), and `cat` and `head` take any option (none of theirs writes). `df`, `free`,
+//! `uptime`, `pgrep`, `uname` and `test` take any arguments: none of theirs writes, reaches
+//! another host or shows an environment (`free -s N` repeats until stopped, as `tail -f`
+//! would: the executor's time limit ends it).
 
 type Check = fn(&[String]) -> Result<(), String>;
 
 /// Programs that only read, each with the check its arguments must pass.
 const PROGRAMS: &[(&str, Check)] = &[
-    ("cat", any),
+    ("cat", files),
     ("tail", tail),
-    ("head", any),
+    ("head", files),
     ("ss", ss),
-    ("netstat", any),
+    ("netstat", netstat),
     ("df", any),
     ("free", any),
     ("uptime", any),
-    ("ps", any),
+    ("ps", ps),
     ("pgrep", any),
     ("journalctl", journalctl),
     ("systemctl", systemctl),
@@ -37,12 +43,78 @@ fn any(_: &[String]) -> Result<(), String> {
     Ok(())
 }
 
+/// A file argument that may name a process's environment: `/proc/<pid>/environ`, however the
+/// path is spelled (`/proc//self/./environ`, `/proc/thread-self/environ`, `/proc/1/task/1/
+/// environ`, `/dev/fd/../environ`). Any argument with `environ` in it is refused: the cautious
+/// reading, `/etc/environment` included.
+fn names_environment(argv: &[String]) -> Option<&String> {
+    argv[1..].iter().find(|a| a.contains("environ"))
+}
+
+/// `cat` and `head`: any options (none writes), any file but a process's environment.
+fn files(argv: &[String]) -> Result<(), String> {
+    match names_environment(argv) {
+        Some(file) => {
+            Err(format!("`{} {file}` may read a process's environment (pitcrew's own holds its secrets)", argv[0]))
+        }
+        None => Ok(()),
+    }
+}
+
+fn ps(argv: &[String]) -> Result<(), String> {
+    crate::ps::check(&argv[1..])
+}
+
+/// `systemctl VERB ...` for a verb that only shows, with options that only change how:
+/// `-H`/`--host` and `-M`/`--machine` reach another machine, `-r` local containers, and the
+/// others are not needed to show.
+const SYSTEMCTL: Getopt = Getopt {
+    flags: "ahlq",
+    with_value: "tpPno",
+    optional_value: "",
+    long: &[
+        "all",
+        "full",
+        "quiet",
+        "no-pager",
+        "no-legend",
+        "value",
+        "plain",
+        "failed",
+        "system",
+        "show-types",
+        "with-dependencies",
+        "reverse",
+        "help",
+    ],
+    long_with_value: &["type", "state", "property", "lines", "output", "legend", "timestamp"],
+};
+
+/// `systemctl show` prints a unit's `Environment=` among its properties (pitcrew's own unit
+/// may set its secrets there): it is read-only only with `-p`/`--property`/`-P` naming
+/// properties, none of them an environment.
 fn systemctl(argv: &[String]) -> Result<(), String> {
     const VERBS: &[&str] = &["status", "is-active", "is-failed", "show", "list-units"];
-    match argv.get(1) {
-        Some(verb) if VERBS.contains(&verb.as_str()) => Ok(()),
-        _ => Err(format!("`systemctl` is read-only only as: {}", VERBS.join(", "))),
+    let Some(verb) = argv.get(1).filter(|v| VERBS.contains(&v.as_str())) else {
+        return Err(format!("`systemctl` is read-only only as: {}", VERBS.join(", ")));
+    };
+    let options = read(&argv[1..], &SYSTEMCTL).map_err(|bad| {
+        format!(
+            "`systemctl {bad}` is not read-only: systemctl shows this host's units here \
+             (e.g. status UNIT -n 50 --no-pager; never -H or -M)"
+        )
+    })?;
+    if verb == "show" {
+        let properties =
+            || options.iter().filter(|(o, _)| ["-p", "-P", "--property"].contains(&o.as_str())).map(|(_, v)| *v);
+        let environment = properties().any(|p| p.is_none_or(|p| p.to_ascii_lowercase().contains("environ")));
+        if properties().next().is_none() || environment {
+            return Err("`systemctl show` is read-only only with -p PROPERTY naming no environment \
+                        (a unit's Environment= may hold secrets: pitcrew's own)"
+                .into());
+        }
     }
+    Ok(())
 }
 
 /// Exactly `service <name> status`: Debian's `service` hands every word on to the init
@@ -110,27 +182,47 @@ fn ip(argv: &[String]) -> Result<(), String> {
 struct Getopt {
     /// Short options that take no value.
     flags: &'static str,
-    /// Short options that take a value: the rest of their word (or the next word, which is
-    /// then judged as any other word: cautious when the value is optional).
+    /// Short options whose value is required: the rest of their word, else the next word
+    /// whatever it looks like (getopt reads `-S -1h` as -S with the value `-1h`).
     with_value: &'static str,
-    /// Long options, spelled out in full only: getopt takes any unambiguous prefix too, and
-    /// which option a prefix names depends on the program's version (`--k` is `ss --kill`).
+    /// Short options whose value is optional: only the rest of their word is one, and a next
+    /// word is judged as any other (journalctl's `-n` and `-b` look at it, but take only a
+    /// number or a boot id).
+    optional_value: &'static str,
+    /// Long options that take no value, or an optional one (`--lines=N`: attached only).
+    /// Spelled out in full only: getopt takes any unambiguous prefix too, and which option a
+    /// prefix names depends on the program's version (`--k` is `ss --kill`).
     long: &'static [&'static str],
+    /// Long options whose value is required: `--since=VALUE`, or `--since VALUE` whatever the
+    /// next word looks like. Spelled out in full only.
+    long_with_value: &'static [&'static str],
 }
 
-/// The first option in `args` that `allowed` does not admit. getopt permutes, so options
-/// after the positionals count too; and `--` ends them only when it is not the value of the
-/// option before it (`journalctl -u -- -f` follows), so every word that looks like an option
-/// is judged, wherever it is. `-1` is a number, not an option (`journalctl -b -1`).
-fn refused<'a>(args: &'a [String], allowed: &Getopt) -> Option<&'a str> {
-    for a in args {
+/// Each option in `args` as getopt reads it (`-p`, `--property`), with its value when it
+/// takes one; `Err` with the first word that looks like an option `allowed` does not admit.
+/// The next word is a required value whatever it looks like (`journalctl --since -1h`; in
+/// `journalctl -u -- -f`, `--` is -u's value and `-f` follows), so it is not judged. getopt
+/// permutes, so options after the positionals count too, and a `--` that ends the options is
+/// not trusted to: every word after it that looks like an option is judged as well. `-1` is a
+/// number, not an option (`journalctl -b -1`).
+fn read<'a>(args: &'a [String], allowed: &Getopt) -> Result<Vec<(String, Option<&'a str>)>, &'a str> {
+    let mut found = Vec::new();
+    let mut words = args.iter();
+    while let Some(a) = words.next() {
         if a == "--" {
             continue;
         }
         if let Some(long) = a.strip_prefix("--") {
-            let name = long.split('=').next().unwrap_or(long);
-            if !allowed.long.contains(&name) {
-                return Some(a);
+            let (name, attached) = match long.split_once('=') {
+                Some((name, value)) => (name, Some(value)),
+                None => (long, None),
+            };
+            if allowed.long_with_value.contains(&name) {
+                found.push((format!("--{name}"), attached.or_else(|| words.next().map(String::as_str))));
+            } else if allowed.long.contains(&name) {
+                found.push((format!("--{name}"), attached));
+            } else {
+                return Err(a);
             }
             continue;
         }
@@ -138,22 +230,30 @@ fn refused<'a>(args: &'a [String], allowed: &Getopt) -> Option<&'a str> {
         if cluster.bytes().all(|b| b.is_ascii_digit()) {
             continue;
         }
-        for c in cluster.chars() {
+        for (j, c) in cluster.char_indices() {
+            let rest = &cluster[j + c.len_utf8()..];
             if allowed.with_value.contains(c) {
+                let value = if rest.is_empty() { words.next().map(String::as_str) } else { Some(rest) };
+                found.push((format!("-{c}"), value));
+                break;
+            }
+            if allowed.optional_value.contains(c) {
+                found.push((format!("-{c}"), Some(rest).filter(|r| !r.is_empty())));
                 break;
             }
             if !allowed.flags.contains(c) {
-                return Some(a);
+                return Err(a);
             }
+            found.push((format!("-{c}"), None));
         }
     }
-    None
+    Ok(found)
 }
 
 fn only(program: &str, argv: &[String], allowed: &Getopt, why: &str) -> Result<(), String> {
-    match refused(&argv[1..], allowed) {
-        Some(option) => Err(format!("`{program} {option}` is not read-only: {why}")),
-        None => Ok(()),
+    match read(&argv[1..], allowed) {
+        Err(option) => Err(format!("`{program} {option}` is not read-only: {why}")),
+        Ok(_) => Ok(()),
     }
 }
 
@@ -162,6 +262,8 @@ fn only(program: &str, argv: &[String], allowed: &Getopt, why: &str) -> Result<(
 const SS: Getopt = Getopt {
     flags: "hVvaletuwxnro460spbmiHMOSTdzZ",
     with_value: "fA",
+    optional_value: "",
+    long_with_value: &["family", "query", "socket"],
     long: &[
         "numeric",
         "resolve",
@@ -188,9 +290,6 @@ const SS: Getopt = Getopt {
         "ipv4",
         "ipv6",
         "packet",
-        "family",
-        "socket",
-        "query",
         "summary",
         "version",
         "help",
@@ -209,23 +308,18 @@ fn ss(argv: &[String]) -> Result<(), String> {
 
 /// `journalctl` reads the journal; refused are `-f` (never ends), `--cursor-file` (writes
 /// it), `--vacuum-*`, `--rotate`, `--flush`, `--sync` and the other writers, and `-D`/`-i`/`-M`
-/// (another journal or machine).
+/// (another journal or machine). Its options with a required value: `-o -p -g -c -S -U -t -T
+/// -u -F` and their long names, `--user-unit`, `--facility`, `--output-fields`,
+/// `--after-cursor`; `-n`/`--lines` and `-b`/`--boot` take one only attached.
 const JOURNALCTL: Getopt = Getopt {
-    flags: "hearlqmkNx",
-    with_value: "onbpgcSUtTuF",
+    flags: "hearlqmkNxW",
+    with_value: "opgcSUtTuF",
+    optional_value: "nb",
     long: &[
-        "unit",
-        "user-unit",
         "lines",
         "no-pager",
-        "priority",
-        "facility",
-        "since",
-        "until",
         "boot",
         "dmesg",
-        "output",
-        "output-fields",
         "reverse",
         "pager-end",
         "catalog",
@@ -234,25 +328,35 @@ const JOURNALCTL: Getopt = Getopt {
         "full",
         "no-full",
         "merge",
-        "grep",
         "case-sensitive",
-        "identifier",
-        "exclude-identifier",
         "utc",
         "no-hostname",
         "no-tail",
         "system",
         "user",
-        "cursor",
-        "after-cursor",
         "show-cursor",
         "list-boots",
         "disk-usage",
-        "field",
         "fields",
         "truncate-newline",
         "help",
         "version",
+    ],
+    long_with_value: &[
+        "unit",
+        "user-unit",
+        "priority",
+        "facility",
+        "since",
+        "until",
+        "output",
+        "output-fields",
+        "grep",
+        "identifier",
+        "exclude-identifier",
+        "cursor",
+        "after-cursor",
+        "field",
     ],
 };
 
@@ -264,11 +368,58 @@ fn journalctl(argv: &[String]) -> Result<(), String> {
 const TAIL: Getopt = Getopt {
     flags: "qvz",
     with_value: "nc",
-    long: &["lines", "bytes", "quiet", "silent", "verbose", "zero-terminated", "help", "version"],
+    optional_value: "",
+    long: &["quiet", "silent", "verbose", "zero-terminated", "help", "version"],
+    long_with_value: &["lines", "bytes"],
 };
 
 fn tail(argv: &[String]) -> Result<(), String> {
+    files(argv)?;
     only("tail", argv, &TAIL, "`tail -f` never ends (use -n N)")
+}
+
+/// net-tools' `netstat` shows sockets, routes and interfaces; `-c`/`--continuous` never ends.
+const NETSTAT: Getopt = Getopt {
+    flags: "CFMadeghilnNoprsStuUvVWw2fx46Z",
+    with_value: "A",
+    optional_value: "",
+    long: &[
+        "route",
+        "interfaces",
+        "groups",
+        "statistics",
+        "masquerade",
+        "verbose",
+        "wide",
+        "numeric",
+        "numeric-hosts",
+        "numeric-ports",
+        "numeric-users",
+        "symbolic",
+        "extend",
+        "programs",
+        "timers",
+        "listening",
+        "all",
+        "fib",
+        "cache",
+        "context",
+        "tcp",
+        "udp",
+        "udplite",
+        "sctp",
+        "raw",
+        "unix",
+        "inet",
+        "inet6",
+        "help",
+        "version",
+    ],
+    long_with_value: &["protocol"],
+};
+
+fn netstat(argv: &[String]) -> Result<(), String> {
+    only("netstat", argv, &NETSTAT, "`netstat -c` never ends (e.g. netstat -tlnp)")
 }
 
 #[cfg(test)]
@@ -294,11 +445,23 @@ mod tests {
             "journalctl -n1 --cursor-file=/etc/nologin",
             "time -o /srv/app/data.db uptime",
             "sudo time -o /etc/passwd true",
+            "ps eww 1234",
+            "ps -ex",
+            "cat /proc/self/environ",
+            "systemctl status -H db1 web",
+            "netstat -c",
         ] {
             assert!(refused_here(cmd), "{cmd}");
         }
-        for cmd in ["service web status", "ip -br a s", "ss -Hltnp sport = :8080", "journalctl -u web -n 50 --no-pager"]
-        {
+        for cmd in [
+            "service web status",
+            "ip -br a s",
+            "ss -Hltnp sport = :8080",
+            "journalctl -u web -n 50 --no-pager",
+            "journalctl --since -1h -u web",
+            "ps -ef",
+            "systemctl status web --no-pager",
+        ] {
             assert!(!refused_here(cmd), "{cmd}");
         }
     }

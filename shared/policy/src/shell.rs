@@ -276,12 +276,13 @@ const ELEVATING: &[&str] = &["sudo", "doas"];
 
 /// The command policy patterns judge: wrappers and leading `VAR=value` removed, the program
 /// reduced to its basename (`/usr/bin/sudo -n /bin/rm -rf /` -> `rm -rf /`), so a wrapper
-/// cannot hide a forbidden program, and `ip`'s abbreviations spelled out (`ip l s eth0 down`
-/// -> `ip link set eth0 down`). On the way it notes whether a privilege wrapper was there,
-/// which files wrappers write, whether wrappers or assignments make it more than read-only,
-/// and whether the inner command could not be told for sure: more wrappers than
-/// [`MAX_UNWRAP`], or `env -S` (which splits its argument with escapes of its own, `\c`
-/// ending it early: the words the gate would judge are not the words env runs).
+/// cannot hide a forbidden program, and `ip`'s and `tc`'s abbreviations spelled out (`ip l s
+/// eth0 down` -> `ip link set eth0 down`, `tc q a ...` -> `tc qdisc add ...`). On the way it
+/// notes whether a privilege wrapper was there, which files wrappers write, whether wrappers
+/// or assignments make it more than read-only, and whether the inner command could not be
+/// told for sure: more wrappers than [`MAX_UNWRAP`], or `env -S` (which splits its argument
+/// with escapes of its own, `\c` ending it early: the words the gate would judge are not the
+/// words env runs).
 pub(crate) fn unwrap(argv: &[String]) -> Unwrapped {
     let mut rest: Vec<String> = argv.to_vec();
     let mut out = Unwrapped::default();
@@ -327,8 +328,12 @@ pub(crate) fn unwrap(argv: &[String]) -> Unwrapped {
         out.path = first.clone();
         *first = basename(first).to_string();
     }
-    if rest.first().is_some_and(|p| p == "ip") {
-        let args = crate::ip::normalise(&rest[1..]);
+    let spelled_out = match rest.first().map(String::as_str) {
+        Some("ip") => Some(crate::ip::normalise(&rest[1..])),
+        Some("tc") => Some(crate::tc::normalise(&rest[1..])),
+        _ => None,
+    };
+    if let Some(args) = spelled_out {
         rest.truncate(1);
         rest.extend(args);
     }
@@ -444,5 +449,6 @@ mod tests {
             assert!(of(bad).is_some(), "{bad}");
         }
         assert_eq!(norm("sudo /sbin/ip -s l s eth0 down"), "ip -stats link set eth0 down");
+        assert_eq!(norm("sudo /sbin/tc -s q a dev eth0 root netem"), "tc -stats qdisc add dev eth0 root netem");
     }
 }

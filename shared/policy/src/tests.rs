@@ -122,8 +122,15 @@ const FORBIDDEN_CASES: &[(&str, &[&str], &[&str])] = &[
             "ip -force --batch /tmp/cmds",
             "ip net e ns1 reboot",
             "ip -n ns1 netns exec ns2 reboot",
+            "tc -b /tmp/cmds",
+            "tc -batch /tmp/cmds",
+            "tc -force -ba /tmp/cmds",
+            "tc -s -b - ",
+            "tc exec bpf import /tmp/uds run /bin/sh",
+            "tc e bpf imp /tmp/uds",
+            "tc -n ns1 exec bpf dbg",
         ],
-        &["ip netns list", "ip -s link", "sshd -t", "atop -1", "flockd --help"],
+        &["ip netns list", "ip -s link", "sshd -t", "atop -1", "flockd --help", "tc -s qdisc show", "tc -br q"],
     ),
     (
         "sudoers",
@@ -298,15 +305,58 @@ const CRITICAL_CASES: &[(&str, &[&str], &[&str])] = &[
             "ifconfig eth0 down",
             "ifdown eth0",
             "tc qdisc add dev eth0 root netem loss 100%",
+            "tc q a dev eth0 root netem loss 100%",
+            "tc -s qdisc add dev eth0 root netem loss 100%",
+            "tc -s -d q r dev eth0 root netem delay 10s",
+            "tc qd ch dev eth0 root netem loss 100%",
+            "tc q l dev eth0 root",
+            "tc q d dev eth0 root",
+            "tc -n ns1 qdisc add dev eth0 root netem",
+            "tc -j -p qdisc add dev eth0 root netem",
+            "tc class add dev eth0 parent 1: classid 1:1 htb rate 1kbit",
+            "tc f a dev eth0 ingress matchall action drop",
+            "tc filter replace dev eth0 ingress matchall action drop",
+            "tc chain del dev eth0 chain 0",
+            "tc actions add action drop index 1",
+            "tc a fl action gact",
+            "tc actions get action gact index 1 add action drop",
+            "ip route replace default via 10.9.9.9",
+            "ip route change default via 10.9.9.9",
+            "ip route chg default via 10.9.9.9",
+            "ip r r default via 10.9.9.9",
+            "ip ro ch default dev eth9",
+            "ip -4 route replace 0.0.0.0/0 via 10.9.9.9",
+            "ip -6 route replace ::/0 via fe80::1 dev eth0",
+            "ip route replace table main default via 10.9.9.9",
+            "ip route replace blackhole default",
+            "ip route prepend default via 10.9.9.9",
+            "ip nexthop flush",
+            "ip nexthop del id 4",
+            "ip nex f",
+            "ip nexthop replace id 4 via 10.9.9.9 dev eth0",
+            "ip link set eth0 netns ns1",
+            "ip l s dev eth0 netns 1234",
         ],
         &[
             "ip link set eth1 up",
             "ip l s eth1 up",
             "ip route add default via 10.0.0.1",
+            "ip route replace 10.1.0.0/16 via 10.0.0.1",
+            "ip route change 10.1.0.0/16 via 10.0.0.1 dev eth0",
+            "ip nexthop show",
+            "ip nexthop add id 4 via 10.0.0.1 dev eth0",
+            "ip link set eth0 name wan0",
             "ip addr show",
             "ip a s",
             "ip r g 10.0.0.1",
             "tc qdisc show",
+            "tc -s q s dev eth0",
+            "tc -s -d qdisc ls dev eth0",
+            "tc class show dev eth0",
+            "tc c l dev eth0",
+            "tc filter show dev eth0 ingress",
+            "tc actions list action gact",
+            "tc monitor",
         ],
     ),
     (
@@ -632,6 +682,120 @@ fn read_only_allow_lists_admit_the_forms_that_only_read() {
     }
 }
 
+/// Found by review: an option's required value is the next word whatever it looks like
+/// (getopt reads `--since -1h` so), and it was judged as an option: a relative time was
+/// refused. Options whose value is optional (`-n`, `-b`) still leave the next word judged.
+#[test]
+fn journalctl_values_that_look_like_options_are_values() {
+    let p = Policy::default_policy();
+    for ok in [
+        "journalctl --since -1h",
+        "journalctl -S -10m",
+        "journalctl --until -5m",
+        "journalctl -U -5m --no-pager",
+        "journalctl -u web -S -1h -U -5m --no-pager",
+        "journalctl --since -1h --until -5m -u web -n 50",
+        "journalctl -S-1h -u web",
+        "journalctl -g -timeout -u web",
+        "journalctl -p err -t -kernel",
+        "tail --lines 20 /var/log/web.log",
+        "tail -n -20 /var/log/web.log",
+        "ss --family inet -ltn",
+        "ss -A tcp -n",
+    ] {
+        assert!(p.read_only(ok).is_ok(), "{ok}: {:?}", p.read_only(ok));
+    }
+    for bad in [
+        "journalctl -u -- -f",
+        "journalctl --unit -- -f",
+        "journalctl --since -1h -f",
+        "journalctl -S -1h --cursor-file=/srv/app/cursor",
+        "journalctl -n -f",
+        "journalctl --lines -f",
+        "journalctl -b -f",
+        "journalctl -n 5 -D /tmp/j",
+        "journalctl --since -1h -M other",
+        "tail --lines 5 -f /var/log/syslog",
+        "ss -A tcp -K",
+    ] {
+        assert!(p.read_only(bad).is_err(), "{bad} must not pass as evidence");
+    }
+}
+
+/// Found by review: `ps`, `cat` and `head` took anything, so `ps eww PID` or `cat
+/// /proc/PID/environ` printed a process's environment (pitcrew's own holds its secrets), and
+/// `systemctl status -H host` reached another machine.
+#[test]
+fn no_evidence_shows_a_process_s_environment_or_reaches_another_machine() {
+    let p = Policy::default_policy();
+    for bad in [
+        "ps eww 1234",
+        "ps e",
+        "ps axe",
+        "ps aux e",
+        "ps auxeww",
+        "sudo ps eww 1",
+        // ps reads these again the BSD way, where `-e` is `e`.
+        "ps -ex",
+        "ps -eaux",
+        "ps -eTH",
+        "ps -e -x -o pid,args",
+        "cat /proc/1234/environ",
+        "cat /proc/self/environ",
+        "cat /proc/thread-self/environ",
+        "cat /proc//self/./environ",
+        "cat /proc/1234/../self/environ",
+        "cat /proc/1/task/1/environ",
+        "cat /dev/fd/../environ",
+        "cat -v /proc/1/environ",
+        "sudo cat /proc/1/environ",
+        "head -c 4096 /proc/self/environ",
+        "tail -c 100 /proc/1/environ",
+        "systemctl status -H db1 web",
+        "systemctl status web --host=root@db1",
+        "systemctl status web --host root@db1",
+        "systemctl status -M container web",
+        "systemctl show web --machine=c1",
+        "systemctl status -r",
+        "systemctl status web -Hdb1",
+        // `show` prints a unit's Environment= unless told which properties to print.
+        "systemctl show pitcrew",
+        "systemctl show pitcrew -p Environment",
+        "systemctl show pitcrew -p ActiveState,Environment",
+        "systemctl show pitcrew --property=PassEnvironment",
+        "systemctl show pitcrew -aP environment",
+        "systemctl show pitcrew -p",
+        "netstat -c",
+        "netstat -tlnpc",
+        "netstat --continuous",
+    ] {
+        assert!(p.read_only(bad).is_err(), "{bad} must not pass as evidence");
+    }
+    for ok in [
+        "ps aux",
+        "ps auxf",
+        "ps -ef",
+        "ps -eLf",
+        "ps -eo pid,ppid,args,%mem --sort=-%mem",
+        "ps -p 1234",
+        "ps -p 1234 -o pid,etime,args",
+        "ps -fu app",
+        "cat /proc/meminfo",
+        "head -n 5 /proc/1234/status",
+        "tail -n 5 /proc/1234/status",
+        "systemctl status web",
+        "systemctl status web -n 50 --no-pager",
+        "systemctl status -l --no-pager web",
+        "systemctl show web -p ActiveState --value",
+        "systemctl show web -pMainPID -P SubState --property=NRestarts",
+        "systemctl list-units --failed --no-legend",
+        "netstat -tlnp",
+        "netstat -rn",
+    ] {
+        assert!(p.read_only(ok).is_ok(), "{ok}: {:?}", p.read_only(ok));
+    }
+}
+
 /// Found by review: the same tricks let plans past critical rules.
 #[test]
 fn abbreviated_ip_and_a_wrapper_s_output_file_need_approval() {
@@ -647,6 +811,39 @@ fn abbreviated_ip_and_a_wrapper_s_output_file_need_approval() {
         }
     }
     assert_eq!(p.gate(&plan(&["ip l s eth0 up"])), GateDecision::Allow);
+}
+
+/// Found by review: tc takes any prefix as ip does (`tc q a` is `tc qdisc add`), and its
+/// `-batch FILE` runs a file of commands the gate never sees (one may be `exec bpf ... run
+/// CMD`, which runs any program); replacing or changing the default route cuts a host off.
+#[test]
+fn abbreviated_tc_its_batch_files_and_default_route_changes_are_caught() {
+    let p = Policy::default_policy();
+    for cmd in [
+        "tc q a dev eth0 root netem loss 100%",
+        "tc -s qdisc add dev eth0 root netem loss 100%",
+        "sudo tc -s -d q r dev eth0 root netem loss 100%",
+        "ip route replace default via 10.9.9.9",
+        "ip route change default via 10.9.9.9",
+        "ip nexthop flush",
+        "ip link set eth0 netns ns1",
+    ] {
+        match p.gate(&plan(&[cmd])) {
+            GateDecision::NeedsApproval { rule, .. } => assert_eq!(rule, "network-down", "{cmd}"),
+            other => panic!("{cmd} must need approval (network-down): {other:?}"),
+        }
+    }
+    for cmd in
+        ["tc -b /tmp/cmds", "tc -batch /tmp/cmds", "tc -force -ba /tmp/cmds", "tc e bpf imp /tmp/uds run /bin/sh"]
+    {
+        match p.gate(&plan(&[cmd])) {
+            GateDecision::Reject { rule, .. } => assert_eq!(rule, "command-runner", "{cmd}"),
+            other => panic!("{cmd} must be rejected (command-runner): {other:?}"),
+        }
+    }
+    for cmd in ["tc -s q s dev eth0", "ip route replace 10.1.0.0/16 via 10.0.0.1", "ip nexthop show"] {
+        assert_eq!(p.gate(&plan(&[cmd])), GateDecision::Allow, "{cmd}");
+    }
 }
 
 #[test]

@@ -145,6 +145,15 @@ const DANGEROUS: &[&str] = &[
     "ip l s eth0 down",
     "ip r d default",
     "sudo time -o /etc/passwd true",
+    // Found by review: tc's abbreviations and options, its batch files, and the default route.
+    "tc q a dev eth0 root netem loss 100%",
+    "tc -s qdisc add dev eth0 root netem loss 100%",
+    "tc -b /tmp/cmds",
+    "tc exec bpf import /tmp/uds run /bin/sh",
+    "ip route replace default via 10.9.9.9",
+    "ip route change default via 10.9.9.9",
+    "ip nexthop flush",
+    "ip link set eth0 netns ns1",
 ];
 
 /// Disguises that must not turn a dangerous command into an allowed one.
