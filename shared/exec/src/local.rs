@@ -89,7 +89,12 @@ impl LocalExecutor {
 
         let started = Instant::now();
         let deadline = started.checked_add(timeout).unwrap_or(started + FAR_FUTURE);
-        let mut child = tokio::process::Command::new(program)
+        // Found here, not by the child: with its environment replaced, std would look the
+        // program up in the child's PATH, which it can only do by forking the whole crew
+        // (posix_spawn looks in ours) — measured at 2-3x the CPU a command costs.
+        let located = locate(program);
+        let mut child = tokio::process::Command::new(located.as_deref().unwrap_or(std::path::Path::new(program)))
+            .arg0(program)
             .args(args)
             .env_clear()
             .envs(self.env())
@@ -211,13 +216,20 @@ async fn find_tool(tool: &str) -> bool {
 }
 
 fn find_tool_blocking(tool: &str) -> bool {
+    locate(tool).is_some()
+}
+
+/// The executable `tool` names: itself if it contains '/', else the first in a `PATH` entry.
+fn locate(tool: &str) -> Option<std::path::PathBuf> {
     if tool.contains('/') {
-        return is_executable(std::path::Path::new(tool));
+        let path = std::path::PathBuf::from(tool);
+        return is_executable(&path).then_some(path);
     }
-    let Some(path) = std::env::var_os("PATH") else {
-        return false;
-    };
-    std::env::split_paths(&path).any(|dir| !dir.as_os_str().is_empty() && is_executable(&dir.join(tool)))
+    let path = std::env::var_os("PATH")?;
+    std::env::split_paths(&path)
+        .filter(|dir| !dir.as_os_str().is_empty())
+        .map(|dir| dir.join(tool))
+        .find(|candidate| is_executable(candidate))
 }
 
 fn is_executable(path: &std::path::Path) -> bool {
