@@ -509,20 +509,27 @@ mod port_tests {
         }
     }
 
-    #[tokio::test]
-    async fn a_foreign_listener_on_the_port_is_named_with_its_pid() {
-        let dir = tempfile::tempdir().unwrap();
-        // This test process holds the port and does not answer HTTP: the check fails.
-        let squatter = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let port = squatter.local_addr().unwrap().port();
+    /// A service checked over HTTP on `port` (nothing there answers it), its pidfile in `dir`
+    /// naming no running process.
+    fn on_port(dir: &std::path::Path, port: u16) -> ServiceSpec {
         let mut spec: ServiceSpec = serde_json::from_value(serde_json::json!({ "evidence": [] })).unwrap();
         spec.check = Some(CheckSpec::Http {
             url: format!("http://127.0.0.1:{port}/health"),
             expect_status: 200,
             timeout_ms: 300,
         });
-        spec.pidfile = Some(dir.path().join("pid").display().to_string());
-        std::fs::write(dir.path().join("pid"), "99999999\n").unwrap();
+        spec.pidfile = Some(dir.join("pid").display().to_string());
+        std::fs::write(dir.join("pid"), "99999999\n").unwrap();
+        spec
+    }
+
+    #[tokio::test]
+    async fn a_foreign_listener_on_the_port_is_named_with_its_pid() {
+        let dir = tempfile::tempdir().unwrap();
+        // This test process holds the port and does not answer HTTP: the check fails.
+        let squatter = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = squatter.local_addr().unwrap().port();
+        let spec = on_port(dir.path(), port);
         let policy = Policy::default_policy();
         let found = gather(&spec, 1, &LocalExecutor::new(64 * 1024), &policy).await;
         let (holder, line) = found.iter().find(|(e, _)| e.source.starts_with("port")).expect("port evidence");
@@ -577,14 +584,7 @@ mod port_tests {
         let comm = std::fs::read_to_string(format!("/proc/{}/comm", squatter.id())).unwrap();
         assert_eq!(comm.trim(), format!("\",pid={me}"), "the squatter goes by the disguised name");
 
-        let mut spec: ServiceSpec = serde_json::from_value(serde_json::json!({ "evidence": [] })).unwrap();
-        spec.check = Some(CheckSpec::Http {
-            url: format!("http://127.0.0.1:{port}/health"),
-            expect_status: 200,
-            timeout_ms: 300,
-        });
-        spec.pidfile = Some(dir.path().join("pid").display().to_string());
-        std::fs::write(dir.path().join("pid"), "99999999\n").unwrap();
+        let spec = on_port(dir.path(), port);
         let found = gather(&spec, 1, &LocalExecutor::new(64 * 1024), &Policy::default_policy()).await;
         let _ = squatter.kill();
         let _ = squatter.wait();
