@@ -164,13 +164,7 @@ fn kept_labels(labels: &BTreeMap<String, String>) -> BTreeMap<String, String> {
 fn kept_value(key: &str, value: &str) -> String {
     use pitcrew_model::incident::MAX_LABEL_LEN;
     // What validate makes of a value.
-    let validated = |v: &str| {
-        if pitcrew_model::redact::secret_name(key) && !v.is_empty() {
-            pitcrew_model::redact::MARK.to_string()
-        } else {
-            pitcrew_model::trim::storable(pitcrew_model::redact::redact(v).into_owned())
-        }
-    };
+    let validated = |v: &str| pitcrew_model::incident::kept_label_value(key, v);
     let whole = validated(value);
     if validated(&whole).len() <= MAX_LABEL_LEN {
         return whole;

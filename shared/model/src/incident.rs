@@ -91,6 +91,16 @@ fn valid_name(s: &str, extra: &[char]) -> bool {
         && s.chars().all(|c| c.is_ascii_alphanumeric() || "._-".contains(c) || extra.contains(&c))
 }
 
+/// A label's value as an incident keeps it: redacted (`db_password: hunter2` shows no secret
+/// in its value alone: a secret-named label's value is replaced whole) and storable (no NUL).
+pub fn kept_label_value(key: &str, value: &str) -> String {
+    if crate::redact::secret_name(key) && !value.is_empty() {
+        crate::redact::MARK.into()
+    } else {
+        crate::trim::storable(crate::redact::redact(value).into_owned())
+    }
+}
+
 impl Incident {
     /// A new incident for `service` with a fresh id.
     pub fn new(service: impl Into<String>, error: impl Into<String>) -> Self {
@@ -118,12 +128,7 @@ impl Incident {
                 std::mem::take(&mut self.labels).into_iter().map(|(k, v)| (crate::trim::storable(k), v)).collect();
         }
         for (k, v) in self.labels.iter_mut() {
-            // `db_password: hunter2` shows no secret in its value alone.
-            *v = if crate::redact::secret_name(k) && !v.is_empty() {
-                "[REDACTED]".into()
-            } else {
-                crate::trim::storable(crate::redact::redact(v).into_owned())
-            };
+            *v = kept_label_value(k, v);
         }
         self.fingerprint = self.fingerprint.take().map(crate::trim::storable);
         self.source = self.source.take().map(|s| crate::trim::storable(crate::redact::redact(s.trim()).into_owned()));
