@@ -212,11 +212,7 @@ async fn find_tool(tool: &str) -> bool {
         return false;
     }
     let tool = tool.to_string();
-    tokio::task::spawn_blocking(move || find_tool_blocking(&tool)).await.unwrap_or(false)
-}
-
-fn find_tool_blocking(tool: &str) -> bool {
-    locate(tool).is_some()
+    tokio::task::spawn_blocking(move || locate(&tool).is_some()).await.unwrap_or(false)
 }
 
 /// The executable `tool` names: itself if it contains '/', else the first in a `PATH` entry.
