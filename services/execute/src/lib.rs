@@ -412,7 +412,15 @@ impl StageHandler for Execute {
                             state.attempt
                         )));
                     }
-                    Claim::Unfinished { running_for, gone_in } => {
+                    Claim::Unfinished { running_for, gone_in } => 'unfinished: {
+                        // Another copy in this process may have finished it between the claim
+                        // and the look above (a copy records the end before it leaves the
+                        // command): then its record is this command's, as for any finished claim.
+                        if let Some(Claim::Finished(rec)) =
+                            store.execution_claim(state.run_id, state.attempt, index).await?
+                        {
+                            break 'unfinished rec;
+                        }
                         // Its worker died or was stopped mid-command, and the command may still be
                         // running (over SSH until the remote `timeout` ends it): nothing moves on
                         // (verify, a next attempt, another run on the target) before its claim says
