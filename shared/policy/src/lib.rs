@@ -1,6 +1,7 @@
 //! The policy gate: deterministic rules every plan passes after every model output.
 //! Forbidden commands never run, critical ones wait for a human, the rest run unattended.
 
+mod credentials;
 mod ip;
 mod ps;
 mod read_only;
@@ -293,6 +294,14 @@ impl Policy {
                      never chained, redirected, backgrounded or substituted"
                 );
                 forbidden.push(hit("shell-construct", FORBIDDEN, why));
+            }
+            if let Some(file) = credentials::named(&argv) {
+                let why = format!(
+                    "names `{}`, a file that holds credentials: what a command shows of it would reach the \
+                     timeline, the database and the model",
+                    clip(file, 120)
+                );
+                critical.push(hit("credential-file", CRITICAL, why));
             }
             let written = argv.join(" ");
             let normalised = unwrapped.argv.join(" ");

@@ -3,7 +3,9 @@
 //! `tail`, `netstat` and `ps` take allow-lists: an option or verb not named here is refused,
 //! however harmless, so a new or abbreviated one cannot slip past. `cat`, `head` and `tail`
 //! read any file but a process's environment (`/proc/<pid>/environ`: pitcrew's own holds its
-//! secrets), and `cat` and `head` take any option (none of theirs writes). `df`, `free`,
+//! secrets) or a credential file (the gate's `credential-file` finding, which the class
+//! refuses with every other finding), and `cat` and `head` take any option (none of theirs
+//! writes). `df`, `free`,
 //! `uptime`, `pgrep`, `uname` and `test` take any arguments: none of theirs writes, reaches
 //! another host or shows an environment (`free -s N` repeats until stopped, as `tail -f`
 //! would: the executor's time limit ends it).

@@ -921,3 +921,38 @@ fn a_host_may_allow_only_some_programs_and_some_under_sudo() {
     assert_eq!(p.gate_on("other-host", &plan(&["touch /tmp/x"])), GateDecision::Allow, "lists are per host");
     assert!(Policy::from_toml("[hosts.pe1]\nallowed = []\n").is_err(), "unknown keys are refused");
 }
+
+/// A command naming a credential file, however the path is spelled, is a human's call in a
+/// plan and never evidence or a model's diagnostic call: its output would reach the timeline,
+/// Postgres and the model. Only `/etc/shadow` written just so was caught before.
+#[test]
+fn a_command_naming_a_credential_file_needs_a_human_and_is_never_evidence() {
+    let p = Policy::default_policy();
+    for cmd in [
+        "cat /etc//shadow",
+        "cat /etc/./shadow",
+        "sudo head -n 3 /etc/gshadow-",
+        "cat /root/.ssh/id_ed25519",
+        "tail -n 1 /home/app/.ssh/id_rsa",
+        "cat /etc/ssl/private/site.key",
+        "cat /etc/ssh/ssh_host_ed25519_key",
+        "cat /srv/app/.env",
+        "head /root/.pgpass",
+        "cat /run/secrets/db_password",
+        "cat /proc/1/mem",
+    ] {
+        assert!(p.read_only(cmd).is_err(), "{cmd} must not pass as evidence");
+        let hits = rules_hit(&p, cmd);
+        assert!(hits.iter().any(|r| r == "credential-file"), "{cmd}: {hits:?}");
+        assert!(!matches!(p.gate(&plan(&[cmd])), GateDecision::Allow), "{cmd} ran unattended");
+    }
+    // Fixing a key's permissions is remediation: asked for, not refused.
+    assert!(matches!(
+        p.gate(&plan(&["chmod 600 /home/app/.ssh/id_ed25519"])),
+        GateDecision::NeedsApproval { rule, .. } if rule == "credential-file"
+    ));
+    for cmd in ["cat /etc/hosts", "tail -n 50 /var/log/app.log", "cat /proc/meminfo", "ps -o pid,%mem"] {
+        assert!(p.read_only(cmd).is_ok(), "{cmd}");
+        assert!(matches!(p.gate(&plan(&[cmd])), GateDecision::Allow), "{cmd}");
+    }
+}
