@@ -330,6 +330,8 @@ const CRITICAL_CASES: &[(&str, &[&str], &[&str])] = &[
             "ip route replace table main default via 10.9.9.9",
             "ip route replace blackhole default",
             "ip route prepend default via 10.9.9.9",
+            "ip route append default via 10.9.9.9",
+            "ip r app 0.0.0.0/0 via 10.9.9.9",
             "ip nexthop flush",
             "ip nexthop del id 4",
             "ip nex f",
