@@ -414,12 +414,19 @@ impl StageHandler for Execute {
                     }
                     Claim::Unfinished { running_for, gone_in } => 'unfinished: {
                         // Another copy in this process may have finished it between the claim
-                        // and the look above (a copy records the end before it leaves the
-                        // command): then its record is this command's, as for any finished claim.
-                        if let Some(Claim::Finished(rec)) =
-                            store.execution_claim(state.run_id, state.attempt, index).await?
-                        {
-                            break 'unfinished rec;
+                        // and the look above (a copy records the end, or releases the claim,
+                        // before it leaves the command): then its record is this command's, as
+                        // for any finished claim.
+                        match store.execution_claim(state.run_id, state.attempt, index).await? {
+                            Some(Claim::Finished(rec)) => break 'unfinished rec,
+                            // Or released it (nothing ran: a connection failed): claim it anew.
+                            None => {
+                                return Err(StageError::Transient(format!(
+                                    "command {index} of attempt {} was released by another copy as it was looked at",
+                                    state.attempt
+                                )))
+                            }
+                            _ => {}
                         }
                         // Its worker died or was stopped mid-command, and the command may still be
                         // running (over SSH until the remote `timeout` ends it): nothing moves on
