@@ -144,7 +144,13 @@ const FORBIDDEN_CASES: &[(&str, &[&str], &[&str])] = &[
     ),
     (
         "credentials",
-        &["cp key /root/.ssh/authorized_keys", "tee -a /home/u/.ssh/authorized_keys", "cat /etc/shadow"],
+        &[
+            "cp key /root/.ssh/authorized_keys",
+            "tee -a /home/u/.ssh/authorized_keys",
+            "cat /etc/shadow",
+            "cat /etc//shadow",
+            "head /etc/./gshadow-",
+        ],
         &["ssh-keygen -l -f /etc/ssh/ssh_host_rsa_key.pub", "cat /etc/hosts"],
     ),
     (
