@@ -151,12 +151,23 @@ impl Bridge {
 
     /// A Mattermost action call: `user` clicked the button whose context is `context`.
     async fn action(&self, user: &str, context: &Value) -> anyhow::Result<(u16, String)> {
+        self.action_from(user, context, None).await
+    }
+
+    /// As `action`, sent from `source` (a loopback address other than 127.0.0.1, say).
+    async fn action_from(
+        &self,
+        user: &str,
+        context: &Value,
+        source: Option<std::net::IpAddr>,
+    ) -> anyhow::Result<(u16, String)> {
         let call = json!({
             "user_id": user, "user_name": user.trim_end_matches('0'), "channel_id": "chan0ops", "channel_name": "ops",
             "team_id": "team0", "team_domain": "example", "post_id": "post0", "trigger_id": "trigger0",
             "type": "", "data_source": "", "context": context,
         });
-        let r = reqwest::Client::new().post(format!("{}/mattermost/actions", self.url)).json(&call).send().await?;
+        let http = reqwest::Client::builder().local_address(source).build()?;
+        let r = http.post(format!("{}/mattermost/actions", self.url)).json(&call).send().await?;
         Ok((r.status().as_u16(), r.text().await?))
     }
 
@@ -519,7 +530,7 @@ async fn a_mattermost_click_runs_the_plan_and_forged_or_second_clicks_change_not
     let public = format!("http://127.0.0.1:{port}");
     let bridge = format!(
         "[bridge.mattermost]\nurl = \"{}\"\nchannel_id = \"chan0ops\"\nlisten = \"127.0.0.1:{port}\"\n\
-         public_url = \"{public}\"\ntimeout_secs = 5\n[bridge.mattermost.users]\nmmann0 = \"ann\"\nmmbob0 = \"bob\"\n",
+         public_url = \"{public}\"\ntimeout_secs = 5\nallow_from = [\"127.0.0.1\"]\n[bridge.mattermost.users]\nmmann0 = \"ann\"\nmmbob0 = \"bob\"\n",
         mm.url
     );
     let mut crew = crew_with(&bridge, None).await?;
@@ -542,6 +553,14 @@ async fn a_mattermost_click_runs_the_plan_and_forged_or_second_clicks_change_not
     let (approve, deny) = (actions[0]["integration"]["context"].clone(), actions[1]["integration"]["context"].clone());
     assert_eq!((approve["action"].as_str(), deny["action"].as_str()), (Some("approve"), Some("deny")));
     assert_eq!(approve["plan_hash"], req.plan_hash.as_str());
+
+    // Ann's genuine click, from an address not in allow_from (Mattermost signs nothing: the
+    // user id is only the caller's word): refused before it is read, nothing changes.
+    let elsewhere = Some("127.0.0.2".parse()?);
+    let (status, text) = bridge.action_from("mmann0", &approve, elsewhere).await?;
+    assert_eq!(status, 403, "{text}");
+    assert!(text.contains("127.0.0.2 is not in it"), "{text}");
+    unchanged(&crew, &mm, run).await?;
 
     // The Deny button's context turned into an approval: refused, nothing changes.
     let mut turned = deny.clone();

@@ -167,6 +167,10 @@ pub struct MattermostConfig {
     pub public_url: String,
     /// Mattermost user id -> approver name (which must be under `[approvers]`).
     pub users: BTreeMap<String, String>,
+    /// The addresses (IPs or CIDR blocks) action calls are taken from: Mattermost signs
+    /// nothing, so the clicker's user id is only the caller's word. Empty: this machine only
+    /// (and then `listen` must be a loopback address).
+    pub allow_from: Vec<String>,
     pub durable: String,
     pub concurrency: usize,
     pub timeout_secs: u64,
@@ -182,6 +186,7 @@ impl Default for MattermostConfig {
             listen: "127.0.0.1:3001".into(),
             public_url: String::new(),
             users: BTreeMap::new(),
+            allow_from: Vec::new(),
             durable: "mattermost-bridge".into(),
             concurrency: 4,
             timeout_secs: 10,
@@ -463,10 +468,16 @@ impl SlackConfig {
 }
 
 impl MattermostConfig {
+    /// Where action calls are taken from (`allow_from`, checked against `listen`).
+    pub fn sources(&self) -> Result<crate::sources::Sources, String> {
+        crate::sources::Sources::parse(&self.allow_from, &self.listen, "[bridge.mattermost] allow_from")
+    }
+
     fn validate(&self, cfg: &Config) -> Result<(), String> {
         if self.channel_id.trim().is_empty() {
             return Err("[bridge.mattermost] channel_id is required: the channel requests are posted to".into());
         }
+        self.sources()?;
         let urls = [("url", self.url.as_str()), ("public_url", self.public_url.as_str())];
         check_bridge("mattermost", &urls, &self.durable, self.concurrency, &self.users, cfg)
     }
@@ -770,6 +781,13 @@ mod tests {
         assert!(e.to_string().contains("token"), "a secret in the file is an unknown key: {e}");
         let e = Config::from_toml("[bridge.mattermost]\nurl = \"http://mm\"\nchannel_id = \"c1\"\n").unwrap_err();
         assert!(e.to_string().contains("public_url '' must be an http(s) URL"), "{e}");
+        let mm = "[bridge.mattermost]\nurl = \"http://mm\"\nchannel_id = \"c1\"\npublic_url = \"https://b\"\n";
+        let e = Config::from_toml(&format!("{mm}listen = \"0.0.0.0:3001\"\n")).unwrap_err();
+        assert!(e.to_string().contains("allow_from is empty but listen 0.0.0.0:3001 takes calls"), "{e}");
+        let e = Config::from_toml(&format!("{mm}listen = \"0.0.0.0:3001\"\nallow_from = [\"mm\"]\n")).unwrap_err();
+        assert!(e.to_string().contains("'mm' is not an IP address"), "{e}");
+        assert!(Config::from_toml(&format!("{mm}listen = \"0.0.0.0:3001\"\nallow_from = [\"10.0.0.0/8\"]\n")).is_ok());
+        assert!(Config::from_toml(mm).is_ok(), "the default listen is loopback: no list needed");
     }
 
     #[test]

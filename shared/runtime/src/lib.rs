@@ -10,6 +10,7 @@ pub mod live;
 pub mod metrics;
 pub mod natsd;
 pub mod runner;
+pub mod sources;
 pub mod stage;
 pub mod start;
 pub mod store;

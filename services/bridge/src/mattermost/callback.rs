@@ -7,14 +7,16 @@ use super::message::{self, Context};
 use crate::decide::{decide, Click, Outcome};
 use crate::secret::Secret;
 use axum::body::Body;
-use axum::extract::State;
+use axum::extract::{ConnectInfo, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
+use pitcrew_runtime::sources::Sources;
 use pitcrew_runtime::{Bus, Config, Store};
 use serde::Deserialize;
 use std::collections::BTreeMap;
+use std::net::SocketAddr;
 use std::sync::Arc;
 
 /// What the endpoint needs.
@@ -25,6 +27,8 @@ pub struct App {
     /// Mattermost user id -> approver name.
     pub users: BTreeMap<String, String>,
     pub action_secret: Secret,
+    /// Where action calls are taken from (`[bridge.mattermost] allow_from`).
+    pub sources: Sources,
 }
 
 /// `POST /mattermost/actions` and `GET /healthz`.
@@ -40,7 +44,20 @@ struct ActionCall {
     context: Context,
 }
 
-async fn actions(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -> Response {
+async fn actions(
+    State(app): State<Arc<App>>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    // Mattermost signs nothing: the clicker's user id is the caller's word, so only the
+    // addresses the operator named may call (before the body is read).
+    if !app.sources.allows(peer.ip()) {
+        let source = peer.ip();
+        tracing::warn!(%source, "Mattermost action refused: the caller is not in [bridge.mattermost] allow_from");
+        let why = format!("action calls are taken only from [bridge.mattermost] allow_from; {source} is not in it");
+        return (StatusCode::FORBIDDEN, why).into_response();
+    }
     let body = match crate::inbound::read_body(&headers, body).await {
         Ok(b) => b,
         Err(refused) => return refused,

@@ -55,6 +55,7 @@ pub async fn run_from_env(cfg: Config, shutdown: Shutdown) -> anyhow::Result<()>
 /// once they answered, behind the clicker's back.
 pub async fn run(cfg: Config, secrets: Secrets, shutdown: Shutdown) -> anyhow::Result<()> {
     let mm = settings(&cfg)?.clone();
+    let sources = mm.sources().map_err(|e| anyhow::anyhow!("bad configuration: {e}"))?;
     let api = api::MattermostApi::new(&mm.url, secrets.token, Duration::from_secs(mm.timeout_secs.max(1)))?;
     pitcrew_runtime::httpd::can_bind(&mm.listen, "[bridge.mattermost] listen").await?;
     let Some((bus, store)) = pitcrew_runtime::start::connect_patiently(&cfg, &shutdown).await? else { return Ok(()) };
@@ -73,12 +74,13 @@ pub async fn run(cfg: Config, secrets: Secrets, shutdown: Shutdown) -> anyhow::R
         users: mm.users.clone(),
         cfg: Arc::new(cfg),
         action_secret: secrets.action_secret,
+        sources,
     });
     // Last: clicks come in only once every part of the bridge is ready to decide them.
     let listener = pitcrew_runtime::httpd::bind(&mm.listen, "[bridge.mattermost] listen").await?;
     let listen = listener.local_addr()?;
     tracing::info!(
-        %listen, server = %mm.url, channel = %mm.channel_id, %action_url, users = mm.users.len(), durable = %mm.durable,
+        %listen, server = %mm.url, channel = %mm.channel_id, %action_url, users = mm.users.len(), allow_from = ?mm.allow_from, durable = %mm.durable,
         "mattermost bridge running: posting approval requests, actions on POST /mattermost/actions"
     );
     let served = pitcrew_runtime::httpd::serve(listener, callback::router(app), shutdown).await;
