@@ -19,9 +19,9 @@ impl Block {
             Some((a, b)) => (a, Some(b)),
             None => (text, None),
         };
-        let addr: IpAddr =
+        let written: IpAddr =
             addr.parse().map_err(|_| format!("'{text}' is not an IP address or a CIDR block (10.1.0.0/16)"))?;
-        let max = if addr.is_ipv4() { 32 } else { 128 };
+        let max = if written.is_ipv4() { 32 } else { 128 };
         let bits = match bits {
             None => max,
             Some(b) => match b.parse::<u8>() {
@@ -29,21 +29,45 @@ impl Block {
                 _ => return Err(format!("'{text}': the prefix length must be 0 to {max}")),
             },
         };
-        Ok(Block { addr: canonical(addr), bits })
+        // An IPv4 address written as IPv6 (`::ffff:10.0.4.17/128`) is that IPv4 address, its
+        // prefix counted in IPv4's 32 bits.
+        let (addr, bits) = match canonical(written) {
+            v4 @ IpAddr::V4(_) if written.is_ipv6() => match bits.checked_sub(96) {
+                Some(b) => (v4, b),
+                None => return Err(format!("'{text}': an IPv4 address written as IPv6 needs a prefix of 96 or more")),
+            },
+            addr => (addr, bits),
+        };
+        let block = Block { addr, bits };
+        // `10.1.2.3/16` is most likely a typo: say which block it would be.
+        if block.mask_of(addr) != addr {
+            return Err(format!("'{text}' has bits set past its prefix: did you mean {}/{bits}?", block.mask_of(addr)));
+        }
+        Ok(block)
+    }
+
+    /// `ip` with the bits past this block's prefix cleared.
+    fn mask_of(&self, ip: IpAddr) -> IpAddr {
+        match ip {
+            IpAddr::V4(v4) => IpAddr::V4((u32::from(v4) & self.mask4()).into()),
+            IpAddr::V6(v6) => IpAddr::V6((u128::from(v6) & self.mask6()).into()),
+        }
+    }
+
+    fn mask4(&self) -> u32 {
+        u32::MAX.checked_shl(32u32.saturating_sub(self.bits as u32)).unwrap_or(0)
+    }
+
+    fn mask6(&self) -> u128 {
+        u128::MAX.checked_shl(128u32.saturating_sub(self.bits as u32)).unwrap_or(0)
     }
 
     /// Whether `ip` is in this block (an IPv4 address written as IPv6, `::ffff:10.0.0.5`, is
     /// the IPv4 address).
     pub fn contains(&self, ip: IpAddr) -> bool {
         match (self.addr, canonical(ip)) {
-            (IpAddr::V4(net), IpAddr::V4(ip)) => {
-                let mask = u32::MAX.checked_shl(32 - self.bits as u32).unwrap_or(0);
-                u32::from(net) & mask == u32::from(ip) & mask
-            }
-            (IpAddr::V6(net), IpAddr::V6(ip)) => {
-                let mask = u128::MAX.checked_shl(128 - self.bits as u32).unwrap_or(0);
-                u128::from(net) & mask == u128::from(ip) & mask
-            }
+            (IpAddr::V4(net), IpAddr::V4(ip)) => u32::from(net) & self.mask4() == u32::from(ip) & self.mask4(),
+            (IpAddr::V6(net), IpAddr::V6(ip)) => u128::from(net) & self.mask6() == u128::from(ip) & self.mask6(),
             _ => false,
         }
     }
@@ -114,9 +138,18 @@ mod tests {
         assert!(Block::parse("0.0.0.0/0").unwrap().contains(ip("203.0.113.1")));
         let v6 = Block::parse("fd00::/8").unwrap();
         assert!(v6.contains(ip("fd12::1")) && !v6.contains(ip("fe80::1")) && !v6.contains(ip("10.0.0.1")));
-        for bad in ["10.1.0.0/33", "10.1.0/16", "mattermost.example.com", "::1/129", "10.0.0.1/x", ""] {
+        for bad in
+            ["10.1.0.0/33", "10.1.0/16", "mattermost.example.com", "::1/129", "10.0.0.1/x", "", "::ffff:10.0.0.1/64"]
+        {
             assert!(Block::parse(bad).is_err(), "{bad}");
         }
+        // An IPv4 address written as IPv6 is that address, and only it.
+        let mapped = Block::parse("::ffff:10.0.4.17").unwrap();
+        assert!(mapped.contains(ip("10.0.4.17")) && !mapped.contains(ip("10.9.9.9")));
+        let mapped = Block::parse("::ffff:10.0.0.0/104").unwrap();
+        assert!(mapped.contains(ip("10.200.1.1")) && !mapped.contains(ip("11.0.0.1")));
+        let e = Block::parse("10.1.2.3/16").unwrap_err();
+        assert!(e.contains("did you mean 10.1.0.0/16?"), "{e}");
     }
 
     #[test]
