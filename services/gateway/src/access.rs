@@ -255,13 +255,14 @@ pub async fn guard(State(gw): State<Arc<Gateway>>, mut req: Request, next: Next)
         // No route matched: let the router answer 404.
         None => Access::Public,
     };
-    let mut caller = None;
-    let resp = match authorise(&gw, &req, access) {
-        Ok(c) => {
-            if let Some(c) = &c {
+    // The caller is known once its key is, admitted or not: a refusal by role or by the rate
+    // limit is logged and audited under the key's owner.
+    let (caller, admitted) = authorise(&gw, &req, access);
+    let resp = match admitted {
+        Ok(()) => {
+            if let Some(c) = &caller {
                 req.extensions_mut().insert(c.clone());
             }
-            caller = c;
             next.run(req).await
         }
         Err(e) => e.into_response(),
@@ -308,10 +309,19 @@ pub async fn guard(State(gw): State<Arc<Gateway>>, mut req: Request, next: Next)
     resp
 }
 
-fn authorise(gw: &Gateway, req: &Request, access: Access) -> Result<Option<Caller>, ApiError> {
+/// Who is calling (when the key is known) and whether they may: a valid key refused by its
+/// role or its rate limit is still named.
+fn authorise(gw: &Gateway, req: &Request, access: Access) -> (Option<Caller>, Result<(), ApiError>) {
     if access == Access::Public {
-        return Ok(None);
+        return (None, Ok(()));
     }
+    match admit(gw, req, access) {
+        Ok(caller) => (Some(caller), Ok(())),
+        Err((caller, e)) => (caller, Err(e)),
+    }
+}
+
+fn admit(gw: &Gateway, req: &Request, access: Access) -> Result<Caller, (Option<Caller>, ApiError)> {
     // Requests without a valid key share one bucket: guessing keys is as slow as one key.
     let refused = |e: ApiError| match gw.limiter.take(UNAUTHENTICATED) {
         Ok(()) => e,
@@ -321,30 +331,36 @@ fn authorise(gw: &Gateway, req: &Request, access: Access) -> Result<Option<Calle
         },
     };
     let Some(key) = presented_key(req).filter(|k| !k.is_empty()) else {
-        return Err(refused(ApiError::Unauthorized(
-            "missing API key: send `Authorization: Bearer <key>` (or `X-API-Key: <key>`)".into(),
-        )));
+        return Err((
+            None,
+            refused(ApiError::Unauthorized(
+                "missing API key: send `Authorization: Bearer <key>` (or `X-API-Key: <key>`)".into(),
+            )),
+        ));
     };
     let Some(caller) = gw.keys.authenticate(key) else {
-        return Err(refused(ApiError::Unauthorized("unknown API key".into())));
+        return Err((None, refused(ApiError::Unauthorized("unknown API key".into()))));
     };
     // The token is taken before the role is checked: a refusal costs its key a token too, or
     // a key looping on a route its role may not use would write an audit row to Postgres per
     // request, as fast as it can send them.
     if let Err(wait) = gw.limiter.take(&caller.name) {
-        return Err(ApiError::RateLimited { key: caller.name, retry_after: wait.as_secs_f64().ceil().max(1.0) as u64 });
+        let retry_after = wait.as_secs_f64().ceil().max(1.0) as u64;
+        let e = ApiError::RateLimited { key: caller.name.clone(), retry_after };
+        return Err((Some(caller), e));
     }
     if !caller.role.may(access) {
-        return Err(ApiError::Forbidden(format!(
+        let e = ApiError::Forbidden(format!(
             "key '{}' has role {}: {} {} needs role {}",
             caller.name,
             caller.role.as_str(),
             req.method(),
             req.uri().path(),
             access.roles()
-        )));
+        ));
+        return Err((Some(caller), e));
     }
-    Ok(Some(caller))
+    Ok(caller)
 }
 
 #[cfg(test)]

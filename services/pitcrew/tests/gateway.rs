@@ -735,12 +735,20 @@ async fn a_key_refused_by_its_role_is_rate_limited_and_stops_filling_the_audit_t
     let mut want = vec![StatusCode::FORBIDDEN; 2];
     want.resize(10, StatusCode::TOO_MANY_REQUESTS);
     assert_eq!(statuses, want);
-    // A refusal by role names the key in its outcome (it has no principal: the request was
-    // not admitted); one by the rate limit is not stored.
+    // A refusal by role is audited under the key's owner and role (its key is valid: who
+    // tried is known); one by the rate limit is not stored.
     let db = api.crew.db().await?;
     let rows: i64 =
         db.query_one("SELECT count(*) FROM gateway_audit WHERE outcome LIKE '%key ''rita''%'", &[]).await?.get(0);
     assert_eq!(rows, 2, "the refusals within the burst are audited, none past it");
+    let named: i64 = db
+        .query_one(
+            "SELECT count(*) FROM gateway_audit WHERE principal = 'rita' AND role = 'readonly' AND status = 403",
+            &[],
+        )
+        .await?
+        .get(0);
+    assert_eq!(named, 2, "audited under who tried, not as anonymous");
     Ok(())
 }
 
