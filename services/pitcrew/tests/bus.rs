@@ -286,6 +286,28 @@ async fn a_poison_stage_message_is_dead_lettered_and_its_run_escalated() -> anyh
     crew.shutdown().await
 }
 
+/// A poison message at escalate closes its run escalated, and the run's end reaches the bus
+/// as the `escalated` event its followers wait for (it got only an error event: `pitcrew
+/// watch` and the gateway's streams waited for an end that never came).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_poison_message_at_escalate_still_ends_its_run_on_the_bus() -> anyhow::Result<()> {
+    let (mut crew, run) = held_before_execute().await?;
+    let mut headers = HeaderMap::new();
+    headers.insert(NATS_MESSAGE_ID, "garbage-at-escalate");
+    headers.insert(CONTENT_TYPE, MSGPACK);
+    headers.insert(pitcrew_runtime::bus::RUN_HEADER, run.to_string().as_str());
+    crew.bus.publish_with_headers(crew.bus.subjects.stage(Stage::Escalate), headers, "\u{1}not msgpack".into()).await?;
+    let end = crew.end(run).await?;
+    assert_eq!(end.kind, EventKind::Escalated, "{}", end.message);
+    assert!(end.message.contains("escalate failed: bad run state: invalid MessagePack"), "{}", end.message);
+    let db = crew.db().await?;
+    let status: String = db.query_one("SELECT status FROM runs WHERE id = $1", &[&run]).await?.get(0);
+    assert_eq!(status, "escalated");
+    assert_eq!(count(&db, "SELECT count(*) FROM run_events WHERE run_id = $1 AND kind = 'escalated'", run).await, 1);
+    assert_eq!(crew.dead_letters().await?, 1, "the poison message itself is dead-lettered");
+    crew.shutdown().await
+}
+
 /// Counts the messages it is handed and acks them.
 struct Counting(Arc<AtomicUsize>);
 

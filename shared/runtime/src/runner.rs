@@ -383,6 +383,35 @@ impl StageRunner {
         }
         let mut cx = Cx::new(&self.deps, stage, state.run_id, state.seq, index);
         cx.emit(EventKind::Error, format!("{stage} failed: {why}"), serde_json::json!({ "error": why }));
+        if stage == Stage::Escalate {
+            // The run ends here, and whoever follows it on the bus (`pitcrew watch`, the
+            // gateway's streams) waits for its end, which the escalate step never published;
+            // unless it did before failing (its end is one a run).
+            let end = self.bus.subjects.event(state.run_id, EventKind::Escalated.as_str());
+            match self.bus.last_on(&self.bus.subjects.events_stream(), &end).await {
+                Ok(Some(_)) => {}
+                Ok(None) => {
+                    let (reason, message) = match &state.escalation_reason {
+                        Some(r) => (r.clone(), format!("{r} (the escalate step failed: {why})")),
+                        None => (format!("{stage} failed: {why}"), format!("{stage} failed: {why}")),
+                    };
+                    cx.emit(
+                        EventKind::Escalated,
+                        format!("escalated {}: {message}", state.incident.service),
+                        serde_json::json!({
+                            "reason": reason,
+                            "attempts": state.attempt,
+                            "failed_commands": state.failed_commands,
+                            "security_flags": state.security_flags,
+                        }),
+                    );
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot tell whether the run's end is on the bus: will retry");
+                    return Disposition::Nak(backoff(delivered));
+                }
+            }
+        }
         let events = cx.take_events();
         let t = if stage == Stage::Escalate {
             Transition::Done(Outcome::Escalated)
