@@ -62,6 +62,17 @@ async fn deadlines_and_output_caps_hold() -> anyhow::Result<()> {
         let out = f.run("box", &format!("sh -c 'exit {code}'"), T).await?;
         assert_eq!((out.exit_code, out.timed_out), (Some(code), false), "{out:?}");
     }
+    // A command that ignores SIGTERM is ended by `timeout`'s SIGKILL, which ends `timeout`
+    // too: still a timeout, not a failure.
+    let out = f.run("box", "sh -c 'trap \"\" TERM; sleep 30'", Duration::from_secs(1)).await?;
+    assert!(out.timed_out && out.exit_code.is_none(), "{out:?}");
+    // A limit under a second is not cut to a second (a check's timeout_ms).
+    let out = f.run("box", "sleep 1.2", Duration::from_millis(1500)).await?;
+    assert_eq!((out.exit_code, out.timed_out), (Some(0), false), "{out:?}");
+    // 127 is the command's own exit code (openssh reads it as "command not found").
+    let out = f.run("box", "sh -c 'exit 127'", T).await?;
+    assert_eq!((out.exit_code, out.timed_out), (Some(127), false), "{out:?}");
+    assert!(!out.stderr.contains("failed while running"), "{out:?}");
     // A "forever" deadline (a huge command_timeout_secs) is no overflow.
     assert_eq!(f.run("box", "true", Duration::MAX).await?.exit_code, Some(0));
     let out = f.run("box", "head -c 1000000 /dev/zero", T).await?;

@@ -38,6 +38,17 @@ pub struct SshExecutor {
 /// How long an unreachable host is not tried again.
 const DOWN_FOR: Duration = Duration::from_secs(30);
 
+/// The remote `timeout`'s duration for `limit`: to the millisecond (a check's 1500 ms is not
+/// cut to 1 s), whole seconds past a day (`timeout` reads any count of seconds; a "forever"
+/// limit stays one), never 0 (which would mean no limit).
+fn remote_limit(limit: Duration) -> String {
+    if limit >= Duration::from_secs(86_400) || limit.subsec_millis() == 0 {
+        format!("{}", limit.as_secs().max(1))
+    } else {
+        format!("{:.3}", limit.as_secs_f64())
+    }
+}
+
 /// `sudo` never prompts: a missing sudo rule fails at once instead of hanging the worker.
 /// However it is written (`/usr/bin/sudo`), and whatever the command's own `-n` is
 /// (`sudo journalctl -n 50`): sudo's `-n` goes right after it unless already there (sudo
@@ -143,9 +154,8 @@ impl SshExecutor {
         ready().await.map_err(ExecError::Transient)?;
         let started = Instant::now();
         // The remote `timeout` kills the command at the deadline even if our channel dies.
-        let secs = timeout.as_secs().max(1);
         let mut cmd = Session::to_command(session.clone(), "timeout");
-        cmd.args(["-k", "2", &format!("{secs}")]).args(&argv);
+        cmd.args(["-k", "2", &remote_limit(timeout)]).args(&argv);
         cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
         let mut child = cmd.spawn().await.map_err(|e| ExecError::Transient(format!("ssh to {host}: {e}")))?;
         let (stdout, stderr) = (child.stdout().take(), child.stderr().take());
@@ -164,7 +174,12 @@ impl SshExecutor {
                 Some(124) | Some(137) if started.elapsed() >= timeout => (None, true),
                 code => (code, false),
             },
-            Ok(Err(openssh::Error::RemoteProcessTerminated)) => (None, false),
+            // Ended by a signal: at the deadline, `timeout`'s SIGKILL (it kills its whole
+            // group, itself too, when the command ignored SIGTERM).
+            Ok(Err(openssh::Error::RemoteProcessTerminated)) => (None, started.elapsed() >= timeout),
+            // openssh reads exit status 127 as "command not found": it is the command's own
+            // (or `timeout`'s, when it could not run the program: told apart below).
+            Ok(Err(openssh::Error::Remote(e))) if e.kind() == std::io::ErrorKind::NotFound => (Some(127), false),
             Ok(Err(e)) => {
                 // The command may have run: report it as failed, never as something to retry.
                 err.extend_from_slice(format!("\npitcrew: ssh to {host} failed while running: {e}").as_bytes());
