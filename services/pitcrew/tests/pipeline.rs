@@ -511,6 +511,10 @@ async fn a_fault_that_never_recovers_escalates_after_exactly_max_retries() -> an
     let end = crew.events.terminal(run, WAIT).await?;
     assert_eq!(end.kind, EventKind::Escalated);
     assert!(end.message.contains("after 3 attempt(s): max_retries (3)"), "{}", end.message);
+    // The human is told every command that did not fix it, the last attempt's too.
+    let failed = end.data["failed_commands"].as_array().cloned().unwrap_or_default();
+    assert_eq!(failed.len(), 3, "{failed:?}");
+    assert!(failed.iter().any(|c| c.as_str().is_some_and(|c| c.contains("try-3"))), "{failed:?}");
     let db = crew.db().await?;
     assert_eq!(count(&db, "SELECT count(DISTINCT attempt) FROM executions WHERE run_id = $1", run).await, 3);
     assert_eq!(count(&db, "SELECT count(*) FROM episodes WHERE run_id = $1 AND NOT success", run).await, 3);

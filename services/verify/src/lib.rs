@@ -34,11 +34,7 @@ pub fn tried_commands(state: &RunState) -> Vec<String> {
 
 /// Reset the per-attempt fields and count the next attempt, remembering what failed.
 pub fn start_next_attempt(state: &mut RunState) {
-    for c in tried_commands(state) {
-        if !state.failed_commands.contains(&c) {
-            state.failed_commands.push(c);
-        }
-    }
+    remember_failed(state);
     state.attempt += 1;
     state.regeneration = 0;
     state.feedback.clear();
@@ -46,6 +42,15 @@ pub fn start_next_attempt(state: &mut RunState) {
     state.evaluation = None;
     state.approval = ApprovalStatus::Unchecked;
     state.executions.clear();
+}
+
+/// This attempt's commands join the run's failed ones (once each).
+fn remember_failed(state: &mut RunState) {
+    for c in tried_commands(state) {
+        if !state.failed_commands.contains(&c) {
+            state.failed_commands.push(c);
+        }
+    }
 }
 
 impl StageHandler for Verify {
@@ -97,7 +102,12 @@ impl StageHandler for Verify {
                     Ok(Transition::To(Stage::Diagnose))
                 }
                 Ok(next) => Ok(Transition::To(next)),
-                Err(reason) => Ok(Transition::Escalate(format!("{reason}; last check: {}", outcome.detail))),
+                Err(reason) => {
+                    // The escalation tells the human every command that did not fix it, the
+                    // last attempt's too.
+                    remember_failed(state);
+                    Ok(Transition::Escalate(format!("{reason}; last check: {}", outcome.detail)))
+                }
             }
         })
     }
