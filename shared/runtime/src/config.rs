@@ -269,6 +269,10 @@ pub struct DatabaseConfig {
     pub statement_timeout_secs: u64,
 }
 
+/// Most remediation attempts (`limits.max_retries`) and plans per attempt
+/// (`limits.max_attempts`): each leaves its diagnosis, flags and commands in the run state.
+pub const MAX_TRIES: u32 = 10;
+
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Limits {
@@ -587,8 +591,14 @@ impl Config {
         if self.prefix.is_empty() || !self.prefix.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_') {
             return bad(format!("prefix '{}' must be letters, digits, '-' or '_'", self.prefix));
         }
-        if self.limits.max_retries == 0 || self.limits.max_attempts == 0 {
-            return bad("limits.max_retries and limits.max_attempts must be at least 1".into());
+        // Each attempt and each plan sent back leaves its diagnosis, flags and commands in the
+        // run state, which travels with every message and is refused past its size cap.
+        if !(1..=MAX_TRIES).contains(&self.limits.max_retries) || !(1..=MAX_TRIES).contains(&self.limits.max_attempts) {
+            return bad(format!(
+                "limits.max_retries ({}) and limits.max_attempts ({}) must be 1 to {MAX_TRIES}: more attempts \
+                 than that are for a human to decide",
+                self.limits.max_retries, self.limits.max_attempts
+            ));
         }
         if self.stages.concurrency == 0 || self.database.pool_size == 0 {
             return bad("stages.concurrency and database.pool_size must be at least 1".into());
@@ -733,6 +743,11 @@ mod tests {
     fn toml_overrides_and_validation() {
         let c = Config::from_toml("[limits]\nmax_retries = 2\n[stage.diagnose]\nconcurrency = 4\n").unwrap();
         assert_eq!(c.limits.max_retries, 2);
+        for limits in ["max_retries = 0", "max_retries = 11", "max_attempts = 0", "max_attempts = 50"] {
+            let e = Config::from_toml(&format!("[limits]\n{limits}\n")).unwrap_err();
+            assert!(e.to_string().contains("must be 1 to 10"), "{limits}: {e}");
+        }
+        assert!(Config::from_toml("[limits]\nmax_retries = 10\nmax_attempts = 10\n").is_ok());
         assert_eq!(c.stage_settings(Stage::Diagnose).concurrency, 4);
         assert_eq!(c.stage_settings(Stage::Plan).concurrency, 32);
         let e = Config::from_toml("[stage.diagnoze]\nconcurrency = 4\n").unwrap_err();
