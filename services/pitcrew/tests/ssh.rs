@@ -414,6 +414,44 @@ async fn an_incident_on_an_ssh_host_is_remediated_over_ssh() -> anyhow::Result<(
     crew.shutdown().await
 }
 
+/// The host is lost between the fix and its verification: verify cannot tell whether the fix
+/// worked, so it escalates saying so, and memory is not told the fix failed (it was: every
+/// check that could not reach the host read as "not recovered", the fix was recorded as a
+/// failure, barred from every run of the service for a day, and an attempt spent).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_host_lost_before_verification_escalates_without_blaming_the_fix() -> anyhow::Result<()> {
+    use pitcrew_model::{EventKind, Stage};
+    let sshd = start_target()?;
+    let env = pitcrew_testkit::TestEnv::start().await?;
+    let healthy = format!("{}/healthy", sshd.workdir("svc")?.display());
+    let text = format!(
+        "{host}lacks = [\"systemctl\"]\nconnect_timeout_secs = 2\n\
+         [services.svc]\nhost = \"box\"\nstart = \"touch {healthy}\"\nrestart = \"touch {healthy}\"\n\
+         check = {{ kind = \"command\", command = \"test -f {healthy}\" }}\n",
+        host = host_toml("box", &sshd.host(true)),
+    );
+    let others: Vec<Stage> = Stage::ALL.into_iter().filter(|s| *s != Stage::Verify).collect();
+    let mut crew = common::Crew::start_in(env, &text, &others).await?;
+    let run = crew.open("svc", "connection refused").await?;
+    crew.events.wait(run, |e| e.kind == EventKind::Execution, WAIT).await?;
+    // The verifier sees box where nothing answers any more.
+    let gone = pitcrew_runtime::natsd::free_port()?.to_string();
+    let mut verifier = crew.spawn_worker("verifier", &["verify"], &[("PITCREW_HOSTS__BOX__PORT", gone.as_str())])?;
+    let end = crew.end(run).await?;
+    common::stop(&mut verifier)?;
+    assert_eq!(end.kind, EventKind::Escalated, "{}", end.message);
+    assert!(end.message.contains("cannot reach box to verify the fix"), "{}", end.message);
+    assert_eq!(end.data["failed_commands"], serde_json::json!([]), "{}", end.data);
+    let db = crew.db().await?;
+    assert_eq!(executions(&db, run).await?, vec![ok(format!("touch {healthy}"))]);
+    let barred: i64 = db
+        .query_one("SELECT count(*) FROM episodes WHERE run_id = $1 AND cardinality(commands) > 0", &[&run])
+        .await?
+        .get(0);
+    assert_eq!(barred, 0, "memory is not told the fix failed");
+    crew.shutdown().await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unreachable_host_escalates_with_a_clear_error_and_no_hang() -> anyhow::Result<()> {
     use pitcrew_model::{EventKind, Stage};

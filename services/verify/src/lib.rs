@@ -83,6 +83,19 @@ impl StageHandler for Verify {
                 outcome = run_check(check, &spec.host, executor.as_ref()).await;
             }
             let recovered = outcome.healthy;
+            if !recovered && outcome.host_unreachable {
+                // Nothing is known of the service: the fix is neither a success nor a failure
+                // (memory would bar a command that may have worked), and a human must look.
+                cx.emit(
+                    EventKind::Verification,
+                    format!("cannot verify: {}", outcome.detail),
+                    serde_json::json!({ "recovered": null, "attempt": state.attempt }),
+                );
+                return Ok(Transition::Escalate(format!(
+                    "cannot reach {} to verify the fix: {}",
+                    spec.host, outcome.detail
+                )));
+            }
             state.verification =
                 Some(Verification { attempt: state.attempt, recovered, detail: outcome.detail.clone() });
             cx.emit(

@@ -27,6 +27,9 @@ pub struct CheckOutcome {
     pub detail: String,
     /// The response body or command stdout, trimmed to 4096 bytes (evidence for diagnosis).
     pub output: String,
+    /// The check's command could not reach its host (`ExecError::Unreachable`): nothing is
+    /// known of the service, so a fix must not be judged by it.
+    pub host_unreachable: bool,
 }
 
 impl CheckOutcome {
@@ -34,7 +37,12 @@ impl CheckOutcome {
     /// both as evidence, and a check's URL, command line, body or output may carry a secret.
     fn new(healthy: bool, detail: String, output: &str) -> Self {
         let output = trim_output(output, MAX_OUTPUT);
-        Self { healthy, detail: one_line(&redact(&detail)), output: redact(&output).into_owned() }
+        Self {
+            healthy,
+            detail: one_line(&redact(&detail)),
+            output: redact(&output).into_owned(),
+            host_unreachable: false,
+        }
     }
 }
 
@@ -144,7 +152,11 @@ async fn command_check(
     let shown = clip(command, MAX_QUOTE);
     let out = match executor.run(host, command, timeout).await {
         Ok(out) => out,
-        Err(e) => return CheckOutcome::new(false, format!("`{shown}` on {host}: {e}"), ""),
+        Err(e) => {
+            let mut outcome = CheckOutcome::new(false, format!("`{shown}` on {host}: {e}"), "");
+            outcome.host_unreachable = matches!(e, crate::ExecError::Unreachable(_));
+            return outcome;
+        }
     };
     let detail = if out.timed_out {
         format!("`{shown}` timed out after {} ms", timeout.as_millis())
