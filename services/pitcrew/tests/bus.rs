@@ -259,14 +259,20 @@ async fn a_malformed_incident_naming_an_open_run_leaves_that_run_alone() -> anyh
     crew.shutdown().await
 }
 
+/// Publish bytes that are no run state to `stage`, naming `run` in the run header.
+async fn publish_garbage(crew: &Crew, stage: Stage, run: uuid::Uuid, id: &str) -> anyhow::Result<()> {
+    let mut headers = HeaderMap::new();
+    headers.insert(NATS_MESSAGE_ID, id);
+    headers.insert(CONTENT_TYPE, MSGPACK);
+    headers.insert(pitcrew_runtime::bus::RUN_HEADER, run.to_string().as_str());
+    crew.bus.publish_with_headers(crew.bus.subjects.stage(stage), headers, "\u{1}not msgpack".into()).await?;
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_poison_stage_message_is_dead_lettered_and_its_run_escalated() -> anyhow::Result<()> {
     let (mut crew, run) = held_before_execute().await?;
-    let mut headers = HeaderMap::new();
-    headers.insert(NATS_MESSAGE_ID, "garbage-1");
-    headers.insert(CONTENT_TYPE, MSGPACK);
-    headers.insert(pitcrew_runtime::bus::RUN_HEADER, run.to_string().as_str());
-    crew.bus.publish_with_headers(crew.bus.subjects.stage(Stage::Verify), headers, "\u{1}not msgpack".into()).await?;
+    publish_garbage(&crew, Stage::Verify, run, "garbage-1").await?;
     let end = crew.end(run).await?;
     assert_eq!(end.kind, EventKind::Escalated);
     assert!(end.message.contains("verify failed: bad run state: invalid MessagePack"), "{}", end.message);
@@ -292,11 +298,7 @@ async fn a_poison_stage_message_is_dead_lettered_and_its_run_escalated() -> anyh
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_poison_message_at_escalate_still_ends_its_run_on_the_bus() -> anyhow::Result<()> {
     let (mut crew, run) = held_before_execute().await?;
-    let mut headers = HeaderMap::new();
-    headers.insert(NATS_MESSAGE_ID, "garbage-at-escalate");
-    headers.insert(CONTENT_TYPE, MSGPACK);
-    headers.insert(pitcrew_runtime::bus::RUN_HEADER, run.to_string().as_str());
-    crew.bus.publish_with_headers(crew.bus.subjects.stage(Stage::Escalate), headers, "\u{1}not msgpack".into()).await?;
+    publish_garbage(&crew, Stage::Escalate, run, "garbage-at-escalate").await?;
     let end = crew.end(run).await?;
     assert_eq!(end.kind, EventKind::Escalated, "{}", end.message);
     assert!(end.message.contains("escalate failed: bad run state: invalid MessagePack"), "{}", end.message);

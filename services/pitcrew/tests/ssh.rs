@@ -386,6 +386,17 @@ async fn episodes(db: &tokio_postgres::Client, run: uuid::Uuid) -> anyhow::Resul
     Ok(rows.iter().map(|r| (r.get(0), r.get(1))).collect())
 }
 
+/// Host box (the target, `host_extra` added to its table) and service svc on it, fixed by
+/// touching `healthy` and checked by its presence.
+fn touched_service(sshd: &Sshd, healthy: &str, host_extra: &str) -> String {
+    format!(
+        "{host}lacks = [\"systemctl\"]\n{host_extra}\
+         [services.svc]\nhost = \"box\"\nstart = \"touch {healthy}\"\nrestart = \"touch {healthy}\"\n\
+         check = {{ kind = \"command\", command = \"test -f {healthy}\" }}\n",
+        host = host_toml("box", &sshd.host(true)),
+    )
+}
+
 fn ok(cmd: String) -> (String, String) {
     (cmd, "succeeded".to_string())
 }
@@ -396,12 +407,7 @@ async fn an_incident_on_an_ssh_host_is_remediated_over_ssh() -> anyhow::Result<(
     let sshd = start_target()?;
     let env = pitcrew_testkit::TestEnv::start().await?;
     let healthy = format!("{}/healthy", sshd.workdir("svc")?.display());
-    let text = format!(
-        "{host}lacks = [\"systemctl\"]\n\
-         [services.svc]\nhost = \"box\"\nstart = \"touch {healthy}\"\nrestart = \"touch {healthy}\"\n\
-         check = {{ kind = \"command\", command = \"test -f {healthy}\" }}\n",
-        host = host_toml("box", &sshd.host(true)),
-    );
+    let text = touched_service(&sshd, &healthy, "");
     let mut crew = common::Crew::start_in(env, &text, &Stage::ALL).await?;
     let run = crew.open("svc", "connection refused").await?;
     let end = crew.end(run).await?;
@@ -424,12 +430,7 @@ async fn a_host_lost_before_verification_escalates_without_blaming_the_fix() -> 
     let sshd = start_target()?;
     let env = pitcrew_testkit::TestEnv::start().await?;
     let healthy = format!("{}/healthy", sshd.workdir("svc")?.display());
-    let text = format!(
-        "{host}lacks = [\"systemctl\"]\nconnect_timeout_secs = 2\n\
-         [services.svc]\nhost = \"box\"\nstart = \"touch {healthy}\"\nrestart = \"touch {healthy}\"\n\
-         check = {{ kind = \"command\", command = \"test -f {healthy}\" }}\n",
-        host = host_toml("box", &sshd.host(true)),
-    );
+    let text = touched_service(&sshd, &healthy, "connect_timeout_secs = 2\n");
     let others: Vec<Stage> = Stage::ALL.into_iter().filter(|s| *s != Stage::Verify).collect();
     let mut crew = common::Crew::start_in(env, &text, &others).await?;
     let run = crew.open("svc", "connection refused").await?;
