@@ -217,14 +217,21 @@ impl SshExecutor {
         let Ok(_channel) = self.channel(host).await else { return false };
         let Ok(session) = self.session(host).await else { return false };
         let probe = format!("command -v {}", shell_words::quote(tool));
-        let found = match Session::to_command(session, "sh").args(["-c", &probe]).output().await {
-            Ok(o) => o.status.success(),
-            Err(_) => return false,
+        // A host that hangs must not hold the caller (diagnose, a plan's check) for good.
+        let mut asked = Session::to_command(session, "sh");
+        asked.args(["-c", &probe]);
+        let found = match tokio::time::timeout(TOOL_PROBE_LIMIT, asked.output()).await {
+            Ok(Ok(o)) => o.status.success(),
+            // Not cached: the next look asks again.
+            Ok(Err(_)) | Err(_) => return false,
         };
         self.tools.lock().expect("tool cache").insert(key, found);
         found
     }
 }
+
+/// How long `has_tool` waits for a host to say whether it has a program.
+const TOOL_PROBE_LIMIT: Duration = Duration::from_secs(10);
 
 fn connect_error(host: &str, spec: &HostSpec, e: openssh::Error) -> ExecError {
     let text = format!("{e}: {}", std::error::Error::source(&e).map(|s| s.to_string()).unwrap_or_default());
