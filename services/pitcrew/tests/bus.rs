@@ -640,6 +640,47 @@ async fn a_closing_step_whose_publish_failed_publishes_its_events_when_redeliver
     crew.shutdown().await
 }
 
+/// A step delivered again after its commit landed, deciding otherwise this time (verify: the
+/// check passed, then failed): the first transition stands, and its state is sent on again
+/// (its publish failed here), never the second's. The second overwrote the run's row at the
+/// same seq, and its message went out unless the bus took it for a duplicate of the first:
+/// the row and the message in flight disagreed, or the run forked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_step_redelivered_after_its_commit_keeps_the_transition_it_committed() -> anyhow::Result<()> {
+    use pitcrew_model::{Incident, RunState};
+    use pitcrew_runtime::store::{OpenRun, RunStatus};
+    use pitcrew_runtime::Transition;
+    let env = TestEnv::start().await?;
+    let text = marker_service(&env, "svc");
+    let mut crew = Crew::start_in(env, &text, &[]).await?;
+    let deps = deps_of(&crew)?;
+    let mut state = RunState::new(uuid::Uuid::now_v7(), Incident::new("svc", "down"));
+    assert_eq!(crew.store.open_run(&state).await?, OpenRun::Created);
+    state.advance(Stage::Verify);
+    assert!(crew.store.commit_transition_with(&state, RunStatus::Open, &[], vec![]).await?);
+    // The first delivery: recovered, on to report; committed, then its publish failed.
+    let mut first = state.clone();
+    first.advance(Stage::Report);
+    assert!(crew.store.commit_transition_with(&first, RunStatus::Open, &[], vec![]).await?);
+    // The redelivery: not recovered now, on to a next attempt.
+    let mut second = state.clone();
+    second.attempt += 1;
+    pitcrew_runtime::runner::apply(&crew.bus, &deps, second, Transition::To(Stage::Diagnose), vec![], vec![]).await?;
+    let db = crew.db().await?;
+    let row = db.query_one("SELECT stage, seq, attempt FROM runs WHERE id = $1", &[&state.run_id]).await?;
+    let row: (String, i32, i32) = (row.get(0), row.get(1), row.get(2));
+    assert_eq!(row, ("report".to_string(), 2, 1), "the committed transition stands");
+    let stream = crew.bus.js.get_stream(crew.bus.subjects.stages_stream()).await?;
+    let sent = stream.get_last_raw_message_by_subject(&crew.bus.subjects.stage(Stage::Report)).await?;
+    let sent: RunState = pitcrew_model::codec::decode(Some(MSGPACK), &sent.payload)?;
+    assert_eq!((sent.run_id, sent.seq, sent.step), (state.run_id, 2, Stage::Report), "sent on again");
+    assert!(
+        stream.get_last_raw_message_by_subject(&crew.bus.subjects.stage(Stage::Diagnose)).await.is_err(),
+        "the redelivery's own transition never went out"
+    );
+    crew.shutdown().await
+}
+
 /// During a rolling upgrade a worker may pull a run state a newer worker wrote: it leaves it
 /// for one (no dead letter, no escalation of a healthy run), whether the newer layout still
 /// decodes or not.

@@ -479,14 +479,14 @@ pub async fn apply(
         Transition::To(next) => {
             state.advance(next);
             if !store.commit_transition_with(&state, RunStatus::Open, &events, records).await? {
-                return stale(state.run_id);
+                return resend_committed(bus, deps, &state).await;
             }
             publish_batch(bus, &events, Some(&state)).await?;
         }
         Transition::Escalate(reason) => {
             state.escalate(reason);
             if !store.commit_transition_with(&state, RunStatus::Open, &events, records).await? {
-                return stale(state.run_id);
+                return resend_committed(bus, deps, &state).await;
             }
             publish_batch(bus, &events, Some(&state)).await?;
         }
@@ -546,6 +546,28 @@ pub async fn apply(
             store.insert_events(&events).await?;
             publish_events(bus, &events).await?;
         }
+    }
+    Ok(())
+}
+
+/// A transition the store refused. When an earlier delivery of the same step committed
+/// another one (to another step, at the seq this one would have taken: its check said
+/// otherwise then), that one stands, and its state is sent on again: its own publish may have
+/// failed after its commit, and nothing else would move the run (the bus drops it as a
+/// duplicate if it did land). Anything else is a stale delivery: nothing to do.
+async fn resend_committed(bus: &Bus, deps: &Deps, refused: &RunState) -> Result<(), ApplyError> {
+    let stored = deps.store.load_run(refused.run_id).await?;
+    match stored {
+        Some(run)
+            if run.status == RunStatus::Open && run.state.seq == refused.seq && run.state.step != refused.step =>
+        {
+            tracing::info!(
+                run = %refused.run_id, committed = %run.state.step, refused = %refused.step,
+                "an earlier delivery of this step committed another transition: sending that one on"
+            );
+            publish_state(bus, &run.state).await?;
+        }
+        _ => tracing::info!(run = %refused.run_id, "stale delivery: the run has moved on; dropping it"),
     }
     Ok(())
 }

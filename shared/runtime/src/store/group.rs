@@ -5,7 +5,10 @@
 //! crew waits for nothing.
 //!
 //! Each transition keeps its own answer: the seq guard is per run, and a run the batch did
-//! not move (stale input, closed run) is reported to its caller alone. A batch never holds
+//! not move (stale input, closed run) is reported to its caller alone. A transition at the
+//! seq the run is at is taken again only to the same step (a redelivered step rewriting what
+//! it wrote); one to another step (a redelivered step that decided otherwise: a check that
+//! now fails) is refused, so the run keeps the transition whose message may be on its way. A batch never holds
 //! two transitions of one run (the second waits for the next batch), so batching changes no
 //! outcome. A batch that fails for a reason other than the connection is split into single
 //! statements, so one transition Postgres refuses never fails the others with it.
@@ -190,7 +193,7 @@ async fn single(pool: &Pool, p: &Pending) -> Result<bool, StoreError> {
                  UPDATE runs SET stage = $2, seq = $3, attempt = $4, state = $5::text::jsonb, status = $6, reason = $7,
                         updated_at = now(),
                         finished_at = CASE WHEN $6 IN ('resolved', 'escalated') THEN now() ELSE NULL END
-                 WHERE id = $1 AND seq <= $3 AND status NOT IN ('resolved', 'escalated')
+                 WHERE id = $1 AND (seq < $3 OR (seq = $3 AND stage = $2)) AND status NOT IN ('resolved', 'escalated')
                  RETURNING id),
              ins AS (
                  INSERT INTO run_events (run_id, seq, idx, stage, kind, message, data, worker, at)
@@ -239,7 +242,8 @@ const TRANSITIONS: &str = "WITH u AS (
                 status = u.status, reason = u.reason, updated_at = now(),
                 finished_at = CASE WHEN u.status IN ('resolved', 'escalated') THEN now() ELSE NULL END
          FROM u
-         WHERE r.id = u.id AND r.seq <= u.seq AND r.status NOT IN ('resolved', 'escalated')
+         WHERE r.id = u.id AND (r.seq < u.seq OR (r.seq = u.seq AND r.stage = u.stage))
+           AND r.status NOT IN ('resolved', 'escalated')
          RETURNING u.item),
      ins AS (
          INSERT INTO run_events (run_id, seq, idx, stage, kind, message, data, worker, at)
