@@ -264,8 +264,7 @@ impl StageHandler for EvaluateStage {
             Ok(match verdict {
                 Verdict::Pass => Transition::To(Stage::Approval),
                 Verdict::Regenerate => {
-                    state.regeneration += 1;
-                    state.feedback.push(feedback.unwrap_or_default());
+                    state.send_back_plan(feedback.unwrap_or_default(), !ungrounded);
                     // A diagnosis that claims what nobody observed is redone, not just its plan.
                     Transition::To(if ungrounded { Stage::Diagnose } else { Stage::Plan })
                 }

@@ -10,13 +10,20 @@ use pitcrew_runtime::{target, Cx, StageError, StageHandler, Transition};
 pub struct PlanStage;
 
 /// Commands the evaluator sent back during this attempt: not to be proposed again in it.
+/// Every plan sent back (`rejected_commands`), and the one just sent back (a state from a
+/// worker that kept only that one).
 pub fn rejected_commands(state: &RunState) -> Vec<String> {
-    match (&state.evaluation, &state.plan) {
-        (Some(ev), Some(plan)) if ev.attempt == state.attempt && ev.verdict == Verdict::Regenerate => {
-            plan.commands.clone()
+    let mut rejected = state.rejected_commands.clone();
+    if let (Some(ev), Some(plan)) = (&state.evaluation, &state.plan) {
+        if ev.attempt == state.attempt && ev.verdict == Verdict::Regenerate {
+            for c in &plan.commands {
+                if !rejected.contains(c) {
+                    rejected.push(c.clone());
+                }
+            }
         }
-        _ => Vec::new(),
     }
+    rejected
 }
 
 impl StageHandler for PlanStage {
@@ -90,5 +97,10 @@ mod tests {
         let mut later = with(Verdict::Regenerate, 1);
         later.attempt = 2;
         assert!(rejected_commands(&later).is_empty(), "a new attempt starts clean");
+        // Plan a was sent back, then plan b: neither comes back (a third plan may not be a).
+        let mut third = with(Verdict::Regenerate, 1);
+        third.plan.as_mut().expect("a plan").commands = vec!["b".into()];
+        third.rejected_commands = vec!["a".into()];
+        assert_eq!(rejected_commands(&third), vec!["a".to_string(), "b".to_string()]);
     }
 }

@@ -38,6 +38,7 @@ pub fn start_next_attempt(state: &mut RunState) {
     state.attempt += 1;
     state.regeneration = 0;
     state.feedback.clear();
+    state.rejected_commands.clear();
     state.plan = None;
     state.evaluation = None;
     state.approval = ApprovalStatus::Unchecked;
@@ -159,9 +160,11 @@ mod tests {
         };
         s.executions = vec![rec(0, "a", ExecutionStatus::Failed), rec(1, "b", ExecutionStatus::Skipped)];
         s.regeneration = 2;
+        s.rejected_commands = vec!["c".into()];
         start_next_attempt(&mut s);
         assert_eq!(s.failed_commands, vec!["a".to_string()]);
         assert_eq!((s.attempt, s.regeneration), (2, 0));
         assert!(s.plan.is_none() && s.executions.is_empty());
+        assert!(s.rejected_commands.is_empty(), "a plan sent back is tried again in a new attempt");
     }
 }

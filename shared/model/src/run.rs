@@ -219,6 +219,10 @@ pub struct RunState {
     /// Evaluator feedback for the next plan of this attempt.
     #[serde(default)]
     pub feedback: Vec<String>,
+    /// Commands of every plan the evaluator sent back in this attempt: none is proposed again
+    /// in it (the plan to regenerate alone would let the one before it come back).
+    #[serde(default)]
+    pub rejected_commands: Vec<String>,
     /// Commands that failed in this run: never proposed again.
     #[serde(default)]
     pub failed_commands: Vec<String>,
@@ -252,6 +256,7 @@ impl RunState {
             security_flags: Vec::new(),
             evaluation: None,
             feedback: Vec::new(),
+            rejected_commands: Vec::new(),
             failed_commands: Vec::new(),
             executions: Vec::new(),
             verification: None,
@@ -287,6 +292,23 @@ impl RunState {
         format!("{}.{}", self.run_id, self.seq)
     }
 
+    /// The evaluator sends the plan back with `feedback`: the next plan of this attempt is a
+    /// regeneration. When the plan itself was at fault (not a diagnosis that claimed what
+    /// nobody observed: its plan may be the right one), none of its commands comes back in
+    /// this attempt, whatever plans come after it.
+    pub fn send_back_plan(&mut self, feedback: String, plan_at_fault: bool) {
+        self.regeneration += 1;
+        self.feedback.push(feedback);
+        if !plan_at_fault {
+            return;
+        }
+        for c in self.plan.iter().flat_map(|p| p.commands.iter()) {
+            if !self.rejected_commands.contains(c) {
+                self.rejected_commands.push(c.clone());
+            }
+        }
+    }
+
     /// Address this state to `next`, counting the transition.
     pub fn advance(&mut self, next: Stage) {
         self.step = next;
@@ -315,6 +337,27 @@ mod tests {
         assert_eq!(p(&["a", "b"]).hash(), p(&["a", "b"]).hash());
         assert_ne!(p(&["a", "b"]).hash(), p(&["ab"]).hash());
         assert_ne!(p(&["a"]).hash(), p(&["a "]).hash());
+    }
+
+    #[test]
+    fn every_plan_sent_back_in_an_attempt_stays_barred_in_it() {
+        let mut s = RunState::new(Uuid::now_v7(), Incident::new("web", "down"));
+        let plan = |c: &[&str]| Plan {
+            attempt: 1,
+            commands: c.iter().map(|s| s.to_string()).collect(),
+            rationale: String::new(),
+            source: String::new(),
+        };
+        s.plan = Some(plan(&["a", "b"]));
+        s.send_back_plan("a is not on the host".into(), true);
+        s.plan = Some(plan(&["b", "c"]));
+        s.send_back_plan("c repeats a failure".into(), true);
+        assert_eq!(s.rejected_commands, ["a", "b", "c"]);
+        // A diagnosis sent back for an invented fact: its plan may be the right one.
+        s.plan = Some(plan(&["d"]));
+        s.send_back_plan("nobody saw /dev/sda1".into(), false);
+        assert_eq!(s.rejected_commands, ["a", "b", "c"]);
+        assert_eq!((s.regeneration, s.feedback.len()), (3, 3));
     }
 
     #[test]
