@@ -586,22 +586,30 @@ async fn a_closing_step_delivered_again_ends_its_run_once_on_the_bus() -> anyhow
     Ok(())
 }
 
+/// A crew running no stage, its deps for `runner::apply`, and a run opened and moved to `step`.
+async fn run_at(step: Stage) -> anyhow::Result<(Crew, pitcrew_runtime::Deps, pitcrew_model::RunState)> {
+    use pitcrew_model::{Incident, RunState};
+    use pitcrew_runtime::store::{OpenRun, RunStatus};
+    let env = TestEnv::start().await?;
+    let text = marker_service(&env, "svc");
+    let crew = Crew::start_in(env, &text, &[]).await?;
+    let deps = deps_of(&crew)?;
+    let mut state = RunState::new(uuid::Uuid::now_v7(), Incident::new("svc", "down"));
+    assert_eq!(crew.store.open_run(&state).await?, OpenRun::Created);
+    state.advance(step);
+    assert!(crew.store.commit_transition_with(&state, RunStatus::Open, &[], vec![]).await?);
+    Ok((crew, deps, state))
+}
+
 /// The last step's commit landed but publishing its events failed: the redelivered step finds
 /// the run closed, by itself, and publishes the events then, so whoever follows the run on
 /// the bus (`pitcrew watch`, live streams) still sees how it ended.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_closing_step_whose_publish_failed_publishes_its_events_when_redelivered() -> anyhow::Result<()> {
-    use pitcrew_model::{Incident, Outcome, RunEvent, RunState};
-    use pitcrew_runtime::store::{OpenRun, RunStatus};
+    use pitcrew_model::{Outcome, RunEvent};
+    use pitcrew_runtime::store::RunStatus;
     use pitcrew_runtime::Transition;
-    let env = TestEnv::start().await?;
-    let text = marker_service(&env, "svc");
-    let mut crew = Crew::start_in(env, &text, &[]).await?;
-    let deps = deps_of(&crew)?;
-    let mut state = RunState::new(uuid::Uuid::now_v7(), Incident::new("svc", "down"));
-    assert_eq!(crew.store.open_run(&state).await?, OpenRun::Created);
-    state.advance(Stage::Report);
-    assert!(crew.store.commit_transition_with(&state, RunStatus::Open, &[], vec![]).await?);
+    let (mut crew, deps, state) = run_at(Stage::Report).await?;
     let end = RunEvent {
         run_id: state.run_id,
         seq: state.seq,
@@ -647,17 +655,10 @@ async fn a_closing_step_whose_publish_failed_publishes_its_events_when_redeliver
 /// the row and the message in flight disagreed, or the run forked.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_step_redelivered_after_its_commit_keeps_the_transition_it_committed() -> anyhow::Result<()> {
-    use pitcrew_model::{Incident, RunState};
-    use pitcrew_runtime::store::{OpenRun, RunStatus};
+    use pitcrew_model::RunState;
+    use pitcrew_runtime::store::RunStatus;
     use pitcrew_runtime::Transition;
-    let env = TestEnv::start().await?;
-    let text = marker_service(&env, "svc");
-    let mut crew = Crew::start_in(env, &text, &[]).await?;
-    let deps = deps_of(&crew)?;
-    let mut state = RunState::new(uuid::Uuid::now_v7(), Incident::new("svc", "down"));
-    assert_eq!(crew.store.open_run(&state).await?, OpenRun::Created);
-    state.advance(Stage::Verify);
-    assert!(crew.store.commit_transition_with(&state, RunStatus::Open, &[], vec![]).await?);
+    let (mut crew, deps, state) = run_at(Stage::Verify).await?;
     // The first delivery: recovered, on to report; committed, then its publish failed.
     let mut first = state.clone();
     first.advance(Stage::Report);
