@@ -48,12 +48,7 @@ impl StageHandler for Escalate {
             cx.emit(
                 EventKind::Escalated,
                 format!("escalated {}: {why}", state.incident.service),
-                serde_json::json!({
-                    "reason": why,
-                    "attempts": state.attempt,
-                    "failed_commands": state.failed_commands,
-                    "security_flags": state.security_flags,
-                }),
+                state.escalated_data(&why),
             );
             Ok(Transition::Done(Outcome::Escalated))
         })

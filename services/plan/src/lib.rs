@@ -16,11 +16,7 @@ pub fn rejected_commands(state: &RunState) -> Vec<String> {
     let mut rejected = state.rejected_commands.clone();
     if let (Some(ev), Some(plan)) = (&state.evaluation, &state.plan) {
         if ev.attempt == state.attempt && ev.verdict == Verdict::Regenerate {
-            for c in &plan.commands {
-                if !rejected.contains(c) {
-                    rejected.push(c.clone());
-                }
-            }
+            pitcrew_model::run::add_once(&mut rejected, plan.commands.iter().cloned());
         }
     }
     rejected

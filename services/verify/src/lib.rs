@@ -47,11 +47,8 @@ pub fn start_next_attempt(state: &mut RunState) {
 
 /// This attempt's commands join the run's failed ones (once each).
 fn remember_failed(state: &mut RunState) {
-    for c in tried_commands(state) {
-        if !state.failed_commands.contains(&c) {
-            state.failed_commands.push(c);
-        }
-    }
+    let tried = tried_commands(state);
+    pitcrew_model::run::add_once(&mut state.failed_commands, tried);
 }
 
 impl StageHandler for Verify {

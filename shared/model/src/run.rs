@@ -302,11 +302,7 @@ impl RunState {
         if !plan_at_fault {
             return;
         }
-        for c in self.plan.iter().flat_map(|p| p.commands.iter()) {
-            if !self.rejected_commands.contains(c) {
-                self.rejected_commands.push(c.clone());
-            }
-        }
+        add_once(&mut self.rejected_commands, self.plan.iter().flat_map(|p| p.commands.iter().cloned()));
     }
 
     /// Address this state to `next`, counting the transition.
@@ -319,6 +315,26 @@ impl RunState {
     pub fn escalate(&mut self, reason: impl Into<String>) {
         self.escalation_reason = Some(reason.into());
         self.advance(Stage::Escalate);
+    }
+
+    /// The data of the run's `escalated` event: why, after how many attempts, what was tried
+    /// and did not work, and what the policy flagged.
+    pub fn escalated_data(&self, reason: &str) -> serde_json::Value {
+        serde_json::json!({
+            "reason": reason,
+            "attempts": self.attempt,
+            "failed_commands": self.failed_commands,
+            "security_flags": self.security_flags,
+        })
+    }
+}
+
+/// Add to a list of commands those it does not hold yet, in order.
+pub fn add_once(list: &mut Vec<String>, commands: impl IntoIterator<Item = String>) {
+    for c in commands {
+        if !list.contains(&c) {
+            list.push(c);
+        }
     }
 }
 

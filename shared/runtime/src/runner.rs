@@ -398,12 +398,7 @@ impl StageRunner {
                     cx.emit(
                         EventKind::Escalated,
                         format!("escalated {}: {message}", state.incident.service),
-                        serde_json::json!({
-                            "reason": reason,
-                            "attempts": state.attempt,
-                            "failed_commands": state.failed_commands,
-                            "security_flags": state.security_flags,
-                        }),
+                        state.escalated_data(&reason),
                     );
                 }
                 Err(e) => {
