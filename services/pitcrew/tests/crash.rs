@@ -131,15 +131,18 @@ async fn check_batch(crew: &Crew) -> anyhow::Result<i64> {
             &[],
         )
         .await?;
-    assert_eq!(rows.len(), N, "one run a service");
+    anyhow::ensure!(rows.len() == N, "one run a service: {} runs", rows.len());
     let mut ended = BTreeMap::new();
     for r in &rows {
         let (service, run, status, terminal, kind): (String, uuid::Uuid, String, i64, Option<String>) =
             (r.get(0), r.get(1), r.get(2), r.get(3), r.get(4));
         let i: usize = service.trim_start_matches('s').parse()?;
         let want = if doomed(i) { "escalated" } else { "resolved" };
-        assert_eq!(status, want, "{service}'s run {run}");
-        assert_eq!((terminal, kind.as_deref()), (1, Some(want)), "{service}'s run {run}: one terminal event");
+        anyhow::ensure!(status == want, "{service}'s run {run} is {status}, not {want}");
+        anyhow::ensure!(
+            (terminal, kind.as_deref()) == (1, Some(want)),
+            "{service}'s run {run}: {terminal} terminal events ({kind:?}), one {want} expected"
+        );
         ended.insert(run, want);
     }
     // Subscribers see the same: one terminal event a run on the bus.
@@ -154,16 +157,20 @@ async fn check_batch(crew: &Crew) -> anyhow::Result<i64> {
             on_bus.entry(run).or_default().push((kind.to_string(), count));
         }
     }
-    assert_eq!(on_bus.len(), N, "every run's end was published");
+    anyhow::ensure!(on_bus.len() == N, "every run's end was published: {} of {N}", on_bus.len());
     for (run, published) in &on_bus {
-        assert_eq!(published, &vec![(ended[run].to_string(), 1)], "run {run}: one terminal event on the bus");
+        anyhow::ensure!(
+            published == &vec![(ended[run].to_string(), 1)],
+            "run {run}: one terminal event on the bus, {} expected: {published:?}",
+            ended[run]
+        );
     }
 
     let mut dlq = crew.bus.js.get_stream(crew.bus.subjects.dlq_stream()).await?;
     let dead = dlq.info().await?.state.messages;
     if dead > 0 {
         let first = dlq.get_raw_message(1).await?;
-        panic!(
+        anyhow::bail!(
             "the DLQ holds {dead} messages; the first, on {}: {:?} {}",
             first.subject,
             first.headers,
@@ -190,7 +197,7 @@ async fn check_batch(crew: &Crew) -> anyhow::Result<i64> {
             &[],
         )
         .await?;
-    assert!(rows.len() >= N, "every run ran a command: {} executions", rows.len());
+    anyhow::ensure!(rows.len() >= N, "every run ran a command: {} executions", rows.len());
     let (mut interrupted, mut statuses) = (0, BTreeMap::<String, usize>::new());
     for r in &rows {
         let (tag, run, attempt, idx, status, from, to): (String, uuid::Uuid, i32, i32, String, i64, i64) =
@@ -198,13 +205,13 @@ async fn check_batch(crew: &Crew) -> anyhow::Result<i64> {
         let inside = lines.get(&tag).map_or(0, |at| at.iter().filter(|t| (from..=to).contains(*t)).count());
         let what = format!("{tag} (run {run}, attempt {attempt}, command {idx}, {status:?}) ran {inside} times");
         match status.as_str() {
-            "succeeded" | "failed" => assert_eq!(inside, 1, "{what}"),
+            "succeeded" | "failed" => anyhow::ensure!(inside == 1, "{what}"),
             // Killed at its deadline, maybe before it wrote its line (a slow start).
             "timed_out" | "interrupted" => {
-                assert!(inside <= 1, "{what}");
+                anyhow::ensure!(inside <= 1, "{what}");
                 interrupted += i64::from(status == "interrupted");
             }
-            _ => assert_eq!(inside, 0, "{what}"),
+            _ => anyhow::ensure!(inside == 0, "{what}"),
         }
         *statuses.entry(status).or_default() += 1;
     }
@@ -214,7 +221,7 @@ async fn check_batch(crew: &Crew) -> anyhow::Result<i64> {
                 .iter()
                 .filter(|r| r.get::<_, String>(0) == *tag && (r.get::<_, i64>(5)..=r.get::<_, i64>(6)).contains(t))
                 .count();
-            assert_eq!(windows, 1, "{tag} ran at {t} inside {windows} executions' windows (one expected)");
+            anyhow::ensure!(windows == 1, "{tag} ran at {t} inside {windows} executions' windows (one expected)");
         }
     }
     eprintln!(
@@ -272,9 +279,9 @@ async fn workers_killed_at_random_lose_nothing_and_repeat_nothing() -> anyhow::R
         "SIGKILLed a worker {kills} times ({mid_command} while it ran a command); batch done in {:.1} s",
         started.elapsed().as_secs_f64()
     );
-    assert!(kills >= 3, "the batch outlived several kills ({kills})");
+    anyhow::ensure!(kills >= 3, "the batch outlived several kills ({kills})");
     let interrupted = check_batch(&crew).await?;
-    assert!(
+    anyhow::ensure!(
         mid_command >= 1 && interrupted >= 1,
         "no kill landed mid-command ({mid_command}, {interrupted} interrupted)"
     );
@@ -289,7 +296,7 @@ async fn a_nats_restart_mid_batch_loses_nothing_and_repeats_nothing() -> anyhow:
     wait_finished(&db, N / 4, started, "the batch never got going").await?;
     let at = finished(&db).await?;
     crew.env.nats.restart()?;
-    assert!(at < N as i64, "the restart came mid-batch");
+    anyhow::ensure!(at < N as i64, "the restart came mid-batch");
     eprintln!("nats-server restarted with {at} of {N} runs finished");
     wait_finished(&db, N, started, "batch not done after the restart").await?;
     eprintln!("batch done in {:.1} s", started.elapsed().as_secs_f64());
@@ -310,7 +317,7 @@ async fn postgres_down_for_ten_seconds_mid_batch_loses_nothing_and_repeats_nothi
     wait_finished(&crew.db().await?, N, started, "batch not done after the outage").await?;
     eprintln!("batch done in {:.1} s", started.elapsed().as_secs_f64());
     let cut = check_batch(&crew).await?;
-    assert_eq!(cut, 0, "a command that ran through the outage is recorded as it ended, not interrupted");
+    anyhow::ensure!(cut == 0, "a command that ran through the outage is recorded as it ended, not interrupted ({cut})");
     // The steps retried through the outage say so where they start in their timelines; a
     // first delivery has no such line.
     let rows = crew
@@ -322,10 +329,10 @@ async fn postgres_down_for_ten_seconds_mid_batch_loses_nothing_and_repeats_nothi
             &[],
         )
         .await?;
-    assert!(!rows.is_empty(), "no step was redelivered through a ten-second outage");
+    anyhow::ensure!(!rows.is_empty(), "no step was redelivered through a ten-second outage");
     for r in &rows {
         let (line, delivered): (String, i32) = (r.get(0), r.get(1));
-        assert!(
+        anyhow::ensure!(
             delivered >= 2 && line.contains(": attempt ") && line.ends_with(&format!(", delivery {delivered}")),
             "{line}"
         );
@@ -343,10 +350,10 @@ async fn a_worker_sigtermed_mid_batch_drains_and_exits_cleanly() -> anyhow::Resu
     wait_finished(&db, N / 4, started, "the batch never got going").await?;
     sigterm(w0, Duration::from_secs(45)).await?;
     let log = std::fs::read_to_string(&w0.log)?;
-    assert!(log.contains("finishing messages in hand"), "{log}");
+    anyhow::ensure!(log.contains("finishing messages in hand"), "{log}");
     wait_finished(&db, N, started, "batch not done with one worker left").await?;
     let cut = check_batch(&crew).await?;
-    assert_eq!(cut, 0, "a drained worker leaves no command half-done");
+    anyhow::ensure!(cut == 0, "a drained worker leaves no command half-done ({cut} interrupted)");
     Ok(())
 }
 

@@ -69,8 +69,20 @@ fn replace_db(url: &str, db: &str) -> String {
     format!("{}/{db}{query}", &base[..host_end])
 }
 
+/// Set (to anything) to keep each test's database and scratch directory when it ends, to
+/// look at a failure: the test prints where they are.
+pub const KEEP_VAR: &str = "PITCREW_TEST_KEEP";
+
+fn keep() -> bool {
+    std::env::var_os(KEEP_VAR).is_some()
+}
+
 impl Drop for TestDb {
     fn drop(&mut self) {
+        if keep() {
+            eprintln!("{KEEP_VAR}: kept database {}", self.url);
+            return;
+        }
         let name = self.name.clone();
         let admin = self.admin.clone();
         // Drop from a thread of its own: Drop may run inside or outside a runtime.
@@ -102,7 +114,10 @@ impl TestEnv {
     pub async fn start_on(admin: &str) -> anyhow::Result<TestEnv> {
         let nats = NatsServer::start()?;
         let db = TestDb::create_on(admin).await?;
-        let dir = tempfile::Builder::new().prefix("pitcrew-test-").tempdir()?;
+        let dir = tempfile::Builder::new().prefix("pitcrew-test-").disable_cleanup(keep()).tempdir()?;
+        if keep() {
+            eprintln!("{KEEP_VAR}: keeping {}", dir.path().display());
+        }
         Ok(TestEnv { nats, db, dir })
     }
 
