@@ -532,8 +532,17 @@ pub struct StageSettings {
 }
 
 /// `PITCREW_*` variables that are not config keys (read elsewhere).
-const NOT_CONFIG: &[&str] =
-    &["log", "log_format", "config", "nats_server", "alertmanager", "test_database_url", "test_tied_helper", "bless"];
+const NOT_CONFIG: &[&str] = &[
+    "log",
+    "log_format",
+    "config",
+    "nats_server",
+    "alertmanager",
+    "test_database_url",
+    "test_tied_helper",
+    "test_keep",
+    "bless",
+];
 
 /// Short env names for the settings people change most.
 const ENV_ALIASES: &[(&str, &str)] = &[
