@@ -776,3 +776,52 @@ async fn a_crew_makes_its_streams_and_consumers_again_when_the_server_lost_them(
     assert_eq!(end.kind, EventKind::Resolved, "{}", end.message);
     crew.shutdown().await
 }
+
+/// A worker killed after claiming a command and before starting it (waiting for its turn on
+/// the host, say) leaves the command interrupted: its outcome unknown, it may never have run.
+/// It gets one more try in the run, not two: a command that takes its worker down with it is
+/// not tried again blindly. Here the fixes of attempts 1 to 3 were claimed by workers that
+/// died: `start` is tried again once, then barred; `restart` likewise, and runs at attempt 4.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_command_interrupted_before_it_ran_gets_one_more_try() -> anyhow::Result<()> {
+    let env = TestEnv::start().await?;
+    let healthy = env.path("svc-healthy");
+    let text = format!(
+        "[services.svc]\nhost = \"local\"\nstart = \"touch {healthy}\"\nrestart = \"touch {healthy} {}\"\n\
+         check = {{ kind = \"command\", command = \"test -f {healthy}\" }}\n",
+        env.path("restarted")
+    );
+    let others: Vec<Stage> = Stage::ALL.into_iter().filter(|s| *s != Stage::Execute).collect();
+    let mut crew = Crew::start_in(env, &text, &others).await?;
+    let run = crew.open("svc", "connection refused").await?;
+    crew.events.wait(run, |e| e.kind == EventKind::Policy, WAIT).await?;
+    let db = crew.db().await?;
+    for attempt in 1..=3 {
+        db.execute(
+            "INSERT INTO executions (run_id, attempt, idx, command, host, worker, started_at, gone_by)
+             VALUES ($1, $2, 0, 'claimed by a worker that died', 'local', 'gone',
+                     now() - interval '30 seconds', now() - interval '1 second')",
+            &[&run, &attempt],
+        )
+        .await?;
+    }
+    crew.shutdown().await?;
+    crew.run(&Stage::ALL);
+    let end = crew.end(run).await?;
+    assert_eq!(end.kind, EventKind::Resolved, "{}", end.message);
+    let tried =
+        texts(&db, "SELECT attempt || ' ' || status FROM executions WHERE run_id = $1 ORDER BY attempt", run).await;
+    assert_eq!(tried, ["1 interrupted", "2 interrupted", "3 interrupted", "4 succeeded"]);
+    // What each attempt planned: the plan stage's event names its commands.
+    let plans = texts(
+        &db,
+        "SELECT (data->'commands')::text FROM run_events WHERE run_id = $1 AND kind = 'plan' ORDER BY seq",
+        run,
+    )
+    .await;
+    let start = format!("[\"touch {healthy}\"]");
+    assert_eq!(plans.len(), 4, "{plans:?}");
+    assert_eq!(plans[..2], [start.clone(), start.clone()], "start, tried again once");
+    assert!(plans[2..].iter().all(|p| p != &start && p.contains("restarted")), "then restart, twice: {plans:?}");
+    crew.shutdown().await
+}
