@@ -660,9 +660,23 @@ async fn a_step_redelivered_after_its_commit_keeps_the_transition_it_committed()
     use pitcrew_runtime::Transition;
     let (mut crew, deps, state) = run_at(Stage::Verify).await?;
     // The first delivery: recovered, on to report; committed, then its publish failed.
+    let recovered = pitcrew_model::RunEvent {
+        run_id: state.run_id,
+        seq: state.seq,
+        index: 0,
+        stage: Stage::Verify,
+        kind: EventKind::Verification,
+        message: "recovered: check passed".into(),
+        data: serde_json::Value::Null,
+        worker: "test".into(),
+        at: chrono::Utc::now(),
+    };
     let mut first = state.clone();
     first.advance(Stage::Report);
-    assert!(crew.store.commit_transition_with(&first, RunStatus::Open, &[], vec![]).await?);
+    assert!(
+        crew.store.commit_transition_with(&first, RunStatus::Open, std::slice::from_ref(&recovered), vec![]).await?
+    );
+    assert!(!crew.bus.holds_event(&recovered).await?);
     // The redelivery: not recovered now, on to a next attempt.
     let mut second = state.clone();
     second.attempt += 1;
@@ -675,6 +689,7 @@ async fn a_step_redelivered_after_its_commit_keeps_the_transition_it_committed()
     let sent = stream.get_last_raw_message_by_subject(&crew.bus.subjects.stage(Stage::Report)).await?;
     let sent: RunState = pitcrew_model::codec::decode(Some(MSGPACK), &sent.payload)?;
     assert_eq!((sent.run_id, sent.seq, sent.step), (state.run_id, 2, Stage::Report), "sent on again");
+    assert!(crew.bus.holds_event(&recovered).await?, "with the events its step stored");
     assert!(
         stream.get_last_raw_message_by_subject(&crew.bus.subjects.stage(Stage::Diagnose)).await.is_err(),
         "the redelivery's own transition never went out"

@@ -464,6 +464,7 @@ pub async fn apply(
     records: Vec<Record>,
 ) -> Result<(), ApplyError> {
     let store = &deps.store;
+    let from = (state.step, state.seq);
     // A stale input (the run moved on, or is closed) commits nothing and publishes nothing:
     // a late redelivery must not fork the run.
     let stale = |run: uuid::Uuid| {
@@ -474,14 +475,14 @@ pub async fn apply(
         Transition::To(next) => {
             state.advance(next);
             if !store.commit_transition_with(&state, RunStatus::Open, &events, records).await? {
-                return resend_committed(bus, deps, &state).await;
+                return resend_committed(bus, deps, &state, from).await;
             }
             publish_batch(bus, &events, Some(&state)).await?;
         }
         Transition::Escalate(reason) => {
             state.escalate(reason);
             if !store.commit_transition_with(&state, RunStatus::Open, &events, records).await? {
-                return resend_committed(bus, deps, &state).await;
+                return resend_committed(bus, deps, &state, from).await;
             }
             publish_batch(bus, &events, Some(&state)).await?;
         }
@@ -547,10 +548,11 @@ pub async fn apply(
 
 /// A transition the store refused. When an earlier delivery of the same step committed
 /// another one (to another step, at the seq this one would have taken: its check said
-/// otherwise then), that one stands, and its state is sent on again: its own publish may have
-/// failed after its commit, and nothing else would move the run (the bus drops it as a
-/// duplicate if it did land). Anything else is a stale delivery: nothing to do.
-async fn resend_committed(bus: &Bus, deps: &Deps, refused: &RunState) -> Result<(), ApplyError> {
+/// otherwise then), that one stands, and its state is sent on again with the events that step
+/// stored: its own publish may have failed after its commit, and nothing else would move the
+/// run or tell its followers (the bus drops them as duplicates if they did land). Anything else
+/// is a stale delivery: nothing to do. `from`: the step and seq the refused transition left.
+async fn resend_committed(bus: &Bus, deps: &Deps, refused: &RunState, from: (Stage, u32)) -> Result<(), ApplyError> {
     let stored = deps.store.load_run(refused.run_id).await?;
     match stored {
         Some(run)
@@ -560,7 +562,8 @@ async fn resend_committed(bus: &Bus, deps: &Deps, refused: &RunState) -> Result<
                 run = %refused.run_id, committed = %run.state.step, refused = %refused.step,
                 "an earlier delivery of this step committed another transition: sending that one on"
             );
-            publish_state(bus, &run.state).await?;
+            let events = deps.store.step_events(refused.run_id, from.1, from.0).await?;
+            publish_batch(bus, &events, Some(&run.state)).await?;
         }
         _ => tracing::info!(run = %refused.run_id, "stale delivery: the run has moved on; dropping it"),
     }

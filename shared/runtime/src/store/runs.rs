@@ -2,7 +2,7 @@
 
 use super::{Store, StoreError};
 use chrono::{DateTime, Utc};
-use pitcrew_model::{RunEvent, RunState};
+use pitcrew_model::{RunEvent, RunState, Stage};
 use uuid::Uuid;
 
 /// Where a run stands, as stored in `runs.status`.
@@ -246,27 +246,46 @@ impl Store {
                 &[&run],
             )
             .await?;
-        let mut out = Vec::with_capacity(rows.len());
-        for r in rows {
-            let stage: String = r.get(2);
-            let kind: String = r.get(3);
-            let (Ok(stage), Ok(kind)) = (stage.parse(), serde_json::from_value(serde_json::Value::String(kind))) else {
-                continue;
-            };
-            out.push(RunEvent {
-                run_id: run,
-                seq: r.get::<_, i32>(0) as u32,
-                index: r.get::<_, i32>(1) as u32,
-                stage,
-                kind,
-                message: r.get(4),
-                data: r.get(5),
-                worker: r.get(6),
-                at: r.get(7),
-            });
-        }
-        Ok(out)
+        Ok(events_of(run, rows))
     }
+
+    /// The events `stage` filed under `seq` of `run` (one step's), in order.
+    pub async fn step_events(&self, run: Uuid, seq: u32, stage: Stage) -> Result<Vec<RunEvent>, StoreError> {
+        let client = self.client().await?;
+        let rows = client
+            .query(
+                "SELECT seq, idx, stage, kind, message, data, worker, at FROM run_events
+                 WHERE run_id = $1 AND seq = $2 AND stage = $3 ORDER BY idx",
+                &[&run, &(seq as i32), &stage.as_str()],
+            )
+            .await?;
+        Ok(events_of(run, rows))
+    }
+}
+
+/// Rows of `run_events` (seq, idx, stage, kind, message, data, worker, at) as events of `run`;
+/// a row this build cannot read (a stage or kind from a newer one) is left out.
+fn events_of(run: Uuid, rows: Vec<tokio_postgres::Row>) -> Vec<RunEvent> {
+    let mut out = Vec::with_capacity(rows.len());
+    for r in rows {
+        let stage: String = r.get(2);
+        let kind: String = r.get(3);
+        let (Ok(stage), Ok(kind)) = (stage.parse(), serde_json::from_value(serde_json::Value::String(kind))) else {
+            continue;
+        };
+        out.push(RunEvent {
+            run_id: run,
+            seq: r.get::<_, i32>(0) as u32,
+            index: r.get::<_, i32>(1) as u32,
+            stage,
+            kind,
+            message: r.get(4),
+            data: r.get(5),
+            worker: r.get(6),
+            at: r.get(7),
+        });
+    }
+    out
 }
 
 /// Events as columns, for one `unnest` insert (one round trip for any number of events).
