@@ -792,17 +792,16 @@ async fn a_crew_makes_its_streams_and_consumers_again_when_the_server_lost_them(
     crew.shutdown().await
 }
 
-/// A worker killed after claiming a command and before starting it (waiting for its turn on
-/// the host, say) leaves the command interrupted: its outcome unknown, it may never have run.
-/// It gets one more try in the run, not two: a command that takes its worker down with it is
-/// not tried again blindly. Here the fixes of attempts 1 to 3 were claimed by workers that
-/// died: `start` is tried again once, then barred; `restart` likewise, and runs at attempt 4.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_command_interrupted_before_it_ran_gets_one_more_try() -> anyhow::Result<()> {
+/// A crew under `limits` whose service `svc` (start and restart differ, either makes it
+/// healthy) has an incident open, the fixes of its attempts `1..=claimed` claimed by workers
+/// that died before starting them (as when a kill lands while a command waits for its turn on
+/// the host): interrupted once their time is up. The run's end, its executions (`attempt
+/// status`), its plans' commands and its episodes (`attempt success commands`).
+async fn claimed_by_the_dead(limits: &str, claimed: i32) -> anyhow::Result<Dead> {
     let env = TestEnv::start().await?;
     let healthy = env.path("svc-healthy");
     let text = format!(
-        "[services.svc]\nhost = \"local\"\nstart = \"touch {healthy}\"\nrestart = \"touch {healthy} {}\"\n\
+        "{limits}[services.svc]\nhost = \"local\"\nstart = \"touch {healthy}\"\nrestart = \"touch {healthy} {}\"\n\
          check = {{ kind = \"command\", command = \"test -f {healthy}\" }}\n",
         env.path("restarted")
     );
@@ -811,7 +810,7 @@ async fn a_command_interrupted_before_it_ran_gets_one_more_try() -> anyhow::Resu
     let run = crew.open("svc", "connection refused").await?;
     crew.events.wait(run, |e| e.kind == EventKind::Policy, WAIT).await?;
     let db = crew.db().await?;
-    for attempt in 1..=3 {
+    for attempt in 1..=claimed {
         db.execute(
             "INSERT INTO executions (run_id, attempt, idx, command, host, worker, started_at, gone_by)
              VALUES ($1, $2, 0, 'claimed by a worker that died', 'local', 'gone',
@@ -823,20 +822,64 @@ async fn a_command_interrupted_before_it_ran_gets_one_more_try() -> anyhow::Resu
     crew.shutdown().await?;
     crew.run(&Stage::ALL);
     let end = crew.end(run).await?;
-    assert_eq!(end.kind, EventKind::Resolved, "{}", end.message);
-    let tried =
+    let executions =
         texts(&db, "SELECT attempt || ' ' || status FROM executions WHERE run_id = $1 ORDER BY attempt", run).await;
-    assert_eq!(tried, ["1 interrupted", "2 interrupted", "3 interrupted", "4 succeeded"]);
-    // What each attempt planned: the plan stage's event names its commands.
     let plans = texts(
         &db,
         "SELECT (data->'commands')::text FROM run_events WHERE run_id = $1 AND kind = 'plan' ORDER BY seq",
         run,
     )
     .await;
-    let start = format!("[\"touch {healthy}\"]");
-    assert_eq!(plans.len(), 4, "{plans:?}");
-    assert_eq!(plans[..2], [start.clone(), start.clone()], "start, tried again once");
-    assert!(plans[2..].iter().all(|p| p != &start && p.contains("restarted")), "then restart, twice: {plans:?}");
-    crew.shutdown().await
+    let episodes = texts(
+        &db,
+        "SELECT attempt || ' ' || success || ' ' || array_to_string(commands, ',') FROM episodes
+         WHERE run_id = $1 ORDER BY attempt",
+        run,
+    )
+    .await;
+    crew.shutdown().await?;
+    let start = format!("touch {healthy}");
+    Ok(Dead { end, executions, plans, episodes, start })
+}
+
+struct Dead {
+    end: pitcrew_model::RunEvent,
+    executions: Vec<String>,
+    plans: Vec<String>,
+    episodes: Vec<String>,
+    /// The service's start command.
+    start: String,
+}
+
+/// A command interrupted before it ran gets one more try in the run, not two: a command that
+/// takes its worker down with it is not tried again blindly. Here the fixes of attempts 1 to
+/// 3 were claimed by workers that died: `start` is tried again once, then barred; `restart`,
+/// interrupted once at attempt 3, runs at attempt 4 and fixes it. Memory learns `start` failed
+/// (after its second interruption) and `restart` worked, nothing of the first interruptions.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_command_interrupted_before_it_ran_gets_one_more_try() -> anyhow::Result<()> {
+    let dead = claimed_by_the_dead("", 3).await?;
+    assert_eq!(dead.end.kind, EventKind::Resolved, "{}", dead.end.message);
+    assert_eq!(dead.executions, ["1 interrupted", "2 interrupted", "3 interrupted", "4 succeeded"]);
+    let start = format!("[\"{}\"]", dead.start);
+    assert_eq!(dead.plans.len(), 4, "{:?}", dead.plans);
+    assert_eq!(dead.plans[..2], [start.clone(), start.clone()], "start, tried again once");
+    assert!(dead.plans[2..].iter().all(|p| p != &start && p.contains("restarted")), "then restart: {:?}", dead.plans);
+    let restart = dead.plans[3].trim_matches(|c| c == '[' || c == ']' || c == '"');
+    assert_eq!(dead.episodes, [format!("2 false {}", dead.start), format!("4 true {restart}")]);
+    Ok(())
+}
+
+/// With no attempt left, an interrupted command counts as failed: the escalation names it,
+/// and memory learns it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_interrupted_command_at_the_last_attempt_counts_as_failed() -> anyhow::Result<()> {
+    let dead = claimed_by_the_dead("[limits]\nmax_retries = 2\n", 2).await?;
+    assert_eq!(dead.end.kind, EventKind::Escalated, "{}", dead.end.message);
+    assert!(dead.end.message.contains("max_retries (2)"), "{}", dead.end.message);
+    assert_eq!(dead.executions, ["1 interrupted", "2 interrupted"]);
+    assert_eq!(dead.end.data["failed_commands"], serde_json::json!([dead.start]), "{}", dead.end.data);
+    assert_eq!(dead.end.data["interrupted_commands"], serde_json::json!([]), "{}", dead.end.data);
+    assert_eq!(dead.episodes, [format!("2 false {}", dead.start)]);
+    Ok(())
 }

@@ -209,8 +209,13 @@ mod tests {
         );
         // The escalation names what was interrupted and never counted as failed.
         assert_eq!(s.escalated_data("x")["interrupted_commands"], serde_json::json!(["c"]));
-        // Run to a failure in the same attempt as an interruption: failed.
-        s.executions = vec![rec(3, 0, "d", ExecutionStatus::Interrupted), rec(3, 1, "d", ExecutionStatus::Failed)];
-        assert_eq!(judge_tried(&s), (vec!["d".to_string()], vec![]));
+        // Run to its end earlier in the same attempt as its interruption (a plan naming it
+        // twice): it did not fix the service, so it failed.
+        s.executions = vec![
+            rec(3, 0, "d", ExecutionStatus::Succeeded),
+            rec(3, 1, "e", ExecutionStatus::Succeeded),
+            rec(3, 2, "d", ExecutionStatus::Interrupted),
+        ];
+        assert_eq!(judge_tried(&s), (vec!["d".to_string(), "e".to_string()], vec![]));
     }
 }
