@@ -44,8 +44,6 @@ impl StageHandler for Escalate {
                     .map(|e| e.command.clone())
                     .collect();
                 cx.record(Record::Episode(Episode::of(state, &failed, false, &why)));
-                // And the escalation names them as failed, as memory now knows them.
-                pitcrew_model::run::add_once(&mut state.failed_commands, failed);
             }
             cx.emit(
                 EventKind::Escalated,

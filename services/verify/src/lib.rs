@@ -32,30 +32,9 @@ pub fn tried_commands(state: &RunState) -> Vec<String> {
         .collect()
 }
 
-/// This attempt's tried commands that did not fix the service, split in two: those that now
-/// count as failed, and those given one more try. A command interrupted for the first time in
-/// the run (a worker died while it held the command's claim: it may never have started, as
-/// when it waited for its turn on the host) gets another try in a later attempt; interrupted
-/// again, it counts as failed (one that takes its worker down with it is not tried blindly).
-pub fn judge_tried(state: &RunState) -> (Vec<String>, Vec<String>) {
-    let (mut failed, mut again) = (Vec::new(), Vec::new());
-    for e in state.executions.iter().filter(|e| e.attempt == state.attempt && e.status != ExecutionStatus::Skipped) {
-        let first_interruption =
-            e.status == ExecutionStatus::Interrupted && !state.interrupted_commands.contains(&e.command);
-        let into = if first_interruption { &mut again } else { &mut failed };
-        pitcrew_model::run::add_once(into, [e.command.clone()]);
-    }
-    // A command both interrupted and run to a failure in this attempt failed.
-    again.retain(|c| !failed.contains(c));
-    (failed, again)
-}
-
-/// Reset the per-attempt fields and count the next attempt, remembering what failed and
-/// what was given one more try (`judge_tried`).
+/// Reset the per-attempt fields and count the next attempt, remembering what failed.
 pub fn start_next_attempt(state: &mut RunState) {
-    let (failed, again) = judge_tried(state);
-    pitcrew_model::run::add_once(&mut state.failed_commands, failed);
-    pitcrew_model::run::add_once(&mut state.interrupted_commands, again);
+    remember_failed(state);
     state.attempt += 1;
     state.regeneration = 0;
     state.feedback.clear();
@@ -64,6 +43,12 @@ pub fn start_next_attempt(state: &mut RunState) {
     state.evaluation = None;
     state.approval = ApprovalStatus::Unchecked;
     state.executions.clear();
+}
+
+/// This attempt's commands join the run's failed ones (once each).
+fn remember_failed(state: &mut RunState) {
+    let tried = tried_commands(state);
+    pitcrew_model::run::add_once(&mut state.failed_commands, tried);
 }
 
 impl StageHandler for Verify {
@@ -116,16 +101,13 @@ impl StageHandler for Verify {
                 format!("{}: {}", if recovered { "recovered" } else { "not recovered" }, outcome.detail),
                 serde_json::json!({ "recovered": recovered, "attempt": state.attempt }),
             );
-            let next = next_step(recovered, state.attempt, cfg.limits.max_retries);
-            // What memory learns: the commands that fixed it, or those that count as failed
-            // (a command given one more try in this run is not barred for its service meanwhile;
-            // with no try left, every command tried counts). An attempt that ran nothing (its
-            // plan was left alone because another run fixed the service first) teaches nothing.
-            let learned = if recovered || next.is_err() { tried_commands(state) } else { judge_tried(state).0 };
-            if !learned.is_empty() {
-                cx.record(Record::Episode(Episode::of(state, &learned, recovered, &outcome.detail)));
+            // An attempt that ran nothing (its plan was left alone because another run fixed
+            // the service first) teaches memory nothing about its commands.
+            let tried = tried_commands(state);
+            if !tried.is_empty() {
+                cx.record(Record::Episode(Episode::of(state, &tried, recovered, &outcome.detail)));
             }
-            match next {
+            match next_step(recovered, state.attempt, cfg.limits.max_retries) {
                 Ok(Stage::Diagnose) => {
                     start_next_attempt(state);
                     Ok(Transition::To(Stage::Diagnose))
@@ -134,7 +116,7 @@ impl StageHandler for Verify {
                 Err(reason) => {
                     // The escalation tells the human every command that did not fix it, the
                     // last attempt's too.
-                    pitcrew_model::run::add_once(&mut state.failed_commands, learned);
+                    remember_failed(state);
                     Ok(Transition::Escalate(format!("{reason}; last check: {}", outcome.detail)))
                 }
             }
@@ -181,41 +163,5 @@ mod tests {
         assert_eq!((s.attempt, s.regeneration), (2, 0));
         assert!(s.plan.is_none() && s.executions.is_empty());
         assert!(s.rejected_commands.is_empty(), "a plan sent back is tried again in a new attempt");
-    }
-
-    #[test]
-    fn an_interrupted_command_gets_one_more_try_then_counts_as_failed() {
-        let mut s = RunState::new(uuid::Uuid::nil(), Incident::new("web", "down"));
-        let rec = |attempt, i, c: &str, status| ExecutionRecord {
-            attempt,
-            index: i,
-            command: c.into(),
-            status,
-            exit_code: None,
-            output: String::new(),
-            duration_ms: 0,
-        };
-        s.executions = vec![rec(1, 0, "a", ExecutionStatus::Interrupted), rec(1, 1, "b", ExecutionStatus::Skipped)];
-        assert_eq!(judge_tried(&s), (vec![], vec!["a".to_string()]));
-        start_next_attempt(&mut s);
-        assert!(s.failed_commands.is_empty(), "{:?}", s.failed_commands);
-        assert_eq!(s.interrupted_commands, ["a"]);
-        s.executions = vec![rec(2, 0, "a", ExecutionStatus::Interrupted), rec(2, 1, "c", ExecutionStatus::Interrupted)];
-        assert_eq!(judge_tried(&s), (vec!["a".to_string()], vec!["c".to_string()]));
-        start_next_attempt(&mut s);
-        assert_eq!(
-            (s.failed_commands.as_slice(), s.interrupted_commands.as_slice()),
-            (&["a".to_string()][..], &["a".to_string(), "c".to_string()][..])
-        );
-        // The escalation names what was interrupted and never counted as failed.
-        assert_eq!(s.escalated_data("x")["interrupted_commands"], serde_json::json!(["c"]));
-        // Run to its end earlier in the same attempt as its interruption (a plan naming it
-        // twice): it did not fix the service, so it failed.
-        s.executions = vec![
-            rec(3, 0, "d", ExecutionStatus::Succeeded),
-            rec(3, 1, "e", ExecutionStatus::Succeeded),
-            rec(3, 2, "d", ExecutionStatus::Interrupted),
-        ];
-        assert_eq!(judge_tried(&s), (vec!["d".to_string(), "e".to_string()], vec![]));
     }
 }

@@ -226,10 +226,6 @@ pub struct RunState {
     /// Commands that failed in this run: never proposed again.
     #[serde(default)]
     pub failed_commands: Vec<String>,
-    /// Commands interrupted once in this run (a worker died holding the command's claim:
-    /// whether it ran is unknown). Each gets one more try; interrupted again, it failed.
-    #[serde(default)]
-    pub interrupted_commands: Vec<String>,
     /// Executions of the current attempt.
     #[serde(default)]
     pub executions: Vec<ExecutionRecord>,
@@ -262,7 +258,6 @@ impl RunState {
             feedback: Vec::new(),
             rejected_commands: Vec::new(),
             failed_commands: Vec::new(),
-            interrupted_commands: Vec::new(),
             executions: Vec::new(),
             verification: None,
             escalation_reason: None,
@@ -329,8 +324,6 @@ impl RunState {
             "reason": reason,
             "attempts": self.attempt,
             "failed_commands": self.failed_commands,
-            // Interrupted once and not tried again (whether they ran is unknown).
-            "interrupted_commands": self.interrupted_commands.iter().filter(|c| !self.failed_commands.contains(c)).collect::<Vec<_>>(),
             "security_flags": self.security_flags,
         })
     }
