@@ -118,10 +118,6 @@ fn straggler_deadline(cfg: &pitcrew_runtime::Config) -> Duration {
 /// delivery records it interrupted: ample time to record it.
 const SKIP_GONE_AFTER: Duration = Duration::from_secs(30);
 
-/// A command that starts this long after its claim records its start (the time it is surely
-/// gone by moves with it); a sooner start is inside `STRAGGLER_GRACE`.
-const LATE_START: Duration = Duration::from_secs(1);
-
 /// A stopping worker leaves the step (`why`) to another: it is looked at again past the last
 /// pull the worker may still have out (1 s), so it goes to another worker.
 fn hand_over(why: String) -> StageError {
@@ -366,7 +362,9 @@ impl StageHandler for Execute {
                     )));
                 }
                 let at = AtCommand::enter((state.run_id, state.attempt, index));
-                let claimed_at = Instant::now();
+                // This delivery's claim: its start is marked under it, and only its own
+                // claim is ever released.
+                let token = uuid::Uuid::new_v4();
                 let claim = if at_step {
                     store
                         .claim_execution(
@@ -376,6 +374,7 @@ impl StageHandler for Execute {
                             command,
                             &spec.host,
                             &cx.deps.worker,
+                            token,
                             gone_after,
                         )
                         .await?
@@ -412,7 +411,7 @@ impl StageHandler for Execute {
                             state.attempt
                         )));
                     }
-                    Claim::Unfinished { running_for, gone_in } => 'unfinished: {
+                    Claim::Unfinished { running_for, gone_in, unstarted } => 'unfinished: {
                         // Another copy in this process may have finished it between the claim
                         // and the look above (a copy records the end, or releases the claim,
                         // before it leaves the command): then its record is this command's, as
@@ -447,6 +446,21 @@ impl StageHandler for Execute {
                                 retry: left + Duration::from_millis(250),
                                 note: Some(WaitNote::Straggler),
                             });
+                        }
+                        // Its delivery never started it (it died waiting for its turn on the
+                        // host or a connection): nothing ran, so this attempt runs it after all.
+                        if let Some(claim) = unstarted {
+                            if store.drop_unstarted(state.run_id, state.attempt, index, claim).await? {
+                                return Err(StageError::Wait {
+                                    why: format!(
+                                        "command {index} of attempt {} was claimed by a delivery that never started \
+                                         it: claiming it anew",
+                                        state.attempt
+                                    ),
+                                    retry: Duration::from_millis(100),
+                                    note: None,
+                                });
+                            }
                         }
                         if !store.mark_interrupted(state.run_id, state.attempt, index).await? {
                             // Finished, or started late and given more time, as we looked.
@@ -485,12 +499,11 @@ impl StageHandler for Execute {
                                     if stopping.short_of(gone_after).is_some() {
                                         return Err("the worker began to stop while the command waited".into());
                                     }
-                                    if claimed_at.elapsed() <= LATE_START {
-                                        return Ok(());
-                                    }
-                                    // Started long after its claim: its claim says when it is
-                                    // surely gone.
-                                    match starts.command_starts(run_id, attempt, index, gone_after).await {
+                                    // Marked before it starts: a claim without the mark never
+                                    // started (a later delivery may run it), one with it may have
+                                    // (never run again); and the time it is surely gone by moves
+                                    // with a start long after the claim.
+                                    match starts.command_starts(run_id, attempt, index, token, gone_after).await {
                                         Ok(true) => Ok(()),
                                         Ok(false) => Err("the command's claim was taken over by another delivery \
                                                           while it waited for its turn: not starting it"
@@ -503,7 +516,7 @@ impl StageHandler for Execute {
                                 Ok(out) => record(state.attempt, index, command, &out),
                                 Err(ExecError::Unreachable(e)) => {
                                     // Nothing ran; the host is gone: a human must look.
-                                    store.release_execution(state.run_id, state.attempt, index).await?;
+                                    store.release_execution(state.run_id, state.attempt, index, token).await?;
                                     cx.emit(
                                         EventKind::Error,
                                         format!("cannot reach {}: {e}", spec.host),
@@ -513,7 +526,7 @@ impl StageHandler for Execute {
                                 }
                                 Err(ExecError::Transient(e)) => {
                                     // Nothing ran: release the claim so the retry can run it.
-                                    store.release_execution(state.run_id, state.attempt, index).await?;
+                                    store.release_execution(state.run_id, state.attempt, index, token).await?;
                                     // A worker stopping now (its start hook saw it, or the
                                     // wait for a connection failed as it stopped) leaves the
                                     // plan to another, as before the claim.

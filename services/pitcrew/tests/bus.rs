@@ -791,3 +791,61 @@ async fn a_crew_makes_its_streams_and_consumers_again_when_the_server_lost_them(
     assert_eq!(end.kind, EventKind::Resolved, "{}", end.message);
     crew.shutdown().await
 }
+
+/// Claims left by workers that died (here written as they would have left them): one that
+/// had started its command (it may have run: recorded interrupted, never run again: the run
+/// goes on to its next plan) and one that had not (killed while the command waited for its
+/// turn on the host: nothing ran, so its attempt runs it after all, once the claim's time is
+/// up). The run resolves on its second attempt's `restart`, run once, by this crew.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_its_worker_never_started_is_run_and_one_it_may_have_started_is_not() -> anyhow::Result<()> {
+    let env = TestEnv::start().await?;
+    let healthy = env.path("svc-healthy");
+    let text = format!(
+        "[services.svc]\nhost = \"local\"\nstart = \"touch {healthy}\"\nrestart = \"touch {healthy} {}\"\n\
+         check = {{ kind = \"command\", command = \"test -f {healthy}\" }}\n",
+        env.path("restarted")
+    );
+    let others: Vec<Stage> = Stage::ALL.into_iter().filter(|s| *s != Stage::Execute).collect();
+    let mut crew = Crew::start_in(env, &text, &others).await?;
+    let run = crew.open("svc", "connection refused").await?;
+    crew.events.wait(run, |e| e.kind == EventKind::Policy, WAIT).await?;
+    let db = crew.db().await?;
+    for (attempt, started) in [(1, true), (2, false)] {
+        db.execute(
+            "INSERT INTO executions (run_id, attempt, idx, command, host, worker, started_at, gone_by, claim, started)
+             VALUES ($1, $2, 0, 'claimed by a worker that died', 'local', 'gone',
+                     now() - interval '30 seconds', now() - interval '1 second', gen_random_uuid(), $3)",
+            &[&run, &attempt, &started],
+        )
+        .await?;
+    }
+    crew.shutdown().await?;
+    crew.run(&Stage::ALL);
+    let end = crew.end(run).await?;
+    assert_eq!(end.kind, EventKind::Resolved, "{}", end.message);
+    let executions = texts(
+        &db,
+        "SELECT attempt || ' ' || status || ' ' || worker || ' ' || command FROM executions WHERE run_id = $1
+         ORDER BY attempt",
+        run,
+    )
+    .await;
+    assert_eq!(executions.len(), 2, "{executions:?}");
+    assert!(executions[0].starts_with("1 interrupted gone "), "{executions:?}");
+    assert!(
+        executions[1].starts_with("2 succeeded ")
+            && !executions[1].contains(" gone ")
+            && executions[1].contains("restarted"),
+        "{executions:?}"
+    );
+    assert!(std::path::Path::new(&crew.env.path("restarted")).exists(), "restart ran");
+    let plans = texts(
+        &db,
+        "SELECT (data->'commands')::text FROM run_events WHERE run_id = $1 AND kind = 'plan' ORDER BY seq",
+        run,
+    )
+    .await;
+    assert_eq!(plans.len(), 2, "start, then restart: {plans:?}");
+    crew.shutdown().await
+}

@@ -473,6 +473,7 @@ async fn a_late_finish_of_a_command_taken_over_by_another_delivery_changes_no_de
     let db = TestDb::create().await?;
     let store = store(&db).await?;
     let run = open_runs(&store, 1).await?.remove(0).run_id;
+    let [t0, t1, t3, t5, t6] = [(); 5].map(|_| Uuid::new_v4());
     let done = |index: u32| ExecutionRecord {
         attempt: 1,
         index,
@@ -483,23 +484,30 @@ async fn a_late_finish_of_a_command_taken_over_by_another_delivery_changes_no_de
         duration_ms: 5,
     };
     // Its own delivery finishes a command nobody else touched.
-    assert_eq!(store.claim_execution(run, 1, 0, "touch /tmp/x0", "local", "a", secs(70)).await?, Claim::Claimed);
+    assert_eq!(store.claim_execution(run, 1, 0, "touch /tmp/x0", "local", "a", t0, secs(70)).await?, Claim::Claimed);
     assert!(store.finish_execution(run, &done(0)).await?, "still ours");
     // Another delivery finds command 1 started and never finished: interrupted.
-    assert_eq!(store.claim_execution(run, 1, 1, "touch /tmp/x1", "local", "a", secs(70)).await?, Claim::Claimed);
-    let unfinished = || store.claim_execution(run, 1, 1, "touch /tmp/x1", "local", "b", secs(5));
+    assert_eq!(store.claim_execution(run, 1, 1, "touch /tmp/x1", "local", "a", t1, secs(70)).await?, Claim::Claimed);
+    let unfinished = || store.claim_execution(run, 1, 1, "touch /tmp/x1", "local", "b", Uuid::new_v4(), secs(5));
     match unfinished().await? {
         // The claim's own time counts, not the later reader's.
-        Claim::Unfinished { running_for, gone_in: Some(gone_in) } => {
+        Claim::Unfinished { running_for, gone_in: Some(gone_in), unstarted } => {
+            assert_eq!(unstarted, Some(t1), "known never started");
             assert!(running_for < secs(10), "{running_for:?}");
             assert!(gone_in > secs(60) && gone_in <= secs(70), "{gone_in:?}");
         }
         other => panic!("{other:?}"),
     }
-    // Started long after its claim: gone that long after its start.
-    assert!(store.command_starts(run, 1, 1, secs(100)).await?);
+    // Only its own delivery's token marks its start.
+    assert!(!store.command_starts(run, 1, 1, Uuid::new_v4(), secs(100)).await?, "another token marked it");
+    // Started long after its claim: gone that long after its start, and no longer known
+    // never started.
+    assert!(store.command_starts(run, 1, 1, t1, secs(100)).await?);
     match unfinished().await? {
-        Claim::Unfinished { gone_in: Some(gone_in), .. } => assert!(gone_in > secs(90), "{gone_in:?}"),
+        Claim::Unfinished { gone_in: Some(gone_in), unstarted, .. } => {
+            assert!(gone_in > secs(90), "{gone_in:?}");
+            assert_eq!(unstarted, None, "it may have started");
+        }
         other => panic!("{other:?}"),
     }
     // Not recorded interrupted while it may still be running.
@@ -508,16 +516,16 @@ async fn a_late_finish_of_a_command_taken_over_by_another_delivery_changes_no_de
     pg.execute("UPDATE executions SET gone_by = now() WHERE run_id = $1 AND idx = 1", &[&run]).await?;
     assert!(store.mark_interrupted(run, 1, 1).await?);
     // Past its time and taken over: a start that comes now is refused (it must not run).
-    assert!(!store.command_starts(run, 1, 1, secs(100)).await?, "a taken-over claim started");
-    assert_eq!(store.claim_execution(run, 1, 3, "touch /tmp/x3", "local", "a", secs(0)).await?, Claim::Claimed);
+    assert!(!store.command_starts(run, 1, 1, t1, secs(100)).await?, "a taken-over claim started");
+    assert_eq!(store.claim_execution(run, 1, 3, "touch /tmp/x3", "local", "a", t3, secs(0)).await?, Claim::Claimed);
     // Past its time but not taken over: a late start moves it, and the mark then waits.
-    assert!(store.command_starts(run, 1, 3, secs(100)).await?);
+    assert!(store.command_starts(run, 1, 3, t3, secs(100)).await?);
     assert!(!store.mark_interrupted(run, 1, 3).await?, "marked a command that just started");
     assert_eq!(store.execution_claim(run, 1, 4).await?, None, "reading claims none");
     assert!(matches!(store.execution_claim(run, 1, 3).await?, Some(Claim::Unfinished { .. })));
     // A start racing a mark: the mark holds the row, the start waits for it, sees the claim
     // taken over and is refused.
-    assert_eq!(store.claim_execution(run, 1, 5, "touch /tmp/x5", "local", "a", secs(0)).await?, Claim::Claimed);
+    assert_eq!(store.claim_execution(run, 1, 5, "touch /tmp/x5", "local", "a", t5, secs(0)).await?, Claim::Claimed);
     let mut marker = db.client().await?;
     let tx = marker.transaction().await?;
     let marked = tx
@@ -530,15 +538,29 @@ async fn a_late_finish_of_a_command_taken_over_by_another_delivery_changes_no_de
     assert_eq!(marked, 1);
     let start = {
         let store = store.clone();
-        tokio::spawn(async move { store.command_starts(run, 1, 5, secs(100)).await })
+        tokio::spawn(async move { store.command_starts(run, 1, 5, t5, secs(100)).await })
     };
     tokio::time::sleep(std::time::Duration::from_millis(300)).await;
     assert!(!start.is_finished(), "the start did not wait for the mark's row lock");
     tx.commit().await?;
     assert!(!start.await??, "a start went ahead of a mark that committed first");
+    // A claim never started is removed only past its time, only under its token, and only
+    // while not started; its delivery's late start is then refused, and its release removes
+    // nothing another delivery claimed since.
+    assert_eq!(store.claim_execution(run, 1, 6, "touch /tmp/x6", "local", "a", t6, secs(70)).await?, Claim::Claimed);
+    assert!(!store.drop_unstarted(run, 1, 6, t6).await?, "dropped before its time");
+    pg.execute("UPDATE executions SET gone_by = now() WHERE run_id = $1 AND idx = 6", &[&run]).await?;
+    assert!(!store.drop_unstarted(run, 1, 6, Uuid::new_v4()).await?, "dropped under another token");
+    assert!(store.drop_unstarted(run, 1, 6, t6).await?);
+    let t6b = Uuid::new_v4();
+    assert_eq!(store.claim_execution(run, 1, 6, "touch /tmp/x6", "local", "b", t6b, secs(70)).await?, Claim::Claimed);
+    assert!(!store.command_starts(run, 1, 6, t6, secs(100)).await?, "the first delivery's late start");
+    store.release_execution(run, 1, 6, t6).await?;
+    assert!(store.command_starts(run, 1, 6, t6b, secs(100)).await?, "the claim that stands starts");
+    assert!(!store.drop_unstarted(run, 1, 6, t6b).await?, "a started claim is never dropped");
     // The first delivery's command ends after all: not ours any more, nothing is overwritten.
     assert!(!store.finish_execution(run, &done(1)).await?, "taken over");
-    match store.claim_execution(run, 1, 1, "touch /tmp/x1", "local", "c", secs(70)).await? {
+    match store.claim_execution(run, 1, 1, "touch /tmp/x1", "local", "c", Uuid::new_v4(), secs(70)).await? {
         Claim::Finished(rec) => {
             assert_eq!(rec.status, ExecutionStatus::Interrupted, "later deliveries decide as the one that took over");
             assert!(rec.output.contains("finished it later: succeeded (exit 0)"), "{}", rec.output);
@@ -709,7 +731,7 @@ async fn a_target_is_held_by_one_run_while_it_executes_and_verifies() -> anyhow:
     assert_eq!(store.take_target("web", "web-2", b, 1).await?, fresh);
     assert_eq!(store.take_target("db", "web-1", c, 1).await?, fresh);
     // A's redelivery holds it still, and sees the command its first delivery claimed.
-    store.claim_execution(a, 1, 0, "touch /tmp/x", "web-1", "w", secs(70)).await?;
+    store.claim_execution(a, 1, 0, "touch /tmp/x", "web-1", "w", Uuid::new_v4(), secs(70)).await?;
     assert_eq!(
         store.take_target("web", "web-1", a, 1).await?,
         TargetLock::Held { remediated_since: None, started: true }

@@ -14,6 +14,7 @@ pub const MIGRATIONS: &[(i32, &str, &str)] = &[
     (6, "state_lz4", include_str!("../../../../schemas/migrations/0006_state_lz4.sql")),
     (7, "target_locks", include_str!("../../../../schemas/migrations/0007_target_locks.sql")),
     (8, "execution_gone_by", include_str!("../../../../schemas/migrations/0008_execution_gone_by.sql")),
+    (9, "execution_start", include_str!("../../../../schemas/migrations/0009_execution_start.sql")),
 ];
 
 /// Arbitrary constant: the advisory lock that serialises migrators.

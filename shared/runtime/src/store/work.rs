@@ -77,8 +77,10 @@ pub enum Claim {
     Finished(ExecutionRecord),
     /// An earlier delivery claimed it `running_for` ago (Postgres' clock) and never recorded
     /// an end: do not run it again. `gone_in`: how long it may still be running, by its claim
-    /// (None on a claim written before that was recorded).
-    Unfinished { running_for: std::time::Duration, gone_in: Option<std::time::Duration> },
+    /// (None on a claim written before that was recorded). `unstarted`: the claim's token when
+    /// it is known never to have started (its delivery waited for its turn and never got to
+    /// start it): once its time is up, `drop_unstarted` removes it and the command may run.
+    Unfinished { running_for: std::time::Duration, gone_in: Option<std::time::Duration>, unstarted: Option<Uuid> },
 }
 
 /// The result of applying a decision.
@@ -391,8 +393,9 @@ impl Store {
             .collect())
     }
 
-    /// Record the intent to run command `index` of `attempt` before running it; should it never
-    /// be finished, it may be running for up to `gone_after` from now.
+    /// Record the intent to run command `index` of `attempt` before running it, under the
+    /// delivery's token `claim` (`command_starts` marks its start); should it never be
+    /// finished, it may be running for up to `gone_after` from now.
     #[tracing::instrument(name = "db_write", skip_all, fields(op = "claim_execution"))]
     #[allow(clippy::too_many_arguments)]
     pub async fn claim_execution(
@@ -403,18 +406,21 @@ impl Store {
         command: &str,
         host: &str,
         worker: &str,
+        claim: Uuid,
         gone_after: std::time::Duration,
     ) -> Result<Claim, StoreError> {
         let client = self.client().await?;
         let ins = client
             .prepare_cached(
-                "INSERT INTO executions (run_id, attempt, idx, command, host, worker, gone_by)
-                 VALUES ($1, $2, $3, $4, $5, $6, now() + $7::float8 * interval '1 second') ON CONFLICT DO NOTHING",
+                "INSERT INTO executions (run_id, attempt, idx, command, host, worker, gone_by, claim, started)
+                 VALUES ($1, $2, $3, $4, $5, $6, now() + $7::float8 * interval '1 second', $8, false)
+                 ON CONFLICT DO NOTHING",
             )
             .await?;
         let secs = gone_secs(gone_after);
-        let n =
-            client.execute(&ins, &[&run, &(attempt as i32), &(index as i32), &command, &host, &worker, &secs]).await?;
+        let n = client
+            .execute(&ins, &[&run, &(attempt as i32), &(index as i32), &command, &host, &worker, &secs, &claim])
+            .await?;
         if n == 1 {
             return Ok(Claim::Claimed);
         }
@@ -430,28 +436,47 @@ impl Store {
         existing_claim(&client, run, attempt, index).await
     }
 
-    /// A claimed command starts now, long after its claim (it waited for a turn on its host,
-    /// a connection): it may be running for up to `gone_after` from now. Before it starts, so
-    /// a worker killed as it runs leaves the right time behind. False when its claim no longer
-    /// stands (another delivery recorded it interrupted and moved on): it must not start then.
-    /// A claim past its time that nobody marked yet is moved (the mark checks the time again).
+    /// The command `claim` (a delivery's token) holds starts now: it may be running for up to
+    /// `gone_after` from now. Written before it starts, so a claim without it is known never to
+    /// have started (a worker killed as it waited for its turn on the host or a connection),
+    /// and one with it may have, and a worker killed as it runs leaves the right time behind.
+    /// False when the claim no longer stands (another delivery recorded it interrupted, or
+    /// removed it as never started, and moved on): it must not start then. A claim past its
+    /// time that nobody marked yet is moved (the mark checks the time again).
     #[tracing::instrument(name = "db_write", skip_all, fields(op = "command_starts"))]
     pub async fn command_starts(
         &self,
         run: Uuid,
         attempt: u32,
         index: u32,
+        claim: Uuid,
         gone_after: std::time::Duration,
     ) -> Result<bool, StoreError> {
         let client = self.client().await?;
         let stmt = client
             .prepare_cached(
-                "UPDATE executions SET gone_by = now() + $4::float8 * interval '1 second'
-                 WHERE run_id = $1 AND attempt = $2 AND idx = $3 AND status IS NULL",
+                "UPDATE executions SET gone_by = now() + $4::float8 * interval '1 second', started = true
+                 WHERE run_id = $1 AND attempt = $2 AND idx = $3 AND status IS NULL AND claim = $5",
             )
             .await?;
         let secs = gone_secs(gone_after);
-        Ok(client.execute(&stmt, &[&run, &(attempt as i32), &(index as i32), &secs]).await? == 1)
+        Ok(client.execute(&stmt, &[&run, &(attempt as i32), &(index as i32), &secs, &claim]).await? == 1)
+    }
+
+    /// Remove the claim `claim` of a command that never started, once its time is up (its
+    /// delivery is gone, or its start would now be refused): the command may be claimed and
+    /// run anew, by the same attempt. False when it started meanwhile, or changed.
+    #[tracing::instrument(name = "db_write", skip_all, fields(op = "drop_unstarted"))]
+    pub async fn drop_unstarted(&self, run: Uuid, attempt: u32, index: u32, claim: Uuid) -> Result<bool, StoreError> {
+        let client = self.client().await?;
+        let stmt = client
+            .prepare_cached(
+                "DELETE FROM executions
+                 WHERE run_id = $1 AND attempt = $2 AND idx = $3 AND claim = $4 AND status IS NULL
+                   AND started = false AND gone_by <= now()",
+            )
+            .await?;
+        Ok(client.execute(&stmt, &[&run, &(attempt as i32), &(index as i32), &claim]).await? == 1)
     }
 
     /// Record that a claimed command's outcome is unknown (its worker died while it ran): only
@@ -520,14 +545,16 @@ impl Store {
 }
 
 impl Store {
-    /// Forget a claim whose command never started (the executor could not reach the host).
+    /// Forget the claim `claim` whose command never started (the executor could not reach the
+    /// host): only that delivery's own claim, never one another delivery made since.
     #[tracing::instrument(name = "db_write", skip_all, fields(op = "release_execution"))]
-    pub async fn release_execution(&self, run: Uuid, attempt: u32, index: u32) -> Result<(), StoreError> {
+    pub async fn release_execution(&self, run: Uuid, attempt: u32, index: u32, claim: Uuid) -> Result<(), StoreError> {
         let client = self.client().await?;
         client
             .execute(
-                "DELETE FROM executions WHERE run_id = $1 AND attempt = $2 AND idx = $3 AND finished_at IS NULL",
-                &[&run, &(attempt as i32), &(index as i32)],
+                "DELETE FROM executions
+                 WHERE run_id = $1 AND attempt = $2 AND idx = $3 AND finished_at IS NULL AND claim = $4",
+                &[&run, &(attempt as i32), &(index as i32), &claim],
             )
             .await?;
         Ok(())
@@ -547,7 +574,8 @@ async fn existing_claim(
             "SELECT command, status, exit_code, output,
                     (EXTRACT(EPOCH FROM (finished_at - started_at)) * 1000)::bigint,
                     (EXTRACT(EPOCH FROM (now() - started_at)) * 1000)::bigint,
-                    (EXTRACT(EPOCH FROM (gone_by - now())) * 1000)::bigint
+                    (EXTRACT(EPOCH FROM (gone_by - now())) * 1000)::bigint,
+                    CASE WHEN started = false THEN claim END
              FROM executions WHERE run_id = $1 AND attempt = $2 AND idx = $3",
         )
         .await?;
@@ -558,7 +586,11 @@ async fn existing_claim(
     let Some(status) = status else {
         let ms = |v: i64| std::time::Duration::from_millis(v.max(0) as u64);
         let gone_in: Option<i64> = row.get(6);
-        return Ok(Some(Claim::Unfinished { running_for: ms(row.get(5)), gone_in: gone_in.map(ms) }));
+        return Ok(Some(Claim::Unfinished {
+            running_for: ms(row.get(5)),
+            gone_in: gone_in.map(ms),
+            unstarted: row.get(7),
+        }));
     };
     let status: ExecutionStatus =
         serde_json::from_value(serde_json::Value::String(status)).unwrap_or(ExecutionStatus::Failed);
