@@ -16,8 +16,9 @@ use uuid::Uuid;
 pub struct Execute;
 
 /// Deliveries in this process at each command, by (run, attempt, index). A claim without an
-/// end is a delivery that died mid-command (never run again: interrupted), unless a live
-/// delivery in this process holds it: two copies of one message handled at once.
+/// end is a delivery that died (its command, if its start was marked, is never run again:
+/// interrupted; if not, nothing ran and it is claimed anew), unless a live delivery in this
+/// process holds it: two copies of one message handled at once.
 static AT_COMMAND: Mutex<BTreeMap<CommandKey, usize>> = Mutex::new(BTreeMap::new());
 
 /// A command of a run: (run, attempt, index).
@@ -115,7 +116,8 @@ fn straggler_deadline(cfg: &pitcrew_runtime::Config) -> Duration {
 }
 
 /// How long a claim finished as not run (the plan skipped) may stay unfinished before another
-/// delivery records it interrupted: ample time to record it.
+/// delivery decides it again (its start is never marked: it is removed and claimed anew):
+/// ample time to record it.
 const SKIP_GONE_AFTER: Duration = Duration::from_secs(30);
 
 /// A stopping worker leaves the step (`why`) to another: it is looked at again past the last
@@ -125,8 +127,8 @@ fn hand_over(why: String) -> StageError {
 }
 
 /// How long a command's end is retried while Postgres cannot take it (an outage, a failover)
-/// before the step gives up on it: its claim is then left unfinished, and recorded interrupted
-/// by a later delivery (outcome unknown; verify decides). The message's progress acks keep it
+/// before the step gives up on it: its claim (its start marked) is then left unfinished, and
+/// recorded interrupted by a later delivery (outcome unknown; verify decides). The message's progress acks keep it
 /// from being redelivered meanwhile; a stopping worker's drain deadline cuts it short.
 const FINISH_RETRY_LIMIT: Duration = Duration::from_secs(120);
 
@@ -134,12 +136,12 @@ const FINISH_RETRY_LIMIT: Duration = Duration::from_secs(120);
 /// `FINISH_RETRY_LIMIT` while Postgres cannot take it: the result is known here and nowhere
 /// else, so a short outage must not turn a command that succeeded into one whose outcome is
 /// unknown.
-async fn finish(store: &Store, run: Uuid, rec: &ExecutionRecord) -> Result<bool, StoreError> {
+async fn finish(store: &Store, run: Uuid, rec: &ExecutionRecord, claim: Uuid) -> Result<bool, StoreError> {
     let began = Instant::now();
     let mut wait = Duration::from_millis(500);
     let mut retried = false;
     loop {
-        match store.finish_execution(run, rec).await {
+        match store.finish_execution(run, rec, claim).await {
             Err(e) if e.is_transient() && began.elapsed() + wait < FINISH_RETRY_LIMIT => {
                 tracing::warn!(
                     run = %run, attempt = rec.attempt, index = rec.index, status = ?rec.status, error = %e,
@@ -435,7 +437,7 @@ impl StageHandler for Execute {
                         if !left.is_zero() {
                             return Err(StageError::Wait {
                                 why: format!(
-                                    "command {index} of attempt {} (`{command}`), started {} s ago by a delivery \
+                                    "command {index} of attempt {} (`{command}`), claimed {} s ago by a delivery \
                                      that never finished it, may still be running on {}: it is recorded \
                                      interrupted once its deadline has passed, in {} s",
                                     state.attempt,
@@ -449,7 +451,9 @@ impl StageHandler for Execute {
                         }
                         // Its delivery never started it (it died waiting for its turn on the
                         // host or a connection): nothing ran, so this attempt runs it after all.
-                        if let Some(claim) = unstarted {
+                        // (Only a delivery at the run's step: a late one replays, and leaves the
+                        // claim to be recorded interrupted.)
+                        if let (Some(claim), true) = (unstarted, at_step) {
                             if store.drop_unstarted(state.run_id, state.attempt, index, claim).await? {
                                 return Err(StageError::Wait {
                                     why: format!(
@@ -463,7 +467,7 @@ impl StageHandler for Execute {
                             }
                         }
                         if !store.mark_interrupted(state.run_id, state.attempt, index).await? {
-                            // Finished, or started late and given more time, as we looked.
+                            // Finished, or started (late) and given more time, as we looked.
                             return Err(StageError::Wait {
                                 why: format!(
                                     "command {index} of attempt {} changed as it was looked at",
@@ -550,7 +554,7 @@ impl StageHandler for Execute {
                                 },
                             }
                         };
-                        if !finish(&store, state.run_id, &rec).await? {
+                        if !finish(&store, state.run_id, &rec, token).await? {
                             // Another delivery marked it interrupted while it ran, skipped the
                             // rest and moved the run on: running on would run commands the run
                             // recorded as not run. The retry finds this step decided.

@@ -73,7 +73,8 @@ async fn wait_finished(db: &tokio_postgres::Client, n: usize, started: Instant, 
 /// processes (`w0`, `w1`), one incident per service published.
 async fn batch_under_way(env: TestEnv) -> anyhow::Result<(Crew, Vec<Worker>)> {
     // A command cut short by a kill is recorded interrupted once it can no longer be running:
-    // its timeout and 10 s past its claim. Messages a killed worker held come back after 10 s.
+    // its timeout and 10 s past its start (a claim whose start was never marked is claimed anew
+    // then, and run). Messages a killed worker held come back after 10 s.
     // A message delivered 8 times and over 30 s old whose next try fails is dead-lettered
     // (the defaults, 20 and an hour, could never be reached here): retrying in circles shows.
     let text = format!(
@@ -235,10 +236,19 @@ async fn check_batch(crew: &Crew) -> anyhow::Result<i64> {
     Ok(interrupted)
 }
 
-/// A worker that holds a command running now, among `names`: its index.
+/// A worker that holds a command running now, among `names`: its index. Running: its start
+/// marked and its claim 150 ms old, so its process surely started (the fixes take 400 ms). A
+/// kill a few milliseconds after a start's mark may land before the process starts: the
+/// command is then recorded interrupted though it never ran, and never run again (whether it
+/// ran is unknown); two such kills on one run leave its fixes used up and it escalates. The
+/// kills aimed here are aimed at commands running, not at that window.
 async fn running_a_command(db: &tokio_postgres::Client, names: &[String]) -> anyhow::Result<Option<usize>> {
     let row = db
-        .query_opt("SELECT worker FROM executions WHERE status IS NULL AND worker = ANY($1) LIMIT 1", &[&names])
+        .query_opt(
+            "SELECT worker FROM executions WHERE status IS NULL AND started AND worker = ANY($1)
+               AND started_at < now() - interval '150 milliseconds' LIMIT 1",
+            &[&names],
+        )
         .await?;
     Ok(row.and_then(|r| names.iter().position(|n| *n == r.get::<_, String>(0))))
 }

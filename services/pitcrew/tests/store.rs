@@ -485,8 +485,8 @@ async fn a_late_finish_of_a_command_taken_over_by_another_delivery_changes_no_de
     };
     // Its own delivery finishes a command nobody else touched.
     assert_eq!(store.claim_execution(run, 1, 0, "touch /tmp/x0", "local", "a", t0, secs(70)).await?, Claim::Claimed);
-    assert!(store.finish_execution(run, &done(0)).await?, "still ours");
-    // Another delivery finds command 1 started and never finished: interrupted.
+    assert!(store.finish_execution(run, &done(0), t0).await?, "still ours");
+    // Another delivery finds command 1 claimed and never finished: interrupted.
     assert_eq!(store.claim_execution(run, 1, 1, "touch /tmp/x1", "local", "a", t1, secs(70)).await?, Claim::Claimed);
     let unfinished = || store.claim_execution(run, 1, 1, "touch /tmp/x1", "local", "b", Uuid::new_v4(), secs(5));
     match unfinished().await? {
@@ -556,10 +556,18 @@ async fn a_late_finish_of_a_command_taken_over_by_another_delivery_changes_no_de
     assert_eq!(store.claim_execution(run, 1, 6, "touch /tmp/x6", "local", "b", t6b, secs(70)).await?, Claim::Claimed);
     assert!(!store.command_starts(run, 1, 6, t6, secs(100)).await?, "the first delivery's late start");
     store.release_execution(run, 1, 6, t6).await?;
+    assert!(
+        !store.finish_execution(run, &done(6), t6).await?,
+        "the first delivery finished the claim another made since"
+    );
     assert!(store.command_starts(run, 1, 6, t6b, secs(100)).await?, "the claim that stands starts");
+    pg.execute("UPDATE executions SET gone_by = now() WHERE run_id = $1 AND idx = 6", &[&run]).await?;
     assert!(!store.drop_unstarted(run, 1, 6, t6b).await?, "a started claim is never dropped");
+    // Nor released: an error after its start was marked does not prove nothing ran.
+    store.release_execution(run, 1, 6, t6b).await?;
+    assert!(matches!(store.execution_claim(run, 1, 6).await?, Some(Claim::Unfinished { unstarted: None, .. })));
     // The first delivery's command ends after all: not ours any more, nothing is overwritten.
-    assert!(!store.finish_execution(run, &done(1)).await?, "taken over");
+    assert!(!store.finish_execution(run, &done(1), t1).await?, "taken over");
     match store.claim_execution(run, 1, 1, "touch /tmp/x1", "local", "c", Uuid::new_v4(), secs(70)).await? {
         Claim::Finished(rec) => {
             assert_eq!(rec.status, ExecutionStatus::Interrupted, "later deliveries decide as the one that took over");

@@ -424,7 +424,7 @@ impl Store {
         if n == 1 {
             return Ok(Claim::Claimed);
         }
-        // Gone since the insert found it: a claim released (nothing ran). The retry claims it.
+        // Gone since the insert found it: a claim released or removed (nothing ran). The retry claims it.
         existing_claim(&client, run, attempt, index)
             .await?
             .ok_or_else(|| StoreError::Unavailable("a command's claim was released as it was read".into()))
@@ -516,44 +516,49 @@ impl Store {
     /// that one did, the real outcome is added to its output, and the caller must run nothing
     /// more of the plan.
     #[tracing::instrument(name = "db_write", skip_all, fields(op = "finish_execution"))]
-    pub async fn finish_execution(&self, run: Uuid, rec: &ExecutionRecord) -> Result<bool, StoreError> {
+    pub async fn finish_execution(&self, run: Uuid, rec: &ExecutionRecord, claim: Uuid) -> Result<bool, StoreError> {
         let client = self.client().await?;
+        // Only under its own claim: one removed as never started (by a delivery that then
+        // claimed it anew) is not this delivery's to finish.
         let stmt = client
             .prepare_cached(
                 "UPDATE executions SET finished_at = now(), status = $4, exit_code = $5, output = $6
-                 WHERE run_id = $1 AND attempt = $2 AND idx = $3 AND status IS NULL",
+                 WHERE run_id = $1 AND attempt = $2 AND idx = $3 AND status IS NULL AND claim = $7",
             )
             .await?;
         let status =
             serde_json::to_value(rec.status).ok().and_then(|v| v.as_str().map(str::to_string)).unwrap_or_default();
         let (attempt, index) = (rec.attempt as i32, rec.index as i32);
-        let n = client.execute(&stmt, &[&run, &attempt, &index, &status, &rec.exit_code, &rec.output]).await?;
+        let n = client.execute(&stmt, &[&run, &attempt, &index, &status, &rec.exit_code, &rec.output, &claim]).await?;
         if n == 1 {
             return Ok(true);
         }
         let late = client
             .prepare_cached(
                 "UPDATE executions SET output = left(coalesce(output, '') || $4, 65536)
-                 WHERE run_id = $1 AND attempt = $2 AND idx = $3 AND status = 'interrupted'",
+                 WHERE run_id = $1 AND attempt = $2 AND idx = $3 AND status = 'interrupted' AND claim = $5",
             )
             .await?;
         let code = rec.exit_code.map(|c| format!(" (exit {c})")).unwrap_or_default();
         let note = format!("\nthe delivery that started it finished it later: {status}{code}");
-        client.execute(&late, &[&run, &attempt, &index, &note]).await?;
+        client.execute(&late, &[&run, &attempt, &index, &note, &claim]).await?;
         Ok(false)
     }
 }
 
 impl Store {
-    /// Forget the claim `claim` whose command never started (the executor could not reach the
-    /// host): only that delivery's own claim, never one another delivery made since.
+    /// Forget the claim `claim` whose command never started (the host could not be reached,
+    /// the start was refused or failed before it was marked): only that delivery's own claim,
+    /// never one another delivery made since, and never one whose start was marked (an error
+    /// after the mark does not prove nothing ran: such a claim is recorded interrupted later).
     #[tracing::instrument(name = "db_write", skip_all, fields(op = "release_execution"))]
     pub async fn release_execution(&self, run: Uuid, attempt: u32, index: u32, claim: Uuid) -> Result<(), StoreError> {
         let client = self.client().await?;
         client
             .execute(
                 "DELETE FROM executions
-                 WHERE run_id = $1 AND attempt = $2 AND idx = $3 AND finished_at IS NULL AND claim = $4",
+                 WHERE run_id = $1 AND attempt = $2 AND idx = $3 AND finished_at IS NULL AND claim = $4
+                   AND started = false",
                 &[&run, &(attempt as i32), &(index as i32), &claim],
             )
             .await?;
