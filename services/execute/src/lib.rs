@@ -120,6 +120,11 @@ fn straggler_deadline(cfg: &pitcrew_runtime::Config) -> Duration {
 /// ample time to record it.
 const SKIP_GONE_AFTER: Duration = Duration::from_secs(30);
 
+/// A command whose claim counts as its start (`Executor::starts_at_once`) and that starts this
+/// long after it marks its start (the time it is surely gone by moves with it); a sooner start
+/// is inside `STRAGGLER_GRACE`.
+const LATE_START: Duration = Duration::from_secs(1);
+
 /// A stopping worker leaves the step (`why`) to another: it is looked at again past the last
 /// pull the worker may still have out (1 s), so it goes to another worker.
 fn hand_over(why: String) -> StageError {
@@ -365,8 +370,12 @@ impl StageHandler for Execute {
                 }
                 let at = AtCommand::enter((state.run_id, state.attempt, index));
                 // This delivery's claim: its start is marked under it, and only its own
-                // claim is ever released.
+                // claim is ever released. A command that starts at once after its claim (on
+                // this machine) takes the claim as its start: a mark just before the start
+                // would leave the same milliseconds unknown, at the cost of a write.
                 let token = uuid::Uuid::new_v4();
+                let claimed_at = Instant::now();
+                let claimed_started = skip.is_none() && executor.starts_at_once(&spec.host);
                 let claim = if at_step {
                     store
                         .claim_execution(
@@ -377,6 +386,7 @@ impl StageHandler for Execute {
                             &spec.host,
                             &cx.deps.worker,
                             token,
+                            claimed_started,
                             gone_after,
                         )
                         .await?
@@ -503,10 +513,14 @@ impl StageHandler for Execute {
                                     if stopping.short_of(gone_after).is_some() {
                                         return Err("the worker began to stop while the command waited".into());
                                     }
-                                    // Marked before it starts: a claim without the mark never
-                                    // started (a later delivery may run it), one with it may have
-                                    // (never run again); and the time it is surely gone by moves
-                                    // with a start long after the claim.
+                                    // Marked before it starts, after its wait: a claim without
+                                    // the mark never started (a later delivery may run it), one
+                                    // with it may have (never run again). A claim that counts as
+                                    // the start is marked again only for a start long after it,
+                                    // to move the time it is surely gone by.
+                                    if claimed_started && claimed_at.elapsed() <= LATE_START {
+                                        return Ok(());
+                                    }
                                     match starts.command_starts(run_id, attempt, index, token, gone_after).await {
                                         Ok(true) => Ok(()),
                                         Ok(false) => Err("the command's claim was taken over by another delivery \
@@ -520,7 +534,9 @@ impl StageHandler for Execute {
                                 Ok(out) => record(state.attempt, index, command, &out),
                                 Err(ExecError::Unreachable(e)) => {
                                     // Nothing ran; the host is gone: a human must look.
-                                    store.release_execution(state.run_id, state.attempt, index, token).await?;
+                                    store
+                                        .release_execution(state.run_id, state.attempt, index, token, claimed_started)
+                                        .await?;
                                     cx.emit(
                                         EventKind::Error,
                                         format!("cannot reach {}: {e}", spec.host),
@@ -530,7 +546,9 @@ impl StageHandler for Execute {
                                 }
                                 Err(ExecError::Transient(e)) => {
                                     // Nothing ran: release the claim so the retry can run it.
-                                    store.release_execution(state.run_id, state.attempt, index, token).await?;
+                                    store
+                                        .release_execution(state.run_id, state.attempt, index, token, claimed_started)
+                                        .await?;
                                     // A worker stopping now (its start hook saw it, or the
                                     // wait for a connection failed as it stopped) leaves the
                                     // plan to another, as before the claim.

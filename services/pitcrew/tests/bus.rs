@@ -795,8 +795,9 @@ async fn a_crew_makes_its_streams_and_consumers_again_when_the_server_lost_them(
 /// Claims left by workers that died (here written as they would have left them): one that
 /// had started its command (it may have run: recorded interrupted, never run again: the run
 /// goes on to its next plan) and one that had not (killed while the command waited for its
-/// turn on the host: nothing ran, so its attempt runs it after all, once the claim's time is
-/// up). The run resolves on its second attempt's `restart`, run once, by this crew.
+/// turn on an SSH host or a channel: nothing ran, so its attempt runs it after all, once the
+/// claim's time is up). The run resolves on its second attempt's `restart`, run once, by this
+/// crew (on this machine: what a delivery does with a claim does not depend on the host).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_claim_its_worker_never_started_is_run_and_one_it_may_have_started_is_not() -> anyhow::Result<()> {
     let env = TestEnv::start().await?;

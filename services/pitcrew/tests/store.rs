@@ -484,11 +484,17 @@ async fn a_late_finish_of_a_command_taken_over_by_another_delivery_changes_no_de
         duration_ms: 5,
     };
     // Its own delivery finishes a command nobody else touched.
-    assert_eq!(store.claim_execution(run, 1, 0, "touch /tmp/x0", "local", "a", t0, secs(70)).await?, Claim::Claimed);
+    assert_eq!(
+        store.claim_execution(run, 1, 0, "touch /tmp/x0", "local", "a", t0, false, secs(70)).await?,
+        Claim::Claimed
+    );
     assert!(store.finish_execution(run, &done(0), t0).await?, "still ours");
     // Another delivery finds command 1 claimed and never finished: interrupted.
-    assert_eq!(store.claim_execution(run, 1, 1, "touch /tmp/x1", "local", "a", t1, secs(70)).await?, Claim::Claimed);
-    let unfinished = || store.claim_execution(run, 1, 1, "touch /tmp/x1", "local", "b", Uuid::new_v4(), secs(5));
+    assert_eq!(
+        store.claim_execution(run, 1, 1, "touch /tmp/x1", "local", "a", t1, false, secs(70)).await?,
+        Claim::Claimed
+    );
+    let unfinished = || store.claim_execution(run, 1, 1, "touch /tmp/x1", "local", "b", Uuid::new_v4(), false, secs(5));
     match unfinished().await? {
         // The claim's own time counts, not the later reader's.
         Claim::Unfinished { running_for, gone_in: Some(gone_in), unstarted } => {
@@ -517,7 +523,10 @@ async fn a_late_finish_of_a_command_taken_over_by_another_delivery_changes_no_de
     assert!(store.mark_interrupted(run, 1, 1).await?);
     // Past its time and taken over: a start that comes now is refused (it must not run).
     assert!(!store.command_starts(run, 1, 1, t1, secs(100)).await?, "a taken-over claim started");
-    assert_eq!(store.claim_execution(run, 1, 3, "touch /tmp/x3", "local", "a", t3, secs(0)).await?, Claim::Claimed);
+    assert_eq!(
+        store.claim_execution(run, 1, 3, "touch /tmp/x3", "local", "a", t3, false, secs(0)).await?,
+        Claim::Claimed
+    );
     // Past its time but not taken over: a late start moves it, and the mark then waits.
     assert!(store.command_starts(run, 1, 3, t3, secs(100)).await?);
     assert!(!store.mark_interrupted(run, 1, 3).await?, "marked a command that just started");
@@ -525,7 +534,10 @@ async fn a_late_finish_of_a_command_taken_over_by_another_delivery_changes_no_de
     assert!(matches!(store.execution_claim(run, 1, 3).await?, Some(Claim::Unfinished { .. })));
     // A start racing a mark: the mark holds the row, the start waits for it, sees the claim
     // taken over and is refused.
-    assert_eq!(store.claim_execution(run, 1, 5, "touch /tmp/x5", "local", "a", t5, secs(0)).await?, Claim::Claimed);
+    assert_eq!(
+        store.claim_execution(run, 1, 5, "touch /tmp/x5", "local", "a", t5, false, secs(0)).await?,
+        Claim::Claimed
+    );
     let mut marker = db.client().await?;
     let tx = marker.transaction().await?;
     let marked = tx
@@ -547,15 +559,21 @@ async fn a_late_finish_of_a_command_taken_over_by_another_delivery_changes_no_de
     // A claim never started is removed only past its time, only under its token, and only
     // while not started; its delivery's late start is then refused, and its release removes
     // nothing another delivery claimed since.
-    assert_eq!(store.claim_execution(run, 1, 6, "touch /tmp/x6", "local", "a", t6, secs(70)).await?, Claim::Claimed);
+    assert_eq!(
+        store.claim_execution(run, 1, 6, "touch /tmp/x6", "local", "a", t6, false, secs(70)).await?,
+        Claim::Claimed
+    );
     assert!(!store.drop_unstarted(run, 1, 6, t6).await?, "dropped before its time");
     pg.execute("UPDATE executions SET gone_by = now() WHERE run_id = $1 AND idx = 6", &[&run]).await?;
     assert!(!store.drop_unstarted(run, 1, 6, Uuid::new_v4()).await?, "dropped under another token");
     assert!(store.drop_unstarted(run, 1, 6, t6).await?);
     let t6b = Uuid::new_v4();
-    assert_eq!(store.claim_execution(run, 1, 6, "touch /tmp/x6", "local", "b", t6b, secs(70)).await?, Claim::Claimed);
+    assert_eq!(
+        store.claim_execution(run, 1, 6, "touch /tmp/x6", "local", "b", t6b, false, secs(70)).await?,
+        Claim::Claimed
+    );
     assert!(!store.command_starts(run, 1, 6, t6, secs(100)).await?, "the first delivery's late start");
-    store.release_execution(run, 1, 6, t6).await?;
+    store.release_execution(run, 1, 6, t6, false).await?;
     assert!(
         !store.finish_execution(run, &done(6), t6).await?,
         "the first delivery finished the claim another made since"
@@ -564,11 +582,23 @@ async fn a_late_finish_of_a_command_taken_over_by_another_delivery_changes_no_de
     pg.execute("UPDATE executions SET gone_by = now() WHERE run_id = $1 AND idx = 6", &[&run]).await?;
     assert!(!store.drop_unstarted(run, 1, 6, t6b).await?, "a started claim is never dropped");
     // Nor released: an error after its start was marked does not prove nothing ran.
-    store.release_execution(run, 1, 6, t6b).await?;
+    store.release_execution(run, 1, 6, t6b, false).await?;
     assert!(matches!(store.execution_claim(run, 1, 6).await?, Some(Claim::Unfinished { unstarted: None, .. })));
+    // A claim that counts as its command's start (one that starts at once after it) may have
+    // started from the first; only a caller that knows nothing ran releases it.
+    let t7 = Uuid::new_v4();
+    assert_eq!(
+        store.claim_execution(run, 1, 7, "touch /tmp/x7", "local", "a", t7, true, secs(70)).await?,
+        Claim::Claimed
+    );
+    assert!(matches!(store.execution_claim(run, 1, 7).await?, Some(Claim::Unfinished { unstarted: None, .. })));
+    store.release_execution(run, 1, 7, t7, false).await?;
+    assert!(store.execution_claim(run, 1, 7).await?.is_some(), "released a claim that counts as started");
+    store.release_execution(run, 1, 7, t7, true).await?;
+    assert_eq!(store.execution_claim(run, 1, 7).await?, None);
     // The first delivery's command ends after all: not ours any more, nothing is overwritten.
     assert!(!store.finish_execution(run, &done(1), t1).await?, "taken over");
-    match store.claim_execution(run, 1, 1, "touch /tmp/x1", "local", "c", Uuid::new_v4(), secs(70)).await? {
+    match store.claim_execution(run, 1, 1, "touch /tmp/x1", "local", "c", Uuid::new_v4(), false, secs(70)).await? {
         Claim::Finished(rec) => {
             assert_eq!(rec.status, ExecutionStatus::Interrupted, "later deliveries decide as the one that took over");
             assert!(rec.output.contains("finished it later: succeeded (exit 0)"), "{}", rec.output);
@@ -739,7 +769,7 @@ async fn a_target_is_held_by_one_run_while_it_executes_and_verifies() -> anyhow:
     assert_eq!(store.take_target("web", "web-2", b, 1).await?, fresh);
     assert_eq!(store.take_target("db", "web-1", c, 1).await?, fresh);
     // A's redelivery holds it still, and sees the command its first delivery claimed.
-    store.claim_execution(a, 1, 0, "touch /tmp/x", "web-1", "w", Uuid::new_v4(), secs(70)).await?;
+    store.claim_execution(a, 1, 0, "touch /tmp/x", "web-1", "w", Uuid::new_v4(), false, secs(70)).await?;
     assert_eq!(
         store.take_target("web", "web-1", a, 1).await?,
         TargetLock::Held { remediated_since: None, started: true }

@@ -142,6 +142,14 @@ pub trait Executor: Send + Sync + 'static {
         })
     }
 
+    /// Whether a command on `host` starts at once after `run_when_ready` is called (no turn on
+    /// the host or connection to wait for first), so that whoever records its intent just
+    /// before may take that record as its start: a separate mark of the start, worth its
+    /// cost only across a wait, would change nothing there. This machine: yes.
+    fn starts_at_once(&self, _host: &str) -> bool {
+        true
+    }
+
     /// Whether `tool` (a program name like "systemctl") exists on `host`, so planners only
     /// propose commands the host can run. Unknown hosts have no tools.
     fn has_tool<'a>(&'a self, host: &'a str, tool: &'a str) -> BoxFuture<'a, bool>;
@@ -189,6 +197,11 @@ impl Executor for Fleet {
         } else {
             self.local.run_when_ready(host, command, timeout, ready)
         }
+    }
+
+    fn starts_at_once(&self, host: &str) -> bool {
+        // Over SSH a command waits for its turn on the host and a channel, maybe a connection.
+        !self.ssh.knows(host)
     }
 
     fn has_tool<'a>(&'a self, host: &'a str, tool: &'a str) -> BoxFuture<'a, bool> {

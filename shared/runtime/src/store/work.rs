@@ -394,8 +394,9 @@ impl Store {
     }
 
     /// Record the intent to run command `index` of `attempt` before running it, under the
-    /// delivery's token `claim` (`command_starts` marks its start); should it never be
-    /// finished, it may be running for up to `gone_after` from now.
+    /// delivery's token `claim`; should it never be finished, it may be running for up to
+    /// `gone_after` from now. `started`: the claim counts as the command's start (it starts at
+    /// once after it); otherwise `command_starts` marks the start, after a wait.
     #[tracing::instrument(name = "db_write", skip_all, fields(op = "claim_execution"))]
     #[allow(clippy::too_many_arguments)]
     pub async fn claim_execution(
@@ -407,19 +408,23 @@ impl Store {
         host: &str,
         worker: &str,
         claim: Uuid,
+        started: bool,
         gone_after: std::time::Duration,
     ) -> Result<Claim, StoreError> {
         let client = self.client().await?;
         let ins = client
             .prepare_cached(
                 "INSERT INTO executions (run_id, attempt, idx, command, host, worker, gone_by, claim, started)
-                 VALUES ($1, $2, $3, $4, $5, $6, now() + $7::float8 * interval '1 second', $8, false)
+                 VALUES ($1, $2, $3, $4, $5, $6, now() + $7::float8 * interval '1 second', $8, $9)
                  ON CONFLICT DO NOTHING",
             )
             .await?;
         let secs = gone_secs(gone_after);
         let n = client
-            .execute(&ins, &[&run, &(attempt as i32), &(index as i32), &command, &host, &worker, &secs, &claim])
+            .execute(
+                &ins,
+                &[&run, &(attempt as i32), &(index as i32), &command, &host, &worker, &secs, &claim, &started],
+            )
             .await?;
         if n == 1 {
             return Ok(Claim::Claimed);
@@ -548,18 +553,27 @@ impl Store {
 
 impl Store {
     /// Forget the claim `claim` whose command never started (the host could not be reached,
-    /// the start was refused or failed before it was marked): only that delivery's own claim,
-    /// never one another delivery made since, and never one whose start was marked (an error
-    /// after the mark does not prove nothing ran: such a claim is recorded interrupted later).
+    /// the start was refused or failed): only that delivery's own claim, never one another
+    /// delivery made since, and, unless the caller knows nothing ran (`not_run`: a process
+    /// that could not be started on this machine), never one whose start was marked (an SSH
+    /// error after the mark does not prove nothing ran: such a claim is recorded interrupted
+    /// later).
     #[tracing::instrument(name = "db_write", skip_all, fields(op = "release_execution"))]
-    pub async fn release_execution(&self, run: Uuid, attempt: u32, index: u32, claim: Uuid) -> Result<(), StoreError> {
+    pub async fn release_execution(
+        &self,
+        run: Uuid,
+        attempt: u32,
+        index: u32,
+        claim: Uuid,
+        not_run: bool,
+    ) -> Result<(), StoreError> {
         let client = self.client().await?;
         client
             .execute(
                 "DELETE FROM executions
                  WHERE run_id = $1 AND attempt = $2 AND idx = $3 AND finished_at IS NULL AND claim = $4
-                   AND started = false",
-                &[&run, &(attempt as i32), &(index as i32), &claim],
+                   AND (started = false OR $5)",
+                &[&run, &(attempt as i32), &(index as i32), &claim, &not_run],
             )
             .await?;
         Ok(())
