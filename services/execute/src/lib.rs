@@ -115,9 +115,9 @@ fn straggler_deadline(cfg: &pitcrew_runtime::Config) -> Duration {
     cfg.command_timeout().saturating_add(STRAGGLER_GRACE)
 }
 
-/// How long a claim finished as not run (the plan skipped) may stay unfinished before another
-/// delivery decides it again (its start is never marked: it is removed and claimed anew):
-/// ample time to record it.
+/// How long a claim finished as not run (the plan skipped) may stay unfinished before a
+/// delivery at the run's step decides it again (it never counts as started: it is removed and
+/// claimed anew): ample time to record it.
 const SKIP_GONE_AFTER: Duration = Duration::from_secs(30);
 
 /// A command whose claim counts as its start (`Executor::starts_at_once`) and that starts this
@@ -448,8 +448,9 @@ impl StageHandler for Execute {
                             return Err(StageError::Wait {
                                 why: format!(
                                     "command {index} of attempt {} (`{command}`), claimed {} s ago by a delivery \
-                                     that never finished it, may still be running on {}: it is recorded \
-                                     interrupted once its deadline has passed, in {} s",
+                                     that never finished it, may still be running on {}: it is looked at again \
+                                     once its deadline has passed (recorded interrupted, or run now if it \
+                                     never started), in {} s",
                                     state.attempt,
                                     running_for.as_secs(),
                                     spec.host,
@@ -545,7 +546,11 @@ impl StageHandler for Execute {
                                     return Ok(Transition::Escalate(format!("host {} unreachable: {e}", spec.host)));
                                 }
                                 Err(ExecError::Transient(e)) => {
-                                    // Nothing ran: release the claim so the retry can run it.
+                                    // Nothing ran (the start refused, a local process that could
+                                    // not start, an SSH wait that failed before the start's mark):
+                                    // release the claim so the retry can run it. Past the mark (an
+                                    // SSH channel that failed as it opened) the command may have
+                                    // started: the claim stays, and is recorded interrupted later.
                                     store
                                         .release_execution(state.run_id, state.attempt, index, token, claimed_started)
                                         .await?;

@@ -73,8 +73,8 @@ async fn wait_finished(db: &tokio_postgres::Client, n: usize, started: Instant, 
 /// processes (`w0`, `w1`), one incident per service published.
 async fn batch_under_way(env: TestEnv) -> anyhow::Result<(Crew, Vec<Worker>)> {
     // A command cut short by a kill is recorded interrupted once it can no longer be running:
-    // its timeout and 10 s past its start (a claim whose start was never marked is claimed anew
-    // then, and run). Messages a killed worker held come back after 10 s.
+    // its timeout and 10 s past its claim (which counts as the start of a local command).
+    // Messages a killed worker held come back after 10 s.
     // A message delivered 8 times and over 30 s old whose next try fails is dead-lettered
     // (the defaults, 20 and an hour, could never be reached here): retrying in circles shows.
     let text = format!(
@@ -236,12 +236,13 @@ async fn check_batch(crew: &Crew) -> anyhow::Result<i64> {
     Ok(interrupted)
 }
 
-/// A worker that holds a command running now, among `names`: its index. Running: its start
-/// marked and its claim 150 ms old, so its process surely started (the fixes take 400 ms). A
-/// kill a few milliseconds after a start's mark may land before the process starts: the
-/// command is then recorded interrupted though it never ran, and never run again (whether it
-/// ran is unknown); two such kills on one run leave its fixes used up and it escalates. The
-/// kills aimed here are aimed at commands running, not at that window.
+/// A worker that holds a command running now, among `names`: its index. Running: claimed as
+/// started (not a plan's skip) 150 ms ago, so its process surely started (the fixes take 400
+/// ms). A kill in the few milliseconds between a local command's claim (which counts as its
+/// start) and its process start leaves it recorded interrupted though it never ran, and never
+/// run again (whether it ran is unknown from outside); two such kills on one run used up its
+/// fixes and it escalated (the CI failure of 2026-11-26). The kills aimed here are aimed at
+/// commands running, not at that window.
 async fn running_a_command(db: &tokio_postgres::Client, names: &[String]) -> anyhow::Result<Option<usize>> {
     let row = db
         .query_opt(

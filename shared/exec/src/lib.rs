@@ -106,6 +106,8 @@ pub enum ExecError {
     #[error("unreachable: {0}")]
     Unreachable(String),
     /// Transient infrastructure error (connection lost, out of processes...): retry later.
+    /// Over SSH it may come after the command reached the host (a channel that failed as it
+    /// opened): whether it started is then unknown.
     #[error("transient: {0}")]
     Transient(String),
 }
@@ -144,10 +146,12 @@ pub trait Executor: Send + Sync + 'static {
 
     /// Whether a command on `host` starts at once after `run_when_ready` is called (no turn on
     /// the host or connection to wait for first), so that whoever records its intent just
-    /// before may take that record as its start: a separate mark of the start, worth its
-    /// cost only across a wait, would change nothing there. This machine: yes.
+    /// before may take that record as its start (a separate mark of the start, worth its
+    /// cost only across a wait, would change nothing there), and whether a `Transient` error
+    /// from it means the command never started. No unless an executor says so: this machine
+    /// does.
     fn starts_at_once(&self, _host: &str) -> bool {
-        true
+        false
     }
 
     /// Whether `tool` (a program name like "systemctl") exists on `host`, so planners only

@@ -175,6 +175,12 @@ impl LocalExecutor {
 }
 
 impl Executor for LocalExecutor {
+    /// A process starts as soon as it is asked for, and one that fails to start with a
+    /// `Transient` error (out of processes, memory, descriptors) never ran.
+    fn starts_at_once(&self, _host: &str) -> bool {
+        true
+    }
+
     fn run<'a>(
         &'a self,
         host: &'a str,

@@ -76,10 +76,11 @@ pub enum Claim {
     /// An earlier delivery ran it to the end: reuse its record.
     Finished(ExecutionRecord),
     /// An earlier delivery claimed it `running_for` ago (Postgres' clock) and never recorded
-    /// an end: do not run it again. `gone_in`: how long it may still be running, by its claim
-    /// (None on a claim written before that was recorded). `unstarted`: the claim's token when
-    /// it is known never to have started (its delivery waited for its turn and never got to
-    /// start it): once its time is up, `drop_unstarted` removes it and the command may run.
+    /// an end: do not run it again, unless it never started. `gone_in`: how long it may still
+    /// be running, by its claim (None on a claim written before that was recorded).
+    /// `unstarted`: the claim's token when it is known never to have started (its delivery
+    /// died waiting for the command's turn or a channel, or deciding to skip it): once its
+    /// time is up, `drop_unstarted` removes it and the command may run.
     Unfinished { running_for: std::time::Duration, gone_in: Option<std::time::Duration>, unstarted: Option<Uuid> },
 }
 
