@@ -133,8 +133,9 @@ fn hand_over(why: String) -> StageError {
 
 /// How long a command's end is retried while Postgres cannot take it (an outage, a failover)
 /// before the step gives up on it: its claim (its start marked) is then left unfinished, and
-/// recorded interrupted by a later delivery (outcome unknown; verify decides). The message's progress acks keep it
-/// from being redelivered meanwhile; a stopping worker's drain deadline cuts it short.
+/// recorded interrupted by a later delivery (outcome unknown; verify decides). The message's
+/// progress acks keep it from being redelivered meanwhile; a stopping worker's drain deadline
+/// cuts it short.
 const FINISH_RETRY_LIMIT: Duration = Duration::from_secs(120);
 
 /// Record how a command that ran ended (`Store::finish_execution`), retrying for up to
@@ -373,7 +374,7 @@ impl StageHandler for Execute {
                 // claim is ever released. A command that starts at once after its claim (on
                 // this machine) takes the claim as its start: a mark just before the start
                 // would leave the same milliseconds unknown, at the cost of a write.
-                let token = uuid::Uuid::new_v4();
+                let token = Uuid::new_v4();
                 let claimed_at = Instant::now();
                 let claimed_started = skip.is_none() && executor.starts_at_once(&spec.host);
                 let claim = if at_step {

@@ -251,11 +251,8 @@ async fn a_malformed_incident_naming_an_open_run_leaves_that_run_alone() -> anyh
     let end = crew.end(run).await?;
     assert_eq!(end.kind, EventKind::Resolved, "{}", end.message);
     let db = crew.db().await?;
-    let errors: i64 = db
-        .query_one("SELECT count(*) FROM run_events WHERE run_id = $1 AND kind IN ('error', 'rejected')", &[&run])
-        .await?
-        .get(0);
-    assert_eq!(errors, 0, "nothing about the bad incident in the run's timeline");
+    let errors = count(&db, "SELECT count(*) FROM run_events WHERE run_id = $1 AND kind IN ('error', 'rejected')", run);
+    assert_eq!(errors.await, 0, "nothing about the bad incident in the run's timeline");
     crew.shutdown().await
 }
 

@@ -445,11 +445,9 @@ async fn a_host_lost_before_verification_escalates_without_blaming_the_fix() -> 
     assert_eq!(end.data["failed_commands"], serde_json::json!([]), "{}", end.data);
     let db = crew.db().await?;
     assert_eq!(executions(&db, run).await?, vec![ok(format!("touch {healthy}"))]);
-    let barred: i64 = db
-        .query_one("SELECT count(*) FROM episodes WHERE run_id = $1 AND cardinality(commands) > 0", &[&run])
-        .await?
-        .get(0);
-    assert_eq!(barred, 0, "memory is not told the fix failed");
+    let barred =
+        common::count(&db, "SELECT count(*) FROM episodes WHERE run_id = $1 AND cardinality(commands) > 0", run);
+    assert_eq!(barred.await, 0, "memory is not told the fix failed");
     crew.shutdown().await
 }
 

@@ -8,10 +8,11 @@
 //! not move (stale input, closed run) is reported to its caller alone. A transition at the
 //! seq the run is at is taken again only to the same step (a redelivered step rewriting what
 //! it wrote); one to another step (a redelivered step that decided otherwise: a check that
-//! now fails) is refused, so the run keeps the transition whose message may be on its way. A batch never holds
-//! two transitions of one run (the second waits for the next batch), so batching changes no
-//! outcome. A batch that fails for a reason other than the connection is split into single
-//! statements, so one transition Postgres refuses never fails the others with it.
+//! now fails) is refused, so the run keeps the transition whose message may be on its way. A
+//! batch never holds two transitions of one run (the second waits for the next batch), so
+//! batching changes no outcome. A batch that fails for a reason other than the connection is
+//! split into single statements, so one transition Postgres refuses never fails the others
+//! with it.
 
 use super::runs::EventColumns;
 use super::{Record, RunStatus, StoreError};

@@ -430,7 +430,8 @@ impl Store {
         if n == 1 {
             return Ok(Claim::Claimed);
         }
-        // Gone since the insert found it: a claim released or removed (nothing ran). The retry claims it.
+        // Gone since the insert found it: a claim released or removed (nothing ran). The retry
+        // claims it.
         existing_claim(&client, run, attempt, index)
             .await?
             .ok_or_else(|| StoreError::Unavailable("a command's claim was released as it was read".into()))
