@@ -64,11 +64,7 @@ fn process_id(text: &str) -> Option<String> {
 /// Commands that failed in this run plus those episodic memory remembers failing.
 pub fn failed_commands(state: &RunState, memory: &Memory) -> Vec<String> {
     let mut all: Vec<String> = state.failed_commands.clone();
-    for c in &memory.failed {
-        if !all.contains(c) {
-            all.push(c.clone());
-        }
-    }
+    pitcrew_model::run::add_once(&mut all, memory.failed.iter().cloned());
     all
 }
 
