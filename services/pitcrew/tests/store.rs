@@ -419,6 +419,83 @@ async fn run_states_are_compressed_with_lz4_where_postgres_has_it() -> anyhow::R
     Ok(())
 }
 
+/// A state like one with the default evidence commands' output (`ss -ltn`, `df -h`, `free -m`):
+/// about 4 KB of JSON that lz4 brings to about 2.3 KB, over the ~2 KB past which Postgres moves
+/// a value of default storage out of the row.
+fn state_with_evidence(state: &RunState) -> RunState {
+    let mut s = state.clone();
+    // Varied enough that compression leaves about what the real outputs leave.
+    let mut x: u64 = 0x9e37_79b9;
+    let mut next = move || {
+        x = x.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+        (x >> 33) as u32
+    };
+    let listening: String = (0..50)
+        .map(|_| {
+            let (a, b, port, q) = (next() % 256, next() % 256, next() % 65536, next() % 4097);
+            format!("LISTEN 0      {q:<5}      10.{a}.{b}.7:{port:<6}      0.0.0.0:*\n")
+        })
+        .collect();
+    let disks: String = (0..8)
+        .map(|i| {
+            format!(
+                "/dev/vd{i}       {}G  {}G  {}G  {}% /srv/{}\n",
+                next() % 900,
+                next() % 500,
+                next() % 400,
+                next() % 100,
+                next()
+            )
+        })
+        .collect();
+    for (detail, output) in
+        [("ss -ltn", listening), ("df -h", disks), ("free -m", "Mem: 24000 1200 22000 1 800 22500\n".into())]
+    {
+        s.push_evidence(pitcrew_model::Evidence {
+            attempt: 1,
+            source: "command".into(),
+            detail: detail.into(),
+            output,
+            ok: true,
+        });
+    }
+    s.advance(Stage::Plan);
+    s
+}
+
+#[tokio::test]
+async fn a_state_with_evidence_stays_in_its_row_not_in_the_toast_table() -> anyhow::Result<()> {
+    let (_turn, _db, store, runs, pg) = setup(1).await?;
+    let state = state_with_evidence(&runs[0]);
+    let json = serde_json::to_string(&state)?;
+    assert!((3500..8000).contains(&json.len()), "a state the size evidence makes: {} bytes", json.len());
+    assert!(store.commit_transition(&state, RunStatus::Open, &[]).await?);
+
+    let toast = |table: &str| format!("SELECT reltoastrelid::regclass::text FROM pg_class WHERE relname = '{table}'");
+    let runs_toast: String = pg.query_one(&toast("runs"), &[]).await?.get(0);
+    let out_of_line: i64 = pg.query_one(&format!("SELECT count(*) FROM {runs_toast}"), &[]).await?.get(0);
+    assert_eq!(out_of_line, 0, "the state is kept (compressed) in the run's row");
+    let stored: String = pg.query_one("SELECT state::text FROM runs WHERE id = $1", &[&state.run_id]).await?.get(0);
+    let back: RunState = serde_json::from_str(&stored)?;
+    assert_eq!(back, state, "and reads back whole");
+
+    // The same value under default storage goes out of line: the case this test is about.
+    pg.batch_execute("CREATE TABLE default_storage (state jsonb)").await?;
+    // As `runs` has it where this Postgres has lz4; pglz compresses it less, if anything.
+    let _ = pg.batch_execute("ALTER TABLE default_storage ALTER COLUMN state SET COMPRESSION lz4").await;
+    pg.execute("INSERT INTO default_storage SELECT state FROM runs WHERE id = $1", &[&state.run_id]).await?;
+    let default_toast: String = pg.query_one(&toast("default_storage"), &[]).await?.get(0);
+    let moved: i64 = pg.query_one(&format!("SELECT count(*) FROM {default_toast}"), &[]).await?.get(0);
+    let size: i32 =
+        pg.query_one("SELECT pg_column_size(state) FROM runs WHERE id = $1", &[&state.run_id]).await?.get(0);
+    assert!(
+        moved > 0,
+        "under default storage this state ({} bytes, {size} stored) would be moved to the TOAST table",
+        json.len()
+    );
+    Ok(())
+}
+
 #[tokio::test]
 async fn concurrent_memory_reads_share_statements_but_never_answer_from_before_the_call() -> anyhow::Result<()> {
     let db = TestDb::create().await?;

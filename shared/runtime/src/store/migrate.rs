@@ -15,6 +15,7 @@ pub const MIGRATIONS: &[(i32, &str, &str)] = &[
     (7, "target_locks", include_str!("../../../../schemas/migrations/0007_target_locks.sql")),
     (8, "execution_gone_by", include_str!("../../../../schemas/migrations/0008_execution_gone_by.sql")),
     (9, "execution_start", include_str!("../../../../schemas/migrations/0009_execution_start.sql")),
+    (10, "state_inline", include_str!("../../../../schemas/migrations/0010_state_inline.sql")),
 ];
 
 /// Arbitrary constant: the advisory lock that serialises migrators.
