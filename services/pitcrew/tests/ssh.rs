@@ -82,6 +82,24 @@ async fn deadlines_and_output_caps_hold() -> anyhow::Result<()> {
 }
 
 #[tokio::test]
+async fn a_command_that_leaves_a_daemon_holding_its_output_ends_when_it_exits() -> anyhow::Result<()> {
+    let sshd = start_target()?;
+    let f = fleet(sshd.host(true), 1024);
+    let started = Instant::now();
+    // A start script as many are written: the service goes to the background with the
+    // script's output, and the script exits at once.
+    let out = f.run("box", "sh -c 'sleep 25.0417 & echo started'", Duration::from_secs(10)).await?;
+    let took = started.elapsed();
+    assert_eq!((out.exit_code, out.timed_out, out.stdout.as_str()), (Some(0), false, "started\n"), "{out:?}");
+    assert!(took < Duration::from_secs(5), "the script's end is the command's, not the daemon's: {took:?}");
+    // The daemon itself is left running (a start script's service must be).
+    let alive = f.run("box", "pgrep -f 'sleep 25.0417'", T).await?;
+    assert_eq!(alive.exit_code, Some(0), "{alive:?}");
+    f.run("box", "pkill -f 'sleep 25.0417'", T).await?;
+    Ok(())
+}
+
+#[tokio::test]
 async fn an_unknown_host_key_is_refused_unless_accepted_for_that_host() -> anyhow::Result<()> {
     let sshd = start_target()?;
     let f = fleet(sshd.host(false), 4096);
