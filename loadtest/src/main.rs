@@ -475,7 +475,11 @@ async fn connect_target(
     bus.js.get_stream(&events).await.with_context(|| {
         format!("the target's bus has no stream {events}: is pitcrew running there, with this config's prefix?")
     })?;
-    let (db, conn) = tokio_postgres::connect(&cfg.database.url, tokio_postgres::NoTls)
+    // TLS as the crew's own connections have it (the URL's sslmode and sslrootcert).
+    let target = pitcrew_runtime::store::database_target(&cfg.database.url)?;
+    let (db, conn) = target
+        .config
+        .connect(target.tls)
         .await
         .context("connecting to the target's database (for the stage latencies)")?;
     tokio::spawn(async move {

@@ -1044,3 +1044,62 @@ async fn a_write_refused_by_a_read_only_server_is_worth_a_retry() -> anyhow::Res
     assert!(matches!(store.commit_transition(&moved, RunStatus::Open, &events).await, Ok(true)));
     Ok(())
 }
+
+/// A store on `url`, its database made if missing.
+async fn store_at(url: String) -> Result<Store, pitcrew_runtime::store::StoreError> {
+    Store::connect(&DatabaseConfig { url, pool_size: 2, migrate_on_start: false, statement_timeout_secs: 30 }).await
+}
+
+/// Whether the connections of `application` to the private server are encrypted (each of
+/// them), `None` when it has none.
+async fn encrypted(admin: &tokio_postgres::Client, application: &str) -> anyhow::Result<Option<bool>> {
+    let row = admin
+        .query_one(
+            "SELECT count(*), count(*) FILTER (WHERE s.ssl) FROM pg_stat_activity a JOIN pg_stat_ssl s USING (pid)
+             WHERE a.application_name = $1",
+            &[&application],
+        )
+        .await?;
+    let (all, ssl): (i64, i64) = (row.get(0), row.get(1));
+    Ok((all > 0).then_some(all == ssl))
+}
+
+#[tokio::test]
+async fn the_store_connects_over_tls_as_the_url_asks_and_refuses_what_cannot_be_met() -> anyhow::Result<()> {
+    use pitcrew_testkit::pg::PrivatePostgres;
+    let server = PrivatePostgres::start_with_tls()?;
+    let (admin, conn) = tokio_postgres::connect(&server.admin_url(), tokio_postgres::NoTls).await?;
+    tokio::spawn(conn);
+    let ca = server.ca_file().display().to_string();
+    let base = format!("postgres://postgres@127.0.0.1:{}/pitcrew_tls", server.port);
+    let connect = |query: String| store_at(format!("{base}?{query}"));
+
+    // The certificate is issued for TLS_SERVER_NAME, not the address connected to: verify-ca
+    // (its authority only) connects, creating the database over TLS too; require (libpq's:
+    // encrypted, checked only against a given authority) connects without one.
+    let ca_store = connect(format!("sslmode=verify-ca&sslrootcert={ca}&application_name=verify-ca")).await?;
+    ca_store.migrate().await?;
+    assert_eq!(encrypted(&admin, "verify-ca").await?, Some(true));
+    let _require = connect("sslmode=require&application_name=require".into()).await?;
+    assert_eq!(encrypted(&admin, "require").await?, Some(true));
+    // No sslmode: plain, though the server offers TLS.
+    let _plain = connect("application_name=plain".into()).await?;
+    assert_eq!(encrypted(&admin, "plain").await?, Some(false));
+
+    // What cannot be met is refused at once, saying why, not waited for as an outage.
+    for (query, why) in [
+        (format!("sslmode=verify-full&sslrootcert={ca}"), "the certificate is not for 127.0.0.1"),
+        ("sslmode=verify-full".to_string(), "a self-signed certificate the system does not trust"),
+    ] {
+        let e = connect(query.clone()).await.err().unwrap_or_else(|| panic!("{why}: {query} connected"));
+        assert!(!e.is_transient(), "{why}: {e:?}");
+        assert!(e.to_string().contains("TLS"), "{why}: {e}");
+    }
+    let plain_server = PrivatePostgres::start()?;
+    let e = store_at(format!("postgres://postgres@127.0.0.1:{}/pitcrew_tls?sslmode=require", plain_server.port))
+        .await
+        .err()
+        .expect("a server without TLS cannot meet sslmode=require");
+    assert!(!e.is_transient() && e.to_string().contains("TLS"), "{e:?}");
+    Ok(())
+}

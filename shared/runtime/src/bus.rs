@@ -128,7 +128,7 @@ fn url_credentials(url: &str) -> Option<Credentials> {
 }
 
 /// `%XX` escapes decoded; anything else (a stray `%`) kept as it is.
-fn percent_decode(s: &str) -> String {
+pub(crate) fn percent_decode(s: &str) -> String {
     let b = s.as_bytes();
     let mut out = Vec::with_capacity(b.len());
     let mut i = 0;

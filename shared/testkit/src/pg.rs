@@ -14,7 +14,12 @@ pub struct PrivatePostgres {
     bin: PathBuf,
     dir: tempfile::TempDir,
     ids: Option<(u32, u32)>,
+    /// Serving TLS with a certificate of its own (`start_with_tls`).
+    tls: bool,
 }
+
+/// The name the TLS server's certificate is issued for (and no other: not 127.0.0.1).
+pub const TLS_SERVER_NAME: &str = "pitcrew-test-db";
 
 /// The newest `/usr/lib/postgresql/<version>/bin`.
 fn bin_dir() -> anyhow::Result<PathBuf> {
@@ -30,6 +35,21 @@ fn bin_dir() -> anyhow::Result<PathBuf> {
 
 impl PrivatePostgres {
     pub fn start() -> anyhow::Result<PrivatePostgres> {
+        Self::start_as(false)
+    }
+
+    /// A server that also takes TLS, with a self-signed certificate issued for
+    /// [`TLS_SERVER_NAME`] alone; the certificate (to trust) is `ca_file()`.
+    pub fn start_with_tls() -> anyhow::Result<PrivatePostgres> {
+        Self::start_as(true)
+    }
+
+    /// The TLS server's certificate, its own authority.
+    pub fn ca_file(&self) -> PathBuf {
+        self.dir.path().join("ca.crt")
+    }
+
+    fn start_as(tls: bool) -> anyhow::Result<PrivatePostgres> {
         let bin = bin_dir()?;
         let dir = tempfile::Builder::new().prefix("pitcrew-pg-").tempdir()?;
         // SAFETY: geteuid(2) cannot fail and touches no memory.
@@ -43,7 +63,7 @@ impl PrivatePostgres {
             std::os::unix::fs::chown(dir.path(), Some(uid), Some(gid))?;
         }
         let port = pitcrew_runtime::natsd::free_port()?;
-        let mut pg = PrivatePostgres { child: None, port, bin, dir, ids };
+        let mut pg = PrivatePostgres { child: None, port, bin, dir, ids, tls };
         let data = pg.data();
         let out = pg
             .command("initdb")
@@ -54,8 +74,40 @@ impl PrivatePostgres {
         if !out.status.success() {
             bail!("initdb failed: {}", String::from_utf8_lossy(&out.stderr));
         }
+        if tls {
+            pg.make_certificate()?;
+        }
         pg.spawn()?;
         Ok(pg)
+    }
+
+    /// A key and a self-signed certificate in the data directory, owned by the server's
+    /// account (PostgreSQL refuses a key others may read), and a copy of the certificate for
+    /// clients to trust.
+    fn make_certificate(&self) -> anyhow::Result<()> {
+        let (key, cert) = (self.data().join("server.key"), self.data().join("server.crt"));
+        let out = Command::new("openssl")
+            .args(["req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj"])
+            .arg(format!("/CN={TLS_SERVER_NAME}"))
+            .arg("-addext")
+            .arg(format!("subjectAltName=DNS:{TLS_SERVER_NAME}"))
+            .arg("-keyout")
+            .arg(&key)
+            .arg("-out")
+            .arg(&cert)
+            .output()
+            .context("openssl (package openssl) makes the test server's certificate")?;
+        if !out.status.success() {
+            bail!("openssl req failed: {}", String::from_utf8_lossy(&out.stderr));
+        }
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o600))?;
+        if let Some((uid, gid)) = self.ids {
+            std::os::unix::fs::chown(&key, Some(uid), Some(gid))?;
+            std::os::unix::fs::chown(&cert, Some(uid), Some(gid))?;
+        }
+        std::fs::copy(&cert, self.ca_file())?;
+        Ok(())
     }
 
     fn data(&self) -> PathBuf {
@@ -80,6 +132,7 @@ impl PrivatePostgres {
             .arg(self.data())
             .args(["-p", &self.port.to_string(), "-k", &sockets])
             .args(["-c", "listen_addresses=127.0.0.1", "-c", "fsync=off", "-c", "max_connections=200"])
+            .args(if self.tls { &["-c", "ssl=on"][..] } else { &[] })
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(log_file)

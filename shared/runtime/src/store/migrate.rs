@@ -2,7 +2,6 @@
 
 use super::StoreError;
 use std::time::Duration;
-use tokio_postgres::NoTls;
 
 /// Every migration in order; the number is the version recorded in `pitcrew_migrations`.
 pub const MIGRATIONS: &[(i32, &str, &str)] = &[
@@ -54,12 +53,13 @@ pub async fn migrate(client: &mut tokio_postgres::Client) -> Result<usize, Store
 /// `connect_timeout`: a host that accepts and never answers must not stall start-up.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// Connect with `cfg`, the whole handshake bounded by `limit`.
+/// Connect with `cfg` over `tls`, the whole handshake bounded by `limit`.
 async fn connect_within(
     cfg: &tokio_postgres::Config,
+    tls: &postgres_native_tls::MakeTlsConnector,
     limit: Duration,
 ) -> Result<Result<tokio_postgres::Client, tokio_postgres::Error>, StoreError> {
-    match tokio::time::timeout(limit, cfg.connect(NoTls)).await {
+    match tokio::time::timeout(limit, cfg.connect(tls.clone())).await {
         Err(_) => Err(StoreError::Unavailable(format!("no answer within {} s", limit.as_secs_f64()))),
         Ok(Err(e)) => Ok(Err(e)),
         Ok(Ok((client, conn))) => {
@@ -73,7 +73,7 @@ async fn connect_within(
 /// first: a role that may not connect to `postgres` (managed services often refuse it) needs
 /// nothing more when the database is there; only a missing one is created from `postgres`.
 pub async fn ensure_database(url: &str) -> Result<(), StoreError> {
-    let cfg: tokio_postgres::Config = url.parse().map_err(|e| StoreError::Config(format!("bad database URL: {e}")))?;
+    let super::tls::Target { config: cfg, tls, .. } = super::tls::target(url)?;
     let Some(db) = cfg.get_dbname().map(str::to_string) else { return Ok(()) };
     if !db.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-') {
         return Err(StoreError::Config(format!("database name '{db}' must be letters, digits, '_' or '-'")));
@@ -82,7 +82,7 @@ pub async fn ensure_database(url: &str) -> Result<(), StoreError> {
     let per_host = cfg.get_connect_timeout().copied().unwrap_or(CONNECT_TIMEOUT);
     let limit = per_host.saturating_mul(cfg.get_hosts().len().max(1) as u32);
     let failed = |e: StoreError| StoreError::connect(url, e);
-    match connect_within(&cfg, limit).await.map_err(failed)? {
+    match connect_within(&cfg, &tls, limit).await.map_err(failed)? {
         Ok(_) => return Ok(()),
         Err(e) if e.code() == Some(&tokio_postgres::error::SqlState::INVALID_CATALOG_NAME) => {}
         Err(e) => return Err(failed(StoreError::Query(e))),
@@ -96,7 +96,7 @@ pub async fn ensure_database(url: &str) -> Result<(), StoreError> {
     };
     // Refused there (a role that may not connect to it): the database cannot be made. Not
     // reached (a restart, too many connections): as any connection failure, worth a retry.
-    let client = match connect_within(&admin, limit).await.map_err(failed)? {
+    let client = match connect_within(&admin, &tls, limit).await.map_err(failed)? {
         Ok(client) => client,
         Err(e) if super::refusal(&e) => return Err(missing(StoreError::Query(e))),
         Err(e) => return Err(failed(StoreError::Query(e))),

@@ -8,6 +8,7 @@ mod query;
 mod recall;
 mod runs;
 mod targets;
+mod tls;
 mod votes;
 mod work;
 
@@ -15,12 +16,12 @@ pub use migrate::{ensure_database, migrate as apply_migrations, MIGRATIONS};
 pub use query::{AuditEntry, EvaluationRow, ExecutionRow, RunFilter};
 pub use runs::{IncidentSeen, OpenRun, RunStatus, RunSummary, StoredRun};
 pub use targets::TargetLock;
+pub use tls::{target as database_target, Target as DatabaseTarget, TlsMode};
 pub use work::{Claim, DecideOutcome, Episode, Memory, PendingApproval, Record, FAILED_COMMANDS};
 
 use crate::config::{redact_url, DatabaseConfig};
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
 use std::time::Duration;
-use tokio_postgres::NoTls;
 
 /// What went wrong with Postgres. Every variant but `Refused`, `Config` and `Migration` is
 /// worth a retry.
@@ -32,7 +33,7 @@ pub enum StoreError {
     /// there and cannot be made (3D, or its creation refused), no right to connect (42501).
     /// Not worth waiting for.
     #[error(
-        "Postgres at {url} refused the connection: {error} (check the user, password and database in DATABASE_URL)"
+        "Postgres at {url} refused the connection: {error} (check the user, password, database and TLS (sslmode, sslrootcert) in DATABASE_URL)"
     )]
     Refused { url: String, error: String },
     #[error("database unavailable: {0}")]
@@ -51,12 +52,24 @@ pub(crate) fn refusal(e: &tokio_postgres::Error) -> bool {
     e.code().is_some_and(|c| c.code().starts_with("28") || c.code().starts_with("3D") || c.code() == "42501")
 }
 
-/// What Postgres said (`tokio_postgres::Error` shows only "db error" for any server error).
-fn said(e: &tokio_postgres::Error) -> String {
-    match e.as_db_error() {
-        Some(db) => format!("{} ({})", db.message(), db.code().code()),
-        None => e.to_string(),
+/// What Postgres said (`tokio_postgres::Error` shows only "db error" for any server error),
+/// or what went wrong on the way to it, with its causes (which tokio-postgres's message leaves
+/// out: "error performing TLS handshake", not which certificate, or why).
+pub(crate) fn said(e: &tokio_postgres::Error) -> String {
+    if let Some(db) = e.as_db_error() {
+        return format!("{} ({})", db.message(), db.code().code());
     }
+    let mut text = e.to_string();
+    let mut source = std::error::Error::source(e);
+    while let Some(cause) = source {
+        // A wrapper often says again what it wraps (native-tls does): once is enough.
+        let cause_text = cause.to_string();
+        if !text.contains(&cause_text) {
+            text.push_str(&format!(": {cause_text}"));
+        }
+        source = cause.source();
+    }
+    text
 }
 
 impl StoreError {
@@ -64,7 +77,7 @@ impl StoreError {
     pub(crate) fn connect(url: &str, e: StoreError) -> Self {
         let refused = match &e {
             StoreError::Config(_) | StoreError::Migration(_) | StoreError::Refused { .. } => true,
-            StoreError::Query(q) => refusal(q),
+            StoreError::Query(q) => refusal(q) || tls::is_tls_failure(q),
             _ => false,
         };
         let (url, error) = (redact_url(url), e.to_string());
@@ -122,22 +135,13 @@ const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(5);
 const KEEPALIVE_RETRIES: u32 = 3;
 const TCP_USER_TIMEOUT: Duration = Duration::from_secs(30);
 
-/// The pool's connection settings: the URL's, with pitcrew's statement timeout and TCP
-/// keepalives unless the URL sets its own.
-fn connection_config(cfg: &DatabaseConfig) -> Result<tokio_postgres::Config, StoreError> {
-    let mut pg: tokio_postgres::Config =
-        cfg.url.parse().map_err(|e| StoreError::Config(format!("bad database URL {}: {e}", redact_url(&cfg.url))))?;
+/// The pool's connection settings: the URL's (TLS as its `sslmode` asks), with pitcrew's
+/// statement timeout and TCP keepalives unless the URL sets its own.
+fn connection_config(cfg: &DatabaseConfig) -> Result<tls::Target, StoreError> {
+    let mut target = tls::target(&cfg.url)?;
+    let pg = &mut target.config;
     if let Some(password) = pg.get_password() {
         pitcrew_model::redact::register_secret(&String::from_utf8_lossy(password));
-    }
-    // Connections are plain TCP (`NoTls`): a URL that requires TLS can never be met, and
-    // failing each try as if Postgres were down would keep a worker waiting forever.
-    if pg.get_ssl_mode() == tokio_postgres::config::SslMode::Require {
-        return Err(StoreError::Config(format!(
-            "database URL {} asks for sslmode=require, but pitcrew connects to Postgres without TLS: \
-             use sslmode=disable or prefer (a TLS-terminating proxy, or a private network)",
-            redact_url(&cfg.url)
-        )));
     }
     // `postgres://...?keepalives_idle=5` or `host=... keepalives_idle=5`.
     let names = |key: &str| cfg.url.split(['?', '&', ' ']).any(|kv| kv.split('=').next() == Some(key));
@@ -161,7 +165,7 @@ fn connection_config(cfg: &DatabaseConfig) -> Result<tokio_postgres::Config, Sto
     if !names("tcp_user_timeout") {
         pg.tcp_user_timeout(TCP_USER_TIMEOUT);
     }
-    Ok(pg)
+    Ok(target)
 }
 
 /// A cheap-to-clone handle on the pool.
@@ -175,9 +179,10 @@ pub struct Store {
 impl Store {
     /// Create the database if missing, build the pool and prove a connection works.
     pub async fn connect(cfg: &DatabaseConfig) -> Result<Store, StoreError> {
-        let pg = connection_config(cfg)?;
+        let target = connection_config(cfg)?;
         ensure_database(&cfg.url).await?;
-        let mgr = Manager::from_config(pg, NoTls, ManagerConfig { recycling_method: RecyclingMethod::Fast });
+        let mgr =
+            Manager::from_config(target.config, target.tls, ManagerConfig { recycling_method: RecyclingMethod::Fast });
         let pool = Pool::builder(mgr)
             .max_size(cfg.pool_size)
             .wait_timeout(Some(Duration::from_secs(10)))
@@ -213,16 +218,17 @@ mod tests {
     }
 
     #[test]
-    fn a_url_that_requires_tls_is_refused_before_any_connection_as_a_config_error() {
-        let e = connection_config(&url("postgres://u:hunter2@db.example:5432/pitcrew?sslmode=require")).unwrap_err();
-        assert!(matches!(e, StoreError::Config(_)) && !e.is_transient(), "{e:?}");
-        let said = e.to_string();
-        assert!(said.contains("sslmode=require") && said.contains("without TLS"), "{said}");
-        assert!(!said.contains("hunter2"), "{said}");
-        for ok in
-            ["postgres://u@db:5432/p", "postgres://u@db:5432/p?sslmode=prefer", "postgres://u@db/p?sslmode=disable"]
-        {
-            assert!(connection_config(&url(ok)).is_ok(), "{ok}");
+    fn the_pool_connects_over_tls_only_when_the_url_asks() {
+        for (u, mode) in [
+            ("postgres://u@db:5432/p", TlsMode::Off),
+            ("postgres://u@db:5432/p?sslmode=prefer", TlsMode::Off),
+            ("postgres://u@db/p?sslmode=require", TlsMode::Require),
+            ("postgres://u@db/p?sslmode=verify-full&connect_timeout=3", TlsMode::VerifyFull),
+        ] {
+            let t = connection_config(&url(u)).unwrap();
+            assert_eq!(t.mode, mode, "{u}");
+            // pitcrew's own settings still apply.
+            assert_eq!(t.config.get_keepalives_idle(), KEEPALIVE_IDLE, "{u}");
         }
     }
 
