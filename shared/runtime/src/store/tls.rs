@@ -83,6 +83,9 @@ fn split_tls_params(url: &str) -> Result<(String, TlsMode, Option<String>), Stri
                 }
             }
         }
+    } else if !url.split_whitespace().any(|pair| pair.starts_with("sslmode=") || pair.starts_with("sslrootcert=")) {
+        // Left as written: rejoining its words would fold the spaces inside a quoted value.
+        url.to_string()
     } else {
         let mut kept = Vec::new();
         for pair in url.split_whitespace() {
@@ -171,6 +174,8 @@ mod tests {
         assert!(e.contains("'verify'") && e.contains("verify-full"), "{e}");
         assert!(split_tls_params("host=db sslrootcert='/a b.pem'").unwrap_err().contains("without quotes"));
         assert!(split_tls_params("postgres://db/p?sslrootcert=").unwrap_err().contains("empty"));
+        let spaced = "host=db application_name='two  spaces'";
+        assert_eq!(split(spaced), (spaced.into(), TlsMode::Off, None), "no TLS words: as written");
     }
 
     #[test]
