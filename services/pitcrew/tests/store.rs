@@ -1066,7 +1066,7 @@ async fn encrypted(admin: &tokio_postgres::Client, application: &str) -> anyhow:
 
 #[tokio::test]
 async fn the_store_connects_over_tls_as_the_url_asks_and_refuses_what_cannot_be_met() -> anyhow::Result<()> {
-    use pitcrew_testkit::pg::PrivatePostgres;
+    use pitcrew_testkit::pg::{PrivatePostgres, TLS_SERVER_NAME};
     let server = PrivatePostgres::start_with_tls()?;
     let (admin, conn) = tokio_postgres::connect(&server.admin_url(), tokio_postgres::NoTls).await?;
     tokio::spawn(conn);
@@ -1086,20 +1086,33 @@ async fn the_store_connects_over_tls_as_the_url_asks_and_refuses_what_cannot_be_
     let _plain = connect("application_name=plain".into()).await?;
     assert_eq!(encrypted(&admin, "plain").await?, Some(false));
 
+    // verify-full passes when the name connected to is the certificate's (`hostaddr` gives the
+    // address, `host` the name checked).
+    let full = format!(
+        "host={TLS_SERVER_NAME} hostaddr=127.0.0.1 port={} user=postgres dbname=pitcrew_tls sslmode=verify-full \
+         sslrootcert={ca} application_name=verify-full",
+        server.port
+    );
+    let _full = store_at(full).await?;
+    assert_eq!(encrypted(&admin, "verify-full").await?, Some(true));
+
     // What cannot be met is refused at once, saying why, not waited for as an outage.
+    let other = server.other_ca_file().display().to_string();
     for (query, why) in [
-        (format!("sslmode=verify-full&sslrootcert={ca}"), "the certificate is not for 127.0.0.1"),
-        ("sslmode=verify-full".to_string(), "a self-signed certificate the system does not trust"),
+        (format!("sslmode=verify-full&sslrootcert={ca}"), "IP address mismatch"),
+        ("sslmode=verify-full".to_string(), "certificate verify failed"),
+        (format!("sslmode=verify-ca&sslrootcert={other}"), "certificate verify failed"),
+        (format!("sslmode=require&sslrootcert={other}"), "certificate verify failed"),
     ] {
-        let e = connect(query.clone()).await.err().unwrap_or_else(|| panic!("{why}: {query} connected"));
-        assert!(!e.is_transient(), "{why}: {e:?}");
-        assert!(e.to_string().contains("TLS"), "{why}: {e}");
+        let e = connect(query.clone()).await.err().unwrap_or_else(|| panic!("{query} connected"));
+        assert!(!e.is_transient(), "{query}: {e:?}");
+        assert!(e.to_string().contains(why), "{query}: {e}");
     }
     let plain_server = PrivatePostgres::start()?;
     let e = store_at(format!("postgres://postgres@127.0.0.1:{}/pitcrew_tls?sslmode=require", plain_server.port))
         .await
         .err()
         .expect("a server without TLS cannot meet sslmode=require");
-    assert!(!e.is_transient() && e.to_string().contains("TLS"), "{e:?}");
+    assert!(!e.is_transient() && e.to_string().contains("server does not support TLS"), "{e:?}");
     Ok(())
 }

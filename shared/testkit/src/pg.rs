@@ -107,7 +107,25 @@ impl PrivatePostgres {
             std::os::unix::fs::chown(&cert, Some(uid), Some(gid))?;
         }
         std::fs::copy(&cert, self.ca_file())?;
+        // An authority that signed nothing here: trusting it alone must refuse the server.
+        let other = self.dir.path().join("other");
+        let out = Command::new("openssl")
+            .args(["req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=another-authority"])
+            .arg("-keyout")
+            .arg(other.with_extension("key"))
+            .arg("-out")
+            .arg(self.other_ca_file())
+            .output()
+            .context("openssl")?;
+        if !out.status.success() {
+            bail!("openssl req failed: {}", String::from_utf8_lossy(&out.stderr));
+        }
         Ok(())
+    }
+
+    /// A certificate authority the TLS server's certificate has nothing to do with.
+    pub fn other_ca_file(&self) -> PathBuf {
+        self.dir.path().join("other-ca.crt")
     }
 
     fn data(&self) -> PathBuf {

@@ -52,14 +52,23 @@ pub(crate) fn refusal(e: &tokio_postgres::Error) -> bool {
     e.code().is_some_and(|c| c.code().starts_with("28") || c.code().starts_with("3D") || c.code() == "42501")
 }
 
-/// What Postgres said (`tokio_postgres::Error` shows only "db error" for any server error),
-/// or what went wrong on the way to it, with its causes (which tokio-postgres's message leaves
-/// out: "error performing TLS handshake", not which certificate, or why).
-pub(crate) fn said(e: &tokio_postgres::Error) -> String {
-    if let Some(db) = e.as_db_error() {
-        return format!("{} ({})", db.message(), db.code().code());
+/// What Postgres said (`tokio_postgres::Error` shows only "db error" for any server error).
+fn said(e: &tokio_postgres::Error) -> String {
+    match e.as_db_error() {
+        Some(db) => format!("{} ({})", db.message(), db.code().code()),
+        None => e.to_string(),
     }
-    let mut text = e.to_string();
+}
+
+/// [`said`], with the causes of an error on the way to Postgres, which tokio-postgres's message
+/// leaves out ("error performing TLS handshake", not which certificate or why; "error
+/// connecting to server", not "Connection refused"). For connecting and reading the URL only:
+/// a query's causes (a value that did not decode) may quote what is stored.
+pub(crate) fn said_with_causes(e: &tokio_postgres::Error) -> String {
+    let mut text = said(e);
+    if e.as_db_error().is_some() {
+        return text;
+    }
     let mut source = std::error::Error::source(e);
     while let Some(cause) = source {
         // A wrapper often says again what it wraps (native-tls does): once is enough.
@@ -80,7 +89,11 @@ impl StoreError {
             StoreError::Query(q) => refusal(q) || tls::is_tls_failure(q),
             _ => false,
         };
-        let (url, error) = (redact_url(url), e.to_string());
+        let error = match &e {
+            StoreError::Query(q) => format!("database error: {}", said_with_causes(q)),
+            other => other.to_string(),
+        };
+        let url = redact_url(url);
         if refused {
             StoreError::Refused { url, error }
         } else {
@@ -194,7 +207,15 @@ impl Store {
         // other writes.
         let committer = group::Committer::start(pool.clone(), (cfg.pool_size / 2).max(1));
         let store = Store { pool, committer, recalls: recall::Recalls::default() };
-        let _proof = store.client().await.map_err(|e| StoreError::connect(&cfg.url, e))?;
+        // A URL without a database name skips `ensure_database`: this is then the first
+        // connection, and a refusal (a login, a certificate) must read as one.
+        let _proof = store.pool.get().await.map_err(|e| {
+            let e = match e {
+                deadpool_postgres::PoolError::Backend(e) => StoreError::Query(e),
+                other => StoreError::Unavailable(other.to_string()),
+            };
+            StoreError::connect(&cfg.url, e)
+        })?;
         Ok(store)
     }
 

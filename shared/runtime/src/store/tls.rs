@@ -34,9 +34,25 @@ pub struct Target {
 pub fn target(url: &str) -> Result<Target, StoreError> {
     let bad = |why: String| StoreError::Config(format!("bad database URL {}: {why}", redact_url(url)));
     let (rest, mode, root) = split_tls_params(url).map_err(bad)?;
-    let mut config: tokio_postgres::Config = rest.parse().map_err(|e| bad(super::said(&e)))?;
+    let mut config: tokio_postgres::Config = rest.parse().map_err(|e| bad(super::said_with_causes(&e)))?;
+    // Every `sslmode` read above is gone from `rest`: one tokio-postgres still finds was written
+    // where this reading missed it (`sslmode = require`, an escaped key, a `?` in the password),
+    // and overriding it could turn a TLS the URL asks for into plain TCP.
+    if config.get_ssl_mode() != SslMode::Prefer {
+        return Err(bad("its sslmode is written where pitcrew cannot read it: write `sslmode=<mode>` \
+                        (in a URL, after the `?` that starts its parameters)"
+            .into()));
+    }
+    if mode == TlsMode::VerifyCa && root.is_none() {
+        // Any authority the system trusts, and any name: anyone with any public certificate
+        // would pass. libpq asks for the authority too.
+        return Err(bad("sslmode=verify-ca needs sslrootcert (the authority that signs the server's \
+                        certificate); to trust the system's authorities, use verify-full"
+            .into()));
+    }
     config.ssl_mode(if mode == TlsMode::Off { SslMode::Disable } else { SslMode::Require });
-    let tls = connector(mode, root.as_deref()).map_err(bad)?;
+    // A root certificate means nothing without TLS: not read then.
+    let tls = connector(mode, root.as_deref().filter(|_| mode != TlsMode::Off)).map_err(bad)?;
     Ok(Target { config, tls, mode })
 }
 
@@ -130,14 +146,20 @@ fn connector(mode: TlsMode, root: Option<&str>) -> Result<MakeTlsConnector, Stri
 }
 
 /// A connection that failed in its TLS handshake (a certificate not trusted, a server without
-/// TLS): a setting to fix, not an outage to wait out.
+/// TLS): a setting to fix, not an outage to wait out. A handshake cut by the network (a proxy
+/// restarting, a reset) is an outage: an I/O error under it says so.
 pub(crate) fn is_tls_failure(e: &tokio_postgres::Error) -> bool {
     let mut source = std::error::Error::source(e);
+    let mut tls = false;
     while let Some(s) = source {
-        if s.is::<native_tls::Error>() {
-            return true;
+        if s.is::<std::io::Error>() {
+            return false;
         }
+        tls |= s.is::<native_tls::Error>();
         source = s.source();
+    }
+    if tls {
+        return true;
     }
     // tokio-postgres has no public kind for its own TLS errors (a server that answers it has
     // no TLS): its message is all there is.
@@ -185,7 +207,18 @@ mod tests {
         assert_eq!(t.config.get_application_name(), Some("crew"));
         // No sslmode: plain, never `prefer` (which would negotiate TLS with a server that has it).
         assert_eq!(target("postgres://u@db/p").unwrap().config.get_ssl_mode(), SslMode::Disable);
-        for bad in ["postgres://u:hunter2@db/p?sslmode=always", "postgres://u:hunter2@db/p?sslrootcert=/no/such.pem"] {
+        // TLS asked for where this reading misses it is refused, never taken for plain TCP.
+        for missed in ["host=db user=u sslmode = require", "postgres://u:hunter2@db/p?ssl%6Dode=require"] {
+            let e = target(missed).err().expect(missed);
+            assert!(e.to_string().contains("cannot read"), "{e}");
+        }
+        // A root certificate is read only for TLS.
+        assert!(target("postgres://db/p?sslmode=disable&sslrootcert=/no/such.pem").is_ok());
+        for bad in [
+            "postgres://u:hunter2@db/p?sslmode=always",
+            "postgres://u:hunter2@db/p?sslmode=require&sslrootcert=/no/such.pem",
+            "postgres://u:hunter2@db/p?sslmode=verify-ca",
+        ] {
             let e = target(bad).err().expect(bad);
             assert!(matches!(e, StoreError::Config(_)) && !e.is_transient(), "{e:?}");
             assert!(!e.to_string().contains("hunter2"), "{e}");
