@@ -1116,3 +1116,33 @@ async fn the_store_connects_over_tls_as_the_url_asks_and_refuses_what_cannot_be_
     assert!(!e.is_transient() && e.to_string().contains("server does not support TLS"), "{e:?}");
     Ok(())
 }
+
+#[tokio::test]
+async fn a_tls_handshake_cut_short_by_the_server_is_an_outage_to_wait_out() -> anyhow::Result<()> {
+    // What a TLS-terminating proxy that is restarting does: it takes the connection, agrees
+    // to TLS, and closes it (then, a reset).
+    for reset in [false, true] {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let port = listener.local_addr()?.port();
+        let server = tokio::spawn(async move {
+            use tokio::io::{AsyncReadExt, AsyncWriteExt};
+            let (mut socket, _) = listener.accept().await?;
+            let mut request = [0u8; 8]; // the SSLRequest message
+            socket.read_exact(&mut request).await?;
+            socket.write_all(b"S").await?;
+            if reset {
+                socket.set_zero_linger()?;
+            }
+            drop(socket);
+            anyhow::Ok(())
+        });
+        let e = store_at(format!("postgres://postgres@127.0.0.1:{port}/p?sslmode=require"))
+            .await
+            .err()
+            .expect("nothing answers the handshake");
+        server.await??;
+        assert!(e.is_transient(), "reset {reset}: {e:?}");
+        assert!(e.to_string().contains("cannot reach Postgres"), "reset {reset}: {e}");
+    }
+    Ok(())
+}

@@ -155,7 +155,14 @@ pub(crate) fn is_tls_failure(e: &tokio_postgres::Error) -> bool {
         if s.is::<std::io::Error>() {
             return false;
         }
-        tls |= s.is::<native_tls::Error>();
+        if let Some(t) = s.downcast_ref::<native_tls::Error>() {
+            // OpenSSL's word for a peer that closed mid-handshake (a proxy restarting, a
+            // balancer without backends): no I/O error under it, but an outage all the same.
+            if t.to_string().to_ascii_lowercase().contains("unexpected eof") {
+                return false;
+            }
+            tls = true;
+        }
         source = s.source();
     }
     if tls {
