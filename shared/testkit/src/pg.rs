@@ -86,20 +86,7 @@ impl PrivatePostgres {
     /// clients to trust.
     fn make_certificate(&self) -> anyhow::Result<()> {
         let (key, cert) = (self.data().join("server.key"), self.data().join("server.crt"));
-        let out = Command::new("openssl")
-            .args(["req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj"])
-            .arg(format!("/CN={TLS_SERVER_NAME}"))
-            .arg("-addext")
-            .arg(format!("subjectAltName=DNS:{TLS_SERVER_NAME}"))
-            .arg("-keyout")
-            .arg(&key)
-            .arg("-out")
-            .arg(&cert)
-            .output()
-            .context("openssl (package openssl) makes the test server's certificate")?;
-        if !out.status.success() {
-            bail!("openssl req failed: {}", String::from_utf8_lossy(&out.stderr));
-        }
+        self_signed(TLS_SERVER_NAME, true, &key, &cert)?;
         use std::os::unix::fs::PermissionsExt;
         std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o600))?;
         if let Some((uid, gid)) = self.ids {
@@ -108,19 +95,7 @@ impl PrivatePostgres {
         }
         std::fs::copy(&cert, self.ca_file())?;
         // An authority that signed nothing here: trusting it alone must refuse the server.
-        let other = self.dir.path().join("other");
-        let out = Command::new("openssl")
-            .args(["req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=another-authority"])
-            .arg("-keyout")
-            .arg(other.with_extension("key"))
-            .arg("-out")
-            .arg(self.other_ca_file())
-            .output()
-            .context("openssl")?;
-        if !out.status.success() {
-            bail!("openssl req failed: {}", String::from_utf8_lossy(&out.stderr));
-        }
-        Ok(())
+        self_signed("another-authority", false, &self.dir.path().join("other-ca.key"), &self.other_ca_file())
     }
 
     /// A certificate authority the TLS server's certificate has nothing to do with.
@@ -205,4 +180,25 @@ impl Drop for PrivatePostgres {
             let _ = c.wait();
         }
     }
+}
+
+/// A key and a self-signed certificate for `name` (as its subject alternative name too, with
+/// `san`), made by the `openssl` command.
+fn self_signed(name: &str, san: bool, key: &Path, cert: &Path) -> anyhow::Result<()> {
+    let mut cmd = Command::new("openssl");
+    cmd.args(["req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj"]).arg(format!("/CN={name}"));
+    if san {
+        cmd.arg("-addext").arg(format!("subjectAltName=DNS:{name}"));
+    }
+    let out = cmd
+        .arg("-keyout")
+        .arg(key)
+        .arg("-out")
+        .arg(cert)
+        .output()
+        .context("openssl (package openssl) makes the test server's certificates")?;
+    if !out.status.success() {
+        bail!("openssl req failed: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    Ok(())
 }
