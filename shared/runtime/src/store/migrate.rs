@@ -73,7 +73,12 @@ async fn connect_within(
 /// first: a role that may not connect to `postgres` (managed services often refuse it) needs
 /// nothing more when the database is there; only a missing one is created from `postgres`.
 pub async fn ensure_database(url: &str) -> Result<(), StoreError> {
-    let super::tls::Target { config: cfg, tls, .. } = super::tls::target(url)?;
+    ensure_database_at(url, &super::tls::target(url)?).await
+}
+
+/// [`ensure_database`] with `url` already read (`target`: its settings as written, its TLS).
+pub(super) async fn ensure_database_at(url: &str, target: &super::tls::Target) -> Result<(), StoreError> {
+    let (cfg, tls) = (&target.config, &target.tls);
     let Some(db) = cfg.get_dbname().map(str::to_string) else { return Ok(()) };
     if !db.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-') {
         return Err(StoreError::Config(format!("database name '{db}' must be letters, digits, '_' or '-'")));
@@ -82,7 +87,7 @@ pub async fn ensure_database(url: &str) -> Result<(), StoreError> {
     let per_host = cfg.get_connect_timeout().copied().unwrap_or(CONNECT_TIMEOUT);
     let limit = per_host.saturating_mul(cfg.get_hosts().len().max(1) as u32);
     let failed = |e: StoreError| StoreError::connect(url, e);
-    match connect_within(&cfg, &tls, limit).await.map_err(failed)? {
+    match connect_within(cfg, tls, limit).await.map_err(failed)? {
         Ok(_) => return Ok(()),
         Err(e) if e.code() == Some(&tokio_postgres::error::SqlState::INVALID_CATALOG_NAME) => {}
         Err(e) => return Err(failed(StoreError::Query(e))),
@@ -96,7 +101,7 @@ pub async fn ensure_database(url: &str) -> Result<(), StoreError> {
     };
     // Refused there (a role that may not connect to it): the database cannot be made. Not
     // reached (a restart, too many connections): as any connection failure, worth a retry.
-    let client = match connect_within(&admin, &tls, limit).await.map_err(failed)? {
+    let client = match connect_within(&admin, tls, limit).await.map_err(failed)? {
         Ok(client) => client,
         Err(e) if super::refusal(&e) => return Err(missing(StoreError::Query(e))),
         Err(e) => return Err(failed(StoreError::Query(e))),

@@ -148,14 +148,10 @@ const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(5);
 const KEEPALIVE_RETRIES: u32 = 3;
 const TCP_USER_TIMEOUT: Duration = Duration::from_secs(30);
 
-/// The pool's connection settings: the URL's (TLS as its `sslmode` asks), with pitcrew's
-/// statement timeout and TCP keepalives unless the URL sets its own.
-fn connection_config(cfg: &DatabaseConfig) -> Result<tls::Target, StoreError> {
-    let mut target = tls::target(&cfg.url)?;
+/// The pool's connection settings: the URL's as `target` read them (TLS as its `sslmode`
+/// asks), with pitcrew's statement timeout and TCP keepalives unless the URL sets its own.
+fn connection_config(cfg: &DatabaseConfig, mut target: tls::Target) -> tls::Target {
     let pg = &mut target.config;
-    if let Some(password) = pg.get_password() {
-        pitcrew_model::redact::register_secret(&String::from_utf8_lossy(password));
-    }
     // `postgres://...?keepalives_idle=5` or `host=... keepalives_idle=5`.
     let names = |key: &str| cfg.url.split(['?', '&', ' ']).any(|kv| kv.split('=').next() == Some(key));
     if cfg.statement_timeout_secs > 0 && !pg.get_options().is_some_and(|o| o.contains("statement_timeout")) {
@@ -178,7 +174,7 @@ fn connection_config(cfg: &DatabaseConfig) -> Result<tls::Target, StoreError> {
     if !names("tcp_user_timeout") {
         pg.tcp_user_timeout(TCP_USER_TIMEOUT);
     }
-    Ok(target)
+    target
 }
 
 /// A cheap-to-clone handle on the pool.
@@ -192,8 +188,10 @@ pub struct Store {
 impl Store {
     /// Create the database if missing, build the pool and prove a connection works.
     pub async fn connect(cfg: &DatabaseConfig) -> Result<Store, StoreError> {
-        let target = connection_config(cfg)?;
-        ensure_database(&cfg.url).await?;
+        // The URL (and a root certificate it names) read once, for both connections.
+        let target = tls::target(&cfg.url)?;
+        migrate::ensure_database_at(&cfg.url, &target).await?;
+        let target = connection_config(cfg, target);
         let mgr =
             Manager::from_config(target.config, target.tls, ManagerConfig { recycling_method: RecyclingMethod::Fast });
         let pool = Pool::builder(mgr)
@@ -246,7 +244,7 @@ mod tests {
             ("postgres://u@db/p?sslmode=require", TlsMode::Require),
             ("postgres://u@db/p?sslmode=verify-full&connect_timeout=3", TlsMode::VerifyFull),
         ] {
-            let t = connection_config(&url(u)).unwrap();
+            let t = connection_config(&url(u), tls::target(u).unwrap());
             assert_eq!(t.mode, mode, "{u}");
             // pitcrew's own settings still apply.
             assert_eq!(t.config.get_keepalives_idle(), KEEPALIVE_IDLE, "{u}");
@@ -261,7 +259,7 @@ mod tests {
             ("postgres://app:pw-in-the-url-7c1d@db/pitcrew", "pw-in-the-url-7c1d"),
             ("host=db user=app password=pw-as-a-keyword-5e2b dbname=pitcrew", "pw-as-a-keyword-5e2b"),
         ] {
-            connection_config(&url(cfg)).unwrap();
+            connection_config(&url(cfg), tls::target(cfg).unwrap());
             let text = format!("DB={password}");
             assert_eq!(pitcrew_model::redact::redact(&text), "DB=[REDACTED]", "{cfg}");
             assert!(!redact_url(cfg).contains(password), "{cfg}");

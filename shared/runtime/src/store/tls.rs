@@ -35,6 +35,10 @@ pub fn target(url: &str) -> Result<Target, StoreError> {
     let bad = |why: String| StoreError::Config(format!("bad database URL {}: {why}", redact_url(url)));
     let (rest, mode, root) = split_tls_params(url).map_err(bad)?;
     let mut config: tokio_postgres::Config = rest.parse().map_err(|e| bad(super::said_with_causes(&e)))?;
+    // Redacted by its value from here on, wherever it shows (a client's error that quotes it).
+    if let Some(password) = config.get_password() {
+        pitcrew_model::redact::register_secret(&String::from_utf8_lossy(password));
+    }
     // Every `sslmode` read above is gone from `rest`: one tokio-postgres still finds was written
     // where this reading missed it (`sslmode = require`, an escaped key, a `?` in the password),
     // and overriding it could turn a TLS the URL asks for into plain TCP.
