@@ -705,7 +705,13 @@ pub fn redact_url(url: &str) -> String {
         return PASSWORD.replace_all(url, "${1}***").into_owned();
     }
     // A NATS URL may list several servers, each with its own credentials.
-    url.split(',').map(redact_one).collect::<Vec<_>>().join(",")
+    let url = url.split(',').map(redact_one).collect::<Vec<_>>().join(",");
+    // libpq also takes the password (and the client key's, `sslpassword`) as a parameter:
+    // `postgres://app@db/x?password=hunter2`.
+    static PARAM: std::sync::LazyLock<regex::Regex> = std::sync::LazyLock::new(|| {
+        regex::Regex::new(r"(?i)([?&](?:ssl)?password=)[^&#]*").expect("password parameter pattern")
+    });
+    PARAM.replace_all(&url, "${1}***").into_owned()
 }
 
 fn redact_one(url: &str) -> String {
@@ -746,6 +752,16 @@ mod tests {
         assert_eq!(redact_url("host=db user=app password=hun,ter2 dbname=x"), "host=db user=app password=*** dbname=x");
         assert_eq!(redact_url("host=db password = 'a b\\' c' user=app"), "host=db password = *** user=app");
         assert_eq!(redact_url("tls://a:p@h1:4222,tls://tok@h2:4222"), "tls://a:***@h1:4222,tls://***@h2:4222");
+        // libpq's password parameters, wherever they stand among the others.
+        assert_eq!(
+            redact_url("postgres://app@db/x?password=hun%26ter2&sslmode=require"),
+            "postgres://app@db/x?password=***&sslmode=require"
+        );
+        assert_eq!(
+            redact_url("postgresql://app@db/x?sslmode=verify-full&sslpassword=k3y&Password=p"),
+            "postgresql://app@db/x?sslmode=verify-full&sslpassword=***&Password=***"
+        );
+        assert_eq!(redact_url("host=db sslpassword=k3y user=app"), "host=db sslpassword=*** user=app");
     }
 
     #[test]
