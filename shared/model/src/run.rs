@@ -287,6 +287,52 @@ impl RunState {
         }
     }
 
+    /// The state as MessagePack within `limit` bytes. A larger one sheds, oldest first, what
+    /// a stage can do without: evidence (as past `MAX_EVIDENCE`), then the diagnoses of
+    /// earlier attempts. `Err` with the size it still has when that is not enough.
+    pub fn encode_within(&mut self, limit: usize) -> Result<Vec<u8>, usize> {
+        loop {
+            let payload = crate::codec::to_msgpack(self);
+            if payload.len() <= limit {
+                return Ok(payload);
+            }
+            if !self.evidence.is_empty() {
+                // A quarter at a time: a few encodings, whatever the excess.
+                let drop = self.evidence.len().div_ceil(4);
+                self.evidence.drain(..drop);
+            } else if self.diagnosis_log.len() > 1 {
+                let drop = self.diagnosis_log.len() - 1;
+                self.diagnosis_log.drain(..drop);
+            } else {
+                return Err(payload.len());
+            }
+        }
+    }
+
+    /// Keep only what escalation reads, bounded: the last diagnosis, the last of the failed
+    /// commands and flags, each execution's output clipped. For a state that `encode_within`
+    /// could not fit.
+    pub fn shed_for_escalation(&mut self) {
+        const KEEP: usize = 16;
+        const OUTPUT: usize = 512;
+        fn last<T>(list: &mut Vec<T>, n: usize) {
+            let drop = list.len().saturating_sub(n);
+            list.drain(..drop);
+        }
+        self.evidence.clear();
+        last(&mut self.diagnosis_log, 1);
+        last(&mut self.failed_commands, KEEP);
+        last(&mut self.security_flags, KEEP);
+        self.rejected_commands.clear();
+        self.feedback.clear();
+        for e in &mut self.executions {
+            e.output = crate::trim::clip(&e.output, OUTPUT);
+        }
+        if let Some(ev) = &mut self.evaluation {
+            ev.checks.clear();
+        }
+    }
+
     /// The deterministic message id of the transition that produced this state.
     pub fn msg_id(&self) -> String {
         format!("{}.{}", self.run_id, self.seq)
@@ -353,6 +399,81 @@ mod tests {
         assert_eq!(p(&["a", "b"]).hash(), p(&["a", "b"]).hash());
         assert_ne!(p(&["a", "b"]).hash(), p(&["ab"]).hash());
         assert_ne!(p(&["a"]).hash(), p(&["a "]).hash());
+    }
+
+    /// Output no compression or repetition makes small: distinct digits.
+    fn noise(n: usize, seed: u64) -> String {
+        let mut x = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        (0..n)
+            .map(|_| {
+                x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                char::from(b'a' + (x >> 59) as u8 % 26)
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_state_past_the_payload_limit_sheds_its_oldest_evidence_first() {
+        let mut s = RunState::new(Uuid::now_v7(), Incident::new("web", "down"));
+        for i in 0..MAX_EVIDENCE {
+            s.push_evidence(Evidence {
+                attempt: 1,
+                source: "command".into(),
+                detail: format!("evidence {i}"),
+                output: noise(MAX_OUTPUT, i as u64),
+                ok: true,
+            });
+        }
+        for attempt in 1..=3 {
+            s.diagnosis_log.push(Diagnosis { attempt, summary: noise(400, 99), source: "m".into(), grounds: vec![] });
+        }
+        let whole = crate::codec::to_msgpack(&s).len();
+        assert!(whole > 32 * MAX_OUTPUT, "{whole}");
+        // Room enough: nothing is shed.
+        let payload = s.clone().encode_within(whole).expect("fits");
+        assert_eq!(payload.len(), whole);
+        // Half the room: the newest evidence stays, the oldest goes, the diagnoses stay.
+        let mut half = s.clone();
+        let payload = half.encode_within(whole / 2).expect("fits once evidence is shed");
+        assert!(payload.len() <= whole / 2);
+        assert!(!half.evidence.is_empty() && half.evidence.len() < MAX_EVIDENCE);
+        assert_eq!(half.evidence.last().unwrap().detail, format!("evidence {}", MAX_EVIDENCE - 1));
+        assert_eq!(half.diagnosis_log.len(), 3);
+        let back: RunState = crate::codec::decode(Some(crate::codec::MSGPACK), &payload).unwrap();
+        assert_eq!(back, half, "the payload is the state as shed");
+        // Less room than the evidence alone allows: it all goes, then the earlier diagnoses.
+        let mut tight = s.clone();
+        let bare = {
+            let mut b = s.clone();
+            b.evidence.clear();
+            b.diagnosis_log.drain(..2);
+            crate::codec::to_msgpack(&b).len()
+        };
+        tight.encode_within(bare).expect("fits with the last diagnosis alone");
+        assert!(tight.evidence.is_empty());
+        assert_eq!(tight.diagnosis_log.len(), 1);
+        assert_eq!(tight.diagnosis_log[0].attempt, 3, "the current attempt's diagnosis is kept");
+        // Not even that: the size it still has.
+        let mut no_room = s.clone();
+        assert_eq!(no_room.encode_within(bare - 1), Err(bare));
+        // What escalation keeps of a state that cannot fit is small and bounded.
+        let mut huge = s;
+        huge.failed_commands = (0..1000).map(|i| format!("{i} {}", noise(500, i))).collect();
+        huge.rejected_commands = huge.failed_commands.clone();
+        huge.executions = vec![ExecutionRecord {
+            attempt: 3,
+            index: 0,
+            command: "x".into(),
+            status: ExecutionStatus::Failed,
+            exit_code: Some(1),
+            output: noise(MAX_OUTPUT, 7),
+            duration_ms: 1,
+        }];
+        assert!(huge.clone().encode_within(256 * 1024).is_err());
+        huge.shed_for_escalation();
+        assert_eq!(huge.failed_commands.len(), 16);
+        assert!(huge.failed_commands[15].starts_with("999 "), "the latest failures are kept");
+        assert!(crate::codec::to_msgpack(&huge).len() < 16 * 1024, "{}", crate::codec::to_msgpack(&huge).len());
     }
 
     #[test]

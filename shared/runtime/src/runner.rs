@@ -474,17 +474,19 @@ pub async fn apply(
     match t {
         Transition::To(next) => {
             state.advance(next);
+            let payload = within_limit(&mut state);
             if !store.commit_transition_with(&state, RunStatus::Open, &events, records).await? {
                 return resend_committed(bus, deps, &state, from).await;
             }
-            publish_batch(bus, &events, Some(&state)).await?;
+            publish_encoded(bus, &events, Some((&state, payload))).await?;
         }
         Transition::Escalate(reason) => {
             state.escalate(reason);
+            let payload = within_limit(&mut state);
             if !store.commit_transition_with(&state, RunStatus::Open, &events, records).await? {
                 return resend_committed(bus, deps, &state, from).await;
             }
-            publish_batch(bus, &events, Some(&state)).await?;
+            publish_encoded(bus, &events, Some((&state, payload))).await?;
         }
         Transition::Park(req) => {
             state.seq += 1;
@@ -546,6 +548,27 @@ pub async fn apply(
     Ok(())
 }
 
+/// The successor state's payload, no larger than a stage accepts (`codec::MAX_PAYLOAD`): its
+/// next stage would refuse a larger one as poison, and the run would stop there. A state that
+/// sheds its oldest evidence and diagnoses and still does not fit goes to escalate instead of
+/// its next step, the same transition (the same seq), with only what escalation reads.
+fn within_limit(state: &mut RunState) -> Vec<u8> {
+    let size = match state.encode_within(codec::MAX_PAYLOAD) {
+        Ok(payload) => return payload,
+        Err(size) => size,
+    };
+    let why = format!("the run's state grew to {size} bytes, more than the {} a stage accepts", codec::MAX_PAYLOAD);
+    tracing::warn!(run = %state.run_id, step = %state.step, size, "{why}: escalating with what escalation needs");
+    if state.step != Stage::Escalate {
+        // The same transition, addressed elsewhere.
+        state.seq -= 1;
+        state.escalate(format!("{why} (its next step was {})", state.step));
+    }
+    state.shed_for_escalation();
+    // Bounded now (the incident's own fields are): it fits.
+    state.encode_within(codec::MAX_PAYLOAD).unwrap_or_else(|_| codec::to_msgpack(state))
+}
+
 /// A transition the store refused. When an earlier delivery of the same step committed
 /// another one (to another step, at the seq this one would have taken: its check said
 /// otherwise then), that one stands, and its state is sent on again with the events that step
@@ -584,6 +607,11 @@ pub async fn publish_events(bus: &Bus, events: &[RunEvent]) -> Result<(), BusErr
 /// every ack: one round trip to the server for the lot. One connection keeps their order, so
 /// the next stage's events still follow this stage's in the stream.
 pub async fn publish_batch(bus: &Bus, events: &[RunEvent], state: Option<&RunState>) -> Result<(), BusError> {
+    publish_encoded(bus, events, state.map(|s| (s, codec::to_msgpack(s)))).await
+}
+
+/// `publish_batch` with the state already encoded.
+async fn publish_encoded(bus: &Bus, events: &[RunEvent], state: Option<(&RunState, Vec<u8>)>) -> Result<(), BusError> {
     for e in events.iter().filter(|e| e.kind.is_terminal()) {
         crate::metrics::run_finished(e.kind.as_str());
     }
@@ -599,9 +627,8 @@ pub async fn publish_batch(bus: &Bus, events: &[RunEvent], state: Option<&RunSta
             .map_err(|err| failed(&subject, err.to_string()))?;
         acks.push((subject, ack));
     }
-    if let Some(state) = state {
+    if let Some((state, payload)) = state {
         let subject = bus.subjects.stage(state.step);
-        let payload = codec::to_msgpack(state);
         let headers = crate::bus::headers(&state.msg_id(), MSGPACK, Some(state.run_id));
         let ack = bus
             .js
@@ -644,6 +671,33 @@ pub async fn dead_letter(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_state_too_large_for_its_next_stage_goes_to_escalate_in_the_same_transition() {
+        let mut state = RunState::new(Uuid::now_v7(), Incident::new("web", "down"));
+        state.advance(Stage::Diagnose);
+        state.advance(Stage::Plan);
+        // Commands no compression makes small, more than any message may carry.
+        state.failed_commands =
+            (0..1000u32).map(|i| format!("{i}:{}", "x".repeat(300) + &i.to_string().repeat(60))).collect();
+        let seq = state.seq;
+        let payload = within_limit(&mut state);
+        assert!(payload.len() <= codec::MAX_PAYLOAD, "{}", payload.len());
+        assert_eq!((state.step, state.seq), (Stage::Escalate, seq), "the same transition, to escalate");
+        let reason = state.escalation_reason.clone().unwrap();
+        assert!(
+            reason.contains("more than the 262144 a stage accepts") && reason.contains("next step was plan"),
+            "{reason}"
+        );
+        let back: RunState = codec::decode(Some(MSGPACK), &payload).expect("escalate can read it");
+        assert_eq!(back, state);
+        // A state that fits is sent as it is.
+        let mut small = RunState::new(Uuid::now_v7(), Incident::new("web", "down"));
+        small.advance(Stage::Diagnose);
+        let before = small.clone();
+        assert_eq!(within_limit(&mut small), codec::to_msgpack(&before));
+        assert_eq!(small, before);
+    }
 
     #[test]
     fn a_step_starts_with_a_line_only_on_a_redelivery_or_a_retry() {
