@@ -136,6 +136,34 @@ async fn one_master_connection_is_reused_and_reestablished() -> anyhow::Result<(
     Ok(())
 }
 
+/// A host that stops answering while its connection stays up (hung, or cut off by a
+/// partition the keepalives have not noticed yet): a command waits no longer than the host's
+/// connect timeout for its channel, not the keepalives' 45 s, fails as transient (it may have
+/// reached the host: never reported as not run), and the next command connects anew.
+#[tokio::test]
+async fn a_host_that_stops_answering_fails_a_command_at_its_connect_timeout_then_reconnects() -> anyhow::Result<()> {
+    let sshd = start_target()?;
+    let mut host = sshd.host(true);
+    host.connect_timeout_secs = 2;
+    let f = fleet(host, 4096);
+    let first = conn(&f).await?;
+    let frozen = sshd.freeze_connections();
+    assert!(frozen.count() > 0, "the master connection is served by a process of its own");
+    let started = Instant::now();
+    let result = f.run("box", "true", T).await;
+    let waited = started.elapsed();
+    drop(frozen);
+    match result {
+        Err(ExecError::Transient(e)) => assert!(e.contains("no channel opened within 2 s"), "{e}"),
+        other => panic!("expected a transient error, got {other:?}"),
+    }
+    assert!(waited < Duration::from_secs(20), "given up at the connect timeout, not the keepalives': {waited:?}");
+    let again = conn(&f).await?;
+    assert!(!again.trim().is_empty());
+    assert_ne!(again, first, "a new master connection, not the one that stopped answering");
+    Ok(())
+}
+
 /// An alert storm on one host: many more commands at once than sshd lets one connection
 /// carry (its `MaxSessions`, 10 by default, which the test server keeps). Every command
 /// runs, none is refused a channel, and never more at once than the host's limit.

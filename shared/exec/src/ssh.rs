@@ -35,6 +35,19 @@ pub struct SshExecutor {
     down: std::sync::Mutex<HashMap<String, (Instant, String)>>,
 }
 
+/// How long the local master process may take to say its connection is up.
+const CHECK_WITHIN: Duration = Duration::from_secs(5);
+
+/// How long a channel may take to open on a connection the master holds: the host's connect
+/// timeout (at least 1 s). A host that keeps the TCP connection but answers nothing (hung, or
+/// cut off by a partition) would otherwise hold the command until the keepalives give up on
+/// it (`ServerAliveInterval` 15 s, three missed: 45 s). Connecting itself is bounded by
+/// OpenSSH's `ConnectTimeout`, which covers the TCP connect, the handshake and the key
+/// exchange.
+fn channel_open_within(connect_timeout_secs: u64) -> Duration {
+    Duration::from_secs(connect_timeout_secs.max(1))
+}
+
 /// How long an unreachable host is not tried again.
 const DOWN_FOR: Duration = Duration::from_secs(30);
 
@@ -84,7 +97,8 @@ impl SshExecutor {
         }
         let mut slot = slot.lock().await;
         if let Some(s) = slot.as_ref() {
-            if s.check().await.is_ok() {
+            // A question to the local master process: it answers at once unless it is wedged.
+            if let Ok(Ok(())) = tokio::time::timeout(CHECK_WITHIN, s.check()).await {
                 return Ok(s.clone());
             }
             tracing::warn!(host, "ssh master connection lost: reconnecting");
@@ -128,6 +142,18 @@ impl SshExecutor {
         Ok(session)
     }
 
+    /// Drop `host`'s master connection if it is still `session`, so the next command connects
+    /// anew (the connection closes once the commands still on it let go of it).
+    async fn forget(&self, host: &str, session: &Arc<Session>) {
+        if let Some(slot) = self.sessions.get(host) {
+            let mut slot = slot.lock().await;
+            if slot.as_ref().is_some_and(|s| Arc::ptr_eq(s, session)) {
+                tracing::warn!(host, "ssh master connection stopped answering: dropped");
+                *slot = None;
+            }
+        }
+    }
+
     /// A turn to open a channel on `host`: held while the command runs.
     async fn channel(&self, host: &str) -> Result<tokio::sync::SemaphorePermit<'_>, ExecError> {
         let slots = self.channels.get(host).ok_or_else(|| ExecError::UnknownHost(host.to_string()))?;
@@ -157,7 +183,20 @@ impl SshExecutor {
         let mut cmd = Session::to_command(session.clone(), "timeout");
         cmd.args(["-k", "2", &remote_limit(timeout)]).args(&argv);
         cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
-        let mut child = cmd.spawn().await.map_err(|e| ExecError::Transient(format!("ssh to {host}: {e}")))?;
+        let open_within = channel_open_within(self.hosts.get(host).map_or(10, |s| s.connect_timeout_secs));
+        let mut child = match tokio::time::timeout(open_within, cmd.spawn()).await {
+            Ok(spawned) => spawned.map_err(|e| ExecError::Transient(format!("ssh to {host}: {e}")))?,
+            Err(_) => {
+                // The connection is up as far as the master knows, but the host answers
+                // nothing: the next command connects anew rather than wait on it again.
+                self.forget(host, &session).await;
+                return Err(ExecError::Transient(format!(
+                    "ssh to {host}: no channel opened within {} s (the host stopped answering): \
+                     its connection is dropped",
+                    open_within.as_secs()
+                )));
+            }
+        };
         let (stdout, stderr) = (child.stdout().take(), child.stderr().take());
         let (mut out, mut err) = (Vec::new(), Vec::new());
         let max = self.max_output;

@@ -181,6 +181,18 @@ impl Sshd {
         }
     }
 
+    /// Stop every process serving an open connection (SIGSTOP), as a host that hangs or is cut
+    /// off by a partition: the connections stay up, nothing on them answers. New connections
+    /// are still served. The guard resumes them (SIGCONT) when dropped.
+    pub fn freeze_connections(&self) -> Frozen {
+        let pids = self.child.as_ref().map(|c| descendants(c.id())).unwrap_or_default();
+        for &pid in &pids {
+            // SAFETY: kill(2) on pids that are this test's sshd's descendants.
+            unsafe { libc::kill(pid as i32, libc::SIGSTOP) };
+        }
+        Frozen { pids }
+    }
+
     /// Kill and start again on the same port with the same keys.
     pub fn restart(&mut self) -> anyhow::Result<()> {
         self.kill();
@@ -193,6 +205,27 @@ impl Drop for Sshd {
         if let Some(mut c) = self.child.take() {
             let _ = c.kill();
             let _ = c.wait();
+        }
+    }
+}
+
+/// Connections frozen by `Sshd::freeze_connections`, resumed on drop.
+pub struct Frozen {
+    pids: Vec<u32>,
+}
+
+impl Frozen {
+    /// How many processes are stopped.
+    pub fn count(&self) -> usize {
+        self.pids.len()
+    }
+}
+
+impl Drop for Frozen {
+    fn drop(&mut self) {
+        for &pid in &self.pids {
+            // SAFETY: kill(2) on the pids this guard stopped.
+            unsafe { libc::kill(pid as i32, libc::SIGCONT) };
         }
     }
 }
