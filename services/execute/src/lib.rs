@@ -474,7 +474,7 @@ impl StageHandler for Execute {
                                         state.attempt
                                     ),
                                     retry: Duration::from_millis(100),
-                                    note: None,
+                                    note: Some(WaitNote::Reclaimed),
                                 });
                             }
                         }
@@ -535,10 +535,20 @@ impl StageHandler for Execute {
                             match executor.run_when_ready(&spec.host, command, cfg.command_timeout(), ready).await {
                                 Ok(out) => record(state.attempt, index, command, &out),
                                 Err(ExecError::Unreachable(e)) => {
-                                    // Nothing ran; the host is gone: a human must look.
-                                    store
+                                    // Nothing ran; the host is gone: a human must look. Unless
+                                    // another delivery took the claim over while this one
+                                    // tried to connect (it may be running the command now):
+                                    // the step is its to decide.
+                                    if !store
                                         .release_execution(state.run_id, state.attempt, index, token, claimed_started)
-                                        .await?;
+                                        .await?
+                                    {
+                                        return Err(StageError::Transient(format!(
+                                            "command {index} of attempt {} was taken over by another delivery while \
+                                             this one could not reach {} ({e})",
+                                            state.attempt, spec.host
+                                        )));
+                                    }
                                     cx.emit(
                                         EventKind::Error,
                                         format!("cannot reach {}: {e}", spec.host),

@@ -528,6 +528,68 @@ async fn an_unreachable_host_escalates_with_a_clear_error_and_no_hang() -> anyho
     crew.shutdown().await
 }
 
+/// A host that goes down between evaluate (which found it reachable) and execute, while
+/// another delivery takes the command's claim over as this one tries to connect (a redelivery
+/// after this one's ack wait ran out, say): this one leaves the step to the claim that stands
+/// instead of escalating under it, and the run escalates once the delivery holding the claim
+/// finds the host gone. Here the database plays the other delivery: a trigger hands the first
+/// claim to another token, as from a delivery that died before its start.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_host_gone_at_execute_escalates_only_under_the_claim_that_stands() -> anyhow::Result<()> {
+    use pitcrew_model::{EventKind, Stage};
+    let mut sshd = start_target()?;
+    let env = pitcrew_testkit::TestEnv::start().await?;
+    let mut host = sshd.host(true);
+    host.connect_timeout_secs = 2;
+    let text = format!(
+        "{}[services.svc]\nhost = \"box\"\nstart = \"touch /tmp/pitcrew-never-run\"\n\
+         check = {{ kind = \"command\", command = \"false\" }}\n",
+        host_toml("box", &host)
+    );
+    let before: Vec<Stage> = Stage::ALL.into_iter().filter(|s| *s != Stage::Execute).collect();
+    let mut crew = common::Crew::start_in(env, &text, &before).await?;
+    let run = crew.open("svc", "svc is down").await?;
+    crew.events.wait(run, |e| e.kind == EventKind::Policy, WAIT).await?;
+    crew.shutdown().await?;
+    sshd.kill();
+    let db = crew.db().await?;
+    db.batch_execute(
+        "CREATE TABLE taken_over (at timestamptz NOT NULL);
+         CREATE FUNCTION take_over() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN
+           IF NOT EXISTS (SELECT 1 FROM taken_over) THEN
+             INSERT INTO taken_over VALUES (now());
+             NEW.claim := gen_random_uuid();
+             NEW.gone_by := now();
+           END IF;
+           RETURN NEW;
+         END $$;
+         CREATE TRIGGER take_over BEFORE INSERT ON executions FOR EACH ROW EXECUTE FUNCTION take_over();",
+    )
+    .await?;
+    crew.run(&[Stage::Execute, Stage::Escalate]);
+    let end = crew.end(run).await?;
+    let timeline: Vec<String> = db
+        .query("SELECT stage || ': ' || message FROM run_events WHERE run_id = $1 ORDER BY seq, idx", &[&run])
+        .await?
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(end.kind, EventKind::Escalated, "{timeline:#?}");
+    assert!(end.message.contains("host box unreachable"), "{}", end.message);
+    let taken: i64 = db.query_one("SELECT count(*) FROM taken_over", &[]).await?.get(0);
+    assert_eq!(taken, 1, "execute claimed the command");
+    assert!(
+        timeline.iter().any(|l| l.contains("was claimed by a delivery that never started it: claiming it anew")),
+        "a later delivery took the step back from the claim that never started: {timeline:#?}"
+    );
+    assert!(timeline.iter().any(|l| l.starts_with("execute: execute: attempt 1, delivery")), "{timeline:#?}");
+    let n: i64 = db.query_one("SELECT count(*) FROM executions WHERE run_id = $1", &[&run]).await?.get(0);
+    assert_eq!(n, 0, "the escalating delivery released its own claim, and nothing else is left");
+    assert_eq!(crew.dead_letters().await?, 0);
+    crew.shutdown().await
+}
+
 /// Scenario (a): the service process is killed; the monitor sees it, the crew starts it again
 /// over SSH as the login user, verify sees it answer.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

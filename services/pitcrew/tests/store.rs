@@ -650,7 +650,7 @@ async fn a_late_finish_of_a_command_taken_over_by_another_delivery_changes_no_de
         Claim::Claimed
     );
     assert!(!store.command_starts(run, 1, 6, t6, secs(100)).await?, "the first delivery's late start");
-    store.release_execution(run, 1, 6, t6, false).await?;
+    assert!(!store.release_execution(run, 1, 6, t6, false).await?, "released the claim another made since");
     assert!(
         !store.finish_execution(run, &done(6), t6).await?,
         "the first delivery finished the claim another made since"
@@ -659,7 +659,7 @@ async fn a_late_finish_of_a_command_taken_over_by_another_delivery_changes_no_de
     pg.execute("UPDATE executions SET gone_by = now() WHERE run_id = $1 AND idx = 6", &[&run]).await?;
     assert!(!store.drop_unstarted(run, 1, 6, t6b).await?, "a started claim is never dropped");
     // Nor released: an error after its start was marked does not prove nothing ran.
-    store.release_execution(run, 1, 6, t6b, false).await?;
+    assert!(!store.release_execution(run, 1, 6, t6b, false).await?);
     assert!(matches!(store.execution_claim(run, 1, 6).await?, Some(Claim::Unfinished { unstarted: None, .. })));
     // A claim that counts as its command's start (one that starts at once after it) may have
     // started from the first; only a caller that knows nothing ran releases it.
@@ -669,9 +669,9 @@ async fn a_late_finish_of_a_command_taken_over_by_another_delivery_changes_no_de
         Claim::Claimed
     );
     assert!(matches!(store.execution_claim(run, 1, 7).await?, Some(Claim::Unfinished { unstarted: None, .. })));
-    store.release_execution(run, 1, 7, t7, false).await?;
+    assert!(!store.release_execution(run, 1, 7, t7, false).await?);
     assert!(store.execution_claim(run, 1, 7).await?.is_some(), "released a claim that counts as started");
-    store.release_execution(run, 1, 7, t7, true).await?;
+    assert!(store.release_execution(run, 1, 7, t7, true).await?);
     assert_eq!(store.execution_claim(run, 1, 7).await?, None);
     // The first delivery's command ends after all: not ours any more, nothing is overwritten.
     assert!(!store.finish_execution(run, &done(1), t1).await?, "taken over");

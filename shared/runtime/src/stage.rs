@@ -97,10 +97,12 @@ pub enum WaitNote {
     Straggler = 1,
     /// This worker is stopping: another takes the step over.
     Stopping = 2,
+    /// A command an earlier delivery claimed but never started is claimed anew.
+    Reclaimed = 3,
 }
 
 /// The last kind must stay inside the range the runner gives wait notes (keep it the last).
-const _: () = assert!((WaitNote::Stopping as u32) < crate::runner::WAIT_NOTE_KINDS, "a wait note past its range");
+const _: () = assert!((WaitNote::Reclaimed as u32) < crate::runner::WAIT_NOTE_KINDS, "a wait note past its range");
 
 impl WaitNote {
     /// Its event index under the seq it is filed at (`runner::WAIT_EVENT_INDEX` and up).

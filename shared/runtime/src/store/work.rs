@@ -559,7 +559,7 @@ impl Store {
     /// delivery made since, and, unless the caller knows nothing ran (`not_run`: a process
     /// that could not be started on this machine), never one whose start was marked (an SSH
     /// error after the mark does not prove nothing ran: such a claim is recorded interrupted
-    /// later).
+    /// later). Whether it did: false when the claim is no longer this delivery's to release.
     #[tracing::instrument(name = "db_write", skip_all, fields(op = "release_execution"))]
     pub async fn release_execution(
         &self,
@@ -568,9 +568,9 @@ impl Store {
         index: u32,
         claim: Uuid,
         not_run: bool,
-    ) -> Result<(), StoreError> {
+    ) -> Result<bool, StoreError> {
         let client = self.client().await?;
-        client
+        let released = client
             .execute(
                 "DELETE FROM executions
                  WHERE run_id = $1 AND attempt = $2 AND idx = $3 AND finished_at IS NULL AND claim = $4
@@ -578,7 +578,7 @@ impl Store {
                 &[&run, &(attempt as i32), &(index as i32), &claim, &not_run],
             )
             .await?;
-        Ok(())
+        Ok(released == 1)
     }
 }
 
