@@ -171,13 +171,13 @@ async fn write(pool: &Pool, batch: Vec<Pending>) {
         Err(e) => {
             // One transition Postgres refuses (a value it cannot store, say) or that waits
             // on a lock past the statement timeout must not fail the others: each goes alone
-            // and gets its own answer.
+            // and gets its own answer. One after another, in the lane the batch holds: all at
+            // once would take every pooled connection the stages' own queries need.
             tracing::debug!(error = %e, size = batch.len(), "grouped transitions refused: committing one by one");
-            futures::future::join_all(batch.into_iter().map(|p| async move {
+            for p in batch {
                 let result = statement(pool, std::slice::from_ref(&p)).await.map(|moved| !moved.is_empty());
                 let _ = p.reply.send(result);
-            }))
-            .await;
+            }
         }
     }
 }
