@@ -1096,6 +1096,15 @@ async fn the_store_connects_over_tls_as_the_url_asks_and_refuses_what_cannot_be_
     let _full = store_at(full).await?;
     assert_eq!(encrypted(&admin, "verify-full").await?, Some(true));
 
+    // Over the server's Unix-domain socket, no TLS whatever sslmode says (as psql): connects.
+    let socket = format!(
+        "host={} port={} user=postgres dbname=pitcrew_tls sslmode=verify-full application_name=socket",
+        server.dir().display(),
+        server.port
+    );
+    let _socket = store_at(socket).await?;
+    assert_eq!(encrypted(&admin, "socket").await?, Some(false));
+
     // What cannot be met is refused at once, saying why, not waited for as an outage.
     let other = server.other_ca_file().display().to_string();
     for (query, why) in [

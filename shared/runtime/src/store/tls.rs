@@ -47,6 +47,14 @@ pub fn target(url: &str) -> Result<Target, StoreError> {
                         (in a URL, after the `?` that starts its parameters)"
             .into()));
     }
+    // As libpq: no TLS over Unix-domain sockets (nothing leaves the machine), whatever sslmode
+    // says, so `host=/var/run/postgresql sslmode=verify-full` connects as psql would.
+    let hosts = config.get_hosts();
+    let mode = if !hosts.is_empty() && hosts.iter().all(|h| matches!(h, tokio_postgres::config::Host::Unix(_))) {
+        TlsMode::Off
+    } else {
+        mode
+    };
     if mode == TlsMode::VerifyCa && root.is_none() {
         // Any authority the system trusts, and any name: anyone with any public certificate
         // would pass. libpq asks for the authority too.
@@ -225,6 +233,16 @@ mod tests {
         }
         // A root certificate is read only for TLS.
         assert!(target("postgres://db/p?sslmode=disable&sslrootcert=/no/such.pem").is_ok());
+        // None over Unix-domain sockets, as with libpq, whatever the mode; a TCP host keeps it.
+        for socket in [
+            "host=/var/run/postgresql dbname=p sslmode=verify-ca",
+            "postgresql://u@%2Fvar%2Frun%2Fpostgresql/p?sslmode=verify-full&sslrootcert=/no/such.pem",
+        ] {
+            let t = target(socket).unwrap_or_else(|e| panic!("{socket}: {e}"));
+            assert_eq!((t.mode, t.config.get_ssl_mode()), (TlsMode::Off, SslMode::Disable), "{socket}");
+        }
+        let mixed = target("host=/var/run/postgresql,db dbname=p sslmode=require").unwrap();
+        assert_eq!(mixed.mode, TlsMode::Require);
         for bad in [
             "postgres://u:hunter2@db/p?sslmode=always",
             "postgres://u:hunter2@db/p?sslmode=require&sslrootcert=/no/such.pem",
