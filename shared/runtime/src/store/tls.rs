@@ -48,13 +48,14 @@ pub fn target(url: &str) -> Result<Target, StoreError> {
             .into()));
     }
     // As libpq: no TLS over Unix-domain sockets (nothing leaves the machine), whatever sslmode
-    // says, so `host=/var/run/postgresql sslmode=verify-full` connects as psql would.
+    // says, so `host=/var/run/postgresql sslmode=verify-full` connects as psql would. Only when
+    // every connection is to a socket: with a `hostaddr`, tokio-postgres connects over TCP to it
+    // whatever `host` says, and a list mixing sockets and TCP hosts keeps TLS for all of them.
     let hosts = config.get_hosts();
-    let mode = if !hosts.is_empty() && hosts.iter().all(|h| matches!(h, tokio_postgres::config::Host::Unix(_))) {
-        TlsMode::Off
-    } else {
-        mode
-    };
+    let sockets_only = !hosts.is_empty()
+        && config.get_hostaddrs().is_empty()
+        && hosts.iter().all(|h| matches!(h, tokio_postgres::config::Host::Unix(_)));
+    let mode = if sockets_only { TlsMode::Off } else { mode };
     if mode == TlsMode::VerifyCa && root.is_none() {
         // Any authority the system trusts, and any name: anyone with any public certificate
         // would pass. libpq asks for the authority too.
@@ -243,6 +244,9 @@ mod tests {
         }
         let mixed = target("host=/var/run/postgresql,db dbname=p sslmode=require").unwrap();
         assert_eq!(mixed.mode, TlsMode::Require);
+        // A socket path with an address is a TCP connection to the address.
+        let addressed = target("host=/var/run/postgresql hostaddr=10.0.0.5 dbname=p sslmode=require").unwrap();
+        assert_eq!((addressed.mode, addressed.config.get_ssl_mode()), (TlsMode::Require, SslMode::Require));
         for bad in [
             "postgres://u:hunter2@db/p?sslmode=always",
             "postgres://u:hunter2@db/p?sslmode=require&sslrootcert=/no/such.pem",
