@@ -709,7 +709,7 @@ pub fn redact_url(url: &str) -> String {
     // libpq also takes the password (and the client key's, `sslpassword`) as a parameter:
     // `postgres://app@db/x?password=hunter2`.
     static PARAM: std::sync::LazyLock<regex::Regex> = std::sync::LazyLock::new(|| {
-        regex::Regex::new(r"(?i)([?&](?:ssl)?password=)[^&#]*").expect("password parameter pattern")
+        regex::Regex::new(r"(?i)([?&](?:ssl)?password=)[^&]*").expect("password parameter pattern")
     });
     PARAM.replace_all(&url, "${1}***").into_owned()
 }
@@ -762,6 +762,8 @@ mod tests {
             "postgresql://app@db/x?sslmode=verify-full&sslpassword=***&Password=***"
         );
         assert_eq!(redact_url("host=db sslpassword=k3y user=app"), "host=db sslpassword=*** user=app");
+        // A URL to Postgres has no fragment: a `#` is part of the password.
+        assert_eq!(redact_url("postgres://app@db/x?password=ab#cd&x=1"), "postgres://app@db/x?password=***&x=1");
     }
 
     #[test]
