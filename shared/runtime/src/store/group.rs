@@ -17,6 +17,7 @@
 use super::runs::EventColumns;
 use super::{Record, RunStatus, StoreError};
 use deadpool_postgres::Pool;
+use futures::StreamExt;
 use pitcrew_model::{RunEvent, RunState};
 use std::collections::{HashSet, VecDeque};
 use std::sync::Arc;
@@ -25,6 +26,9 @@ use uuid::Uuid;
 
 /// Most transitions in one statement (bounds its parameters: states are capped in size).
 const MAX_BATCH: usize = 128;
+
+/// Transitions of a refused batch written at once when each goes alone.
+const FALLBACK_AT_ONCE: usize = 4;
 
 /// Transitions waiting for a statement; callers wait (backpressure) beyond this.
 const QUEUE: usize = 1024;
@@ -171,13 +175,16 @@ async fn write(pool: &Pool, batch: Vec<Pending>) {
         Err(e) => {
             // One transition Postgres refuses (a value it cannot store, say) or that waits
             // on a lock past the statement timeout must not fail the others: each goes alone
-            // and gets its own answer. One after another, in the lane the batch holds: all at
-            // once would take every pooled connection the stages' own queries need.
+            // and gets its own answer. A few at a time: all at once would take every pooled
+            // connection the stages' own queries need, one after another would hold every
+            // transition of the batch behind a locked row's statement timeout.
             tracing::debug!(error = %e, size = batch.len(), "grouped transitions refused: committing one by one");
-            for p in batch {
-                let result = statement(pool, std::slice::from_ref(&p)).await.map(|moved| !moved.is_empty());
-                let _ = p.reply.send(result);
-            }
+            futures::stream::iter(batch)
+                .for_each_concurrent(FALLBACK_AT_ONCE, |p| async move {
+                    let result = statement(pool, std::slice::from_ref(&p)).await.map(|moved| !moved.is_empty());
+                    let _ = p.reply.send(result);
+                })
+                .await;
         }
     }
 }
