@@ -235,6 +235,8 @@ impl Decisions {
                 // the stored state is still the one this decision produced.
                 let produced = match (&state.step, &state.approval) {
                     (Stage::Execute, ApprovalStatus::Approved { plan_hash: h, .. }) => *h == plan_hash,
+                    // An approved state too large for execute went to escalate instead.
+                    (Stage::Escalate, ApprovalStatus::Approved { plan_hash: h, .. }) => *h == plan_hash,
                     (Stage::Escalate, ApprovalStatus::Denied { .. }) => true,
                     _ => false,
                 };

@@ -551,15 +551,20 @@ pub async fn apply(
 /// The successor state's payload, no larger than a stage accepts (`codec::MAX_PAYLOAD`): its
 /// next stage would refuse a larger one as poison, and the run would stop there. A state that
 /// sheds its oldest evidence and diagnoses and still does not fit goes to escalate instead of
-/// its next step, the same transition (the same seq), with only what escalation reads.
+/// its next step, the same transition (the same seq), with only what escalation reads; one on
+/// its way to report or escalate already keeps its way, with as little.
 fn within_limit(state: &mut RunState) -> Vec<u8> {
     let size = match state.encode_within(codec::MAX_PAYLOAD) {
         Ok(payload) => return payload,
         Err(size) => size,
     };
     let why = format!("the run's state grew to {size} bytes, more than the {} a stage accepts", codec::MAX_PAYLOAD);
-    tracing::warn!(run = %state.run_id, step = %state.step, size, "{why}: escalating with what escalation needs");
-    if state.step != Stage::Escalate {
+    // A run on its way to report (verified: it resolves) or to escalate keeps its way, shed to
+    // what those steps read; any other goes to escalate: a human, not a step on half its state.
+    if matches!(state.step, Stage::Report | Stage::Escalate) {
+        tracing::warn!(run = %state.run_id, step = %state.step, size, "{why}: sending on only what its end reads");
+    } else {
+        tracing::warn!(run = %state.run_id, step = %state.step, size, "{why}: escalating with what escalation needs");
         // The same transition, addressed elsewhere.
         state.seq -= 1;
         state.escalate(format!("{why} (its next step was {})", state.step));
@@ -672,14 +677,18 @@ pub async fn dead_letter(
 mod tests {
     use super::*;
 
+    /// Commands no compression makes small, more than any message may carry.
+    fn state_commands() -> Vec<String> {
+        (0..1000u32).map(|i| format!("{i}:{}", "x".repeat(300) + &i.to_string().repeat(60))).collect()
+    }
+
     #[test]
     fn a_state_too_large_for_its_next_stage_goes_to_escalate_in_the_same_transition() {
         let mut state = RunState::new(Uuid::now_v7(), Incident::new("web", "down"));
         state.advance(Stage::Diagnose);
         state.advance(Stage::Plan);
         // Commands no compression makes small, more than any message may carry.
-        state.failed_commands =
-            (0..1000u32).map(|i| format!("{i}:{}", "x".repeat(300) + &i.to_string().repeat(60))).collect();
+        state.failed_commands = state_commands();
         let seq = state.seq;
         let payload = within_limit(&mut state);
         assert!(payload.len() <= codec::MAX_PAYLOAD, "{}", payload.len());
@@ -691,6 +700,14 @@ mod tests {
         );
         let back: RunState = codec::decode(Some(MSGPACK), &payload).expect("escalate can read it");
         assert_eq!(back, state);
+        // A verified run on its way to report keeps its way, shed.
+        let mut verified = RunState::new(Uuid::now_v7(), Incident::new("web", "down"));
+        verified.failed_commands = state_commands();
+        verified.advance(Stage::Report);
+        let seq = verified.seq;
+        let payload = within_limit(&mut verified);
+        assert!(payload.len() <= codec::MAX_PAYLOAD, "{}", payload.len());
+        assert_eq!((verified.step, verified.seq, verified.escalation_reason.as_deref()), (Stage::Report, seq, None));
         // A state that fits is sent as it is.
         let mut small = RunState::new(Uuid::now_v7(), Incident::new("web", "down"));
         small.advance(Stage::Diagnose);
