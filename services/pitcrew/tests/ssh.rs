@@ -569,12 +569,8 @@ async fn a_host_gone_at_execute_escalates_only_under_the_claim_that_stands() -> 
     .await?;
     crew.run(&[Stage::Execute, Stage::Escalate]);
     let end = crew.end(run).await?;
-    let timeline: Vec<String> = db
-        .query("SELECT stage || ': ' || message FROM run_events WHERE run_id = $1 ORDER BY seq, idx", &[&run])
-        .await?
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
+    let sql = "SELECT stage || ': ' || message FROM run_events WHERE run_id = $1 ORDER BY seq, idx";
+    let timeline = common::texts(&db, sql, run).await;
     assert_eq!(end.kind, EventKind::Escalated, "{timeline:#?}");
     assert!(end.message.contains("host box unreachable"), "{}", end.message);
     let taken: i64 = db.query_one("SELECT count(*) FROM taken_over", &[]).await?.get(0);
