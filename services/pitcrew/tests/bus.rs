@@ -387,6 +387,50 @@ async fn a_consumer_told_to_stop_pulls_nothing_more() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// A pull the server answers at once with nothing is not repeated at once. The server does
+/// so ("408 Requests Pending") while it holds a message it cannot hand out (the consumer's
+/// ack-pending limit is reached) and another worker's pull waits for more than it holds: the
+/// worker pulled again and again, as fast as the round trip allowed, for as long as that
+/// lasted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pull_answered_at_once_with_nothing_is_not_repeated_at_once() -> anyhow::Result<()> {
+    let env = TestEnv::start().await?;
+    let cfg = pitcrew_runtime::Config::from_toml(&env.config_toml("[stage.report]\nmax_ack_pending = 1\n"))?;
+    let bus = pitcrew_runtime::Bus::connect(&cfg).await?;
+    bus.ensure_streams().await?;
+    for i in 0..2 {
+        let mut headers = HeaderMap::new();
+        headers.insert(NATS_MESSAGE_ID, format!("pending-{i}").as_str());
+        bus.js.publish_with_headers(bus.subjects.stage(Stage::Report), headers, "x".into()).await?.await?;
+    }
+    let settings = cfg.stage_settings(Stage::Report);
+    let consumer = bus.stage_consumer(Stage::Report, settings).await?;
+    // Another worker's pull takes the first message, holds it (the limit of one is reached:
+    // the second cannot be handed out) and waits for more.
+    let mut other = consumer.batch().max_messages(10).expires(Duration::from_secs(30)).messages().await?;
+    let held = other.next().await.expect("the first message").map_err(|e| anyhow::anyhow!("{e}"))?;
+    // Every pull request from here on, as the server receives them.
+    let mut pulls = bus.client.subscribe("$JS.API.CONSUMER.MSG.NEXT.>").await?;
+    bus.client.flush().await?;
+    let handled = Arc::new(AtomicUsize::new(0));
+    let (stop, running) =
+        consuming(bus.client.clone(), consumer, settings, Arc::new(Counting(handled.clone())), Duration::from_secs(5));
+    let watched = Duration::from_secs(2);
+    let mut seen = 0usize;
+    let until = tokio::time::Instant::now() + watched;
+    while let Ok(Some(_)) = tokio::time::timeout_at(until, pulls.next()).await {
+        seen += 1;
+    }
+    let _ = stop.send(());
+    running.await?;
+    held.ack().await.map_err(|e| anyhow::anyhow!("{e}"))?;
+    assert!(seen > 0, "the worker pulled");
+    // A pause of 100 ms after each: about 20 in 2 s (it spun thousands of times without it).
+    assert!(seen <= 40, "{seen} pulls in {watched:?}");
+    assert_eq!(handled.load(Ordering::SeqCst), 0, "the held message blocks the other");
+    Ok(())
+}
+
 /// Records the payload of every message it is handed. Stalling, it never finishes one that
 /// says "stuck" and acks the others after a moment; otherwise it acks everything at once.
 struct Recording {

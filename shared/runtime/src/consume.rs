@@ -20,6 +20,9 @@ const FETCH_EXPIRES: Duration = Duration::from_secs(1);
 /// How often a consumer looks whether a client cut off from NATS is connected again.
 const DISCONNECTED_LOOK: Duration = Duration::from_millis(250);
 
+/// How long to wait before pulling again after a pull the server answered at once with nothing.
+const EMPTY_PULL_PAUSE: Duration = Duration::from_millis(100);
+
 /// What to do with a message once handled. Every path ends in exactly one of these.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Disposition {
@@ -102,6 +105,7 @@ pub async fn consume<H: MessageHandler>(
             p = sem.clone().acquire_owned() => p.expect("semaphore never closed"),
         };
         let want = 1 + sem.available_permits().min(255);
+        let asked = Instant::now();
         let batch = tokio::select! {
             biased;
             _ = &mut shutdown => break 'outer,
@@ -179,6 +183,18 @@ pub async fn consume<H: MessageHandler>(
             }
             Some(e) => tracing::warn!(consumer = %name, error = %e, "pull error"),
             None => failures = 0,
+        }
+        // A pull answered at once with nothing: the server had messages it could not hand out
+        // (other workers' pulls wait for them, its ack-pending limit is reached) and said
+        // "408 Requests Pending", which ends a batch like an expiry. Pulling again at once
+        // would spin on it for as long as that lasts; the pulls already waiting take the
+        // messages meanwhile. (An idle stream holds the pull until it expires.)
+        if pulled == 0 && asked.elapsed() < FETCH_EXPIRES / 2 {
+            tokio::select! {
+                biased;
+                _ = &mut shutdown => break 'outer,
+                _ = tokio::time::sleep(EMPTY_PULL_PAUSE) => {}
+            }
         }
     }
     tracing::info!(consumer = %name, in_flight = tasks.len(), "stopping: draining messages in hand");
