@@ -612,6 +612,91 @@ async fn an_outage_longer_than_the_delivery_limits_dead_letters_nothing() -> any
     Ok(())
 }
 
+/// A step whose commit fails for a passing reason (here: the run's row locked elsewhere, past
+/// the statement timeout) on a delivery past the limits (2 deliveries and 1 s here; after a
+/// long outage, any backlog) is retried, not dead-lettered: the step did its work, only
+/// writing it down failed for a while. The run resolves once the lock is gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_commit_that_fails_for_a_while_past_the_delivery_limits_is_retried_not_dead_lettered() -> anyhow::Result<()> {
+    let env = TestEnv::start().await?;
+    let svc = common::marker_service(&env, "svc");
+    let text = format!("[stages]\nmax_deliveries = 1\npoison_after_secs = 1\n{svc}");
+    let before: Vec<Stage> = Stage::ALL.into_iter().filter(|s| *s != Stage::Diagnose).collect();
+    let mut crew = Crew::start_in(env, &text, &before).await?;
+    let run = crew.open("svc", "GET /health: connection refused").await?;
+    let db = crew.db().await?;
+    let deadline = Instant::now() + common::WAIT;
+    while common::count(&db, "SELECT count(*) FROM runs WHERE id = $1 AND stage = 'diagnose'", run).await == 0 {
+        anyhow::ensure!(Instant::now() < deadline, "the run never reached diagnose");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // Another session holds the run's row: every commit of diagnose's transition waits out
+    // the statement timeout, delivery after delivery, past both limits.
+    let (mut locker, conn) = tokio_postgres::connect(&crew.cfg.database.url, tokio_postgres::NoTls).await?;
+    tokio::spawn(conn);
+    let tx = locker.transaction().await?;
+    tx.execute("SELECT 1 FROM runs WHERE id = $1 FOR UPDATE", &[&run]).await?;
+    crew.shutdown().await?;
+    crew.cfg.database.statement_timeout_secs = 1;
+    crew.run(&Stage::ALL);
+    let deadline = Instant::now() + common::WAIT;
+    let sql = "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE '%UPDATE runs%'";
+    let mut waits = 0;
+    while waits < 3 {
+        anyhow::ensure!(Instant::now() < deadline, "diagnose never tried to commit");
+        if db.query_one(sql, &[]).await?.get::<_, i64>(0) > 0 {
+            waits += 1;
+            // One wait is one try: it ends with the statement timeout.
+            tokio::time::sleep(Duration::from_millis(1100)).await;
+        } else {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+    tx.rollback().await?;
+    let end = crew.events.terminal(run, common::WAIT).await?;
+    assert_eq!(end.kind, pitcrew_model::EventKind::Resolved, "{}", end.message);
+    assert_eq!(crew.dead_letters().await?, 0, "nothing was dead-lettered");
+    let deliveries = common::texts(
+        &db,
+        "SELECT message FROM run_events WHERE run_id = $1 AND stage = 'diagnose' AND message LIKE 'diagnose: attempt 1, delivery %'",
+        run,
+    )
+    .await;
+    assert!(!deliveries.is_empty(), "diagnose committed on a redelivery past its limits");
+    crew.shutdown().await
+}
+
+/// A message that can never be read, arriving while Postgres is down, waits for Postgres
+/// before it is dead-lettered: its run is looked up and escalated there, and every retry in
+/// the outage stored another dead letter of it once past the bus's duplicate window.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_poison_message_in_a_postgres_outage_is_dead_lettered_once_postgres_is_back() -> anyhow::Result<()> {
+    use async_nats::header::{HeaderMap, NATS_MESSAGE_ID};
+    let mut pg = pitcrew_testkit::pg::PrivatePostgres::start()?;
+    let env = TestEnv::start_on(&pg.admin_url()).await?;
+    let svc = common::marker_service(&env, "svc");
+    let mut crew = Crew::start_in(env, &svc, &Stage::ALL).await?;
+    let run = crew.open("svc", "GET /health: connection refused").await?;
+    assert_eq!(crew.events.terminal(run, common::WAIT).await?.kind, pitcrew_model::EventKind::Resolved);
+    pg.stop();
+    let mut headers = HeaderMap::new();
+    headers.insert(NATS_MESSAGE_ID, "garbage-in-an-outage");
+    headers.insert(pitcrew_model::codec::CONTENT_TYPE, pitcrew_model::codec::MSGPACK);
+    headers.insert(pitcrew_runtime::bus::RUN_HEADER, run.to_string().as_str());
+    crew.bus.publish_with_headers(crew.bus.subjects.stage(Stage::Verify), headers, "\u{1}not msgpack".into()).await?;
+    // Delivered, and retried, while Postgres is down: not dead-lettered yet.
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    assert_eq!(crew.dead_letters().await?, 0, "dead-lettered while Postgres was down");
+    pg.restart()?;
+    let deadline = Instant::now() + common::WAIT;
+    while crew.dead_letters().await? == 0 {
+        anyhow::ensure!(Instant::now() < deadline, "never dead-lettered once Postgres was back");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(crew.dead_letters().await?, 1);
+    crew.shutdown().await
+}
+
 /// A worker told to stop while the nats-server is down still exits, within its drain deadline
 /// and the bounded wait for NATS to take its hand-backs and acks (it used to wait forever for
 /// its last flush), and nothing it held is lost: once NATS is back, the run it held comes

@@ -51,13 +51,26 @@ const _: () = assert!(LIVE_EVENT_BASE < WAIT_EVENT_INDEX && WAIT_EVENT_INDEX + W
 /// How long a wait's timeline note may take before the message is naked without it.
 const NOTE_WAIT_LIMIT: std::time::Duration = std::time::Duration::from_secs(2);
 
-/// Failing to commit or publish: always worth a retry.
+/// Failing to commit or publish: worth a retry, unless Postgres or NATS refused it for good.
 #[derive(Debug, thiserror::Error)]
 pub enum ApplyError {
     #[error(transparent)]
     Store(#[from] StoreError),
     #[error(transparent)]
     Bus(#[from] BusError),
+}
+
+impl ApplyError {
+    /// Postgres unreachable or busy (a deadlock, a statement timeout, a lock not granted), or a
+    /// publish NATS did not take in time: an outage, however often the message came before.
+    /// A permission NATS refuses, or a statement Postgres refuses as written, is not.
+    pub fn is_transient(&self) -> bool {
+        match self {
+            ApplyError::Store(e) => e.is_transient(),
+            ApplyError::Bus(BusError::Refused { .. } | BusError::Setup { .. }) => false,
+            ApplyError::Bus(_) => true,
+        }
+    }
 }
 
 /// Why a message cannot be read as this stage's input.
@@ -120,7 +133,7 @@ pub fn exhausted(msg: &jetstream::Message, settings: crate::config::StageSetting
 pub async fn outage(deps: &Deps, consumer: &str, delivered: i64) -> Option<Disposition> {
     match deps.store.writable().await {
         Err(e) if e.is_transient() => {
-            tracing::warn!(consumer, error = %e, delivered, "past its delivery limits while Postgres cannot take writes: retrying, not dead-lettering");
+            tracing::warn!(consumer, error = %e, delivered, "Postgres cannot take writes: retrying the message later, not dead-lettering it");
             Some(Disposition::Nak(backoff(delivered)))
         }
         _ => None,
@@ -216,6 +229,15 @@ impl StageRunner {
                     let records = cx.take_records();
                     match apply(&self.bus, &self.deps, state, t, events, records).await {
                         Ok(()) => Disposition::Ack,
+                        // The step did its work; writing it down failed for a while (`apply`
+                        // is idempotent): retried whatever its deliveries, never a poison
+                        // message. A message past its limits after a long outage would
+                        // otherwise be dead-lettered, and its run escalated, for one deadlock
+                        // in the backlog the outage left.
+                        Err(e) if e.is_transient() => {
+                            tracing::warn!(error = %e, delivered, "commit or publish failed: will retry");
+                            Disposition::Nak(backoff(delivered))
+                        }
                         Err(e) => {
                             self.failed_try(msg, exhausted.as_deref(), &e.to_string(), "commit or publish failed").await
                         }
@@ -337,6 +359,12 @@ impl StageRunner {
     async fn poison(&self, msg: &jetstream::Message, state: Option<RunState>, why: &str) -> Disposition {
         let stage = self.handler.stage();
         let (stream, stream_seq, delivered) = delivery(msg);
+        // Its run is looked up and escalated in Postgres after the dead letter: while Postgres
+        // cannot take writes, each retry would store another dead letter (past the bus's
+        // duplicate window) for the same message.
+        if let Some(wait) = outage(&self.deps, stage.as_str(), delivered).await {
+            return wait;
+        }
         tracing::error!(stage = %stage, error = %why, stream_seq, "poison message: dead-lettering");
         if let Err(e) = dead_letter(&self.bus, msg, stage.as_str(), why, &format!("{stream}.{stream_seq}")).await {
             tracing::warn!(stage = %stage, error = %e, "dead-letter publish failed: will retry");
