@@ -110,9 +110,13 @@ pub const MAX_TARGET_WAITERS: u32 = 16;
 /// its claim (a turn for an SSH channel, a connection).
 pub const STRAGGLER_GRACE: Duration = Duration::from_secs(10);
 
-/// How long after its start a command that nobody finished may still be running.
-fn straggler_deadline(cfg: &pitcrew_runtime::Config) -> Duration {
-    cfg.command_timeout().saturating_add(STRAGGLER_GRACE)
+/// How long after its start a command that nobody finished may still be running on `host`.
+/// Over SSH its start is marked before its channel opens, which may take up to the host's
+/// connect timeout (`pitcrew_exec` gives up on the channel then): the remote command may start
+/// that much later, and its remote `timeout` counts from there.
+fn straggler_deadline(cfg: &pitcrew_runtime::Config, host: &str) -> Duration {
+    let channel = cfg.hosts.get(host).map_or(Duration::ZERO, |h| Duration::from_secs(h.connect_timeout_secs.max(1)));
+    cfg.command_timeout().saturating_add(STRAGGLER_GRACE).saturating_add(channel)
 }
 
 /// How long a claim finished as not run (the plan skipped) may stay unfinished before a
@@ -356,7 +360,7 @@ impl StageHandler for Execute {
                 }
                 // A command not to run is gone at once; one to run may be running until its
                 // timeout and the time to end it have passed (moved on if it starts late).
-                let gone_after = if skip.is_some() { SKIP_GONE_AFTER } else { straggler_deadline(&cfg) };
+                let gone_after = if skip.is_some() { SKIP_GONE_AFTER } else { straggler_deadline(&cfg, &spec.host) };
                 // A stopping worker starts no command its drain might cut short (its timeout, and
                 // the time to end it and record that): the rest of the plan goes to another worker
                 // (what ran is replayed from its records).
@@ -444,7 +448,8 @@ impl StageHandler for Execute {
                         // running (over SSH until the remote `timeout` ends it): nothing moves on
                         // (verify, a next attempt, another run on the target) before its claim says
                         // it is surely gone (a claim from before that was recorded: by our timeout).
-                        let left = gone_in.unwrap_or_else(|| straggler_deadline(&cfg).saturating_sub(running_for));
+                        let left =
+                            gone_in.unwrap_or_else(|| straggler_deadline(&cfg, &spec.host).saturating_sub(running_for));
                         if !left.is_zero() {
                             return Err(StageError::Wait {
                                 why: format!(
@@ -635,6 +640,17 @@ impl StageHandler for Execute {
 mod tests {
     use super::*;
     use pitcrew_model::{Incident, Plan};
+
+    #[test]
+    fn an_ssh_command_may_still_run_for_its_channel_open_time_longer() {
+        let cfg = pitcrew_runtime::Config::from_toml(
+            "[limits]\ncommand_timeout_secs = 60\n[hosts.pe1]\naddress = \"10.0.0.1\"\nuser = \"s\"\n\
+             connect_timeout_secs = 7\n",
+        )
+        .unwrap();
+        assert_eq!(straggler_deadline(&cfg, "local"), Duration::from_secs(60) + STRAGGLER_GRACE);
+        assert_eq!(straggler_deadline(&cfg, "pe1"), Duration::from_secs(60 + 7) + STRAGGLER_GRACE);
+    }
 
     #[test]
     fn only_an_approved_plan_executes() {
