@@ -420,6 +420,21 @@ impl StageHandler for Execute {
                     }
                 };
                 let rec = match claim {
+                    // This copy decided to skip the plan (its check passed), but another copy
+                    // holding the target before it ran this command: the plan has started,
+                    // and skipping the rest would leave it half run. Decided again on the
+                    // next delivery, which finds the attempt started and runs the rest.
+                    Claim::Finished(rec) if skip.is_some() && rec.status != ExecutionStatus::Skipped => {
+                        return Err(StageError::Wait {
+                            why: format!(
+                                "command {index} of attempt {} ran under another delivery after this one decided \
+                                 to skip the plan: deciding again",
+                                state.attempt
+                            ),
+                            retry: Duration::from_millis(250),
+                            note: None,
+                        });
+                    }
                     Claim::Finished(rec) => rec,
                     Claim::Unfinished { .. } if at.shared() => {
                         // Still running in this process: try again once it has ended.

@@ -289,6 +289,52 @@ async fn a_poison_stage_message_is_dead_lettered_and_its_run_escalated() -> anyh
     crew.shutdown().await
 }
 
+/// Two copies of an execute message at once (a redelivery while the first still works, in
+/// another process): one runs the plan's first command; the other takes the target after it,
+/// finds the service passing its check (that command fixed it) after another run remediated
+/// it, and decides to skip the plan. It must not skip the rest of a plan another copy started
+/// (the plan would be left half run, recorded as skipped): it decides again, finds the attempt
+/// started, and runs the rest. The database plays the first copy: a trigger records the first
+/// command as run when the target is taken.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_copy_that_decided_to_skip_a_plan_another_copy_started_decides_again() -> anyhow::Result<()> {
+    let (mut crew, run) = held_before_execute().await?;
+    let other = crew.open_with("svc", "svc needs a directory", Some("other".into())).await?;
+    crew.events.wait(other, |e| e.kind == EventKind::Policy, WAIT).await?;
+    crew.shutdown().await?;
+    let db = crew.db().await?;
+    // The other run held the target after this run opened, and is done with it.
+    db.execute("UPDATE runs SET status = 'resolved', updated_at = now() WHERE id = $1", &[&other]).await?;
+    db.execute("INSERT INTO target_locks (service, host, run_id, attempt) VALUES ('svc', 'local', $1, 1)", &[&other])
+        .await?;
+    let first = format!("mkdir {}", crew.env.path("made-once"));
+    db.batch_execute(&format!(
+        "CREATE FUNCTION first_copy() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN
+           INSERT INTO executions (run_id, attempt, idx, command, host, worker, finished_at, status, exit_code,
+                                   output, claim, started, gone_by)
+           VALUES (NEW.run_id, 1, 0, '{first}', 'local', 'first-copy', now(), 'succeeded', 0, '',
+                   gen_random_uuid(), true, now())
+           ON CONFLICT DO NOTHING;
+           RETURN NEW;
+         END $$;
+         CREATE TRIGGER first_copy AFTER INSERT OR UPDATE ON target_locks FOR EACH ROW
+           WHEN (NEW.run_id = '{run}') EXECUTE FUNCTION first_copy();"
+    ))
+    .await?;
+    // The first command fixed the service: its check passes now.
+    std::fs::write(crew.env.path("svc-healthy"), "")?;
+    crew.run(&[Stage::Execute, Stage::Verify, Stage::Report, Stage::Escalate]);
+    let end = crew.end(run).await?;
+    let sql = "SELECT stage || ': ' || message FROM run_events WHERE run_id = $1 ORDER BY seq, idx";
+    let timeline = texts(&db, sql, run).await;
+    assert_eq!(end.kind, EventKind::Resolved, "{timeline:#?}");
+    let statuses = texts(&db, "SELECT status FROM executions WHERE run_id = $1 ORDER BY idx", run).await;
+    assert_eq!(statuses, ["succeeded", "succeeded"], "the rest of the started plan ran: {timeline:#?}");
+    assert!(timeline.iter().any(|l| l.contains("execute: attempt 1, delivery")), "decided again: {timeline:#?}");
+    crew.shutdown().await
+}
+
 /// A poison message at escalate closes its run escalated, and the run's end reaches the bus
 /// as the `escalated` event its followers wait for (it got only an error event: `pitcrew
 /// watch` and the gateway's streams waited for an end that never came).
