@@ -551,6 +551,17 @@ async fn a_late_finish_of_a_command_taken_over_by_another_delivery_changes_no_de
     let store = store(&db).await?;
     let run = open_runs(&store, 1).await?.remove(0).run_id;
     let [t0, t1, t3, t5, t6] = [(); 5].map(|_| Uuid::new_v4());
+    // Nothing is claimed for a run that is not at execute in that attempt (a copy of the step
+    // that loaded it before another copy moved it on).
+    let pg = db.client().await?;
+    let refused = store.claim_execution(run, 1, 0, "touch /tmp/x0", "local", "a", t0, false, secs(70)).await;
+    assert!(matches!(&refused, Err(e) if e.is_transient() && e.to_string().contains("left execute")), "{refused:?}");
+    move_run(&pg, run, "escalate", "open", None).await?;
+    assert!(store.claim_execution(run, 1, 0, "touch /tmp/x0", "local", "a", t0, false, secs(70)).await.is_err());
+    move_run(&pg, run, "execute", "open", Some(2)).await?;
+    assert!(store.claim_execution(run, 1, 0, "touch /tmp/x0", "local", "a", t0, false, secs(70)).await.is_err());
+    move_run(&pg, run, "execute", "open", Some(1)).await?;
+    assert_eq!(store.execution_claim(run, 1, 0).await?, None, "nothing was claimed");
     let done = |index: u32| ExecutionRecord {
         attempt: 1,
         index,
@@ -595,7 +606,6 @@ async fn a_late_finish_of_a_command_taken_over_by_another_delivery_changes_no_de
     }
     // Not recorded interrupted while it may still be running.
     assert!(!store.mark_interrupted(run, 1, 1).await?, "marked before its time");
-    let pg = db.client().await?;
     pg.execute("UPDATE executions SET gone_by = now() WHERE run_id = $1 AND idx = 1", &[&run]).await?;
     assert!(store.mark_interrupted(run, 1, 1).await?);
     // Past its time and taken over: a start that comes now is refused (it must not run).

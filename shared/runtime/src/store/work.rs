@@ -397,7 +397,9 @@ impl Store {
     /// Record the intent to run command `index` of `attempt` before running it, under the
     /// delivery's token `claim`; should it never be finished, it may be running for up to
     /// `gone_after` from now. `started`: the claim counts as the command's start (it starts at
-    /// once after it); otherwise `command_starts` marks the start, after a wait.
+    /// once after it); otherwise `command_starts` marks the start, after a wait. Only while the
+    /// run is open at execute in `attempt`: a copy of the step that loaded the run before another
+    /// copy moved it on (escalated it, freeing its target) claims nothing and runs nothing.
     #[tracing::instrument(name = "db_write", skip_all, fields(op = "claim_execution"))]
     #[allow(clippy::too_many_arguments)]
     pub async fn claim_execution(
@@ -416,7 +418,9 @@ impl Store {
         let ins = client
             .prepare_cached(
                 "INSERT INTO executions (run_id, attempt, idx, command, host, worker, gone_by, claim, started)
-                 VALUES ($1, $2, $3, $4, $5, $6, now() + $7::float8 * interval '1 second', $8, $9)
+                 SELECT $1, $2, $3, $4, $5, $6, now() + $7::float8 * interval '1 second', $8, $9
+                  WHERE EXISTS (SELECT 1 FROM runs
+                                 WHERE id = $1 AND attempt = $2 AND stage = 'execute' AND status = 'open')
                  ON CONFLICT DO NOTHING",
             )
             .await?;
@@ -430,11 +434,13 @@ impl Store {
         if n == 1 {
             return Ok(Claim::Claimed);
         }
-        // Gone since the insert found it: a claim released or removed (nothing ran). The retry
-        // claims it.
-        existing_claim(&client, run, attempt, index)
-            .await?
-            .ok_or_else(|| StoreError::Unavailable("a command's claim was released as it was read".into()))
+        // None: a claim released or removed since the insert found it (nothing ran), or the run
+        // left the step. The retry claims it, or finds the run moved on.
+        existing_claim(&client, run, attempt, index).await?.ok_or_else(|| {
+            StoreError::Unavailable(format!(
+                "command {index} of attempt {attempt}: its claim was released, or its run left execute, as it was claimed"
+            ))
+        })
     }
 
     /// What became of command `index` of `attempt`, without claiming it: None if nobody has.
