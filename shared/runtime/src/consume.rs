@@ -293,10 +293,12 @@ async fn pull_failed(
         _ = tokio::time::sleep(wait) => {}
     }
     if let (Some(remake), true) = (remake, failures >= REMAKE_AFTER) {
+        // Bounded: a server that takes the connection but leaves JetStream's API unanswered
+        // must not hold the worker here; the next failed pull tries again.
         let made = tokio::select! {
             biased;
             _ = shutdown.as_mut() => return true,
-            made = remake() => made,
+            made = crate::bus::within("making the consumer again", remake()) => made.unwrap_or_else(|e| Err(e.to_string())),
         };
         match made {
             Ok(made) => {
