@@ -32,6 +32,23 @@ pub fn tried_commands(state: &RunState) -> Vec<String> {
         .collect()
 }
 
+/// What this attempt teaches memory. When the service recovered: the commands that succeeded.
+/// One that failed, timed out or was cut short is no known fix, even when the service came
+/// back anyway (by itself, or half-fixed by it), and an episode of success naming it would
+/// erase its recorded failures. When it did not recover: every command that ran, or may have,
+/// without fixing it.
+pub fn learned_commands(state: &RunState, recovered: bool) -> Vec<String> {
+    if !recovered {
+        return tried_commands(state);
+    }
+    state
+        .executions
+        .iter()
+        .filter(|e| e.attempt == state.attempt && e.status == ExecutionStatus::Succeeded)
+        .map(|e| e.command.clone())
+        .collect()
+}
+
 /// Reset the per-attempt fields and count the next attempt, remembering what failed.
 pub fn start_next_attempt(state: &mut RunState) {
     remember_failed(state);
@@ -102,10 +119,11 @@ impl StageHandler for Verify {
                 serde_json::json!({ "recovered": recovered, "attempt": state.attempt }),
             );
             // An attempt that ran nothing (its plan was left alone because another run fixed
-            // the service first) teaches memory nothing about its commands.
-            let tried = tried_commands(state);
-            if !tried.is_empty() {
-                cx.record(Record::Episode(Episode::of(state, &tried, recovered, &outcome.detail)));
+            // the service first), or whose every command failed though the service came back,
+            // teaches memory nothing about its commands.
+            let learned = learned_commands(state, recovered);
+            if !learned.is_empty() {
+                cx.record(Record::Episode(Episode::of(state, &learned, recovered, &outcome.detail)));
             }
             match next_step(recovered, state.attempt, cfg.limits.max_retries) {
                 Ok(Stage::Diagnose) => {
@@ -135,6 +153,36 @@ mod tests {
         assert_eq!(next_step(false, 1, 5), Ok(Stage::Diagnose));
         assert_eq!(next_step(false, 4, 5), Ok(Stage::Diagnose));
         assert!(next_step(false, 5, 5).unwrap_err().contains("max_retries (5)"));
+    }
+
+    #[test]
+    fn a_recovery_teaches_only_the_commands_that_succeeded() {
+        let mut s = RunState::new(uuid::Uuid::nil(), Incident::new("web", "down"));
+        let rec = |attempt, i, c: &str, status| ExecutionRecord {
+            attempt,
+            index: i,
+            command: c.into(),
+            status,
+            exit_code: None,
+            output: String::new(),
+            duration_ms: 0,
+        };
+        s.attempt = 2;
+        s.executions = vec![
+            rec(1, 0, "old", ExecutionStatus::Succeeded),
+            rec(2, 0, "a", ExecutionStatus::Failed),
+            rec(2, 1, "b", ExecutionStatus::Skipped),
+        ];
+        // The service came back though `a` failed: `a` is no fix, and nothing else ran.
+        assert!(learned_commands(&s, true).is_empty());
+        assert_eq!(learned_commands(&s, false), ["a"], "not recovered: what ran without fixing it");
+        s.executions = vec![
+            rec(2, 0, "a", ExecutionStatus::Succeeded),
+            rec(2, 1, "b", ExecutionStatus::TimedOut),
+            rec(2, 2, "c", ExecutionStatus::Interrupted),
+        ];
+        assert_eq!(learned_commands(&s, true), ["a"]);
+        assert_eq!(learned_commands(&s, false), ["a", "b", "c"]);
     }
 
     #[test]
