@@ -697,6 +697,68 @@ async fn under_a_two_person_rule_a_denial_right_after_one_approval_stops_the_pla
     crew.shutdown().await
 }
 
+/// The same plan asked for again by a later attempt (its commands were all skipped the first
+/// time) is decided anew, however soon: the approver's second approval is neither refused as
+/// racing the first (which answered the earlier request) nor dropped by the bus as its
+/// duplicate (the same run, plan, decision and approver, within the bus's two-minute window),
+/// which left the run waiting until its request expired while the approver was told it went.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_same_plan_asked_for_again_by_a_later_attempt_is_approved_anew_at_once() -> anyhow::Result<()> {
+    use futures::StreamExt;
+    // No stage runs: the requests are published here, as the approval stage would.
+    let crew = Crew::start("", &[]).await?;
+    let run = uuid::Uuid::now_v7();
+    let request = |attempt: u32| pitcrew_model::ApprovalRequest {
+        run_id: run,
+        service: "svc".into(),
+        host: None,
+        error: "down".into(),
+        attempt,
+        plan: vec!["systemctl restart svc".into()],
+        plan_hash: "ab12".into(),
+        risk: "critical".into(),
+        rule: "restart".into(),
+        diagnosis: "svc is down".into(),
+        evidence: Vec::new(),
+        requested_at: chrono::Utc::now(),
+        expires_at: chrono::Utc::now() + chrono::Duration::minutes(10),
+        quorum: 1,
+    };
+    let ask = |req: pitcrew_model::ApprovalRequest| {
+        let bus = crew.bus.clone();
+        async move {
+            let id = format!("{run}.{}.{}.request", req.plan_hash, req.attempt);
+            let payload = serde_json::to_vec(&req)?;
+            bus.publish(bus.subjects.approval_requested(run), &id, "application/json", Some(run), payload.into())
+                .await?;
+            anyhow::Ok(())
+        }
+    };
+    ask(request(1)).await?;
+    cli::submit(&crew.bus, None, DecisionInput::cli(run, Decision::Approve, "ann", None, &crew.cfg)).await?;
+    tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    ask(request(2)).await?;
+    let again =
+        cli::submit(&crew.bus, None, DecisionInput::cli(run, Decision::Approve, "ann", None, &crew.cfg)).await?;
+    assert_eq!(again.attempt, 2);
+    // Both decisions are on the bridge subject, for the crew to read.
+    let stream = crew.bus.js.get_stream(crew.bus.subjects.approvals_stream()).await?;
+    let consumer = stream
+        .create_consumer(async_nats::jetstream::consumer::pull::OrderedConfig {
+            filter_subject: crew.bus.subjects.approval_decided(run),
+            ..Default::default()
+        })
+        .await?;
+    let mut messages = consumer.messages().await?.take(2);
+    let mut decided = Vec::new();
+    while let Ok(Some(m)) = tokio::time::timeout(WAIT, messages.next()).await {
+        decided.push(serde_json::from_slice::<ApprovalDecision>(&m?.payload)?);
+    }
+    assert_eq!(decided.len(), 2, "{decided:?}");
+    assert!(decided.iter().all(|d| d.decision == Decision::Approve && d.by == "ann"));
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pending_approval_survives_a_restart_of_every_pitcrew_process() -> anyhow::Result<()> {
     let mut crew = crew_with_playbook("").await?;

@@ -137,7 +137,10 @@ pub async fn submit(
         channel: channel.to_string(),
         decided_at: chrono::Utc::now(),
     };
-    let id = format!("{run}.{}.{}.{by}", req.plan_hash, decision.as_str());
+    // The attempt in the id, as in the request's: the same plan asked for again by a later
+    // attempt is decided anew, and the bus must not drop that decision as a duplicate of the
+    // earlier attempt's (its duplicate window is two minutes) while the decider is told it went.
+    let id = format!("{run}.{}.{}.{}.{by}", req.plan_hash, req.attempt, decision.as_str());
     let payload = serde_json::to_vec(&d).expect("a decision serialises");
     // Not while the client is cut off: the publish would wait in its queue and go out whenever
     // NATS is back, long after the decider was told it failed.
@@ -167,6 +170,11 @@ async fn racing_decision(
     let Some(prev) = in_flight(bus, run, plan_hash).await.map_err(|e| DecideError::Bus(format!("{e:#}")))? else {
         return Ok(None);
     };
+    // A decision from before this request answered an earlier one (the same plan, asked for
+    // again by a later attempt): it decides nothing here.
+    if prev.decided_at < req.requested_at {
+        return Ok(None);
+    }
     if cfg.refuse_approver(&prev.by).is_some() {
         // The crew refuses it: it wins nothing.
         return Ok(None);
