@@ -553,6 +553,14 @@ async fn one_open_run_per_fingerprint() -> anyhow::Result<()> {
     )
     .await?;
     crew.events.terminal(first, WAIT).await?;
+    // The duplicate delivered again after the first run closed (its worker died before the
+    // ack) stays a duplicate: its timeline already ended so, and it opened no run.
+    let mut incident = pitcrew_model::Incident::new("svc", "stale lock held again");
+    incident.id = Some(second);
+    incident.fingerprint = Some("fp-1".into());
+    let redelivered = pitcrew_model::RunState::new(second, incident);
+    assert_eq!(crew.store.open_run(&redelivered).await?, pitcrew_runtime::store::OpenRun::Duplicate(first));
+    assert_eq!(count(&db, "SELECT count(*) FROM runs WHERE id = $1", second).await, 0);
     let third = crew.open_with("svc", "stale lock held", Some("fp-1".into())).await?;
     crew.events.kind(third, EventKind::ApprovalRequested, WAIT).await?;
     crew.shutdown().await

@@ -108,7 +108,9 @@ impl Store {
                      VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9) ON CONFLICT (id) DO NOTHING),
                  r AS (
                      INSERT INTO runs (id, fingerprint, status, stage, seq, attempt, state)
-                     VALUES ($1, $2, 'open', $10, $11, $12, $13) ON CONFLICT DO NOTHING RETURNING 1)
+                     SELECT $1, $2, 'open', $10, $11, $12, $13
+                      WHERE NOT EXISTS (SELECT 1 FROM incidents WHERE id = $1 AND duplicate_of IS NOT NULL)
+                     ON CONFLICT DO NOTHING RETURNING 1)
                  SELECT count(*) FROM r",
             )
             .await?;
@@ -139,6 +141,17 @@ impl Store {
         // Not created: the incident is stored now (by this statement or an earlier delivery).
         if client.query_opt("SELECT 1 FROM runs WHERE id = $1", &[&state.run_id]).await?.is_some() {
             return Ok(OpenRun::Existing);
+        }
+        // A redelivery of an incident an earlier delivery found a duplicate: it stays one, even
+        // once the run it joined has closed (its timeline already ends in `duplicate`).
+        let joined = client
+            .query_opt(
+                "SELECT duplicate_of FROM incidents WHERE id = $1 AND duplicate_of IS NOT NULL",
+                &[&state.run_id],
+            )
+            .await?;
+        if let Some(row) = joined {
+            return Ok(OpenRun::Duplicate(row.get(0)));
         }
         let open = client
             .query_opt("SELECT id FROM runs WHERE fingerprint = $1 AND status IN ('open', 'waiting_approval')", &[&fp])
