@@ -3,9 +3,11 @@
 //! `tail`, `netstat` and `ps` take allow-lists: an option or verb not named here is refused,
 //! however harmless, so a new or abbreviated one cannot slip past. `cat`, `head` and `tail`
 //! read any file but a process's environment (`/proc/<pid>/environ`: pitcrew's own holds its
-//! secrets) or a credential file (the gate's `credential-file` finding, which the class
-//! refuses with every other finding), and `cat` and `head` take any option (none of theirs
-//! writes). `df`, `free`,
+//! secrets), a device (anything under a `dev` directory) or a credential file (the gate's
+//! `credential-file` finding, which the class refuses with every other finding), and `cat`
+//! and `head` take any option (none of theirs writes). Every program, wrappers too, is named
+//! bare or by its path in /bin, /sbin, /usr/bin or /usr/sbin: the class knows programs by
+//! name, and an application's own `bin/test` is not `test`. `df`, `free`,
 //! `uptime`, `pgrep`, `uname` and `test` take any arguments: none of theirs writes, reaches
 //! another host or shows an environment (`free -s N` repeats until stopped, as `tail -f`
 //! would: the executor's time limit ends it).
@@ -53,14 +55,23 @@ fn names_environment(argv: &[String]) -> Option<&String> {
     argv[1..].iter().find(|a| a.contains("environ"))
 }
 
-/// `cat` and `head`: any options (none writes), any file but a process's environment.
+/// A file argument under a `dev` directory, however reached (`/dev/sda`, `/proc/1/root/dev/
+/// watchdog`, `../dev/x`): reading a device can change the machine (opening the watchdog
+/// arms it), read a raw disk past the credential-file check, or take a FIFO's data.
+fn names_device(argv: &[String]) -> Option<&String> {
+    argv[1..].iter().find(|a| a.split('/').any(|part| part == "dev"))
+}
+
+/// `cat` and `head`: any options (none writes), any file but a process's environment or a
+/// device.
 fn files(argv: &[String]) -> Result<(), String> {
-    match names_environment(argv) {
-        Some(file) => {
-            Err(format!("`{} {file}` may read a process's environment (pitcrew's own holds its secrets)", argv[0]))
-        }
-        None => Ok(()),
+    if let Some(file) = names_environment(argv) {
+        return Err(format!("`{} {file}` may read a process's environment (pitcrew's own holds its secrets)", argv[0]));
     }
+    if let Some(file) = names_device(argv) {
+        return Err(format!("`{} {file}` reads a device: read-only calls read files", argv[0]));
+    }
+    Ok(())
 }
 
 fn ps(argv: &[String]) -> Result<(), String> {
@@ -123,9 +134,17 @@ fn systemctl(argv: &[String]) -> Result<(), String> {
 /// script or systemctl (`service web restart status` restarts), and `--status-all` runs every
 /// init script there is.
 fn service(argv: &[String]) -> Result<(), String> {
+    // `service` runs `/etc/init.d/<name>` where systemd does not run (`../../usr/bin/touch`
+    // would run touch), and hands an unquoted name to systemctl where it does (`web -H
+    // root@elsewhere` would reach another host): a unit's name, nothing else.
+    let unit = |name: &str| {
+        name.chars().next().is_some_and(|c| c.is_ascii_alphanumeric())
+            && name.chars().all(|c| c.is_ascii_alphanumeric() || "@._:-".contains(c))
+            && !name.contains("..")
+    };
     match argv {
-        [_, name, verb] if !name.starts_with('-') && verb == "status" => Ok(()),
-        _ => Err("`service` is read-only only as `service <name> status`".into()),
+        [_, name, verb] if unit(name) && verb == "status" => Ok(()),
+        _ => Err("`service` is read-only only as `service <name> status`, the name a unit's".into()),
     }
 }
 
@@ -377,6 +396,15 @@ const TAIL: Getopt = Getopt {
 
 fn tail(argv: &[String]) -> Result<(), String> {
     files(argv)?;
+    // The obsolete form (`tail +1f FILE`, `tail -5f`) takes its count, and `f`, in one word:
+    // a `+` word is only the value of -n or -c.
+    let mut after = "";
+    for word in &argv[1..] {
+        if word.starts_with('+') && !["-n", "-c", "--lines", "--bytes"].contains(&after) {
+            return Err(format!("`tail {word}` is tail's obsolete form (use -n +N)"));
+        }
+        after = word;
+    }
     only("tail", argv, &TAIL, "`tail -f` never ends (use -n N)")
 }
 

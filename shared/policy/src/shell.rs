@@ -147,7 +147,6 @@ const READ_ONLY_OPTIONS: &[(&str, &[&str])] = &[
     ("time", &["-f", "--format", "-p", "--portability", "-v", "--verbose", "-q", "--quiet"]),
     ("exec", &[]),
     ("nohup", &[]),
-    ("setsid", &["-w", "--wait"]),
     ("command", &[]),
     ("builtin", &[]),
     ("busybox", &[]),
@@ -271,6 +270,22 @@ pub(crate) struct Unwrapped {
     pub not_read_only: Option<String>,
 }
 
+/// A program named bare (found on `PATH`) or by its path in a system directory. The
+/// read-only class judges programs by name: `/srv/app/bin/test --reset-db` or `./service` is
+/// not the `test` or `service` it knows.
+fn is_system_program(word: &str) -> bool {
+    match word.rsplit_once('/') {
+        None => true,
+        Some((dir, name)) => {
+            ["/bin", "/sbin", "/usr/bin", "/usr/sbin"].contains(&dir) && !name.is_empty() && name != "." && name != ".."
+        }
+    }
+}
+
+fn not_a_system_program(word: &str) -> String {
+    format!("`{word}` is not a system program: the read-only class runs programs by name or from /bin, /sbin, /usr/bin or /usr/sbin")
+}
+
 /// Wrappers that run their command as another user.
 const ELEVATING: &[&str] = &["sudo", "doas"];
 
@@ -298,6 +313,9 @@ pub(crate) fn unwrap(argv: &[String]) -> Unwrapped {
         let Some(w) = WRAPPERS.iter().find(|w| w.name == basename(first)) else {
             break;
         };
+        if !is_system_program(first) && out.not_read_only.is_none() {
+            out.not_read_only = Some(not_a_system_program(first));
+        }
         if unwrapped == MAX_UNWRAP {
             out.opaque = Some(format!("wrapped in more than {MAX_UNWRAP} programs that run other programs"));
             break;
@@ -326,6 +344,9 @@ pub(crate) fn unwrap(argv: &[String]) -> Unwrapped {
     }
     if let Some(first) = rest.first_mut() {
         out.path = first.clone();
+        if !is_system_program(first) && out.not_read_only.is_none() {
+            out.not_read_only = Some(not_a_system_program(first));
+        }
         *first = basename(first).to_string();
     }
     let spelled_out = match rest.first().map(String::as_str) {

@@ -654,6 +654,56 @@ fn review_evasions_of_the_read_only_class_are_refused() {
     }
 }
 
+/// Holes a security review found in the read-only class: each ran something that is not a
+/// read under a name the class knows.
+#[test]
+fn programs_outside_the_system_devices_and_unit_names_that_are_paths_are_not_read_only() {
+    let p = Policy::default_policy();
+    for bad in [
+        // `service` runs /etc/init.d/<name> without systemd: a path there runs any program;
+        // with systemd the unquoted name is split into systemctl's words.
+        "service ../../usr/bin/touch status",
+        "service ../../../../bin/rm status",
+        "service 'web -H root@203.0.113.9 x' status",
+        "service /etc/init.d/web status",
+        // A program the class knows by name, somewhere else: the app's own `test`, `service`.
+        "/srv/app/bin/test --reset-db",
+        "./test -f x",
+        "bin/df",
+        "/usr/local/bin/uptime",
+        "/usr/bin/../../srv/app/bin/test",
+        "/opt/x/nice cat /var/log/syslog",
+        "nice /srv/app/bin/cat /var/log/syslog",
+        // Devices: the watchdog arms on open, a raw disk passes the credential-file check.
+        "cat /dev/watchdog",
+        "tail -c +1048576 /dev/sda",
+        "head -c 4096 /proc/1/root/dev/sda",
+        "cat ../dev/initctl",
+        // tail's obsolete form follows: `+1f` is `-f` from the first line.
+        "tail +1f /var/log/syslog",
+        "tail +5 /var/log/syslog",
+        // A wrapper that detaches its command from the deadline's kill.
+        "setsid uptime",
+        "setsid -w uptime",
+    ] {
+        assert!(p.read_only(bad).is_err(), "{bad} must not pass as evidence: {:?}", p.read_only(bad));
+    }
+    for ok in [
+        "service web status",
+        "service nginx@main.service status",
+        "/usr/bin/uptime",
+        "/bin/cat /var/log/syslog",
+        "/usr/sbin/ss -ltn",
+        "nice -n 5 /usr/bin/tail -n 50 /var/log/syslog",
+        "tail -n +5 /var/log/app/dev.log",
+        "tail -c +100 /var/log/syslog",
+        "tail --lines=+5 /var/log/syslog",
+        "head -n 5 /var/log/developer.log",
+    ] {
+        assert!(p.read_only(ok).is_ok(), "{ok} reads: {:?}", p.read_only(ok));
+    }
+}
+
 #[test]
 fn read_only_allow_lists_admit_the_forms_that_only_read() {
     let p = Policy::default_policy();
