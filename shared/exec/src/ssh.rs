@@ -62,6 +62,42 @@ fn remote_limit(limit: Duration) -> String {
     }
 }
 
+/// One word for the login shell on the host, read the same by sh, dash, bash, zsh and fish:
+/// runs of ordinary characters in single quotes, and every `'` and `\` outside them, escaped
+/// with a backslash. (Single quotes alone, as shell-escape writes them, are not read the same
+/// everywhere: inside them fish takes `\'` as a quote, so `cat 'x\' ' ;reboot; #'`, one
+/// argument to the policy, ran `reboot` under a fish login.)
+pub fn quoted(word: &str) -> String {
+    if !word.is_empty() && word.bytes().all(|b| b.is_ascii_alphanumeric() || b"_-./:=@%+,".contains(&b)) {
+        return word.to_string();
+    }
+    let mut out = String::with_capacity(word.len() + 2);
+    let mut open = false;
+    for c in word.chars() {
+        if c == '\'' || c == '\\' {
+            if open {
+                out.push('\'');
+                open = false;
+            }
+            out.push('\\');
+            out.push(c);
+        } else {
+            if !open {
+                out.push('\'');
+                open = true;
+            }
+            out.push(c);
+        }
+    }
+    if open {
+        out.push('\'');
+    }
+    if out.is_empty() {
+        out.push_str("''");
+    }
+    out
+}
+
 /// `sudo` never prompts: a missing sudo rule fails at once instead of hanging the worker.
 /// However it is written (`/usr/bin/sudo`), and whatever the command's own `-n` is
 /// (`sudo journalctl -n 50`): sudo's `-n` goes right after it unless already there (sudo
@@ -181,7 +217,7 @@ impl SshExecutor {
         let started = Instant::now();
         // The remote `timeout` kills the command at the deadline even if our channel dies.
         let mut cmd = Session::to_command(session.clone(), "timeout");
-        cmd.args(["-k", "2", &remote_limit(timeout)]).args(&argv);
+        cmd.args(["-k", "2", &remote_limit(timeout)]).raw_args(argv.iter().map(|a| quoted(a)));
         cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
         let open_within = channel_open_within(self.hosts.get(host).map_or(10, |s| s.connect_timeout_secs));
         let mut child = match tokio::time::timeout(open_within, cmd.spawn()).await {
@@ -258,7 +294,7 @@ impl SshExecutor {
         let probe = format!("command -v {}", shell_words::quote(tool));
         // A host that hangs must not hold the caller (diagnose, a plan's check) for good.
         let mut asked = Session::to_command(session, "sh");
-        asked.args(["-c", &probe]);
+        asked.raw_args(["-c", &quoted(&probe)]);
         let found = match tokio::time::timeout(TOOL_PROBE_LIMIT, asked.output()).await {
             Ok(Ok(o)) => o.status.success(),
             // Not cached: the next look asks again.
@@ -292,6 +328,40 @@ fn connect_error(host: &str, spec: &HostSpec, e: openssh::Error) -> ExecError {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// What POSIX sh reads `quoted(word)` as: the same word, whatever it holds.
+    #[test]
+    fn a_quoted_word_is_read_back_whole_by_the_shell() {
+        for word in [
+            "plain",
+            "",
+            "a b",
+            "x\\' ' ;reboot; #",
+            "it's",
+            "back\\slash",
+            "\\",
+            "'",
+            "$(id) `id` $HOME * ? ~ ! & | ; < > ( ) { } [ ] # \" \n\t",
+            "naïve ünïcode",
+            "--opt=va l",
+        ] {
+            let q = quoted(word);
+            // No backslash inside single quotes, where fish would read one.
+            let mut inside = false;
+            let mut escaped = false;
+            for c in q.chars() {
+                match c {
+                    _ if escaped => escaped = false,
+                    '\\' if !inside => escaped = true,
+                    '\\' => panic!("a backslash inside quotes: {q}"),
+                    '\'' => inside = !inside,
+                    _ => {}
+                }
+            }
+            let out = std::process::Command::new("sh").arg("-c").arg(format!("printf %s {q}")).output().unwrap();
+            assert_eq!(String::from_utf8(out.stdout).unwrap(), word, "{q}");
+        }
+    }
 
     #[test]
     fn sudo_never_prompts() {
