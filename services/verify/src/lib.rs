@@ -155,18 +155,22 @@ mod tests {
         assert!(next_step(false, 5, 5).unwrap_err().contains("max_retries (5)"));
     }
 
-    #[test]
-    fn a_recovery_teaches_only_the_commands_that_succeeded() {
-        let mut s = RunState::new(uuid::Uuid::nil(), Incident::new("web", "down"));
-        let rec = |attempt, i, c: &str, status| ExecutionRecord {
+    /// Command `index` of `attempt`, `command`, ended as `status`.
+    fn rec(attempt: u32, index: u32, command: &str, status: ExecutionStatus) -> ExecutionRecord {
+        ExecutionRecord {
             attempt,
-            index: i,
-            command: c.into(),
+            index,
+            command: command.into(),
             status,
             exit_code: None,
             output: String::new(),
             duration_ms: 0,
-        };
+        }
+    }
+
+    #[test]
+    fn a_recovery_teaches_only_the_commands_that_succeeded() {
+        let mut s = RunState::new(uuid::Uuid::nil(), Incident::new("web", "down"));
         s.attempt = 2;
         s.executions = vec![
             rec(1, 0, "old", ExecutionStatus::Succeeded),
@@ -194,16 +198,7 @@ mod tests {
             rationale: String::new(),
             source: String::new(),
         });
-        let rec = |i, c: &str, status| ExecutionRecord {
-            attempt: 1,
-            index: i,
-            command: c.into(),
-            status,
-            exit_code: None,
-            output: String::new(),
-            duration_ms: 0,
-        };
-        s.executions = vec![rec(0, "a", ExecutionStatus::Failed), rec(1, "b", ExecutionStatus::Skipped)];
+        s.executions = vec![rec(1, 0, "a", ExecutionStatus::Failed), rec(1, 1, "b", ExecutionStatus::Skipped)];
         s.regeneration = 2;
         s.rejected_commands = vec!["c".into()];
         start_next_attempt(&mut s);
