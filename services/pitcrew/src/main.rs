@@ -83,6 +83,10 @@ enum Command {
         run: Uuid,
         #[arg(long)]
         by: String,
+        /// The hash of the plan you read (`pitcrew approvals`, `pitcrew show`): refused if the
+        /// run now waits on another plan. Without it, whatever plan the run waits on.
+        #[arg(long)]
+        plan: Option<String>,
     },
     /// Deny the plan a run is waiting on (the run escalates).
     Deny {
@@ -91,6 +95,9 @@ enum Command {
         by: String,
         #[arg(long)]
         reason: String,
+        /// The hash of the plan you read: refused if the run now waits on another plan.
+        #[arg(long)]
+        plan: Option<String>,
     },
     /// Recent runs and their outcomes.
     Incidents {
@@ -367,14 +374,17 @@ async fn run(args: Args, cfg: Option<Config>) -> anyhow::Result<()> {
             let end = cli::watch(&bus, store.as_ref(), run, Duration::from_secs(timeout)).await?;
             cli::ended(&end)
         }
-        Command::Approve { run, by } => {
+        Command::Approve { run, by, plan } => {
             if let Some(why) = cfg.refuse_approver(&by) {
                 bail!("{why}");
             }
             let bus = Bus::connect(&cfg).await?;
             let store = cli::store(&cfg).await.ok();
-            let req =
-                cli::submit(&bus, store.as_ref(), DecisionInput::cli(run, Decision::Approve, &by, None, &cfg)).await?;
+            let input = DecisionInput {
+                plan_hash: plan.as_deref(),
+                ..DecisionInput::cli(run, Decision::Approve, &by, None, &cfg)
+            };
+            let req = cli::submit(&bus, store.as_ref(), input).await?;
             let voters = match (&store, req.quorum > 1) {
                 (Some(store), true) => store.voters_with(run, &req.plan_hash, &by).await.ok(),
                 _ => None,
@@ -382,15 +392,17 @@ async fn run(args: Args, cfg: Option<Config>) -> anyhow::Result<()> {
             println!("{}", cli::approved(&req, &by, voters.as_deref()));
             Ok(())
         }
-        Command::Deny { run, by, reason } => {
+        Command::Deny { run, by, reason, plan } => {
             if let Some(why) = cfg.refuse_approver(&by) {
                 bail!("{why}");
             }
             let bus = Bus::connect(&cfg).await?;
             let store = cli::store(&cfg).await.ok();
-            let req =
-                cli::submit(&bus, store.as_ref(), DecisionInput::cli(run, Decision::Deny, &by, Some(reason), &cfg))
-                    .await?;
+            let input = DecisionInput {
+                plan_hash: plan.as_deref(),
+                ..DecisionInput::cli(run, Decision::Deny, &by, Some(reason), &cfg)
+            };
+            let req = cli::submit(&bus, store.as_ref(), input).await?;
             println!("denied plan {} of run {run}", req.plan_hash);
             Ok(())
         }
