@@ -115,7 +115,7 @@ pub const STRAGGLER_GRACE: Duration = Duration::from_secs(10);
 /// connect timeout (`pitcrew_exec` gives up on the channel then): the remote command may start
 /// that much later, and its remote `timeout` counts from there.
 fn straggler_deadline(cfg: &pitcrew_runtime::Config, host: &str) -> Duration {
-    let channel = cfg.hosts.get(host).map_or(Duration::ZERO, |h| Duration::from_secs(h.connect_timeout_secs.max(1)));
+    let channel = cfg.hosts.get(host).map_or(Duration::ZERO, |h| h.connect_timeout());
     cfg.command_timeout().saturating_add(STRAGGLER_GRACE).saturating_add(channel)
 }
 

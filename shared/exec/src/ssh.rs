@@ -38,16 +38,6 @@ pub struct SshExecutor {
 /// How long the local master process may take to say its connection is up.
 const CHECK_WITHIN: Duration = Duration::from_secs(5);
 
-/// How long a channel may take to open on a connection the master holds: the host's connect
-/// timeout (at least 1 s). A host that keeps the TCP connection but answers nothing (hung, or
-/// cut off by a partition) would otherwise hold the command until the keepalives give up on
-/// it (`ServerAliveInterval` 15 s, three missed: 45 s). Connecting itself is bounded by
-/// OpenSSH's `ConnectTimeout`, which covers the TCP connect, the handshake and the key
-/// exchange.
-fn channel_open_within(connect_timeout_secs: u64) -> Duration {
-    Duration::from_secs(connect_timeout_secs.max(1))
-}
-
 /// How long an unreachable host is not tried again.
 const DOWN_FOR: Duration = Duration::from_secs(30);
 
@@ -142,7 +132,7 @@ impl SshExecutor {
         let mut b = SessionBuilder::default();
         b.user(spec.user.clone())
             .port(spec.port)
-            .connect_timeout(Duration::from_secs(spec.connect_timeout_secs.max(1)))
+            .connect_timeout(spec.connect_timeout())
             .server_alive_interval(Duration::from_secs(15))
             .known_hosts_check(if spec.accept_unknown_host_key { KnownHosts::Add } else { KnownHosts::Strict });
         if let Some(k) = &spec.key_file {
@@ -213,13 +203,18 @@ impl SshExecutor {
         // Waiting for a channel is not the command's time: its deadline starts once it runs.
         let _channel = self.channel(host).await?;
         let session = self.session(host).await?;
+        // A channel may take the host's connect timeout to open on the connection the master
+        // holds. A host that keeps the TCP connection but answers nothing (hung, or cut off by
+        // a partition) would otherwise hold the command until the keepalives give up on it
+        // (`ServerAliveInterval` 15 s, three missed: 45 s).
+        let open_within =
+            self.hosts.get(host).ok_or_else(|| ExecError::UnknownHost(host.to_string()))?.connect_timeout();
         ready().await.map_err(ExecError::Transient)?;
         let started = Instant::now();
         // The remote `timeout` kills the command at the deadline even if our channel dies.
         let mut cmd = Session::to_command(session.clone(), "timeout");
         cmd.args(["-k", "2", &remote_limit(timeout)]).raw_args(argv.iter().map(|a| quoted(a)));
         cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
-        let open_within = channel_open_within(self.hosts.get(host).map_or(10, |s| s.connect_timeout_secs));
         let mut child = match tokio::time::timeout(open_within, cmd.spawn()).await {
             Ok(spawned) => spawned.map_err(|e| ExecError::Transient(format!("ssh to {host}: {e}")))?,
             Err(_) => {

@@ -90,6 +90,14 @@ pub struct HostSpec {
     pub max_sessions: usize,
 }
 
+impl HostSpec {
+    /// How long connecting may take (OpenSSH's `ConnectTimeout`: the TCP connect, handshake and
+    /// key exchange), and a command's channel to open on a live connection: at least 1 s.
+    pub fn connect_timeout(&self) -> std::time::Duration {
+        std::time::Duration::from_secs(self.connect_timeout_secs.max(1))
+    }
+}
+
 /// One service pitcrew may remediate.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
