@@ -346,10 +346,7 @@ impl StageRunner {
             tracing::warn!(error = %error, delivered, "{what}: will retry");
             return Disposition::Nak(backoff(delivered));
         };
-        if let Some(wait) = outage(&self.deps, self.handler.stage().as_str(), delivered).await {
-            tracing::warn!(error = %error, "{what}");
-            return wait;
-        }
+        // `poison` waits out a Postgres outage before it dead-letters anything.
         let state = self.decode(msg, &stream, stream_seq).ok();
         self.poison(msg, state, &format!("{limits}; the last try: {error}")).await
     }
@@ -363,6 +360,7 @@ impl StageRunner {
         // cannot take writes, each retry would store another dead letter (past the bus's
         // duplicate window) for the same message.
         if let Some(wait) = outage(&self.deps, stage.as_str(), delivered).await {
+            tracing::warn!(stage = %stage, error = %why, stream_seq, "not dead-lettered while Postgres cannot take writes");
             return wait;
         }
         tracing::error!(stage = %stage, error = %why, stream_seq, "poison message: dead-lettering");
