@@ -282,8 +282,15 @@ fn is_system_program(word: &str) -> bool {
     }
 }
 
-fn not_a_system_program(word: &str) -> String {
-    format!("`{word}` is not a system program: the read-only class runs programs by name or from /bin, /sbin, /usr/bin or /usr/sbin")
+/// Note in `out` that `program` is not read-only unless it is a system program (the first
+/// reason found stands).
+fn note_unless_system_program(out: &mut Unwrapped, program: &str) {
+    if !is_system_program(program) && out.not_read_only.is_none() {
+        out.not_read_only = Some(format!(
+            "`{program}` is not a system program: the read-only class runs programs by name or from /bin, /sbin, \
+             /usr/bin or /usr/sbin"
+        ));
+    }
 }
 
 /// Wrappers that run their command as another user.
@@ -313,9 +320,7 @@ pub(crate) fn unwrap(argv: &[String]) -> Unwrapped {
         let Some(w) = WRAPPERS.iter().find(|w| w.name == basename(first)) else {
             break;
         };
-        if !is_system_program(first) && out.not_read_only.is_none() {
-            out.not_read_only = Some(not_a_system_program(first));
-        }
+        note_unless_system_program(&mut out, first);
         if unwrapped == MAX_UNWRAP {
             out.opaque = Some(format!("wrapped in more than {MAX_UNWRAP} programs that run other programs"));
             break;
@@ -344,9 +349,7 @@ pub(crate) fn unwrap(argv: &[String]) -> Unwrapped {
     }
     if let Some(first) = rest.first_mut() {
         out.path = first.clone();
-        if !is_system_program(first) && out.not_read_only.is_none() {
-            out.not_read_only = Some(not_a_system_program(first));
-        }
+        note_unless_system_program(&mut out, first);
         *first = basename(first).to_string();
     }
     let spelled_out = match rest.first().map(String::as_str) {
