@@ -385,20 +385,35 @@ fn consuming<H: MessageHandler>(
     (stop, tokio::spawn(consume(client, consumer, None, settings, handler, stopping, drain)))
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_consumer_told_to_stop_pulls_nothing_more() -> anyhow::Result<()> {
+/// A bus of its own (config `extra`) with `n` messages waiting on report's subject, and
+/// report's consumer (the environment must outlive the bus: it runs the nats-server).
+async fn waiting_on_report(
+    extra: &str,
+    n: usize,
+) -> anyhow::Result<(
+    TestEnv,
+    pitcrew_runtime::Config,
+    pitcrew_runtime::Bus,
+    async_nats::jetstream::consumer::PullConsumer,
+)> {
     let env = TestEnv::start().await?;
-    let cfg = pitcrew_runtime::Config::from_toml(&env.config_toml(""))?;
+    let cfg = pitcrew_runtime::Config::from_toml(&env.config_toml(extra))?;
     let bus = pitcrew_runtime::Bus::connect(&cfg).await?;
     bus.ensure_streams().await?;
-    const WAITING: usize = 50;
-    for i in 0..WAITING {
+    for i in 0..n {
         let mut headers = HeaderMap::new();
-        headers.insert(NATS_MESSAGE_ID, format!("stop-test-{i}").as_str());
+        headers.insert(NATS_MESSAGE_ID, format!("waiting-{i}").as_str());
         bus.js.publish_with_headers(bus.subjects.stage(Stage::Report), headers, "x".into()).await?.await?;
     }
+    let consumer = bus.stage_consumer(Stage::Report, cfg.stage_settings(Stage::Report)).await?;
+    Ok((env, cfg, bus, consumer))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_consumer_told_to_stop_pulls_nothing_more() -> anyhow::Result<()> {
+    const WAITING: usize = 50;
+    let (_env, cfg, bus, consumer) = waiting_on_report("", WAITING).await?;
     let settings = cfg.stage_settings(Stage::Report);
-    let consumer = bus.stage_consumer(Stage::Report, settings).await?;
     let handled = Arc::new(AtomicUsize::new(0));
     // Told to stop before it starts, again and again: it must never pull. (With an unbiased
     // select between a free permit and the shutdown, a stopping worker went on pulling in
@@ -440,17 +455,8 @@ async fn a_consumer_told_to_stop_pulls_nothing_more() -> anyhow::Result<()> {
 /// lasted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pull_answered_at_once_with_nothing_is_not_repeated_at_once() -> anyhow::Result<()> {
-    let env = TestEnv::start().await?;
-    let cfg = pitcrew_runtime::Config::from_toml(&env.config_toml("[stage.report]\nmax_ack_pending = 1\n"))?;
-    let bus = pitcrew_runtime::Bus::connect(&cfg).await?;
-    bus.ensure_streams().await?;
-    for i in 0..2 {
-        let mut headers = HeaderMap::new();
-        headers.insert(NATS_MESSAGE_ID, format!("pending-{i}").as_str());
-        bus.js.publish_with_headers(bus.subjects.stage(Stage::Report), headers, "x".into()).await?.await?;
-    }
+    let (_env, cfg, bus, consumer) = waiting_on_report("[stage.report]\nmax_ack_pending = 1\n", 2).await?;
     let settings = cfg.stage_settings(Stage::Report);
-    let consumer = bus.stage_consumer(Stage::Report, settings).await?;
     // Another worker's pull takes the first message, holds it (the limit of one is reached:
     // the second cannot be handed out) and waits for more.
     let mut other = consumer.batch().max_messages(10).expires(Duration::from_secs(30)).messages().await?;
