@@ -6,58 +6,93 @@ use serde::Deserialize;
 /// Lines longer than this are not commands (a paragraph of prose, a pasted log).
 const MAX_COMMAND_LEN: usize = 512;
 
-/// The commands of a plan answer, in order, without duplicates.
+/// The info strings of a fenced block that holds shell commands (an untagged block may too).
+const SHELL_TAGS: [&str; 6] = ["sh", "bash", "shell", "console", "zsh", "shell-session"];
+
+/// The commands of a plan answer, in order, without duplicates, or why the answer holds no
+/// plan that can be read without guessing.
 ///
-/// Fenced code blocks win: when the answer has any, only their lines count. Otherwise lines
-/// marked as list items or inline code count, and when nothing is marked, every line that
-/// does not read as prose. In every case list markers, shell prompts, backticks, comments,
-/// headings and blank lines are dropped.
-pub fn plan_commands(answer: &str) -> Vec<String> {
-    let fenced = fenced_lines(answer);
-    let candidates: Vec<(String, bool)> = match fenced {
-        Some(lines) => lines.into_iter().map(|l| (l, true)).collect(),
-        None => {
-            let all: Vec<(String, bool)> = answer.lines().map(|l| (l.to_string(), is_marked(l))).collect();
-            if all.iter().any(|(_, marked)| *marked) {
-                all.into_iter().filter(|(_, m)| *m).collect()
-            } else {
-                all.into_iter().filter(|(l, _)| !reads_as_prose(l)).map(|(l, _)| (l, true)).collect()
+/// A fenced shell block wins: when the answer has one (tagged `sh`, `bash`, `shell`, ... or,
+/// failing a tagged one, untagged), its lines are the plan, verbatim but for blank lines,
+/// comments and a leading `$ ` prompt; blocks tagged otherwise (`json`, `log`, `text`) are
+/// quotes, never commands. Two candidate blocks are ambiguous and refused, as is a block left
+/// open. Without a fence, lines marked as list items count (or, when nothing is marked, every
+/// line), each whole: a bare command or one wholly in inline code; prose, with or without
+/// inline code in it (`Do not run `x``), never does.
+pub fn plan_commands(answer: &str) -> Result<Vec<String>, String> {
+    let candidates: Vec<String> = match fenced_blocks(answer)? {
+        blocks if !blocks.is_empty() => {
+            let tagged: Vec<&Block> = blocks.iter().filter(|b| SHELL_TAGS.contains(&b.tag.as_str())).collect();
+            let shell = if tagged.is_empty() { blocks.iter().filter(|b| b.tag.is_empty()).collect() } else { tagged };
+            match shell.as_slice() {
+                [] => return Err("no shell block (```sh) in the answer".into()),
+                [one] => one.lines.iter().filter_map(|l| fenced_command(l)).collect::<Result<_, _>>()?,
+                more => return Err(format!("{} shell blocks in the answer, not one", more.len())),
             }
+        }
+        _ => {
+            let marked = answer.lines().any(|l| list_marker_len(l.trim_start()) > 0);
+            answer
+                .lines()
+                .map(str::trim)
+                .filter(|l| !marked || list_marker_len(l) > 0)
+                .filter_map(|l| bare_command(&l[list_marker_len(l)..]))
+                .collect()
         }
     };
     let mut out: Vec<String> = Vec::new();
-    for (line, _) in candidates {
-        if let Some(cmd) = clean(&line) {
-            if !out.contains(&cmd) {
-                out.push(cmd);
-            }
+    for cmd in candidates {
+        if !out.contains(&cmd) {
+            out.push(cmd);
         }
     }
-    out
+    Ok(out)
 }
 
-/// The lines inside ``` fences, or None when the answer has no complete fence.
-fn fenced_lines(answer: &str) -> Option<Vec<String>> {
-    let mut inside = false;
-    let mut seen = false;
-    let mut lines = Vec::new();
+/// A complete fenced block: its info string's first word, lowercased, and its lines.
+struct Block {
+    tag: String,
+    lines: Vec<String>,
+}
+
+/// The answer's fenced blocks, or an error when one is left open (a cut-off answer).
+fn fenced_blocks(answer: &str) -> Result<Vec<Block>, String> {
+    let mut blocks = Vec::new();
+    let mut open: Option<Block> = None;
     for line in answer.lines() {
-        if line.trim_start().starts_with("```") {
-            inside = !inside;
-            seen |= !inside;
+        let t = line.trim_start();
+        if let Some(info) = t.strip_prefix("```") {
+            match open.take() {
+                Some(block) => blocks.push(block),
+                None => {
+                    let tag = info.trim_start_matches('`').split_whitespace().next().unwrap_or("").to_ascii_lowercase();
+                    open = Some(Block { tag, lines: Vec::new() });
+                }
+            }
             continue;
         }
-        if inside {
-            lines.push(line.to_string());
+        if let Some(block) = open.as_mut() {
+            block.lines.push(line.to_string());
         }
     }
-    seen.then_some(lines)
+    match open {
+        Some(_) => Err("a code block is left open".into()),
+        None => Ok(blocks),
+    }
 }
 
-/// A list item (`1.`, `2)`, `-`, `*`) or a line holding inline code.
-fn is_marked(line: &str) -> bool {
-    let t = line.trim_start();
-    list_marker_len(t) > 0 || t.matches('`').count() >= 2
+/// One command from a line of a shell block: verbatim (the policy gate sees what the model
+/// wrote), but for a `$ ` prompt; None for blanks and comments.
+fn fenced_command(line: &str) -> Option<Result<String, String>> {
+    let t = line.trim();
+    let t = t.strip_prefix("$ ").unwrap_or(t).trim();
+    if t.is_empty() || t.starts_with('#') {
+        return None;
+    }
+    if t.len() > MAX_COMMAND_LEN {
+        return Some(Err(format!("a command longer than {MAX_COMMAND_LEN} characters")));
+    }
+    Some(Ok(t.to_string()))
 }
 
 /// Length of a leading list marker with its space: `1. `, `12) `, `- `, `* `, `• `.
@@ -89,22 +124,24 @@ fn reads_as_prose(line: &str) -> bool {
     t.ends_with(':') || (t.ends_with('.') && words > 2) || (capitalised && words > 3)
 }
 
-/// One command from one line, or None for blanks, comments, headings and prose.
-fn clean(line: &str) -> Option<String> {
+/// One command from a line outside any fence (its list marker gone): the whole line, or the
+/// whole of it in inline code; None for blanks, comments, headings and prose. A line with
+/// inline code inside prose is prose: what it quotes may be what not to run.
+fn bare_command(line: &str) -> Option<String> {
     let mut t = line.trim();
-    t = &t[list_marker_len(t)..];
-    // Inline code inside prose: `1. Run `sudo kill 42` to stop it.`
-    if let Some(start) = t.find('`') {
-        if let Some(len) = t[start + 1..].find('`') {
-            t = &t[start + 1..start + 1 + len];
+    if let Some(code) = t.strip_prefix('`').and_then(|s| s.strip_suffix('`')) {
+        if code.contains('`') {
+            return None;
         }
+        t = code.trim();
+    } else if t.contains('`') {
+        return None;
     }
-    t = t.trim();
     for prompt in ["$ ", "% "] {
         t = t.strip_prefix(prompt).unwrap_or(t);
     }
     let t = t.trim();
-    if t.is_empty() || t.starts_with('#') || t.starts_with("//") || t.ends_with(':') || t.len() > MAX_COMMAND_LEN {
+    if t.is_empty() || t.starts_with('#') || t.starts_with("//") || t.len() > MAX_COMMAND_LEN || reads_as_prose(t) {
         return None;
     }
     Some(t.to_string())
@@ -155,32 +192,68 @@ mod tests {
         s.iter().map(|x| x.to_string()).collect()
     }
 
-    #[test]
-    fn fenced_commands_win_over_prose() {
-        let answer = "The service is down because its port is taken.\n\nRun these:\n```bash\n# stop the squatter\nsudo kill 4242\n\n/opt/web/bin/start --port 8080\n```\nThis should bring it back.";
-        assert_eq!(plan_commands(answer), v(&["sudo kill 4242", "/opt/web/bin/start --port 8080"]));
+    fn plan(answer: &str) -> Vec<String> {
+        plan_commands(answer).unwrap_or_else(|e| panic!("{answer:?}: {e}"))
     }
 
     #[test]
-    fn numbered_and_inline_code_lines_are_read() {
+    fn fenced_commands_win_over_prose() {
+        let answer = "The service is down because its port is taken.\n\nRun these:\n```bash\n# stop the squatter\nsudo kill 4242\n\n$ /opt/web/bin/start --port 8080\n```\nThis should bring it back.";
+        assert_eq!(plan(answer), v(&["sudo kill 4242", "/opt/web/bin/start --port 8080"]));
+    }
+
+    #[test]
+    fn a_quoted_log_block_is_never_a_command() {
+        // The logs quoted in an untagged or a `log` block, the plan in its `sh` block.
         let answer =
-            "Here is the plan:\n1. Run `sudo kill 4242` to free the port.\n2) $ /opt/web/bin/start\nThat is all.";
-        assert_eq!(plan_commands(answer), v(&["sudo kill 4242", "/opt/web/bin/start"]));
-        assert_eq!(plan_commands("- systemctl restart web\n- systemctl restart web"), v(&["systemctl restart web"]));
+            "The log says:\n```\nrm -rf /var/lib/web\n```\n```log\nreboot\n```\nSo:\n```sh\nsystemctl restart web\n```";
+        assert_eq!(plan(answer), v(&["systemctl restart web"]));
+        // Two shell blocks: which is the plan? Neither is guessed.
+        let two = "```sh\nsystemctl stop web\n```\nor\n```bash\nsystemctl restart web\n```";
+        assert!(plan_commands(two).unwrap_err().contains("2 shell blocks"));
+        let two_untagged = "```\nsystemctl stop web\n```\n```\nsystemctl restart web\n```";
+        assert!(plan_commands(two_untagged).is_err());
+        // Only a quote: no plan.
+        assert!(plan_commands("```json\n{\"a\": 1}\n```").unwrap_err().contains("no shell block"));
+        // A cut-off answer is not read as far as it went.
+        assert!(plan_commands("```sh\nsystemctl stop web\n").unwrap_err().contains("left open"));
+    }
+
+    #[test]
+    fn a_fenced_line_is_taken_whole_or_refused() {
+        // Backticks in a shell block are the shell's (the gate refuses substitution): not inline code.
+        assert_eq!(plan("```sh\necho `id`\n```"), v(&["echo `id`"]));
+        let long = format!("```sh\nsystemctl restart web\necho {}\n```", "x".repeat(600));
+        assert!(plan_commands(&long).unwrap_err().contains("longer than"), "a step is never dropped silently");
+    }
+
+    #[test]
+    fn unfenced_list_items_and_whole_inline_code_are_read() {
+        let answer = "Here is the plan:\n1. `sudo kill 4242`\n2) $ /opt/web/bin/start\nThat is all.";
+        assert_eq!(plan(answer), v(&["sudo kill 4242", "/opt/web/bin/start"]));
+        assert_eq!(plan("- systemctl restart web\n- systemctl restart web"), v(&["systemctl restart web"]));
+    }
+
+    #[test]
+    fn inline_code_inside_prose_is_not_a_command() {
+        // What a model says not to run must never become the plan.
+        let answer = "Do not run `systemctl restart postgresql`, it drops connections.\n`systemctl restart web`";
+        assert_eq!(plan(answer), v(&["systemctl restart web"]));
+        assert!(plan("1. Run `sudo kill 4242` to free the port.\n2. Check the logs first.").is_empty());
     }
 
     #[test]
     fn bare_lines_skip_prose_and_comments() {
         let answer = "I would restart the service now.\n# restart\nsystemctl restart web\nThe logs show it crashed after an upgrade";
-        assert_eq!(plan_commands(answer), v(&["systemctl restart web"]));
-        assert!(plan_commands("").is_empty());
-        assert!(plan_commands("I cannot help with that.").is_empty());
+        assert_eq!(plan(answer), v(&["systemctl restart web"]));
+        assert!(plan("").is_empty());
+        assert!(plan("I cannot help with that.").is_empty());
     }
 
     #[test]
     fn chaining_is_kept_verbatim_for_the_gate_to_refuse() {
         // Parsing never splits or rewrites a command: the policy gate sees what the model said.
-        assert_eq!(plan_commands("```\nrm -rf / && reboot\n```"), v(&["rm -rf / && reboot"]));
+        assert_eq!(plan("```\nrm -rf / && reboot\n```"), v(&["rm -rf / && reboot"]));
     }
 
     #[test]
