@@ -704,8 +704,23 @@ pub fn redact_url(url: &str) -> String {
         });
         return PASSWORD.replace_all(url, "${1}***").into_owned();
     }
-    // A NATS URL may list several servers, each with its own credentials.
-    let url = url.split(',').map(redact_one).collect::<Vec<_>>().join(",");
+    // A Postgres URL lists its hosts after one user part, which tokio-postgres reads up to the
+    // first `@` wherever it stands (a password may hold `/`, `,` or `?`): everything before
+    // the last `@` may be a password, and is hidden once a `:` says one is there. A NATS URL
+    // may list several servers, each with its own credentials.
+    let lower = url.to_ascii_lowercase();
+    let url = if lower.starts_with("postgres://") || lower.starts_with("postgresql://") {
+        let at = url.find("://").map_or(0, |i| i + 3);
+        match url[at..].rfind('@').map(|end| &url[at..at + end]) {
+            Some(info) => match info.split_once(':') {
+                Some((user, _)) => format!("{}{user}:***{}", &url[..at], &url[at + info.len()..]),
+                None => url.to_string(),
+            },
+            None => url.to_string(),
+        }
+    } else {
+        url.split(',').map(redact_one).collect::<Vec<_>>().join(",")
+    };
     // libpq also takes the password (and the client key's, `sslpassword`) as a parameter:
     // `postgres://app@db/x?password=hunter2`.
     static PARAM: std::sync::LazyLock<regex::Regex> = std::sync::LazyLock::new(|| {
@@ -744,6 +759,11 @@ mod tests {
     fn passwords_are_redacted() {
         assert_eq!(redact_url("postgres://u:p%40ss@h:5432/db"), "postgres://u:***@h:5432/db");
         assert_eq!(redact_url("postgres://u@h/db"), "postgres://u@h/db");
+        // What tokio-postgres takes for the password, whatever it holds: `/`, `,`, `?`, `@`.
+        assert_eq!(redact_url("postgres://app:Zx9/Qw+e@db/pitcrew"), "postgres://app:***@db/pitcrew");
+        assert_eq!(redact_url("postgres://app:a,b@db1,db2/x"), "postgres://app:***@db1,db2/x");
+        assert_eq!(redact_url("postgresql://app:p?w@ss@db:5432/x"), "postgresql://app:***@db:5432/x");
+        assert_eq!(redact_url("POSTGRES://app:s3cret@db/x"), "POSTGRES://app:***@db/x");
         assert_eq!(redact_url("nats://127.0.0.1:4222"), "nats://127.0.0.1:4222");
         // Every server of a list, not only the first.
         assert_eq!(redact_url("nats://a:p1@h1:4222,nats://b:p2@h2:4222"), "nats://a:***@h1:4222,nats://b:***@h2:4222");
