@@ -543,3 +543,120 @@ async fn each_stage_asks_its_own_model_and_the_prompt_carries_memory() -> anyhow
     }
     Ok(())
 }
+
+/// What streamed in, for a provider asked to stream.
+#[derive(Default)]
+struct Streamed(std::sync::Mutex<String>);
+
+impl pitcrew_llm::Progress for Streamed {
+    fn text(&self, chunk: &str) {
+        self.0.lock().unwrap().push_str(chunk);
+    }
+}
+
+#[tokio::test]
+async fn a_stream_that_breaks_off_is_asked_again_not_taken_for_the_answer() -> anyhow::Result<()> {
+    let llm = ScriptedLlm::start(vec![
+        Reply::answer(DIAGNOSIS).cut_short(),
+        Reply::answer(DIAGNOSIS).broken_by("Rate limit reached for requests"),
+        Reply::answer(DIAGNOSIS),
+    ])
+    .await?;
+    let p = provider(&llm, |c| c.stream = true);
+    let case = Case::new();
+    let streamed = Streamed::default();
+    let mut input = case.input();
+    input.progress = Some(&streamed);
+    let d = p.diagnose(&input).await?;
+    assert_eq!(d.summary, "web is not running: nothing listens on 8080");
+    let seen = llm.requests();
+    assert_eq!(seen.len(), 3, "the half answers were tried again, not read as the diagnosis");
+    assert!(seen.iter().all(|r| r.body["stream"] == true));
+    Ok(())
+}
+
+#[tokio::test]
+async fn an_exhausted_quota_is_not_waited_on() -> anyhow::Result<()> {
+    let llm = ScriptedLlm::start(vec![Reply::error(
+        429,
+        "insufficient_quota",
+        "You exceeded your current quota, please check your plan and billing details.",
+    )])
+    .await?;
+    let p = provider(&llm, |_| {});
+    let case = Case::new();
+    match p.diagnose(&case.input()).await {
+        Err(ReasonError::Failed(e)) => assert!(e.contains("429") && e.contains("quota"), "{e}"),
+        other => panic!("no wait refills a quota: a human has to act: {other:?}"),
+    }
+    assert_eq!(llm.requests().len(), 1);
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_call_waiting_out_a_rate_limit_leaves_its_slot_to_others() -> anyhow::Result<()> {
+    // One call at a time. The first is told to come back in 2 s; the second goes meanwhile.
+    let llm = ScriptedLlm::start(vec![
+        Reply::status(429, "rate limited").header("retry-after", "2"),
+        Reply::answer(DIAGNOSIS),
+        Reply::answer(DIAGNOSIS),
+    ])
+    .await?;
+    let p = provider(&llm, |c| c.max_concurrent = 1);
+    let case = Case::new();
+    let input = case.input();
+    let second = async {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let r = p.diagnose(&input).await;
+        (r, Instant::now())
+    };
+    let first = async {
+        let r = p.diagnose(&input).await;
+        (r, Instant::now())
+    };
+    let ((a, a_done), (b, b_done)) = tokio::join!(first, second);
+    assert!(a.is_ok() && b.is_ok());
+    assert!(b_done < a_done, "the second call did not wait for the first's Retry-After");
+    let seen = llm.requests();
+    assert_eq!(seen.len(), 3);
+    assert!(seen[1].at - seen[0].at < Duration::from_millis(1500), "{:?}", seen[1].at - seen[0].at);
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_judges_score_in_quotes_is_read() -> anyhow::Result<()> {
+    let llm =
+        ScriptedLlm::start(vec![Reply::answer(r#"{"score": "0.3", "reason": "restarts without a cause"}"#)]).await?;
+    let p = provider(&llm, |_| {});
+    let case = Case::new();
+    let d = diagnosis_of("web is down");
+    let plan = pitcrew_model::Plan {
+        attempt: 1,
+        commands: vec!["/opt/web/restart".into()],
+        rationale: String::new(),
+        source: "test".into(),
+    };
+    let j = p.judge(&case.input(), &d, &plan).await?.expect("judged");
+    assert_eq!(j.score, 0.3);
+    assert_eq!(j.reason, "restarts without a cause");
+    Ok(())
+}
+
+#[tokio::test]
+async fn the_services_own_commands_reach_the_model_redacted() -> anyhow::Result<()> {
+    let llm = ScriptedLlm::start(vec![Reply::answer("```sh\n/opt/web/restart\n```")]).await?;
+    let p = provider(&llm, |_| {});
+    let mut case = Case::new();
+    case.vars.insert("start".into(), "/opt/web/start --password hunter2-very-secret".into());
+    let d = diagnosis_of("web is down");
+    let plan = p.plan(&case.input(), &d).await?;
+    assert_eq!(plan.commands, vec!["/opt/web/restart".to_string()]);
+    let sent = llm.requests()[0].body.to_string();
+    assert!(sent.contains("/opt/web/start --password"), "the command is still named");
+    assert!(!sent.contains("hunter2"), "{sent}");
+    Ok(())
+}
+
+fn diagnosis_of(summary: &str) -> pitcrew_model::Diagnosis {
+    pitcrew_model::Diagnosis { attempt: 1, summary: summary.into(), source: "test".into(), grounds: Vec::new() }
+}

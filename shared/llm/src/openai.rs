@@ -310,6 +310,12 @@ impl OpenAi {
         }
     }
 
+    /// An error body as errors quote it: redacted whole, then clipped (clipped first, a key
+    /// echoed across the clip would keep the part before it, which no longer matches).
+    fn error_text(&self, body: &[u8]) -> String {
+        clip(&self.redact(&String::from_utf8_lossy(body)), MAX_ERROR_BODY)
+    }
+
     /// One chat completion, retried on 429/5xx/timeouts with backoff and `Retry-After`.
     async fn chat(
         &self,
@@ -343,10 +349,12 @@ impl OpenAi {
             body["stream"] = Value::Bool(true);
             body["stream_options"] = json!({ "include_usage": true });
         }
-        let _permit = self.permits.acquire().await.map_err(|_| ReasonError::Transient("provider closed".into()))?;
         let url = self.url(model);
         let mut last = String::new();
         for attempt in 0..=self.cfg.max_retries {
+            // A slot per try, not per call: a call waiting out a 429's `Retry-After` holds none,
+            // and the other runs' calls go on meanwhile.
+            let permit = self.permits.acquire().await.map_err(|_| ReasonError::Transient("provider closed".into()))?;
             let mut req = self.http.post(&url).json(&body);
             if let Some(k) = &self.key {
                 req = match self.cfg.azure_api_version {
@@ -365,6 +373,7 @@ impl OpenAi {
             let began = std::time::Instant::now();
             let (step, outcome) =
                 self.attempt(req, meter, model, progress, attempt, &mut last).instrument(span.clone()).await;
+            drop(permit);
             span.record("outcome", outcome);
             LLM_CALLS.inc(&["openai", model, outcome]);
             LLM_SECONDS.observe(&["openai", model], began.elapsed().as_secs_f64());
@@ -426,9 +435,11 @@ impl OpenAi {
                         (Step::Done(res), outcome)
                     }
                     Ok(bytes) => {
-                        let text = self.redact(&clip(&String::from_utf8_lossy(&bytes), MAX_ERROR_BODY));
-                        *last = format!("HTTP {status}: {text}");
-                        if status.as_u16() != 429 && !status.is_server_error() {
+                        *last = format!("HTTP {status}: {}", self.error_text(&bytes));
+                        // An exhausted quota is a 429 that no wait mends: a human has to act.
+                        let quota =
+                            status.as_u16() == 429 && error_code(&bytes).as_deref() == Some("insufficient_quota");
+                        if (status.as_u16() != 429 && !status.is_server_error()) || quota {
                             let err = ReasonError::Failed(format!("{} answered {last}", self.endpoint()));
                             return (Step::Done(Err(err)), "client_error");
                         }
@@ -467,6 +478,7 @@ impl OpenAi {
         let mut content = String::new();
         let mut calls: Vec<ToolCall> = Vec::new();
         let mut done = false;
+        let mut finished = false;
         while !done {
             let Some(chunk) = resp.chunk().await.map_err(|e| without_url(&e))? else { break };
             total += chunk.len();
@@ -483,6 +495,13 @@ impl OpenAi {
                     break;
                 }
                 let Ok(v) = serde_json::from_str::<Value>(data) else { continue };
+                // An error in the stream (a rate limit or a filter mid-answer): what came so far
+                // is not the answer.
+                if let Some(e) = v.get("error").filter(|e| !e.is_null()) {
+                    let what = e["message"].as_str().map_or_else(|| e.to_string(), str::to_string);
+                    return Err(format!("the stream broke off with an error: {}", self.error_text(what.as_bytes())));
+                }
+                finished |= v["choices"][0]["finish_reason"].is_string();
                 if let Some(u) = v.get("usage").filter(|u| u.is_object()) {
                     let (p, c) =
                         (u["prompt_tokens"].as_u64().unwrap_or(0), u["completion_tokens"].as_u64().unwrap_or(0));
@@ -519,6 +538,10 @@ impl OpenAi {
                     }
                 }
             }
+        }
+        // Neither `[DONE]` nor a finish reason: the connection ended mid-answer.
+        if !done && !finished {
+            return Err("the stream ended before the answer did".into());
         }
         calls.retain(|c| !c.function.name.is_empty());
         Ok(Message {
@@ -647,7 +670,9 @@ impl OpenAi {
         let text = self.chat(input, &model, &[message("system", JUDGE_SYSTEM), message("user", user)], &[]).await?;
         let text = text.content.unwrap_or_default();
         let json = parse::json_object::<Value>(&text);
-        let Some(score) = json.as_ref().and_then(|j| j["score"].as_f64()).filter(|s| s.is_finite()) else {
+        // A number, or a number in a string (`"0.2"`): some models quote every value.
+        let number = |v: &Value| v.as_f64().or_else(|| v.as_str().and_then(|s| s.trim().parse::<f64>().ok()));
+        let Some(score) = json.as_ref().and_then(|j| number(&j["score"])).filter(|s| s.is_finite()) else {
             return Err(ReasonError::Failed(format!("the judge gave no score: {}", clip(&text, 200))));
         };
         let reason = json.as_ref().and_then(|j| j["reason"].as_str()).unwrap_or("").trim().to_string();
@@ -656,7 +681,7 @@ impl OpenAi {
 
     /// The model's commands, fitted to the target, or why they cannot be used.
     fn usable(&self, input: &ReasonInput<'_>, answer: &str) -> Result<Vec<String>, String> {
-        let raw = parse::plan_commands(answer);
+        let raw = parse::plan_commands(answer)?;
         if raw.is_empty() {
             return Err("no command in the answer".into());
         }
@@ -697,7 +722,9 @@ impl OpenAi {
         if !diagnosing {
             let known: Vec<String> = ["start", "stop", "restart", "pid", "holder_pid", "config", "log_dir"]
                 .iter()
-                .filter_map(|k| input.vars.get(*k).map(|v| format!("{k}: {v}")))
+                // The service's own commands may carry a password (`--password x`): the model is
+                // someone else's server.
+                .filter_map(|k| input.vars.get(*k).map(|v| format!("{k}: {}", pitcrew_model::redact::redact(v))))
                 .collect();
             if !known.is_empty() {
                 s.push_str(&format!("Service commands and facts:\n  {}\n", known.join("\n  ")));
@@ -833,6 +860,12 @@ impl Reasoner for OpenAi {
     }
 }
 
+/// The `error.code` of an OpenAI error body (`insufficient_quota`, `rate_limit_exceeded`).
+fn error_code(body: &[u8]) -> Option<String> {
+    let v: Value = serde_json::from_slice(body).ok()?;
+    v["error"]["code"].as_str().or_else(|| v["error"]["type"].as_str()).map(str::to_string)
+}
+
 /// `url` with the userinfo part (everything before `@` in the authority) replaced by `***`.
 fn endpoint_shown(url: &str) -> String {
     let Some(scheme_end) = url.find("://").map(|i| i + 3) else { return url.to_string() };
@@ -902,5 +935,9 @@ mod tests {
         p.key = Some("sk-secret-123456".into());
         assert!(!format!("{p:?}").contains("sk-secret"));
         assert_eq!(p.redact("bad key sk-secret-123456 given"), "bad key <redacted> given");
+        // A key echoed across the error's clip: no part of it survives.
+        let body = format!("{}sk-secret-123456 is not valid", "x".repeat(MAX_ERROR_BODY - 6));
+        let shown = p.error_text(body.as_bytes());
+        assert!(!shown.contains("sk-sec"), "{shown}");
     }
 }

@@ -17,6 +17,18 @@ pub struct Reply {
     headers: Vec<(String, String)>,
     body: Value,
     delay: Duration,
+    ending: Ending,
+}
+
+/// How a streamed answer ends.
+#[derive(Debug, Clone, PartialEq)]
+enum Ending {
+    /// Its finish reason, the usage chunk, `[DONE]`.
+    Done,
+    /// The connection closes after half the content: no finish reason, no `[DONE]`.
+    Cut,
+    /// Half the content, then an error event (OpenAI's `{"error": {...}}`), then `[DONE]`.
+    Error(String),
 }
 
 impl Reply {
@@ -37,17 +49,42 @@ impl Reply {
     }
 
     fn completion(message: Value) -> Reply {
-        Reply { status: 200, headers: Vec::new(), body: completion_body(message), delay: Duration::ZERO }
+        Reply {
+            status: 200,
+            headers: Vec::new(),
+            body: completion_body(message),
+            delay: Duration::ZERO,
+            ending: Ending::Done,
+        }
     }
 
     /// An error status with an OpenAI-style error body.
     pub fn status(status: u16, message: &str) -> Reply {
+        Reply::error(status, "scripted", message)
+    }
+
+    /// An error status whose OpenAI-style body carries `code` (`insufficient_quota`, ...).
+    pub fn error(status: u16, code: &str, message: &str) -> Reply {
         Reply {
             status,
             headers: Vec::new(),
-            body: json!({ "error": { "message": message, "type": "scripted" } }),
+            body: json!({ "error": { "message": message, "type": "scripted", "code": code } }),
             delay: Duration::ZERO,
+            ending: Ending::Done,
         }
+    }
+
+    /// Streamed, the answer breaks off halfway: the connection closes with no finish reason
+    /// and no `[DONE]` (not streamed, it is whole).
+    pub fn cut_short(mut self) -> Reply {
+        self.ending = Ending::Cut;
+        self
+    }
+
+    /// Streamed, the answer stops halfway with an error event (a rate limit, a content filter).
+    pub fn broken_by(mut self, message: &str) -> Reply {
+        self.ending = Ending::Error(message.into());
+        self
     }
 
     pub fn header(mut self, name: &str, value: &str) -> Reply {
@@ -187,7 +224,7 @@ async fn serve(
         add_usage(&mut body, prompt);
     }
     if reply.status == 200 && wants_stream {
-        return stream(conn, &reply.headers, &body).await;
+        return stream(conn, &reply.headers, &body, &reply.ending).await;
     }
     crate::http::write_json(&mut conn, reply.status, &reply.headers, &body.to_string()).await?;
     Ok(())
@@ -195,7 +232,12 @@ async fn serve(
 
 /// The completion `body` as server-sent events: the content in 8-character deltas, each tool
 /// call's arguments in two halves, then the usage chunk and `[DONE]`; one write per event.
-async fn stream(mut conn: tokio::net::TcpStream, headers: &[(String, String)], body: &Value) -> anyhow::Result<()> {
+async fn stream(
+    mut conn: tokio::net::TcpStream,
+    headers: &[(String, String)],
+    body: &Value,
+    ending: &Ending,
+) -> anyhow::Result<()> {
     let mut head = String::from("HTTP/1.1 200 Scripted\r\ncontent-type: text/event-stream\r\nconnection: close\r\n");
     for (k, v) in headers {
         head.push_str(&format!("{k}: {v}\r\n"));
@@ -229,10 +271,19 @@ async fn stream(mut conn: tokio::net::TcpStream, headers: &[(String, String)], b
     events.push(
         json!({ "id": "chatcmpl-scripted", "object": "chat.completion.chunk", "choices": [], "usage": body["usage"] }),
     );
+    if *ending != Ending::Done {
+        // Half of what comes before the finish chunk.
+        events.truncate(events.len().saturating_sub(2).div_ceil(2).max(1));
+    }
+    if let Ending::Error(message) = ending {
+        events.push(json!({ "error": { "message": message, "type": "server_error" } }));
+    }
     for e in events {
         conn.write_all(format!("data: {e}\n\n").as_bytes()).await?;
     }
-    conn.write_all(b"data: [DONE]\n\n").await?;
+    if *ending != Ending::Cut {
+        conn.write_all(b"data: [DONE]\n\n").await?;
+    }
     conn.shutdown().await?;
     Ok(())
 }
