@@ -90,6 +90,14 @@ fn config(text: &str, nats: &Option<NatsServer>) -> anyhow::Result<Config> {
         }
         cfg.database = env.database;
     }
+    if nats.is_none() {
+        // A server the demo does not own may carry a crew's work under the default prefix: the
+        // demo's crew would take that crew's messages, and that crew the demo's incidents
+        // (about services called `web` and `batch`). Streams and consumers of its own, removed
+        // when it ends.
+        cfg.prefix = format!("demo_{}", &Uuid::now_v7().simple().to_string()[20..]);
+        println!("demo: on a nats-server it does not own, under a prefix of its own: {}", cfg.prefix);
+    }
     let (nats_url, db_url) = (redact_url(&cfg.nats.url), redact_url(&cfg.database.url));
     println!("demo: nats {nats_url} · postgres {db_url}");
     Ok(cfg)
@@ -221,6 +229,7 @@ pub async fn run(ssh: bool, llm: Option<LlmDemo>) -> anyhow::Result<()> {
         let _ = std::fs::remove_file(t.dir.join("broken"));
         let _ = toy::stop(t.port, &t.dir);
     }
+    tidy(&bus, &nats).await;
     drop(nats);
     let resolved = outcomes.iter().filter(|o| o.2 == "resolved").count();
     let escalated = outcomes.iter().filter(|o| o.2 == "escalated").count();
@@ -232,6 +241,20 @@ pub async fn run(ssh: bool, llm: Option<LlmDemo>) -> anyhow::Result<()> {
         bail!("unexpected outcomes: {:?}", outcomes.iter().map(|o| o.2).collect::<Vec<_>>());
     }
     Ok(())
+}
+
+/// On a nats-server the demo does not own, remove the streams it made there (their consumers
+/// go with them).
+async fn tidy(bus: &pitcrew_runtime::bus::Bus, nats: &Option<NatsServer>) {
+    if nats.is_some() {
+        return;
+    }
+    let s = &bus.subjects;
+    for name in [s.incidents_stream(), s.stages_stream(), s.approvals_stream(), s.events_stream(), s.dlq_stream()] {
+        if let Err(e) = bus.js.delete_stream(&name).await {
+            eprintln!("demo: could not remove its stream {name}: {e}");
+        }
+    }
 }
 
 /// Wait for the first event that `want` accepts.
@@ -349,7 +372,7 @@ async fn run_ssh() -> anyhow::Result<()> {
     }
     println!("demo: toy service 'web' started over SSH on demo-box, listening on 127.0.0.1:{}", web.port);
 
-    let Live { store, stop_tx, mut crew, monitor, mut rx, .. } = launch(&cfg, true, 'a').await?;
+    let Live { bus, store, stop_tx, mut crew, monitor, mut rx, .. } = launch(&cfg, true, 'a').await?;
     println!("\ndemo (a): the web service on demo-box is killed (SIGKILL); the monitor notices, the crew repairs it over SSH");
     let broke = Instant::now();
     web.kill()?;
@@ -372,6 +395,7 @@ async fn run_ssh() -> anyhow::Result<()> {
         let _ = tokio::time::timeout(Duration::from_secs(5), m).await;
     }
     let _ = fleet.run("demo-box", &web.command(&exe, "stop"), Duration::from_secs(20)).await;
+    tidy(&bus, &nats).await;
     drop(nats);
     eprintln!("demo: finished in {:.1} s", started.elapsed().as_secs_f64());
     println!("demo: run {run} {outcome} {:.2} s after the fault, over SSH as {}", took.as_secs_f64(), host.user);

@@ -862,3 +862,37 @@ async fn an_incident_for_an_unknown_service_escalates_with_a_clear_error() -> an
     assert_eq!(crew.events.terminal(ok, WAIT).await?.kind, EventKind::Resolved);
     crew.shutdown().await
 }
+
+#[tokio::test]
+async fn the_demo_on_a_shared_nats_server_keeps_to_streams_of_its_own() -> anyhow::Result<()> {
+    // A crew's streams on that server, under the default prefix.
+    let env = TestEnv::start().await?;
+    let cfg = pitcrew_runtime::Config::from_toml(&env.config_toml(""))?;
+    let bus = pitcrew_runtime::bus::Bus::connect(&cfg).await?;
+    bus.ensure_streams().await?;
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_pitcrew"))
+        .arg("demo")
+        .env("PITCREW_NATS_URL", env.nats.url())
+        .env("DATABASE_URL", &env.db.url)
+        .env_remove("OPENAI_API_KEY")
+        .kill_on_drop(true)
+        .output();
+    let out = tokio::time::timeout(std::time::Duration::from_secs(180), out).await??;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(stdout.contains("under a prefix of its own: demo_"), "{stdout}");
+    assert_eq!(stdout.lines().last(), Some("demo: 3 runs, 2 resolved, 1 escalated"), "{stdout}");
+    // None of its incidents, work or events reached the crew's streams, and its own are gone.
+    let s = &bus.subjects;
+    let mut ours =
+        vec![s.incidents_stream(), s.stages_stream(), s.approvals_stream(), s.events_stream(), s.dlq_stream()];
+    ours.sort();
+    let mut names: Vec<String> = futures::TryStreamExt::try_collect(bus.js.stream_names()).await?;
+    names.sort();
+    assert_eq!(names, ours);
+    for name in names {
+        let held = bus.js.get_stream(&name).await?.info().await?.state.messages;
+        assert_eq!(held, 0, "the demo left {held} messages on {name}");
+    }
+    Ok(())
+}
