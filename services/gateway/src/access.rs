@@ -9,6 +9,7 @@ use axum::extract::{ConnectInfo, MatchedPath, Request, State};
 use axum::http::Method;
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
+use pitcrew_model::trim::storable;
 use pitcrew_runtime::config::{ApiKey, GatewayConfig};
 use pitcrew_runtime::store::AuditEntry;
 use sha2::{Digest, Sha256};
@@ -105,6 +106,11 @@ pub struct Caller {
     pub name: String,
     pub role: Role,
 }
+
+/// Marks a response refused by the rate limit, whatever its status (429, or 503 for
+/// Alertmanager): such a refusal is only logged, never stored.
+#[derive(Debug, Clone, Copy)]
+pub struct RateRefused;
 
 /// The run a mutating request acted on, for the audit trail (set by handlers on the response).
 #[derive(Debug, Clone, Copy)]
@@ -283,9 +289,11 @@ pub async fn guard(State(gw): State<Arc<Gateway>>, mut req: Request, next: Next)
             principal: principal.to_string(),
             role: caller.as_ref().map(|c| c.role.as_str().to_string()),
             method: method.to_string(),
-            path: pitcrew_model::trim::clip(&path, MAX_AUDIT_PATH),
+            // Postgres refuses NUL in text: a caller's `\u0000` quoted back (a field name, a
+            // group key) must not cost the audit row.
+            path: storable(pitcrew_model::trim::clip(&path, MAX_AUDIT_PATH)),
             status: i32::from(status),
-            outcome: pitcrew_model::trim::clip(&outcome, 1000),
+            outcome: storable(pitcrew_model::trim::clip(&outcome, 1000)),
             remote,
             run_id: resp.extensions().get::<AuditRun>().map(|r| r.0),
         };
@@ -301,7 +309,8 @@ pub async fn guard(State(gw): State<Arc<Gateway>>, mut req: Request, next: Next)
         );
         // A refusal by the rate limit is only logged: stored, it would let anyone write rows
         // to Postgres as fast as they can send requests.
-        let stored = if status == 429 { Ok(()) } else { gw.store.record_audit(&entry).await };
+        let rate_refused = status == 429 || resp.extensions().get::<RateRefused>().is_some();
+        let stored = if rate_refused { Ok(()) } else { gw.store.record_audit(&entry).await };
         if let Err(e) = stored {
             tracing::error!(error = %e, path = %entry.path, "audit record not stored in Postgres (the log line above has it)");
         }
@@ -346,7 +355,13 @@ fn admit(gw: &Gateway, req: &Request, access: Access) -> Result<Caller, (Option<
     // request, as fast as it can send them.
     if let Err(wait) = gw.limiter.take(&caller.name) {
         let retry_after = wait.as_secs_f64().ceil().max(1.0) as u64;
-        let e = ApiError::RateLimited { key: caller.name.clone(), retry_after };
+        let key = caller.name.clone();
+        // Alertmanager retries a notification only on 5xx: a 429 would drop a whole group of
+        // alerts until its next group interval (an alert storm is when many groups come at once).
+        let e = match req.uri().path() {
+            "/v1/alerts/alertmanager" => ApiError::Busy { key, retry_after },
+            _ => ApiError::RateLimited { key, retry_after },
+        };
         return Err((Some(caller), e));
     }
     if !caller.role.may(access) {

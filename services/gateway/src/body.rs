@@ -21,15 +21,15 @@ pub struct JsonBody<T>(pub T);
 /// The body as bytes, within the limit; a JSON `Content-Type` when there is a body.
 pub struct RawJson(pub Bytes);
 
-fn too_large(limit: usize) -> ApiError {
-    ApiError::TooLarge(format!("request body is larger than the {limit}-byte limit ([gateway] body_limit_bytes)"))
+fn too_large(limit: BodyLimit) -> ApiError {
+    ApiError::TooLarge(format!("request body is larger than the {}-byte limit ([gateway] {})", limit.0, limit.1))
 }
 
 impl<S: Send + Sync> FromRequest<S> for RawJson {
     type Rejection = ApiError;
 
     async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
-        let limit = req.extensions().get::<BodyLimit>().map(|l| l.0).unwrap_or(0);
+        let limit = req.extensions().get::<BodyLimit>().copied().unwrap_or(BodyLimit(0, "body_limit_bytes"));
         let ct = req.headers().get("content-type").and_then(|v| v.to_str().ok()).map(str::to_string);
         let read = tokio::time::timeout(BODY_TIMEOUT, Bytes::from_request(req, state)).await.map_err(|_| {
             ApiError::Timeout(format!("the request body took more than {} s to arrive", BODY_TIMEOUT.as_secs()))
@@ -74,9 +74,9 @@ pub fn parse<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
     serde_json::from_slice(bytes).map_err(|e| ApiError::BadRequest(format!("invalid JSON body: {e}")))
 }
 
-/// The configured body limit, made known to the extractors.
+/// The configured body limit of a route, made known to the extractors, and its key's name.
 #[derive(Debug, Clone, Copy)]
-pub struct BodyLimit(pub usize);
+pub struct BodyLimit(pub usize, pub &'static str);
 
 /// A run id from the path.
 pub fn run_id(s: &str) -> Result<Uuid, ApiError> {

@@ -38,6 +38,10 @@ pub enum ApiError {
     /// Slow down: retry after this many seconds.
     #[error("rate limit exceeded for key '{key}': retry after {retry_after} s")]
     RateLimited { key: String, retry_after: u64 },
+    /// As `RateLimited`, for a sender that retries only 5xx (Alertmanager drops a
+    /// notification answered 429): 503 with `Retry-After`.
+    #[error("rate limit exceeded for key '{key}': retry after {retry_after} s (503: Alertmanager retries only 5xx)")]
+    Busy { key: String, retry_after: u64 },
     #[error("{0}")]
     NotImplemented(String),
     /// NATS or Postgres failed: retry later.
@@ -59,7 +63,7 @@ impl ApiError {
             ApiError::UnsupportedMediaType(_) => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             ApiError::RateLimited { .. } | ApiError::TooMany(_) => StatusCode::TOO_MANY_REQUESTS,
             ApiError::NotImplemented(_) => StatusCode::NOT_IMPLEMENTED,
-            ApiError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::Unavailable(_) | ApiError::Busy { .. } => StatusCode::SERVICE_UNAVAILABLE,
         }
     }
 
@@ -79,8 +83,9 @@ impl IntoResponse for ApiError {
         let message = self.to_string();
         let mut resp = (self.status(), Json(serde_json::json!({ "error": message }))).into_response();
         match &self {
-            ApiError::RateLimited { retry_after, .. } => {
+            ApiError::RateLimited { retry_after, .. } | ApiError::Busy { retry_after, .. } => {
                 resp.headers_mut().insert("retry-after", HeaderValue::from(*retry_after));
+                resp.extensions_mut().insert(crate::access::RateRefused);
             }
             ApiError::Unauthorized(_) => {
                 resp.headers_mut().insert("www-authenticate", HeaderValue::from_static("Bearer"));

@@ -101,9 +101,12 @@ impl Gateway {
     /// once NATS and Postgres answer); its keys.
     pub fn check(cfg: &Config) -> anyhow::Result<Keys> {
         let keys = Keys::from_config(&cfg.gateway.keys).map_err(|e| anyhow::anyhow!("bad configuration: {e}"))?;
-        if !cfg.gateway.rate_per_sec.is_finite() || cfg.gateway.rate_per_sec <= 0.0 || cfg.gateway.body_limit_bytes == 0
+        if !cfg.gateway.rate_per_sec.is_finite()
+            || cfg.gateway.rate_per_sec <= 0.0
+            || cfg.gateway.body_limit_bytes == 0
+            || cfg.gateway.alertmanager_body_limit_bytes == 0
         {
-            anyhow::bail!("bad configuration: [gateway] rate_per_sec and body_limit_bytes must be above 0");
+            anyhow::bail!("bad configuration: [gateway] rate_per_sec, body_limit_bytes and alertmanager_body_limit_bytes must be above 0");
         }
         if !(1..=MAX_SSE_BUFFER).contains(&cfg.gateway.sse_buffer) {
             anyhow::bail!("bad configuration: [gateway] sse_buffer must be between 1 and {MAX_SSE_BUFFER} events");
@@ -119,11 +122,22 @@ impl Gateway {
 /// Every route. The access each needs is looked up by the guard from the OpenAPI document.
 pub fn router(gw: Arc<Gateway>) -> Router {
     let limit = gw.cfg.gateway.body_limit_bytes;
+    let alerts = gw.cfg.gateway.alertmanager_body_limit_bytes;
     Router::new()
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
         .route("/v1/openapi.json", get(openapi))
-        .route("/v1/alerts/alertmanager", post(ingest::post_alertmanager))
+        // A group of alerts is larger than any other request, and Alertmanager never sends
+        // again what was answered 413: its own limit (inside the router's, so it wins).
+        .route(
+            "/v1/alerts/alertmanager",
+            post(ingest::post_alertmanager)
+                .layer::<_, std::convert::Infallible>(Extension(body::BodyLimit(
+                    alerts,
+                    "alertmanager_body_limit_bytes",
+                )))
+                .layer::<_, std::convert::Infallible>(DefaultBodyLimit::max(alerts)),
+        )
         .route("/v1/incidents", post(ingest::post_incident))
         .route("/v1/runs", get(runs::list))
         .route("/v1/runs/{id}", get(runs::get))
@@ -134,7 +148,7 @@ pub fn router(gw: Arc<Gateway>) -> Router {
         .route("/v1/ask", post(runs::ask))
         .route("/v1/events", get(events::all_events))
         .layer(axum::middleware::from_fn_with_state(gw.clone(), access::guard))
-        .layer(Extension(body::BodyLimit(limit)))
+        .layer(Extension(body::BodyLimit(limit, "body_limit_bytes")))
         .layer(DefaultBodyLimit::max(limit))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)

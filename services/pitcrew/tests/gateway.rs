@@ -31,7 +31,8 @@ fn key(owner: &str) -> &'static str {
 }
 
 fn gateway_toml(rate: &str) -> String {
-    let mut t = format!("[gateway]\nbody_limit_bytes = 4096\n{rate}\nsse_buffer = 64\n");
+    let mut t =
+        format!("[gateway]\nbody_limit_bytes = 4096\nalertmanager_body_limit_bytes = 16384\n{rate}\nsse_buffer = 64\n");
     for (owner, role, k) in KEYS {
         t.push_str(&format!("[gateway.keys.{owner}]\nrole = \"{role}\"\nsha256 = \"{}\"\n", hash_key(k)));
     }
@@ -575,6 +576,8 @@ async fn malformed_and_oversized_bodies_are_refused_precisely_and_nothing_is_pub
             {"status": "firing", "labels": {"alertname": "B", "job": ""}, "startsAt": "2026-11-22T07:00:00Z", "fingerprint": "b2"}]}))?,
             StatusCode::UNPROCESSABLE_ENTITY, "alerts[0] (alertname B, fingerprint b2): none of the labels [\"service\", \"job\"] names the service"),
         ("/v1/runs/not-a-uuid/approve", "application/json", b"{}".to_vec(), StatusCode::FORBIDDEN, "needs role approver or admin"),
+        // A NUL in what the answer quotes back (here a field's name).
+        ("/v1/incidents", "application/json", br#"{"service":"svc","error":"x","se\u0000v":1}"#.to_vec(), StatusCode::BAD_REQUEST, "unknown field"),
     ];
     for (path, ct, body, want, msg) in cases {
         let resp = post_raw(path, ct, body).await?;
@@ -626,13 +629,27 @@ async fn malformed_and_oversized_bodies_are_refused_precisely_and_nothing_is_pub
     // Nothing reached the incidents subject.
     let mut stream = api.crew.bus.js.get_stream(api.crew.bus.subjects.incidents_stream()).await?;
     assert_eq!(stream.info().await?.state.messages, 0, "a refused request published nothing");
-    // An oversized body is refused whatever its route.
-    let resp = post_raw("/v1/alerts/alertmanager", "application/json", vec![b' '; 10_000]).await?;
+    // Every refusal is in the audit trail, the one quoting a NUL too (Postgres takes no NUL).
+    let db = api.crew.db().await?;
+    let nul: i64 = db
+        .query_one("SELECT count(*) FROM gateway_audit WHERE status = 400 AND outcome LIKE '%se' || chr(65533) || 'v%'", &[])
+        .await?
+        .get(0);
+    assert_eq!(nul, 1);
+    // An oversized body is refused whatever its route, Alertmanager's past its own limit.
+    let resp = post_raw("/v1/incidents", "application/json", vec![b' '; 10_000]).await?;
     assert_eq!(resp.status(), StatusCode::PAYLOAD_TOO_LARGE);
+    let resp = post_raw("/v1/alerts/alertmanager", "application/json", vec![b' '; 20_000]).await?;
+    assert_eq!(resp.status(), StatusCode::PAYLOAD_TOO_LARGE);
+    let err: Value = resp.json().await?;
+    let err = err["error"].as_str().unwrap_or_default();
+    assert!(err.contains("16384-byte limit ([gateway] alertmanager_body_limit_bytes)"), "{err}");
     // One good alert and one without a service label in a group: the good one opens its run
-    // (Alertmanager never re-sends a group answered 4xx), the other is refused by name.
+    // (Alertmanager never re-sends a group answered 4xx), the other is refused by name. The
+    // group is larger than the other routes' limit: a group of alerts has its own.
     let group = json!({"version": "4", "status": "firing", "alerts": [
-        {"status": "firing", "labels": {"alertname": "A", "service": "svc"}, "startsAt": "2026-11-22T07:00:00Z", "fingerprint": "a1"},
+        {"status": "firing", "labels": {"alertname": "A", "service": "svc"}, "startsAt": "2026-11-22T07:00:00Z", "fingerprint": "a1",
+         "annotations": {"runbook": "r".repeat(6000)}},
         {"status": "firing", "labels": {"alertname": "B", "job": ""}, "startsAt": "2026-11-22T07:00:00Z", "fingerprint": "b2"}]});
     let resp = post_raw("/v1/alerts/alertmanager", "application/json", serde_json::to_vec(&group)?).await?;
     assert_eq!(resp.status(), StatusCode::OK);
@@ -658,6 +675,24 @@ async fn a_key_over_its_rate_gets_429_with_retry_after_and_readiness_follows_nat
     let err: Value = resp.json().await?;
     assert!(err["error"].as_str().unwrap_or_default().contains("rate limit exceeded for key 'rita'"), "{err}");
     assert_eq!(api.get("/v1/runs", "carol").await?.0, StatusCode::OK, "another key has its own bucket");
+    // Alertmanager drops what is answered 4xx and retries 5xx: over its rate, its webhook
+    // answers 503 with Retry-After, and such a refusal is not stored either.
+    let empty = json!({"version": "4", "status": "firing", "alerts": []});
+    let mut statuses = Vec::new();
+    for _ in 0..4 {
+        let r = api.req(reqwest::Method::POST, "/v1/alerts/alertmanager", Some("otto")).json(&empty).send().await?;
+        statuses.push(r.status());
+        if r.status() == StatusCode::SERVICE_UNAVAILABLE {
+            assert!(r.headers().contains_key("retry-after"));
+            let err: Value = r.json().await?;
+            assert!(err["error"].as_str().unwrap_or_default().contains("rate limit exceeded for key 'otto'"), "{err}");
+        }
+    }
+    assert_eq!(statuses.last(), Some(&StatusCode::SERVICE_UNAVAILABLE), "{statuses:?}");
+    assert!(!statuses.contains(&StatusCode::TOO_MANY_REQUESTS), "{statuses:?}");
+    let db = api.crew.db().await?;
+    let busy: i64 = db.query_one("SELECT count(*) FROM gateway_audit WHERE status = 503", &[]).await?.get(0);
+    assert_eq!(busy, 0, "a refusal by the rate limit is only logged");
     // Guessing keys is limited like one key.
     for _ in 0..3 {
         let r = api.req(reqwest::Method::GET, "/v1/runs", None).bearer_auth("guess").send().await?;

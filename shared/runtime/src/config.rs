@@ -94,6 +94,9 @@ pub struct GatewayConfig {
     pub listen: String,
     /// Largest request body accepted; larger ones get 413.
     pub body_limit_bytes: usize,
+    /// Largest Alertmanager notification accepted (one group's alerts, about 1 KB each; a
+    /// notification refused with 413 is never sent again, whatever it holds).
+    pub alertmanager_body_limit_bytes: usize,
     /// Requests per second each key may make on average (a token bucket refilled at this rate).
     pub rate_per_sec: f64,
     /// Requests a key may make at once before the rate applies.
@@ -127,6 +130,7 @@ impl Default for GatewayConfig {
         GatewayConfig {
             listen: "127.0.0.1:8088".into(),
             body_limit_bytes: 256 * 1024,
+            alertmanager_body_limit_bytes: 4 << 20,
             rate_per_sec: 20.0,
             rate_burst: 40,
             sse_buffer: 256,
