@@ -92,7 +92,10 @@ pub async fn watch(bus: &Bus, store: Option<&Store>, run: Uuid, timeout: Duratio
             Ok(Some(Err(e))) => return Err(anyhow!("event stream failed: {e}")),
             Ok(None) => bail!("event stream closed"),
             Err(_) if !seen && !known => {
-                bail!("unknown run {run}: no incident with this id (`pitcrew incidents` lists runs)")
+                bail!(
+                    "unknown run {run}: no incident with this id, and no event of it in 5 s (`pitcrew incidents` \
+                     lists runs; an incident just sent may still wait for intake: watch it again)"
+                )
             }
             Err(_) => bail!("run {run} did not finish within {} s", timeout.as_secs()),
         };

@@ -632,7 +632,10 @@ async fn malformed_and_oversized_bodies_are_refused_precisely_and_nothing_is_pub
     // Every refusal is in the audit trail, the one quoting a NUL too (Postgres takes no NUL).
     let db = api.crew.db().await?;
     let nul: i64 = db
-        .query_one("SELECT count(*) FROM gateway_audit WHERE status = 400 AND outcome LIKE '%se' || chr(65533) || 'v%'", &[])
+        .query_one(
+            "SELECT count(*) FROM gateway_audit WHERE status = 400 AND outcome LIKE '%se' || chr(65533) || 'v%'",
+            &[],
+        )
         .await?
         .get(0);
     assert_eq!(nul, 1);

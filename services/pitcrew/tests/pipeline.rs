@@ -161,6 +161,11 @@ async fn watch_exits_with_how_the_run_ended() -> anyhow::Result<()> {
     assert_eq!(code, Some(3), "{out}");
     assert!(out.ends_with("outcome: escalated\n"), "{out}");
     assert_eq!(watch(uuid::Uuid::new_v4()).await?.0, Some(1), "no such run is an error, not an outcome");
+    // A timeout past any deadline is as good as none: the run's end, not a panic.
+    let (code, out, err) =
+        pitcrew_cli(&config, &["watch", &fixed.to_string(), "--timeout", &u64::MAX.to_string()]).await?;
+    assert_eq!(code, Some(0), "{out}{err}");
+    assert!(!err.contains("panicked"), "{err}");
     crew.shutdown().await
 }
 

@@ -53,9 +53,14 @@ pub fn summary(state: &RunState) -> String {
 
 /// The policy rules that flagged this attempt's plan.
 fn policy_rules(state: &RunState) -> Vec<String> {
-    let mut rules: Vec<String> =
-        state.security_flags.iter().filter(|f| f.attempt == state.attempt).map(|f| f.rule.clone()).collect();
-    rules.dedup();
+    // Each rule once, in the order it first flagged (a rule flagging two commands with
+    // another's between them is still one rule).
+    let mut rules: Vec<String> = Vec::new();
+    for f in state.security_flags.iter().filter(|f| f.attempt == state.attempt) {
+        if !rules.contains(&f.rule) {
+            rules.push(f.rule.clone());
+        }
+    }
     rules
 }
 
@@ -116,6 +121,16 @@ mod tests {
             summary(&s),
             "resolved web after 2 attempt(s): ran `a ; b`; approved by ann (policy rule kill-9); GET / -> 200"
         );
+        // A rule that flagged two commands with another rule's between them is named once.
+        let flag = |command: &str, rule: &str| pitcrew_model::SecurityFlag {
+            attempt: 2,
+            command: command.into(),
+            rule: rule.into(),
+            class: "critical".into(),
+        };
+        s.security_flags.extend([flag("b", "rm-rf"), flag("c", "kill-9")]);
+        assert_eq!(policy_rules(&s), vec!["kill-9".to_string(), "rm-rf".to_string()]);
+        s.security_flags.truncate(1);
         // What ran, as it ended: `a` failed, so `b` never ran, and the service came back anyway.
         let record = |index: u32, command: &str, status, exit_code| pitcrew_model::ExecutionRecord {
             attempt: 2,

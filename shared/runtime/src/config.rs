@@ -535,6 +535,15 @@ pub struct StageSettings {
     pub poison_after: Duration,
 }
 
+/// A document that did not parse: its error may quote the line it stumbled on, a password
+/// and all (`url = "postgres://app:pa\ss@db/x"`, an invalid escape), and goes to stderr.
+fn unreadable(e: figment::Error) -> ConfigError {
+    ConfigError(pitcrew_model::redact::redact(&e.to_string()).into_owned())
+}
+
+/// Longest `limits.approval_timeout_secs`: 30 days (the approvals stream keeps requests 90).
+pub const MAX_APPROVAL_TIMEOUT_SECS: u64 = 30 * 24 * 3600;
+
 /// `PITCREW_*` variables that are not config keys (read elsewhere).
 const NOT_CONFIG: &[&str] = &[
     "log",
@@ -584,7 +593,7 @@ impl Config {
                 Some(key.into())
             }),
         );
-        let cfg: Config = fig.extract().map_err(|e| ConfigError(e.to_string()))?;
+        let cfg: Config = fig.extract().map_err(unreadable)?;
         cfg.validate()?;
         Ok(cfg)
     }
@@ -594,7 +603,7 @@ impl Config {
         let cfg: Config = Figment::from(Serialized::defaults(Config::default()))
             .merge(Toml::string(text))
             .extract()
-            .map_err(|e| ConfigError(e.to_string()))?;
+            .map_err(unreadable)?;
         cfg.validate()?;
         Ok(cfg)
     }
@@ -611,6 +620,13 @@ impl Config {
                 "limits.max_retries ({}) and limits.max_attempts ({}) must be 1 to {MAX_TRIES}: more attempts \
                  than that are for a human to decide",
                 self.limits.max_retries, self.limits.max_attempts
+            ));
+        }
+        if !(1..=MAX_APPROVAL_TIMEOUT_SECS).contains(&self.limits.approval_timeout_secs) {
+            return bad(format!(
+                "limits.approval_timeout_secs ({}) must be 1 to {MAX_APPROVAL_TIMEOUT_SECS} (30 days): an approval \
+                 nobody decides in that long is for escalation",
+                self.limits.approval_timeout_secs
             ));
         }
         if self.stages.concurrency == 0 || self.database.pool_size == 0 {
@@ -862,6 +878,21 @@ mod tests {
         assert!(e.to_string().contains("[services.\"payments api\"]: a service name is"), "{e}");
         assert!(Config::from_toml(&format!("[services.{}]\nhost = \"local\"\n", "s".repeat(129))).is_err());
         assert!(Config::from_toml("[services.\"web-1_a.b\"]\nhost = \"local\"\n").is_ok());
+    }
+
+    #[test]
+    fn a_document_that_does_not_parse_is_quoted_without_its_password() {
+        let e = Config::from_toml("[database]\nurl = \"postgres://app:hunter2\\q@db/x\"\n").unwrap_err().to_string();
+        assert!(e.contains("bad configuration"), "{e}");
+        assert!(!e.contains("hunter2"), "{e}");
+    }
+
+    #[test]
+    fn an_approval_timeout_past_thirty_days_is_refused_not_an_overflow_later() {
+        let e = Config::from_toml("[limits]\napproval_timeout_secs = 10000000000000\n").unwrap_err().to_string();
+        assert!(e.contains("limits.approval_timeout_secs (10000000000000) must be 1 to 2592000"), "{e}");
+        assert!(Config::from_toml("[limits]\napproval_timeout_secs = 0\n").is_err());
+        assert!(Config::from_toml("[limits]\napproval_timeout_secs = 2592000\n").is_ok());
     }
 
     #[test]
