@@ -450,7 +450,15 @@ const CRITICAL_CASES: &[(&str, &[&str], &[&str])] = &[
             "dpkg -i /tmp/x.deb",
             "rpm -Uvh /tmp/x.rpm",
         ],
-        &["apt-get update", "apt list --installed", "yum info httpd", "dnf list installed", "pip list", "npm ls", "rpm -qa"],
+        &[
+            "apt-get update",
+            "apt list --installed",
+            "yum info httpd",
+            "dnf list installed",
+            "pip list",
+            "npm ls",
+            "rpm -qa",
+        ],
     ),
     (
         "crontab-replace",
