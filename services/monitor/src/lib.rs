@@ -184,6 +184,22 @@ async fn resolved_at(bus: &Bus, run: Uuid) -> Option<chrono::DateTime<chrono::Ut
     }
 }
 
+/// The run incident `run` joined, when intake found it a duplicate of one still open (its
+/// `duplicate` event names it). Any failure to ask reads as none.
+async fn joined(bus: &Bus, run: Uuid) -> Option<Uuid> {
+    let subject = bus.subjects.event(run, EventKind::Duplicate.as_str());
+    match bus.last_on(&bus.subjects.events_stream(), &subject).await {
+        Ok(msg) => {
+            let event: pitcrew_model::RunEvent = serde_json::from_slice(&msg?.payload).ok()?;
+            event.data["run"].as_str()?.parse().ok()
+        }
+        Err(e) => {
+            tracing::debug!(run = %run, error = %e, "cannot ask the bus whether the incident joined another run");
+            None
+        }
+    }
+}
+
 /// The fingerprint of the monitor's incidents for `service`: one open run per service outage.
 pub fn fingerprint(service: &str) -> String {
     format!("monitor:{service}")
@@ -264,6 +280,9 @@ async fn one_round(
             // escalated is people's now, reminded of after `realert`), before this round's
             // check began (one that began earlier may have seen the fix at work).
             for run in tracker.runs_of(&service).to_vec().into_iter().rev() {
+                // An incident that joined another open run as a duplicate never resolves
+                // itself: the run it joined is the outage's.
+                let run = joined(bus, run).await.unwrap_or(run);
                 if resolved_at(bus, run).await.is_some_and(|at| at < round) {
                     change = tracker.relapsed(&service, now, realert);
                     if change == Change::Down {

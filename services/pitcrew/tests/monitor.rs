@@ -3,27 +3,11 @@
 
 mod common;
 
-use common::{count, marker_service, sample, scrape, write, Crew, WAIT};
+use common::{count, crew_fixing_on_approval, sample, scrape, WAIT};
 use futures::{FutureExt, StreamExt};
 use pitcrew::cli::DecisionInput;
 use pitcrew::{cli, crew};
-use pitcrew_model::{Decision, EventKind, Stage};
-use pitcrew_testkit::TestEnv;
-
-/// A crew (every stage) whose fix for `svc` needs approval, so its run stays open until the
-/// test decides it, with the `[monitor]` settings `monitor`.
-async fn crew_fixing_on_approval(monitor: &str) -> anyhow::Result<Crew> {
-    let env = TestEnv::start().await?;
-    let book = write(
-        &env,
-        "playbook.toml",
-        "[[rule]]\nname = \"down\"\nmatch = \"exited 1\"\ndiagnosis = \"{service} marker missing\"\n\
-         plans = [[\"rm -f {dir}/lock\", \"{start}\"]]\n",
-    );
-    let text =
-        format!("[reasoning]\nplaybook_file = \"{book}\"\n[monitor]\n{monitor}\n{}", marker_service(&env, "svc"));
-    Crew::start_in(env, &text, &Stage::ALL).await
-}
+use pitcrew_model::{Decision, EventKind};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_outage_opens_one_run_and_its_recovery_is_reported() -> anyhow::Result<()> {

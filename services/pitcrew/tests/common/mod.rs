@@ -285,3 +285,18 @@ pub async fn closed_within(mut conn: tokio::net::TcpStream, limit: Duration) -> 
         Ok(_) => Ok(String::from_utf8_lossy(&seen).to_string()),
     }
 }
+
+/// A crew (every stage) whose fix for `svc` needs approval, so its run stays open until the
+/// test decides it, with the `[monitor]` settings `monitor`.
+pub async fn crew_fixing_on_approval(monitor: &str) -> anyhow::Result<Crew> {
+    let env = TestEnv::start().await?;
+    let book = write(
+        &env,
+        "playbook.toml",
+        "[[rule]]\nname = \"down\"\nmatch = \"exited 1\"\ndiagnosis = \"{service} marker missing\"\n\
+         plans = [[\"rm -f {dir}/lock\", \"{start}\"]]\n",
+    );
+    let text =
+        format!("[reasoning]\nplaybook_file = \"{book}\"\n[monitor]\n{monitor}\n{}", marker_service(&env, "svc"));
+    Crew::start_in(env, &text, &Stage::ALL).await
+}
