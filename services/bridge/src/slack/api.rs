@@ -32,9 +32,20 @@ const SETUP: &[&str] = &[
     "ekm_access_denied",
 ];
 
-/// Slack's answers to an incoming webhook that mean its URL no longer works: retried
-/// slowly, like a bad token.
-const WEBHOOK_GONE: &[&str] = &["no_service", "invalid_token", "no_team", "team_disabled"];
+/// Slack's answers to an incoming webhook that mean its URL no longer works, or its channel
+/// does not take the post (gone, archived, posting restricted): retried slowly, like a bad
+/// token or a wrong setup of the Web API, since the request stays worth posting once someone
+/// fixes it.
+const WEBHOOK_GONE: &[&str] = &[
+    "no_service",
+    "invalid_token",
+    "no_team",
+    "team_disabled",
+    "channel_not_found",
+    "channel_is_archived",
+    "action_prohibited",
+    "posting_to_general_channel_denied",
+];
 
 /// A client of one Slack-compatible Web API with a bot token, an incoming webhook, or both.
 #[derive(Clone)]
@@ -133,7 +144,13 @@ impl SlackApi {
         }
         let status = resp.status();
         if !status.is_success() {
-            return Err(ApiError::Permanent(format!("{method}: HTTP {status} from {} (is api_url right?)", self.base)));
+            let why = format!("{method}: HTTP {status} from {} (is api_url right?)", self.base);
+            // Refused or not found: a proxy's or the URL's setup, which someone can fix while
+            // the request waits; anything else will not work as sent.
+            if [401, 403, 404].contains(&status.as_u16()) {
+                return Err(ApiError::Retry { after: Duration::from_secs(60), why });
+            }
+            return Err(ApiError::Permanent(why));
         }
         let body = read_bounded(resp).await.map_err(|why| ApiError::Retry {
             after: Duration::from_secs(10),
@@ -211,6 +228,11 @@ mod tests {
 
     /// A Web API on loopback that answers every call with `answer` (HTTP 200, as Slack does).
     async fn answering(answer: &'static str) -> String {
+        answering_with(200, answer).await
+    }
+
+    /// A server on loopback that answers every call with HTTP `status` and `answer`.
+    async fn answering_with(status: u16, answer: &'static str) -> String {
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let base = format!("http://{}/api", listener.local_addr().unwrap());
@@ -236,7 +258,7 @@ mod tests {
                         }
                     }
                     let resp = format!(
-                        "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{answer}",
+                        "HTTP/1.1 {status} X\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{answer}",
                         answer.len()
                     );
                     let _ = sock.write_all(resp.as_bytes()).await;
@@ -244,6 +266,37 @@ mod tests {
             }
         });
         base
+    }
+
+    #[tokio::test]
+    async fn a_webhook_whose_channel_refuses_is_retried_slowly_and_a_bad_payload_is_not() {
+        let hook = |base: &str| {
+            SlackApi::new(base, None, Some(Secret::new(&format!("{base}/hook"))), Duration::from_secs(5)).unwrap()
+        };
+        for (status, said) in
+            [(404, "channel_not_found"), (410, "channel_is_archived"), (403, "action_prohibited"), (404, "no_service")]
+        {
+            let base = answering_with(status, said).await;
+            match hook(&base).post_message(&serde_json::json!({"text": "x"})).await {
+                Err(ApiError::Retry { after, why }) => {
+                    assert_eq!(after, Duration::from_secs(60), "{said}");
+                    assert!(why.contains(said), "{why}");
+                }
+                other => panic!("{said}: {other:?}"),
+            }
+        }
+        let base = answering_with(400, "invalid_payload").await;
+        assert!(matches!(hook(&base).post_message(&serde_json::json!({})).await, Err(ApiError::Permanent(_))));
+        // The Web API behind a proxy that refuses, or at a wrong path: retried slowly too.
+        let api = |base: &str| SlackApi::new(base, Some(Secret::new("xoxb-t")), None, Duration::from_secs(5)).unwrap();
+        for status in [401, 403, 404] {
+            let base = answering_with(status, "{}").await;
+            let got = api(&base).post_message(&serde_json::json!({"channel": "C1", "text": "x"})).await;
+            assert!(matches!(got, Err(ApiError::Retry { .. })), "{status}: {got:?}");
+        }
+        let base = answering_with(400, "{}").await;
+        let got = api(&base).post_message(&serde_json::json!({"channel": "C1", "text": "x"})).await;
+        assert!(matches!(got, Err(ApiError::Permanent(_))), "{got:?}");
     }
 
     #[tokio::test]
