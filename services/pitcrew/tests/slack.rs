@@ -786,3 +786,30 @@ async fn a_callback_too_slow_with_its_headers_or_its_body_holds_no_connection() 
     bridge.stop().await?;
     crew.shutdown().await
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_click_while_nats_is_slow_is_answered_in_time_and_its_decision_still_lands() -> anyhow::Result<()> {
+    let (mut crew, slack, port) = setup().await?;
+    let bridge = Bridge::start(&crew, port, "bridge").await?;
+    let run = crew.open("svc", "stale lock held").await?;
+    crew.events.kind(run, EventKind::ApprovalRequested, WAIT).await?;
+    let post = posted(&slack, run).await?;
+    let ts = post.answer["ts"].as_str().unwrap_or_default().to_string();
+    let ann = interaction("U0ANN", "approve", &button(&post, "approve"), &ts, &slack.response_url(1));
+    // NATS stops answering: the decision's reads wait. Slack wants an answer within 3 s.
+    let frozen = crew.env.nats.freeze();
+    let started = std::time::Instant::now();
+    let (status, text) = bridge.click(&ann).await?;
+    let took = started.elapsed();
+    assert_eq!(status, 200, "{text}");
+    assert!(took < Duration::from_secs(3), "answered after {took:?}");
+    assert!(text.contains("the outcome follows here"), "{text}");
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    drop(frozen);
+    // The decision went on behind the answer: the plan Ann approved runs.
+    let end = crew.end(run).await?;
+    assert_eq!(end.kind, EventKind::Resolved, "{}", end.message);
+    assert!(end.message.contains("approved by ann"), "{}", end.message);
+    bridge.stop().await?;
+    crew.shutdown().await
+}

@@ -185,12 +185,7 @@ impl Sshd {
     /// off by a partition: the connections stay up, nothing on them answers. New connections
     /// are still served. The guard resumes them (SIGCONT) when dropped.
     pub fn freeze_connections(&self) -> Frozen {
-        let pids = self.child.as_ref().map(|c| descendants(c.id())).unwrap_or_default();
-        for &pid in &pids {
-            // SAFETY: kill(2) on pids that are this test's sshd's descendants.
-            unsafe { libc::kill(pid as i32, libc::SIGSTOP) };
-        }
-        Frozen { pids }
+        Frozen::stop(self.child.as_ref().map(|c| descendants(c.id())).unwrap_or_default())
     }
 
     /// Kill and start again on the same port with the same keys.
@@ -215,6 +210,15 @@ pub struct Frozen {
 }
 
 impl Frozen {
+    /// Stop `pids` (SIGSTOP), a test's own processes, until the guard drops.
+    pub fn stop(pids: Vec<u32>) -> Frozen {
+        for &pid in &pids {
+            // SAFETY: kill(2) on pids the caller owns (its test's servers).
+            unsafe { libc::kill(pid as i32, libc::SIGSTOP) };
+        }
+        Frozen { pids }
+    }
+
     /// How many processes are stopped.
     pub fn count(&self) -> usize {
         self.pids.len()

@@ -68,6 +68,12 @@ impl NatsServer {
         self.spawn()
     }
 
+    /// Stop the server answering (SIGSTOP: connections stay open, nothing moves) until the
+    /// guard drops.
+    pub fn freeze(&self) -> pitcrew_exec::sshd::Frozen {
+        pitcrew_exec::sshd::Frozen::stop(self.child.as_ref().map(|c| vec![c.id()]).unwrap_or_default())
+    }
+
     /// Kill the server now (it stays down until `restart`).
     pub fn kill(&mut self) {
         if let Some(mut c) = self.child.take() {

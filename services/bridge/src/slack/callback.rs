@@ -24,6 +24,10 @@ use tokio::sync::Semaphore;
 /// Message updates and ephemeral answers in flight at once; beyond it they are skipped.
 const MAX_FOLLOW_UPS: usize = 32;
 
+/// Slack shows the clicker an error when no answer comes within 3 s: a decision still under
+/// way by then is answered as such, and its outcome follows on the response_url.
+const ANSWER_WITHIN: std::time::Duration = std::time::Duration::from_millis(2500);
+
 /// What the endpoint needs: where to publish, what to check, whom to believe.
 pub struct App {
     pub bus: Bus,
@@ -116,7 +120,7 @@ async fn interactions(State(app): State<Arc<App>>, headers: HeaderMap, body: Bod
         tracing::debug!(kind = %interaction.kind, "Slack interaction ignored: not a button");
         return StatusCode::OK.into_response();
     }
-    let user = interaction.user.as_ref().map(|u| u.id.as_str()).unwrap_or("");
+    let user = interaction.user.as_ref().map(|u| u.id.clone()).unwrap_or_default();
     // For the log: the run the button names, if it names one.
     let run = interaction
         .actions
@@ -124,17 +128,51 @@ async fn interactions(State(app): State<Arc<App>>, headers: HeaderMap, body: Bod
         .and_then(|a| message::parse_button_value(a.value.as_deref()?).ok())
         .map(|(run, _)| run.to_string())
         .unwrap_or_default();
-    match app.decide(&interaction, user).await {
-        Ok(None) => StatusCode::OK.into_response(),
-        Ok(Some(note)) => {
-            app.answer(&interaction, &note);
-            Json(message::ephemeral(&note)).into_response()
+    // The decision goes on whatever happens to this request (a decision cut off mid-publish
+    // could land with the clicker told it failed); the answer waits for it only so long.
+    let interaction = Arc::new(interaction);
+    let mut deciding = {
+        let (app, interaction, user) = (app.clone(), interaction.clone(), user.clone());
+        tokio::spawn(async move { app.decide(&interaction, &user).await })
+    };
+    let decided = match tokio::time::timeout(ANSWER_WITHIN, &mut deciding).await {
+        Ok(decided) => decided,
+        Err(_) => {
+            tracing::warn!(slack_user = %user, %run, "Slack decision slow (NATS or Postgres): answering that it follows");
+            tokio::spawn(async move {
+                let decided = deciding.await;
+                settle(&app, &interaction, &user, &run, decided, false);
+            });
+            let note = "Deciding takes longer than usual (NATS or Postgres is slow): the outcome follows here.";
+            return Json(message::ephemeral(note)).into_response();
         }
+    };
+    settle(&app, &interaction, &user, &run, decided, true)
+}
+
+/// What a click decided, told to the clicker: on the response_url, and as the HTTP answer when
+/// `answering` (the decision came in time for it).
+fn settle(
+    app: &App,
+    interaction: &Interaction,
+    user: &str,
+    run: &str,
+    decided: Result<Result<Option<String>, String>, tokio::task::JoinError>,
+    answering: bool,
+) -> Response {
+    let decided = decided.unwrap_or_else(|e| Err(format!("the decision failed inside the bridge: {e}")));
+    let note = match decided {
+        Ok(None) => return StatusCode::OK.into_response(),
+        Ok(Some(note)) => note,
         Err(why) => {
             tracing::warn!(slack_user = %user, %run, reason = %why, "Slack decision refused: nothing changed");
-            app.answer(&interaction, &why);
-            Json(message::ephemeral(&why)).into_response()
+            why
         }
+    };
+    app.answer(interaction, &note);
+    match answering {
+        true => Json(message::ephemeral(&note)).into_response(),
+        false => StatusCode::OK.into_response(),
     }
 }
 
