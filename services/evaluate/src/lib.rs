@@ -19,17 +19,10 @@ pub const BLOCK: f64 = 0.3;
 /// The evaluate stage.
 pub struct EvaluateStage;
 
-/// The program a command runs (after `sudo` and its flags), if it parses.
+/// The program a command runs, past its wrappers and their options (`sudo -u postgres`), as
+/// written, if it parses: as the policy gate reads it.
 pub fn program(command: &str) -> Option<String> {
-    let words = shell_words::split(command).ok()?;
-    let mut it = words.into_iter().peekable();
-    if it.peek().map(String::as_str) == Some("sudo") {
-        it.next();
-        while it.peek().is_some_and(|w| w.starts_with('-')) {
-            it.next();
-        }
-    }
-    it.next()
+    pitcrew_policy::program(command)
 }
 
 fn check(name: &str, weight: f64, passed: bool, detail: String) -> EvaluationCheck {
@@ -456,6 +449,9 @@ mod tests {
     #[test]
     fn program_skips_sudo_and_its_flags() {
         assert_eq!(program("sudo -n systemctl restart x").as_deref(), Some("systemctl"));
+        // An option's value is not the program.
+        assert_eq!(program("sudo -u postgres pg_ctl restart").as_deref(), Some("pg_ctl"));
+        assert_eq!(program("sudo -n -u app /opt/app/bin/start").as_deref(), Some("/opt/app/bin/start"));
         assert_eq!(program("'unterminated"), None);
         assert_eq!(program(""), None);
     }

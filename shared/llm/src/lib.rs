@@ -60,9 +60,11 @@ pub const ADMIN_PROGRAMS: &[&str] = &[
 pub fn fit_to_target(command: &str, target: &Target) -> Result<String, String> {
     let mut argv = shell_words::split(command).map_err(|e| format!("'{command}' does not parse: {e}"))?;
     let has_sudo = argv.first().map(String::as_str) == Some("sudo");
-    let at = if has_sudo { argv.iter().skip(1).position(|a| !a.starts_with('-')).map(|p| p + 1) } else { Some(0) };
-    let Some(at) = at.filter(|i| *i < argv.len()) else { return Err(format!("'{command}' names no program")) };
-    let program = argv[at].rsplit('/').next().unwrap_or(&argv[at]).to_string();
+    // The program past `sudo` and its options' values (`sudo -u postgres pg_ctl`), as the
+    // policy gate reads it.
+    let written = pitcrew_policy::program(command).ok_or_else(|| format!("'{command}' names no program"))?;
+    let Some(at) = argv.iter().position(|w| *w == written) else { return Err(format!("'{command}' names no program")) };
+    let program = written.rsplit('/').next().unwrap_or(&written).to_string();
     if target.lacks.contains(&program) {
         return Err(format!("needs {program}, which {} lacks", target.host));
     }
@@ -250,6 +252,14 @@ mod tests {
         assert_eq!(fit_to_target("/opt/web/bin/start --port 8080", &t).unwrap(), "/opt/web/bin/start --port 8080");
         assert!(fit_to_target("systemctl restart web", &t).unwrap_err().contains("pe1 lacks"));
         assert!(fit_to_target("sudo -n /bin/systemctl restart web", &t).unwrap_err().contains("systemctl"));
+        // An option's value is not the program: `sudo -u fuser` runs `systemctl`, which pe1 lacks.
+        let err = fit_to_target("sudo -u fuser systemctl restart web", &t).unwrap_err();
+        assert!(err.contains("needs systemctl"), "{err}");
+        assert_eq!(fit_to_target("sudo -u postgres pg_ctl restart", &t).unwrap(), "sudo -u postgres pg_ctl restart");
+        assert_eq!(
+            fit_to_target("sudo -u root apt-get install nginx", &t).unwrap(),
+            "sudo -u root apt-get install -y nginx"
+        );
         let root = Target { host: "local".into(), ..Default::default() };
         assert_eq!(fit_to_target("systemctl restart web", &root).unwrap(), "systemctl restart web");
         assert_eq!(fit_to_target("echo 'a b'", &root).unwrap(), "echo 'a b'");

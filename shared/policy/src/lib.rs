@@ -17,6 +17,14 @@ use serde::Deserialize;
 use std::io::Read;
 use std::path::{Path, PathBuf};
 
+/// The program a command runs past its wrappers and their options' values (`sudo -u app`,
+/// `env X=1`, `nice -n 5`, `timeout 30`), as written (`/opt/app/bin/start`, `systemctl`): the
+/// same reading the gate judges. None when the command does not parse or names no program.
+pub fn program(command: &str) -> Option<String> {
+    let argv = shell_words::split(command).ok()?;
+    Some(shell::unwrap(&argv).path).filter(|p| !p.is_empty())
+}
+
 /// The shipped rules; a test proves they parse.
 const DEFAULT_TOML: &str = include_str!("../policy.toml");
 /// Largest policy file read.
