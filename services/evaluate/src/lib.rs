@@ -122,7 +122,8 @@ pub fn assess(state: &RunState, found: &Findings, max_attempts: u32) -> Evaluati
         },
     ));
 
-    let repeated: Vec<&String> = commands.iter().filter(|c| failed.contains(c)).collect();
+    let repeated: Vec<&String> =
+        commands.iter().filter(|c| failed.iter().any(|f| pitcrew_policy::same_command(f, c))).collect();
     checks.push(check(
         "not_repeated",
         0.2,
@@ -349,6 +350,10 @@ mod tests {
         let ev = assess(&s, &found(&["systemctl restart web"], &["systemctl"], None), 3);
         assert_eq!(ev.verdict, Verdict::Regenerate);
         assert!(ev.feedback.unwrap().contains("already failed"));
+        // The same words spelled otherwise are the same command.
+        let s = state(&["connection refused"], &["systemctl  restart 'web'"]);
+        let ev = assess(&s, &found(&["systemctl restart web"], &["systemctl"], None), 3);
+        assert_eq!(ev.verdict, Verdict::Regenerate);
     }
 
     #[test]

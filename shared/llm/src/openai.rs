@@ -692,7 +692,8 @@ impl OpenAi {
         for c in raw {
             let fitted = fit_to_target(&c, input.target)?;
             let mut never = input.failed_commands.iter().chain(input.rejected_commands);
-            if never.any(|f| f.trim() == fitted || f.trim() == c) {
+            let same = pitcrew_policy::same_command;
+            if never.any(|f| same(f, &fitted) || same(f, &c)) {
                 return Err(format!("`{fitted}` already failed or was rejected"));
             }
             out.push(fitted);

@@ -25,6 +25,16 @@ pub fn program(command: &str) -> Option<String> {
     Some(shell::unwrap(&argv).path).filter(|p| !p.is_empty())
 }
 
+/// Whether two commands are the same words (`systemctl  restart 'web'` is `systemctl restart
+/// web`): what already failed or was refused is not proposed again in another spelling. Either
+/// not parsing, the same text.
+pub fn same_command(a: &str, b: &str) -> bool {
+    match (shell_words::split(a), shell_words::split(b)) {
+        (Ok(x), Ok(y)) => x == y,
+        _ => a.trim() == b.trim(),
+    }
+}
+
 /// The shipped rules; a test proves they parse.
 const DEFAULT_TOML: &str = include_str!("../policy.toml");
 /// Largest policy file read.
