@@ -56,6 +56,10 @@ pub enum Change {
 /// and published, again the next round, a recovery included.
 #[derive(Debug, Default, Clone)]
 pub struct Tracker {
+    /// Failed checks in a row before a service reads as down (0 reads as 1).
+    threshold: u32,
+    /// Services failing but not yet down: how many checks in a row, since when.
+    failing: HashMap<String, (u32, chrono::DateTime<chrono::Utc>)>,
     /// Services currently down.
     down: HashMap<String, Outage>,
     /// When each service was last reported at once after its run resolved (a relapse).
@@ -87,6 +91,12 @@ impl Outage {
 }
 
 impl Tracker {
+    /// A tracker that takes a service for down after `threshold` failed checks in a row: one
+    /// lost SSH connection or slow answer must not open an incident (and a remediation).
+    pub fn new(threshold: u32) -> Tracker {
+        Tracker { threshold, ..Default::default() }
+    }
+
     /// Fold one check result in: what should be published. A service still down is reported
     /// again after `realert` (intake deduplicates by fingerprint while its run is open).
     pub fn observe(
@@ -96,11 +106,22 @@ impl Tracker {
         now: chrono::DateTime<chrono::Utc>,
         realert: Duration,
     ) -> Change {
+        if healthy {
+            self.failing.remove(service);
+        }
         match (healthy, self.down.get(service)) {
             (true, None) => Change::Nothing,
             (true, Some(_)) => Change::Recovered,
             (false, None) => {
-                self.down.insert(service.to_string(), Outage::new(now));
+                let (count, first) = self.failing.entry(service.to_string()).or_insert((0, now));
+                *count += 1;
+                if *count < self.threshold.max(1) {
+                    return Change::Nothing;
+                }
+                // Down since its first failed check of the row.
+                let since = *first;
+                self.failing.remove(service);
+                self.down.insert(service.to_string(), Outage::new(since));
                 Change::Down
             }
             (false, Some(Outage { reported: None, .. })) => Change::Down,
@@ -240,10 +261,11 @@ pub async fn run(
     executor: Arc<dyn Executor>,
     every: Duration,
     realert: Duration,
+    threshold: u32,
     shutdown: impl Future<Output = ()>,
 ) {
     tokio::pin!(shutdown);
-    let mut tracker = Tracker::default();
+    let mut tracker = Tracker::new(threshold);
     tracing::info!(services = services.len(), every_ms = every.as_millis() as u64, "monitor running");
     loop {
         // A round is raced with shutdown: its checks and publishes may each take seconds while
@@ -371,6 +393,22 @@ mod tests {
         assert_eq!(round(&mut t, true, s(3710)), Change::Recovered);
         assert_eq!(round(&mut t, true, s(3720)), Change::Nothing);
         assert_eq!(t.down_since("web"), None);
+    }
+
+    #[test]
+    fn a_service_is_down_only_after_failing_the_checks_in_a_row_the_threshold_asks() {
+        let mut t = Tracker::new(2);
+        let t0 = chrono::Utc::now();
+        let s = |n: i64| t0 + chrono::Duration::seconds(n);
+        let hour = Duration::from_secs(3600);
+        // One failed check (a lost connection), then healthy again: nothing to report.
+        assert_eq!(t.observe("web", false, s(0), hour), Change::Nothing);
+        assert_eq!(t.observe("web", true, s(10), hour), Change::Nothing);
+        // A healthy check in between starts the count again.
+        assert_eq!(t.observe("web", false, s(20), hour), Change::Nothing);
+        assert_eq!(t.down_since("web"), None);
+        assert_eq!(t.observe("web", false, s(30), hour), Change::Down);
+        assert_eq!(t.down_since("web"), Some(s(20)), "down since the first failed check of the row");
     }
 
     #[test]

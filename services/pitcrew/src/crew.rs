@@ -212,6 +212,7 @@ pub async fn monitor(cfg: Config, shutdown: Shutdown) -> anyhow::Result<()> {
         executor,
         Duration::from_millis(cfg.monitor.interval_ms.max(100)),
         Duration::from_secs(cfg.monitor.realert_secs),
+        cfg.monitor.failures_before_incident,
         shutdown,
     )
     .await;

@@ -393,6 +393,9 @@ pub struct MonitorConfig {
     /// A service still down is reported again this often (intake deduplicates while its
     /// run is open); at once when the run of its outage resolved (a relapse).
     pub realert_secs: u64,
+    /// Failed checks in a row before a service is reported down (1: the first): one lost
+    /// connection or slow answer opens no incident, and no remediation of a healthy service.
+    pub failures_before_incident: u32,
 }
 
 impl Default for Config {
@@ -434,7 +437,7 @@ impl Default for Config {
             },
             policy: PolicyConfig { file: None },
             verify: VerifyConfig { checks: 3, interval_ms: 500 },
-            monitor: MonitorConfig { interval_ms: 30_000, realert_secs: 3600 },
+            monitor: MonitorConfig { interval_ms: 30_000, realert_secs: 3600, failures_before_incident: 2 },
             hosts: BTreeMap::new(),
             services: BTreeMap::new(),
             approvers: BTreeMap::new(),
@@ -627,6 +630,12 @@ impl Config {
                 "limits.approval_timeout_secs ({}) must be 1 to {MAX_APPROVAL_TIMEOUT_SECS} (30 days): an approval \
                  nobody decides in that long is for escalation",
                 self.limits.approval_timeout_secs
+            ));
+        }
+        if !(1..=100).contains(&self.monitor.failures_before_incident) {
+            return bad(format!(
+                "monitor.failures_before_incident ({}) must be 1 to 100",
+                self.monitor.failures_before_incident
             ));
         }
         if self.stages.concurrency == 0 || self.database.pool_size == 0 {
