@@ -105,6 +105,8 @@ impl Gateway {
         Ok(match (now.seen, now.before) {
             // Not opened again (yet) under the last id: the one before it is the latest.
             (IncidentSeen::New, Some(before)) => before,
+            // It joined a run still open: that run is the one remediating it.
+            (IncidentSeen::JoinedOpen(run), _) => run,
             _ => now.id,
         })
     }

@@ -302,6 +302,10 @@ async fn an_alert_opened_again_gets_its_resolution_on_the_run_it_opened() -> any
     let (_, body) = api.post(AM, "otto", &alert("firing", "2026-11-22T08:00:00Z")).await?;
     let second = run_of(&body)?;
     api.crew.events.kind(second, EventKind::Duplicate, WAIT).await?;
+    // While the run it joined is open, its resolution at the source is news for that run.
+    let (_, body) = api.post(AM, "otto", &alert("resolved", "2026-11-22T08:00:00Z")).await?;
+    assert_eq!(body["alerts"][0]["outcome"], "recorded", "{body}");
+    api.crew.events.wait(first, |e| e.kind == EventKind::Status && e.data["alert"] == "resolved", WAIT).await?;
     let (status, body) = api.post(&format!("/v1/runs/{first}/deny"), "ann", &json!({"reason": "not now"})).await?;
     assert_eq!(status, StatusCode::ACCEPTED, "{body}");
     api.crew.end(first).await?;

@@ -48,6 +48,9 @@ pub enum IncidentSeen {
     /// again (an Alertmanager alert keeps its id while it fires) is a fault that run did not
     /// end: it must be published again to open a run of its own.
     JoinedClosed(Uuid),
+    /// It joined this run (same fingerprint), still open: news of it (its resolution at the
+    /// source) belongs there, not on its own timeline, which ended in `duplicate`.
+    JoinedOpen(Uuid),
 }
 
 /// What intake found when it tried to start a run.
@@ -240,6 +243,7 @@ impl Store {
         let own: bool = row.get(2);
         Ok(match joined {
             Some(run) if !own && joined_open != Some(true) => IncidentSeen::JoinedClosed(run),
+            Some(run) if !own => IncidentSeen::JoinedOpen(run),
             _ => IncidentSeen::Taken,
         })
     }
