@@ -660,3 +660,31 @@ async fn the_services_own_commands_reach_the_model_redacted() -> anyhow::Result<
 fn diagnosis_of(summary: &str) -> pitcrew_model::Diagnosis {
     pitcrew_model::Diagnosis { attempt: 1, summary: summary.into(), source: "test".into(), grounds: Vec::new() }
 }
+
+#[tokio::test]
+async fn an_endpoint_refusing_an_optional_field_is_asked_again_without_it_from_then_on() -> anyhow::Result<()> {
+    // An Azure api-version older than stream_options answers 400 naming it.
+    let llm = ScriptedLlm::start(Vec::new()).await?;
+    llm.respond_with(|body| {
+        if body.get("stream_options").is_some() {
+            Reply::status(400, "Unrecognized request argument supplied: stream_options")
+        } else {
+            Reply::answer(DIAGNOSIS)
+        }
+    });
+    let p = provider(&llm, |c| c.stream = true);
+    let case = Case::new();
+    let streamed = Streamed::default();
+    let mut input = case.input();
+    input.progress = Some(&streamed);
+    for _ in 0..2 {
+        let d = p.diagnose(&input).await?;
+        assert_eq!(d.summary, "web is not running: nothing listens on 8080");
+    }
+    let seen = llm.requests();
+    assert_eq!(seen.len(), 3, "refused once, then never sent again");
+    assert!(seen[0].body.get("stream_options").is_some());
+    assert!(seen[1..].iter().all(|r| r.body.get("stream_options").is_none() && r.body["stream"] == true));
+    assert!(!streamed.0.lock().unwrap().is_empty(), "the answers still streamed");
+    Ok(())
+}

@@ -158,7 +158,15 @@ pub struct OpenAi {
     fallback: Playbook,
     /// Everything this provider spent since start-up.
     total: UsageMeter,
+    /// Optional request fields the endpoint refused (an older Azure api-version answers 400
+    /// `Unrecognized request argument supplied: stream_options`): no longer sent.
+    refused: std::sync::Mutex<Vec<&'static str>>,
 }
+
+/// Request fields a call can do without: refused by an endpoint, they are dropped and the call
+/// sent again, rather than every run failing on a setting (`stream_options` only adds the
+/// usage to a streamed answer; `parallel_tool_calls` only says several calls may come at once).
+const OPTIONAL_FIELDS: [&str; 2] = ["stream_options", "parallel_tool_calls"];
 
 impl std::fmt::Debug for OpenAi {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -266,6 +274,7 @@ impl OpenAi {
             http,
             fallback,
             total: UsageMeter::default(),
+            refused: Default::default(),
         })
     }
 
@@ -349,9 +358,14 @@ impl OpenAi {
             body["stream"] = Value::Bool(true);
             body["stream_options"] = json!({ "include_usage": true });
         }
+        let refused = self.refused.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        if let Some(fields) = body.as_object_mut() {
+            fields.retain(|k, _| !refused.contains(&k.as_str()));
+        }
         let url = self.url(model);
         let mut last = String::new();
-        for attempt in 0..=self.cfg.max_retries {
+        let mut attempt = 0;
+        while attempt <= self.cfg.max_retries {
             // A slot per try, not per call: a call waiting out a 429's `Retry-After` holds none,
             // and the other runs' calls go on meanwhile.
             let permit = self.permits.acquire().await.map_err(|_| ReasonError::Transient("provider closed".into()))?;
@@ -378,6 +392,17 @@ impl OpenAi {
             LLM_CALLS.inc(&["openai", model, outcome]);
             LLM_SECONDS.observe(&["openai", model], began.elapsed().as_secs_f64());
             let wait = match step {
+                Step::Done(Err(e @ ReasonError::Failed(_))) if outcome == "client_error" => {
+                    // Refused for an optional field it names: sent again without it (not a try).
+                    let named = OPTIONAL_FIELDS.into_iter().find(|f| body.get(*f).is_some() && last.contains(f));
+                    if let Some(field) = named {
+                        tracing::warn!(model, field, error = %last, "the endpoint refuses an optional field: no longer sent");
+                        self.refused.lock().unwrap_or_else(|p| p.into_inner()).push(field);
+                        body.as_object_mut().map(|b| b.remove(field));
+                        continue;
+                    }
+                    return Err(e);
+                }
                 Step::Done(res) => return res.map(Message::storable),
                 Step::Retry(wait) => wait,
             };
@@ -385,6 +410,7 @@ impl OpenAi {
                 tracing::warn!(model, attempt = attempt + 1, wait_ms = wait.as_millis() as u64, error = %last, "llm call failed; retrying");
                 tokio::time::sleep(wait).await;
             }
+            attempt += 1;
         }
         Err(ReasonError::Transient(format!("{} after {} tries: {last}", self.endpoint(), self.cfg.max_retries + 1)))
     }
