@@ -688,3 +688,35 @@ async fn an_endpoint_refusing_an_optional_field_is_asked_again_without_it_from_t
     assert!(!streamed.0.lock().unwrap().is_empty(), "the answers still streamed");
     Ok(())
 }
+
+#[tokio::test]
+async fn a_long_streamed_answer_outlasts_the_timeout_while_it_keeps_coming_and_a_stalled_one_does_not(
+) -> anyhow::Result<()> {
+    // Every part within the 1 s timeout, the whole answer well past it.
+    let llm = ScriptedLlm::start(vec![
+        Reply::answer(DIAGNOSIS).trickled(Duration::from_millis(150)),
+        Reply::answer(DIAGNOSIS).trickled(Duration::from_millis(1600)),
+    ])
+    .await?;
+    let p = provider(&llm, |c| {
+        c.stream = true;
+        c.timeout_secs = 1;
+        c.max_retries = 0;
+    });
+    let case = Case::new();
+    let streamed = Streamed::default();
+    let mut input = case.input();
+    input.progress = Some(&streamed);
+    let started = Instant::now();
+    let d = p.diagnose(&input).await?;
+    assert_eq!(d.summary, "web is not running: nothing listens on 8080");
+    assert!(started.elapsed() > Duration::from_secs(1), "{:?}", started.elapsed());
+    // A stream that stops coming is cut after the timeout, not left to the whole cap.
+    let started = Instant::now();
+    match p.diagnose(&input).await {
+        Err(ReasonError::Transient(e)) => assert!(e.contains("no part of the answer within 1 s"), "{e}"),
+        other => panic!("a stalled stream is retried later: {other:?}"),
+    }
+    assert!(started.elapsed() < Duration::from_secs(3), "{:?}", started.elapsed());
+    Ok(())
+}

@@ -49,7 +49,9 @@ pub struct OpenAiConfig {
     pub api_key_env: String,
     /// Azure OpenAI: the `api-version` query parameter; deployments are named by `model`.
     pub azure_api_version: Option<String>,
-    /// Per request, including reading the answer.
+    /// Per request, including reading the answer; a streamed answer may take up to
+    /// `STREAM_CAP` times this in all, as long as no wait between two of its chunks is longer
+    /// (a slow local model writing a long answer is not cut off, a stalled one is).
     pub timeout_secs: u64,
     /// Retries on 429, 5xx, timeouts and connection errors (so up to 1 + this many calls).
     pub max_retries: u32,
@@ -162,6 +164,9 @@ pub struct OpenAi {
     /// `Unrecognized request argument supplied: stream_options`): no longer sent.
     refused: std::sync::Mutex<Vec<&'static str>>,
 }
+
+/// A streamed answer may take this many times `timeout_secs` in all.
+const STREAM_CAP: u32 = 5;
 
 /// Request fields a call can do without: refused by an endpoint, they are dropped and the call
 /// sent again, rather than every run failing on a setting (`stream_options` only adds the
@@ -370,6 +375,10 @@ impl OpenAi {
             // and the other runs' calls go on meanwhile.
             let permit = self.permits.acquire().await.map_err(|_| ReasonError::Transient("provider closed".into()))?;
             let mut req = self.http.post(&url).json(&body);
+            if progress.is_some() {
+                // Bounded per chunk in `streamed`, and in all by the cap.
+                req = req.timeout(Duration::from_secs(self.cfg.timeout_secs.max(1)).saturating_mul(STREAM_CAP));
+            }
             if let Some(k) = &self.key {
                 req = match self.cfg.azure_api_version {
                     Some(_) => req.header("api-key", k),
@@ -506,7 +515,11 @@ impl OpenAi {
         let mut done = false;
         let mut finished = false;
         while !done {
-            let Some(chunk) = resp.chunk().await.map_err(|e| without_url(&e))? else { break };
+            let idle = Duration::from_secs(self.cfg.timeout_secs.max(1));
+            let next = tokio::time::timeout(idle, resp.chunk())
+                .await
+                .map_err(|_| format!("no part of the answer within {} s", idle.as_secs()))?;
+            let Some(chunk) = next.map_err(|e| without_url(&e))? else { break };
             total += chunk.len();
             if total > MAX_RESPONSE {
                 return Err(format!("answer larger than {MAX_RESPONSE} bytes"));

@@ -18,6 +18,8 @@ pub struct Reply {
     body: Value,
     delay: Duration,
     ending: Ending,
+    /// Streamed, the wait before each event after the first.
+    trickle: Duration,
 }
 
 /// How a streamed answer ends.
@@ -55,6 +57,7 @@ impl Reply {
             body: completion_body(message),
             delay: Duration::ZERO,
             ending: Ending::Done,
+            trickle: Duration::ZERO,
         }
     }
 
@@ -71,7 +74,15 @@ impl Reply {
             body: json!({ "error": { "message": message, "type": "scripted", "code": code } }),
             delay: Duration::ZERO,
             ending: Ending::Done,
+            trickle: Duration::ZERO,
         }
+    }
+
+    /// Streamed, each event after the first comes `gap` after the one before (a slow model
+    /// writing a long answer).
+    pub fn trickled(mut self, gap: Duration) -> Reply {
+        self.trickle = gap;
+        self
     }
 
     /// Streamed, the answer breaks off halfway: the connection closes with no finish reason
@@ -224,7 +235,7 @@ async fn serve(
         add_usage(&mut body, prompt);
     }
     if reply.status == 200 && wants_stream {
-        return stream(conn, &reply.headers, &body, &reply.ending).await;
+        return stream(conn, &reply.headers, &body, &reply.ending, reply.trickle).await;
     }
     crate::http::write_json(&mut conn, reply.status, &reply.headers, &body.to_string()).await?;
     Ok(())
@@ -237,6 +248,7 @@ async fn stream(
     headers: &[(String, String)],
     body: &Value,
     ending: &Ending,
+    trickle: Duration,
 ) -> anyhow::Result<()> {
     let mut head = String::from("HTTP/1.1 200 Scripted\r\ncontent-type: text/event-stream\r\nconnection: close\r\n");
     for (k, v) in headers {
@@ -278,7 +290,10 @@ async fn stream(
     if let Ending::Error(message) = ending {
         events.push(json!({ "error": { "message": message, "type": "server_error" } }));
     }
-    for e in events {
+    for (i, e) in events.into_iter().enumerate() {
+        if i > 0 {
+            tokio::time::sleep(trickle).await;
+        }
         conn.write_all(format!("data: {e}\n\n").as_bytes()).await?;
     }
     if *ending != Ending::Cut {
