@@ -271,7 +271,7 @@ mod tests {
     #[tokio::test]
     async fn a_webhook_whose_channel_refuses_is_retried_slowly_and_a_bad_payload_is_not() {
         let hook = |base: &str| {
-            SlackApi::new(base, None, Some(Secret::new(&format!("{base}/hook"))), Duration::from_secs(5)).unwrap()
+            SlackApi::new(base, None, Some(Secret::new(format!("{base}/hook"))), Duration::from_secs(5)).unwrap()
         };
         for (status, said) in
             [(404, "channel_not_found"), (410, "channel_is_archived"), (403, "action_prohibited"), (404, "no_service")]
