@@ -26,7 +26,10 @@ pub fn plan_commands(answer: &str) -> Result<Vec<String>, String> {
             let shell = if tagged.is_empty() { blocks.iter().filter(|b| b.tag.is_empty()).collect() } else { tagged };
             match shell.as_slice() {
                 [] => return Err("no shell block (```sh) in the answer".into()),
-                [one] => one.lines.iter().filter_map(|l| fenced_command(l)).collect::<Result<_, _>>()?,
+                [one] => {
+                    let console = ["console", "shell-session"].contains(&one.tag.as_str());
+                    one.lines.iter().filter_map(|l| fenced_command(l, console)).collect::<Result<_, _>>()?
+                }
                 more => return Err(format!("{} shell blocks in the answer, not one", more.len())),
             }
         }
@@ -55,24 +58,45 @@ struct Block {
     lines: Vec<String>,
 }
 
+/// An opening fence (CommonMark): three or more backticks or tildes, then an info string (no
+/// backtick in it after backticks: ```` ```x``` ```` is inline code). Its character, its
+/// length and the info string's first word, lowercased.
+fn opening_fence(line: &str) -> Option<(char, usize, String)> {
+    let t = line.trim_start();
+    let c = t.chars().next().filter(|c| *c == '`' || *c == '~')?;
+    let n = t.chars().take_while(|x| *x == c).count();
+    let info = &t[n..];
+    if n < 3 || (c == '`' && info.contains('`')) {
+        return None;
+    }
+    Some((c, n, info.split_whitespace().next().unwrap_or("").to_ascii_lowercase()))
+}
+
+/// Whether `line` closes a block opened with `n` of `c`: as many or more, nothing after.
+fn closes(line: &str, c: char, n: usize) -> bool {
+    let t = line.trim();
+    t.chars().take_while(|x| *x == c).count() >= n && t.chars().all(|x| x == c)
+}
+
 /// The answer's fenced blocks, or an error when one is left open (a cut-off answer).
 fn fenced_blocks(answer: &str) -> Result<Vec<Block>, String> {
     let mut blocks = Vec::new();
-    let mut open: Option<Block> = None;
+    let mut open: Option<(char, usize, Block)> = None;
     for line in answer.lines() {
-        let t = line.trim_start();
-        if let Some(info) = t.strip_prefix("```") {
-            match open.take() {
-                Some(block) => blocks.push(block),
-                None => {
-                    let tag = info.trim_start_matches('`').split_whitespace().next().unwrap_or("").to_ascii_lowercase();
-                    open = Some(Block { tag, lines: Vec::new() });
+        match open.as_mut() {
+            Some((c, n, block)) => {
+                if closes(line, *c, *n) {
+                    let (_, _, block) = open.take().expect("open");
+                    blocks.push(block);
+                } else {
+                    block.lines.push(line.to_string());
                 }
             }
-            continue;
-        }
-        if let Some(block) = open.as_mut() {
-            block.lines.push(line.to_string());
+            None => {
+                if let Some((c, n, tag)) = opening_fence(line) {
+                    open = Some((c, n, Block { tag, lines: Vec::new() }));
+                }
+            }
         }
     }
     match open {
@@ -82,10 +106,23 @@ fn fenced_blocks(answer: &str) -> Result<Vec<Block>, String> {
 }
 
 /// One command from a line of a shell block: verbatim (the policy gate sees what the model
-/// wrote), but for a `$ ` prompt; None for blanks and comments.
-fn fenced_command(line: &str) -> Option<Result<String, String>> {
+/// wrote), but for a `$ ` prompt, a list marker (`1. `) and backticks around the whole line;
+/// None for blanks and comments. In a `console` block (a terminal session) only lines with a
+/// prompt (`$ `, or root's `# `) are commands: the rest is their output.
+fn fenced_command(line: &str, console: bool) -> Option<Result<String, String>> {
     let t = line.trim();
-    let t = t.strip_prefix("$ ").unwrap_or(t).trim();
+    let t = if console {
+        t.strip_prefix("$ ").or_else(|| t.strip_prefix("# "))?
+    } else {
+        let t = &t[list_marker_len(t)..];
+        let t = t.strip_prefix("$ ").unwrap_or(t).trim();
+        // `` `systemctl restart web` ``: the whole line in inline code, not a substitution.
+        match t.strip_prefix('`').and_then(|x| x.strip_suffix('`')) {
+            Some(code) if !code.contains('`') => code,
+            _ => t,
+        }
+    };
+    let t = t.trim();
     if t.is_empty() || t.starts_with('#') {
         return None;
     }
@@ -217,6 +254,31 @@ mod tests {
         assert!(plan_commands("```json\n{\"a\": 1}\n```").unwrap_err().contains("no shell block"));
         // A cut-off answer is not read as far as it went.
         assert!(plan_commands("```sh\nsystemctl stop web\n").unwrap_err().contains("left open"));
+    }
+
+    #[test]
+    fn fences_follow_commonmark() {
+        // Tildes fence too: a log quoted in one is a quote.
+        let answer = "~~~\nrm -rf /var/lib/web\n~~~\n```sh\nsystemctl restart web\n```";
+        assert_eq!(plan(answer), v(&["systemctl restart web"]));
+        assert_eq!(plan("~~~bash\nsystemctl restart web\n~~~"), v(&["systemctl restart web"]));
+        // Triple backticks on one line are inline code, not a fence.
+        assert_eq!(plan("```systemctl restart web```\n```sh\n/opt/web/start\n```"), v(&["/opt/web/start"]));
+        // A fence inside a longer one is content; a closing fence has nothing after it.
+        let nested = "````text\n```sh\nreboot\n```\n````\n```sh\n/opt/web/start\n``` then check\n```";
+        assert_eq!(plan(nested), v(&["/opt/web/start", "``` then check"]));
+    }
+
+    #[test]
+    fn a_console_block_gives_its_prompted_lines_not_their_output() {
+        let answer = "```console\n$ systemctl restart web\n● web.service - Web\n# /opt/web/check\n```";
+        assert_eq!(plan(answer), v(&["systemctl restart web", "/opt/web/check"]));
+    }
+
+    #[test]
+    fn a_fenced_line_in_backticks_or_numbered_is_read_as_its_command() {
+        let answer = "```bash\n`sudo systemctl restart web`\n2. /opt/web/check\n```";
+        assert_eq!(plan(answer), v(&["sudo systemctl restart web", "/opt/web/check"]));
     }
 
     #[test]
