@@ -184,6 +184,14 @@ impl Tracker {
             }
         }
         self.relapsed.insert(service.to_string(), now);
+        if self.threshold > 1 {
+            // A new outage like any other: down once the checks in a row the threshold asks
+            // have failed, this one the first (one lost connection right after a fix opens
+            // nothing either).
+            self.down.remove(service);
+            self.failing.insert(service.to_string(), (1, now));
+            return Change::Nothing;
+        }
         self.down.insert(service.to_string(), Outage::new(now));
         Change::Down
     }
@@ -409,6 +417,15 @@ mod tests {
         assert_eq!(t.down_since("web"), None);
         assert_eq!(t.observe("web", false, s(30), hour), Change::Down);
         assert_eq!(t.down_since("web"), Some(s(20)), "down since the first failed check of the row");
+        t.reported("web", &Change::Down, s(30));
+        // Its run resolved, and one check fails right after: a relapse, once the threshold's
+        // checks in a row have failed, not on the first.
+        assert_eq!(t.observe("web", false, s(40), hour), Change::Nothing, "reported recently");
+        assert_eq!(t.relapsed("web", s(40), hour), Change::Nothing);
+        assert_eq!(t.observe("web", true, s(50), hour), Change::Nothing, "one lost connection: nothing to report");
+        assert_eq!(t.observe("web", false, s(60), hour), Change::Nothing);
+        assert_eq!(t.observe("web", false, s(70), hour), Change::Down);
+        assert_eq!(t.down_since("web"), Some(s(60)));
     }
 
     #[test]
