@@ -23,6 +23,10 @@ use uuid::Uuid;
 /// stage events (and of live thinking events), so a re-sent resolution writes nothing twice.
 pub const RESOLVED_EVENT_INDEX: u32 = 2_000_000;
 
+/// The indexes after `RESOLVED_EVENT_INDEX` for the resolutions of alerts that joined a run
+/// (one each, by the alert's id).
+const JOINED_RESOLUTIONS: u32 = 1_000_000;
+
 /// Whether the incident was published now or had been received before.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Received {
@@ -99,15 +103,16 @@ impl Gateway {
     }
 
     /// The last id `id` was opened again under, or `id` itself: where news of the alert (its
-    /// resolution at the source) belongs.
-    async fn latest_opening(&self, id: Uuid) -> Result<Uuid, ApiError> {
+    /// resolution at the source) belongs; with whether that is another alert's run, which it
+    /// joined while open.
+    async fn latest_opening(&self, id: Uuid) -> Result<(Uuid, bool), ApiError> {
         let now = self.opening(id).await?;
         Ok(match (now.seen, now.before) {
             // Not opened again (yet) under the last id: the one before it is the latest.
-            (IncidentSeen::New, Some(before)) => before,
+            (IncidentSeen::New, Some(before)) => (before, false),
             // It joined a run still open: that run is the one remediating it.
-            (IncidentSeen::JoinedOpen(run), _) => run,
-            _ => now.id,
+            (IncidentSeen::JoinedOpen(run), _) => (run, true),
+            _ => (now.id, false),
         })
     }
 
@@ -214,12 +219,19 @@ impl Gateway {
         if !self.store.incident_exists(run).await? {
             return Ok("no_run");
         }
-        let run = self.latest_opening(run).await?;
+        let alert = run;
+        let (run, joined) = self.latest_opening(run).await?;
+        // Its own run's resolution has its own place in that timeline; a joined run's has one
+        // per alert that joined it (the run's own alert may resolve too: both are news).
+        let index = match joined {
+            false => RESOLVED_EVENT_INDEX,
+            true => RESOLVED_EVENT_INDEX + 1 + (alert.as_u128() % JOINED_RESOLUTIONS as u128) as u32,
+        };
         let ended = ends_at.map(|t| t.to_rfc3339()).unwrap_or_else(|| "-".into());
         let event = RunEvent {
             run_id: run,
             seq: 0,
-            index: RESOLVED_EVENT_INDEX,
+            index,
             stage: Stage::Intake,
             kind: EventKind::Status,
             message: format!("alert resolved at the source (alertmanager, ended {ended})"),

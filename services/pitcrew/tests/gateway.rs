@@ -302,10 +302,24 @@ async fn an_alert_opened_again_gets_its_resolution_on_the_run_it_opened() -> any
     let (_, body) = api.post(AM, "otto", &alert("firing", "2026-11-22T08:00:00Z")).await?;
     let second = run_of(&body)?;
     api.crew.events.kind(second, EventKind::Duplicate, WAIT).await?;
-    // While the run it joined is open, its resolution at the source is news for that run.
+    // While the run it joined is open, its resolution at the source is news for that run,
+    // beside the resolution of the run's own alert: neither takes the other's place.
+    let (_, body) = api.post(AM, "otto", &alert("resolved", "2026-11-22T07:00:00Z")).await?;
+    assert_eq!(body["alerts"][0]["outcome"], "recorded", "{body}");
     let (_, body) = api.post(AM, "otto", &alert("resolved", "2026-11-22T08:00:00Z")).await?;
     assert_eq!(body["alerts"][0]["outcome"], "recorded", "{body}");
-    api.crew.events.wait(first, |e| e.kind == EventKind::Status && e.data["alert"] == "resolved", WAIT).await?;
+    let resolutions = |e: &pitcrew_model::RunEvent| e.kind == EventKind::Status && e.data["alert"] == "resolved";
+    let own = api.crew.events.wait(first, resolutions, WAIT).await?;
+    let joined = api.crew.events.wait(first, |e| resolutions(e) && e.index != own.index, WAIT).await?;
+    let db = api.crew.db().await?;
+    let stored: i64 = db
+        .query_one(
+            "SELECT count(*) FROM run_events WHERE run_id = $1 AND kind = 'status' AND data->>'alert' = 'resolved'",
+            &[&first],
+        )
+        .await?
+        .get(0);
+    assert_eq!(stored, 2, "both resolutions are on the run's timeline: {own:?} {joined:?}");
     let (status, body) = api.post(&format!("/v1/runs/{first}/deny"), "ann", &json!({"reason": "not now"})).await?;
     assert_eq!(status, StatusCode::ACCEPTED, "{body}");
     api.crew.end(first).await?;
