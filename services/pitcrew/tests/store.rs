@@ -1165,3 +1165,48 @@ async fn a_tls_handshake_cut_short_by_the_server_is_an_outage_to_wait_out() -> a
     }
     Ok(())
 }
+
+#[tokio::test]
+async fn listing_a_rare_status_or_one_service_uses_their_indexes_not_every_run() -> anyhow::Result<()> {
+    let db = TestDb::create().await?;
+    let store = store(&db).await?;
+    let pg = db.client().await?;
+    // A year of history: 20,000 finished runs over 50 services, and one waiting.
+    pg.batch_execute(
+        "INSERT INTO incidents (id, fingerprint, service, error, severity, received_at)
+           SELECT gen_random_uuid(), 'f' || n, 'svc-' || (n % 50), 'down', 'critical', now() - n * interval '30 minutes'
+           FROM generate_series(1, 20000) n;
+         INSERT INTO runs (id, fingerprint, status, stage, seq, attempt, state, created_at)
+           SELECT id, fingerprint, 'resolved', 'report', 8, 1, '{}', received_at FROM incidents;
+         UPDATE runs SET status = 'waiting_approval' WHERE fingerprint = 'f7';
+         ANALYZE incidents; ANALYZE runs;",
+    )
+    .await?;
+    let plan = |filter: pitcrew_runtime::store::RunFilter| {
+        let pg = &pg;
+        async move {
+            let explain = format!("EXPLAIN {}", filter.statement());
+            let rows = match (&filter.status, &filter.service) {
+                (Some(s), None) => pg.query(&explain, &[s, &filter.limit]).await?,
+                (None, Some(s)) => pg.query(&explain, &[s, &filter.limit]).await?,
+                _ => unreachable!(),
+            };
+            anyhow::Ok(rows.iter().map(|r| r.get::<_, String>(0)).collect::<Vec<_>>().join("\n"))
+        }
+    };
+    use pitcrew_runtime::store::RunFilter;
+    let waiting = RunFilter { status: Some("waiting_approval".into()), limit: 50, ..Default::default() };
+    let shown = plan(waiting.clone()).await?;
+    assert!(shown.contains("runs_status_created_at"), "{shown}");
+    let listed = store.list_runs(&waiting).await?;
+    assert_eq!(listed.len(), 1);
+    assert_eq!(listed[0].status, "waiting_approval");
+    let one = RunFilter { service: Some("svc-3".into()), limit: 50, ..Default::default() };
+    let shown = plan(one.clone()).await?;
+    assert!(shown.contains("incidents_service_received_at"), "{shown}");
+    let listed = store.list_runs(&one).await?;
+    assert_eq!(listed.len(), 50);
+    assert!(listed.iter().all(|r| r.service == "svc-3"));
+    assert!(listed.windows(2).all(|w| w[0].created_at >= w[1].created_at), "newest first");
+    Ok(())
+}

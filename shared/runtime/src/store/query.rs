@@ -18,6 +18,32 @@ pub struct RunFilter {
     pub limit: i64,
 }
 
+impl RunFilter {
+    /// The statement `Store::list_runs` runs: only the filters given, as plain predicates
+    /// (`$1` on), in the order status, service, since, until, then the limit. `($1 IS NULL OR
+    /// status = $1)` would keep a cached generic plan from the status and service indexes, and
+    /// a rare status would be found by reading every run.
+    pub fn statement(&self) -> String {
+        let given = [
+            self.status.as_ref().map(|_| "r.status ="),
+            self.service.as_ref().map(|_| "i.service ="),
+            self.since.as_ref().map(|_| "r.created_at >="),
+            self.until.as_ref().map(|_| "r.created_at <"),
+        ];
+        let mut sql = String::from(
+            "SELECT r.id, i.service, i.error, r.status, r.stage, r.attempt, r.reason, r.created_at, r.updated_at \
+             FROM runs r JOIN incidents i ON i.id = r.id",
+        );
+        let mut n = 0;
+        for predicate in given.into_iter().flatten() {
+            n += 1;
+            sql.push_str(&format!(" {} {predicate} ${n}", if n == 1 { "WHERE" } else { "AND" }));
+        }
+        sql.push_str(&format!(" ORDER BY r.created_at DESC LIMIT ${}", n + 1));
+        sql
+    }
+}
+
 /// One stored evaluation of a diagnosis and plan.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct EvaluationRow {
@@ -64,20 +90,17 @@ impl Store {
     /// Runs matching `filter`, newest first.
     pub async fn list_runs(&self, filter: &RunFilter) -> Result<Vec<RunSummary>, StoreError> {
         let client = self.client().await?;
-        let stmt = client
-            .prepare_cached(
-                "SELECT r.id, i.service, i.error, r.status, r.stage, r.attempt, r.reason, r.created_at, r.updated_at
-                 FROM runs r JOIN incidents i ON i.id = r.id
-                 WHERE ($1::text IS NULL OR r.status = $1)
-                   AND ($2::text IS NULL OR i.service = $2)
-                   AND ($3::timestamptz IS NULL OR r.created_at >= $3)
-                   AND ($4::timestamptz IS NULL OR r.created_at < $4)
-                 ORDER BY r.created_at DESC LIMIT $5",
-            )
-            .await?;
-        let rows = client
-            .query(&stmt, &[&filter.status, &filter.service, &filter.since, &filter.until, &filter.limit])
-            .await?;
+        let sql = filter.statement();
+        let mut params: Vec<&(dyn tokio_postgres::types::ToSql + Sync)> = Vec::new();
+        for value in [&filter.status, &filter.service].into_iter().flatten() {
+            params.push(value);
+        }
+        for value in [&filter.since, &filter.until].into_iter().flatten() {
+            params.push(value);
+        }
+        params.push(&filter.limit);
+        let stmt = client.prepare_cached(&sql).await?;
+        let rows = client.query(&stmt, &params).await?;
         Ok(rows
             .iter()
             .map(|r| RunSummary {
