@@ -84,7 +84,10 @@ pub async fn run_events(
     }
     let (deliver, end) = match resume {
         Some(next) => {
-            let end = if ended_on_bus(&gw, run).await? { End::CaughtUp } else { End::Terminal };
+            // Ended, by the bus or by Postgres (the bus keeps events 7 days): nothing more to
+            // wait for once the client has what is left.
+            let ended = ended_on_bus(&gw, run).await? || ended_in_store(&gw, run).await?;
+            let end = if ended { End::CaughtUp } else { End::Terminal };
             (DeliverPolicy::ByStartSequence { start_sequence: next }, end)
         }
         None => (DeliverPolicy::All, End::Terminal),
@@ -100,6 +103,11 @@ async fn ended_on_bus(gw: &Gateway, run: Uuid) -> Result<bool, ApiError> {
         let kind: Option<EventKind> = serde_json::from_value(serde_json::Value::String(kind.to_string())).ok();
         kind.is_some_and(EventKind::is_terminal)
     }))
+}
+
+/// Whether the run's stored timeline has ended (the system of record).
+async fn ended_in_store(gw: &Gateway, run: Uuid) -> Result<bool, ApiError> {
+    Ok(gw.store.timeline(run).await?.iter().any(|e| e.kind.is_terminal()))
 }
 
 /// The subjects the bus holds events of the run on (one per kind of event: a few).
@@ -118,14 +126,15 @@ async fn subjects_on_bus(gw: &Gateway, run: Uuid) -> Result<Vec<String>, ApiErro
     listed.await.map_err(|e| nats(e.to_string()))?.map_err(nats)
 }
 
-/// A finished run whose events have expired from the bus (7 days) is replayed from its
-/// stored timeline in Postgres, the system of record; None when the bus still has them.
+/// A finished run whose end has expired from the bus (7 days) is replayed from its stored
+/// timeline in Postgres, the system of record; None when the bus still has its end (what it
+/// holds of the run besides, an event published after the end, could never end a stream).
 async fn stored_replay(gw: &Gateway, run: Uuid) -> Result<Option<EventStream>, ApiError> {
     let timeline = gw.store.timeline(run).await?;
     if !timeline.iter().any(|e| e.kind.is_terminal()) {
         return Ok(None);
     }
-    if !subjects_on_bus(gw, run).await?.is_empty() {
+    if ended_on_bus(gw, run).await? {
         return Ok(None);
     }
     let events: Vec<Result<Event, Infallible>> = timeline

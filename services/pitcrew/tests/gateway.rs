@@ -564,6 +564,36 @@ async fn a_run_streams_its_past_then_live_events_and_is_approved_over_http() -> 
     }
     assert_eq!(kinds.len(), rec["timeline"].as_array().map(Vec::len).unwrap_or_default(), "{kinds:?}");
     assert_eq!((kinds.first(), kinds.last()), (Some(&EventKind::Status), Some(&EventKind::Resolved)));
+    // A client resuming it with the last id it saw gets what is left (nothing) and the end,
+    // not keep-alives for ever: the run has ended, whatever the bus still holds.
+    let resumed = api
+        .req(reqwest::Method::GET, &format!("/v1/runs/{run}/events"), Some("rita"))
+        .header("last-event-id", "1")
+        .send()
+        .await?;
+    let body = tokio::time::timeout(Duration::from_secs(10), resumed.text()).await;
+    assert!(body.is_ok(), "the resumed stream of a finished run ended");
+    // An event published after the end (a late refusal) is on the bus, the end is not: the
+    // stored timeline is the run's, and it ends.
+    let late = pitcrew_model::RunEvent {
+        run_id: run,
+        seq: 99,
+        index: 0,
+        stage: Stage::Approval,
+        kind: EventKind::Error,
+        message: "approve ignored: the run is not waiting".into(),
+        data: json!({}),
+        worker: "test".into(),
+        at: chrono::Utc::now(),
+    };
+    let subject = api.crew.bus.subjects.event(run, late.kind.as_str());
+    api.crew.bus.js.publish(subject, serde_json::to_vec(&late)?.into()).await?.await?;
+    let mut replay = Sse::new(api.stream(&format!("/v1/runs/{run}/events"), "rita").await?);
+    let mut last = None;
+    while let Some((_, _, e)) = replay.next().await? {
+        last = Some(e.kind);
+    }
+    assert_eq!(last, Some(EventKind::Resolved));
     // A decision on a decided plan is refused with who decided it.
     let (status, body) = api.post(&format!("/v1/runs/{run}/deny"), "carol", &json!({"reason": "late"})).await?;
     assert_eq!(status, StatusCode::CONFLICT);
