@@ -788,7 +788,8 @@ async fn a_callback_too_slow_with_its_headers_or_its_body_holds_no_connection() 
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_click_while_nats_is_slow_is_answered_in_time_and_its_decision_still_lands() -> anyhow::Result<()> {
+async fn a_click_while_nats_is_slow_is_answered_in_time_and_its_decision_still_lands_across_a_stop(
+) -> anyhow::Result<()> {
     let (mut crew, slack, port) = setup().await?;
     let bridge = Bridge::start(&crew, port, "bridge").await?;
     let run = crew.open("svc", "stale lock held").await?;
@@ -804,12 +805,14 @@ async fn a_click_while_nats_is_slow_is_answered_in_time_and_its_decision_still_l
     assert_eq!(status, 200, "{text}");
     assert!(took < Duration::from_secs(3), "answered after {took:?}");
     assert!(text.contains("the outcome follows here"), "{text}");
+    // The bridge is stopped meanwhile: it waits for the decision under way before it exits.
+    let stopping = tokio::spawn(bridge.stop());
     tokio::time::sleep(Duration::from_secs(1)).await;
     drop(frozen);
+    stopping.await??;
     // The decision went on behind the answer: the plan Ann approved runs.
     let end = crew.end(run).await?;
     assert_eq!(end.kind, EventKind::Resolved, "{}", end.message);
     assert!(end.message.contains("approved by ann"), "{}", end.message);
-    bridge.stop().await?;
     crew.shutdown().await
 }

@@ -28,6 +28,9 @@ const MAX_FOLLOW_UPS: usize = 32;
 /// way by then is answered as such, and its outcome follows on the response_url.
 const ANSWER_WITHIN: std::time::Duration = std::time::Duration::from_millis(2500);
 
+/// Decisions under way at once; a click past them is told to click again.
+const MAX_DECIDING: usize = 64;
+
 /// What the endpoint needs: where to publish, what to check, whom to believe.
 pub struct App {
     pub bus: Bus,
@@ -38,12 +41,32 @@ pub struct App {
     pub api: SlackApi,
     pub signing_secret: Secret,
     follow_ups: Arc<Semaphore>,
+    /// A permit per decision under way: a stopping bridge waits for them all.
+    deciding: Arc<Semaphore>,
 }
 
 impl App {
     pub fn new(bus: Bus, store: Store, cfg: Arc<Config>, api: SlackApi, signing_secret: Secret) -> App {
         let users = cfg.bridge.slack.as_ref().map(|s| s.users.clone()).unwrap_or_default();
-        App { bus, store, cfg, users, api, signing_secret, follow_ups: Arc::new(Semaphore::new(MAX_FOLLOW_UPS)) }
+        App {
+            bus,
+            store,
+            cfg,
+            users,
+            api,
+            signing_secret,
+            follow_ups: Arc::new(Semaphore::new(MAX_FOLLOW_UPS)),
+            deciding: Arc::new(Semaphore::new(MAX_DECIDING)),
+        }
+    }
+
+    /// Wait, at most `within`, for the decisions under way (the callback server has stopped
+    /// taking clicks): one cut off at exit could land half-published behind its clicker.
+    pub async fn finish_decisions(&self, within: std::time::Duration) {
+        let all = self.deciding.acquire_many(MAX_DECIDING as u32);
+        if tokio::time::timeout(within, all).await.is_err() {
+            tracing::warn!(within_secs = within.as_secs(), "Slack decisions still under way at exit");
+        }
     }
 }
 
@@ -131,9 +154,17 @@ async fn interactions(State(app): State<Arc<App>>, headers: HeaderMap, body: Bod
     // The decision goes on whatever happens to this request (a decision cut off mid-publish
     // could land with the clicker told it failed); the answer waits for it only so long.
     let interaction = Arc::new(interaction);
+    let Ok(permit) = app.deciding.clone().try_acquire_owned() else {
+        tracing::warn!(slack_user = %user, %run, "too many Slack decisions under way: this click is refused");
+        return Json(message::ephemeral("Too many decisions are under way: click again in a moment.")).into_response();
+    };
     let mut deciding = {
         let (app, interaction, user) = (app.clone(), interaction.clone(), user.clone());
-        tokio::spawn(async move { app.decide(&interaction, &user).await })
+        tokio::spawn(async move {
+            let decided = app.decide(&interaction, &user).await;
+            drop(permit);
+            decided
+        })
     };
     let decided = match tokio::time::timeout(ANSWER_WITHIN, &mut deciding).await {
         Ok(decided) => decided,

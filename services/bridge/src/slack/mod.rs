@@ -81,7 +81,8 @@ pub async fn run(cfg: Config, secrets: Secrets, shutdown: Shutdown) -> anyhow::R
         %listen, api = %slack.api_url, channel = %slack.channel, webhook = slack.webhook_url_env.is_some(), users = slack.users.len(), durable = %slack.durable,
         "slack bridge running: posting approval requests, callbacks on POST /slack/interactions"
     );
-    let served = pitcrew_runtime::httpd::serve(listener, callback::router(app), shutdown).await;
+    let served = pitcrew_runtime::httpd::serve(listener, callback::router(app.clone()), shutdown).await;
+    app.finish_decisions(Duration::from_secs(15)).await;
     posting.await.context("the posting task failed")?;
     bus.flush_before_exit().await;
     tracing::info!("slack bridge stopped");
