@@ -541,7 +541,13 @@ pub struct StageSettings {
 /// A document that did not parse: its error may quote the line it stumbled on, a password
 /// and all (`url = "postgres://app:pa\ss@db/x"`, an invalid escape), and goes to stderr.
 fn unreadable(e: figment::Error) -> ConfigError {
-    ConfigError(pitcrew_model::redact::redact(&e.to_string()).into_owned())
+    // Every URL it quotes as `redact_url` shows it (a Postgres password may hold `/`, which
+    // the general patterns stop at), then the general patterns.
+    static URL: std::sync::LazyLock<regex::Regex> =
+        std::sync::LazyLock::new(|| regex::Regex::new(r#"(?i)[a-z][a-z0-9+.-]*://[^\s"']+"#).expect("url pattern"));
+    let text = e.to_string();
+    let urls = URL.replace_all(&text, |c: &regex::Captures<'_>| redact_url(&c[0]));
+    ConfigError(pitcrew_model::redact::redact(&urls).into_owned())
 }
 
 /// Longest `limits.approval_timeout_secs`: 30 days (the approvals stream keeps requests 90).
@@ -740,12 +746,16 @@ pub fn redact_url(url: &str) -> String {
     let lower = url.to_ascii_lowercase();
     let url = if lower.starts_with("postgres://") || lower.starts_with("postgresql://") {
         let at = url.find("://").map_or(0, |i| i + 3);
-        match url[at..].rfind('@').map(|end| &url[at..at + end]) {
-            Some(info) => match info.split_once(':') {
-                Some((user, _)) => format!("{}{user}:***{}", &url[..at], &url[at + info.len()..]),
-                None => url.to_string(),
-            },
-            None => url.to_string(),
+        let rest = &url[at..];
+        match (rest.find('@'), rest.rfind('@')) {
+            // A password is there when the user part (up to the first `@`) has a `:`; what it
+            // is may run to the last `@` (one left unencoded in it).
+            (Some(first), Some(last)) if rest[..first].contains(':') => {
+                let user = rest[..first].split(':').next().unwrap_or_default();
+                format!("{}{user}:***{}", &url[..at], &rest[last..])
+            }
+            // No password (`app@db/x?application_name=ops@team`): nothing to hide.
+            _ => url.to_string(),
         }
     } else {
         url.split(',').map(redact_one).collect::<Vec<_>>().join(",")
@@ -793,6 +803,11 @@ mod tests {
         assert_eq!(redact_url("postgres://app:a,b@db1,db2/x"), "postgres://app:***@db1,db2/x");
         assert_eq!(redact_url("postgresql://app:p?w@ss@db:5432/x"), "postgresql://app:***@db:5432/x");
         assert_eq!(redact_url("POSTGRES://app:s3cret@db/x"), "POSTGRES://app:***@db/x");
+        // An `@` in a parameter is no password.
+        assert_eq!(
+            redact_url("postgres://app@db:5432/x?application_name=ops@team"),
+            "postgres://app@db:5432/x?application_name=ops@team"
+        );
         assert_eq!(redact_url("nats://127.0.0.1:4222"), "nats://127.0.0.1:4222");
         // Every server of a list, not only the first.
         assert_eq!(redact_url("nats://a:p1@h1:4222,nats://b:p2@h2:4222"), "nats://a:***@h1:4222,nats://b:***@h2:4222");
@@ -894,6 +909,9 @@ mod tests {
         let e = Config::from_toml("[database]\nurl = \"postgres://app:hunter2\\q@db/x\"\n").unwrap_err().to_string();
         assert!(e.contains("bad configuration"), "{e}");
         assert!(!e.contains("hunter2"), "{e}");
+        // A password holding `/`, on a line left unterminated.
+        let e = Config::from_toml("[database]\nurl = \"postgres://app:Zx9/Qw+e@db/x\n").unwrap_err().to_string();
+        assert!(!e.contains("Zx9") && !e.contains("Qw+e"), "{e}");
     }
 
     #[test]
