@@ -167,61 +167,67 @@ pub async fn run(ssh: bool, llm: Option<LlmDemo>) -> anyhow::Result<()> {
         ('b', &toys[0], "the web service wedges; the fix needs SIGKILL, so an operator approves it"),
         ('c', &toys[1], "the batch service's config is broken; no restart fixes it"),
     ];
-    for (label, t, story) in scenarios {
-        println!("\ndemo ({label}): {story}");
-        match label {
-            'a' => t.kill()?,
-            'b' => std::fs::write(t.dir.join("wedged"), b"")?,
-            _ => {
-                std::fs::write(t.dir.join("broken"), b"")?;
-                t.kill()?;
+    // Played in a block of its own: whatever it ends with, the crew stops, the toys stop and
+    // the streams the demo made on a server it does not own are removed.
+    let played: anyhow::Result<()> = async {
+        for (label, t, story) in scenarios {
+            println!("\ndemo ({label}): {story}");
+            match label {
+                'a' => t.kill()?,
+                'b' => std::fs::write(t.dir.join("wedged"), b"")?,
+                _ => {
+                    std::fs::write(t.dir.join("broken"), b"")?;
+                    t.kill()?;
+                }
             }
-        }
-        // Detect the fault as a monitor would: run the health check, report what it saw.
-        let seen = run_check(&t.check(), "local", &executor).await;
-        if seen.healthy {
-            bail!("the toy service {} still answers after breaking it", t.name);
-        }
-        let mut incident = cli::incident(
-            t.name,
-            &seen.detail,
-            None,
-            pitcrew_model::Severity::Critical,
-            Some(format!("demo-{session}-{label}")),
-        )?;
-        incident.source = Some("demo".into());
-        let run = incident.id.expect("new incidents have an id");
-        labels.lock().unwrap().insert(run, label);
-        bus.open_incident(&incident).await?;
-        println!("demo ({label}): incident published on {} — run {run}", bus.subjects.incidents_new());
-        // A plan that needs approval is approved, as an operator would (a model may propose one
-        // in any scenario; the playbook does in (b)).
-        let mut end = wait_for(&mut rx, &mut crew, |e| {
-            e.run_id == run && (e.kind == EventKind::ApprovalRequested || e.kind.is_terminal())
-        })
-        .await?;
-        while end.kind == EventKind::ApprovalRequested {
-            println!("demo ({label}): operator 'demo-operator' approves on {}", bus.subjects.approval_decided(run));
-            let input = DecisionInput::cli(run, Decision::Approve, "demo-operator", None, &cfg);
-            cli::submit(&bus, Some(&store), DecisionInput { channel: "demo", ..input }).await?;
-            end = wait_for(&mut rx, &mut crew, |e| {
+            // Detect the fault as a monitor would: run the health check, report what it saw.
+            let seen = run_check(&t.check(), "local", &executor).await;
+            if seen.healthy {
+                bail!("the toy service {} still answers after breaking it", t.name);
+            }
+            let mut incident = cli::incident(
+                t.name,
+                &seen.detail,
+                None,
+                pitcrew_model::Severity::Critical,
+                Some(format!("demo-{session}-{label}")),
+            )?;
+            incident.source = Some("demo".into());
+            let run = incident.id.expect("new incidents have an id");
+            labels.lock().unwrap().insert(run, label);
+            bus.open_incident(&incident).await?;
+            println!("demo ({label}): incident published on {} — run {run}", bus.subjects.incidents_new());
+            // A plan that needs approval is approved, as an operator would (a model may propose one
+            // in any scenario; the playbook does in (b)).
+            let mut end = wait_for(&mut rx, &mut crew, |e| {
                 e.run_id == run && (e.kind == EventKind::ApprovalRequested || e.kind.is_terminal())
             })
             .await?;
+            while end.kind == EventKind::ApprovalRequested {
+                println!("demo ({label}): operator 'demo-operator' approves on {}", bus.subjects.approval_decided(run));
+                let input = DecisionInput::cli(run, Decision::Approve, "demo-operator", None, &cfg);
+                cli::submit(&bus, Some(&store), DecisionInput { channel: "demo", ..input }).await?;
+                end = wait_for(&mut rx, &mut crew, |e| {
+                    e.run_id == run && (e.kind == EventKind::ApprovalRequested || e.kind.is_terminal())
+                })
+                .await?;
+            }
+            outcomes.push((label, run, cli::outcome_of(&end)));
         }
-        outcomes.push((label, run, cli::outcome_of(&end)));
-    }
 
-    println!("\ndemo: summary (from Postgres)");
-    for (label, run, _) in &outcomes {
-        let stored = store.load_run(*run).await?.context("run missing from Postgres")?;
-        println!(
-            "  ({label}) {run}  {:<9}  attempts {}  {}",
-            stored.status.as_str(),
-            stored.state.attempt,
-            stored.reason.as_deref().unwrap_or("")
-        );
+        println!("\ndemo: summary (from Postgres)");
+        for (label, run, _) in &outcomes {
+            let stored = store.load_run(*run).await?.context("run missing from Postgres")?;
+            println!(
+                "  ({label}) {run}  {:<9}  attempts {}  {}",
+                stored.status.as_str(),
+                stored.state.attempt,
+                stored.reason.as_deref().unwrap_or("")
+            );
+        }
+        Ok(())
     }
+    .await;
     let _ = stop_tx.send(());
     // Its drain, and a little more for its last pull and the hand-back past the drain.
     let _ = tokio::time::timeout(cfg.drain().saturating_add(Duration::from_secs(5)), crew).await;
@@ -231,6 +237,7 @@ pub async fn run(ssh: bool, llm: Option<LlmDemo>) -> anyhow::Result<()> {
     }
     tidy(&bus, &nats).await;
     drop(nats);
+    played?;
     let resolved = outcomes.iter().filter(|o| o.2 == "resolved").count();
     let escalated = outcomes.iter().filter(|o| o.2 == "escalated").count();
     let expected = outcomes.iter().map(|o| o.2).collect::<Vec<_>>() == ["resolved", "resolved", "escalated"];
@@ -375,19 +382,24 @@ async fn run_ssh() -> anyhow::Result<()> {
     let Live { bus, store, stop_tx, mut crew, monitor, mut rx, .. } = launch(&cfg, true, 'a').await?;
     println!("\ndemo (a): the web service on demo-box is killed (SIGKILL); the monitor notices, the crew repairs it over SSH");
     let broke = Instant::now();
-    web.kill()?;
-    let opened =
-        wait_for(&mut rx, &mut crew, |e| e.kind == EventKind::Status && e.message.starts_with("run opened for web"))
-            .await?;
-    let run = opened.run_id;
-    let end = wait_for(&mut rx, &mut crew, |e| e.run_id == run && e.kind.is_terminal()).await?;
-    let took = broke.elapsed();
-    let outcome = cli::outcome_of(&end);
-
-    println!("\ndemo: what ran on demo-box (from Postgres)");
-    for (command, host, status) in store.executions(run).await? {
-        println!("  {host}  {status:<9}  {command}");
+    // Played in a block of its own, as in the local demo: whatever it ends with, the crew and
+    // the toy stop and the demo's streams are removed.
+    let played = async {
+        web.kill()?;
+        let opened = wait_for(&mut rx, &mut crew, |e| {
+            e.kind == EventKind::Status && e.message.starts_with("run opened for web")
+        })
+        .await?;
+        let run = opened.run_id;
+        let end = wait_for(&mut rx, &mut crew, |e| e.run_id == run && e.kind.is_terminal()).await?;
+        let took = broke.elapsed();
+        println!("\ndemo: what ran on demo-box (from Postgres)");
+        for (command, host, status) in store.executions(run).await? {
+            println!("  {host}  {status:<9}  {command}");
+        }
+        anyhow::Ok((run, end, took))
     }
+    .await;
     let _ = stop_tx.send(());
     // Its drain, and a little more for its last pull and the hand-back past the drain.
     let _ = tokio::time::timeout(cfg.drain().saturating_add(Duration::from_secs(5)), crew).await;
@@ -397,6 +409,8 @@ async fn run_ssh() -> anyhow::Result<()> {
     let _ = fleet.run("demo-box", &web.command(&exe, "stop"), Duration::from_secs(20)).await;
     tidy(&bus, &nats).await;
     drop(nats);
+    let (run, end, took) = played?;
+    let outcome = cli::outcome_of(&end);
     eprintln!("demo: finished in {:.1} s", started.elapsed().as_secs_f64());
     println!("demo: run {run} {outcome} {:.2} s after the fault, over SSH as {}", took.as_secs_f64(), host.user);
     if outcome != "resolved" {
