@@ -59,12 +59,11 @@ pub const ADMIN_PROGRAMS: &[&str] = &[
 /// make package managers non-interactive (`-y`).
 pub fn fit_to_target(command: &str, target: &Target) -> Result<String, String> {
     let mut argv = shell_words::split(command).map_err(|e| format!("'{command}' does not parse: {e}"))?;
-    let has_sudo = argv.first().map(String::as_str) == Some("sudo");
-    // The program past `sudo` and its options' values (`sudo -u postgres pg_ctl`), as the
-    // policy gate reads it.
-    let written = pitcrew_policy::program(command).ok_or_else(|| format!("'{command}' names no program"))?;
-    let Some(at) = argv.iter().position(|w| *w == written) else { return Err(format!("'{command}' names no program")) };
-    let program = written.rsplit('/').next().unwrap_or(&written).to_string();
+    // The program past `sudo` (or `doas`) and its options' values (`sudo -u postgres pg_ctl`),
+    // as the policy gate reads it.
+    let found = pitcrew_policy::program_in(&argv).ok_or_else(|| format!("'{command}' names no program"))?;
+    let (at, has_sudo) = (found.index, found.elevated);
+    let program = found.path.rsplit('/').next().unwrap_or(&found.path).to_string();
     if target.lacks.contains(&program) {
         return Err(format!("needs {program}, which {} lacks", target.host));
     }
@@ -253,6 +252,9 @@ mod tests {
         assert!(fit_to_target("systemctl restart web", &t).unwrap_err().contains("pe1 lacks"));
         assert!(fit_to_target("sudo -n /bin/systemctl restart web", &t).unwrap_err().contains("systemctl"));
         // An option's value is not the program: `sudo -u fuser` runs `systemctl`, which pe1 lacks.
+        // The program's own place, not a word like it before it; doas elevates as sudo does.
+        assert_eq!(fit_to_target("sudo -u apt apt install x", &t).unwrap(), "sudo -u apt apt install -y x");
+        assert_eq!(fit_to_target("doas kill -9 42", &t).unwrap(), "doas kill -9 42");
         let err = fit_to_target("sudo -u fuser systemctl restart web", &t).unwrap_err();
         assert!(err.contains("needs systemctl"), "{err}");
         assert_eq!(fit_to_target("sudo -u postgres pg_ctl restart", &t).unwrap(), "sudo -u postgres pg_ctl restart");

@@ -22,7 +22,25 @@ use std::path::{Path, PathBuf};
 /// same reading the gate judges. None when the command does not parse or names no program.
 pub fn program(command: &str) -> Option<String> {
     let argv = shell_words::split(command).ok()?;
-    Some(shell::unwrap(&argv).path).filter(|p| !p.is_empty())
+    program_in(&argv).map(|p| p.path)
+}
+
+/// The program a command's words run, past its wrappers.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Program {
+    /// Where it stands among the words.
+    pub index: usize,
+    /// As written (`/opt/app/bin/start`, `systemctl`).
+    pub path: String,
+    /// A privilege wrapper (`sudo`, `doas`) runs it.
+    pub elevated: bool,
+}
+
+/// The program `argv` runs past its wrappers and their options' values, as the gate reads it;
+/// None when it names none, or `env -S` makes words of its own.
+pub fn program_in(argv: &[String]) -> Option<Program> {
+    let u = shell::unwrap(argv);
+    Some(Program { index: u.index?, path: u.path, elevated: u.elevated }).filter(|p| !p.path.is_empty())
 }
 
 /// Whether two commands are the same words (`systemctl  restart 'web'` is `systemctl restart

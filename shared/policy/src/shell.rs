@@ -258,6 +258,9 @@ pub(crate) struct Unwrapped {
     pub argv: Vec<String>,
     /// The program as written (`/opt/app/bin/start`, `./start`, `start`).
     pub path: String,
+    /// Where the program stands among the command's words (None when `env -S` made words of
+    /// its own).
+    pub index: Option<usize>,
     /// A privilege wrapper (`sudo`, `doas`, however written: `/usr/bin/sudo`, `env sudo`)
     /// was on the way: the program runs as another user.
     pub elevated: bool,
@@ -347,6 +350,8 @@ pub(crate) fn unwrap(argv: &[String]) -> Unwrapped {
         }
         rest = inner;
     }
+    let split = out.opaque.as_deref().is_some_and(|o| o.contains("env -S"));
+    out.index = (!split && !rest.is_empty()).then(|| argv.len() - rest.len());
     if let Some(first) = rest.first_mut() {
         out.path = first.clone();
         note_unless_system_program(&mut out, first);
@@ -439,7 +444,10 @@ mod tests {
         let deep = format!("{}reboot", "nice ".repeat(MAX_UNWRAP + 1));
         assert!(of(&deep).opaque.is_some_and(|why| why.contains("more than 8")), "{deep}");
         let eight = format!("{}reboot", "nice ".repeat(MAX_UNWRAP));
-        assert_eq!(of(&eight), Unwrapped { argv: vec!["reboot".into()], path: "reboot".into(), ..Default::default() });
+        let unwrapped =
+            Unwrapped { argv: vec!["reboot".into()], path: "reboot".into(), index: Some(8), ..Default::default() };
+        assert_eq!(of(&eight), unwrapped);
+        assert_eq!(of("sudo -u app kill 1").index, Some(3), "the program's place among the words");
         assert_eq!(of("sudo /opt/app/bin/start -p 1").path, "/opt/app/bin/start");
         for cmd in ["env -S 'reboot\\c'", "env --split-string='rm x'", "sudo env -S'ls' x", "env --split 'reboot\\c'"] {
             assert!(of(cmd).opaque.is_some_and(|why| why.contains("env -S")), "{cmd}");
