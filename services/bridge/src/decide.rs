@@ -19,6 +19,8 @@ pub struct Click<'a> {
     pub user: &'a str,
     pub run: Uuid,
     pub plan_hash: &'a str,
+    /// The attempt the button was made for (None: a button older than this field).
+    pub attempt: Option<u32>,
     pub decision: Decision,
 }
 
@@ -77,7 +79,7 @@ async fn decide_click(
     users: &BTreeMap<String, String>,
     click: Click<'_>,
 ) -> Result<Outcome, String> {
-    let Click { chat, user, run, plan_hash, decision } = click;
+    let Click { chat, user, run, plan_hash, attempt, decision } = click;
     if !matches!(decision, Decision::Approve | Decision::Deny) {
         return Err("only approve and deny can be clicked".into());
     }
@@ -87,6 +89,7 @@ async fn decide_click(
     let input = DecisionInput {
         run,
         plan_hash: Some(plan_hash),
+        attempt,
         decision,
         by: approver,
         reason,

@@ -203,6 +203,7 @@ async fn decide(
     let input = DecisionInput {
         run,
         plan_hash: body.plan_hash.as_deref(),
+        attempt: None,
         decision,
         by: &caller.name,
         reason,

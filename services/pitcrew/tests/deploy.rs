@@ -500,6 +500,7 @@ async fn each_nats_user_does_its_services_job_and_nothing_more() -> anyhow::Resu
     let click = DecisionInput {
         run,
         plan_hash: Some(&req.plan_hash),
+        attempt: Some(req.attempt),
         decision: Decision::Approve,
         by: "ann",
         reason: None,

@@ -324,7 +324,7 @@ async fn a_signed_slack_approval_runs_the_plan_and_forged_stale_or_second_clicks
         assert!(shown.contains(want), "the message lacks {want:?}: {shown}");
     }
     let value = button(&post, "approve");
-    assert_eq!(value, format!("{run}:{}", req.plan_hash));
+    assert_eq!(value, format!("{run}:{}:{}", req.plan_hash, req.attempt));
     assert_eq!(button(&post, "deny"), value);
     let ts = post.answer["ts"].as_str().expect("Slack named the message").to_string();
     let approve = interaction("U0ANN", "approve", &value, &ts, &slack.response_url(1));
@@ -348,6 +348,17 @@ async fn a_signed_slack_approval_runs_the_plan_and_forged_stale_or_second_clicks
         bridge.callback(&approve, old, &slack_signature(SIGNING_SECRET, &old.to_string(), approve.as_bytes())).await?;
     assert_eq!(status, 401, "{text}");
     assert!(text.contains("more than 300 s") && text.contains("replay"), "{text}");
+    unchanged(&crew, &slack, run).await?;
+
+    // A button of another attempt's request (the same plan asked again later is decided anew):
+    // refused, naming the attempt that asks now.
+    let stale_value = format!("{run}:{}:{}", req.plan_hash, req.attempt + 1);
+    let stale = interaction("U0ANN", "approve", &stale_value, &ts, &slack.response_url(2));
+    let (status, text) = bridge.click(&stale).await?;
+    assert_eq!(status, 200, "{text}");
+    let answer: Value = serde_json::from_str(&text)?;
+    let reason = answer["text"].as_str().unwrap_or_default();
+    assert!(reason.contains(&format!("now asks again for attempt {}", req.attempt)), "{text}");
     unchanged(&crew, &slack, run).await?;
 
     // A Slack user who is not mapped to an approver: refused with the reason, shown to them.
@@ -420,12 +431,13 @@ async fn a_signed_slack_approval_runs_the_plan_and_forged_stale_or_second_clicks
     let (status, _) = bridge.click(&"x".repeat(100 * 1024)).await?;
     assert_eq!(status, 413);
 
-    // The bridge's own /metrics: one post, one decision, three refusals (Eve, the stale plan,
-    // Bob's second decision; forged ones never reach a decision), nothing left to post.
+    // The bridge's own /metrics: one post, one decision, four refusals (the stale attempt, Eve,
+    // the stale plan, Bob's second decision; forged ones never reach a decision), nothing left
+    // to post.
     let m = scrape(&bridge.metrics).await?;
     assert_eq!(sample(&m, r#"pitcrew_bridge_posts_total{chat="slack",outcome="posted"}"#), 1.0, "{m:?}");
     assert_eq!(sample(&m, r#"pitcrew_bridge_clicks_total{chat="slack",result="decided"}"#), 1.0, "{m:?}");
-    assert_eq!(sample(&m, r#"pitcrew_bridge_clicks_total{chat="slack",result="refused"}"#), 3.0, "{m:?}");
+    assert_eq!(sample(&m, r#"pitcrew_bridge_clicks_total{chat="slack",result="refused"}"#), 4.0, "{m:?}");
     let backlog = r#"pitcrew_consumer_pending_messages{consumer="slack-bridge"}"#;
     assert!(m.iter().any(|(s, v)| s == backlog && *v == 0.0), "the posting backlog is read: {m:?}");
     let metrics_text: String = m.iter().map(|(s, v)| format!("{s} {v}\n")).collect();

@@ -64,6 +64,10 @@ pub struct DecisionInput<'a> {
     /// The plan the decider saw (a chat button or API call carries it): refused when the run
     /// now waits on another plan. None: whatever plan the run waits on (the CLI).
     pub plan_hash: Option<&'a str>,
+    /// The attempt whose request the decider saw (a chat button carries it): refused when the
+    /// run now asks again, for a later attempt, even for the same plan (that attempt's request
+    /// is decided anew). None: whatever attempt.
+    pub attempt: Option<u32>,
     pub decision: Decision,
     pub by: &'a str,
     pub reason: Option<String>,
@@ -79,7 +83,7 @@ impl<'a> DecisionInput<'a> {
     /// recorded (an approval clicked in chat a moment before a denial typed in a terminal
     /// must not be answered "denied").
     pub fn cli(run: Uuid, decision: Decision, by: &'a str, reason: Option<String>, cfg: &'a Config) -> Self {
-        DecisionInput { run, plan_hash: None, decision, by, reason, channel: "cli", racing: Some(cfg) }
+        DecisionInput { run, plan_hash: None, attempt: None, decision, by, reason, channel: "cli", racing: Some(cfg) }
     }
 }
 
@@ -91,7 +95,7 @@ pub async fn submit(
     store: Option<&Store>,
     input: DecisionInput<'_>,
 ) -> Result<ApprovalRequest, DecideError> {
-    let DecisionInput { run, plan_hash, decision, by, reason, channel, racing } = input;
+    let DecisionInput { run, plan_hash, attempt, decision, by, reason, channel, racing } = input;
     if by.trim().is_empty() {
         return Err(DecideError::Invalid("--by must name who decides".into()));
     }
@@ -102,6 +106,15 @@ pub async fn submit(
             return Err(DecideError::Conflict(format!(
                 "stale plan: run {run} now waits on plan {}, not {seen}",
                 req.plan_hash
+            )));
+        }
+    }
+    if let Some(seen) = attempt {
+        if seen != req.attempt {
+            return Err(DecideError::Conflict(format!(
+                "stale request: this one was for attempt {seen} of run {run}, which now asks again for attempt {}: \
+                 decide on that request",
+                req.attempt
             )));
         }
     }

@@ -78,7 +78,9 @@ async fn actions(
             return (StatusCode::UNAUTHORIZED, why).into_response();
         }
     };
-    let click = Click { chat: "mattermost", user, run, plan_hash: &call.context.plan_hash, decision };
+    let context = &call.context;
+    let click =
+        Click { chat: "mattermost", user, run, plan_hash: &context.plan_hash, attempt: context.attempt, decision };
     match decide(&app.bus, &app.store, &app.cfg, &app.users, click).await {
         Ok(Outcome::Decided { req, approver }) => Json(message::decided(&req, decision, &approver)).into_response(),
         Ok(Outcome::Counted { note }) => Json(message::ephemeral(&note)).into_response(),

@@ -19,14 +19,24 @@ pub struct Context {
     pub action: String,
     pub run: Uuid,
     pub plan_hash: String,
+    /// The attempt whose request the button is on (signed; none on a button made before it
+    /// was added).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attempt: Option<u32>,
     pub mac: String,
 }
 
 impl Context {
-    pub fn new(secret: &Secret, action: &str, run: Uuid, plan_hash: &str) -> Context {
+    pub fn new(secret: &Secret, action: &str, run: Uuid, plan_hash: &str, attempt: u32) -> Context {
         let key = hmac::Key::new(hmac::HMAC_SHA256, secret.expose().as_bytes());
-        let tag = hmac::sign(&key, signed(action, run, plan_hash).as_bytes());
-        Context { action: action.into(), run, plan_hash: plan_hash.into(), mac: hex::encode(tag.as_ref()) }
+        let tag = hmac::sign(&key, signed(action, run, plan_hash, Some(attempt)).as_bytes());
+        Context {
+            action: action.into(),
+            run,
+            plan_hash: plan_hash.into(),
+            attempt: Some(attempt),
+            mac: hex::encode(tag.as_ref()),
+        }
     }
 
     /// The decision, if the MAC is this bridge's (checked in constant time).
@@ -34,7 +44,8 @@ impl Context {
         let bad = || "bad button context: it was not made by this bridge (wrong or changed MAC)".to_string();
         let tag = hex::decode(&self.mac).map_err(|_| bad())?;
         let key = hmac::Key::new(hmac::HMAC_SHA256, secret.expose().as_bytes());
-        hmac::verify(&key, signed(&self.action, self.run, &self.plan_hash).as_bytes(), &tag).map_err(|_| bad())?;
+        let text = signed(&self.action, self.run, &self.plan_hash, self.attempt);
+        hmac::verify(&key, text.as_bytes(), &tag).map_err(|_| bad())?;
         match self.action.as_str() {
             "approve" => Ok(Decision::Approve),
             "deny" => Ok(Decision::Deny),
@@ -43,15 +54,18 @@ impl Context {
     }
 }
 
-fn signed(action: &str, run: Uuid, plan_hash: &str) -> String {
-    format!("pitcrew/mattermost/v1:{action}:{run}:{plan_hash}")
+fn signed(action: &str, run: Uuid, plan_hash: &str, attempt: Option<u32>) -> String {
+    match attempt {
+        Some(attempt) => format!("pitcrew/mattermost/v2:{action}:{run}:{plan_hash}:{attempt}"),
+        None => format!("pitcrew/mattermost/v1:{action}:{run}:{plan_hash}"),
+    }
 }
 
 /// `POST /api/v4/posts` body for `req` in `channel_id`.
 pub fn request(channel_id: &str, action_url: &str, secret: &Secret, req: &ApprovalRequest) -> Value {
     let button = |action: &str, name: &str, style: &str| {
         json!({"id": action, "name": name, "style": style, "type": "button",
-               "integration": {"url": action_url, "context": Context::new(secret, action, req.run_id, &req.plan_hash)}})
+               "integration": {"url": action_url, "context": Context::new(secret, action, req.run_id, &req.plan_hash, req.attempt)}})
     };
     let mut attachment = describe(req);
     attachment["actions"] = json!([button("approve", "Approve", "good"), button("deny", "Deny", "danger")]);
@@ -115,9 +129,14 @@ mod tests {
     fn a_context_decides_only_what_it_was_made_for() {
         let secret = Secret::new("action-secret");
         let run = Uuid::now_v7();
-        let approve = Context::new(&secret, "approve", run, "ab12");
+        let approve = Context::new(&secret, "approve", run, "ab12", 2);
         assert_eq!(approve.verify(&secret), Ok(Decision::Approve));
-        assert_eq!(Context::new(&secret, "deny", run, "ab12").verify(&secret), Ok(Decision::Deny));
+        assert_eq!(Context::new(&secret, "deny", run, "ab12", 2).verify(&secret), Ok(Decision::Deny));
+        // The attempt is signed: a button cannot be moved to another attempt's request.
+        let later = Context { attempt: Some(3), ..approve.clone() };
+        assert!(later.verify(&secret).is_err());
+        let unbound = Context { attempt: None, ..approve.clone() };
+        assert!(unbound.verify(&secret).is_err(), "nor stripped of it");
         assert!(approve.verify(&Secret::new("other")).is_err(), "another secret");
         let turned = Context { action: "deny".into(), ..approve.clone() };
         assert!(turned.verify(&secret).unwrap_err().contains("bad button context"));

@@ -149,7 +149,7 @@ async fn interactions(State(app): State<Arc<App>>, headers: HeaderMap, body: Bod
         .actions
         .first()
         .and_then(|a| message::parse_button_value(a.value.as_deref()?).ok())
-        .map(|(run, _)| run.to_string())
+        .map(|(run, _, _)| run.to_string())
         .unwrap_or_default();
     // The decision goes on whatever happens to this request (a decision cut off mid-publish
     // could land with the clicker told it failed); the answer waits for it only so long.
@@ -230,8 +230,8 @@ impl App {
                 ))
             }
         };
-        let (run, plan_hash) = message::parse_button_value(action.value.as_deref().unwrap_or(""))?;
-        let click = Click { chat: "slack", user, run, plan_hash: &plan_hash, decision };
+        let (run, plan_hash, attempt) = message::parse_button_value(action.value.as_deref().unwrap_or(""))?;
+        let click = Click { chat: "slack", user, run, plan_hash: &plan_hash, attempt, decision };
         let (req, approver) = match decide(&self.bus, &self.store, &self.cfg, &self.users, click).await? {
             Outcome::Counted { note } => return Ok(Some(note)),
             Outcome::Decided { req, approver } => (req, approver),

@@ -19,7 +19,7 @@ pub const DENY: &str = "deny";
 /// `chat.postMessage` body for `req` in `channel`.
 pub fn request(channel: &str, req: &ApprovalRequest) -> Value {
     let mut blocks = describe(req);
-    let value = button_value(req.run_id, &req.plan_hash);
+    let value = button_value(req.run_id, &req.plan_hash, req.attempt);
     blocks.push(json!({
         "type": "actions",
         "block_id": "pitcrew_approval",
@@ -75,19 +75,29 @@ pub fn ephemeral(text: &str) -> Value {
 }
 
 /// `<run>:<plan hash>`: what a button carries back.
-pub fn button_value(run: Uuid, plan_hash: &str) -> String {
-    format!("{run}:{plan_hash}")
+pub fn button_value(run: Uuid, plan_hash: &str, attempt: u32) -> String {
+    format!("{run}:{plan_hash}:{attempt}")
 }
 
-/// The run and plan hash a button names, or why the value is not one of ours.
-pub fn parse_button_value(value: &str) -> Result<(Uuid, String), String> {
-    let (run, hash) =
+/// The run, plan hash and attempt a button names (no attempt on a button posted before it was
+/// added), or why the value is not one of ours.
+pub fn parse_button_value(value: &str) -> Result<(Uuid, String, Option<u32>), String> {
+    let (run, rest) =
         value.split_once(':').ok_or_else(|| format!("button value '{}' is not <run>:<plan>", clip(value, 80)))?;
+    let (hash, attempt) = match rest.split_once(':') {
+        Some((hash, attempt)) => {
+            let n = attempt
+                .parse::<u32>()
+                .map_err(|_| format!("button value names no attempt: '{}'", clip(attempt, 80)))?;
+            (hash, Some(n))
+        }
+        None => (rest, None),
+    };
     let run = Uuid::parse_str(run).map_err(|_| format!("button value names no run id: '{}'", clip(run, 80)))?;
     if hash.is_empty() || hash.len() > 128 || !hash.chars().all(|c| c.is_ascii_alphanumeric()) {
         return Err(format!("button value names no plan hash: '{}'", clip(hash, 80)));
     }
-    Ok((run, hash.to_string()))
+    Ok((run, hash.to_string(), attempt))
 }
 
 fn fallback(req: &ApprovalRequest) -> String {
@@ -166,7 +176,10 @@ mod tests {
             actions["elements"].as_array().unwrap().iter().map(|b| b["action_id"].as_str().unwrap()).collect();
         assert_eq!(ids, [APPROVE, DENY]);
         let value = actions["elements"][0]["value"].as_str().unwrap();
-        assert_eq!(parse_button_value(value).unwrap(), (Uuid::nil(), "ab12".to_string()));
+        assert_eq!(parse_button_value(value).unwrap(), (Uuid::nil(), "ab12".to_string(), Some(req().attempt)));
+        // A button posted before the attempt was carried.
+        let old = format!("{}:ab12", Uuid::nil());
+        assert_eq!(parse_button_value(&old).unwrap(), (Uuid::nil(), "ab12".to_string(), None));
         let done = decided("C1", "1.2", &req(), Decision::Approve, "ann", "U1");
         assert!(!done.to_string().contains("\"actions\""), "the buttons are gone");
         assert!(done["text"].as_str().unwrap().starts_with("Approved by ann"));
@@ -178,5 +191,6 @@ mod tests {
         assert!(parse_button_value("not-a-uuid:ab").is_err());
         assert!(parse_button_value(&format!("{}:", Uuid::nil())).is_err());
         assert!(parse_button_value(&format!("{}:a b", Uuid::nil())).is_err());
+        assert!(parse_button_value(&format!("{}:ab:x", Uuid::nil())).is_err());
     }
 }
