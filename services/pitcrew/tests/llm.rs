@@ -255,7 +255,9 @@ async fn a_diagnosis_calls_two_tools_then_answers_and_the_plan_runs() -> anyhow:
         ("call_1", "run_command", json!({ "command": "df -h" })),
         ("call_2", "run_command", json!({ "command": "touch /tmp/pitcrew-never-written" })),
     ]));
-    llm.push(Reply::answer(r#"{"diagnosis": "svc is down: its health marker is missing", "evidence": ["exited 1"]}"#));
+    llm.push(Reply::answer(
+        r#"{"diagnosis": "svc is down: its health marker is missing (password=hunter2-leaked)", "evidence": ["exited 1"]}"#,
+    ));
     llm.push(Reply::answer(&format!("Bring it back:\n```sh\ntouch {healthy}\n```")));
 
     let run = resolved(&mut crew).await?;
@@ -294,13 +296,16 @@ async fn a_diagnosis_calls_two_tools_then_answers_and_the_plan_runs() -> anyhow:
         .map(|e| e.message.as_str())
         .collect();
     assert!(thought.contains("its health marker is missing"), "{thought}");
+    assert!(!thought.contains("hunter2-leaked"), "live events are redacted too: {thought}");
     assert!(thought.contains(&format!("touch {healthy}")), "{thought}");
     let stored: i64 =
         db.query_one("SELECT count(*) FROM run_events WHERE run_id = $1 AND kind = 'thinking'", &[&run]).await?.get(0);
     assert_eq!(stored, 0);
     assert!(seen.iter().all(|r| r.body["stream"] == true), "every call streamed");
     let row = db.query_one("SELECT diagnosis, commands, success FROM episodes WHERE run_id = $1", &[&run]).await?;
-    assert_eq!(row.get::<_, String>(0), "svc is down: its health marker is missing");
+    let kept: String = row.get(0);
+    assert!(kept.starts_with("svc is down: its health marker is missing ("), "{kept}");
+    assert!(!kept.contains("hunter2-leaked"), "what a model writes is stored redacted: {kept}");
     assert_eq!(row.get::<_, Vec<String>>(1), vec![format!("touch {healthy}")]);
     assert!(row.get::<_, bool>(2));
     let usage = db

@@ -625,11 +625,14 @@ impl OpenAi {
                 };
                 let mut grounds = answer.grounds;
                 grounds.truncate(8);
+                // What a model writes is kept (the run's state, episodes, events) as any other
+                // text is: redacted, whatever it was shown.
+                let kept = |text: &str, max| clip(&pitcrew_model::redact::redact(text), max);
                 return Ok(Diagnosis {
                     attempt: input.attempt,
-                    summary: clip(&answer.summary, 400),
+                    summary: kept(&answer.summary, 400),
                     source: format!("{SOURCE_PREFIX}{model}"),
-                    grounds: grounds.into_iter().map(|g| clip(&g, 300)).collect(),
+                    grounds: grounds.into_iter().map(|g| kept(&g, 300)).collect(),
                 });
             }
             let tools = input.tools.expect("tool calls only when tools were offered");
@@ -715,7 +718,7 @@ impl OpenAi {
             return Err(ReasonError::Failed(format!("the judge gave no score: {}", clip(&text, 200))));
         };
         let reason = json.as_ref().and_then(|j| j["reason"].as_str()).unwrap_or("").trim().to_string();
-        Ok(Some(Judgement { score: score.clamp(0.0, 1.0), reason: clip(&reason, 400) }))
+        Ok(Some(Judgement { score: score.clamp(0.0, 1.0), reason: clip(&pitcrew_model::redact::redact(&reason), 400) }))
     }
 
     /// The model's commands, fitted to the target, or why they cannot be used.

@@ -62,7 +62,9 @@ impl Thinking {
                             index: FIRST_INDEX + sent,
                             stage,
                             kind: EventKind::Thinking,
-                            message: line.trim_end_matches('\n').to_string(),
+                            // Redacted as every other event: what a model writes may look
+                            // like a secret, whatever it was shown.
+                            message: pitcrew_model::redact::redact(line.trim_end_matches('\n')).into_owned(),
                             data: serde_json::Value::Null,
                             worker: worker.clone(),
                             at: Utc::now(),
