@@ -176,7 +176,10 @@ fn the_compose_file_agrees_with_itself_and_the_image() -> anyhow::Result<()> {
         })
         .collect();
     let dockerfile = std::fs::read_to_string(repo().join("deploy/Dockerfile"))?;
-    assert!(dockerfile.contains("ENTRYPOINT [\"pitcrew\"]"), "the image runs pitcrew with the command as arguments");
+    assert!(
+        dockerfile.contains("ENTRYPOINT [\"/usr/bin/tini\", \"--\", \"pitcrew\"]"),
+        "the image runs pitcrew under an init that reaps orphans, with the command as arguments"
+    );
     for name in ["pitcrew", "gateway"] {
         let svc = &c["services"][name];
         assert_eq!(svc["build"]["dockerfile"].as_str(), Some("deploy/Dockerfile"), "{name} is built from the image");
@@ -202,12 +205,22 @@ fn the_compose_file_agrees_with_itself_and_the_image() -> anyhow::Result<()> {
         );
         let grace = svc["stop_grace_period"].as_str().unwrap_or("10s");
         let secs: u64 = grace.trim_end_matches('s').parse()?;
-        let drain = Config::from_toml(&std::fs::read_to_string(repo().join("deploy/pitcrew.toml"))?)?.drain();
+        let shipped = Config::from_toml(&std::fs::read_to_string(repo().join("deploy/pitcrew.toml"))?)?;
+        let drain = shipped.drain();
         assert!(
-            secs > drain.as_secs() + 1,
-            "{name} gets more than its {} s drain (and its last pull) to stop, not {grace}",
+            secs > drain.as_secs() + 10,
+            "{name} gets more than its {} s drain (its last pull, the hand-back, the flush) to stop, not {grace}",
             drain.as_secs()
         );
+        assert!(
+            drain >= shipped.command_timeout() + std::time::Duration::from_secs(10),
+            "the shipped drain lets a command run out its timeout and be ended"
+        );
+        // Replies come back on the service's own inbox, the one nats.conf lets its user read.
+        let inbox = environment(svc).get("PITCREW_NATS__INBOX_PREFIX").cloned().unwrap_or_default();
+        let user = if name == "pitcrew" { "crew" } else { name };
+        assert_eq!(inbox, format!("_INBOX_{user}"), "{name}'s inbox");
+        assert!(conf.contains(&format!("subscribe: [\"{inbox}.>\"]")), "nats.conf lets {user} read {inbox}");
     }
     // The shipped file loads, and so does its example once uncommented.
     let shipped = std::fs::read_to_string(repo().join("deploy/pitcrew.toml"))?;
@@ -250,6 +263,7 @@ async fn start_as_composed(
                 s.replace("@nats:4222", &format!("@127.0.0.1:{}", nats.port))
             }
             "postgres://postgres:pitcrew@postgres:5432/pitcrew" => env.db.url.clone(),
+            s if s.starts_with("_INBOX_") => s.to_string(),
             s if s.starts_with("0.0.0.0:") => {
                 let p = pitcrew_runtime::natsd::free_port()?;
                 port = Some(p);
@@ -379,11 +393,23 @@ async fn the_composed_crew_and_gateway_start_serve_and_stop_cleanly() -> anyhow:
 /// `user`'s bus on `nats`, its JetStream requests given up after a second (a refused publish
 /// gets no answer at all: the server drops it and tells the connection).
 async fn bus_as(nats: &ConfiguredNats, db: &str, user: &str, password: &str) -> anyhow::Result<Bus> {
-    let cfg =
-        Config::from_toml(&format!("[nats]\nurl = \"{}\"\n[database]\nurl = \"{db}\"\n", nats.url(user, password)))?;
+    let cfg = Config::from_toml(&format!(
+        "[nats]\nurl = \"{}\"\ninbox_prefix = \"{}\"\n[database]\nurl = \"{db}\"\n",
+        nats.url(user, password),
+        inbox_of(user)
+    ))?;
     let mut bus = Bus::connect(&cfg).await?;
     bus.js.set_timeout(Duration::from_secs(1));
     Ok(bus)
+}
+
+/// The inbox nats.conf lets `user` read (the operator reads everything: the default).
+fn inbox_of(user: &str) -> String {
+    if user == "operator" {
+        "_INBOX".into()
+    } else {
+        format!("_INBOX_{user}")
+    }
 }
 
 /// What `user` must not do: each attempt must fail, leave the streams as they were, and be
@@ -458,7 +484,7 @@ async fn each_nats_user_does_its_services_job_and_nothing_more() -> anyhow::Resu
             .replace("HEALTHY", &healthy),
     )?;
     let toml = format!(
-        "[nats]\nurl = \"{}\"\n[database]\nurl = \"{db}\"\n[verify]\nchecks = 2\ninterval_ms = 100\n\
+        "[nats]\nurl = \"{}\"\ninbox_prefix = \"_INBOX_crew\"\n[database]\nurl = \"{db}\"\n[verify]\nchecks = 2\ninterval_ms = 100\n\
          [approvers]\nann = \"approver\"\n[reasoning]\nplaybook_file = \"{book}\"\n\
          [services.svc]\nhost = \"local\"\nrestart = \"touch {healthy}\"\n\
          check = {{ kind = \"command\", command = \"test -f {healthy}\" }}\n",
@@ -538,6 +564,27 @@ async fn each_nats_user_does_its_services_job_and_nothing_more() -> anyhow::Resu
     assert!(decided.is_err(), "the monitor published an approval decision");
     let opened = bridge.open_incident(&incident).await;
     assert!(opened.is_err(), "the bridge opened an incident");
+    // Nobody reads another's inbox: what the crew pulls from the stage stream comes back on
+    // the crew's, which a monitor may not subscribe to.
+    let _spy = monitor.client.subscribe("_INBOX_crew.>").await?;
+    let _shared = monitor.client.subscribe("_INBOX.>").await?;
+    monitor.client.flush().await?;
+    // Nor does a bridge take the crew's reader of the decisions.
+    let next = format!("$JS.API.CONSUMER.MSG.NEXT.{}.approval-decisions", bridge.subjects.approvals_stream());
+    let inbox = bridge.client.new_inbox();
+    let mut answers = bridge.client.subscribe(inbox.clone()).await?;
+    bridge.client.publish_with_reply(next.clone(), inbox, r#"{"batch":1,"expires":200000000}"#.into()).await?;
+    bridge.client.flush().await?;
+    let answered = tokio::time::timeout(Duration::from_millis(800), answers.next()).await;
+    assert!(answered.is_err(), "the bridge's pull from the crew's approval-decisions was answered");
+    let log = nats.log();
+    let violation = |user: &str, what: &str| {
+        log.lines().any(|l| l.contains(&format!("user:{user}\"")) && l.contains("Violation") && l.contains(what))
+    };
+    for spied in ["_INBOX_crew.>", "_INBOX.>"] {
+        assert!(violation("monitor", spied), "the server refused the monitor's subscription to {spied}:\n{log}");
+    }
+    assert!(violation("bridge", &next), "the server refused the bridge's pull:\n{log}");
 
     crew.stop().await?;
     assert!(!crew.log().contains("Violation"), "the crew was never refused:\n{}", crew.log());
@@ -554,7 +601,7 @@ async fn a_process_whose_nats_user_is_refused_at_start_up_stops_saying_so() -> a
     let passwords = passwords();
     let nats = ConfiguredNats::start(&passwords)?;
     let toml = format!(
-        "prefix = \"elsewhere\"\n[nats]\nurl = \"{}\"\n[database]\nurl = \"{}\"\n\
+        "prefix = \"elsewhere\"\n[nats]\nurl = \"{}\"\ninbox_prefix = \"_INBOX_monitor\"\n[database]\nurl = \"{}\"\n\
          [services.svc]\nhost = \"local\"\ncheck = {{ kind = \"command\", command = \"true\" }}\n",
         nats.url("monitor", &passwords["NATS_MONITOR_PASSWORD"]),
         env.db.url

@@ -179,6 +179,7 @@ impl Bus {
         let refusals = refused.clone();
         let mut opts = async_nats::ConnectOptions::new()
             .name(format!("pitcrew {}", cfg.worker()))
+            .custom_inbox_prefix(&cfg.nats.inbox_prefix)
             .connection_timeout(Duration::from_secs(cfg.nats.connect_timeout_secs.max(1)))
             // Fail fast at start-up with a readable error; once connected, reconnect forever.
             .max_reconnects(None)

@@ -258,6 +258,16 @@ pub struct NatsConfig {
     pub url: String,
     /// Give up connecting at start-up after this long.
     pub connect_timeout_secs: u64,
+    /// Where replies to this process come back (`<prefix>.<id>`: stream acks, API answers,
+    /// the messages its pulls take). Under per-user permissions give each user its own
+    /// (`_INBOX_crew`, deploy/nats.conf): with one shared `_INBOX.>` every user may read what
+    /// the crew pulls from the stage stream.
+    #[serde(default = "default_inbox_prefix")]
+    pub inbox_prefix: String,
+}
+
+fn default_inbox_prefix() -> String {
+    "_INBOX".into()
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -403,7 +413,11 @@ impl Default for Config {
         Config {
             prefix: "pitcrew".into(),
             worker_name: None,
-            nats: NatsConfig { url: "nats://127.0.0.1:4222".into(), connect_timeout_secs: 5 },
+            nats: NatsConfig {
+                url: "nats://127.0.0.1:4222".into(),
+                connect_timeout_secs: 5,
+                inbox_prefix: default_inbox_prefix(),
+            },
             database: DatabaseConfig {
                 url: "postgres://postgres@127.0.0.1:5432/pitcrew".into(),
                 pool_size: 16,
@@ -630,6 +644,13 @@ impl Config {
                  than that are for a human to decide",
                 self.limits.max_retries, self.limits.max_attempts
             ));
+        }
+        let inbox = &self.nats.inbox_prefix;
+        if inbox.is_empty()
+            || inbox.len() > 64
+            || !inbox.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
+        {
+            return bad(format!("nats.inbox_prefix '{inbox}' must be 1-64 letters, digits, '_' or '-'"));
         }
         if !(1..=MAX_APPROVAL_TIMEOUT_SECS).contains(&self.limits.approval_timeout_secs) {
             return bad(format!(
