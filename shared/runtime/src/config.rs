@@ -580,6 +580,24 @@ const NOT_CONFIG: &[&str] = &[
     "bless",
 ];
 
+/// A variable Kubernetes sets for every Service in the namespace (`enableServiceLinks`): a
+/// Service called `pitcrew-gateway` gives every pod `PITCREW_GATEWAY_SERVICE_HOST`,
+/// `PITCREW_GATEWAY_PORT_8088_TCP_ADDR` and the like, which no config key is named after.
+/// Read as config, each would stop every pitcrew process with "unknown field".
+fn service_link(name: &str) -> bool {
+    if name.contains("__") {
+        return false;
+    }
+    let (_, tail) = match name.find("_service_").or_else(|| name.find("_port")) {
+        Some(i) => name.split_at(i),
+        None => return false,
+    };
+    tail.starts_with("_service_host")
+        || tail.starts_with("_service_port")
+        || tail == "_port"
+        || tail.strip_prefix("_port_").is_some_and(|rest| rest.starts_with(|c: char| c.is_ascii_digit()))
+}
+
 /// Short env names for the settings people change most.
 const ENV_ALIASES: &[(&str, &str)] = &[
     ("nats_url", "nats.url"),
@@ -605,7 +623,7 @@ impl Config {
         fig = fig.merge(Env::raw().only(&["database_url"]).map(|_| "database.url".into())).merge(
             Env::prefixed("PITCREW_").filter_map(|k| {
                 let k = k.as_str().to_ascii_lowercase();
-                if NOT_CONFIG.contains(&k.as_str()) {
+                if NOT_CONFIG.contains(&k.as_str()) || service_link(&k) {
                     return None;
                 }
                 let key = ENV_ALIASES
@@ -954,6 +972,18 @@ mod tests {
         // The test tools' own variables (README, "Tests") are not config keys.
         std::env::set_var("PITCREW_ALERTMANAGER", "/usr/bin/prometheus-alertmanager");
         std::env::set_var("PITCREW_BLESS", "1");
+        // What Kubernetes sets for a Service called pitcrew-gateway is no config.
+        let links = [
+            ("PITCREW_GATEWAY_SERVICE_HOST", "10.96.0.7"),
+            ("PITCREW_GATEWAY_SERVICE_PORT", "8088"),
+            ("PITCREW_GATEWAY_SERVICE_PORT_HTTP", "8088"),
+            ("PITCREW_GATEWAY_PORT", "tcp://10.96.0.7:8088"),
+            ("PITCREW_GATEWAY_PORT_8088_TCP", "tcp://10.96.0.7:8088"),
+            ("PITCREW_GATEWAY_PORT_8088_TCP_ADDR", "10.96.0.7"),
+        ];
+        for (k, v) in links {
+            std::env::set_var(k, v);
+        }
         let c = Config::load(Some(Path::new("/dev/null"))).unwrap();
         assert_eq!(c.nats.url, "nats://10.0.0.9:4222");
         assert_eq!(c.limits.max_retries, 7);
@@ -964,6 +994,9 @@ mod tests {
         std::env::set_var("PITCREW_BOGUS", "1");
         let e = Config::load(Some(Path::new("/dev/null"))).unwrap_err();
         assert!(e.to_string().contains("bogus"), "{e}");
+        for (k, _) in links {
+            std::env::remove_var(k);
+        }
         for k in [
             "PITCREW_LOG",
             "PITCREW_NATS_URL",
