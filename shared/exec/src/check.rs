@@ -66,14 +66,16 @@ fn bounded(timeout_ms: u64) -> Duration {
 }
 
 /// One client for all HTTP checks (connection pools are per client). Proxies from the
-/// environment are ignored: a health check must reach the service itself.
+/// environment are ignored: a health check must reach the service itself. Redirects are not
+/// followed: a dead app's `/health` sent on to a maintenance or login page that answers 200
+/// is not healthy; a check that expects the redirect says so (`expect_status = 302`).
 fn client() -> Result<&'static reqwest::Client, String> {
     static CLIENT: OnceLock<Result<reqwest::Client, String>> = OnceLock::new();
     CLIENT
         .get_or_init(|| {
             reqwest::Client::builder()
                 .no_proxy()
-                .redirect(reqwest::redirect::Policy::limited(5))
+                .redirect(reqwest::redirect::Policy::none())
                 .build()
                 .map_err(|e| error_chain(&e))
         })
@@ -89,6 +91,7 @@ async fn http_check(url: &str, expect: u16, timeout: Duration) -> CheckOutcome {
     let fetch = async {
         let mut resp = client.get(url).send().await?;
         let status = resp.status().as_u16();
+        let location = resp.headers().get(reqwest::header::LOCATION).and_then(|v| v.to_str().ok()).map(str::to_string);
         let mut body = Vec::new();
         while body.len() < MAX_BODY {
             let Some(chunk) = resp.chunk().await? else {
@@ -97,7 +100,7 @@ async fn http_check(url: &str, expect: u16, timeout: Duration) -> CheckOutcome {
             let room = MAX_BODY - body.len();
             body.extend_from_slice(&chunk[..chunk.len().min(room)]);
         }
-        Ok::<_, reqwest::Error>((status, pitcrew_model::trim::text_of(&body)))
+        Ok::<_, reqwest::Error>((status, location, pitcrew_model::trim::text_of(&body)))
     };
     match tokio::time::timeout(timeout, fetch).await {
         Err(_) => CheckOutcome::new(false, format!("GET {url} failed: timed out after {} ms", timeout.as_millis()), ""),
@@ -112,11 +115,15 @@ async fn http_check(url: &str, expect: u16, timeout: Duration) -> CheckOutcome {
             }
             CheckOutcome::new(false, detail, "")
         }
-        Ok(Ok((status, body))) if status == expect => CheckOutcome::new(true, format!("GET {url} -> {status}"), &body),
-        Ok(Ok((status, body))) => {
+        Ok(Ok((status, _, body))) if status == expect => {
+            CheckOutcome::new(true, format!("GET {url} -> {status}"), &body)
+        }
+        Ok(Ok((status, location, body))) => {
             let mut detail = format!("GET {url} returned {status} (expected {expect})");
             let first = body.lines().map(str::trim).find(|l| !l.is_empty());
-            if let Some(line) = first {
+            if let Some(to) = location.filter(|_| (300..400).contains(&status)) {
+                detail.push_str(&format!(": a redirect to {}, not followed", clip(&to, MAX_QUOTE)));
+            } else if let Some(line) = first {
                 detail.push_str(&format!(": {}", clip(line, MAX_QUOTE)));
             }
             CheckOutcome::new(false, detail, &body)
@@ -214,4 +221,40 @@ fn io_kind(e: &(dyn std::error::Error + 'static)) -> Option<std::io::ErrorKind> 
 fn one_line(text: &str) -> String {
     let flat: String = text.chars().map(|c| if c.is_control() { ' ' } else { c }).collect();
     clip(&flat, 1024)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    /// A server on loopback answering every request with `head` (status line and headers).
+    async fn answering(head: &'static str) -> String {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move {
+            while let Ok((mut sock, _)) = listener.accept().await {
+                let mut buf = [0u8; 2048];
+                let _ = sock.read(&mut buf).await;
+                let _ = sock
+                    .write_all(format!("{head}\r\ncontent-length: 2\r\nconnection: close\r\n\r\nok").as_bytes())
+                    .await;
+            }
+        });
+        format!("http://{addr}/health")
+    }
+
+    #[tokio::test]
+    async fn a_redirect_is_not_followed_to_a_page_that_answers() {
+        // The login page it points to would answer 200.
+        let login = answering("HTTP/1.1 200 OK").await;
+        let head: &'static str = Box::leak(format!("HTTP/1.1 302 Found\r\nlocation: {login}").into_boxed_str());
+        let url = answering(head).await;
+        let out = http_check(&url, 200, Duration::from_secs(5)).await;
+        assert!(!out.healthy, "{out:?}");
+        assert!(out.detail.contains("returned 302 (expected 200): a redirect to"), "{}", out.detail);
+        // A check that expects the redirect has it.
+        assert!(http_check(&url, 302, Duration::from_secs(5)).await.healthy);
+        assert!(http_check(&login, 200, Duration::from_secs(5)).await.healthy);
+    }
 }
