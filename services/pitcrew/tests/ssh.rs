@@ -846,3 +846,62 @@ async fn the_ssh_demo_repairs_a_killed_service_over_ssh() -> anyhow::Result<()> 
     assert!(ok);
     Ok(())
 }
+
+/// The local master process stops answering (SIGSTOP): the next command finds it wedged,
+/// connects anew and runs. Closing the wedged master asks it to exit and waits for an answer
+/// that never comes: that wait is on a blocking thread, never on one of the runtime's.
+#[test]
+fn a_wedged_local_master_is_replaced_without_stalling_the_runtime() -> anyhow::Result<()> {
+    // On a runtime of its own, in a thread of its own: a runtime stalled behind the wedged
+    // master fails the test after two minutes instead of hanging it.
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
+        let _ = tx.send(rt.block_on(wedged_master_scenario()).map_err(|e| format!("{e:#}")));
+        rt.shutdown_background();
+    });
+    match rx.recv_timeout(Duration::from_secs(120)) {
+        Ok(done) => done.map_err(anyhow::Error::msg),
+        Err(_) => anyhow::bail!("the runtime stalled behind a wedged ssh master"),
+    }
+}
+
+async fn wedged_master_scenario() -> anyhow::Result<()> {
+    let sshd = start_target()?;
+    let f = std::sync::Arc::new(fleet(sshd.host(true), 4096));
+    let first = conn(&f).await?;
+    let socket = f.ssh.session("box").await?.control_socket().display().to_string();
+    // The master: the `ssh` process whose command line names its control socket.
+    let pid = std::fs::read_dir("/proc")?
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .find(|pid| {
+            let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+            let words: Vec<&[u8]> = cmdline.split(|b| *b == 0).collect();
+            words.first().is_some_and(|w| w.ends_with(b"ssh")) && words.iter().any(|w| *w == socket.as_bytes())
+        })
+        .ok_or_else(|| anyhow::anyhow!("no ssh master process names {socket}"))?;
+    let frozen = pitcrew_exec::sshd::Frozen::stop(vec![pid]);
+    let ticks = std::sync::Arc::new(std::sync::atomic::AtomicU32::new(0));
+    let ticker = {
+        let ticks = ticks.clone();
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                ticks.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            }
+        })
+    };
+    // On the runtime's workers (a stalled one must not stall this test's own clock).
+    let run = |f: std::sync::Arc<pitcrew_exec::Fleet>| tokio::spawn(async move { conn(&f).await });
+    let again = tokio::time::timeout(Duration::from_secs(40), run(f.clone())).await;
+    let ticked = ticks.load(std::sync::atomic::Ordering::Relaxed);
+    // A second command on the new master, with the old one still wedged.
+    let third = tokio::time::timeout(Duration::from_secs(20), run(f.clone())).await;
+    ticker.abort();
+    drop(frozen);
+    let again = again.map_err(|_| anyhow::anyhow!("the command behind a wedged master never ran"))???;
+    assert_ne!(again, first, "a new master connection");
+    assert_eq!(third.map_err(|_| anyhow::anyhow!("the next command hung"))???, again);
+    assert!(ticked >= 20, "the runtime kept ticking while the master was replaced: {ticked}");
+    Ok(())
+}

@@ -26,7 +26,7 @@ pub struct SshExecutor {
     hosts: BTreeMap<String, HostSpec>,
     max_output: usize,
     /// One master connection per host; the per-host lock serialises (re)connecting.
-    sessions: HashMap<String, Mutex<Option<Arc<Session>>>>,
+    sessions: HashMap<String, Mutex<Option<Master>>>,
     /// Per host, a permit for each command it may run at once (its `max_sessions`).
     channels: HashMap<String, Semaphore>,
     /// Answers of `command -v` per (host, tool).
@@ -37,6 +37,40 @@ pub struct SshExecutor {
 
 /// How long the local master process may take to say its connection is up.
 const CHECK_WITHIN: Duration = Duration::from_secs(5);
+
+/// A host's master connection, shared by the commands on it. The last one to let go closes
+/// it on a blocking thread: closing asks the master process to exit and waits for its answer
+/// with no deadline, and the master being dropped is often one that stopped answering (the
+/// runtime's few threads, and every other host's commands, would wait with it).
+#[derive(Clone)]
+pub struct Master(Arc<Closing>);
+
+struct Closing(Option<Session>);
+
+impl Drop for Closing {
+    fn drop(&mut self) {
+        if let Some(session) = self.0.take() {
+            match tokio::runtime::Handle::try_current() {
+                Ok(rt) => drop(rt.spawn_blocking(move || drop(session))),
+                Err(_) => drop(session),
+            }
+        }
+    }
+}
+
+impl std::ops::Deref for Master {
+    type Target = Session;
+
+    fn deref(&self) -> &Session {
+        self.0 .0.as_ref().expect("a master holds its session until dropped")
+    }
+}
+
+impl Master {
+    fn same(&self, other: &Master) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
+}
 
 /// How long an unreachable host is not tried again.
 const DOWN_FOR: Duration = Duration::from_secs(30);
@@ -113,7 +147,7 @@ impl SshExecutor {
     }
 
     /// The live master connection to `host`, connecting (again) when there is none or it died.
-    pub async fn session(&self, host: &str) -> Result<Arc<Session>, ExecError> {
+    pub async fn session(&self, host: &str) -> Result<Master, ExecError> {
         let spec = self.hosts.get(host).ok_or_else(|| ExecError::UnknownHost(host.to_string()))?;
         let slot = self.sessions.get(host).ok_or_else(|| ExecError::UnknownHost(host.to_string()))?;
         if let Some((until, why)) = self.down.lock().expect("down map").get(host) {
@@ -161,7 +195,7 @@ impl SshExecutor {
                 Err(e) => return Err(e),
             }
         };
-        let session = Arc::new(session);
+        let session = Master(Arc::new(Closing(Some(session))));
         *slot = Some(session.clone());
         self.down.lock().expect("down map").remove(host);
         tracing::info!(host, address = %spec.address, port = spec.port, "ssh master connection up");
@@ -170,10 +204,10 @@ impl SshExecutor {
 
     /// Drop `host`'s master connection if it is still `session`, so the next command connects
     /// anew (the connection closes once the commands still on it let go of it).
-    async fn forget(&self, host: &str, session: &Arc<Session>) {
+    async fn forget(&self, host: &str, session: &Master) {
         if let Some(slot) = self.sessions.get(host) {
             let mut slot = slot.lock().await;
-            if slot.as_ref().is_some_and(|s| Arc::ptr_eq(s, session)) {
+            if slot.as_ref().is_some_and(|s| s.same(session)) {
                 tracing::warn!(host, "ssh master connection stopped answering: dropped");
                 *slot = None;
             }
