@@ -27,7 +27,16 @@ pub fn plan_commands(answer: &str) -> Result<Vec<String>, String> {
             match shell.as_slice() {
                 [] => return Err("no shell block (```sh) in the answer".into()),
                 [one] => {
-                    let console = ["console", "shell-session"].contains(&one.tag.as_str());
+                    // A terminal session: its prompted lines; root's `# ` prompt only where no
+                    // line has `$ ` (else `# ` opens a comment, or an output line).
+                    let console = ["console", "shell-session"].contains(&one.tag.as_str()).then(|| {
+                        let user = one.lines.iter().any(|l| l.trim_start().starts_with("$ "));
+                        if user {
+                            "$ "
+                        } else {
+                            "# "
+                        }
+                    });
                     one.lines.iter().filter_map(|l| fenced_command(l, console)).collect::<Result<_, _>>()?
                 }
                 more => return Err(format!("{} shell blocks in the answer, not one", more.len())),
@@ -107,12 +116,12 @@ fn fenced_blocks(answer: &str) -> Result<Vec<Block>, String> {
 
 /// One command from a line of a shell block: verbatim (the policy gate sees what the model
 /// wrote), but for a `$ ` prompt, a list marker (`1. `) and backticks around the whole line;
-/// None for blanks and comments. In a `console` block (a terminal session) only lines with a
-/// prompt (`$ `, or root's `# `) are commands: the rest is their output.
-fn fenced_command(line: &str, console: bool) -> Option<Result<String, String>> {
+/// None for blanks and comments. In a `console` block (a terminal session) only lines with its
+/// `prompt` (`$ `, or root's `# ` in a block without one) are commands: the rest is output.
+fn fenced_command(line: &str, console: Option<&str>) -> Option<Result<String, String>> {
     let t = line.trim();
-    let t = if console {
-        t.strip_prefix("$ ").or_else(|| t.strip_prefix("# "))?
+    let t = if let Some(prompt) = console {
+        t.strip_prefix(prompt)?
     } else {
         let t = &t[list_marker_len(t)..];
         let t = t.strip_prefix("$ ").unwrap_or(t).trim();
@@ -271,8 +280,10 @@ mod tests {
 
     #[test]
     fn a_console_block_gives_its_prompted_lines_not_their_output() {
-        let answer = "```console\n$ systemctl restart web\n● web.service - Web\n# /opt/web/check\n```";
-        assert_eq!(plan(answer), v(&["systemctl restart web", "/opt/web/check"]));
+        let answer = "```console\n# restart it\n$ systemctl restart web\n● web.service - Web\n# listen 8080\n```";
+        assert_eq!(plan(answer), v(&["systemctl restart web"]), "`# ` is a comment or output beside `$ `");
+        let root = "```console\n# systemctl restart web\n● web.service - Web\n# /opt/web/check\n```";
+        assert_eq!(plan(root), v(&["systemctl restart web", "/opt/web/check"]));
     }
 
     #[test]
