@@ -230,7 +230,11 @@ pub async fn run(ssh: bool, llm: Option<LlmDemo>) -> anyhow::Result<()> {
     .await;
     let _ = stop_tx.send(());
     // Its drain, and a little more for its last pull and the hand-back past the drain.
-    let _ = tokio::time::timeout(cfg.drain().saturating_add(Duration::from_secs(5)), crew).await;
+    // Unless it ended already (a scenario that failed may have seen it end): a finished
+    // handle is not awaited twice.
+    if !crew.is_finished() {
+        let _ = tokio::time::timeout(cfg.drain().saturating_add(Duration::from_secs(5)), crew).await;
+    }
     for t in &toys {
         let _ = std::fs::remove_file(t.dir.join("broken"));
         let _ = toy::stop(t.port, &t.dir);
@@ -402,7 +406,11 @@ async fn run_ssh() -> anyhow::Result<()> {
     .await;
     let _ = stop_tx.send(());
     // Its drain, and a little more for its last pull and the hand-back past the drain.
-    let _ = tokio::time::timeout(cfg.drain().saturating_add(Duration::from_secs(5)), crew).await;
+    // Unless it ended already (a scenario that failed may have seen it end): a finished
+    // handle is not awaited twice.
+    if !crew.is_finished() {
+        let _ = tokio::time::timeout(cfg.drain().saturating_add(Duration::from_secs(5)), crew).await;
+    }
     if let Some(m) = monitor {
         let _ = tokio::time::timeout(Duration::from_secs(5), m).await;
     }

@@ -585,17 +585,15 @@ const NOT_CONFIG: &[&str] = &[
 /// `PITCREW_GATEWAY_PORT_8088_TCP_ADDR` and the like, which no config key is named after.
 /// Read as config, each would stop every pitcrew process with "unknown field".
 fn service_link(name: &str) -> bool {
-    if name.contains("__") {
-        return false;
-    }
-    let (_, tail) = match name.find("_service_").or_else(|| name.find("_port")) {
-        Some(i) => name.split_at(i),
-        None => return false,
-    };
-    tail.starts_with("_service_host")
-        || tail.starts_with("_service_port")
-        || tail == "_port"
-        || tail.strip_prefix("_port_").is_some_and(|rest| rest.starts_with(|c: char| c.is_ascii_digit()))
+    // `name` without `PITCREW_`, lower case: a Service called `pitcrew` gives `service_host`
+    // and `port`, one called `pitcrew-gateway-service` `gateway_service_service_host`.
+    static LINK: std::sync::LazyLock<regex::Regex> = std::sync::LazyLock::new(|| {
+        regex::Regex::new(
+            r"(^|_)(service_host|service_port(_[a-z0-9_]+)?|port(_[0-9]+_(tcp|udp|sctp)(_(addr|port|proto))?)?)$",
+        )
+        .expect("service link pattern")
+    });
+    !name.contains("__") && LINK.is_match(name)
 }
 
 /// Short env names for the settings people change most.
@@ -974,6 +972,10 @@ mod tests {
         std::env::set_var("PITCREW_BLESS", "1");
         // What Kubernetes sets for a Service called pitcrew-gateway is no config.
         let links = [
+            ("PITCREW_SERVICE_HOST", "10.96.0.9"),
+            ("PITCREW_PORT", "tcp://10.96.0.9:4222"),
+            ("PITCREW_PORTAL_SERVICE_HOST", "10.96.0.8"),
+            ("PITCREW_GATEWAY_SERVICE_SERVICE_PORT", "80"),
             ("PITCREW_GATEWAY_SERVICE_HOST", "10.96.0.7"),
             ("PITCREW_GATEWAY_SERVICE_PORT", "8088"),
             ("PITCREW_GATEWAY_SERVICE_PORT_HTTP", "8088"),

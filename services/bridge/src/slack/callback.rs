@@ -61,11 +61,18 @@ impl App {
     }
 
     /// Wait, at most `within`, for the decisions under way (the callback server has stopped
-    /// taking clicks): one cut off at exit could land half-published behind its clicker.
+    /// taking clicks): one cut off at exit could land half-published behind its clicker; then
+    /// for the Slack calls that follow them (the message updated, the clicker told).
     pub async fn finish_decisions(&self, within: std::time::Duration) {
-        let all = self.deciding.acquire_many(MAX_DECIDING as u32);
+        let all = async {
+            let _decided = self.deciding.acquire_many(MAX_DECIDING as u32).await;
+            let _told = self.follow_ups.acquire_many(MAX_FOLLOW_UPS as u32).await;
+        };
         if tokio::time::timeout(within, all).await.is_err() {
-            tracing::warn!(within_secs = within.as_secs(), "Slack decisions still under way at exit");
+            tracing::warn!(
+                within_secs = within.as_secs(),
+                "Slack decisions or their follow-ups still under way at exit"
+            );
         }
     }
 }
