@@ -119,6 +119,13 @@ impl Gateway {
     }
 }
 
+/// `POST /v1/alerts/alertmanager` with a body limit of its own (`key` names it in a 413).
+fn post_alertmanager_limited(limit: usize, key: &'static str) -> axum::routing::MethodRouter<Arc<Gateway>> {
+    post(ingest::post_alertmanager)
+        .layer::<_, std::convert::Infallible>(Extension(body::BodyLimit(limit, key)))
+        .layer(DefaultBodyLimit::max(limit))
+}
+
 /// Every route. The access each needs is looked up by the guard from the OpenAPI document.
 pub fn router(gw: Arc<Gateway>) -> Router {
     let limit = gw.cfg.gateway.body_limit_bytes;
@@ -129,15 +136,7 @@ pub fn router(gw: Arc<Gateway>) -> Router {
         .route("/v1/openapi.json", get(openapi))
         // A group of alerts is larger than any other request, and Alertmanager never sends
         // again what was answered 413: its own limit (inside the router's, so it wins).
-        .route(
-            "/v1/alerts/alertmanager",
-            post(ingest::post_alertmanager)
-                .layer::<_, std::convert::Infallible>(Extension(body::BodyLimit(
-                    alerts,
-                    "alertmanager_body_limit_bytes",
-                )))
-                .layer::<_, std::convert::Infallible>(DefaultBodyLimit::max(alerts)),
-        )
+        .route("/v1/alerts/alertmanager", post_alertmanager_limited(alerts, "alertmanager_body_limit_bytes"))
         .route("/v1/incidents", post(ingest::post_incident))
         .route("/v1/runs", get(runs::list))
         .route("/v1/runs/{id}", get(runs::get))
@@ -244,7 +243,8 @@ mod tests {
         for line in src.lines().map(str::trim).filter(|l| l.starts_with(".route(\"")) {
             let path = line.split('"').nth(1).unwrap_or_default().to_string();
             let rest = line.split("\", ").nth(1).unwrap_or_default();
-            let method = rest.split('(').next().unwrap_or_default().to_ascii_uppercase();
+            // `get(...)`, `post(...)`, or a helper named after its method (`post_alertmanager_limited(...)`).
+            let method = rest.split(['(', '_']).next().unwrap_or_default().to_ascii_uppercase();
             out.insert((method, path));
         }
         out
