@@ -319,10 +319,22 @@ impl Tools for EvidenceTools<'_> {
     }
 }
 
+/// How long one evidence command may run.
+const EVIDENCE_WITHIN: Duration = Duration::from_secs(10);
+
 /// Run one evidence command: (succeeded, trimmed output or the error).
 async fn run_evidence(executor: &dyn Executor, host: &str, cmd: &str) -> (bool, String) {
-    let (ok, text) = match executor.run(host, cmd, Duration::from_secs(10)).await {
+    evidence_of(executor.run(host, cmd, EVIDENCE_WITHIN).await)
+}
+
+/// What an evidence command's run says: (succeeded, trimmed output or the error).
+fn evidence_of(ran: Result<pitcrew_exec::CommandOutput, pitcrew_exec::ExecError>) -> (bool, String) {
+    let (ok, text) = match ran {
         Ok(o) if o.success() => (true, o.stdout),
+        // Said as such: an empty output read as the command's answer would mislead the model.
+        Ok(o) if o.timed_out => {
+            (false, format!("timed out after {} s\n{}{}", EVIDENCE_WITHIN.as_secs(), o.stdout, o.stderr))
+        }
         Ok(o) => (false, if o.stderr.is_empty() { o.stdout } else { o.stderr }),
         Err(e) => (false, e.to_string()),
     };
@@ -416,6 +428,21 @@ mod tests {
     use super::*;
     use pitcrew_exec::LocalExecutor;
     use pitcrew_model::CheckSpec;
+
+    #[test]
+    fn an_evidence_command_that_timed_out_says_so() {
+        let out = pitcrew_exec::CommandOutput {
+            exit_code: None,
+            stdout: String::new(),
+            stderr: String::new(),
+            timed_out: true,
+            duration: EVIDENCE_WITHIN,
+        };
+        let (ok, text) = evidence_of(Ok(out));
+        assert!(!ok);
+        assert!(text.starts_with("timed out after 10 s"), "{text}");
+        assert_eq!(evidence_line("`df -h`", ok, &text), "`df -h` failed: timed out after 10 s");
+    }
 
     fn spec(dir: &std::path::Path) -> ServiceSpec {
         let mut s: ServiceSpec = serde_json::from_value(serde_json::json!({})).unwrap();
