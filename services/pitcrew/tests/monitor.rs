@@ -82,15 +82,7 @@ async fn a_service_down_again_right_after_its_run_resolved_opens_a_new_run_at_on
     assert_eq!(crew.end(first).await?.kind, EventKind::Resolved);
     std::fs::remove_file(&healthy)?;
     // A new outage, reported at the next round rather than an hour later.
-    let second = crew
-        .events
-        .wait_any(|e| e.kind == EventKind::ApprovalRequested && e.run_id != first, std::time::Duration::from_secs(20))
-        .await
-        .map_err(|e| anyhow::anyhow!("no run for the relapse: {e}"))?
-        .run_id;
-    let db = crew.db().await?;
-    let runs: i64 = db.query_one("SELECT count(*) FROM runs WHERE fingerprint = 'monitor:svc'", &[]).await?.get(0);
-    assert_eq!(runs, 2, "one run per outage: {first} then {second}");
+    common::a_second_run_opens_for_the_relapse(&mut crew, first).await?;
     let _ = stop.send(());
     monitor.await??;
     crew.shutdown().await

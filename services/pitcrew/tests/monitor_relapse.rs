@@ -34,15 +34,7 @@ async fn a_relapse_after_a_run_that_an_outage_joined_as_a_duplicate_is_seen() ->
     cli::submit(&crew.bus, Some(&crew.store), DecisionInput::cli(a, Decision::Approve, "ann", None, &crew.cfg)).await?;
     assert_eq!(crew.end(a).await?.kind, EventKind::Resolved);
     std::fs::remove_file(&healthy)?;
-    let b = crew
-        .events
-        .wait_any(|e| e.kind == EventKind::ApprovalRequested && e.run_id != a, std::time::Duration::from_secs(20))
-        .await
-        .map_err(|e| anyhow::anyhow!("no run for the relapse: {e}"))?
-        .run_id;
-    let db = crew.db().await?;
-    let runs: i64 = db.query_one("SELECT count(*) FROM runs WHERE fingerprint = 'monitor:svc'", &[]).await?.get(0);
-    assert_eq!(runs, 2, "one run per outage: {a} then {b}");
+    common::a_second_run_opens_for_the_relapse(&mut crew, a).await?;
     let _ = stop.send(());
     monitor.await??;
     crew.shutdown().await

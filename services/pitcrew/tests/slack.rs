@@ -190,6 +190,15 @@ impl Drop for Bridge {
     }
 }
 
+/// A run parked for approval, its request posted: the run, the post and the message's `ts`.
+async fn parked(crew: &mut Crew, slack: &FakeSlack) -> anyhow::Result<(Uuid, Call, String)> {
+    let run = crew.open("svc", "stale lock held").await?;
+    crew.events.kind(run, EventKind::ApprovalRequested, WAIT).await?;
+    let post = posted(slack, run).await?;
+    let ts = post.answer["ts"].as_str().unwrap_or_default().to_string();
+    Ok((run, post, ts))
+}
+
 /// The form body Slack sends when `user` clicks the button `action` carrying `value` on the
 /// message `ts`.
 fn interaction(user: &str, action: &str, value: &str, ts: &str, response_url: &str) -> String {
@@ -719,10 +728,7 @@ async fn through_an_incoming_webhook_the_decided_message_is_replaced_on_its_resp
 async fn a_click_racing_one_the_crew_has_not_recorded_yet_is_refused() -> anyhow::Result<()> {
     let (mut crew, slack, port) = setup().await?;
     let bridge = Bridge::start(&crew, port, "bridge").await?;
-    let run = crew.open("svc", "stale lock held").await?;
-    crew.events.kind(run, EventKind::ApprovalRequested, WAIT).await?;
-    let post = posted(&slack, run).await?;
-    let ts = post.answer["ts"].as_str().unwrap_or_default().to_string();
+    let (run, post, ts) = parked(&mut crew, &slack).await?;
     // The crew is stopped: what reaches the bridge subject is not recorded yet. First a
     // decision from someone who is not an approver (the crew will refuse it): it blocks nothing.
     crew.shutdown().await?;
@@ -804,10 +810,7 @@ async fn a_click_while_nats_is_slow_is_answered_in_time_and_its_decision_still_l
 ) -> anyhow::Result<()> {
     let (mut crew, slack, port) = setup().await?;
     let bridge = Bridge::start(&crew, port, "bridge").await?;
-    let run = crew.open("svc", "stale lock held").await?;
-    crew.events.kind(run, EventKind::ApprovalRequested, WAIT).await?;
-    let post = posted(&slack, run).await?;
-    let ts = post.answer["ts"].as_str().unwrap_or_default().to_string();
+    let (run, post, ts) = parked(&mut crew, &slack).await?;
     let ann = interaction("U0ANN", "approve", &button(&post, "approve"), &ts, &slack.response_url(1));
     // NATS stops answering: the decision's reads wait. Slack wants an answer within 3 s.
     let frozen = crew.env.nats.freeze();

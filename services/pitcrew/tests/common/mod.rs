@@ -300,3 +300,19 @@ pub async fn crew_fixing_on_approval(monitor: &str) -> anyhow::Result<Crew> {
         format!("[reasoning]\nplaybook_file = \"{book}\"\n[monitor]\n{monitor}\n{}", marker_service(&env, "svc"));
     Crew::start_in(env, &text, &Stage::ALL).await
 }
+
+/// After `first` (the monitor's run for `svc`) resolved and the service failed again: a run of
+/// its own opens for the relapse within 20 s, and the fingerprint has those two runs.
+pub async fn a_second_run_opens_for_the_relapse(crew: &mut Crew, first: Uuid) -> anyhow::Result<()> {
+    use pitcrew_model::EventKind;
+    let second = crew
+        .events
+        .wait_any(|e| e.kind == EventKind::ApprovalRequested && e.run_id != first, Duration::from_secs(20))
+        .await
+        .map_err(|e| anyhow::anyhow!("no run for the relapse: {e}"))?
+        .run_id;
+    let db = crew.db().await?;
+    let runs: i64 = db.query_one("SELECT count(*) FROM runs WHERE fingerprint = 'monitor:svc'", &[]).await?.get(0);
+    anyhow::ensure!(runs == 2, "one run per outage: {first} then {second}, not {runs} runs");
+    Ok(())
+}
