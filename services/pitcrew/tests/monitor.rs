@@ -4,9 +4,9 @@
 mod common;
 
 use common::{count, crew_fixing_on_approval, sample, scrape, WAIT};
-use futures::{FutureExt, StreamExt};
+use futures::StreamExt;
 use pitcrew::cli::DecisionInput;
-use pitcrew::{cli, crew};
+use pitcrew::cli;
 use pitcrew_model::{Decision, EventKind};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -15,18 +15,12 @@ async fn an_outage_opens_one_run_and_its_recovery_is_reported() -> anyhow::Resul
     let mut crew = crew_fixing_on_approval("interval_ms = 100\nrealert_secs = 0").await?;
     let recovered_subject = format!("{}.events.monitor.svc.recovered", crew.bus.subjects.prefix());
     let mut recoveries = crew.bus.client.subscribe(recovered_subject).await?;
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let shutdown = async move {
-        let _ = stopped.await;
-    }
-    .boxed()
-    .shared();
     // The monitor serves its own /metrics (the crew, in this process too, serves none here).
     let port = pitcrew_runtime::natsd::free_port()?;
     let mut monitor_cfg = crew.cfg.clone();
     monitor_cfg.metrics.listen = Some(format!("127.0.0.1:{port}"));
     let metrics = format!("http://127.0.0.1:{port}/metrics");
-    let monitor = tokio::spawn(crew::monitor(monitor_cfg, shutdown));
+    let (stop, monitor) = common::spawn_monitor(monitor_cfg);
 
     // The first report opens a run; the ones that follow are duplicates of it.
     let first = crew.events.wait_any(|e| e.kind == EventKind::ApprovalRequested, WAIT).await?.run_id;
@@ -68,13 +62,7 @@ async fn a_service_down_again_right_after_its_run_resolved_opens_a_new_run_at_on
     // run resolves, before the monitor's next round can see it healthy.
     let mut crew = crew_fixing_on_approval("interval_ms = 1500\nrealert_secs = 3600").await?;
     let healthy = crew.env.path("svc-healthy");
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let shutdown = async move {
-        let _ = stopped.await;
-    }
-    .boxed()
-    .shared();
-    let monitor = tokio::spawn(crew::monitor(crew.cfg.clone(), shutdown));
+    let (stop, monitor) = common::spawn_monitor(crew.cfg.clone());
 
     let first = crew.events.wait_any(|e| e.kind == EventKind::ApprovalRequested, WAIT).await?.run_id;
     cli::submit(&crew.bus, Some(&crew.store), DecisionInput::cli(first, Decision::Approve, "ann", None, &crew.cfg))

@@ -4,9 +4,9 @@
 mod common;
 
 use common::{crew_fixing_on_approval, WAIT};
-use futures::{FutureExt, StreamExt};
+use futures::StreamExt;
 use pitcrew::cli::DecisionInput;
-use pitcrew::{cli, crew};
+use pitcrew::cli;
 use pitcrew_model::{Decision, EventKind};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -18,13 +18,7 @@ async fn a_relapse_after_a_run_that_an_outage_joined_as_a_duplicate_is_seen() ->
     let healthy = crew.env.path("svc-healthy");
     let recovered_subject = format!("{}.events.monitor.svc.recovered", crew.bus.subjects.prefix());
     let mut recoveries = crew.bus.client.subscribe(recovered_subject).await?;
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let shutdown = async move {
-        let _ = stopped.await;
-    }
-    .boxed()
-    .shared();
-    let monitor = tokio::spawn(crew::monitor(crew.cfg.clone(), shutdown));
+    let (stop, monitor) = common::spawn_monitor(crew.cfg.clone());
 
     let a = crew.events.wait_any(|e| e.kind == EventKind::ApprovalRequested, WAIT).await?.run_id;
     std::fs::write(&healthy, b"")?;

@@ -316,3 +316,14 @@ pub async fn a_second_run_opens_for_the_relapse(crew: &mut Crew, first: Uuid) ->
     anyhow::ensure!(runs == 2, "one run per outage: {first} then {second}, not {runs} runs");
     Ok(())
 }
+
+/// `pitcrew monitor` in-process over `cfg`: its stop switch and its task.
+pub fn spawn_monitor(cfg: Config) -> (tokio::sync::oneshot::Sender<()>, tokio::task::JoinHandle<anyhow::Result<()>>) {
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let shutdown = async move {
+        let _ = stopped.await;
+    }
+    .boxed()
+    .shared();
+    (stop, tokio::spawn(crew::monitor(cfg, shutdown)))
+}
