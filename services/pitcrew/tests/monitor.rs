@@ -5,8 +5,8 @@ mod common;
 
 use common::{count, crew_fixing_on_approval, sample, scrape, WAIT};
 use futures::StreamExt;
-use pitcrew::cli::DecisionInput;
 use pitcrew::cli;
+use pitcrew::cli::DecisionInput;
 use pitcrew_model::{Decision, EventKind};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -5,8 +5,8 @@ mod common;
 
 use common::{crew_fixing_on_approval, WAIT};
 use futures::StreamExt;
-use pitcrew::cli::DecisionInput;
 use pitcrew::cli;
+use pitcrew::cli::DecisionInput;
 use pitcrew_model::{Decision, EventKind};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

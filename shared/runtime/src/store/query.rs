@@ -19,25 +19,34 @@ pub struct RunFilter {
 }
 
 impl RunFilter {
-    /// The statement `Store::list_runs` runs: only the filters given, as plain predicates
-    /// (`$1` on), in the order status, service, since, until, then the limit. `($1 IS NULL OR
-    /// status = $1)` would keep a cached generic plan from the status and service indexes, and
-    /// a rare status would be found by reading every run.
+    /// The statement `Store::list_runs` runs: only the filters given, as plain predicates, the
+    /// status as a literal (one of the four a run may have; any other matches nothing) and
+    /// the rest as parameters (`$1` on) in the order service, since, until, then the limit.
+    /// `($1 IS NULL OR status = $1)` would keep a cached generic plan from any index, and a
+    /// rare status would be found by reading every run; with the literal, the planner sees
+    /// that `open` and `waiting_approval` are what the partial index of open runs
+    /// (`runs_one_open_per_fingerprint`) holds: no index of its own for the status (every
+    /// transition would pay for one).
     pub fn statement(&self) -> String {
+        let mut sql = String::from(
+            "SELECT r.id, i.service, i.error, r.status, r.stage, r.attempt, r.reason, r.created_at, r.updated_at \
+             FROM runs r JOIN incidents i ON i.id = r.id WHERE true",
+        );
+        if let Some(status) = &self.status {
+            match ["open", "waiting_approval", "resolved", "escalated"].iter().find(|s| **s == status.as_str()) {
+                Some(known) => sql.push_str(&format!(" AND r.status = '{known}'")),
+                None => sql.push_str(" AND false"),
+            }
+        }
         let given = [
-            self.status.as_ref().map(|_| "r.status ="),
             self.service.as_ref().map(|_| "i.service ="),
             self.since.as_ref().map(|_| "r.created_at >="),
             self.until.as_ref().map(|_| "r.created_at <"),
         ];
-        let mut sql = String::from(
-            "SELECT r.id, i.service, i.error, r.status, r.stage, r.attempt, r.reason, r.created_at, r.updated_at \
-             FROM runs r JOIN incidents i ON i.id = r.id",
-        );
         let mut n = 0;
         for predicate in given.into_iter().flatten() {
             n += 1;
-            sql.push_str(&format!(" {} {predicate} ${n}", if n == 1 { "WHERE" } else { "AND" }));
+            sql.push_str(&format!(" AND {predicate} ${n}"));
         }
         sql.push_str(&format!(" ORDER BY r.created_at DESC LIMIT ${}", n + 1));
         sql
@@ -92,8 +101,8 @@ impl Store {
         let client = self.client().await?;
         let sql = filter.statement();
         let mut params: Vec<&(dyn tokio_postgres::types::ToSql + Sync)> = Vec::new();
-        for value in [&filter.status, &filter.service].into_iter().flatten() {
-            params.push(value);
+        if let Some(service) = &filter.service {
+            params.push(service);
         }
         for value in [&filter.since, &filter.until].into_iter().flatten() {
             params.push(value);
