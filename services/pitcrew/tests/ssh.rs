@@ -877,7 +877,7 @@ async fn wedged_master_scenario() -> anyhow::Result<()> {
         .find(|pid| {
             let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
             let words: Vec<&[u8]> = cmdline.split(|b| *b == 0).collect();
-            words.first().is_some_and(|w| w.ends_with(b"ssh")) && words.iter().any(|w| *w == socket.as_bytes())
+            words.first().is_some_and(|w| w.ends_with(b"ssh")) && words.contains(&socket.as_bytes())
         })
         .ok_or_else(|| anyhow::anyhow!("no ssh master process names {socket}"))?;
     let frozen = pitcrew_exec::sshd::Frozen::stop(vec![pid]);
