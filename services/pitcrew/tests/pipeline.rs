@@ -901,3 +901,23 @@ async fn the_demo_on_a_shared_nats_server_keeps_to_streams_of_its_own() -> anyho
     }
     Ok(())
 }
+
+/// A fix that takes a few seconds to show (a service that binds its port a while after its
+/// restart returns, as most do): with the default verification it counts as the fix it is,
+/// not as a failed one that memory would bar from later plans.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fix_that_takes_seconds_to_show_is_verified_under_the_defaults() -> anyhow::Result<()> {
+    let env = TestEnv::start().await?;
+    let healthy = env.path("svc-healthy");
+    fix_script(&env, &format!("#!/bin/sh\n(sleep 4; touch {healthy}) >/dev/null 2>&1 </dev/null &\n"));
+    let book = write(&env, "playbook.toml", PLAYBOOK);
+    let text = format!("[reasoning]\nplaybook_file = \"{book}\"\n{}", marker_service(&env, "svc"));
+    let mut crew = Crew::start_verifying(env, &text, &Stage::ALL, "").await?;
+    let run = crew.open("svc", "svc needs a slow fix").await?;
+    let end = crew.events.terminal(run, WAIT).await?;
+    assert_eq!(end.kind, EventKind::Resolved, "{}", end.message);
+    let verified = crew.events.kind(run, EventKind::Verification, WAIT).await?;
+    assert_eq!(verified.data["recovered"], true, "{}", verified.message);
+    assert_eq!(verified.data["attempt"], 1, "the first attempt's fix, not a later one: {}", verified.message);
+    crew.shutdown().await
+}

@@ -390,7 +390,10 @@ pub struct PolicyConfig {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct VerifyConfig {
-    /// Health checks made before declaring the service still down.
+    /// Health checks made before declaring the service still down (the first at once after
+    /// the plan, then one each `interval_ms`; the first healthy one ends them). The defaults
+    /// give a fix 27 s to show: most services bind their port seconds after their restart
+    /// returns, and a fix judged too early is recorded as failed and not tried again.
     pub checks: u32,
     pub interval_ms: u64,
 }
@@ -450,7 +453,7 @@ impl Default for Config {
                 judge: false,
             },
             policy: PolicyConfig { file: None },
-            verify: VerifyConfig { checks: 3, interval_ms: 500 },
+            verify: VerifyConfig { checks: 10, interval_ms: 3000 },
             monitor: MonitorConfig { interval_ms: 30_000, realert_secs: 3600, failures_before_incident: 2 },
             hosts: BTreeMap::new(),
             services: BTreeMap::new(),

@@ -55,10 +55,16 @@ impl Crew {
     }
 
     pub async fn start_in(env: TestEnv, extra: &str, stages: &[Stage]) -> anyhow::Result<Crew> {
+        // Quick verifications: the tests' fixes work (or not) at once.
+        Self::start_verifying(env, extra, stages, "[verify]\nchecks = 2\ninterval_ms = 100\n").await
+    }
+
+    /// As `start_in`, with `verify` for the `[verify]` table ("": pitcrew's defaults).
+    pub async fn start_verifying(env: TestEnv, extra: &str, stages: &[Stage], verify: &str) -> anyhow::Result<Crew> {
         let extra = extra.replace("{dir}", &env.dir.path().display().to_string());
         // The tests' cast of approvers; anyone else is refused.
         let toml = env.config_toml(&format!(
-            "[verify]\nchecks = 2\ninterval_ms = 100\n[approvers]\nann = \"approver\"\nbob = \"approver\"\n\
+            "{verify}[approvers]\nann = \"approver\"\nbob = \"approver\"\n\
              carol = \"admin\"\n{extra}"
         ));
         let cfg = Config::from_toml(&toml)?;
