@@ -21,9 +21,7 @@ pub struct EvaluateStage;
 
 /// The program a command runs, past its wrappers and their options (`sudo -u postgres`), as
 /// written, if it parses: as the policy gate reads it.
-pub fn program(command: &str) -> Option<String> {
-    pitcrew_policy::program(command)
-}
+pub use pitcrew_policy::program;
 
 fn check(name: &str, weight: f64, passed: bool, detail: String) -> EvaluationCheck {
     EvaluationCheck { name: name.into(), passed, weight, detail }

@@ -197,36 +197,31 @@ impl Tracker {
     }
 }
 
-/// When `run` ended resolved (its `resolved` event is on the bus), if it did. Any failure to
-/// ask (bounded: `Bus::last_on`) reads as no: the outage is then reported again after
-/// `realert`, as before.
-async fn resolved_at(bus: &Bus, run: Uuid) -> Option<chrono::DateTime<chrono::Utc>> {
-    let subject = bus.subjects.event(run, EventKind::Resolved.as_str());
+/// The last event of `kind` the bus holds for `run`. Any failure to ask (bounded:
+/// `Bus::last_on`) reads as none: an outage is then reported again after `realert`, as before.
+async fn last_event(bus: &Bus, run: Uuid, kind: EventKind) -> Option<pitcrew_runtime::bus::StreamMessage> {
+    let subject = bus.subjects.event(run, kind.as_str());
     match bus.last_on(&bus.subjects.events_stream(), &subject).await {
-        Ok(msg) => {
-            msg.and_then(|msg| chrono::DateTime::from_timestamp(msg.time.unix_timestamp(), msg.time.nanosecond()))
-        }
+        Ok(msg) => msg,
         Err(e) => {
-            tracing::debug!(run = %run, error = %e, "cannot ask the bus whether the run resolved");
+            tracing::debug!(run = %run, kind = kind.as_str(), error = %e, "cannot ask the bus for the run's event");
             None
         }
     }
 }
 
+/// When `run` ended resolved (its `resolved` event is on the bus), if it did.
+async fn resolved_at(bus: &Bus, run: Uuid) -> Option<chrono::DateTime<chrono::Utc>> {
+    let msg = last_event(bus, run, EventKind::Resolved).await?;
+    chrono::DateTime::from_timestamp(msg.time.unix_timestamp(), msg.time.nanosecond())
+}
+
 /// The run incident `run` joined, when intake found it a duplicate of one still open (its
-/// `duplicate` event names it). Any failure to ask reads as none.
+/// `duplicate` event names it).
 async fn joined(bus: &Bus, run: Uuid) -> Option<Uuid> {
-    let subject = bus.subjects.event(run, EventKind::Duplicate.as_str());
-    match bus.last_on(&bus.subjects.events_stream(), &subject).await {
-        Ok(msg) => {
-            let event: pitcrew_model::RunEvent = serde_json::from_slice(&msg?.payload).ok()?;
-            event.data["run"].as_str()?.parse().ok()
-        }
-        Err(e) => {
-            tracing::debug!(run = %run, error = %e, "cannot ask the bus whether the incident joined another run");
-            None
-        }
-    }
+    let msg = last_event(bus, run, EventKind::Duplicate).await?;
+    let event: pitcrew_model::RunEvent = serde_json::from_slice(&msg.payload).ok()?;
+    event.data["run"].as_str()?.parse().ok()
 }
 
 /// The fingerprint of the monitor's incidents for `service`: one open run per service outage.

@@ -514,8 +514,8 @@ impl OpenAi {
         let mut calls: Vec<ToolCall> = Vec::new();
         let mut done = false;
         let mut finished = false;
+        let idle = Duration::from_secs(self.cfg.timeout_secs.max(1));
         while !done {
-            let idle = Duration::from_secs(self.cfg.timeout_secs.max(1));
             let next = tokio::time::timeout(idle, resp.chunk())
                 .await
                 .map_err(|_| format!("no part of the answer within {} s", idle.as_secs()))?;
@@ -625,9 +625,6 @@ impl OpenAi {
                 };
                 let mut grounds = answer.grounds;
                 grounds.truncate(8);
-                // What a model writes is kept (the run's state, episodes, events) as any other
-                // text is: redacted, whatever it was shown.
-                let kept = |text: &str, max| clip(&pitcrew_model::redact::redact(text), max);
                 return Ok(Diagnosis {
                     attempt: input.attempt,
                     summary: kept(&answer.summary, 400),
@@ -718,7 +715,7 @@ impl OpenAi {
             return Err(ReasonError::Failed(format!("the judge gave no score: {}", clip(&text, 200))));
         };
         let reason = json.as_ref().and_then(|j| j["reason"].as_str()).unwrap_or("").trim().to_string();
-        Ok(Some(Judgement { score: score.clamp(0.0, 1.0), reason: clip(&pitcrew_model::redact::redact(&reason), 400) }))
+        Ok(Some(Judgement { score: score.clamp(0.0, 1.0), reason: kept(&reason, 400) }))
     }
 
     /// The model's commands, fitted to the target, or why they cannot be used.
@@ -901,6 +898,12 @@ impl Reasoner for OpenAi {
     ) -> BoxFuture<'a, Result<Option<Judgement>, ReasonError>> {
         Box::pin(self.judge_inner(input, diagnosis, plan))
     }
+}
+
+/// What a model wrote, as it is kept (the run's state, episodes, evaluations, events) like any
+/// other text: redacted, whatever the model was shown, then clipped to `max` bytes.
+fn kept(text: &str, max: usize) -> String {
+    clip(&pitcrew_model::redact::redact(text), max)
 }
 
 /// The `error.code` of an OpenAI error body (`insufficient_quota`, `rate_limit_exceeded`).

@@ -126,10 +126,7 @@ fn fenced_command(line: &str, console: Option<&str>) -> Option<Result<String, St
         let t = &t[list_marker_len(t)..];
         let t = t.strip_prefix("$ ").unwrap_or(t).trim();
         // `` `systemctl restart web` ``: the whole line in inline code, not a substitution.
-        match t.strip_prefix('`').and_then(|x| x.strip_suffix('`')) {
-            Some(code) if !code.contains('`') => code,
-            _ => t,
-        }
+        inline_code(t).unwrap_or(t)
     };
     let t = t.trim();
     if t.is_empty() || t.starts_with('#') {
@@ -170,15 +167,17 @@ fn reads_as_prose(line: &str) -> bool {
     t.ends_with(':') || (t.ends_with('.') && words > 2) || (capitalised && words > 3)
 }
 
+/// What `t` holds when all of it is one span of inline code (`` `systemctl restart web` ``).
+fn inline_code(t: &str) -> Option<&str> {
+    t.strip_prefix('`').and_then(|x| x.strip_suffix('`')).filter(|code| !code.contains('`'))
+}
+
 /// One command from a line outside any fence (its list marker gone): the whole line, or the
 /// whole of it in inline code; None for blanks, comments, headings and prose. A line with
 /// inline code inside prose is prose: what it quotes may be what not to run.
 fn bare_command(line: &str) -> Option<String> {
     let mut t = line.trim();
-    if let Some(code) = t.strip_prefix('`').and_then(|s| s.strip_suffix('`')) {
-        if code.contains('`') {
-            return None;
-        }
+    if let Some(code) = inline_code(t) {
         t = code.trim();
     } else if t.contains('`') {
         return None;

@@ -312,6 +312,8 @@ pub(crate) fn unwrap(argv: &[String]) -> Unwrapped {
     let mut rest: Vec<String> = argv.to_vec();
     let mut out = Unwrapped::default();
     let mut unwrapped = 0;
+    // `rest` is a tail of `argv` until `env -S` makes words of its own.
+    let mut a_tail = true;
     loop {
         let skip = rest.iter().take_while(|w| is_assignment(w)).count();
         if let Some(a) = rest[..skip].iter().find(|a| !read_only_assignment(a)) {
@@ -341,6 +343,7 @@ pub(crate) fn unwrap(argv: &[String]) -> Unwrapped {
         let mut inner: Vec<String> = rest[1 + skipped.end..].to_vec();
         let split = if w.name == "env" { skipped.values_of(&["-S", "--split-string"]).next() } else { None };
         if let Some(line) = split {
+            a_tail = false;
             out.opaque.get_or_insert_with(|| {
                 "`env -S` splits its argument by rules of its own: what it runs cannot be told".into()
             });
@@ -350,8 +353,7 @@ pub(crate) fn unwrap(argv: &[String]) -> Unwrapped {
         }
         rest = inner;
     }
-    let split = out.opaque.as_deref().is_some_and(|o| o.contains("env -S"));
-    out.index = (!split && !rest.is_empty()).then(|| argv.len() - rest.len());
+    out.index = (a_tail && !rest.is_empty()).then(|| argv.len() - rest.len());
     if let Some(first) = rest.first_mut() {
         out.path = first.clone();
         note_unless_system_program(&mut out, first);

@@ -2,7 +2,7 @@
 
 use crate::config::{Config, StageSettings};
 use async_nats::header::{HeaderMap, NATS_MESSAGE_ID};
-use async_nats::jetstream::message::StreamMessage;
+pub use async_nats::jetstream::message::StreamMessage;
 use async_nats::jetstream::{self, consumer, stream};
 use bytes::Bytes;
 use pitcrew_model::codec::{self, CONTENT_TYPE};

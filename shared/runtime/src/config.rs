@@ -526,7 +526,7 @@ fn check_bridge(
             return Err(format!("[bridge.{kind}] {key} '{url}' must be an http(s) URL"));
         }
     }
-    if durable.is_empty() || !durable.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_') {
+    if durable.is_empty() || !durable.chars().all(name_char) {
         return Err(format!("[bridge.{kind}] durable '{durable}' must be letters, digits, '-' or '_'"));
     }
     if concurrency == 0 {
@@ -565,6 +565,12 @@ fn unreadable(e: figment::Error) -> ConfigError {
     let text = e.to_string();
     let urls = URL.replace_all(&text, |c: &regex::Captures<'_>| redact_url(&c[0]));
     ConfigError(pitcrew_model::redact::redact(&urls).into_owned())
+}
+
+/// A character of the names pitcrew puts in subjects, stream and consumer names and SQL
+/// identifiers (a prefix, an inbox, a durable, a database): ASCII letters, digits, `-`, `_`.
+pub(crate) fn name_char(c: char) -> bool {
+    c.is_ascii_alphanumeric() || c == '-' || c == '_'
 }
 
 /// Longest `limits.approval_timeout_secs`: 30 days (the approvals stream keeps requests 90).
@@ -652,7 +658,7 @@ impl Config {
 
     fn validate(&self) -> Result<(), ConfigError> {
         let bad = |m: String| Err(ConfigError(m));
-        if self.prefix.is_empty() || !self.prefix.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_') {
+        if self.prefix.is_empty() || !self.prefix.chars().all(name_char) {
             return bad(format!("prefix '{}' must be letters, digits, '-' or '_'", self.prefix));
         }
         // Each attempt and each plan sent back leaves its diagnosis, flags and commands in the
@@ -665,10 +671,7 @@ impl Config {
             ));
         }
         let inbox = &self.nats.inbox_prefix;
-        if inbox.is_empty()
-            || inbox.len() > 64
-            || !inbox.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
-        {
+        if inbox.is_empty() || inbox.len() > 64 || !inbox.chars().all(name_char) {
             return bad(format!("nats.inbox_prefix '{inbox}' must be 1-64 letters, digits, '_' or '-'"));
         }
         if !(1..=MAX_APPROVAL_TIMEOUT_SECS).contains(&self.limits.approval_timeout_secs) {

@@ -81,7 +81,7 @@ pub async fn ensure_database(url: &str) -> Result<(), StoreError> {
 pub(super) async fn ensure_database_at(url: &str, target: &super::tls::Target) -> Result<(), StoreError> {
     let (cfg, tls) = (&target.config, &target.tls);
     let Some(db) = cfg.get_dbname().map(str::to_string) else { return Ok(()) };
-    if !db.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-') {
+    if !db.chars().all(crate::config::name_char) {
         return Err(StoreError::Config(format!("database name '{db}' must be letters, digits, '_' or '-'")));
     }
     // tokio-postgres tries each host in turn, each within `connect_timeout`.
