@@ -13,8 +13,9 @@ use crate::Gateway;
 use async_nats::jetstream::consumer::{pull::OrderedConfig, DeliverPolicy};
 use axum::extract::rejection::QueryRejection;
 use axum::extract::{Extension, Path, Query, State};
-use axum::http::HeaderMap;
+use axum::http::{HeaderMap, StatusCode};
 use axum::response::sse::{Event, KeepAlive, KeepAliveStream, Sse};
+use axum::response::{IntoResponse, Response};
 use chrono::{DateTime, Utc};
 use futures::{Stream, StreamExt};
 use pitcrew_model::{EventKind, RunEvent};
@@ -48,11 +49,26 @@ enum End {
     CaughtUp,
 }
 
-/// The stream sequence to resume from: the one after `Last-Event-ID`.
-fn last_event_id(headers: &HeaderMap) -> Result<Option<u64>, ApiError> {
+/// The id prefix of an event replayed from the stored timeline (`stored.<seq>.<index>`): not
+/// a stream sequence, and only ever sent for a run that has ended.
+const STORED_ID: &str = "stored.";
+
+/// Where a reconnecting client (`Last-Event-ID`) resumes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Resume {
+    /// A first connection.
+    Start,
+    /// At this stream sequence, the one after the last event the client saw.
+    Bus(u64),
+    /// After an event of a stored timeline: the run had ended.
+    Stored,
+}
+
+fn last_event_id(headers: &HeaderMap) -> Result<Resume, ApiError> {
     match headers.get("last-event-id").map(|v| v.to_str().unwrap_or("").trim()) {
-        None | Some("") => Ok(None),
-        Some(v) => v.parse::<u64>().ok().and_then(|seq| seq.checked_add(1)).map(Some).ok_or_else(|| {
+        None | Some("") => Ok(Resume::Start),
+        Some(v) if v.starts_with(STORED_ID) => Ok(Resume::Stored),
+        Some(v) => v.parse::<u64>().ok().and_then(|seq| seq.checked_add(1)).map(Resume::Bus).ok_or_else(|| {
             ApiError::BadRequest(format!(
                 "Last-Event-ID '{}' is not an event id of this stream",
                 pitcrew_model::trim::clip(v, 32)
@@ -61,13 +77,20 @@ fn last_event_id(headers: &HeaderMap) -> Result<Option<u64>, ApiError> {
     }
 }
 
+/// The answer to a client resuming a stream with nothing left to send: 204 No Content, which
+/// tells an `EventSource` to stop reconnecting (an empty 200 stream would have it reconnect
+/// every few seconds, for ever).
+fn nothing_left() -> Response {
+    StatusCode::NO_CONTENT.into_response()
+}
+
 /// `GET /v1/runs/{id}/events`
 pub async fn run_events(
     State(gw): State<Arc<Gateway>>,
     Extension(caller): Extension<Caller>,
     Path(id): Path<String>,
     headers: HeaderMap,
-) -> Result<EventStream, ApiError> {
+) -> Result<Response, ApiError> {
     let run = run_id(&id)?;
     let resume = last_event_id(&headers)?;
     let deadline = tokio::time::Instant::now() + UNKNOWN_GRACE;
@@ -77,22 +100,25 @@ pub async fn run_events(
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    if resume.is_none() {
-        if let Some(stored) = stored_replay(&gw, run).await? {
-            return Ok(stored);
-        }
-    }
     let (deliver, end) = match resume {
-        Some(next) => {
+        Resume::Start => {
+            if let Some(stored) = stored_replay(&gw, run).await? {
+                return Ok(stored.into_response());
+            }
+            (DeliverPolicy::All, End::Terminal)
+        }
+        // The client has the whole stored timeline, which ends with the run's end.
+        Resume::Stored => return Ok(nothing_left()),
+        Resume::Bus(next) => {
             // Ended, by the bus or by Postgres (the bus keeps events 7 days): nothing more to
             // wait for once the client has what is left.
             let ended = ended_on_bus(&gw, run).await? || ended_in_store(&gw, run).await?;
             let end = if ended { End::CaughtUp } else { End::Terminal };
             (DeliverPolicy::ByStartSequence { start_sequence: next }, end)
         }
-        None => (DeliverPolicy::All, End::Terminal),
     };
-    follow(&gw, &caller, vec![gw.bus.subjects.events_of(run)], deliver, None, end).await
+    let followed = follow(&gw, &caller, vec![gw.bus.subjects.events_of(run)], deliver, None, end).await?;
+    Ok(followed.map_or_else(nothing_left, IntoResponse::into_response))
 }
 
 /// Whether the bus holds the run's terminal event (a client resuming after it has no more to
@@ -140,7 +166,10 @@ async fn stored_replay(gw: &Gateway, run: Uuid) -> Result<Option<EventStream>, A
     let events: Vec<Result<Event, Infallible>> = timeline
         .iter()
         .filter_map(|e| {
-            serde_json::to_string(e).ok().map(|data| Ok(Event::default().event(e.kind.as_str()).data(data)))
+            serde_json::to_string(e).ok().map(|data| {
+                let id = format!("{STORED_ID}{}.{}", e.seq, e.index);
+                Ok(Event::default().id(id).event(e.kind.as_str()).data(data))
+            })
         })
         .collect();
     let body: std::pin::Pin<Box<dyn Stream<Item = Result<Event, Infallible>> + Send>> =
@@ -163,7 +192,7 @@ pub async fn all_events(
     Extension(caller): Extension<Caller>,
     q: Result<Query<EventsQuery>, QueryRejection>,
     headers: HeaderMap,
-) -> Result<EventStream, ApiError> {
+) -> Result<Response, ApiError> {
     let Query(q) = q.map_err(bad_query)?;
     let mut kinds = Vec::new();
     for k in q.kind.iter().flat_map(|k| k.split(',')).map(str::trim).filter(|k| !k.is_empty()) {
@@ -183,11 +212,18 @@ pub async fn all_events(
         kinds.iter().map(|k| format!("{prefix}.events.{run}.{}", k.as_str())).collect()
     };
     let deliver = match (last_event_id(&headers)?, q.since) {
-        (Some(next), _) => DeliverPolicy::ByStartSequence { start_sequence: next },
-        (None, Some(t)) => DeliverPolicy::ByStartTime { start_time: start_time(t)? },
-        (None, None) => DeliverPolicy::New,
+        (Resume::Bus(next), _) => DeliverPolicy::ByStartSequence { start_sequence: next },
+        (Resume::Stored, _) => {
+            return Err(ApiError::BadRequest(
+                "Last-Event-ID of a run's stored timeline is not an event id of the all-runs stream".into(),
+            ))
+        }
+        (Resume::Start, Some(t)) => DeliverPolicy::ByStartTime { start_time: start_time(t)? },
+        (Resume::Start, None) => DeliverPolicy::New,
     };
-    follow(&gw, &caller, subjects, deliver, Some(kinds), End::Never).await
+    let followed = follow(&gw, &caller, subjects, deliver, Some(kinds), End::Never).await?;
+    // (Never None: only a run that has ended is ever caught up.)
+    Ok(followed.map_or_else(nothing_left, IntoResponse::into_response))
 }
 
 /// `since` as JetStream's start time. Nanoseconds since 1970 in an i64 reach from 1677 to
@@ -224,7 +260,8 @@ fn key_permit(gw: &Gateway, caller: &Caller) -> Result<tokio::sync::OwnedSemapho
 
 /// Open an ordered consumer and feed its events to a bounded per-client channel from a task
 /// of its own; the response streams the channel. The task ends as `end` says, on a full buffer
-/// (a slow client), a gone client or shutdown.
+/// (a slow client), a gone client or shutdown. None: the run has ended and nothing is left to
+/// send from where the client resumes.
 async fn follow(
     gw: &Arc<Gateway>,
     caller: &Caller,
@@ -232,7 +269,7 @@ async fn follow(
     deliver_policy: DeliverPolicy,
     kinds: Option<Vec<EventKind>>,
     end: End,
-) -> Result<EventStream, ApiError> {
+) -> Result<Option<EventStream>, ApiError> {
     let permit = gw
         .streams
         .clone()
@@ -250,10 +287,7 @@ async fn follow(
         .map_err(nats)?
         .map_err(|e| ApiError::unavailable("NATS", e))?;
     if end == End::CaughtUp && consumer.cached_info().num_pending == 0 {
-        // Nothing left to send of a run that has ended: the stream ends at once.
-        let body: std::pin::Pin<Box<dyn Stream<Item = Result<Event, Infallible>> + Send>> =
-            Box::pin(futures::stream::empty());
-        return Ok(Sse::new(body).keep_alive(KeepAlive::new().interval(KEEP_ALIVE)));
+        return Ok(None);
     }
     let mut messages = consumer.messages().await.map_err(|e| ApiError::unavailable("NATS", e))?;
     let (tx, rx) = mpsc::channel::<Event>(gw.cfg.gateway.sse_buffer.max(1));
@@ -321,7 +355,7 @@ async fn follow(
     });
     let body = futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|e| (Ok(e), rx)) });
     let body: std::pin::Pin<Box<dyn Stream<Item = Result<Event, Infallible>> + Send>> = Box::pin(body);
-    Ok(Sse::new(body).keep_alive(KeepAlive::new().interval(KEEP_ALIVE)))
+    Ok(Some(Sse::new(body).keep_alive(KeepAlive::new().interval(KEEP_ALIVE))))
 }
 
 #[cfg(test)]

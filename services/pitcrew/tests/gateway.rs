@@ -510,10 +510,11 @@ async fn a_run_streams_its_past_then_live_events_and_is_approved_over_http() -> 
     .await
     .map_err(|_| anyhow::anyhow!("the resumed stream of an ended run never ended"))??;
     assert_eq!(missed, ids[1..], "the events after Last-Event-ID, then the end");
-    // ... and from the last event, nothing: the stream ends at once.
-    let mut none = Sse::new(resume(ids.last().cloned().unwrap_or_default()).await?);
-    let end = tokio::time::timeout(WAIT, none.next()).await.map_err(|_| anyhow::anyhow!("never ended"))??;
-    assert!(end.is_none(), "a resumed stream of an ended run ends");
+    // ... and from the last event, nothing: 204 No Content, which stops an EventSource from
+    // reconnecting (an empty 200 stream has it reconnect every few seconds, for ever).
+    let none = resume(ids.last().cloned().unwrap_or_default()).await?;
+    assert_eq!(none.status(), StatusCode::NO_CONTENT, "a resumed stream of an ended run with nothing left");
+    assert_eq!(none.text().await?, "");
     // The all-runs stream, filtered, saw the decision and the end.
     let (_, _, first) = all.next().await?.expect("filtered events");
     assert_eq!((first.run_id, first.kind), (run, EventKind::ApprovalDecided));
@@ -558,8 +559,10 @@ async fn a_run_streams_its_past_then_live_events_and_is_approved_over_http() -> 
     stream.purge().filter(api.crew.bus.subjects.events_of(run)).await.map_err(|e| anyhow::anyhow!("purge: {e}"))?;
     let mut stored = Sse::new(api.stream(&format!("/v1/runs/{run}/events"), "rita").await?);
     let mut kinds = Vec::new();
+    let mut stored_ids = Vec::new();
     while let Some((id, _, e)) = stored.next().await? {
-        assert!(id.is_empty(), "stored events have no stream id");
+        assert_eq!(id, format!("stored.{}.{}", e.seq, e.index), "a stored event's id is its place in the timeline");
+        stored_ids.push(id);
         kinds.push(e.kind);
     }
     assert_eq!(kinds.len(), rec["timeline"].as_array().map(Vec::len).unwrap_or_default(), "{kinds:?}");
@@ -571,8 +574,24 @@ async fn a_run_streams_its_past_then_live_events_and_is_approved_over_http() -> 
         .header("last-event-id", "1")
         .send()
         .await?;
-    let body = tokio::time::timeout(Duration::from_secs(10), resumed.text()).await;
-    assert!(body.is_ok(), "the resumed stream of a finished run ended");
+    assert_eq!(resumed.status(), StatusCode::NO_CONTENT, "the resumed stream of a finished run has nothing left");
+    // An EventSource reconnecting after the stored timeline's end (its last id) is told there
+    // is nothing more, not sent the whole timeline again and again.
+    let again = api
+        .req(reqwest::Method::GET, &format!("/v1/runs/{run}/events"), Some("rita"))
+        .header("last-event-id", stored_ids.last().cloned().unwrap_or_default())
+        .send()
+        .await?;
+    assert_eq!(again.status(), StatusCode::NO_CONTENT);
+    // That id is a run timeline's, not one the all-runs stream can resume from.
+    let (status, err) = api
+        .req(reqwest::Method::GET, "/v1/events", Some("rita"))
+        .header("last-event-id", stored_ids.last().cloned().unwrap_or_default())
+        .send()
+        .await
+        .map(|r| (r.status(), r))?;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    assert!(err.text().await?.contains("stored timeline"));
     // An event published after the end (a late refusal) is on the bus, the end is not: the
     // stored timeline is the run's, and it ends.
     let late = pitcrew_model::RunEvent {
