@@ -4,6 +4,7 @@
 use futures::future::BoxFuture;
 use pitcrew_model::codec::{self, CONTENT_TYPE, JSON};
 use pitcrew_model::{ApprovalDecision, ApprovalStatus, Decision, EventKind, Stage};
+use pitcrew_runtime::approvals::{answered_attempt, ATTEMPT_HEADER};
 use pitcrew_runtime::bus::DECISIONS_CONSUMER;
 use pitcrew_runtime::consume::{backoff, Disposition, MessageHandler};
 use pitcrew_runtime::runner::{
@@ -113,7 +114,8 @@ impl Decisions {
             channel = %pitcrew_model::trim::clip(&d.channel, 32),
         );
         pitcrew_runtime::trace::adopt(&span, parent.as_deref());
-        let decided = tracing::Instrument::instrument(self.decide(&d, seq), span);
+        let attempt = answered_attempt(header(msg, ATTEMPT_HEADER));
+        let decided = tracing::Instrument::instrument(self.decide(&d, attempt, seq), span);
         match pitcrew_runtime::trace::carrying(parent, decided).await {
             Ok(()) => Disposition::Ack,
             Err(DecideError::Permanent(e)) => {
@@ -154,7 +156,7 @@ impl Decisions {
         Ok(())
     }
 
-    async fn decide(&self, d: &ApprovalDecision, seq: u64) -> Result<(), DecideError> {
+    async fn decide(&self, d: &ApprovalDecision, attempt: Option<u32>, seq: u64) -> Result<(), DecideError> {
         let store = &self.deps.store;
         let Some(run) = store.load_run(d.run_id).await? else {
             tracing::warn!(run = %d.run_id, "decision for an unknown run: ignored");
@@ -173,6 +175,17 @@ impl Decisions {
                 .record(cx, EventKind::Error, format!("{} by {} ignored: {why}", d.decision.as_str(), d.by), d)
                 .await;
         };
+        // An answer to another attempt's request (see ATTEMPT_HEADER) decides nothing now.
+        if let Some(answered) = attempt.filter(|a| pending.is_some() && *a != state.attempt) {
+            let why = format!(
+                "it answered the request of attempt {answered}, and the run now waits on attempt {}'s: decide on that one",
+                state.attempt
+            );
+            tracing::warn!(run = %d.run_id, by = %d.by, "decision for another attempt: ignored");
+            return self
+                .record(cx, EventKind::Error, format!("{} by {} ignored: {why}", d.decision.as_str(), d.by), d)
+                .await;
+        }
         // Only a configured approver decides; the sweeper's expiry only ever escalates.
         if d.decision != Decision::Expire {
             if let Some(why) = self.deps.config.refuse_approver(&d.by) {

@@ -719,6 +719,49 @@ async fn under_a_two_person_rule_a_denial_right_after_one_approval_stops_the_pla
     crew.shutdown().await
 }
 
+/// A decision answers one attempt's request: every channel stamps the attempt it checked, and
+/// a vote for another attempt than the one the run waits on (published for attempt 1 just
+/// before attempt 2 asked for the same plan again) is not counted toward the quorum.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_vote_for_another_attempt_than_the_one_waited_on_is_not_counted() -> anyhow::Result<()> {
+    let (mut crew, run) = waiting_for_two_approvers().await?;
+    let req = cli::approval_request(&crew.bus, run).await?;
+    assert_eq!(req.attempt, 1);
+    cli::submit(&crew.bus, Some(&crew.store), DecisionInput::cli(run, Decision::Approve, "ann", None, &crew.cfg))
+        .await?;
+    crew.events.wait(run, |e| e.message.contains("approve by ann via cli counted: 1 of 2"), WAIT).await?;
+    // The CLI stamped the attempt of the request it decided.
+    let stream = crew.bus.js.get_stream(crew.bus.subjects.approvals_stream()).await?;
+    let decided = stream.get_last_raw_message_by_subject(&crew.bus.subjects.approval_decided(run)).await?;
+    assert_eq!(decided.headers.get(pitcrew_runtime::approvals::ATTEMPT_HEADER).map(|v| v.as_str()), Some("1"));
+    // Bob's vote for another attempt's request: ignored, with why.
+    let other =
+        ApprovalDecision { plan_hash: Some(req.plan_hash.clone()), ..scripted(run, Decision::Approve, "bob", None) };
+    let mut headers = async_nats::HeaderMap::new();
+    headers.insert(pitcrew_runtime::approvals::ATTEMPT_HEADER, "2");
+    crew.bus
+        .client
+        .publish_with_headers(crew.bus.subjects.approval_decided(run), headers, serde_json::to_vec(&other)?.into())
+        .await?;
+    let ignored = crew.events.wait(run, |e| e.message.starts_with("approve by bob ignored"), WAIT).await?;
+    assert!(
+        ignored.message.contains("answered the request of attempt 2, and the run now waits on attempt 1's"),
+        "{}",
+        ignored.message
+    );
+    let db = crew.db().await?;
+    let status: String = db.query_one("SELECT status FROM runs WHERE id = $1", &[&run]).await?.get(0);
+    assert_eq!(status, "waiting_approval", "one vote of two, not the quorum");
+    assert_eq!(count(&db, "SELECT count(*) FROM approval_votes WHERE run_id = $1", run).await, 1);
+    assert_eq!(count(&db, "SELECT count(*) FROM executions WHERE run_id = $1", run).await, 0);
+    // Bob's vote for the request the run waits on completes the quorum.
+    cli::submit(&crew.bus, Some(&crew.store), DecisionInput::cli(run, Decision::Approve, "bob", None, &crew.cfg))
+        .await?;
+    let end = crew.events.terminal(run, WAIT).await?;
+    assert_eq!(end.kind, EventKind::Resolved, "{}", end.message);
+    crew.shutdown().await
+}
+
 /// The same plan asked for again by a later attempt (its commands were all skipped the first
 /// time) is decided anew, however soon: the approver's second approval is neither refused as
 /// racing the first (which answered the earlier request) nor dropped by the bus as its

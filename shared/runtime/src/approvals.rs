@@ -16,6 +16,14 @@ use uuid::Uuid;
 /// nothing.
 pub const IN_FLIGHT: Duration = Duration::from_secs(60);
 
+/// The header of a decision naming the attempt whose request it answers (every channel sets
+/// it from the request it checked): the crew ignores a decision for another attempt than the
+/// one the run waits on, such as a vote published for attempt 1 just before attempt 2 asked
+/// for the same plan again (it would count toward attempt 2's quorum). A header rather than
+/// a field of the decision, so a crew from before it still reads every decision. Absent (a
+/// decision published by other means): whatever attempt.
+pub const ATTEMPT_HEADER: &str = "Pitcrew-Attempt";
+
 /// The latest approval request of a run, from the bridge stream.
 pub async fn approval_request(bus: &Bus, run: Uuid) -> anyhow::Result<ApprovalRequest> {
     find_request(bus, run)
@@ -163,7 +171,9 @@ pub async fn submit(
             bus.client.connection_state()
         )));
     }
-    bus.publish(bus.subjects.approval_decided(run), &id, JSON, Some(run), payload.into())
+    let mut headers = crate::bus::headers(&id, JSON, Some(run));
+    headers.insert(ATTEMPT_HEADER, req.attempt.to_string().as_str());
+    bus.publish_with_headers(bus.subjects.approval_decided(run), headers, payload.into())
         .await
         .map_err(|e| DecideError::Bus(e.to_string()))?;
     Ok(req)
@@ -180,12 +190,14 @@ async fn racing_decision(
     by: &str,
 ) -> Result<Option<String>, DecideError> {
     let (run, plan_hash) = (req.run_id, req.plan_hash.as_str());
-    let Some(prev) = in_flight(bus, run, plan_hash).await.map_err(|e| DecideError::Bus(format!("{e:#}")))? else {
+    let Some((prev, answered)) =
+        in_flight(bus, run, plan_hash).await.map_err(|e| DecideError::Bus(format!("{e:#}")))?
+    else {
         return Ok(None);
     };
-    // A decision from before this request answered an earlier one (the same plan, asked for
-    // again by a later attempt): it decides nothing here.
-    if prev.decided_at < req.requested_at {
+    // A decision from before this request, or for another attempt's, answered an earlier one
+    // (the same plan, asked for again by a later attempt): it decides nothing here.
+    if prev.decided_at < req.requested_at || answered.is_some_and(|a| a != req.attempt) {
         return Ok(None);
     }
     if cfg.refuse_approver(&prev.by).is_some() {
@@ -206,15 +218,22 @@ async fn racing_decision(
     )))
 }
 
-/// The last decision published for `plan_hash` of `run` within [`IN_FLIGHT`], if any.
-async fn in_flight(bus: &Bus, run: Uuid, plan_hash: &str) -> anyhow::Result<Option<ApprovalDecision>> {
+/// The last decision published for `plan_hash` of `run` within [`IN_FLIGHT`], if any, with
+/// the attempt it answered when it says.
+async fn in_flight(bus: &Bus, run: Uuid, plan_hash: &str) -> anyhow::Result<Option<(ApprovalDecision, Option<u32>)>> {
     let Some(msg) = last_on(bus, &bus.subjects.approval_decided(run)).await? else { return Ok(None) };
     let Ok(d) = serde_json::from_slice::<ApprovalDecision>(&msg.payload) else { return Ok(None) };
     let age = time::OffsetDateTime::now_utc() - msg.time;
     if d.plan_hash.as_deref() != Some(plan_hash) || age > IN_FLIGHT {
         return Ok(None);
     }
-    Ok(Some(d))
+    Ok(Some((d, answered_attempt(msg.headers.get(ATTEMPT_HEADER).map(|v| v.as_str())))))
+}
+
+/// The attempt a decision's [`ATTEMPT_HEADER`] names: one that is not a number names no
+/// attempt a run could be on.
+pub fn answered_attempt(header: Option<&str>) -> Option<u32> {
+    header.map(|a| a.trim().parse::<u32>().unwrap_or(u32::MAX))
 }
 
 /// The trace context of a run's latest approval request (published inside the run's trace),
