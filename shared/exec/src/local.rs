@@ -12,9 +12,15 @@ use tokio::time::Instant;
 const LOCAL_HOSTS: [&str; 3] = ["local", "localhost", "127.0.0.1"];
 
 /// After the command exits, how long we keep reading pipes that something it left behind
-/// (a backgrounded child) still holds open. We do not wait for, or kill, such processes:
-/// a start script may legitimately leave a daemon running.
+/// (a backgrounded child) still holds open before the command's output is taken as complete.
+/// We do not wait for, or kill, such processes: a start script may legitimately leave a
+/// daemon running. Their pipes are then read on, and discarded ([`linger`]).
 const PIPE_GRACE: Duration = Duration::from_secs(1);
+
+/// Outputs of commands still held open by what they left running, read on at once ([`linger`]);
+/// past it, a new one is closed (its holder gets SIGPIPE on its next write).
+pub const MAX_LINGERING: usize = 256;
+static LINGERING: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
 /// After killing the group at the deadline, how long we wait for the leader to be reaped and
 /// for the last buffered output. SIGKILL cannot be ignored, so this is only a safety net.
@@ -107,14 +113,16 @@ impl LocalExecutor {
             .map_err(|e| spawn_error(program, e))?;
         // process_group(0) makes the child the leader of a group whose id is its pid.
         let mut group = GroupGuard(child.id().and_then(|p| i32::try_from(p).ok()));
-        let stdout = child.stdout.take();
-        let stderr = child.stderr.take();
+        let mut stdout = child.stdout.take();
+        let mut stderr = child.stderr.take();
 
         let (mut out, mut err) = (Vec::new(), Vec::new());
         let mut wait_error = None;
         let (waited, timed_out) = {
             let max = self.max_output;
-            let drain = async { tokio::join!(read_capped(stdout, max, &mut out), read_capped(stderr, max, &mut err)) };
+            let drain = async {
+                tokio::join!(read_capped(&mut stdout, max, &mut out), read_capped(&mut stderr, max, &mut err))
+            };
             tokio::pin!(drain);
             let mut drained = false;
             let waited: Option<std::io::Result<ExitStatus>> = loop {
@@ -154,6 +162,17 @@ impl LocalExecutor {
         };
         if let Some(e) = wait_error {
             err.extend_from_slice(e.as_bytes());
+        }
+        // Still open after the leader exited: something it started holds them.
+        let held: Vec<Box<dyn AsyncRead + Send + Unpin>> = [
+            stdout.map(|p| Box::new(p) as Box<dyn AsyncRead + Send + Unpin>),
+            stderr.map(|p| Box::new(p) as Box<dyn AsyncRead + Send + Unpin>),
+        ]
+        .into_iter()
+        .flatten()
+        .collect();
+        if waited.is_some() && !held.is_empty() {
+            linger(program, held, self.max_output, &mut err);
         }
         let output = CommandOutput {
             exit_code: waited.and_then(|s| s.code()),
@@ -246,12 +265,18 @@ fn is_executable(path: &std::path::Path) -> bool {
 /// memory stays bounded while the writer never blocks. An interrupted read is retried; any
 /// other read error ends the stream with a line saying so, so output that was lost never
 /// reads as output that was empty.
-pub(crate) async fn read_capped<R: AsyncRead + Unpin>(pipe: Option<R>, max: usize, buf: &mut Vec<u8>) {
-    let Some(mut pipe) = pipe else { return };
+///
+/// The pipe is left in `pipe` until it ends (then None), and a read cancelled by the caller
+/// loses nothing: what is still Some after a deadline is held open by someone.
+pub(crate) async fn read_capped<R: AsyncRead + Unpin>(pipe: &mut Option<R>, max: usize, buf: &mut Vec<u8>) {
+    let Some(reading) = pipe.as_mut() else { return };
     let mut chunk = [0u8; 8192];
     loop {
-        match pipe.read(&mut chunk).await {
-            Ok(0) => return,
+        match reading.read(&mut chunk).await {
+            Ok(0) => {
+                *pipe = None;
+                return;
+            }
             Ok(n) => {
                 let room = max.saturating_sub(buf.len());
                 buf.extend_from_slice(&chunk[..n.min(room)]);
@@ -263,10 +288,62 @@ pub(crate) async fn read_capped<R: AsyncRead + Unpin>(pipe: Option<R>, max: usiz
                 let line = format!("\npitcrew: reading the output failed: {e}");
                 buf.truncate(max.saturating_sub(line.len()).min(buf.len()));
                 buf.extend_from_slice(line.as_bytes());
+                *pipe = None;
                 return;
             }
         }
     }
+}
+
+/// Read on, and discard, the output pipes of a finished command that something it started
+/// still holds (a daemon backgrounded without redirecting its output, `nohup app &` in a
+/// start script): closing them would kill that process with SIGPIPE on its next write, a fix
+/// undone a moment after it was verified. They are read for as long as this worker runs (up
+/// to [`MAX_LINGERING`] commands' at once); `err` gets a line saying so, for the operator and
+/// the next plan. (Over SSH the channel ends with the command, whatever holds its output:
+/// sshd's doing, not ours.)
+fn linger(program: &str, pipes: Vec<Box<dyn AsyncRead + Send + Unpin>>, max: usize, err: &mut Vec<u8>) {
+    use std::sync::atomic::Ordering::Relaxed;
+    let taken = LINGERING.fetch_update(Relaxed, Relaxed, |n| (n < MAX_LINGERING).then_some(n + 1)).is_ok();
+    let line = if taken {
+        tracing::warn!(
+            program,
+            "a process the command left running holds its output: reading it on while this worker runs"
+        );
+        // Every pipe at once: one left unread fills and blocks its writer.
+        let discard = pipes.into_iter().map(|mut pipe| async move {
+            let mut chunk = vec![0u8; 8192];
+            loop {
+                match pipe.read(&mut chunk).await {
+                    Ok(0) => break,
+                    Ok(_) => {}
+                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                    Err(_) => break,
+                }
+            }
+        });
+        tokio::spawn(async move {
+            futures::future::join_all(discard).await;
+            LINGERING.fetch_sub(1, Relaxed);
+        });
+        format!(
+            "\npitcrew: a process '{program}' left running holds its output (backgrounded without redirecting it): \
+             pitcrew reads it on and discards it while this worker runs; once the worker stops, that process gets \
+             SIGPIPE on its next write. Start daemons with their output redirected (>/dev/null 2>&1) or by the \
+             service manager."
+        )
+    } else {
+        tracing::warn!(program, "a process the command left running holds its output: too many such, closed");
+        format!(
+            "\npitcrew: a process '{program}' left running holds its output (backgrounded without redirecting it), \
+             and pitcrew already reads {MAX_LINGERING} such outputs on: this one is closed, and that process gets \
+             SIGPIPE on its next write. Start daemons with their output redirected (>/dev/null 2>&1) or by the \
+             service manager."
+        )
+    };
+    // Within the cap, so it is never the part cut off.
+    err.truncate(max.saturating_sub(line.len()).min(err.len()));
+    err.extend_from_slice(line.as_bytes());
 }
 
 /// Kills the command's whole process group if the run is abandoned (deadline, or the caller
@@ -327,7 +404,7 @@ mod tests {
 
     async fn read(reads: Vec<io::Result<&'static [u8]>>, max: usize) -> String {
         let mut buf = Vec::new();
-        read_capped(Some(Pipe(reads.into())), max, &mut buf).await;
+        read_capped(&mut Some(Pipe(reads.into())), max, &mut buf).await;
         String::from_utf8(buf).unwrap()
     }
 

@@ -262,12 +262,15 @@ impl SshExecutor {
                 )));
             }
         };
-        let (stdout, stderr) = (child.stdout().take(), child.stderr().take());
+        let (mut stdout, mut stderr) = (child.stdout().take(), child.stderr().take());
         let (mut out, mut err) = (Vec::new(), Vec::new());
         let max = self.max_output;
         let run = async {
-            let (_, _, status) =
-                tokio::join!(read_capped(stdout, max, &mut out), read_capped(stderr, max, &mut err), child.wait());
+            let (_, _, status) = tokio::join!(
+                read_capped(&mut stdout, max, &mut out),
+                read_capped(&mut stderr, max, &mut err),
+                child.wait()
+            );
             status
         };
         let (exit_code, timed_out) = match tokio::time::timeout(timeout.saturating_add(LOCAL_GRACE), run).await {

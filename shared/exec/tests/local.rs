@@ -149,3 +149,29 @@ async fn a_command_inherits_none_of_pitcrews_secrets() {
     assert!(out.stdout.contains(&format!("{name}=do-not-show-me-4f2a")), "{}", out.stdout);
     std::env::remove_var(&name);
 }
+
+/// A daemon a command starts in the background without redirecting its output (`nohup app &`
+/// in a start script) holds the command's pipes after the command exits: the command's
+/// result comes back after a short grace, and the daemon does not die of SIGPIPE on its next
+/// write (its output is read on and discarded), so a fix is not undone a moment after it was
+/// verified. The output says so, for the operator and the next plan.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_daemon_left_holding_the_output_is_not_killed_by_sigpipe() {
+    let cmd = "sh -c 'sh -c \"while :; do echo tick; echo tock >&2; sleep 0.1; done\" & echo $!; exit 0'";
+    let started = Instant::now();
+    let out = exec().run("local", cmd, T).await.unwrap();
+    assert!(started.elapsed() < Duration::from_secs(5), "{:?}", started.elapsed());
+    assert_eq!((out.exit_code, out.timed_out), (Some(0), false));
+    let pid: i32 = out.stdout.lines().next().and_then(|l| l.trim().parse().ok()).expect("the daemon's pid");
+    assert!(out.stdout.contains("tick"), "{}", out.stdout);
+    assert!(
+        out.stderr.contains("left running holds its output (backgrounded without redirecting it): pitcrew reads it on"),
+        "{}",
+        out.stderr
+    );
+    // Writing on, well past the grace: alive, not killed by SIGPIPE.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let was_alive = alive(pid);
+    unsafe { libc::kill(pid, libc::SIGKILL) };
+    assert!(was_alive, "the daemon {pid} died once the command's output was closed");
+}
