@@ -395,6 +395,7 @@ impl StageHandler for Diagnose {
             let mut input = reasoning.input(state);
             input.tools = Some(&tools);
             input.usage = Some(&meter);
+            input.fallback_if_unreachable |= cx.playbook_now();
             let thinking = cx.thinking();
             input.progress = thinking.as_ref().map(|t| t as &dyn pitcrew_llm::Progress);
             let answer = cx.deps.reasoner.diagnose(&input).await;

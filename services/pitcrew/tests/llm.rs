@@ -192,6 +192,16 @@ async fn crew_with_model(llm: &ScriptedLlm, extra: &str) -> anyhow::Result<(comm
 
 /// As `crew_with_model`; with `judge`, evaluate runs in the model's worker and asks the judge.
 async fn crew_with(llm: &ScriptedLlm, extra: &str, judge: bool) -> anyhow::Result<(common::Crew, common::Worker)> {
+    crew_reasoning_with(llm, extra, judge, "").await
+}
+
+/// As `crew_with`, with `reasoning` added to the model worker's `[reasoning]` section.
+async fn crew_reasoning_with(
+    llm: &ScriptedLlm,
+    extra: &str,
+    judge: bool,
+    reasoning: &str,
+) -> anyhow::Result<(common::Crew, common::Worker)> {
     let env = pitcrew_testkit::TestEnv::start().await?;
     let text = format!("{}{extra}", common::marker_service(&env, "svc"));
     let mut local = vec![Stage::Intake, Stage::Approval, Stage::Execute, Stage::Verify, Stage::Report, Stage::Escalate];
@@ -203,7 +213,7 @@ async fn crew_with(llm: &ScriptedLlm, extra: &str, judge: bool) -> anyhow::Resul
     }
     let crew = common::Crew::start_in(env, &text, &local).await?;
     let reasoning = format!(
-        "[reasoning]\nprovider = \"openai\"\njudge = {judge}\n[reasoning.openai]\nbase_url = \"{}\"\n\
+        "[reasoning]\nprovider = \"openai\"\njudge = {judge}\n{reasoning}[reasoning.openai]\nbase_url = \"{}\"\n\
          model = \"scripted-model\"\napi_key_env = \"PCTEST_OPENAI_KEY\"\nmax_retries = 1\n",
         llm.base_url
     );
@@ -724,4 +734,46 @@ async fn a_long_streamed_answer_outlasts_the_timeout_while_it_keeps_coming_and_a
     }
     assert!(started.elapsed() < Duration::from_secs(3), "{:?}", started.elapsed());
     Ok(())
+}
+
+/// An outage of the model does not hold a run until its step's limits escalate it (an hour):
+/// once a step has tried for `playbook_after_secs`, the playbook answers it, saying why, and
+/// the plan of a diagnosis the playbook made does not wait again. Nothing is dead-lettered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_model_unreachable_for_long_enough_leaves_the_step_to_the_playbook() -> anyhow::Result<()> {
+    // Every call answered 500: the script is empty.
+    let llm = ScriptedLlm::start(Vec::new()).await?;
+    let (mut crew, worker) = crew_reasoning_with(&llm, "", false, "playbook_after_secs = 2\n").await?;
+    let started = Instant::now();
+    let run = crew.open("svc", "health check failed").await?;
+    let end = crew.end(run).await?;
+    assert_eq!(end.kind, EventKind::Resolved, "{}", end.message);
+    assert!(started.elapsed() >= Duration::from_secs(2), "the model was tried for the period first");
+    let db = crew.db().await?;
+    let said = |kind: &'static str| {
+        let db = &db;
+        async move {
+            let rows = db
+                .query("SELECT message, data FROM run_events WHERE run_id = $1 AND kind = $2", &[&run, &kind])
+                .await?;
+            anyhow::Ok(
+                rows.iter().map(|r| (r.get::<_, String>(0), r.get::<_, serde_json::Value>(1))).collect::<Vec<_>>(),
+            )
+        }
+    };
+    let diagnosis = said("diagnosis").await?;
+    assert_eq!(diagnosis.len(), 1, "{diagnosis:?}");
+    assert!(diagnosis[0].0.ends_with("(the model could not be reached)"), "{diagnosis:?}");
+    assert!(diagnosis[0].1["source"].as_str().unwrap_or_default().starts_with("playbook:"), "{diagnosis:?}");
+    let plan = said("plan").await?;
+    assert!(
+        plan[0].1["rationale"].as_str().unwrap_or_default().contains("the model could not be reached (http://"),
+        "{plan:?}"
+    );
+    assert!(plan[0].1["source"].as_str().unwrap_or_default().starts_with("playbook:"), "{plan:?}");
+    // The model was asked, by diagnose for the whole period and by plan once (with its retry).
+    assert!(llm.requests().len() >= 4, "{}", llm.requests().len());
+    assert_eq!(crew.dead_letters().await?, 0);
+    drop(worker);
+    crew.shutdown().await
 }

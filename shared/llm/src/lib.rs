@@ -115,6 +115,10 @@ pub struct ReasonInput<'a> {
     pub usage: Option<&'a UsageMeter>,
     /// Where a provider streams the model's answer as it comes (None: not streamed).
     pub progress: Option<&'a dyn Progress>,
+    /// The step has waited on an unreachable provider long enough: a provider that cannot be
+    /// reached now answers from its offline fallback (the playbook) instead of failing as
+    /// `Transient`.
+    pub fallback_if_unreachable: bool,
 }
 
 impl<'a> ReasonInput<'a> {
@@ -134,6 +138,7 @@ impl<'a> ReasonInput<'a> {
             tools: None,
             usage: None,
             progress: None,
+            fallback_if_unreachable: false,
         }
     }
 }

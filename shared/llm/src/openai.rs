@@ -879,7 +879,19 @@ impl Reasoner for OpenAi {
     }
 
     fn diagnose<'a>(&'a self, input: &'a ReasonInput<'a>) -> BoxFuture<'a, Result<Diagnosis, ReasonError>> {
-        Box::pin(self.diagnose_inner(input))
+        Box::pin(async move {
+            match self.diagnose_inner(input).await {
+                Err(ReasonError::Transient(why)) if input.fallback_if_unreachable => {
+                    tracing::warn!(why = %why, "the model is unreachable, for long enough: the playbook diagnoses");
+                    let mut d = self.fallback.diagnose_now(input);
+                    // Not the error itself: its endpoint and codes are no facts of the service
+                    // (evaluate holds a diagnosis to what this run observed).
+                    d.summary = clip(&format!("{} (the model could not be reached)", d.summary), 400);
+                    Ok(d)
+                }
+                answered => answered,
+            }
+        })
     }
 
     fn plan<'a>(
@@ -887,7 +899,18 @@ impl Reasoner for OpenAi {
         input: &'a ReasonInput<'a>,
         diagnosis: &'a Diagnosis,
     ) -> BoxFuture<'a, Result<Plan, ReasonError>> {
-        Box::pin(self.plan_inner(input, diagnosis))
+        Box::pin(async move {
+            match self.plan_inner(input, diagnosis).await {
+                Err(ReasonError::Transient(why)) if input.fallback_if_unreachable => {
+                    tracing::warn!(why = %why, "the model is unreachable, for long enough: the playbook plans");
+                    let d = self.fallback.diagnose_now(input);
+                    let mut plan = self.fallback.plan_now(input, &d)?;
+                    plan.rationale = clip(&format!("the model could not be reached ({why}); {}", plan.rationale), 400);
+                    Ok(plan)
+                }
+                answered => answered,
+            }
+        })
     }
 
     fn judge<'a>(

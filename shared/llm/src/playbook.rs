@@ -24,7 +24,7 @@ const MAX_KNOWN_FIXES: usize = 16;
 const MAX_ERROR_IN_SUMMARY: usize = 300;
 const MAX_SUMMARY_LEN: usize = 1000;
 const FALLBACK: &str = "fallback";
-const SOURCE_PREFIX: &str = "playbook:";
+pub const SOURCE_PREFIX: &str = "playbook:";
 
 /// One rule, validated: a compiled pattern and templates known to be within bounds.
 #[derive(Debug, Clone)]

@@ -359,6 +359,16 @@ pub struct ReasoningConfig {
     /// can; a judge that scores below 0.5 sends the plan back with its reason).
     #[serde(default)]
     pub judge: bool,
+    /// When the provider has been unreachable (timeouts, 5xx, rate limits) for a step that
+    /// has been trying this long, the offline playbook answers that step instead, so an
+    /// outage of the model does not hold every incident until its step's limits escalate it
+    /// (an hour by default). 0: never; the step keeps retrying.
+    #[serde(default = "default_playbook_after_secs")]
+    pub playbook_after_secs: u64,
+}
+
+fn default_playbook_after_secs() -> u64 {
+    300
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -451,6 +461,7 @@ impl Default for Config {
                 openai: pitcrew_llm::OpenAiConfig::default(),
                 tools: ToolsConfig::default(),
                 judge: false,
+                playbook_after_secs: default_playbook_after_secs(),
             },
             policy: PolicyConfig { file: None },
             verify: VerifyConfig { checks: 10, interval_ms: 3000 },

@@ -200,6 +200,10 @@ impl StageRunner {
         crate::trace::adopt(&span, parent.as_deref());
         let work = async {
             let mut cx = Cx::new(&self.deps, stage, state.run_id, input_seq, 0);
+            if let Ok(info) = msg.info() {
+                let age = time::OffsetDateTime::now_utc() - info.published;
+                cx.set_age(std::time::Duration::try_from(age).unwrap_or_default());
+            }
             // Index 0 is the start line's, used or not: the step's own events keep their
             // indexes, so their ids, on every delivery. A redelivery of a step whose commit
             // landed (its worker died before the ack) then rewrites the same rows and

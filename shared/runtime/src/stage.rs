@@ -130,12 +130,41 @@ pub struct Cx<'a> {
     next_index: u32,
     events: Vec<RunEvent>,
     records: Vec<Record>,
+    /// How long the message of this step has been waiting to be done (since it was
+    /// published; its earlier deliveries included).
+    age: std::time::Duration,
 }
 
 impl<'a> Cx<'a> {
     /// A context for one step of `run_id`; events are keyed by (run, `seq`, index from `first_index`).
     pub fn new(deps: &'a Deps, stage: Stage, run_id: Uuid, seq: u32, first_index: u32) -> Self {
-        Cx { deps, stage, run_id, seq, next_index: first_index, events: Vec::new(), records: Vec::new() }
+        Cx {
+            deps,
+            stage,
+            run_id,
+            seq,
+            next_index: first_index,
+            events: Vec::new(),
+            records: Vec::new(),
+            age: std::time::Duration::ZERO,
+        }
+    }
+
+    /// How long this step has been waiting to be done: since its message was published,
+    /// every delivery of it included (zero when not known).
+    pub fn age(&self) -> std::time::Duration {
+        self.age
+    }
+
+    pub(crate) fn set_age(&mut self, age: std::time::Duration) {
+        self.age = age;
+    }
+
+    /// Whether a reasoning provider that cannot be reached should answer this step from the
+    /// offline playbook (`[reasoning] playbook_after_secs`).
+    pub fn playbook_now(&self) -> bool {
+        let after = self.deps.config.reasoning.playbook_after_secs;
+        after > 0 && self.age >= std::time::Duration::from_secs(after)
     }
 
     /// Leave the next index unused.

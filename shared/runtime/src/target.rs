@@ -118,6 +118,12 @@ impl ReasonContext {
             tools: None,
             usage: None,
             progress: None,
+            // A run the playbook already diagnosed (the model gave no diagnosis, or could not
+            // be reached) does not wait out `playbook_after_secs` again at each step.
+            fallback_if_unreachable: state
+                .diagnosis_log
+                .iter()
+                .any(|d| d.source.starts_with(pitcrew_llm::playbook::SOURCE_PREFIX)),
         }
     }
 }

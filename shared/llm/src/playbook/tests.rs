@@ -59,6 +59,7 @@ impl Case {
             tools: None,
             usage: None,
             progress: None,
+            fallback_if_unreachable: false,
         }
     }
 }
