@@ -32,6 +32,9 @@ pub const MAX_STREAMS: usize = 1024;
 /// How long a run id that is not known yet (an incident just posted) is waited for.
 const UNKNOWN_GRACE: Duration = Duration::from_secs(3);
 const KEEP_ALIVE: Duration = Duration::from_secs(15);
+/// How long a stream resumed after the run ended in Postgres waits for its end to be on the
+/// bus (published right after the commit; expired after 7 days).
+const PUBLISH_GRACE: Duration = Duration::from_secs(2);
 /// A client whose buffer stays full this long is dropped.
 pub const SLOW_CLIENT: Duration = Duration::from_secs(5);
 
@@ -111,8 +114,17 @@ pub async fn run_events(
         Resume::Stored => return Ok(nothing_left()),
         Resume::Bus(next) => {
             // Ended, by the bus or by Postgres (the bus keeps events 7 days): nothing more to
-            // wait for once the client has what is left.
-            let ended = ended_on_bus(&gw, run).await? || ended_in_store(&gw, run).await?;
+            // wait for once the client has what is left. Ended in Postgres alone, the end may
+            // be committed and not yet published (its events go out right after the commit):
+            // the bus gets a moment to catch up, or the client would be told there is nothing
+            // left (204, and an EventSource stops) just before the end arrives.
+            let ended = ended_on_bus(&gw, run).await? || {
+                let in_store = ended_in_store(&gw, run).await?;
+                if in_store {
+                    end_on_bus_within(&gw, run, PUBLISH_GRACE).await?;
+                }
+                in_store
+            };
             let end = if ended { End::CaughtUp } else { End::Terminal };
             (DeliverPolicy::ByStartSequence { start_sequence: next }, end)
         }
@@ -129,6 +141,20 @@ async fn ended_on_bus(gw: &Gateway, run: Uuid) -> Result<bool, ApiError> {
         let kind: Option<EventKind> = serde_json::from_value(serde_json::Value::String(kind.to_string())).ok();
         kind.is_some_and(EventKind::is_terminal)
     }))
+}
+
+/// Wait up to `grace` for the bus to hold the run's terminal event; whether it does.
+async fn end_on_bus_within(gw: &Gateway, run: Uuid, grace: Duration) -> Result<bool, ApiError> {
+    let deadline = tokio::time::Instant::now() + grace;
+    loop {
+        if ended_on_bus(gw, run).await? {
+            return Ok(true);
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return Ok(false);
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }
 
 /// Whether the run's stored timeline has ended (the system of record).

@@ -613,6 +613,29 @@ async fn a_run_streams_its_past_then_live_events_and_is_approved_over_http() -> 
         last = Some(e.kind);
     }
     assert_eq!(last, Some(EventKind::Resolved));
+    // The run's end committed in Postgres and published a moment later (the crew's order): a
+    // client resuming in between gets the end once it is on the bus, not 204 before it.
+    let mut events = api.crew.bus.js.get_stream(api.crew.bus.subjects.events_stream()).await?;
+    let last_seq = events.info().await?.state.last_sequence;
+    let end = pitcrew_model::RunEvent { kind: EventKind::Resolved, message: "resolved".into(), seq: 98, ..late };
+    let bus = api.crew.bus.clone();
+    let publish_end = tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(600)).await;
+        let subject = bus.subjects.event(end.run_id, end.kind.as_str());
+        bus.js.publish(subject, serde_json::to_vec(&end)?.into()).await?.await?;
+        anyhow::Ok(())
+    });
+    let resumed = api
+        .req(reqwest::Method::GET, &format!("/v1/runs/{run}/events"), Some("rita"))
+        .header("last-event-id", last_seq.to_string())
+        .send()
+        .await?;
+    assert_eq!(resumed.status(), StatusCode::OK, "the end was on its way");
+    let mut resumed = Sse::new(resumed);
+    let (_, kind, e) = resumed.next().await?.expect("the end");
+    assert_eq!((kind.as_str(), e.seq), ("resolved", 98));
+    assert!(resumed.next().await?.is_none(), "and the stream ends with it");
+    publish_end.await??;
     // A decision on a decided plan is refused with who decided it.
     let (status, body) = api.post(&format!("/v1/runs/{run}/deny"), "carol", &json!({"reason": "late"})).await?;
     assert_eq!(status, StatusCode::CONFLICT);
