@@ -224,12 +224,14 @@ impl Decisions {
             None => d,
         };
         // A plan that needs several approvers runs on the last approval of its quorum.
+        let mut counted = None;
         if d.decision == Decision::Approve && pending.as_deref() == Some(plan_hash.as_str()) {
             if let Some((votes, quorum)) = store.vote(d.run_id, &plan_hash, &d.by, &d.channel, seq).await? {
                 if votes < quorum {
                     let msg = format!("approve by {} via {} counted: {votes} of {quorum} approvals", d.by, d.channel);
                     return self.record(cx, EventKind::ApprovalDecided, msg, d).await;
                 }
+                counted = Some((votes, quorum));
             }
         }
         let outcome = store.decide_approval(&plan_hash, d, seq).await?;
@@ -257,6 +259,17 @@ impl Decisions {
                     publish_state(&self.bus, &state).await?;
                 }
                 return Ok(());
+            }
+            // Two last votes of a quorum at once: each was counted, the other's approval of the
+            // plan was applied first. This one is part of that approval, not ignored.
+            DecideOutcome::AlreadyDecided { decision, by } if counted.is_some() && *decision == "approve" => {
+                let (votes, quorum) = counted.unwrap_or_default();
+                let msg = format!(
+                    "approve by {} via {} counted: {votes} of {quorum} approvals (the plan was approved with {by}'s, \
+                     counted at the same moment)",
+                    d.by, d.channel
+                );
+                return self.record(cx, EventKind::ApprovalDecided, msg, d).await;
             }
             DecideOutcome::AlreadyDecided { decision, by } => {
                 Some(format!("plan {plan_hash} was already decided ({decision} by {by})"))

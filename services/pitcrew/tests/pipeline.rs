@@ -719,6 +719,52 @@ async fn under_a_two_person_rule_a_denial_right_after_one_approval_stops_the_pla
     crew.shutdown().await
 }
 
+/// The last two votes of a quorum counted at the same moment: one of them applies the
+/// approval, the other finds the plan decided. Both are counted on the timeline; neither is
+/// said to be ignored.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_last_votes_at_once_are_both_counted_and_neither_ignored() -> anyhow::Result<()> {
+    let (mut crew, run) = waiting_for_two_approvers().await?;
+    let plan_hash = cli::approval_request(&crew.bus, run).await?.plan_hash;
+    let db = crew.db().await?;
+    // Bob's vote counted just before Ann's (as a decision being handled at the same moment
+    // would), and the request's row held: each of the two decisions counts two votes and
+    // waits to settle the request.
+    let mut holder = crew.db().await?;
+    let hold = holder.transaction().await?;
+    hold.execute("SELECT 1 FROM approvals WHERE run_id = $1 FOR UPDATE", &[&run]).await?;
+    db.execute(
+        "INSERT INTO approval_votes (run_id, plan_hash, approver, channel) VALUES ($1, $2, 'bob', 'script')",
+        &[&run, &plan_hash],
+    )
+    .await?;
+    for by in ["ann", "bob"] {
+        let vote =
+            ApprovalDecision { plan_hash: Some(plan_hash.clone()), ..scripted(run, Decision::Approve, by, None) };
+        publish_raw(&crew, &vote).await?;
+    }
+    let blocked =
+        "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND datname = current_database()";
+    let deadline = std::time::Instant::now() + WAIT;
+    while db.query_one(blocked, &[]).await?.get::<_, i64>(0) < 2 {
+        anyhow::ensure!(std::time::Instant::now() < deadline, "the two decisions never both waited to settle it");
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    hold.commit().await?;
+    let end = crew.events.terminal(run, WAIT).await?;
+    assert_eq!(end.kind, EventKind::Resolved, "{}", end.message);
+    let said: Vec<String> = db
+        .query("SELECT message FROM run_events WHERE run_id = $1 AND stage = 'approval' ORDER BY seq, idx", &[&run])
+        .await?
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert!(said.iter().all(|m| !m.contains("ignored")), "{said:?}");
+    assert!(said.iter().any(|m| m.contains("counted: 2 of 2 approvals (the plan was approved with")), "{said:?}");
+    assert_eq!(count(&db, "SELECT count(*) FROM executions WHERE run_id = $1 AND status = 'succeeded'", run).await, 2);
+    crew.shutdown().await
+}
+
 /// A decision answers one attempt's request: every channel stamps the attempt it checked, and
 /// a vote for another attempt than the one the run waits on (published for attempt 1 just
 /// before attempt 2 asked for the same plan again) is not counted toward the quorum.
