@@ -15,7 +15,7 @@ pub use pitcrew_runtime::start::Shutdown;
 
 static POSTS: pitcrew_metrics::Counter = pitcrew_metrics::Counter::new(
     "pitcrew_bridge_posts_total",
-    "Approval requests the bridge handled, by chat and outcome (posted, decided_elsewhere, expired, retry, dropped, unreadable).",
+    "Approval requests the bridge handled, by chat and outcome (posted, decided_elsewhere, superseded, expired, retry, dropped, unreadable).",
     &["chat", "outcome"],
 );
 static CLICKS: pitcrew_metrics::Counter = pitcrew_metrics::Counter::new(

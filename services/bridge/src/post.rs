@@ -55,7 +55,7 @@ pub async fn spawn<C: Chat>(
         max_deliveries: u64::MAX,
         poison_after: Duration::MAX,
     };
-    let poster = Arc::new(Poster { chat, store, durable: durable.to_string() });
+    let poster = Arc::new(Poster { chat, store, bus: bus.clone(), durable: durable.to_string() });
     Ok(tokio::spawn(consume(bus.client.clone(), consumer, Some(remake), settings, poster, shutdown, DRAIN)))
 }
 
@@ -89,6 +89,7 @@ pub async fn requests_consumer(
 struct Poster<C> {
     chat: C,
     store: Store,
+    bus: Bus,
     durable: String,
 }
 
@@ -126,6 +127,25 @@ impl<C: Chat> Poster<C> {
             Ok(None) => {}
             Err(e) => {
                 tracing::warn!(chat, %run, error = %e, "cannot check whether the request is decided: retrying");
+                return Disposition::Nak(backoff(delivered));
+            }
+        }
+        // Asked again since (another plan, or the same one by a later attempt), as a request
+        // posted late (the chat was down) would be: its buttons could only be refused.
+        match pitcrew_runtime::approvals::find_request(&self.bus, run).await {
+            Ok(Some(latest))
+                if (latest.plan_hash.as_str(), latest.attempt) != (req.plan_hash.as_str(), req.attempt) =>
+            {
+                tracing::info!(
+                    chat, %run, plan = %req.plan_hash, attempt = req.attempt, now_plan = %latest.plan_hash,
+                    now_attempt = latest.attempt, "approval request superseded by a later one: not posted"
+                );
+                crate::posted(chat, "superseded");
+                return Disposition::Ack;
+            }
+            Ok(_) => {}
+            Err(e) => {
+                tracing::warn!(chat, %run, error = %e, "cannot check whether the request is the run's latest: retrying");
                 return Disposition::Nak(backoff(delivered));
             }
         }

@@ -526,6 +526,47 @@ async fn a_restarted_bridge_posts_what_arrived_while_it_was_down_and_nothing_twi
     crew.shutdown().await
 }
 
+/// A request the run has asked again since (the same plan, by a later attempt), still
+/// unposted when the bridge comes back, is not posted: its buttons could only be refused. The
+/// latest request is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_superseded_while_the_bridge_was_down_is_not_posted() -> anyhow::Result<()> {
+    let (mut crew, slack, port) = setup().await?;
+    // The bridge's consumer exists (it starts from there), then the bridge is down.
+    Bridge::start(&crew, port, "bridge-1").await?.stop().await?;
+    let run = Uuid::now_v7();
+    for attempt in [1, 2] {
+        let req = pitcrew_model::ApprovalRequest {
+            run_id: run,
+            service: "svc".into(),
+            host: None,
+            error: "down".into(),
+            attempt,
+            plan: vec!["rm -f /tmp/svc.lock".into()],
+            plan_hash: "ab12".into(),
+            risk: "critical".into(),
+            rule: "rm".into(),
+            diagnosis: "a stale lock".into(),
+            evidence: Vec::new(),
+            requested_at: chrono::Utc::now(),
+            expires_at: chrono::Utc::now() + chrono::Duration::minutes(10),
+            quorum: 1,
+        };
+        let id = format!("{run}.{}.{attempt}.request", req.plan_hash);
+        let subject = crew.bus.subjects.approval_requested(run);
+        crew.bus.publish(subject, &id, "application/json", Some(run), serde_json::to_vec(&req)?.into()).await?;
+    }
+    let bridge = Bridge::start(&crew, port, "bridge-2").await?;
+    let post = posted(&slack, run).await?;
+    assert!(button(&post, "approve").ends_with(":ab12:2"), "the latest request's: {}", button(&post, "approve"));
+    settled(&crew).await?;
+    let posts = slack.calls_to("chat.postMessage");
+    assert_eq!(posts.iter().filter(|c| c.body.to_string().contains(&run.to_string())).count(), 1, "{posts:?}");
+    let log = bridge.stop().await?;
+    assert!(log.contains("approval request superseded by a later one: not posted"), "{log}");
+    crew.shutdown().await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_bridge_refuses_to_start_without_its_secrets() -> anyhow::Result<()> {
     let (crew, _slack, _port) = setup().await?;
