@@ -991,6 +991,41 @@ async fn the_demo_on_a_shared_nats_server_keeps_to_streams_of_its_own() -> anyho
     Ok(())
 }
 
+/// With `[verify] healthy_checks = 2` a fix has to hold: a service that answers once after
+/// it and then falls over again is not recovered, and the verification says so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fix_that_does_not_hold_is_not_recovered_under_two_healthy_checks() -> anyhow::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    let env = TestEnv::start().await?;
+    let healthy = env.path("svc-healthy");
+    fix_script(&env, &format!("#!/bin/sh\ntouch {healthy}\n"));
+    // Healthy the first time it is asked once the fix ran, never again.
+    let check = write(
+        &env,
+        "flappy-check",
+        &format!("#!/bin/sh\n[ -f {healthy} ] || exit 1\n[ -f {healthy}.seen ] && exit 1\ntouch {healthy}.seen\n"),
+    );
+    std::fs::set_permissions(&check, std::fs::Permissions::from_mode(0o755))?;
+    let book = write(&env, "playbook.toml", PLAYBOOK);
+    let text = format!(
+        "[reasoning]\nplaybook_file = \"{book}\"\n[limits]\nmax_retries = 1\n[services.svc]\nhost = \"local\"\n\
+         restart = \"touch {healthy}\"\ncheck = {{ kind = \"command\", command = \"{check}\" }}\n"
+    );
+    let verify = "[verify]\nchecks = 2\ninterval_ms = 100\nhealthy_checks = 2\n";
+    let mut crew = Crew::start_verifying(env, &text, &Stage::ALL, verify).await?;
+    let run = crew.open("svc", "svc needs a slow fix").await?;
+    let end = crew.events.terminal(run, WAIT).await?;
+    assert_eq!(end.kind, EventKind::Escalated, "{}", end.message);
+    let verified = crew.events.kind(run, EventKind::Verification, WAIT).await?;
+    assert_eq!(verified.data["recovered"], false, "{}", verified.message);
+    assert!(
+        verified.message.starts_with("not recovered: healthy at first, then failed again: "),
+        "{}",
+        verified.message
+    );
+    crew.shutdown().await
+}
+
 /// A fix that takes a few seconds to show (a service that binds its port a while after its
 /// restart returns, as most do): with the default verification it counts as the fix it is,
 /// not as a failed one that memory would bar from later plans.

@@ -2,7 +2,7 @@
 //! diagnose with what failed, until max_retries, then escalate.
 
 use futures::future::BoxFuture;
-use pitcrew_exec::run_check;
+use pitcrew_exec::{run_check, CheckOutcome};
 use pitcrew_model::{ApprovalStatus, EventKind, ExecutionStatus, RunState, Stage, Verification};
 use pitcrew_runtime::store::{Episode, Record};
 use pitcrew_runtime::{Cx, StageError, StageHandler, Transition};
@@ -89,15 +89,31 @@ impl StageHandler for Verify {
             };
             let executor = cx.deps.executor.clone();
             let tries = cfg.verify.checks.max(1);
-            let mut outcome = run_check(check, &spec.host, executor.as_ref()).await;
-            for _ in 1..tries {
+            let needed = cfg.verify.healthy_checks.max(1);
+            let (mut made, mut streak, mut was_healthy) = (0, 0, false);
+            let outcome = loop {
+                let outcome = run_check(check, &spec.host, executor.as_ref()).await;
+                made += 1;
                 if outcome.healthy {
-                    break;
+                    streak += 1;
+                    was_healthy = true;
+                } else {
+                    streak = 0;
+                }
+                // A run of healthy checks under way is seen through, past `checks` too.
+                if streak >= needed || (streak == 0 && made >= tries) {
+                    break outcome;
                 }
                 tokio::time::sleep(Duration::from_millis(cfg.verify.interval_ms)).await;
-                outcome = run_check(check, &spec.host, executor.as_ref()).await;
-            }
-            let recovered = outcome.healthy;
+            };
+            let recovered = streak >= needed;
+            let outcome = if !recovered && was_healthy {
+                // Up for a moment, then down again: the fix did not hold.
+                let detail = format!("healthy at first, then failed again: {}", outcome.detail);
+                CheckOutcome { detail, ..outcome }
+            } else {
+                outcome
+            };
             if !recovered && outcome.host_unreachable {
                 // Nothing is known of the service: the fix is neither a success nor a failure
                 // (memory would bar a command that may have worked), and a human must look.

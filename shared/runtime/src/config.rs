@@ -406,6 +406,16 @@ pub struct VerifyConfig {
     /// returns, and a fix judged too early is recorded as failed and not tried again.
     pub checks: u32,
     pub interval_ms: u64,
+    /// Healthy checks in a row, `interval_ms` apart, before the service counts as recovered:
+    /// more than 1 holds a fix to a service that stays up (one that starts, answers once and
+    /// falls over again is not recovered). A run of healthy checks begun within `checks`
+    /// is always seen through.
+    #[serde(default = "one")]
+    pub healthy_checks: u32,
+}
+
+fn one() -> u32 {
+    1
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -464,7 +474,7 @@ impl Default for Config {
                 playbook_after_secs: default_playbook_after_secs(),
             },
             policy: PolicyConfig { file: None },
-            verify: VerifyConfig { checks: 10, interval_ms: 3000 },
+            verify: VerifyConfig { checks: 10, interval_ms: 3000, healthy_checks: 1 },
             monitor: MonitorConfig { interval_ms: 30_000, realert_secs: 3600, failures_before_incident: 2 },
             hosts: BTreeMap::new(),
             services: BTreeMap::new(),
@@ -691,6 +701,9 @@ impl Config {
                  nobody decides in that long is for escalation",
                 self.limits.approval_timeout_secs
             ));
+        }
+        if !(1..=100).contains(&self.verify.healthy_checks) {
+            return bad(format!("verify.healthy_checks ({}) must be 1 to 100", self.verify.healthy_checks));
         }
         if !(1..=100).contains(&self.monitor.failures_before_incident) {
             return bad(format!(
