@@ -239,6 +239,18 @@ fn the_compose_file_agrees_with_itself_and_the_image() -> anyhow::Result<()> {
     let port = listen.rsplit(':').next().unwrap_or_default().to_string();
     let published = strings(&c["services"]["gateway"]["ports"]);
     assert!(published.iter().any(|p| p.ends_with(&format!(":{port}"))), "{listen} is published: {published:?}");
+    // Every published port is on the loopback, and comes up without any variable set.
+    for (name, service) in c["services"].as_mapping().into_iter().flatten() {
+        for p in strings(&service["ports"]) {
+            let filled = interpolate(&p);
+            let parts: Vec<&str> = filled.split(':').collect();
+            let valid = parts.len() == 3
+                && parts[0] == "127.0.0.1"
+                && parts[1].parse::<u16>().is_ok()
+                && parts[2].parse::<u16>().is_ok();
+            assert!(valid, "{name:?} publishes {p} ({filled}): not loopback:port:port");
+        }
+    }
     Ok(())
 }
 
