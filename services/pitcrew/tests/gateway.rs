@@ -620,7 +620,7 @@ async fn a_run_streams_its_past_then_live_events_and_is_approved_over_http() -> 
     let end = pitcrew_model::RunEvent { kind: EventKind::Resolved, message: "resolved".into(), seq: 98, ..late };
     let bus = api.crew.bus.clone();
     let publish_end = tokio::spawn(async move {
-        tokio::time::sleep(Duration::from_millis(600)).await;
+        tokio::time::sleep(Duration::from_millis(300)).await;
         let subject = bus.subjects.event(end.run_id, end.kind.as_str());
         bus.js.publish(subject, serde_json::to_vec(&end)?.into()).await?.await?;
         anyhow::Ok(())

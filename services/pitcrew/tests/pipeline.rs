@@ -727,14 +727,15 @@ async fn two_last_votes_at_once_are_both_counted_and_neither_ignored() -> anyhow
     let (mut crew, run) = waiting_for_two_approvers().await?;
     let plan_hash = cli::approval_request(&crew.bus, run).await?.plan_hash;
     let db = crew.db().await?;
-    // Bob's vote counted just before Ann's (as a decision being handled at the same moment
-    // would), and the request's row held: each of the two decisions counts two votes and
-    // waits to settle the request.
+    // Both votes in (as two decisions handled at the same moment insert theirs before either
+    // counts), and the request's row held: whichever decision comes first, each counts two
+    // votes and waits to settle the request.
     let mut holder = crew.db().await?;
     let hold = holder.transaction().await?;
     hold.execute("SELECT 1 FROM approvals WHERE run_id = $1 FOR UPDATE", &[&run]).await?;
     db.execute(
-        "INSERT INTO approval_votes (run_id, plan_hash, approver, channel) VALUES ($1, $2, 'bob', 'script')",
+        "INSERT INTO approval_votes (run_id, plan_hash, approver, channel)
+         VALUES ($1, $2, 'ann', 'script'), ($1, $2, 'bob', 'script')",
         &[&run, &plan_hash],
     )
     .await?;
