@@ -156,6 +156,12 @@ impl Decisions {
         Ok(())
     }
 
+    /// Keep a note that `d` decides nothing (`ignored`, `refused`), and why.
+    async fn set_aside(&self, cx: Cx<'_>, d: &ApprovalDecision, how: &str, why: &str) -> Result<(), DecideError> {
+        let message = format!("{} by {} {how}: {why}", d.decision.as_str(), d.by);
+        self.record(cx, EventKind::Error, message, d).await
+    }
+
     async fn decide(&self, d: &ApprovalDecision, attempt: Option<u32>, seq: u64) -> Result<(), DecideError> {
         let store = &self.deps.store;
         let Some(run) = store.load_run(d.run_id).await? else {
@@ -171,9 +177,7 @@ impl Decisions {
         let mut cx = Cx::new(&self.deps, Stage::Approval, d.run_id, state.seq, index);
         let Some(plan_hash) = d.plan_hash.clone().or(pending.clone()) else {
             let why = format!("run is not waiting for an approval (it is {})", run.status.as_str());
-            return self
-                .record(cx, EventKind::Error, format!("{} by {} ignored: {why}", d.decision.as_str(), d.by), d)
-                .await;
+            return self.set_aside(cx, d, "ignored", &why).await;
         };
         // An answer to another attempt's request (see ATTEMPT_HEADER) decides nothing now.
         if let Some(answered) = attempt.filter(|a| pending.is_some() && *a != state.attempt) {
@@ -182,17 +186,13 @@ impl Decisions {
                 state.attempt
             );
             tracing::warn!(run = %d.run_id, by = %d.by, "decision for another attempt: ignored");
-            return self
-                .record(cx, EventKind::Error, format!("{} by {} ignored: {why}", d.decision.as_str(), d.by), d)
-                .await;
+            return self.set_aside(cx, d, "ignored", &why).await;
         }
         // Only a configured approver decides; the sweeper's expiry only ever escalates.
         if d.decision != Decision::Expire {
             if let Some(why) = self.deps.config.refuse_approver(&d.by) {
                 tracing::warn!(run = %d.run_id, by = %d.by, channel = %d.channel, "decision refused: {why}");
-                return self
-                    .record(cx, EventKind::Error, format!("{} by {} refused: {why}", d.decision.as_str(), d.by), d)
-                    .await;
+                return self.set_aside(cx, d, "refused", &why).await;
             }
         }
         // An approval after the request's deadline (the approval workers were down when the
@@ -297,9 +297,7 @@ impl Decisions {
                 .await;
         }
         if let Some(why) = ignored {
-            return self
-                .record(cx, EventKind::Error, format!("{} by {} ignored: {why}", d.decision.as_str(), d.by), d)
-                .await;
+            return self.set_aside(cx, d, "ignored", &why).await;
         }
         let channel = &d.channel;
         let t = match d.decision {

@@ -121,7 +121,7 @@ pub async fn run_events(
             let ended = ended_on_bus(&gw, run).await? || {
                 let in_store = ended_in_store(&gw, run).await?;
                 if in_store {
-                    end_on_bus_within(&gw, run, PUBLISH_GRACE).await?;
+                    wait_for_end_on_bus(&gw, run, PUBLISH_GRACE).await?;
                 }
                 in_store
             };
@@ -143,18 +143,17 @@ async fn ended_on_bus(gw: &Gateway, run: Uuid) -> Result<bool, ApiError> {
     }))
 }
 
-/// Wait up to `grace` for the bus to hold the run's terminal event; whether it does.
-async fn end_on_bus_within(gw: &Gateway, run: Uuid, grace: Duration) -> Result<bool, ApiError> {
+/// Wait up to `grace` for the bus to hold the run's terminal event, which it did not hold a
+/// moment ago: the stream then starts with whatever the bus holds by then.
+async fn wait_for_end_on_bus(gw: &Gateway, run: Uuid, grace: Duration) -> Result<(), ApiError> {
     let deadline = tokio::time::Instant::now() + grace;
-    loop {
-        if ended_on_bus(gw, run).await? {
-            return Ok(true);
-        }
-        if tokio::time::Instant::now() >= deadline {
-            return Ok(false);
-        }
+    while tokio::time::Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(100)).await;
+        if ended_on_bus(gw, run).await? {
+            break;
+        }
     }
+    Ok(())
 }
 
 /// Whether the run's stored timeline has ended (the system of record).

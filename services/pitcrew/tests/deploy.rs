@@ -69,6 +69,17 @@ fn interpolate(value: &str) -> String {
     out
 }
 
+/// Whether `client`'s pull request on `next` (a consumer's `MSG.NEXT` subject) is answered
+/// within 800 ms: allowed, it would be (with a message, or a 408 once its 200 ms expire);
+/// refused, never.
+async fn pull_answered(client: &async_nats::Client, next: &str) -> anyhow::Result<bool> {
+    let inbox = client.new_inbox();
+    let mut answers = client.subscribe(inbox.clone()).await?;
+    client.publish_with_reply(next.to_string(), inbox, r#"{"batch":1,"expires":200000000}"#.into()).await?;
+    client.flush().await?;
+    Ok(tokio::time::timeout(Duration::from_millis(800), answers.next()).await.is_ok())
+}
+
 /// A nats-server running `deploy/nats.conf` itself, on a free loopback port with a temporary
 /// store, its users' passwords in its environment. Killed on drop.
 struct ConfiguredNats {
@@ -446,12 +457,7 @@ async fn refused(nats: &ConfiguredNats, bus: &Bus, user: &str, observer: &Bus) -
     // Nor its consumers' work to take: a pull request to execute's consumer. Allowed, it
     // would be answered (with a message, or a 408 when the 200 ms expire); refused, never.
     let next = format!("$JS.API.CONSUMER.MSG.NEXT.{}.execute", s.stages_stream());
-    let inbox = bus.client.new_inbox();
-    let mut answers = bus.client.subscribe(inbox.clone()).await?;
-    bus.client.publish_with_reply(next.clone(), inbox, r#"{"batch":1,"expires":200000000}"#.into()).await?;
-    bus.client.flush().await?;
-    let answered = tokio::time::timeout(Duration::from_millis(800), answers.next()).await;
-    assert!(answered.is_err(), "{user}'s pull from the crew's execute consumer was answered");
+    assert!(!pull_answered(&bus.client, &next).await?, "{user}'s pull from the crew's execute consumer was answered");
     let after = observer.js.get_stream(s.stages_stream()).await?.info().await?.state.last_sequence;
     assert_eq!(after, stages, "{user}'s attempts left the stage stream as it was");
     let log = nats.log();
@@ -583,12 +589,10 @@ async fn each_nats_user_does_its_services_job_and_nothing_more() -> anyhow::Resu
     monitor.client.flush().await?;
     // Nor does a bridge take the crew's reader of the decisions.
     let next = format!("$JS.API.CONSUMER.MSG.NEXT.{}.approval-decisions", bridge.subjects.approvals_stream());
-    let inbox = bridge.client.new_inbox();
-    let mut answers = bridge.client.subscribe(inbox.clone()).await?;
-    bridge.client.publish_with_reply(next.clone(), inbox, r#"{"batch":1,"expires":200000000}"#.into()).await?;
-    bridge.client.flush().await?;
-    let answered = tokio::time::timeout(Duration::from_millis(800), answers.next()).await;
-    assert!(answered.is_err(), "the bridge's pull from the crew's approval-decisions was answered");
+    assert!(
+        !pull_answered(&bridge.client, &next).await?,
+        "the bridge's pull from the crew's approval-decisions was answered"
+    );
     let log = nats.log();
     let violation = |user: &str, what: &str| {
         log.lines().any(|l| l.contains(&format!("user:{user}\"")) && l.contains("Violation") && l.contains(what))

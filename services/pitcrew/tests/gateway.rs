@@ -312,13 +312,9 @@ async fn an_alert_opened_again_gets_its_resolution_on_the_run_it_opened() -> any
     let own = api.crew.events.wait(first, resolutions, WAIT).await?;
     let joined = api.crew.events.wait(first, |e| resolutions(e) && e.index != own.index, WAIT).await?;
     let db = api.crew.db().await?;
-    let stored: i64 = db
-        .query_one(
-            "SELECT count(*) FROM run_events WHERE run_id = $1 AND kind = 'status' AND data->>'alert' = 'resolved'",
-            &[&first],
-        )
-        .await?
-        .get(0);
+    let resolved =
+        "SELECT count(*) FROM run_events WHERE run_id = $1 AND kind = 'status' AND data->>'alert' = 'resolved'";
+    let stored = count(&db, resolved, first).await;
     assert_eq!(stored, 2, "both resolutions are on the run's timeline: {own:?} {joined:?}");
     let (status, body) = api.post(&format!("/v1/runs/{first}/deny"), "ann", &json!({"reason": "not now"})).await?;
     assert_eq!(status, StatusCode::ACCEPTED, "{body}");

@@ -289,13 +289,12 @@ async fn a_diagnosis_calls_two_tools_then_answers_and_the_plan_runs() -> anyhow:
     assert!(seen[2].body.get("tools").is_none(), "plan offers no tools");
 
     let db = crew.db().await?;
-    let tools: i64 = db
-        .query_one(
-            "SELECT count(*) FROM run_events WHERE run_id = $1 AND kind = 'evidence' AND message LIKE 'tool %'",
-            &[&run],
-        )
-        .await?
-        .get(0);
+    let tools = common::count(
+        &db,
+        "SELECT count(*) FROM run_events WHERE run_id = $1 AND kind = 'evidence' AND message LIKE 'tool %'",
+        run,
+    )
+    .await;
     assert_eq!(tools, 2, "both tool calls are in the timeline");
     // The answers streamed in as live `thinking` events (not stored in Postgres).
     let thought: String = crew

@@ -284,10 +284,7 @@ pub(crate) async fn read_capped<R: AsyncRead + Unpin>(pipe: &mut Option<R>, max:
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
             Err(e) => {
                 tracing::warn!(error = %e, "reading a command's output failed: the rest of it is lost");
-                // Within the cap, so it is never the part cut off.
-                let line = format!("\npitcrew: reading the output failed: {e}");
-                buf.truncate(max.saturating_sub(line.len()).min(buf.len()));
-                buf.extend_from_slice(line.as_bytes());
+                append_within(buf, max, &format!("\npitcrew: reading the output failed: {e}"));
                 *pipe = None;
                 return;
             }
@@ -305,7 +302,7 @@ pub(crate) async fn read_capped<R: AsyncRead + Unpin>(pipe: &mut Option<R>, max:
 fn linger(program: &str, pipes: Vec<Box<dyn AsyncRead + Send + Unpin>>, max: usize, err: &mut Vec<u8>) {
     use std::sync::atomic::Ordering::Relaxed;
     let taken = LINGERING.fetch_update(Relaxed, Relaxed, |n| (n < MAX_LINGERING).then_some(n + 1)).is_ok();
-    let line = if taken {
+    let fate = if taken {
         tracing::warn!(
             program,
             "a process the command left running holds its output: reading it on while this worker runs"
@@ -326,24 +323,28 @@ fn linger(program: &str, pipes: Vec<Box<dyn AsyncRead + Send + Unpin>>, max: usi
             futures::future::join_all(discard).await;
             LINGERING.fetch_sub(1, Relaxed);
         });
-        format!(
-            "\npitcrew: a process '{program}' left running holds its output (backgrounded without redirecting it): \
-             pitcrew reads it on and discards it while this worker runs; once the worker stops, that process gets \
-             SIGPIPE on its next write. Start daemons with their output redirected (>/dev/null 2>&1) or by the \
-             service manager."
-        )
+        "pitcrew reads it on and discards it while this worker runs; once the worker stops, that process gets \
+         SIGPIPE on its next write"
+            .to_string()
     } else {
         tracing::warn!(program, "a process the command left running holds its output: too many such, closed");
         format!(
-            "\npitcrew: a process '{program}' left running holds its output (backgrounded without redirecting it), \
-             and pitcrew already reads {MAX_LINGERING} such outputs on: this one is closed, and that process gets \
-             SIGPIPE on its next write. Start daemons with their output redirected (>/dev/null 2>&1) or by the \
-             service manager."
+            "pitcrew already reads {MAX_LINGERING} such outputs on: this one is closed, and that process gets \
+             SIGPIPE on its next write"
         )
     };
-    // Within the cap, so it is never the part cut off.
-    err.truncate(max.saturating_sub(line.len()).min(err.len()));
-    err.extend_from_slice(line.as_bytes());
+    let line = format!(
+        "\npitcrew: a process '{program}' left running holds its output (backgrounded without redirecting it): \
+         {fate}. Start daemons with their output redirected (>/dev/null 2>&1) or by the service manager."
+    );
+    append_within(err, max, &line);
+}
+
+/// Append pitcrew's own `line` to a command's output of at most `max` bytes, cutting the
+/// output rather than the line: it is never the part cut off.
+fn append_within(buf: &mut Vec<u8>, max: usize, line: &str) {
+    buf.truncate(max.saturating_sub(line.len()).min(buf.len()));
+    buf.extend_from_slice(line.as_bytes());
 }
 
 /// Kills the command's whole process group if the run is abandoned (deadline, or the caller

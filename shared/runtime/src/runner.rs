@@ -107,13 +107,17 @@ impl MessageHandler for StageRunner {
     }
 }
 
+/// How long ago the message was stored (its first publish): every delivery of it included.
+fn age_of(info: &jetstream::message::Info<'_>) -> std::time::Duration {
+    std::time::Duration::try_from(time::OffsetDateTime::now_utc() - info.published).unwrap_or_default()
+}
+
 /// Why a message has had enough deliveries: more than `max_deliveries` and older than
 /// `poison_after`. Such a message still gets its try (not while Postgres is unreachable), and
 /// is dead-lettered only when that fails too.
 pub fn exhausted(msg: &jetstream::Message, settings: crate::config::StageSettings) -> Option<String> {
     let info = msg.info().ok()?;
-    let age = time::OffsetDateTime::now_utc() - info.published;
-    let age = std::time::Duration::try_from(age).unwrap_or_default();
+    let age = age_of(&info);
     (info.delivered as u64 > settings.max_deliveries && age > settings.poison_after).then(|| {
         format!(
             "delivered {} times over {} s without success (limits: {} deliveries, {} s)",
@@ -201,8 +205,7 @@ impl StageRunner {
         let work = async {
             let mut cx = Cx::new(&self.deps, stage, state.run_id, input_seq, 0);
             if let Ok(info) = msg.info() {
-                let age = time::OffsetDateTime::now_utc() - info.published;
-                cx.set_age(std::time::Duration::try_from(age).unwrap_or_default());
+                cx.set_age(age_of(&info));
             }
             // Index 0 is the start line's, used or not: the step's own events keep their
             // indexes, so their ids, on every delivery. A redelivery of a step whose commit

@@ -150,12 +150,6 @@ impl<'a> Cx<'a> {
         }
     }
 
-    /// How long this step has been waiting to be done: since its message was published,
-    /// every delivery of it included (zero when not known).
-    pub fn age(&self) -> std::time::Duration {
-        self.age
-    }
-
     pub(crate) fn set_age(&mut self, age: std::time::Duration) {
         self.age = age;
     }
