@@ -679,12 +679,7 @@ async fn a_two_person_rule_runs_the_plan_only_after_two_distinct_approvers() -> 
         .await?;
     let end = crew.events.terminal(run, WAIT).await?;
     assert_eq!(end.kind, EventKind::Resolved, "{}", end.message);
-    let voters: Vec<String> = db
-        .query("SELECT approver FROM approval_votes WHERE run_id = $1 ORDER BY approver", &[&run])
-        .await?
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
+    let voters = texts(&db, "SELECT approver FROM approval_votes WHERE run_id = $1 ORDER BY approver", run).await;
     assert_eq!(voters, ["ann", "bob"]);
     assert_eq!(count(&db, "SELECT count(*) FROM executions WHERE run_id = $1 AND status = 'succeeded'", run).await, 2);
     crew.shutdown().await
@@ -754,12 +749,8 @@ async fn two_last_votes_at_once_are_both_counted_and_neither_ignored() -> anyhow
     hold.commit().await?;
     let end = crew.events.terminal(run, WAIT).await?;
     assert_eq!(end.kind, EventKind::Resolved, "{}", end.message);
-    let said: Vec<String> = db
-        .query("SELECT message FROM run_events WHERE run_id = $1 AND stage = 'approval' ORDER BY seq, idx", &[&run])
-        .await?
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
+    let approval = "SELECT message FROM run_events WHERE run_id = $1 AND stage = 'approval' ORDER BY seq, idx";
+    let said = texts(&db, approval, run).await;
     assert!(said.iter().all(|m| !m.contains("ignored")), "{said:?}");
     assert!(said.iter().any(|m| m.contains("counted: 2 of 2 approvals (the plan was approved with")), "{said:?}");
     assert_eq!(count(&db, "SELECT count(*) FROM executions WHERE run_id = $1 AND status = 'succeeded'", run).await, 2);

@@ -705,12 +705,8 @@ async fn a_two_person_rule_in_slack_counts_the_first_click_and_runs_after_the_se
     assert_eq!((status, text.as_str()), (200, ""));
     let end = crew.end(run).await?;
     assert_eq!(end.kind, EventKind::Resolved, "{}", end.message);
-    let voters: Vec<String> = db
-        .query("SELECT approver || '/' || channel FROM approval_votes WHERE run_id = $1 ORDER BY approver", &[&run])
-        .await?
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
+    let votes = "SELECT approver || '/' || channel FROM approval_votes WHERE run_id = $1 ORDER BY approver";
+    let voters = common::texts(&db, votes, run).await;
     assert_eq!(voters, ["ann/slack", "bob/slack"]);
     let updated = |cs: &[Call]| {
         cs.iter().any(|c| {
