@@ -136,6 +136,54 @@ async fn one_master_connection_is_reused_and_reestablished() -> anyhow::Result<(
     Ok(())
 }
 
+/// The processes whose command line names `path` (a master's control socket).
+fn processes_naming(path: &std::path::Path) -> Vec<i32> {
+    let needle = path.as_os_str().as_encoded_bytes();
+    let Ok(procs) = std::fs::read_dir("/proc") else { return Vec::new() };
+    procs
+        .flatten()
+        .filter_map(|p| p.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|pid| {
+            std::fs::read(format!("/proc/{pid}/cmdline")).is_ok_and(|c| c.windows(needle.len()).any(|w| w == needle))
+        })
+        .collect()
+}
+
+/// A master connection with no command on it ends after the host's `master_idle_secs`: a
+/// worker that lives on connects anew for its next command, and the master of a worker
+/// killed outright (SIGKILL, the OOM killer: nothing closes it) is not left logged in to the
+/// host for good.
+#[tokio::test]
+async fn an_idle_master_connection_ends_by_itself_even_when_its_worker_was_killed() -> anyhow::Result<()> {
+    let sshd = start_target()?;
+    let mut host = sshd.host(true);
+    host.master_idle_secs = 2;
+    let lives_on = fleet(host.clone(), 4096);
+    let first = conn(&lives_on).await?;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let again = conn(&lives_on).await?;
+    assert!(!again.trim().is_empty());
+    assert_ne!(again, first, "a new master connection after the idle time");
+
+    let killed = fleet(host, 4096);
+    conn(&killed).await?;
+    let socket = killed.ssh.session("box").await?.control_socket().to_path_buf();
+    let masters = processes_naming(&socket);
+    assert_eq!(masters.len(), 1, "one master process for {}: {masters:?}", socket.display());
+    // What SIGKILL does to a worker's masters: nothing asks them to exit.
+    std::mem::forget(killed);
+    let waited = Instant::now();
+    while !processes_naming(&socket).is_empty() && waited.elapsed() < Duration::from_secs(30) {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(
+        processes_naming(&socket).is_empty(),
+        "the orphaned master {masters:?} still runs after {:?}",
+        waited.elapsed()
+    );
+    Ok(())
+}
+
 /// A host that stops answering while its connection stays up (hung, or cut off by a
 /// partition the keepalives have not noticed yet): a command waits no longer than the host's
 /// connect timeout for its channel, not the keepalives' 45 s, fails as transient (it may have

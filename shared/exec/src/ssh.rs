@@ -1,6 +1,7 @@
 //! The ssh executor: commands on inventory hosts over OpenSSH (the `openssh` crate, native
-//! multiplexing). One master connection per host, reused by every command and stage and
-//! re-established when it drops; host keys checked against known_hosts (accepting an unknown
+//! multiplexing). One master connection per host, reused by every command and stage,
+//! re-established when it drops, and closed by itself after the host's idle time (so a
+//! worker killed outright leaves no login behind on its hosts for good); host keys checked against known_hosts (accepting an unknown
 //! key is a per-host opt-in); argv quoted so the command policy approved is the command that
 //! runs; `sudo` always non-interactive; a deadline enforced on the remote side; at most the
 //! host's `max_sessions` commands on it at once (sshd refuses channels past its own
@@ -8,7 +9,7 @@
 
 use crate::local::read_capped;
 use crate::{CommandOutput, ExecError};
-use openssh::{KnownHosts, Session, SessionBuilder, Stdio};
+use openssh::{ControlPersist, KnownHosts, Session, SessionBuilder, Stdio};
 use pitcrew_model::HostSpec;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
@@ -45,11 +46,15 @@ const CHECK_WITHIN: Duration = Duration::from_secs(5);
 #[derive(Clone)]
 pub struct Master(Arc<Closing>);
 
-struct Closing(Option<Session>);
+struct Closing {
+    session: Option<Session>,
+    /// When a command last let go of it (or it connected).
+    used: std::sync::Mutex<Instant>,
+}
 
 impl Drop for Closing {
     fn drop(&mut self) {
-        if let Some(session) = self.0.take() {
+        if let Some(session) = self.session.take() {
             match tokio::runtime::Handle::try_current() {
                 Ok(rt) => drop(rt.spawn_blocking(move || drop(session))),
                 Err(_) => drop(session),
@@ -62,14 +67,36 @@ impl std::ops::Deref for Master {
     type Target = Session;
 
     fn deref(&self) -> &Session {
-        self.0 .0.as_ref().expect("a master holds its session until dropped")
+        self.0.session.as_ref().expect("a master holds its session until dropped")
     }
 }
 
 impl Master {
+    fn new(session: Session) -> Self {
+        Master(Arc::new(Closing { session: Some(session), used: std::sync::Mutex::new(Instant::now()) }))
+    }
+
     fn same(&self, other: &Master) -> bool {
         Arc::ptr_eq(&self.0, &other.0)
     }
+
+    /// A command is done with it: its idle time starts again.
+    fn used(&self) {
+        *self.0.used.lock().unwrap_or_else(|p| p.into_inner()) = Instant::now();
+    }
+
+    /// How long it has had no command on it; `None` while one holds it (the host's slot
+    /// alone holds it otherwise).
+    fn idle(&self) -> Option<Duration> {
+        (Arc::strong_count(&self.0) == 1).then(|| self.0.used.lock().unwrap_or_else(|p| p.into_inner()).elapsed())
+    }
+}
+
+/// Whether `master`, idle for `quiet`, is about to end by itself at the host's idle limit:
+/// within the last quarter of it, at most 5 s. A new connection then, rather than a command
+/// racing the master's exit for its channel.
+fn expiring(quiet: Duration, limit: Duration) -> bool {
+    quiet + (limit / 4).min(Duration::from_secs(5)) >= limit
 }
 
 /// How long an unreachable host is not tried again.
@@ -157,18 +184,34 @@ impl SshExecutor {
         }
         let mut slot = slot.lock().await;
         if let Some(s) = slot.as_ref() {
-            // A question to the local master process: it answers at once unless it is wedged.
-            if let Ok(Ok(())) = tokio::time::timeout(CHECK_WITHIN, s.check()).await {
-                return Ok(s.clone());
+            match s.idle() {
+                Some(quiet) if expiring(quiet, spec.master_idle()) => {
+                    tracing::debug!(host, idle_secs = quiet.as_secs(), "ssh master connection idle: connecting anew");
+                }
+                // A question to the local master process: it answers at once unless it is wedged.
+                _ => {
+                    if let Ok(Ok(())) = tokio::time::timeout(CHECK_WITHIN, s.check()).await {
+                        return Ok(s.clone());
+                    }
+                    tracing::warn!(host, "ssh master connection lost: reconnecting");
+                }
             }
-            tracing::warn!(host, "ssh master connection lost: reconnecting");
         }
         let mut b = SessionBuilder::default();
         b.user(spec.user.clone())
             .port(spec.port)
             .connect_timeout(spec.connect_timeout())
             .server_alive_interval(Duration::from_secs(15))
+            // Not OpenSSH's "forever": a master outlives a worker killed outright, logged in
+            // to the host until the host goes away.
+            .control_persist(ControlPersist::IdleFor(
+                std::num::NonZeroUsize::new(spec.master_idle().as_secs() as usize)
+                    .unwrap_or(std::num::NonZeroUsize::MIN),
+            ))
             .known_hosts_check(if spec.accept_unknown_host_key { KnownHosts::Add } else { KnownHosts::Strict });
+        if let Some(dir) = control_dir() {
+            b.control_directory(dir);
+        }
         if let Some(k) = &spec.key_file {
             b.keyfile(k);
         }
@@ -195,7 +238,7 @@ impl SshExecutor {
                 Err(e) => return Err(e),
             }
         };
-        let session = Master(Arc::new(Closing(Some(session))));
+        let session = Master::new(session);
         *slot = Some(session.clone());
         self.down.lock().expect("down map").remove(host);
         tracing::info!(host, address = %spec.address, port = spec.port, "ssh master connection up");
@@ -293,6 +336,7 @@ impl SshExecutor {
                 (None, false)
             }
         };
+        session.used();
         let stderr = pitcrew_model::trim::text_within(&err, self.max_output);
         // `timeout` could not start the program: it does not exist on the host.
         if stderr.starts_with("timeout: failed to run command") && stderr.contains("No such file or directory") {
@@ -325,9 +369,11 @@ impl SshExecutor {
         let Ok(session) = self.session(host).await else { return false };
         let probe = format!("command -v {}", shell_words::quote(tool));
         // A host that hangs must not hold the caller (diagnose, a plan's check) for good.
-        let mut asked = Session::to_command(session, "sh");
+        let mut asked = Session::to_command(session.clone(), "sh");
         asked.raw_args(["-c", &quoted(&probe)]);
-        let found = match tokio::time::timeout(TOOL_PROBE_LIMIT, asked.output()).await {
+        let answer = tokio::time::timeout(TOOL_PROBE_LIMIT, asked.output()).await;
+        session.used();
+        let found = match answer {
             Ok(Ok(o)) => o.status.success(),
             // Not cached: the next look asks again.
             Ok(Err(_)) | Err(_) => return false,
@@ -339,6 +385,54 @@ impl SshExecutor {
 
 /// How long `has_tool` waits for a host to say whether it has a program.
 const TOOL_PROBE_LIMIT: Duration = Duration::from_secs(10);
+
+/// How long a control directory with no master answering in it is left alone: one being
+/// made has its log file but not yet its socket while the master connects.
+const STALE_AFTER: Duration = Duration::from_secs(600);
+
+/// Where the masters' control sockets live: `pitcrew-ssh` in the user's state directory
+/// (`$XDG_STATE_HOME`, else `~/.local/state`), made once per process, when what workers
+/// killed outright left there is swept out. `None` (OpenSSH's default) when it cannot be made.
+fn control_dir() -> Option<&'static std::path::Path> {
+    static DIR: std::sync::OnceLock<Option<std::path::PathBuf>> = std::sync::OnceLock::new();
+    DIR.get_or_init(|| {
+        let var = |name| std::env::var_os(name).filter(|v| !v.is_empty()).map(std::path::PathBuf::from);
+        let base = var("XDG_STATE_HOME").or_else(|| var("HOME").map(|home| home.join(".local/state")))?;
+        let dir = base.join("pitcrew-ssh");
+        use std::os::unix::fs::DirBuilderExt;
+        if let Err(e) = std::fs::DirBuilder::new().recursive(true).mode(0o700).create(&dir) {
+            tracing::warn!(dir = %dir.display(), error = %e, "cannot make the ssh control directory: using OpenSSH's default");
+            return None;
+        }
+        let swept = sweep(&dir, STALE_AFTER);
+        if swept > 0 {
+            tracing::info!(dir = %dir.display(), swept, "removed ssh control directories of masters that are gone");
+        }
+        Some(dir)
+    })
+    .as_deref()
+}
+
+/// Remove the control directories in `dir` whose master is gone (a worker killed outright
+/// leaves its directory; its master ends after its idle time): no socket there that answers,
+/// and nothing changed in it for `stale_after`. Returns how many went.
+fn sweep(dir: &std::path::Path, stale_after: Duration) -> usize {
+    let Ok(entries) = std::fs::read_dir(dir) else { return 0 };
+    let mut swept = 0;
+    for entry in entries.flatten() {
+        let path = entry.path();
+        let ours = entry.file_name().to_string_lossy().starts_with(".ssh-connection");
+        if !ours || !entry.file_type().is_ok_and(|t| t.is_dir()) {
+            continue;
+        }
+        let quiet = entry.metadata().and_then(|m| m.modified()).ok().and_then(|t| t.elapsed().ok());
+        let answers = std::os::unix::net::UnixStream::connect(path.join("master")).is_ok();
+        if !answers && quiet.is_some_and(|q| q >= stale_after) && std::fs::remove_dir_all(&path).is_ok() {
+            swept += 1;
+        }
+    }
+    swept
+}
 
 fn connect_error(host: &str, spec: &HostSpec, e: openssh::Error) -> ExecError {
     let text = format!("{e}: {}", std::error::Error::source(&e).map(|s| s.to_string()).unwrap_or_default());
@@ -393,6 +487,42 @@ mod tests {
             let out = std::process::Command::new("sh").arg("-c").arg(format!("printf %s {q}")).output().unwrap();
             assert_eq!(String::from_utf8(out.stdout).unwrap(), word, "{q}");
         }
+    }
+
+    /// A control directory goes once its master is gone and nothing changed in it for a
+    /// while; one whose master answers, or one being made, stays.
+    #[test]
+    fn only_control_directories_of_masters_that_are_gone_are_swept() {
+        let dir = tempfile::tempdir().unwrap();
+        let make = |name: &str| {
+            let d = dir.path().join(name);
+            std::fs::create_dir(&d).unwrap();
+            std::fs::write(d.join("log"), "").unwrap();
+            d
+        };
+        let gone = make(".ssh-connectionAAAA");
+        let live = make(".ssh-connectionBBBB");
+        let _master = std::os::unix::net::UnixListener::bind(live.join("master")).unwrap();
+        let dead = make(".ssh-connectionCCCC");
+        drop(std::os::unix::net::UnixListener::bind(dead.join("master")).unwrap());
+        let other = make("not-a-control-dir");
+        std::thread::sleep(Duration::from_millis(1100));
+        let fresh = make(".ssh-connectionDDDD");
+        assert_eq!(sweep(dir.path(), Duration::from_secs(1)), 2);
+        assert!(!gone.exists() && !dead.exists(), "no master answers in them");
+        assert!(live.exists(), "its master answers");
+        assert!(fresh.exists(), "being made: its master may still be connecting");
+        assert!(other.exists(), "not a control directory");
+    }
+
+    #[test]
+    fn expiring_is_near_the_idle_limit() {
+        let s = Duration::from_secs;
+        assert!(!expiring(s(100), s(600)));
+        assert!(!expiring(s(594), s(600)));
+        assert!(expiring(s(595), s(600)), "5 s before a 10-minute limit");
+        assert!(!expiring(Duration::from_millis(1400), s(2)));
+        assert!(expiring(Duration::from_millis(1500), s(2)), "the last quarter of a short limit");
     }
 
     #[test]

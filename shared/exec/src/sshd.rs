@@ -163,6 +163,7 @@ impl Sshd {
             lacks: Vec::new(),
             connect_timeout_secs: 5,
             max_sessions: pitcrew_model::inventory::DEFAULT_MAX_SESSIONS,
+            master_idle_secs: 600,
         }
     }
 

@@ -53,6 +53,9 @@ pub const DEFAULT_MAX_SESSIONS: usize = 8;
 fn default_max_sessions() -> usize {
     DEFAULT_MAX_SESSIONS
 }
+fn default_master_idle() -> u64 {
+    600
+}
 
 /// A machine reached over SSH as a (usually non-root) user with sudo.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -88,6 +91,13 @@ pub struct HostSpec {
     /// host that is already in trouble.
     #[serde(default = "default_max_sessions")]
     pub max_sessions: usize,
+    /// How long the master connection to the host stays open with no command on it
+    /// (OpenSSH's `ControlPersist`), 10 minutes unless set. The next command connects anew.
+    /// A worker killed outright (SIGKILL, the OOM killer) cannot close its masters: they end
+    /// by themselves this long after their last command instead of staying logged in to the
+    /// host for good.
+    #[serde(default = "default_master_idle")]
+    pub master_idle_secs: u64,
 }
 
 impl HostSpec {
@@ -95,6 +105,11 @@ impl HostSpec {
     /// key exchange), and a command's channel to open on a live connection: at least 1 s.
     pub fn connect_timeout(&self) -> std::time::Duration {
         std::time::Duration::from_secs(self.connect_timeout_secs.max(1))
+    }
+
+    /// How long the master connection may sit with no command on it: at least 1 s.
+    pub fn master_idle(&self) -> std::time::Duration {
+        std::time::Duration::from_secs(self.master_idle_secs.max(1))
     }
 }
 

@@ -723,6 +723,10 @@ impl Config {
             if host.max_sessions == 0 {
                 return bad(format!("[hosts.{name}]: max_sessions must be at least 1"));
             }
+            // OpenSSH reads a `ControlPersist` of 0 as "forever": the leak this limit is for.
+            if !(1..=86_400).contains(&host.master_idle_secs) {
+                return bad(format!("[hosts.{name}]: master_idle_secs ({}) must be 1 to 86400", host.master_idle_secs));
+            }
         }
         for (name, svc) in &self.services {
             let local = ["local", "localhost", "127.0.0.1"].contains(&svc.host.as_str());
@@ -931,6 +935,10 @@ mod tests {
         assert_eq!(ok.hosts["pe1"].max_sessions, 8, "under sshd's default MaxSessions of 10");
         let e = Config::from_toml("[hosts.pe1]\naddress = \"10.0.0.1\"\nuser = \"s\"\nmax_sessions = 0\n").unwrap_err();
         assert!(e.to_string().contains("[hosts.pe1]: max_sessions must be at least 1"), "{e}");
+        assert_eq!(ok.hosts["pe1"].master_idle_secs, 600, "an idle master connection closes after 10 minutes");
+        let e =
+            Config::from_toml("[hosts.pe1]\naddress = \"10.0.0.1\"\nuser = \"s\"\nmaster_idle_secs = 0\n").unwrap_err();
+        assert!(e.to_string().contains("[hosts.pe1]: master_idle_secs (0) must be 1 to 86400"), "{e}");
         let e = Config::from_toml("[services.bgp]\nhost = \"pe9\"\n").unwrap_err();
         assert!(e.to_string().contains("host 'pe9' is not under [hosts]"), "{e}");
     }
