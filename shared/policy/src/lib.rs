@@ -339,6 +339,20 @@ impl Policy {
                 );
                 critical.push(hit("credential-file", CRITICAL, why));
             }
+            let names = &unwrapped.assignments;
+            if let Some(name) = names.iter().find(|n| shell::runs_code(n)) {
+                let why = format!(
+                    "sets `{}`, which makes programs load or run code of its choosing: code the policy cannot see",
+                    clip(name, 60)
+                );
+                forbidden.push(hit("code-in-environment", FORBIDDEN, why));
+            } else if let Some(name) = names.iter().find(|n| !shell::read_only_assignment(n)) {
+                let why = format!(
+                    "sets `{}` for the command: a variable can change what a program does or runs",
+                    clip(name, 60)
+                );
+                critical.push(hit("environment-assignment", CRITICAL, why));
+            }
             let written = argv.join(" ");
             let normalised = unwrapped.argv.join(" ");
             // A file a wrapper writes (`time -o /etc/passwd true`) is judged as `tee FILE`

