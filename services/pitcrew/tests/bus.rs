@@ -225,6 +225,77 @@ async fn a_malformed_incident_is_dead_lettered_and_the_worker_keeps_serving() ->
     crew.shutdown().await
 }
 
+/// Incidents whose dead letter or refusal could not be stored as they came: one whose
+/// `Nats-Expected-Stream` header names the incidents stream (copied, it would send the DLQ's
+/// copy to the wrong stream), one too large to fit beside a dead letter's headers, one whose
+/// service holds a NUL (the refusal quoting it is no text Postgres takes). Each was retried for
+/// good, held unsettled by intake; each is now dead-lettered once and settled.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn incidents_whose_refusal_could_not_be_stored_as_they_came_are_still_dead_lettered_and_settled(
+) -> anyhow::Result<()> {
+    let env = TestEnv::start().await?;
+    let text = marker_service(&env, "svc");
+    let mut crew = Crew::start_in(env, &text, &[Stage::Intake]).await?;
+    let subject = crew.bus.subjects.incidents_new();
+    let mut expecting = HeaderMap::new();
+    expecting.insert(NATS_MESSAGE_ID, "expects-its-stream");
+    expecting.insert("Nats-Expected-Stream", crew.bus.subjects.incidents_stream().as_str());
+    crew.bus.publish_with_headers(subject.clone(), expecting, "not json".into()).await?;
+    let big = pitcrew_runtime::bus::MAX_MESSAGE - 200;
+    let mut sized = HeaderMap::new();
+    sized.insert(NATS_MESSAGE_ID, "too-big-for-a-dead-letter");
+    crew.bus.publish_with_headers(subject.clone(), sized, vec![b'x'; big].into()).await?;
+    let mut named = HeaderMap::new();
+    named.insert(NATS_MESSAGE_ID, "nul-in-its-service");
+    let nul = r#"{"id": "0193a0c4-5a8e-7f00-8000-000000000001", "service": "a\u0000b", "error": "down"}"#;
+    crew.bus.publish_with_headers(subject, named, nul.into()).await?;
+
+    let dlq = crew.bus.js.get_stream(crew.bus.subjects.dlq_stream()).await?;
+    let mut letters = dlq
+        .create_consumer(async_nats::jetstream::consumer::pull::OrderedConfig {
+            filter_subject: crew.bus.subjects.dlq("intake"),
+            ..Default::default()
+        })
+        .await?
+        .messages()
+        .await?;
+    let mut seen = std::collections::BTreeMap::new();
+    for _ in 0..3 {
+        let m = tokio::time::timeout(WAIT, letters.next()).await?.expect("a dead letter")?;
+        let h = m.headers.clone().unwrap_or_default();
+        let kept: Vec<String> = h.iter().map(|(k, _)| k.to_string()).collect();
+        let truncated = h.get(pitcrew_runtime::bus::TRUNCATED_HEADER).map(|v| v.to_string());
+        seen.insert(m.payload.len(), (kept, truncated, m.payload.clone()));
+    }
+    let (kept, truncated, payload) = &seen[&8];
+    assert_eq!(&payload[..], b"not json");
+    assert!(!kept.iter().any(|k| k.eq_ignore_ascii_case("Nats-Expected-Stream")), "{kept:?}");
+    assert!(truncated.is_none());
+    let (_, truncated, payload) = seen.values().next_back().expect("the large one");
+    assert_eq!(truncated.as_deref(), Some(big.to_string().as_str()), "cut to fit, its full size said");
+    assert!(payload.len() < big && payload.iter().all(|b| *b == b'x'), "{}", payload.len());
+    assert!(seen.values().any(|(_, _, p)| std::str::from_utf8(p).is_ok_and(|p| p.contains(r"a\u0000b"))));
+
+    // All three settled: nothing left unacknowledged or waiting at intake.
+    let consumer_settled = tokio::time::timeout(WAIT, async {
+        loop {
+            let stream = crew.bus.js.get_stream(crew.bus.subjects.incidents_stream()).await?;
+            let info = stream.consumer_info("intake").await?.clone();
+            if info.num_ack_pending == 0 && info.num_pending == 0 {
+                return anyhow::Ok(());
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    });
+    consumer_settled.await??;
+    let db = crew.db().await?;
+    let id: uuid::Uuid = "0193a0c4-5a8e-7f00-8000-000000000001".parse()?;
+    let refusals = texts(&db, "SELECT message FROM run_events WHERE run_id = $1 AND kind = 'rejected'", id).await;
+    assert!(refusals.iter().any(|m| m.contains("a\u{FFFD}b")), "the NUL's refusal is stored: {refusals:?}");
+    assert_eq!(dlq.get_info().await?.state.messages, 3, "one dead letter each, none again");
+    crew.shutdown().await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_malformed_incident_naming_an_open_run_leaves_that_run_alone() -> anyhow::Result<()> {
     let (mut crew, run) = held_before_execute().await?;

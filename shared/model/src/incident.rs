@@ -136,11 +136,11 @@ impl Incident {
             return Err(IncidentError::EmptyService);
         }
         if !valid_name(&self.service, &[]) {
-            return Err(IncidentError::BadService(crate::trim::clip(&self.service, 64)));
+            return Err(IncidentError::BadService(crate::trim::storable(crate::trim::clip(&self.service, 64))));
         }
         if let Some(h) = &self.host {
             if !valid_name(h, &[':']) {
-                return Err(IncidentError::BadHost(crate::trim::clip(h, 64)));
+                return Err(IncidentError::BadHost(crate::trim::storable(crate::trim::clip(h, 64))));
             }
         }
         if self.error.is_empty() {

@@ -74,6 +74,21 @@ pub fn storable(text: String) -> String {
     }
 }
 
+/// `value` as Postgres can keep it: NUL in any string or key becomes U+FFFD (see [`storable`]).
+pub fn storable_json(value: &mut serde_json::Value) {
+    match value {
+        serde_json::Value::String(s) if s.contains('\0') => *s = s.replace('\0', "\u{FFFD}"),
+        serde_json::Value::Array(items) => items.iter_mut().for_each(storable_json),
+        serde_json::Value::Object(map) => {
+            if map.keys().any(|k| k.contains('\0')) {
+                *map = std::mem::take(map).into_iter().map(|(k, v)| (storable(k), v)).collect();
+            }
+            map.values_mut().for_each(storable_json);
+        }
+        _ => {}
+    }
+}
+
 /// Bytes a process or a peer sent, as storable text: invalid UTF-8 and NUL become U+FFFD.
 pub fn text_of(bytes: &[u8]) -> String {
     storable(String::from_utf8_lossy(bytes).into_owned())
@@ -115,6 +130,9 @@ mod tests {
         assert_eq!(storable("clean".to_string()), "clean");
         assert_eq!(text_within(&[0; 4], 7), "\u{FFFD}\u{FFFD}", "cut on a char boundary, nothing appended");
         assert_eq!(text_within(b"abc", 2), "ab");
+        let mut v = serde_json::json!({"a\0": ["x\0", {"k": "\0"}], "n": 1});
+        storable_json(&mut v);
+        assert_eq!(v, serde_json::json!({"a\u{FFFD}": ["x\u{FFFD}", {"k": "\u{FFFD}"}], "n": 1}));
     }
 
     #[test]

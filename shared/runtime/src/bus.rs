@@ -28,6 +28,12 @@ pub const ERROR_HEADER: &str = "Pitcrew-Error";
 pub const STAGE_HEADER: &str = "Pitcrew-Stage";
 /// Header naming the subject a dead-lettered message came from.
 pub const ORIGIN_HEADER: &str = "Pitcrew-Origin";
+/// Header of a dead letter whose payload was cut to fit: the original's size in bytes.
+pub const TRUNCATED_HEADER: &str = "Pitcrew-Truncated";
+/// Header of a dead letter that could not carry the original's headers: their size.
+pub const DROPPED_HEADER: &str = "Pitcrew-Headers-Dropped";
+/// The largest message any stream stores, headers included (the dead letters' too).
+pub const MAX_MESSAGE: usize = codec::MAX_PAYLOAD * 2;
 
 /// What went wrong talking to NATS; the message says what to do about it.
 #[derive(Debug, thiserror::Error)]
@@ -267,7 +273,7 @@ impl Bus {
                 retention,
                 max_age,
                 max_bytes,
-                max_message_size: codec::MAX_PAYLOAD as i32 * 2,
+                max_message_size: MAX_MESSAGE as i32,
                 duplicate_window: Duration::from_secs(120),
                 storage: stream::StorageType::File,
                 discard: if retention == stream::RetentionPolicy::WorkQueue {

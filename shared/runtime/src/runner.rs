@@ -1,13 +1,14 @@
 //! The stage runner: decode, call the stage, then commit to Postgres, publish the events and
 //! the successor, and only then ack. Poison goes to the dead-letter subject and escalates.
 
-use crate::bus::{Bus, BusError, ERROR_HEADER, ORIGIN_HEADER, RUN_HEADER, STAGE_HEADER};
+use crate::bus::{
+    Bus, BusError, DROPPED_HEADER, ERROR_HEADER, MAX_MESSAGE, ORIGIN_HEADER, RUN_HEADER, STAGE_HEADER, TRUNCATED_HEADER,
+};
 use crate::consume::{backoff, Disposition, MessageHandler};
 use crate::stage::{Cx, Deps, StageError, StageHandler, Transition};
 use crate::store::{Record, RunStatus, StoreError};
 use async_nats::header::{HeaderMap, NATS_MESSAGE_ID};
 use async_nats::jetstream;
-use bytes::Bytes;
 use futures::future::BoxFuture;
 use futures::FutureExt;
 use pitcrew_model::codec::{self, CONTENT_TYPE, JSON, MSGPACK};
@@ -681,7 +682,18 @@ async fn publish_encoded(bus: &Bus, events: &[RunEvent], state: Option<(&RunStat
     Ok(())
 }
 
-/// Publish the original payload and headers to `pitcrew.dlq.<stage>` with the reason.
+/// Room kept in a dead letter for its own headers (the reason, the stage, the origin, the id).
+const DLQ_OWN_HEADERS: usize = 4 * 1024;
+
+/// The most of a message's own headers a dead letter carries; past it, none are kept.
+const DLQ_KEPT_HEADERS: usize = 16 * 1024;
+
+/// Publish the original payload and headers to `pitcrew.dlq.<stage>` with the reason. Always
+/// something the DLQ stream stores: a letter it refused would be retried for good, the
+/// message held unsettled meanwhile. So the original's `Nats-` headers are not copied (they
+/// are instructions to the server: `Nats-Expected-Stream` names another stream,
+/// `Nats-Rollup` would purge the DLQ), nor its other headers when they are large, and a
+/// payload too large to fit beside them is cut (header `Pitcrew-Truncated`: its full size).
 pub async fn dead_letter(
     bus: &Bus,
     msg: &jetstream::Message,
@@ -690,20 +702,36 @@ pub async fn dead_letter(
     id: &str,
 ) -> Result<(), BusError> {
     let mut headers = HeaderMap::new();
+    let mut kept = 0;
     if let Some(h) = &msg.headers {
-        for (k, vs) in h.iter() {
-            if AsRef::<str>::as_ref(k) != AsRef::<str>::as_ref(&NATS_MESSAGE_ID) {
+        let copied = h.iter().filter(|(k, _)| !AsRef::<str>::as_ref(*k).to_ascii_lowercase().starts_with("nats-"));
+        let size: usize = copied
+            .clone()
+            .map(|(k, vs)| vs.iter().map(|v| AsRef::<str>::as_ref(k).len() + v.as_str().len() + 4).sum::<usize>())
+            .sum();
+        if size <= DLQ_KEPT_HEADERS {
+            for (k, vs) in copied {
                 for v in vs {
                     headers.append(k.clone(), v.clone());
                 }
             }
+            kept = size;
+        } else {
+            headers.insert(DROPPED_HEADER, format!("{size} bytes of headers").as_str());
         }
     }
     headers.insert(NATS_MESSAGE_ID, format!("dlq.{id}").as_str());
     headers.insert(ERROR_HEADER, pitcrew_model::trim::clip(&why.replace(['\r', '\n'], " "), 1000).as_str());
     headers.insert(STAGE_HEADER, stage);
-    headers.insert(ORIGIN_HEADER, msg.subject.as_str());
-    bus.publish_with_headers(bus.subjects.dlq(stage), headers, Bytes::copy_from_slice(&msg.payload)).await
+    headers.insert(ORIGIN_HEADER, pitcrew_model::trim::clip(msg.subject.as_str(), 256).as_str());
+    let room = MAX_MESSAGE - DLQ_OWN_HEADERS - kept;
+    let payload = if msg.payload.len() > room {
+        headers.insert(TRUNCATED_HEADER, msg.payload.len().to_string().as_str());
+        msg.payload.slice(..room)
+    } else {
+        msg.payload.clone()
+    };
+    bus.publish_with_headers(bus.subjects.dlq(stage), headers, payload).await
 }
 
 #[cfg(test)]

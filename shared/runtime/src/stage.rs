@@ -168,9 +168,11 @@ impl<'a> Cx<'a> {
 
     /// Add a timeline event (stored and published once the step commits).
     pub fn emit(&mut self, kind: EventKind, message: impl Into<String>, mut data: serde_json::Value) {
-        // Secrets never reach the timeline, the bus or Postgres.
+        // Secrets never reach the timeline, the bus or Postgres; nor a NUL, which Postgres
+        // refuses (the event, and the step holding it, would never be stored).
         pitcrew_model::redact::redact_json(&mut data);
-        let message = pitcrew_model::redact::redact(&message.into()).into_owned();
+        pitcrew_model::trim::storable_json(&mut data);
+        let message = pitcrew_model::trim::storable(pitcrew_model::redact::redact(&message.into()).into_owned());
         self.events.push(RunEvent {
             run_id: self.run_id,
             seq: self.seq,
