@@ -666,6 +666,55 @@ async fn a_commit_that_fails_for_a_while_past_the_delivery_limits_is_retried_not
     crew.shutdown().await
 }
 
+/// A step whose own read of Postgres fails for a passing reason (here: the episodes table
+/// locked elsewhere, so diagnose's read of its memory meets the statement timeout) on a
+/// delivery past the limits is retried like a commit that fails for a while, not
+/// dead-lettered: Postgres answered the check that it can take writes, so the step's error
+/// was read as the step's own, and a backlog past its limits after an outage lost runs to one
+/// lock or dropped connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_step_whose_reads_fail_for_a_while_past_the_delivery_limits_is_retried_not_dead_lettered(
+) -> anyhow::Result<()> {
+    let env = TestEnv::start().await?;
+    let svc = common::marker_service(&env, "svc");
+    let text = format!("[stages]\nmax_deliveries = 1\npoison_after_secs = 1\n{svc}");
+    let before: Vec<Stage> = Stage::ALL.into_iter().filter(|s| *s != Stage::Diagnose).collect();
+    let mut crew = Crew::start_in(env, &text, &before).await?;
+    let run = crew.open("svc", "GET /health: connection refused").await?;
+    let db = crew.db().await?;
+    let deadline = Instant::now() + common::WAIT;
+    while common::count(&db, "SELECT count(*) FROM runs WHERE id = $1 AND stage = 'diagnose'", run).await == 0 {
+        anyhow::ensure!(Instant::now() < deadline, "the run never reached diagnose");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let (mut locker, conn) = tokio_postgres::connect(&crew.cfg.database.url, tokio_postgres::NoTls).await?;
+    tokio::spawn(conn);
+    let tx = locker.transaction().await?;
+    tx.execute("LOCK TABLE episodes IN ACCESS EXCLUSIVE MODE", &[]).await?;
+    crew.shutdown().await?;
+    crew.cfg.database.statement_timeout_secs = 1;
+    crew.run(&Stage::ALL);
+    let deadline = Instant::now() + common::WAIT;
+    let sql = "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE '%episodes%'";
+    let mut waits = 0;
+    // Three tries, each ending at the statement timeout (or a dead letter, which ends them).
+    while waits < 3 && crew.dead_letters().await? == 0 {
+        anyhow::ensure!(Instant::now() < deadline, "diagnose never read its memory");
+        if db.query_one(sql, &[]).await?.get::<_, i64>(0) > 0 {
+            waits += 1;
+            tokio::time::sleep(Duration::from_millis(1100)).await;
+        } else {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+    assert_eq!(crew.dead_letters().await?, 0, "dead-lettered while its reads timed out");
+    tx.rollback().await?;
+    let end = crew.events.terminal(run, common::WAIT).await?;
+    assert_eq!(end.kind, pitcrew_model::EventKind::Resolved, "{}", end.message);
+    assert_eq!(crew.dead_letters().await?, 0, "nothing was dead-lettered");
+    crew.shutdown().await
+}
+
 /// A message that can never be read, arriving while Postgres is down, waits for Postgres
 /// before it is dead-lettered: its run is looked up and escalated there, and every retry in
 /// the outage stored another dead letter of it once past the bus's duplicate window.

@@ -255,6 +255,11 @@ impl StageRunner {
                     span.record("outcome", "transient");
                     self.failed_try(msg, exhausted.as_deref(), &e, "transient failure").await
                 }
+                Err(StageError::Store(e)) => {
+                    span.record("outcome", "transient");
+                    tracing::warn!(error = %e, delivered, "Postgres failed the step: will retry");
+                    Disposition::Nak(backoff(delivered))
+                }
                 // Waiting is bounded by the stage itself (it escalates past its own limit), so
                 // the deliveries it takes never count as failures: never dead-lettered for them.
                 Err(StageError::Wait { why, retry, note }) => {

@@ -76,6 +76,12 @@ pub enum StageError {
     /// Worth retrying later (a database or network hiccup): nak with backoff.
     #[error("transient: {0}")]
     Transient(String),
+    /// Postgres failed the step for a passing reason (a lost connection, a deadlock, a lock
+    /// or statement timeout): naked with backoff whatever the message's deliveries, as a
+    /// commit that fails for a while is. Past its limits after an outage, a backlog would
+    /// otherwise be dead-lettered for one dropped connection.
+    #[error("transient: {0}")]
+    Store(String),
     /// Retrying cannot help: dead-letter the message and escalate its run.
     #[error("{0}")]
     Poison(String),
@@ -114,7 +120,7 @@ impl WaitNote {
 impl From<StoreError> for StageError {
     fn from(e: StoreError) -> Self {
         if e.is_transient() {
-            StageError::Transient(e.to_string())
+            StageError::Store(e.to_string())
         } else {
             StageError::Poison(e.to_string())
         }
