@@ -30,11 +30,17 @@ pub fn request(
         host: Some(host.to_string()).filter(|h| !h.is_empty()),
         error: state.incident.error.clone(),
         attempt: state.attempt,
-        plan: plan.commands.clone(),
+        // Shown to approvers (chat, the CLI, the gateway) and kept 90 days on the bus: a
+        // secret in a command (a service's `start` with its `--password`) is shown redacted.
+        // The hash, which decisions name, is the plan's as it will run.
+        plan: plan.commands.iter().map(|c| pitcrew_model::redact::redact(c).into_owned()).collect(),
         plan_hash: plan.hash(),
         risk: "critical".into(),
         rule: format!("{rule}: {reason}"),
-        diagnosis: state.diagnosis().map(|d| d.summary.clone()).unwrap_or_default(),
+        diagnosis: state
+            .diagnosis()
+            .map(|d| pitcrew_model::redact::redact(&d.summary).into_owned())
+            .unwrap_or_default(),
         evidence: state
             .current_evidence()
             .map(|e| format!("{}: {}", e.source, pitcrew_model::trim::clip(&e.detail, 300)))
@@ -142,6 +148,12 @@ mod tests {
         assert_eq!(r.plan_hash, hash);
         assert_eq!(r.rule, "kill-9: SIGKILL loses state");
         assert_eq!(r.diagnosis, "web is wedged");
+        // A secret in a command is shown redacted; the hash stays the plan's as it runs.
+        let secret = vec!["/opt/web/start --password hunter2-ABC".to_string()];
+        s.plan.as_mut().unwrap().commands = secret.clone();
+        let r = request(&s, "web-1", "kill-9", "SIGKILL loses state", 600, 1);
+        assert!(!r.plan[0].contains("hunter2-ABC") && r.plan[0].contains("[REDACTED]"), "{:?}", r.plan);
+        assert_eq!(r.plan_hash, Plan { commands: secret, ..s.plan.clone().unwrap() }.hash());
         assert_eq!(r.evidence, vec!["check: 503".to_string()]);
         assert_eq!((r.expires_at - r.requested_at).num_seconds(), 600);
     }
