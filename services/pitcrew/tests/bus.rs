@@ -861,6 +861,56 @@ async fn a_step_redelivered_after_its_commit_keeps_the_transition_it_committed()
     crew.shutdown().await
 }
 
+/// A step delivered again after its commit landed, taking the same transition with another
+/// content this time (a model answers otherwise: a second diagnosis), while the first's
+/// message is on the bus: the committed state stands and the redelivery's is dropped. The
+/// second overwrote the run's row at the same seq, and the bus dropped its message as a
+/// duplicate of the first: the row said one diagnosis, the next stage worked on the other
+/// (and past the bus's duplicate window both went on, the run forked).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_step_redelivered_after_its_commit_with_another_answer_keeps_the_committed_one() -> anyhow::Result<()> {
+    use pitcrew_model::{Diagnosis, RunState};
+    use pitcrew_runtime::Transition;
+    let (mut crew, deps, state) = run_at(Stage::Diagnose).await?;
+    let diagnosed = |summary: &str| {
+        let mut s = state.clone();
+        s.diagnosis_log.push(Diagnosis {
+            attempt: 1,
+            summary: summary.into(),
+            source: "model".into(),
+            grounds: vec![],
+        });
+        s
+    };
+    pitcrew_runtime::runner::apply(
+        &crew.bus,
+        &deps,
+        diagnosed("first answer"),
+        Transition::To(Stage::Plan),
+        vec![],
+        vec![],
+    )
+    .await?;
+    pitcrew_runtime::runner::apply(
+        &crew.bus,
+        &deps,
+        diagnosed("second answer"),
+        Transition::To(Stage::Plan),
+        vec![],
+        vec![],
+    )
+    .await?;
+    let db = crew.db().await?;
+    let sql = "SELECT state->'diagnosis_log'->0->>'summary' FROM runs WHERE id = $1";
+    assert_eq!(common::texts(&db, sql, state.run_id).await, ["first answer"], "the committed state stands");
+    let stream = crew.bus.js.get_stream(crew.bus.subjects.stages_stream()).await?;
+    let sent = stream.get_last_raw_message_by_subject(&crew.bus.subjects.stage(Stage::Plan)).await?;
+    let sent: RunState = pitcrew_model::codec::decode(Some(MSGPACK), &sent.payload)?;
+    assert_eq!(sent.diagnosis().map(|d| d.summary.as_str()), Some("first answer"), "what plan works on");
+    assert_eq!(stream.get_info().await?.state.messages, 1, "one message for plan");
+    crew.shutdown().await
+}
+
 /// During a rolling upgrade a worker may pull a run state a newer worker wrote: it leaves it
 /// for one (no dead letter, no escalation of a healthy run), whether the newer layout still
 /// decodes or not.

@@ -210,9 +210,9 @@ impl StageRunner {
             }
             // Index 0 is the start line's, used or not: the step's own events keep their
             // indexes, so their ids, on every delivery. A redelivery of a step whose commit
-            // landed (its worker died before the ack) then rewrites the same rows and
-            // publishes the same ids (the bus drops them as duplicates): its terminal event is
-            // not published a second time under another id.
+            // landed (its worker died before the ack) then finds its own transition refused
+            // and sends the committed one on under the same ids (the bus drops them as
+            // duplicates): its terminal event is not published a second time under another id.
             match start_line(stage, state.attempt, delivered) {
                 Some((message, data)) => cx.emit(EventKind::Status, message, data),
                 None => cx.leave_index(),
@@ -613,21 +613,22 @@ fn within_limit(state: &mut RunState) -> Vec<u8> {
     state.encode_within(codec::MAX_PAYLOAD).unwrap_or_else(|_| codec::to_msgpack(state))
 }
 
-/// A transition the store refused. When an earlier delivery of the same step committed
-/// another one (to another step, at the seq this one would have taken: its check said
-/// otherwise then), that one stands, and its state is sent on again with the events that step
-/// stored: its own publish may have failed after its commit, and nothing else would move the
-/// run or tell its followers (the bus drops them as duplicates if they did land). Anything else
-/// is a stale delivery: nothing to do. `from`: the step and seq the refused transition left.
+/// A transition the store refused. When an earlier delivery of the same step committed one
+/// (at the seq this one would have taken: to another step, its check said otherwise then, or
+/// to the same step with another content, a model answered otherwise), that one stands, and
+/// its state is sent on again with the events that step stored: its own publish may have
+/// failed after its commit, and nothing else would move the run or tell its followers (the
+/// bus drops them as duplicates if they did land). The store never takes a second open
+/// transition of a step at the same seq: the run's row would then say one thing while the
+/// message in flight, the first, said another. Anything else is a stale delivery:
+/// nothing to do. `from`: the step and seq the refused transition left.
 async fn resend_committed(bus: &Bus, deps: &Deps, refused: &RunState, from: (Stage, u32)) -> Result<(), ApplyError> {
     let stored = deps.store.load_run(refused.run_id).await?;
     match stored {
-        Some(run)
-            if run.status == RunStatus::Open && run.state.seq == refused.seq && run.state.step != refused.step =>
-        {
+        Some(run) if run.status == RunStatus::Open && run.state.seq == refused.seq => {
             tracing::info!(
                 run = %refused.run_id, committed = %run.state.step, refused = %refused.step,
-                "an earlier delivery of this step committed another transition: sending that one on"
+                "an earlier delivery of this step committed first: sending its transition on"
             );
             let events = deps.store.step_events(refused.run_id, from.1, from.0).await?;
             publish_batch(bus, &events, Some(&run.state)).await?;

@@ -201,7 +201,8 @@ async fn single(pool: &Pool, p: &Pending) -> Result<bool, StoreError> {
                  UPDATE runs SET stage = $2, seq = $3, attempt = $4, state = $5::text::jsonb, status = $6, reason = $7,
                         updated_at = now(),
                         finished_at = CASE WHEN $6 IN ('resolved', 'escalated') THEN now() ELSE NULL END
-                 WHERE id = $1 AND (seq < $3 OR (seq = $3 AND stage = $2)) AND status NOT IN ('resolved', 'escalated')
+                 WHERE id = $1 AND (seq < $3 OR (seq = $3 AND stage = $2 AND $6 <> 'open'))
+                       AND status NOT IN ('resolved', 'escalated')
                  RETURNING id),
              ins AS (
                  INSERT INTO run_events (run_id, seq, idx, stage, kind, message, data, worker, at)
@@ -250,7 +251,7 @@ const TRANSITIONS: &str = "WITH u AS (
                 status = u.status, reason = u.reason, updated_at = now(),
                 finished_at = CASE WHEN u.status IN ('resolved', 'escalated') THEN now() ELSE NULL END
          FROM u
-         WHERE r.id = u.id AND (r.seq < u.seq OR (r.seq = u.seq AND r.stage = u.stage))
+         WHERE r.id = u.id AND (r.seq < u.seq OR (r.seq = u.seq AND r.stage = u.stage AND u.status <> 'open'))
            AND r.status NOT IN ('resolved', 'escalated')
          RETURNING u.item),
      ins AS (

@@ -174,8 +174,11 @@ impl Store {
 
     /// Record a transition: the run's new state and status, and the events of the step, in one
     /// transaction. An older transition never overwrites a newer one, nor anything a closed
-    /// run (seq guard). Returns whether the run took the transition: `false` means the input
-    /// was stale (a newer transition exists) and nothing must follow from it.
+    /// run, nor an open one of the same step its first (seq guard; a step that parks or
+    /// closes its run writes at the seq it came with, and a parked one's request is asked
+    /// again). Returns whether the run took the transition: `false`
+    /// means the input was stale (a transition at its seq or newer exists) and nothing must
+    /// follow from it but what that transition committed.
     pub async fn commit_transition(
         &self,
         state: &RunState,
