@@ -612,12 +612,13 @@ async fn an_outage_longer_than_the_delivery_limits_dead_letters_nothing() -> any
     Ok(())
 }
 
-/// A step whose commit fails for a passing reason (here: the run's row locked elsewhere, past
-/// the statement timeout) on a delivery past the limits (2 deliveries and 1 s here; after a
-/// long outage, any backlog) is retried, not dead-lettered: the step did its work, only
-/// writing it down failed for a while. The run resolves once the lock is gone.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_commit_that_fails_for_a_while_past_the_delivery_limits_is_retried_not_dead_lettered() -> anyhow::Result<()> {
+/// A crew that dead-letters past 1 delivery and 1 s, a run waiting at diagnose, and another
+/// session holding `lock(run)` in a transaction it leaves open (`ROLLBACK` ends it); the crew
+/// then runs every stage with a 1 s statement timeout. Returns the crew, the run, a client
+/// for looking, and the session holding the lock.
+async fn diagnose_meets_a_lock(
+    lock: impl Fn(uuid::Uuid) -> String,
+) -> anyhow::Result<(Crew, uuid::Uuid, tokio_postgres::Client, tokio_postgres::Client)> {
     let env = TestEnv::start().await?;
     let svc = common::marker_service(&env, "svc");
     let text = format!("[stages]\nmax_deliveries = 1\npoison_after_secs = 1\n{svc}");
@@ -630,29 +631,46 @@ async fn a_commit_that_fails_for_a_while_past_the_delivery_limits_is_retried_not
         anyhow::ensure!(Instant::now() < deadline, "the run never reached diagnose");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    // Another session holds the run's row: every commit of diagnose's transition waits out
-    // the statement timeout, delivery after delivery, past both limits.
-    let (mut locker, conn) = tokio_postgres::connect(&crew.cfg.database.url, tokio_postgres::NoTls).await?;
+    let (locker, conn) = tokio_postgres::connect(&crew.cfg.database.url, tokio_postgres::NoTls).await?;
     tokio::spawn(conn);
-    let tx = locker.transaction().await?;
-    tx.execute("SELECT 1 FROM runs WHERE id = $1 FOR UPDATE", &[&run]).await?;
+    locker.batch_execute(&format!("BEGIN; {}", lock(run))).await?;
     crew.shutdown().await?;
     crew.cfg.database.statement_timeout_secs = 1;
     crew.run(&Stage::ALL);
+    Ok((crew, run, db, locker))
+}
+
+/// Wait until three tries have met the lock (a statement naming `named` waiting on it; each
+/// try ends at the statement timeout), or something was dead-lettered, which ends the tries.
+async fn tries_meet_the_lock(crew: &Crew, db: &tokio_postgres::Client, named: &str, never: &str) -> anyhow::Result<()> {
     let deadline = Instant::now() + common::WAIT;
-    let sql = "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE '%UPDATE runs%'";
+    let sql =
+        format!("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE '%{named}%'");
     let mut waits = 0;
-    while waits < 3 {
-        anyhow::ensure!(Instant::now() < deadline, "diagnose never tried to commit");
-        if db.query_one(sql, &[]).await?.get::<_, i64>(0) > 0 {
+    while waits < 3 && crew.dead_letters().await? == 0 {
+        anyhow::ensure!(Instant::now() < deadline, "{never}");
+        if db.query_one(&sql, &[]).await?.get::<_, i64>(0) > 0 {
             waits += 1;
-            // One wait is one try: it ends with the statement timeout.
             tokio::time::sleep(Duration::from_millis(1100)).await;
         } else {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }
-    tx.rollback().await?;
+    Ok(())
+}
+
+/// A step whose commit fails for a passing reason (here: the run's row locked elsewhere, past
+/// the statement timeout) on a delivery past the limits (2 deliveries and 1 s here; after a
+/// long outage, any backlog) is retried, not dead-lettered: the step did its work, only
+/// writing it down failed for a while. The run resolves once the lock is gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_commit_that_fails_for_a_while_past_the_delivery_limits_is_retried_not_dead_lettered() -> anyhow::Result<()> {
+    // Another session holds the run's row: every commit of diagnose's transition waits out
+    // the statement timeout, delivery after delivery, past both limits.
+    let (mut crew, run, db, locker) =
+        diagnose_meets_a_lock(|run| format!("SELECT 1 FROM runs WHERE id = '{run}' FOR UPDATE")).await?;
+    tries_meet_the_lock(&crew, &db, "UPDATE runs", "diagnose never tried to commit").await?;
+    locker.batch_execute("ROLLBACK").await?;
     let end = crew.events.terminal(run, common::WAIT).await?;
     assert_eq!(end.kind, pitcrew_model::EventKind::Resolved, "{}", end.message);
     assert_eq!(crew.dead_letters().await?, 0, "nothing was dead-lettered");
@@ -675,40 +693,11 @@ async fn a_commit_that_fails_for_a_while_past_the_delivery_limits_is_retried_not
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_step_whose_reads_fail_for_a_while_past_the_delivery_limits_is_retried_not_dead_lettered(
 ) -> anyhow::Result<()> {
-    let env = TestEnv::start().await?;
-    let svc = common::marker_service(&env, "svc");
-    let text = format!("[stages]\nmax_deliveries = 1\npoison_after_secs = 1\n{svc}");
-    let before: Vec<Stage> = Stage::ALL.into_iter().filter(|s| *s != Stage::Diagnose).collect();
-    let mut crew = Crew::start_in(env, &text, &before).await?;
-    let run = crew.open("svc", "GET /health: connection refused").await?;
-    let db = crew.db().await?;
-    let deadline = Instant::now() + common::WAIT;
-    while common::count(&db, "SELECT count(*) FROM runs WHERE id = $1 AND stage = 'diagnose'", run).await == 0 {
-        anyhow::ensure!(Instant::now() < deadline, "the run never reached diagnose");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    let (mut locker, conn) = tokio_postgres::connect(&crew.cfg.database.url, tokio_postgres::NoTls).await?;
-    tokio::spawn(conn);
-    let tx = locker.transaction().await?;
-    tx.execute("LOCK TABLE episodes IN ACCESS EXCLUSIVE MODE", &[]).await?;
-    crew.shutdown().await?;
-    crew.cfg.database.statement_timeout_secs = 1;
-    crew.run(&Stage::ALL);
-    let deadline = Instant::now() + common::WAIT;
-    let sql = "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE '%episodes%'";
-    let mut waits = 0;
-    // Three tries, each ending at the statement timeout (or a dead letter, which ends them).
-    while waits < 3 && crew.dead_letters().await? == 0 {
-        anyhow::ensure!(Instant::now() < deadline, "diagnose never read its memory");
-        if db.query_one(sql, &[]).await?.get::<_, i64>(0) > 0 {
-            waits += 1;
-            tokio::time::sleep(Duration::from_millis(1100)).await;
-        } else {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    }
+    let (mut crew, run, db, locker) =
+        diagnose_meets_a_lock(|_| "LOCK TABLE episodes IN ACCESS EXCLUSIVE MODE".into()).await?;
+    tries_meet_the_lock(&crew, &db, "episodes", "diagnose never read its memory").await?;
     assert_eq!(crew.dead_letters().await?, 0, "dead-lettered while its reads timed out");
-    tx.rollback().await?;
+    locker.batch_execute("ROLLBACK").await?;
     let end = crew.events.terminal(run, common::WAIT).await?;
     assert_eq!(end.kind, pitcrew_model::EventKind::Resolved, "{}", end.message);
     assert_eq!(crew.dead_letters().await?, 0, "nothing was dead-lettered");
