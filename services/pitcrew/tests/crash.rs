@@ -913,6 +913,53 @@ async fn a_worker_that_cannot_make_a_consumer_stops_before_any_stage_reads() -> 
     Ok(())
 }
 
+/// Every process of a stage shares its consumer, and the last to start sets its ack wait and
+/// pending limit for all: a process configured apart says so when it changes them (a step
+/// still running in another process would be handed on past the shorter wait), and one
+/// configured alike says nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_that_changes_its_stages_shared_consumer_settings_says_so() -> anyhow::Result<()> {
+    let env = TestEnv::start().await?;
+    let svc = common::marker_service(&env, "svc");
+    let crew = Crew::start_in(env, &svc, &[]).await?;
+    let stages = crew.bus.js.get_stream(crew.bus.subjects.stages_stream()).await?;
+    let said = "changes the settings of a consumer every process of its stage shares";
+    let mut first = crew.spawn_worker("first", &["verify"], &[])?;
+    let deadline = Instant::now() + common::WAIT;
+    while stages.consumer_info("verify").await.is_err() {
+        anyhow::ensure!(Instant::now() < deadline, "the first worker never made its consumer");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // A line of `w`'s log holding `text`, once it has one.
+    let logged = |w: &common::Worker, text: &'static str| {
+        let path = w.log.clone();
+        async move {
+            let deadline = Instant::now() + common::WAIT;
+            loop {
+                let log = std::fs::read_to_string(&path).unwrap_or_default();
+                if let Some(line) = log.lines().find(|l| l.contains(text)) {
+                    return anyhow::Ok(line.to_string());
+                }
+                anyhow::ensure!(Instant::now() < deadline, "never logged `{text}`: {log}");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    };
+    let mut alike = crew.spawn_worker("alike", &["verify"], &[])?;
+    logged(&alike, "crew running").await?;
+    let mut apart = crew.spawn_worker_with("apart", &["verify"], &[], "[stage.verify]\nack_wait_secs = 9\n")?;
+    let line = logged(&apart, said).await?;
+    assert!(line.contains("was_ack_wait_secs=30") && line.contains(" ack_wait_secs=9"), "{line}");
+    let info = stages.consumer_info("verify").await?;
+    assert_eq!(info.config.ack_wait, Duration::from_secs(9), "the last to start set it");
+    for w in [&mut first, &mut alike, &mut apart] {
+        common::stop(w)?;
+    }
+    let alike_log = std::fs::read_to_string(&alike.log)?;
+    assert!(alike_log.contains("verify") && !alike_log.contains(said), "{alike_log}");
+    Ok(())
+}
+
 /// The monitor while NATS is down: a service that goes down then is reported every round
 /// until a publish gets its ack, and every try is one incident (one id), so the copies the
 /// client held and sent once NATS was back are one message on the bus, not a run and its

@@ -380,6 +380,24 @@ impl Bus {
             max_ack_pending: settings.max_ack_pending,
             ..Default::default()
         };
+        // Every process of a stage shares the consumer, and the last to make it sets it: a
+        // process configured apart from the others changes their ack wait too (a step still
+        // running elsewhere would be handed to another worker past the shorter one). Said,
+        // so the difference is found and the processes configured alike.
+        if let Ok(was) = st.consumer_info(name).await.map(|i| i.config) {
+            if was.ack_wait != config.ack_wait || was.max_ack_pending != config.max_ack_pending {
+                tracing::warn!(
+                    consumer = name,
+                    stream,
+                    ack_wait_secs = config.ack_wait.as_secs_f64(),
+                    was_ack_wait_secs = was.ack_wait.as_secs_f64(),
+                    max_ack_pending = config.max_ack_pending,
+                    was_max_ack_pending = was.max_ack_pending,
+                    "this process changes the settings of a consumer every process of its stage shares: \
+                     configure them alike"
+                );
+            }
+        }
         let mut last = String::new();
         for _ in 0..3 {
             match st.create_consumer(config.clone()).await {
