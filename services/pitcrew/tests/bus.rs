@@ -911,6 +911,35 @@ async fn a_step_redelivered_after_its_commit_with_another_answer_keeps_the_commi
     crew.shutdown().await
 }
 
+/// The approval step delivered again after its commit landed, parking this time where the
+/// first delivery went on to execute (two processes of the stage with different policies,
+/// one of them mid-change): the committed transition stands and is sent on (its publish
+/// failed here). The redelivery's refused park was taken as stale, and the run sat at
+/// execute with no message to move it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_approval_step_that_parks_after_another_delivery_went_on_sends_that_one_on() -> anyhow::Result<()> {
+    use pitcrew_model::{Plan, RunState};
+    use pitcrew_runtime::store::RunStatus;
+    use pitcrew_runtime::Transition;
+    let (mut crew, deps, mut state) = run_at(Stage::Approval).await?;
+    state.plan =
+        Some(Plan { attempt: 1, commands: vec!["kill -9 42".into()], rationale: String::new(), source: "p".into() });
+    let mut first = state.clone();
+    first.advance(Stage::Execute);
+    assert!(crew.store.commit_transition_with(&first, RunStatus::Open, &[], vec![]).await?);
+    let req = pitcrew_approval::gate::request(&state, "local", "kill-9", "SIGKILL loses state", 600, 1);
+    pitcrew_runtime::runner::apply(&crew.bus, &deps, state.clone(), Transition::Park(Box::new(req)), vec![], vec![])
+        .await?;
+    let db = crew.db().await?;
+    let row = db.query_one("SELECT stage, status FROM runs WHERE id = $1", &[&state.run_id]).await?;
+    assert_eq!((row.get::<_, String>(0), row.get::<_, String>(1)), ("execute".into(), "open".into()));
+    let stream = crew.bus.js.get_stream(crew.bus.subjects.stages_stream()).await?;
+    let sent = stream.get_last_raw_message_by_subject(&crew.bus.subjects.stage(Stage::Execute)).await?;
+    let sent: RunState = pitcrew_model::codec::decode(Some(MSGPACK), &sent.payload)?;
+    assert_eq!((sent.run_id, sent.seq, sent.step), (state.run_id, first.seq, Stage::Execute), "sent on");
+    crew.shutdown().await
+}
+
 /// During a rolling upgrade a worker may pull a run state a newer worker wrote: it leaves it
 /// for one (no dead letter, no escalation of a healthy run), whether the newer layout still
 /// decodes or not.

@@ -531,7 +531,9 @@ pub async fn apply(
             state.seq += 1;
             store.request_approval(&req).await?;
             if !store.commit_transition_with(&state, RunStatus::WaitingApproval, &events, records).await? {
-                return stale(state.run_id);
+                // An earlier delivery of this step went on without approval (another process,
+                // its policy not this one's) and its publish failed: send that on.
+                return resend_committed(bus, deps, &state, from).await;
             }
             // The request first, then the events: whoever sees `approval_requested` (an
             // operator, `pitcrew watch`, the demo) finds the request on the bridge subject.
