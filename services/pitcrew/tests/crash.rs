@@ -429,17 +429,18 @@ async fn cut_by_the_drain(secs: &str) -> anyhow::Result<(Crew, Worker, uuid::Uui
     Ok((crew, w0, run, db))
 }
 
-/// Wait (up to 30 s) until `w`'s log holds `line`, failing if `w` exits first.
-async fn logged(w: &mut Worker, line: &str) -> anyhow::Result<()> {
+/// Wait (up to 60 s) until `w`'s log holds `text`, failing if `w` exits first; the first line
+/// holding it.
+async fn logged(w: &mut Worker, text: &str) -> anyhow::Result<String> {
     let started = Instant::now();
     loop {
         let log = std::fs::read_to_string(&w.log)?;
-        if log.contains(line) {
-            return Ok(());
+        if let Some(line) = log.lines().find(|l| l.contains(text)) {
+            return Ok(line.to_string());
         }
         anyhow::ensure!(w.child.try_wait()?.is_none(), "the worker exited: {log}");
         // Start-up tries are up to 15 s apart.
-        anyhow::ensure!(started.elapsed() < Duration::from_secs(60), "no {line:?} in 60 s: {log}");
+        anyhow::ensure!(started.elapsed() < Duration::from_secs(60), "no {text:?} in 60 s: {log}");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
@@ -925,30 +926,11 @@ async fn a_worker_that_changes_its_stages_shared_consumer_settings_says_so() -> 
     let stages = crew.bus.js.get_stream(crew.bus.subjects.stages_stream()).await?;
     let said = "changes the settings of a consumer every process of its stage shares";
     let mut first = crew.spawn_worker("first", &["verify"], &[])?;
-    let deadline = Instant::now() + common::WAIT;
-    while stages.consumer_info("verify").await.is_err() {
-        anyhow::ensure!(Instant::now() < deadline, "the first worker never made its consumer");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    // A line of `w`'s log holding `text`, once it has one.
-    let logged = |w: &common::Worker, text: &'static str| {
-        let path = w.log.clone();
-        async move {
-            let deadline = Instant::now() + common::WAIT;
-            loop {
-                let log = std::fs::read_to_string(&path).unwrap_or_default();
-                if let Some(line) = log.lines().find(|l| l.contains(text)) {
-                    return anyhow::Ok(line.to_string());
-                }
-                anyhow::ensure!(Instant::now() < deadline, "never logged `{text}`: {log}");
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-        }
-    };
+    logged(&mut first, "crew running").await?;
     let mut alike = crew.spawn_worker("alike", &["verify"], &[])?;
-    logged(&alike, "crew running").await?;
+    logged(&mut alike, "crew running").await?;
     let mut apart = crew.spawn_worker_with("apart", &["verify"], &[], "[stage.verify]\nack_wait_secs = 9\n")?;
-    let line = logged(&apart, said).await?;
+    let line = logged(&mut apart, said).await?;
     assert!(line.contains("was_ack_wait_secs=30") && line.contains(" ack_wait_secs=9"), "{line}");
     let info = stages.consumer_info("verify").await?;
     assert_eq!(info.config.ack_wait, Duration::from_secs(9), "the last to start set it");

@@ -1,11 +1,11 @@
 //! The ssh executor: commands on inventory hosts over OpenSSH (the `openssh` crate, native
 //! multiplexing). One master connection per host, reused by every command and stage,
 //! re-established when it drops, and closed by itself after the host's idle time (so a
-//! worker killed outright leaves no login behind on its hosts for good); host keys checked against known_hosts (accepting an unknown
-//! key is a per-host opt-in); argv quoted so the command policy approved is the command that
-//! runs; `sudo` always non-interactive; a deadline enforced on the remote side; at most the
-//! host's `max_sessions` commands on it at once (sshd refuses channels past its own
-//! `MaxSessions`), the rest waiting their turn.
+//! worker killed outright leaves no login behind on its hosts for good); host keys checked
+//! against known_hosts (accepting an unknown key is a per-host opt-in); argv quoted so the
+//! command policy approved is the command that runs; `sudo` always non-interactive; a
+//! deadline enforced on the remote side; at most the host's `max_sessions` commands on it at
+//! once (sshd refuses channels past its own `MaxSessions`), the rest waiting their turn.
 
 use crate::local::read_capped;
 use crate::{CommandOutput, ExecError};

@@ -188,10 +188,9 @@ const READ_ONLY_OPTIONS: &[(&str, &[&str])] = &[
 /// Wrapper options that name a file the wrapper writes (`time -o FILE`, `--output=FILE`).
 const OUTPUT_OPTIONS: &[(&str, &[&str])] = &[("time", &["-o", "--output"])];
 
-/// Leading `VAR=value` that keep a command read-only: `LD_PRELOAD=`, `PATH=`, `PAGER=` and
+/// Variables whose setting keeps a command read-only: `LD_PRELOAD=`, `PATH=`, `PAGER=` and
 /// the like change what runs.
-pub(crate) fn read_only_assignment(word: &str) -> bool {
-    let name = word.split('=').next().unwrap_or(word);
+pub(crate) fn read_only_assignment(name: &str) -> bool {
     matches!(name, "LANG" | "LANGUAGE" | "TZ") || name.starts_with("LC_")
 }
 
@@ -351,12 +350,11 @@ pub(crate) fn unwrap(argv: &[String]) -> Unwrapped {
     let mut a_tail = true;
     loop {
         let skip = rest.iter().take_while(|w| is_assignment(w)).count();
-        if let Some(a) = rest[..skip].iter().find(|a| !read_only_assignment(a)) {
-            let name = a.split('=').next().unwrap_or(a);
+        let names: Vec<String> = rest.drain(..skip).map(|a| a.split('=').next().unwrap_or(&a).to_string()).collect();
+        if let Some(name) = names.iter().find(|n| !read_only_assignment(n)) {
             out.not_read_only.get_or_insert_with(|| format!("`{name}=` changes what the program does"));
         }
-        out.assignments.extend(rest[..skip].iter().map(|a| a.split('=').next().unwrap_or(a).to_string()));
-        rest.drain(..skip);
+        out.assignments.extend(names);
         let Some(first) = rest.first() else { break };
         let Some(w) = WRAPPERS.iter().find(|w| w.name == basename(first)) else {
             break;

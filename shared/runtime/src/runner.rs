@@ -712,11 +712,12 @@ pub async fn dead_letter(
     let mut headers = HeaderMap::new();
     let mut kept = 0;
     if let Some(h) = &msg.headers {
-        let copied = h.iter().filter(|(k, _)| !AsRef::<str>::as_ref(*k).to_ascii_lowercase().starts_with("nats-"));
-        let size: usize = copied
-            .clone()
-            .map(|(k, vs)| vs.iter().map(|v| AsRef::<str>::as_ref(k).len() + v.as_str().len() + 4).sum::<usize>())
-            .sum();
+        fn name(k: &async_nats::HeaderName) -> &str {
+            k.as_ref()
+        }
+        let copied = h.iter().filter(|(k, _)| !name(k).get(..5).is_some_and(|p| p.eq_ignore_ascii_case("nats-")));
+        let size: usize =
+            copied.clone().map(|(k, vs)| vs.iter().map(|v| name(k).len() + v.as_str().len() + 4).sum::<usize>()).sum();
         if size <= DLQ_KEPT_HEADERS {
             for (k, vs) in copied {
                 for v in vs {
