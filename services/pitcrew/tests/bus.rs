@@ -937,6 +937,65 @@ async fn an_approval_step_that_parks_after_another_delivery_went_on_sends_that_o
     let sent = stream.get_last_raw_message_by_subject(&crew.bus.subjects.stage(Stage::Execute)).await?;
     let sent: RunState = pitcrew_model::codec::decode(Some(MSGPACK), &sent.payload)?;
     assert_eq!((sent.run_id, sent.seq, sent.step), (state.run_id, first.seq, Stage::Execute), "sent on");
+    let requests: i64 =
+        db.query_one("SELECT count(*) FROM approvals WHERE run_id = $1", &[&state.run_id]).await?.get(0);
+    assert_eq!(requests, 0, "the refused park leaves no pending request behind");
+    crew.shutdown().await
+}
+
+/// The other order: the first delivery of the approval step parked the run (committed, then
+/// its request's publish failed), and a redelivery, in a process whose policy lets the plan
+/// run, would go on. The park stands, and its request is sent again: it was taken as stale,
+/// and the request never reached the approvers; the run waited until its approval expired.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_approval_step_that_goes_on_after_another_delivery_parked_sends_that_request() -> anyhow::Result<()> {
+    use pitcrew_model::{ApprovalRequest, Plan, RunEvent};
+    use pitcrew_runtime::store::{Record, RunStatus};
+    use pitcrew_runtime::Transition;
+    let (mut crew, deps, mut state) = run_at(Stage::Approval).await?;
+    state.plan =
+        Some(Plan { attempt: 1, commands: vec!["kill -9 42".into()], rationale: String::new(), source: "p".into() });
+    let req = pitcrew_approval::gate::request(&state, "local", "kill-9", "SIGKILL loses state", 600, 1);
+    let asked = RunEvent {
+        run_id: state.run_id,
+        seq: state.seq,
+        index: 0,
+        stage: Stage::Approval,
+        kind: EventKind::ApprovalRequested,
+        message: format!("waiting for approval of plan {}", req.plan_hash),
+        data: serde_json::to_value(&req)?,
+        worker: "test".into(),
+        at: chrono::Utc::now(),
+    };
+    let mut parked = state.clone();
+    parked.seq += 1;
+    let records = vec![Record::Approval(Box::new(req.clone()))];
+    assert!(
+        crew.store
+            .commit_transition_with(&parked, RunStatus::WaitingApproval, std::slice::from_ref(&asked), records)
+            .await?
+    );
+    // The redelivery goes on, twice (a second redelivery sends nothing twice).
+    for _ in 0..2 {
+        pitcrew_runtime::runner::apply(&crew.bus, &deps, state.clone(), Transition::To(Stage::Execute), vec![], vec![])
+            .await?;
+    }
+    let db = crew.db().await?;
+    let row = db.query_one("SELECT stage, status FROM runs WHERE id = $1", &[&state.run_id]).await?;
+    assert_eq!((row.get::<_, String>(0), row.get::<_, String>(1)), ("approval".into(), "waiting_approval".into()));
+    let subject = crew.bus.subjects.approval_requested(state.run_id);
+    let mut approvals = crew.bus.js.get_stream(crew.bus.subjects.approvals_stream()).await?;
+    let sent = approvals.get_last_raw_message_by_subject(&subject).await?;
+    let sent: ApprovalRequest = serde_json::from_slice(&sent.payload)?;
+    assert_eq!((sent.run_id, &sent.plan_hash, sent.attempt), (req.run_id, &req.plan_hash, req.attempt), "the request");
+    assert_eq!(approvals.info().await?.state.messages, 1, "sent once");
+    let events = crew.bus.js.get_stream(crew.bus.subjects.events_stream()).await?;
+    let told =
+        events.get_last_raw_message_by_subject(&crew.bus.subjects.event(state.run_id, "approval_requested")).await?;
+    assert!(!told.payload.is_empty(), "its event went out");
+    let stages = crew.bus.js.get_stream(crew.bus.subjects.stages_stream()).await?;
+    let execute = stages.get_last_raw_message_by_subject(&crew.bus.subjects.stage(Stage::Execute)).await;
+    assert!(execute.is_err(), "nothing went on to execute");
     crew.shutdown().await
 }
 

@@ -776,7 +776,8 @@ async fn the_same_plan_asked_for_again_by_a_later_attempt_waits_for_a_new_decisi
     use pitcrew_runtime::store::DecideOutcome;
     let db = TestDb::create().await?;
     let store = store(&db).await?;
-    let run = open_runs(&store, 1).await?.remove(0).run_id;
+    let mut state = open_runs(&store, 1).await?.remove(0);
+    let run = state.run_id;
     let request = |attempt: u32, quorum: u32| pitcrew_model::ApprovalRequest {
         run_id: run,
         service: "svc-0".into(),
@@ -802,16 +803,28 @@ async fn the_same_plan_asked_for_again_by_a_later_attempt_waits_for_a_new_decisi
         channel: "cli".into(),
         decided_at: Utc::now(),
     };
-    store.request_approval(&request(1, 2)).await?;
+    // Each request is written with the park that waits for it.
+    let park = |state: &RunState, req: pitcrew_model::ApprovalRequest| {
+        let state = state.clone();
+        let store = &store;
+        async move {
+            let records = vec![Record::Approval(Box::new(req))];
+            store.commit_transition_with(&state, RunStatus::WaitingApproval, &[], records).await
+        }
+    };
+    state.seq += 1;
+    assert!(park(&state, request(1, 2)).await?, "parked");
     assert_eq!(store.vote(run, "h1", "ann", "cli", 4).await?, Some((1, 2)));
     assert_eq!(store.vote(run, "h1", "bob", "cli", 5).await?, Some((2, 2)));
     assert_eq!(store.decide_approval("h1", &approve("bob"), 5).await?, DecideOutcome::Applied);
-    // Attempt 1's request again (a redelivery of its step): still decided.
-    store.request_approval(&request(1, 2)).await?;
+    // Attempt 1's request again (a redelivery of its step, which parks again): still decided.
+    assert!(park(&state, request(1, 2)).await?, "parked again");
     assert_eq!(store.decide_approval("h1", &approve("bob"), 5).await?, DecideOutcome::Repeated);
 
     // Attempt 2 plans the same commands: pending again, and what decided attempt 1 does not.
-    store.request_approval(&request(2, 2)).await?;
+    state.attempt = 2;
+    state.seq += 1;
+    assert!(park(&state, request(2, 2)).await?, "parked in attempt 2");
     let pending = store.approval_decision(run, "h1").await?;
     assert!(pending.is_none(), "the request waits for a decision: {pending:?}");
     assert_eq!(store.vote(run, "h1", "ann", "cli", 4).await?, None, "a vote from before counts for nothing");

@@ -434,6 +434,13 @@ impl Bus {
         Ok(last.is_some_and(|last| last.headers.get(NATS_MESSAGE_ID).is_some_and(|id| id.as_str() == event.msg_id())))
     }
 
+    /// Whether the last approval request of `run` on the bus has the message id `id`: a
+    /// request sent again past the stream's duplicate window would show twice to approvers.
+    pub async fn holds_request(&self, id: &str, run: uuid::Uuid) -> Result<bool, BusError> {
+        let last = self.last_on(&self.subjects.approvals_stream(), &self.subjects.approval_requested(run)).await?;
+        Ok(last.is_some_and(|last| last.headers.get(NATS_MESSAGE_ID).is_some_and(|held| held.as_str() == id)))
+    }
+
     /// Publish an incident (JSON) on `incidents.new`, its id as the message id and the run
     /// header, and wait for the stream's ack; returns the id (the run's id). The one way the
     /// monitor, the gateway, the CLI and the load tool open an incident.

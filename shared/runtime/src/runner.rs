@@ -12,7 +12,7 @@ use async_nats::jetstream;
 use futures::future::BoxFuture;
 use futures::FutureExt;
 use pitcrew_model::codec::{self, CONTENT_TYPE, JSON, MSGPACK};
-use pitcrew_model::{EventKind, Incident, Outcome, RunEvent, RunState, Stage, RUN_STATE_VERSION};
+use pitcrew_model::{ApprovalRequest, EventKind, Incident, Outcome, RunEvent, RunState, Stage, RUN_STATE_VERSION};
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use tracing::Instrument;
@@ -529,7 +529,9 @@ pub async fn apply(
         }
         Transition::Park(req) => {
             state.seq += 1;
-            store.request_approval(&req).await?;
+            let mut records = records;
+            // The request's row is written with the park, or not at all.
+            records.push(Record::Approval(req.clone()));
             if !store.commit_transition_with(&state, RunStatus::WaitingApproval, &events, records).await? {
                 // An earlier delivery of this step went on without approval (another process,
                 // its policy not this one's) and its publish failed: send that on.
@@ -537,12 +539,7 @@ pub async fn apply(
             }
             // The request first, then the events: whoever sees `approval_requested` (an
             // operator, `pitcrew watch`, the demo) finds the request on the bridge subject.
-            let payload = serde_json::to_vec(&req).expect("approval request serialises");
-            // The attempt in the id: the same plan asked for again by a later attempt is a new
-            // request, not a duplicate the bus drops.
-            let id = format!("{}.{}.{}.request", req.run_id, req.plan_hash, req.attempt);
-            bus.publish(bus.subjects.approval_requested(req.run_id), &id, JSON, Some(req.run_id), payload.into())
-                .await?;
+            publish_request(bus, &req).await?;
             publish_events(bus, &events).await?;
         }
         Transition::Done(outcome) => {
@@ -622,8 +619,10 @@ fn within_limit(state: &mut RunState) -> Vec<u8> {
 /// failed after its commit, and nothing else would move the run or tell its followers (the
 /// bus drops them as duplicates if they did land). The store never takes a second open
 /// transition of a step at the same seq: the run's row would then say one thing while the
-/// message in flight, the first, said another. Anything else is a stale delivery:
-/// nothing to do. `from`: the step and seq the refused transition left.
+/// message in flight, the first, said another. When the earlier delivery parked the run for
+/// approval instead (the approval step in processes whose policies differ), its request and
+/// events are sent on the same way. Anything else is a stale delivery: nothing to do.
+/// `from`: the step and seq the refused transition left.
 async fn resend_committed(bus: &Bus, deps: &Deps, refused: &RunState, from: (Stage, u32)) -> Result<(), ApplyError> {
     let stored = deps.store.load_run(refused.run_id).await?;
     match stored {
@@ -635,9 +634,54 @@ async fn resend_committed(bus: &Bus, deps: &Deps, refused: &RunState, from: (Sta
             let events = deps.store.step_events(refused.run_id, from.1, from.0).await?;
             publish_batch(bus, &events, Some(&run.state)).await?;
         }
+        Some(run)
+            if run.status == RunStatus::WaitingApproval && run.state.seq == refused.seq && run.state.step == from.0 =>
+        {
+            // An earlier delivery parked the run (another process, its policy not this one's):
+            // the park stands. Its request and events are sent again from what it stored,
+            // unless they reached the bus (the request goes first, its event last): that
+            // delivery's publish may have failed after its commit.
+            let events = deps.store.step_events(refused.run_id, from.1, from.0).await?;
+            let Some(asked) = events.iter().find(|e| e.kind == EventKind::ApprovalRequested) else {
+                tracing::warn!(run = %refused.run_id, "the run is parked, but its step stored no request to send again");
+                return Ok(());
+            };
+            if bus.holds_event(asked).await? {
+                tracing::info!(run = %refused.run_id, "stale delivery: the run is parked for approval; dropping it");
+                return Ok(());
+            }
+            tracing::info!(
+                run = %refused.run_id, refused = %refused.step,
+                "an earlier delivery of this step parked the run for approval: sending its request on"
+            );
+            match serde_json::from_value::<ApprovalRequest>(asked.data.clone()) {
+                Ok(req) => {
+                    if !bus.holds_request(&request_id(&req), req.run_id).await? {
+                        publish_request(bus, &req).await?;
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(run = %refused.run_id, error = %e, "the parked step's request cannot be read back: not sent again")
+                }
+            }
+            publish_events(bus, &events).await?;
+        }
         _ => tracing::info!(run = %refused.run_id, "stale delivery: the run has moved on; dropping it"),
     }
     Ok(())
+}
+
+/// An approval request's message id. The attempt is in it: the same plan asked for again by
+/// a later attempt is a new request, not a duplicate the bus drops.
+fn request_id(req: &ApprovalRequest) -> String {
+    format!("{}.{}.{}.request", req.run_id, req.plan_hash, req.attempt)
+}
+
+/// Publish an approval request on the bridge subject.
+async fn publish_request(bus: &Bus, req: &ApprovalRequest) -> Result<(), BusError> {
+    let payload = serde_json::to_vec(req).expect("approval request serialises");
+    bus.publish(bus.subjects.approval_requested(req.run_id), &request_id(req), JSON, Some(req.run_id), payload.into())
+        .await
 }
 
 /// Publish a state to the stage it is addressed to.

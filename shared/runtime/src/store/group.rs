@@ -296,6 +296,26 @@ const LLM_USAGE: &str = ",
              prompt_tokens = excluded.prompt_tokens, completion_tokens = excluded.completion_tokens,
              at = now())";
 
+/// Approval requests, written with the park that waits for them (see `Record::Approval`).
+const APPROVALS: &str = ",
+     req AS (
+         INSERT INTO approvals (run_id, plan_hash, attempt, commands, risk, rule, requested_at, expires_at, quorum)
+         SELECT a.run_id, a.plan_hash, a.attempt, ARRAY(SELECT jsonb_array_elements_text(a.commands)), a.risk,
+                a.rule, a.requested_at, a.expires_at, a.quorum
+         FROM unnest($?::int8[], $?::uuid[], $?::text[], $?::int4[], $?::jsonb[], $?::text[], $?::text[],
+                     $?::timestamptz[], $?::timestamptz[], $?::int4[])
+              AS a(item, run_id, plan_hash, attempt, commands, risk, rule, requested_at, expires_at, quorum)
+         WHERE a.item IN (SELECT item FROM upd)
+         ON CONFLICT (run_id, plan_hash) DO UPDATE SET
+             attempt = excluded.attempt, commands = excluded.commands, risk = excluded.risk,
+             rule = excluded.rule, requested_at = excluded.requested_at, expires_at = excluded.expires_at,
+             quorum = excluded.quorum, decision = NULL, decided_by = NULL, decided_at = NULL,
+             channel = NULL, reason = NULL
+         WHERE approvals.attempt < excluded.attempt
+         RETURNING run_id, plan_hash),
+     unvote AS (
+         DELETE FROM approval_votes v USING req WHERE v.run_id = req.run_id AND v.plan_hash = req.plan_hash)";
+
 type Param<'p> = &'p (dyn tokio_postgres::types::ToSql + Sync);
 
 /// Append `part` to `sql`, numbering its `$?` placeholders after those already there, one
@@ -330,7 +350,7 @@ async fn statement(pool: &Pool, batch: &[Pending]) -> Result<HashSet<i64>, Store
     let r = RecordColumns::of(batch);
 
     let mut sql = String::with_capacity(4096);
-    let mut params: Vec<Param<'_>> = Vec::with_capacity(44);
+    let mut params: Vec<Param<'_>> = Vec::with_capacity(54);
     append(
         &mut sql,
         TRANSITIONS,
@@ -397,6 +417,21 @@ async fn statement(pool: &Pool, batch: &[Pending]) -> Result<HashSet<i64>, Store
         ];
         append(&mut sql, LLM_USAGE, &mut params, &values);
     }
+    if !r.req_item.is_empty() {
+        let values: [Param<'_>; 10] = [
+            &r.req_item,
+            &r.req_run,
+            &r.req_hash,
+            &r.req_attempt,
+            &r.req_commands,
+            &r.req_risk,
+            &r.req_rule,
+            &r.req_requested,
+            &r.req_expires,
+            &r.req_quorum,
+        ];
+        append(&mut sql, APPROVALS, &mut params, &values);
+    }
     sql.push_str("\n     SELECT item FROM upd");
     let stmt = client.prepare_cached(&sql).await?;
     let rows = client.query(&stmt, &params).await?;
@@ -433,6 +468,16 @@ struct RecordColumns<'b> {
     llm_calls: Vec<i32>,
     llm_prompt: Vec<i64>,
     llm_completion: Vec<i64>,
+    req_item: Vec<i64>,
+    req_run: Vec<Uuid>,
+    req_hash: Vec<&'b str>,
+    req_attempt: Vec<i32>,
+    req_commands: Vec<serde_json::Value>,
+    req_risk: Vec<&'b str>,
+    req_rule: Vec<&'b str>,
+    req_requested: Vec<chrono::DateTime<chrono::Utc>>,
+    req_expires: Vec<chrono::DateTime<chrono::Utc>>,
+    req_quorum: Vec<i32>,
 }
 
 impl<'b> RecordColumns<'b> {
@@ -474,6 +519,18 @@ impl<'b> RecordColumns<'b> {
                         c.llm_calls.push(usage.calls as i32);
                         c.llm_prompt.push(usage.prompt_tokens as i64);
                         c.llm_completion.push(usage.completion_tokens as i64);
+                    }
+                    Record::Approval(req) => {
+                        c.req_item.push(item);
+                        c.req_run.push(req.run_id);
+                        c.req_hash.push(&req.plan_hash);
+                        c.req_attempt.push(req.attempt as i32);
+                        c.req_commands.push(serde_json::json!(req.plan));
+                        c.req_risk.push(&req.risk);
+                        c.req_rule.push(&req.rule);
+                        c.req_requested.push(req.requested_at);
+                        c.req_expires.push(req.expires_at);
+                        c.req_quorum.push(req.quorum as i32);
                     }
                 }
             }

@@ -27,6 +27,14 @@ pub enum Record {
     /// Tokens the reasoning provider used for a stage of the run; keyed by the run state's
     /// seq, so a redelivered step overwrites its row rather than counting twice.
     LlmUsage { run: Uuid, seq: u32, stage: &'static str, attempt: u32, usage: pitcrew_llm::Usage },
+    /// A request for a human's decision on the run's plan, written with the park that waits
+    /// for it: a park the store refuses (the run went on from another delivery) leaves no
+    /// pending request behind. The same plan asked for again by a later attempt (its commands
+    /// all skipped the first time, so none failed) is a new request: the earlier attempt's
+    /// decision and votes are dropped, and the sequence of the decision that settled it is
+    /// kept as a floor, so no decision message from before (a redelivery) settles the new
+    /// one. A redelivery of the same attempt's request changes nothing.
+    Approval(Box<ApprovalRequest>),
 }
 
 /// One attempt remembered: what ran for which error, and whether it worked.
@@ -167,48 +175,6 @@ impl Store {
         })
     }
 
-    /// Record a request for the run's plan. The same plan asked for again by a later attempt
-    /// (its commands all skipped the first time, so none failed) is a new request: the earlier
-    /// attempt's decision and votes are dropped, and the sequence of the decision that settled
-    /// it is kept as a floor, so no decision message from before (a redelivery) settles the new
-    /// one. A redelivery of the same attempt's request changes nothing.
-    #[tracing::instrument(name = "db_write", skip_all, fields(op = "request_approval"))]
-    pub async fn request_approval(&self, req: &ApprovalRequest) -> Result<(), StoreError> {
-        let client = self.client().await?;
-        let stmt = client
-            .prepare_cached(
-                "WITH req AS (
-                     INSERT INTO approvals (run_id, plan_hash, attempt, commands, risk, rule, requested_at, expires_at, quorum)
-                     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)
-                     ON CONFLICT (run_id, plan_hash) DO UPDATE SET
-                         attempt = excluded.attempt, commands = excluded.commands, risk = excluded.risk,
-                         rule = excluded.rule, requested_at = excluded.requested_at, expires_at = excluded.expires_at,
-                         quorum = excluded.quorum, decision = NULL, decided_by = NULL, decided_at = NULL,
-                         channel = NULL, reason = NULL
-                     WHERE approvals.attempt < excluded.attempt
-                     RETURNING 1)
-                 DELETE FROM approval_votes WHERE run_id = $1 AND plan_hash = $2 AND EXISTS (SELECT 1 FROM req)",
-            )
-            .await?;
-        client
-            .execute(
-                &stmt,
-                &[
-                    &req.run_id,
-                    &req.plan_hash,
-                    &(req.attempt as i32),
-                    &req.plan,
-                    &req.risk,
-                    &req.rule,
-                    &req.requested_at,
-                    &req.expires_at,
-                    &(req.quorum as i32),
-                ],
-            )
-            .await?;
-        Ok(())
-    }
-
     /// Count `by`'s approval of a pending request that needs a quorum: (distinct approvals so
     /// far, quorum), or None when the request is not pending (decided, or never made). An
     /// approver who already voted is counted once.
@@ -222,7 +188,7 @@ impl Store {
         seq: u64,
     ) -> Result<Option<(i64, i64)>, StoreError> {
         let client = self.client().await?;
-        // A vote from before the request was made again (see `request_approval`) counts for
+        // A vote from before the request was made again (see `Record::Approval`) counts for
         // nothing.
         let quorum = client
             .query_opt(
