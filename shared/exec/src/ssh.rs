@@ -338,8 +338,7 @@ impl SshExecutor {
         };
         session.used();
         let stderr = pitcrew_model::trim::text_within(&err, self.max_output);
-        // `timeout` could not start the program: it does not exist on the host.
-        if stderr.starts_with("timeout: failed to run command") && stderr.contains("No such file or directory") {
+        if not_found(exit_code, &stderr) {
             return Err(ExecError::Spawn { program: argv[0].clone(), error: format!("not found on {host}") });
         }
         Ok(CommandOutput {
@@ -451,6 +450,14 @@ fn connect_error(host: &str, spec: &HostSpec, e: openssh::Error) -> ExecError {
     ExecError::Transient(format!("cannot connect to {host} ({}:{}): {text}", spec.address, spec.port))
 }
 
+/// Whether `timeout` could not start the program because it does not exist on the host: it
+/// exits 127 then (126 when the program cannot be run), its message prefixed with its name.
+/// The prefix is all that may arrive: coreutils writes it apart from the rest of the message,
+/// and a remote command's last stderr has been seen cut after it (`timeout: `).
+fn not_found(exit_code: Option<i32>, stderr: &str) -> bool {
+    exit_code == Some(127) && stderr.starts_with("timeout: ")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -523,6 +530,16 @@ mod tests {
         assert!(expiring(s(595), s(600)), "5 s before a 10-minute limit");
         assert!(!expiring(Duration::from_millis(1400), s(2)));
         assert!(expiring(Duration::from_millis(1500), s(2)), "the last quarter of a short limit");
+    }
+
+    #[test]
+    fn a_program_timeout_cannot_find_is_told_apart_from_one_that_exits_127() {
+        let said = "timeout: failed to run command 'nope': No such file or directory\n";
+        assert!(not_found(Some(127), said));
+        assert!(not_found(Some(127), "timeout: "), "its message cut after the prefix");
+        assert!(!not_found(Some(127), "sh: 1: nope: not found\n"), "the command's own 127");
+        assert!(!not_found(Some(126), "timeout: failed to run command 'x': Permission denied\n"));
+        assert!(!not_found(Some(0), ""));
     }
 
     #[test]
