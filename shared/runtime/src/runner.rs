@@ -539,7 +539,10 @@ pub async fn apply(
             }
             // The request first, then the events: whoever sees `approval_requested` (an
             // operator, `pitcrew watch`, the demo) finds the request on the bridge subject.
-            publish_request(bus, &req).await?;
+            // Not twice: a redelivery past the bus's duplicate window would show it again.
+            if !bus.holds_request(&request_id(&req), req.run_id).await? {
+                publish_request(bus, &req).await?;
+            }
             publish_events(bus, &events).await?;
         }
         Transition::Done(outcome) => {
