@@ -55,6 +55,6 @@ async fn main() -> anyhow::Result<()> {
     println!("wrk -t2 -c32 -d30s --latency -s {} {url}", script.display());
     pitcrew_gateway::serve(gw, listener).await?;
     let mut stream = bus.js.get_stream(bus.subjects.incidents_stream()).await?;
-    println!("incidents published: {}", stream.info().await?.state.messages);
+    println!("incidents published: {}", stream.info().await?.state.last_sequence);
     Ok(())
 }

@@ -1039,6 +1039,91 @@ async fn a_run_state_from_a_newer_worker_is_left_for_one() -> anyhow::Result<()>
     crew.shutdown().await
 }
 
+/// The incidents stream keeps an incident until intake took it, however long that is, and
+/// however many come meanwhile: a full stream refuses the next one (its publisher is told)
+/// rather than delete one not taken yet. A stream an older pitcrew made (kept 7 days, the
+/// oldest dropped when full) is brought to that, with the incidents it holds, unless others
+/// read it too, and so is a new one, which is made with intake's consumer before any intake
+/// process runs: without one, it would keep nothing. A consumer deleted by hand is made again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_incidents_stream_keeps_an_incident_until_intake_took_it() -> anyhow::Result<()> {
+    use async_nats::jetstream::{consumer, stream};
+    use pitcrew_model::Incident;
+    let env = TestEnv::start().await?;
+    let cfg = pitcrew_runtime::Config::from_toml(&env.config_toml(""))?;
+    let bus = pitcrew_runtime::Bus::connect(&cfg).await?;
+    let name = bus.subjects.incidents_stream();
+    bus.js
+        .create_stream(stream::Config {
+            name: name.clone(),
+            subjects: vec![bus.subjects.incidents_new()],
+            retention: stream::RetentionPolicy::Limits,
+            max_age: Duration::from_secs(7 * 86_400),
+            max_bytes: 1 << 30,
+            discard: stream::DiscardPolicy::Old,
+            storage: stream::StorageType::File,
+            ..Default::default()
+        })
+        .await?;
+    let waiting = Incident::new("svc", "published before the upgrade, not taken yet");
+    bus.open_incident(&waiting).await?;
+    bus.ensure_streams().await?;
+    let mut incidents = bus.js.get_stream(&name).await?;
+    let info = incidents.info().await?.clone();
+    assert_eq!(info.config.retention, stream::RetentionPolicy::Interest, "kept while intake wants it");
+    assert_eq!((info.config.discard, info.config.max_age), (stream::DiscardPolicy::New, Duration::ZERO));
+    assert_eq!(info.state.messages, 1, "the incident not taken yet is still there");
+    let mut intake: consumer::PullConsumer =
+        incidents.get_consumer("intake").await.map_err(|e| anyhow::anyhow!("{e}"))?;
+    assert_eq!(intake.info().await?.num_pending, 1, "waiting for intake");
+
+    // Taken: gone from the stream.
+    let mut batch = intake.fetch().max_messages(1).messages().await?;
+    let taken = batch.next().await.expect("the incident").map_err(|e| anyhow::anyhow!("{e}"))?;
+    taken.double_ack().await.map_err(|e| anyhow::anyhow!("{e}"))?;
+    tokio::time::timeout(WAIT, async {
+        while incidents.info().await.map(|i| i.state.messages).unwrap_or(1) > 0 {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await?;
+
+    // A new stream, made with intake's consumer: an incident published before any intake
+    // process ran waits for one.
+    bus.js.delete_stream(&name).await?;
+    bus.ensure_streams().await?;
+    let mut incidents = bus.js.get_stream(&name).await?;
+    assert_eq!(incidents.info().await?.config.retention, stream::RetentionPolicy::Interest);
+    bus.open_incident(&Incident::new("svc", "published before intake ever ran")).await?;
+    assert_eq!(incidents.info().await?.state.messages, 1, "kept for intake");
+
+    // Intake's consumer deleted by hand: the next start makes it again.
+    incidents.delete_consumer("intake").await?;
+    bus.ensure_streams().await?;
+    assert_eq!(incidents.info().await?.state.consumer_count, 1, "made again");
+    bus.open_incident(&Incident::new("svc", "published after")).await?;
+    assert_eq!(incidents.info().await?.state.messages, 1, "kept for intake");
+
+    // A stream that others read too (an operator's own durable consumer) keeps its older
+    // settings: as an interest stream, it would keep every incident until each took it.
+    bus.js.delete_stream(&name).await?;
+    let older = bus
+        .js
+        .create_stream(stream::Config {
+            name: name.clone(),
+            subjects: vec![bus.subjects.incidents_new()],
+            max_age: Duration::from_secs(7 * 86_400),
+            ..Default::default()
+        })
+        .await?;
+    older.create_consumer(consumer::pull::Config { durable_name: Some("audit".into()), ..Default::default() }).await?;
+    bus.ensure_streams().await?;
+    let info = bus.js.get_stream(&name).await?.info().await?.clone();
+    assert_eq!(info.config.retention, stream::RetentionPolicy::Limits, "{info:?}");
+    assert_eq!(info.state.consumer_count, 2, "intake's made beside it");
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stream_made_with_older_settings_takes_the_current_ones() -> anyhow::Result<()> {
     use async_nats::jetstream::stream;

@@ -956,7 +956,7 @@ async fn the_monitor_reports_an_outage_seen_while_nats_is_down_once_and_stops_at
     let mut crew = Crew::start_in(env, &svc, &[]).await?;
     let incidents = || async {
         let mut stream = crew.bus.js.get_stream(crew.bus.subjects.incidents_stream()).await?;
-        anyhow::Ok(stream.info().await?.state.messages)
+        anyhow::Ok(stream.info().await?.state.last_sequence)
     };
     let mut monitor = crew.spawn_process("monitor", &["monitor"], &[("PITCREW_MONITOR__INTERVAL_MS", "200")], "")?;
     logged(&mut monitor, "monitor running").await?;

@@ -607,6 +607,36 @@ async fn each_nats_user_does_its_services_job_and_nothing_more() -> anyhow::Resu
     Ok(())
 }
 
+/// A monitor (or gateway) that starts before any crew ever ran makes the incidents stream but
+/// may not make intake's consumer: the stream keeps every incident until the crew's first
+/// start makes the consumer and turns the stream into one that keeps an incident only until
+/// intake took it. Made that way at once, with no consumer, it would have dropped them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn incidents_opened_before_any_crew_ran_wait_for_it() -> anyhow::Result<()> {
+    use async_nats::jetstream::{consumer::PullConsumer, stream::RetentionPolicy};
+    let env = TestEnv::start().await?;
+    let passwords = passwords();
+    let pw = |user: &str| passwords[&format!("NATS_{}_PASSWORD", user.to_uppercase())].clone();
+    let nats = ConfiguredNats::start(&passwords)?;
+    let monitor = bus_as(&nats, &env.db.url, "monitor", &pw("monitor")).await?;
+    monitor.ensure_streams().await.context("the monitor's streams")?;
+    let incident = pitcrew::cli::incident("svc", "down before the crew ever ran", None, Severity::Critical, None)?;
+    monitor.open_incident(&incident).await.context("the monitor opens an incident")?;
+    let name = monitor.subjects.incidents_stream();
+    let mut incidents = monitor.js.get_stream(&name).await?;
+    let info = incidents.info().await?.clone();
+    assert_eq!((info.config.retention, info.state.messages), (RetentionPolicy::Limits, 1), "kept: {info:?}");
+
+    let crew = bus_as(&nats, &env.db.url, "crew", &pw("crew")).await?;
+    crew.ensure_streams().await.context("the crew's streams")?;
+    let info = incidents.info().await?.clone();
+    assert_eq!((info.config.retention, info.state.messages), (RetentionPolicy::Interest, 1), "still kept: {info:?}");
+    let mut intake: PullConsumer =
+        crew.js.get_stream(&name).await?.get_consumer(Stage::Intake.as_str()).await.map_err(|e| anyhow::anyhow!(e))?;
+    assert_eq!(intake.info().await?.num_pending, 1, "waiting for intake");
+    Ok(())
+}
+
 /// A process whose NATS user may not do what start-up needs (here the monitor under another
 /// prefix than the server's permissions name: it may not make that prefix's streams) stops at
 /// once saying what the server refused: the refused request only times out in the client, and

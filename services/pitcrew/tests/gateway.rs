@@ -348,7 +348,7 @@ async fn every_route_refuses_no_key_and_the_wrong_role_and_admits_the_right_one(
     let (status, body) = api.post("/v1/incidents", "otto", &again).await?;
     assert_eq!((status, &body["outcome"], &body["run_id"]), (StatusCode::OK, &json!("already_received"), &json!(run)));
     let mut incidents = api.crew.bus.js.get_stream(api.crew.bus.subjects.incidents_stream()).await?;
-    assert_eq!(incidents.info().await?.state.messages, 1);
+    assert_eq!(incidents.info().await?.state.last_sequence, 1, "published once");
 
     let doc: Value = serde_json::from_str(pitcrew_gateway::OPENAPI)?;
     let (mut checked, mut heads) = (0, 0);
@@ -714,7 +714,7 @@ async fn malformed_and_oversized_bodies_are_refused_precisely_and_nothing_is_pub
     assert!(err["error"].as_str().unwrap_or_default().contains("investigation mode"), "{err}");
     // Nothing reached the incidents subject.
     let mut stream = api.crew.bus.js.get_stream(api.crew.bus.subjects.incidents_stream()).await?;
-    assert_eq!(stream.info().await?.state.messages, 0, "a refused request published nothing");
+    assert_eq!(stream.info().await?.state.last_sequence, 0, "a refused request published nothing");
     // Every refusal is in the audit trail, the one quoting a NUL too (Postgres takes no NUL).
     let db = api.crew.db().await?;
     let nul: i64 = db
@@ -747,7 +747,7 @@ async fn malformed_and_oversized_bodies_are_refused_precisely_and_nothing_is_pub
     assert_eq!((&body["alerts"][1]["outcome"], &body["alerts"][1]["fingerprint"]), (&json!("refused"), &json!("b2")));
     let why = body["alerts"][1]["error"].as_str().unwrap_or_default();
     assert!(why.contains("alerts[1] (alertname B, fingerprint b2): none of the labels"), "{body}");
-    assert_eq!(stream.info().await?.state.messages, 1, "the good alert, and only it, was published");
+    assert_eq!(stream.info().await?.state.last_sequence, 1, "the good alert, and only it, was published");
     Ok(())
 }
 
@@ -1060,7 +1060,7 @@ async fn a_client_too_slow_with_its_headers_or_its_body_holds_no_connection() ->
     // The gateway serves on, and nothing was published.
     assert_eq!(api.req(reqwest::Method::GET, "/healthz", None).send().await?.status(), StatusCode::OK);
     let mut stream = api.crew.bus.js.get_stream(api.crew.bus.subjects.incidents_stream()).await?;
-    assert_eq!(stream.info().await?.state.messages, 0);
+    assert_eq!(stream.info().await?.state.last_sequence, 0, "nothing published");
     Ok(())
 }
 

@@ -163,6 +163,23 @@ pub struct Bus {
     /// The last permissions violation the server reported on this connection: async-nats
     /// surfaces it only as an event, and the request it refused just times out.
     refused: Arc<Mutex<Option<String>>>,
+    /// Intake's consumer settings, for the consumer `ensure_streams` makes before any intake
+    /// process runs (the incidents stream keeps an incident only while a consumer wants it).
+    intake: StageSettings,
+}
+
+/// A stage's durable pull consumer, shared by every process that runs it.
+fn pull_config(name: &str, filter: String, settings: StageSettings) -> consumer::pull::Config {
+    consumer::pull::Config {
+        durable_name: Some(name.to_string()),
+        filter_subject: filter,
+        ack_policy: consumer::AckPolicy::Explicit,
+        ack_wait: settings.ack_wait,
+        // The runner dead-letters itself after `max_deliveries`: the server never drops.
+        max_deliver: -1,
+        max_ack_pending: settings.max_ack_pending,
+        ..Default::default()
+    }
 }
 
 /// Whether a stream's settings differ from the ones pitcrew manages.
@@ -173,6 +190,7 @@ fn differs(old: &stream::Config, new: &stream::Config) -> bool {
         || old.max_message_size != new.max_message_size
         || old.duplicate_window != new.duplicate_window
         || old.discard != new.discard
+        || old.retention != new.retention
 }
 
 impl Bus {
@@ -232,7 +250,7 @@ impl Bus {
             .map_err(|_| err("no answer within the connect timeout".into()))?
             .map_err(|e| err(e.to_string()))?;
         let js = jetstream::new(client.clone());
-        Ok(Bus { client, js, subjects: Subjects::new(&cfg.prefix), refused })
+        Ok(Bus { client, js, subjects: Subjects::new(&cfg.prefix), refused, intake: cfg.stage_settings(Stage::Intake) })
     }
 
     /// Write out what the client still holds (acks, naks, publishes) before the process
@@ -258,9 +276,11 @@ impl Bus {
         let s = &self.subjects;
         let day = Duration::from_secs(86_400);
         let streams = [
-            (s.incidents_stream(), s.incidents_new(), stream::RetentionPolicy::Limits, 7 * day, 1 << 30),
             // Work in flight never expires: a full stream refuses new work (discard new)
-            // instead of deleting runs' pending messages.
+            // instead of deleting runs' pending messages, or incidents not taken yet (its
+            // publisher is told, and tries again). An incident leaves its stream once intake
+            // took it (interest: every consumer of the stream acknowledged it).
+            (s.incidents_stream(), s.incidents_new(), stream::RetentionPolicy::Interest, Duration::ZERO, 1 << 30),
             (s.stages_stream(), s.stages_all(), stream::RetentionPolicy::WorkQueue, Duration::ZERO, 4 << 30),
             (s.approvals_stream(), s.approvals_all(), stream::RetentionPolicy::Limits, 90 * day, 1 << 30),
             (s.events_stream(), s.events_all(), stream::RetentionPolicy::Limits, 7 * day, 4 << 30),
@@ -276,12 +296,25 @@ impl Bus {
                 max_message_size: MAX_MESSAGE as i32,
                 duplicate_window: Duration::from_secs(120),
                 storage: stream::StorageType::File,
-                discard: if retention == stream::RetentionPolicy::WorkQueue {
-                    stream::DiscardPolicy::New
-                } else {
+                discard: if retention == stream::RetentionPolicy::Limits {
                     stream::DiscardPolicy::Old
+                } else {
+                    stream::DiscardPolicy::New
                 },
                 ..Default::default()
+            };
+            // An interest stream keeps a message only for the consumers it has when the
+            // message comes: made without intake's, it would drop every incident published
+            // before an intake process first ran. It is made as an older pitcrew made it,
+            // and turned into one once that consumer is made (below).
+            let first = match retention {
+                stream::RetentionPolicy::Interest => stream::Config {
+                    retention: stream::RetentionPolicy::Limits,
+                    max_age: 7 * day,
+                    discard: stream::DiscardPolicy::Old,
+                    ..config.clone()
+                },
+                _ => config.clone(),
             };
             let mut last = None;
             let mut found = None;
@@ -293,10 +326,10 @@ impl Bus {
                 said.filter(|violation| violation.contains(&format!(".{name}")))
             };
             for _ in 0..3 {
-                match self.js.get_or_create_stream(config.clone()).await {
+                match self.js.get_or_create_stream(first.clone()).await {
                     Ok(stream) => {
                         last = None;
-                        found = Some(stream.cached_info().config.clone());
+                        found = Some(stream.cached_info().clone());
                         break;
                     }
                     Err(e) => {
@@ -318,7 +351,11 @@ impl Bus {
             // A stream made by an older pitcrew keeps its settings: bring them up to date (the
             // stages stream once expired and dropped pending work). Only the crew's and the
             // operator's NATS users may; the others leave it to them.
-            if let Some(old) = found.filter(|old| differs(old, &config)) {
+            let Some(info) = found else { continue };
+            if retention == stream::RetentionPolicy::Interest && !self.incidents_ready(&info).await {
+                continue;
+            }
+            if let Some(old) = Some(info.config).filter(|old| differs(old, &config)) {
                 match self.js.update_stream(config.clone()).await {
                     Ok(_) => tracing::info!(
                         stream = %name,
@@ -361,6 +398,79 @@ impl Bus {
         self.durable(&stream, DECISIONS_CONSUMER, filter, settings).await
     }
 
+    /// Whether the incidents stream (`info`, as found) may keep an incident only until intake
+    /// took it: intake's consumer is there (made now if it is not), and no other consumer
+    /// would hold every incident until it took it too. An interest stream without intake's
+    /// consumer (deleted by hand) has it made again.
+    async fn incidents_ready(&self, info: &stream::Info) -> bool {
+        let name = &info.config.name;
+        if info.config.retention == stream::RetentionPolicy::Interest {
+            if info.state.consumer_count == 0 {
+                match self.intake_consumer().await {
+                    Ok(()) => tracing::warn!(stream = %name, "intake's consumer was gone: made again"),
+                    Err(e) => tracing::warn!(
+                        stream = %name, error = %e,
+                        "intake's consumer is gone and this process cannot make it: incidents published until a crew process starts are not kept"
+                    ),
+                }
+            }
+            return true;
+        }
+        if let Err(e) = self.intake_consumer().await {
+            tracing::info!(
+                stream = %name, error = %e,
+                "intake's consumer cannot be made by this process: the incidents stream keeps its older settings until a crew process starts"
+            );
+            return false;
+        }
+        let consumers = match self.js.get_stream(name).await {
+            Ok(mut stream) => stream.info().await.map(|i| i.state.consumer_count).map_err(|e| e.to_string()),
+            Err(e) => Err(e.to_string()),
+        };
+        match consumers {
+            Ok(1) => true,
+            Ok(n) => {
+                tracing::warn!(
+                    stream = %name, consumers = n,
+                    "the incidents stream has consumers besides intake's: it keeps its older settings (kept 7 days, the oldest dropped when full), \
+                     as an incident would otherwise stay until every one of them took it"
+                );
+                false
+            }
+            Err(e) => {
+                tracing::warn!(stream = %name, error = %e, "cannot count the incidents stream's consumers: it keeps its older settings");
+                false
+            }
+        }
+    }
+
+    /// Intake's consumer, made with this process's settings for it if there is none yet.
+    async fn intake_consumer(&self) -> Result<(), BusError> {
+        let (stream, name) = (self.subjects.incidents_stream(), Stage::Intake.as_str());
+        let setup = |e: String| BusError::Setup { what: format!("consumer {name} on {stream}"), error: e };
+        let st = self.js.get_stream(&stream).await.map_err(|e| setup(e.to_string()))?;
+        let config = pull_config(name, self.subjects.incidents_new(), self.intake);
+        // A user who may not (the gateway's, the monitor's) is refused by an event, while the
+        // request itself waits for its timeout: whichever comes first.
+        let refused = async {
+            loop {
+                let said = self.refused.lock().unwrap_or_else(|p| p.into_inner()).clone();
+                if let Some(violation) = said.filter(|v| v.contains("CONSUMER.") && v.contains(&stream)) {
+                    return violation;
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        };
+        let what = format!("consumer {name} on {stream}");
+        tokio::select! {
+            made = within(&what, st.get_or_create_consumer(name, config)) => {
+                made?.map_err(|e| setup(e.to_string()))?;
+                Ok(())
+            }
+            violation = refused => Err(BusError::Refused { what, error: violation }),
+        }
+    }
+
     async fn durable(
         &self,
         stream: &str,
@@ -370,16 +480,7 @@ impl Bus {
     ) -> Result<consumer::PullConsumer, BusError> {
         let setup = |e: String| BusError::Setup { what: format!("consumer {name} on {stream}"), error: e };
         let st = self.js.get_stream(stream).await.map_err(|e| setup(e.to_string()))?;
-        let config = consumer::pull::Config {
-            durable_name: Some(name.to_string()),
-            filter_subject: filter,
-            ack_policy: consumer::AckPolicy::Explicit,
-            ack_wait: settings.ack_wait,
-            // The runner dead-letters itself after `max_deliveries`: the server never drops.
-            max_deliver: -1,
-            max_ack_pending: settings.max_ack_pending,
-            ..Default::default()
-        };
+        let config = pull_config(name, filter, settings);
         // Every process of a stage shares the consumer, and the last to make it sets it: a
         // process configured apart from the others changes their ack wait too (a step still
         // running elsewhere would be handed to another worker past the shorter one). Said,
