@@ -167,9 +167,19 @@ fn the_compose_file_agrees_with_itself_and_the_image() -> anyhow::Result<()> {
     for want in ["nats", "postgres", "pitcrew", "gateway"] {
         assert!(names.contains(&want), "docker-compose.yml has no {want} service: {names:?}");
     }
-    // Postgres is created with the credentials and database the pitcrew services use.
+    // Postgres is created with the database the pitcrew services use, and their own login
+    // (not the superuser) made by the script the image runs on a new volume.
     let pg = environment(&c["services"]["postgres"]);
-    let url = format!("postgres://postgres:{}@postgres:5432/{}", pg["POSTGRES_PASSWORD"], pg["POSTGRES_DB"]);
+    let url = format!("postgres://pitcrew:{}@postgres:5432/{}", pg["PITCREW_DB_PASSWORD"], pg["POSTGRES_DB"]);
+    let init = strings(&c["services"]["postgres"]["volumes"]);
+    assert!(
+        init.contains(&"./deploy/postgres-init.sh:/docker-entrypoint-initdb.d/pitcrew.sh:ro".to_string()),
+        "{init:?}"
+    );
+    let mode = std::os::unix::fs::PermissionsExt::mode(
+        &std::fs::metadata(repo().join("deploy/postgres-init.sh"))?.permissions(),
+    );
+    assert!(mode & 0o111 != 0, "the image runs an executable init script (it sources one that is not)");
     // NATS: the health check asks the monitoring port nats.conf opens; the client port is 4222.
     let conf = std::fs::read_to_string(repo().join("deploy/nats.conf"))?;
     assert!(conf.lines().any(|l| l.trim() == "http: 0.0.0.0:8222"), "nats.conf serves monitoring on 8222");
@@ -285,7 +295,7 @@ async fn start_as_composed(
             s if s.starts_with("nats://") && s.ends_with("@nats:4222") => {
                 s.replace("@nats:4222", &format!("@127.0.0.1:{}", nats.port))
             }
-            "postgres://postgres:pitcrew@postgres:5432/pitcrew" => env.db.url.clone(),
+            "postgres://pitcrew:local-pitcrew@postgres:5432/pitcrew" => login_url(&env.db.url, "local-pitcrew")?,
             s if s.starts_with("_INBOX_") => s.to_string(),
             s if s.starts_with("0.0.0.0:") => {
                 let p = pitcrew_runtime::natsd::free_port()?;
@@ -384,10 +394,53 @@ impl Drop for Pitcrew {
     }
 }
 
+/// Run `deploy/postgres-init.sh` as the postgres image does (as the superuser, on `url`'s
+/// database), making pitcrew's login with `password`.
+fn postgres_init(url: &str, password: &str) -> anyhow::Result<()> {
+    let cfg: tokio_postgres::Config = url.parse()?;
+    let Some(tokio_postgres::config::Host::Tcp(host)) = cfg.get_hosts().first() else {
+        anyhow::bail!("a TCP host in {url}")
+    };
+    let out = Command::new("sh")
+        .arg(repo().join("deploy/postgres-init.sh"))
+        .env("PGHOST", host)
+        .env("PGPORT", cfg.get_ports().first().copied().unwrap_or(5432).to_string())
+        .env("POSTGRES_USER", cfg.get_user().unwrap_or("postgres"))
+        .env("POSTGRES_DB", cfg.get_dbname().unwrap_or_default())
+        .env("PITCREW_DB_PASSWORD", password)
+        .output()?;
+    let said = String::from_utf8_lossy(&out.stderr);
+    anyhow::ensure!(out.status.success(), "deploy/postgres-init.sh failed: {said}");
+    Ok(())
+}
+
+/// The URL pitcrew's own login uses for `url`'s database.
+fn login_url(url: &str, password: &str) -> anyhow::Result<String> {
+    let cfg: tokio_postgres::Config = url.parse()?;
+    let Some(tokio_postgres::config::Host::Tcp(host)) = cfg.get_hosts().first() else {
+        anyhow::bail!("a TCP host in {url}")
+    };
+    let port = cfg.get_ports().first().copied().unwrap_or(5432);
+    Ok(format!("postgres://pitcrew:{password}@{host}:{port}/{}", cfg.get_dbname().unwrap_or_default()))
+}
+
+/// The owners of `url`'s tables and whether the `pitcrew` login is a superuser.
+async fn owners(url: &str) -> anyhow::Result<(Vec<String>, bool)> {
+    let (client, conn) = tokio_postgres::connect(url, tokio_postgres::NoTls).await?;
+    tokio::spawn(conn);
+    let rows = client.query("SELECT DISTINCT tableowner::text FROM pg_tables WHERE schemaname = 'public'", &[]).await?;
+    let owners = rows.iter().map(|r| r.get(0)).collect();
+    let root: bool = client.query_one("SELECT rolsuper FROM pg_roles WHERE rolname = 'pitcrew'", &[]).await?.get(0);
+    Ok((owners, root))
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_composed_crew_and_gateway_start_serve_and_stop_cleanly() -> anyhow::Result<()> {
     let env = TestEnv::start().await?;
     let nats = ConfiguredNats::start(&environment(&compose()?["services"]["nats"]))?;
+    // The database as the postgres image leaves it: pitcrew's login made, nothing else.
+    let password = environment(&compose()?["services"]["postgres"])["PITCREW_DB_PASSWORD"].clone();
+    postgres_init(&env.db.url, &password)?;
     // The crew (`up`): every stage's consumer running.
     start_as_composed(&env, &nats, "pitcrew", |log, _| {
         let up = log.contains("crew running");
@@ -410,6 +463,25 @@ async fn the_composed_crew_and_gateway_start_serve_and_stop_cleanly() -> anyhow:
     let applied: i64 = db.query_one("SELECT count(*) FROM pitcrew_migrations", &[]).await?.get(0);
     assert!(applied >= 1, "the composed crew migrated its database");
     assert!(!nats.log().contains("Violation"), "nothing either did was refused:\n{}", nats.log());
+    assert_eq!(owners(&env.db.url).await?, (vec!["pitcrew".to_string()], false), "as its own login, no superuser");
+
+    // A database a superuser migrated (compose before the login): the script, run again by
+    // hand, hands it over, and the login migrates and writes there.
+    let older = pitcrew_testkit::TestDb::create().await?;
+    let as_root = pitcrew_runtime::config::DatabaseConfig {
+        url: older.url.clone(),
+        pool_size: 1,
+        migrate_on_start: false,
+        statement_timeout_secs: 30,
+    };
+    pitcrew_runtime::Store::connect(&as_root).await?.migrate().await?;
+    postgres_init(&older.url, &password)?;
+    assert_eq!(owners(&older.url).await?.0, vec!["pitcrew".to_string()]);
+    let login = pitcrew_runtime::config::DatabaseConfig { url: login_url(&older.url, &password)?, ..as_root };
+    let store = pitcrew_runtime::Store::connect(&login).await?;
+    store.migrate().await?;
+    let state = pitcrew_model::RunState::new(uuid::Uuid::now_v7(), pitcrew_model::Incident::new("svc", "down"));
+    assert_eq!(store.open_run(&state).await?, pitcrew_runtime::store::OpenRun::Created, "it writes");
     Ok(())
 }
 
