@@ -375,6 +375,15 @@ pub(crate) fn unwrap(argv: &[String]) -> Unwrapped {
             out.writes.extend(skipped.values_of(names));
         }
         let mut inner: Vec<String> = rest[1 + skipped.end..].to_vec();
+        // `sudo -e FILE...` runs no command: it edits the files as root (`sudoedit`).
+        if w.name == "sudo"
+            && skipped.options.iter().any(|o| o == "-e" || (o.len() >= 3 && "--edit".starts_with(o.as_str())))
+        {
+            a_tail = false;
+            inner.insert(0, "sudoedit".into());
+            rest = inner;
+            break;
+        }
         let split = if w.name == "env" { skipped.values_of(&["-S", "--split-string"]).next() } else { None };
         if let Some(line) = split {
             a_tail = false;

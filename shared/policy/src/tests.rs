@@ -105,6 +105,27 @@ const FORBIDDEN_CASES: &[(&str, &[&str], &[&str])] = &[
         ],
     ),
     (
+        "editor",
+        &[
+            "sudo -e /etc/ssh/sshd_config",
+            "sudo -n -e /srv/app/app.conf",
+            "sudo -ne /etc/hosts",
+            "sudo -u root --edit /etc/hosts",
+            "sudo --ed /etc/hosts",
+            "sudo -e -- /etc/hosts",
+            "sudoedit /etc/ssh/sshd_config",
+            "/usr/bin/sudoedit /etc/hosts",
+            "nano /etc/hosts",
+            "vim /srv/app/app.conf",
+        ],
+        &[
+            "sudo -n grep -e foo /var/log/syslog",
+            "sudo -E systemctl restart app",
+            "sudo -u app /opt/app/bin/start --edit-mode",
+            "grep -e ERROR /var/log/app.log",
+        ],
+    ),
+    (
         "command-runner",
         &[
             "xargs reboot",
