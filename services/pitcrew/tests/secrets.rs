@@ -4,7 +4,7 @@
 mod common;
 
 use common::otlp::Receiver;
-use common::{scrape, stop, write, Crew};
+use common::{scrape, stop, texts, write, Crew};
 use pitcrew_model::{EventKind, Stage};
 use pitcrew_testkit::TestEnv;
 
@@ -86,5 +86,74 @@ async fn planted_secrets_reach_no_log_event_or_row() -> anyhow::Result<()> {
         assert!(!logged.contains(s), "{s} reached the worker's log");
     }
     drop(worker);
+    crew.shutdown().await
+}
+
+/// A command that names a secret as `{secret:NAME}` runs with the value the worker holds
+/// (`PITCREW_SECRET_NAME`), while the run, its executions, its episode, its events and the
+/// worker's log keep the placeholder: the value reaches only the program's arguments (and is
+/// redacted from its output). A worker without the value runs nothing and says which is
+/// missing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_secret_a_command_names_reaches_the_program_and_nothing_else() -> anyhow::Result<()> {
+    const VALUE: &str = "rotated-Kx9-7Qp2";
+    let env = TestEnv::start().await?;
+    let healthy = env.path("svc-healthy");
+    // The fix echoes the secret back and marks the service healthy under a name made with it.
+    let book = write(
+        &env,
+        "playbook.toml",
+        &format!(
+            "[[rule]]\nname = \"rotate\"\nmatch = \"credentials expired\"\ndiagnosis = \"{{service}}: {{error}}\"\n\
+             plans = [[\"echo key={{secret:api_key}}\", \"touch {healthy}-{{secret:api_key}}\", \"touch {healthy}\"]]\n"
+        ),
+    );
+    let text = format!("[reasoning]\nplaybook_file = \"{book}\"\n{}", common::marker_service(&env, "svc"));
+    let mut crew = Crew::start_in(env, &text, &[]).await?;
+    let stages: Vec<&str> = Stage::ALL.iter().map(|s| s.as_str()).collect();
+    let secret = [("PITCREW_SECRET_API_KEY", VALUE), ("PITCREW_LOG", "debug")];
+    let mut worker = crew.spawn_worker_with("w", &stages, &secret, "")?;
+    let run = crew.open("svc", "credentials expired").await?;
+    let end = crew.events.terminal(run, common::WAIT).await?;
+    assert_eq!(end.kind, EventKind::Resolved, "{}", end.message);
+    assert!(std::path::Path::new(&format!("{healthy}-{VALUE}")).exists(), "the program got the value");
+
+    let db = crew.db().await?;
+    let commands = texts(&db, "SELECT command FROM executions WHERE run_id = $1 ORDER BY idx", run).await;
+    assert_eq!(commands[0], "echo key={secret:api_key}", "kept as planned");
+    let output = texts(&db, "SELECT coalesce(output, '') FROM executions WHERE run_id = $1 AND idx = 0", run).await;
+    assert!(output[0].contains("key=[REDACTED]"), "{output:?}");
+    let everything = texts(
+        &db,
+        "SELECT concat_ws(' ', (SELECT string_agg(state::text, ' ') FROM runs WHERE id = $1),
+                (SELECT string_agg(command || coalesce(output, ''), ' ') FROM executions WHERE run_id = $1),
+                (SELECT string_agg(array_to_string(commands, ' ') || coalesce(result, ''), ' ') FROM episodes WHERE run_id = $1),
+                (SELECT string_agg(message || data::text, ' ') FROM run_events WHERE run_id = $1))",
+        run,
+    )
+    .await
+    .concat();
+    assert!(everything.contains("{secret:api_key}"), "the placeholder is what is kept");
+    assert!(!everything.contains(VALUE), "the value reached Postgres");
+    let events: String = crew.events.seen.iter().map(|e| format!("{} {}", e.message, e.data)).collect();
+    assert!(!events.contains(VALUE), "the value reached the bus");
+    stop(&mut worker)?;
+    let logged = std::fs::read_to_string(&worker.log)?;
+    assert!(!logged.contains(VALUE), "the value reached the worker's log");
+    drop(worker);
+
+    // A worker that does not hold it runs none of the plan's commands that name it (the run
+    // then goes on as after any failed command: here, a retry without them fixes it).
+    let mut bare = crew.spawn_worker_with("w2", &stages, &[], "")?;
+    std::fs::remove_file(&healthy)?;
+    let again = crew.open("svc", "credentials expired again").await?;
+    crew.events.terminal(again, common::WAIT).await?;
+    let failed =
+        texts(&db, "SELECT coalesce(output, '') FROM executions WHERE run_id = $1 AND idx = 0 ORDER BY attempt", again)
+            .await;
+    assert!(failed[0].contains("secret 'api_key' is not set on this worker"), "{failed:?}");
+    assert!(failed[0].contains("PITCREW_SECRET_API_KEY"), "{failed:?}");
+    stop(&mut bare)?;
+    drop(bare);
     crew.shutdown().await
 }

@@ -4,6 +4,7 @@
 pub mod check;
 pub mod local;
 pub mod process;
+pub mod secrets;
 pub mod ssh;
 pub mod sshd;
 
@@ -99,6 +100,11 @@ pub enum ExecError {
     /// The program does not exist or cannot be spawned: the command failed (not transient).
     #[error("cannot start '{program}': {error}")]
     Spawn { program: String, error: String },
+    /// A `{secret:NAME}` in the command this worker has no value for (or one that is not a
+    /// placeholder, or names the program): nothing ran; the worker's settings or the plan are
+    /// wrong, do not retry.
+    #[error("{0}")]
+    Secret(String),
     /// The host is not known to this executor: the inventory or plan is wrong, do not retry.
     #[error("unknown host '{0}'")]
     UnknownHost(String),

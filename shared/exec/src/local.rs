@@ -91,6 +91,7 @@ impl LocalExecutor {
             return Err(ExecError::UnknownHost(host.to_string()));
         }
         let argv = shell_words::split(command).map_err(|e| ExecError::Parse(e.to_string()))?;
+        let argv = crate::secrets::expand(argv)?;
         let (program, args) = argv.split_first().ok_or(ExecError::Empty)?;
 
         let started = Instant::now();

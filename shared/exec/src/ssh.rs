@@ -273,6 +273,7 @@ impl SshExecutor {
         ready: crate::BeforeStart<'_>,
     ) -> Result<CommandOutput, ExecError> {
         let argv = shell_words::split(command).map_err(|e| ExecError::Parse(e.to_string()))?;
+        let argv = crate::secrets::expand(argv)?;
         if argv.is_empty() {
             return Err(ExecError::Empty);
         }

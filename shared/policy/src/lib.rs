@@ -78,6 +78,7 @@ const BUILT_IN: &[&str] = &[
     "too-many-commands",
     "invisible-character",
     "non-ascii-program",
+    "secret-as-program",
     "host-allow-list",
     "host-sudo-list",
 ];
@@ -323,6 +324,15 @@ impl Policy {
             if !program.is_ascii() {
                 let why = format!("the program name '{program}' is not plain ASCII (a look-alike of another?)");
                 forbidden.push(hit("non-ascii-program", FORBIDDEN, why));
+            }
+            // `{secret:NAME}` becomes the worker's value only when the command runs: in the
+            // program's word (`sudo /opt/{secret:x}/run`), that value would choose what runs.
+            if unwrapped.path.contains("{secret:") {
+                let why = format!(
+                    "a secret names the program ('{}'): what runs would not be what was judged",
+                    unwrapped.path
+                );
+                forbidden.push(hit("secret-as-program", FORBIDDEN, why));
             }
             if let Some(construct) = shell::find_construct(cmd) {
                 let why = format!(

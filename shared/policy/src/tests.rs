@@ -1279,3 +1279,13 @@ fn variables_set_for_a_command_are_judged() {
         assert_eq!(d.rule(), Some("power"), "`{cmd}`: {d:?}");
     }
 }
+
+#[test]
+fn a_secret_may_stand_for_an_argument_never_for_the_program() {
+    let p = Policy::default_policy();
+    for cmd in ["sudo /opt/{secret:tool}/run", "{secret:program} --version", "env X=1 {secret:p}"] {
+        assert_eq!(p.gate(&plan(&[cmd])).rule(), Some("secret-as-program"), "{cmd}");
+    }
+    let argument = "/opt/app/bin/rotate --password={secret:db_password}";
+    assert_eq!(p.gate(&plan(&[argument])), GateDecision::Allow, "an argument is the worker's to fill in");
+}

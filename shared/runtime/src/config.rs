@@ -651,7 +651,8 @@ impl Config {
         fig = fig.merge(Env::raw().only(&["database_url"]).map(|_| "database.url".into())).merge(
             Env::prefixed("PITCREW_").filter_map(|k| {
                 let k = k.as_str().to_ascii_lowercase();
-                if NOT_CONFIG.contains(&k.as_str()) || service_link(&k) {
+                // `PITCREW_SECRET_<NAME>`: the values of commands' `{secret:NAME}` (pitcrew_exec::secrets).
+                if NOT_CONFIG.contains(&k.as_str()) || service_link(&k) || k.starts_with("secret_") {
                     return None;
                 }
                 let key = ENV_ALIASES
