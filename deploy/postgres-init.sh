@@ -2,12 +2,14 @@
 # pitcrew's own Postgres login: owner of its database and of what is in it, and nothing more
 # (no superuser, no other database, no roles). The postgres image runs this once, as its
 # superuser, on an empty data directory (/docker-entrypoint-initdb.d). On a database made
-# before it (whose tables the superuser owns), run it once by hand, with the same variables:
-#   docker compose exec -e PITCREW_DB_PASSWORD postgres sh /docker-entrypoint-initdb.d/pitcrew.sh
+# before it (whose tables the superuser owns), run it once by hand in the container, whose
+# environment compose gives the password:
+#   docker compose exec postgres sh /docker-entrypoint-initdb.d/pitcrew.sh
 # It is safe to run again: it sets the password and hands over whatever the superuser made.
+# The password goes into pitcrew's DATABASE_URL as it is: no @ : / % # ? in it.
 set -eu
 : "${PITCREW_DB_PASSWORD:?set PITCREW_DB_PASSWORD, the password of pitcrew's database login}"
-psql -v ON_ERROR_STOP=1 -v role="${PITCREW_DB_USER:-pitcrew}" -v password="$PITCREW_DB_PASSWORD" \
+psql -X -v ON_ERROR_STOP=1 -v role=pitcrew -v password="$PITCREW_DB_PASSWORD" \
   --username "${POSTGRES_USER:-postgres}" --dbname "${POSTGRES_DB:-pitcrew}" <<'SQL'
 SELECT format('CREATE ROLE %I', :'role') WHERE NOT EXISTS (SELECT 1 FROM pg_roles WHERE rolname = :'role')
 \gexec
