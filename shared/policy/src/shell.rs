@@ -356,7 +356,12 @@ pub(crate) fn unwrap(argv: &[String]) -> Unwrapped {
         }
         out.assignments.extend(names);
         let Some(first) = rest.first() else { break };
-        let Some(w) = WRAPPERS.iter().find(|w| w.name == basename(first)) else {
+        // sudo under the names its other builds go by (`sudo-rs`, Ubuntu's; `sudo.ws`).
+        let name = match basename(first) {
+            "sudo-rs" | "sudo.ws" => "sudo",
+            name => name,
+        };
+        let Some(w) = WRAPPERS.iter().find(|w| w.name == name) else {
             break;
         };
         note_unless_system_program(&mut out, first);

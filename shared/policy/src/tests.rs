@@ -113,6 +113,7 @@ const FORBIDDEN_CASES: &[(&str, &[&str], &[&str])] = &[
             "sudo -u root --edit /etc/hosts",
             "sudo --ed /etc/hosts",
             "sudo -e -- /etc/hosts",
+            "sudo-rs -e /etc/ssh/sshd_config",
             "sudoedit /etc/ssh/sshd_config",
             "/usr/bin/sudoedit /etc/hosts",
             "nano /etc/hosts",
@@ -1155,7 +1156,12 @@ fn evidence_on_a_host_obeys_its_lists() {
     let e = p.read_only_on("pe1", "df -h").unwrap_err();
     assert!(e.contains("host-allow-list"), "{e}");
     assert!(p.read_only_on("other", "df -h").is_ok(), "lists are per host");
-    assert!(elevated("env /usr/bin/sudo -n cat x") && elevated("doas cat x") && !elevated("cat sudo"));
+    assert!(
+        elevated("env /usr/bin/sudo -n cat x")
+            && elevated("doas cat x")
+            && elevated("sudo-rs cat x")
+            && !elevated("cat sudo")
+    );
 }
 
 #[test]
