@@ -69,11 +69,16 @@ impl StageHandler for ApprovalStage {
             let attempt = state.attempt;
             state.security_flags.retain(|f| f.attempt != attempt);
             // The host's own allow-lists apply too ([hosts.<name>] in the policy file).
-            let host = pitcrew_runtime::target::service(cx.config(), state).map(|s| s.host.clone()).unwrap_or_default();
-            for f in self.policy.findings_on(&host, &plan.commands) {
+            let spec = pitcrew_runtime::target::service(cx.config(), state).ok();
+            let host = spec.map(|s| s.host.clone()).unwrap_or_default();
+            // The service's own commands, as the operator wrote them, may name its secrets.
+            let trusted: Vec<String> = spec
+                .map(|s| [&s.start, &s.stop, &s.restart].into_iter().flatten().cloned().collect())
+                .unwrap_or_default();
+            for f in self.policy.findings_on_trusting(&host, &plan.commands, &trusted) {
                 state.security_flags.push(SecurityFlag { attempt, command: f.command, rule: f.rule, class: f.class });
             }
-            match self.policy.gate_on(&host, &plan.commands) {
+            match self.policy.gate_on_trusting(&host, &plan.commands, &trusted) {
                 GateDecision::Allow => {
                     cx.emit(
                         EventKind::Policy,

@@ -92,23 +92,30 @@ async fn planted_secrets_reach_no_log_event_or_row() -> anyhow::Result<()> {
 /// A command that names a secret as `{secret:NAME}` runs with the value the worker holds
 /// (`PITCREW_SECRET_NAME`), while the run, its executions, its episode, its events and the
 /// worker's log keep the placeholder: the value reaches only the program's arguments (and is
-/// redacted from its output). A worker without the value runs nothing and says which is
-/// missing.
+/// redacted from its output). The service's own commands, as configured, name it without
+/// approval; any other command that does waits for a human. A worker without the value runs
+/// nothing of the command and says which is missing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_secret_a_command_names_reaches_the_program_and_nothing_else() -> anyhow::Result<()> {
     const VALUE: &str = "rotated-Kx9-7Qp2";
     let env = TestEnv::start().await?;
     let healthy = env.path("svc-healthy");
-    // The fix echoes the secret back and marks the service healthy under a name made with it.
+    // Its start echoes the secret back; its restart marks it with a name made with it.
     let book = write(
         &env,
         "playbook.toml",
         &format!(
             "[[rule]]\nname = \"rotate\"\nmatch = \"credentials expired\"\ndiagnosis = \"{{service}}: {{error}}\"\n\
-             plans = [[\"echo key={{secret:api_key}}\", \"touch {healthy}-{{secret:api_key}}\", \"touch {healthy}\"]]\n"
+             plans = [[\"{{start}}\", \"{{restart}}\", \"touch {healthy}\"]]\n\
+             [[rule]]\nname = \"elsewhere\"\nmatch = \"send it\"\ndiagnosis = \"{{service}}: {{error}}\"\n\
+             plans = [[\"touch {healthy}-elsewhere-{{secret:api_key}}\"]]\n"
         ),
     );
-    let text = format!("[reasoning]\nplaybook_file = \"{book}\"\n{}", common::marker_service(&env, "svc"));
+    let text = format!(
+        "[reasoning]\nplaybook_file = \"{book}\"\n[services.svc]\nhost = \"local\"\n\
+         start = \"echo key={{secret:api_key}}\"\nrestart = \"touch {healthy}-{{secret:api_key}}\"\n\
+         check = {{ kind = \"command\", command = \"test -f {healthy}\" }}\n"
+    );
     let mut crew = Crew::start_in(env, &text, &[]).await?;
     let stages: Vec<&str> = Stage::ALL.iter().map(|s| s.as_str()).collect();
     let secret = [("PITCREW_SECRET_API_KEY", VALUE), ("PITCREW_LOG", "debug")];
@@ -135,6 +142,13 @@ async fn a_secret_a_command_names_reaches_the_program_and_nothing_else() -> anyh
     .concat();
     assert!(everything.contains("{secret:api_key}"), "the placeholder is what is kept");
     assert!(!everything.contains(VALUE), "the value reached Postgres");
+
+    // A command of another's making that names it: a human approves where the value goes.
+    let elsewhere = crew.open("svc", "send it").await?;
+    let asked = crew.events.wait(elsewhere, |e| e.kind == EventKind::ApprovalRequested, common::WAIT).await?;
+    assert!(asked.message.contains("waiting for approval"), "{}", asked.message);
+    let rule: String = db.query_one("SELECT rule FROM approvals WHERE run_id = $1", &[&elsewhere]).await?.get(0);
+    assert!(rule.starts_with("secret-use"), "{rule}");
     let events: String = crew.events.seen.iter().map(|e| format!("{} {}", e.message, e.data)).collect();
     assert!(!events.contains(VALUE), "the value reached the bus");
     stop(&mut worker)?;
@@ -148,9 +162,8 @@ async fn a_secret_a_command_names_reaches_the_program_and_nothing_else() -> anyh
     std::fs::remove_file(&healthy)?;
     let again = crew.open("svc", "credentials expired again").await?;
     crew.events.terminal(again, common::WAIT).await?;
-    let failed =
-        texts(&db, "SELECT coalesce(output, '') FROM executions WHERE run_id = $1 AND idx = 0 ORDER BY attempt", again)
-            .await;
+    let sql = "SELECT coalesce(output, '') FROM executions WHERE run_id = $1 AND idx = 0 ORDER BY attempt";
+    let failed = texts(&db, sql, again).await;
     assert!(failed[0].contains("secret 'api_key' is not set on this worker"), "{failed:?}");
     assert!(failed[0].contains("PITCREW_SECRET_API_KEY"), "{failed:?}");
     stop(&mut bare)?;

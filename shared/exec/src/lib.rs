@@ -179,7 +179,9 @@ pub struct Fleet {
 }
 
 impl Fleet {
+    /// The executors for `hosts`; the secrets this worker holds are redacted from then on.
     pub fn new(hosts: std::collections::BTreeMap<String, pitcrew_model::HostSpec>, max_output: usize) -> Self {
+        secrets::register_all();
         Fleet { local: LocalExecutor::new(max_output), ssh: SshExecutor::new(hosts, max_output) }
     }
 }

@@ -3,7 +3,8 @@
 //! `PITCREW_SECRET_NAME_FILE` names, its last newline dropped). The command as planned,
 //! judged, approved, stored and shown keeps the placeholder; only the words handed to the
 //! program hold the value, and the value is redacted from whatever the process logs, stores
-//! or publishes from then on (its output included).
+//! or publishes from then on (its output included). A value redaction could not find again
+//! (under 10 bytes, or letters only) is not used.
 
 use crate::ExecError;
 
@@ -20,21 +21,50 @@ const MAX_VALUE: u64 = 64 * 1024;
 /// with spaces or quotes stays one argument). The program's own word may not hold one: what
 /// runs must be what the gate judged. A name this worker has no value for runs nothing.
 pub fn expand(argv: Vec<String>) -> Result<Vec<String>, ExecError> {
-    expand_with(argv, |name| {
-        let var = format!("PITCREW_SECRET_{}", name.to_ascii_uppercase());
-        if let Ok(value) = std::env::var(&var) {
-            return Ok(Some(value));
+    expand_with(argv, |name| value_of(&format!("PITCREW_SECRET_{}", name.to_ascii_uppercase())))
+}
+
+/// The value `var` holds, or the file `<var>_FILE` names holds (its last newline dropped).
+fn value_of(var: &str) -> Result<Option<String>, String> {
+    if let Ok(value) = std::env::var(var) {
+        return Ok(Some(value));
+    }
+    let Ok(path) = std::env::var(format!("{var}_FILE")) else { return Ok(None) };
+    let read = || -> std::io::Result<Vec<u8>> {
+        use std::io::Read;
+        let mut bytes = Vec::new();
+        std::fs::File::open(&path)?.take(MAX_VALUE + 1).read_to_end(&mut bytes)?;
+        Ok(bytes)
+    };
+    let bytes = read().map_err(|e| format!("{var}_FILE names {path}, which cannot be read: {e}"))?;
+    if bytes.len() as u64 > MAX_VALUE {
+        return Err(format!("{var}_FILE names {path}, larger than the {MAX_VALUE} bytes a secret may be"));
+    }
+    let text = String::from_utf8(bytes).map_err(|_| format!("{var}_FILE names {path}, which is not UTF-8 text"))?;
+    Ok(Some(text.strip_suffix('\n').map(|t| t.strip_suffix('\r').unwrap_or(t)).unwrap_or(&text).to_string()))
+}
+
+/// Redact every secret this worker holds (`PITCREW_SECRET_*`, `_FILE` ones read) from
+/// everything it logs, stores or publishes from now on, expanded or not: a process list or a
+/// log that shows one is then kept redacted too. Called once as the executors are made.
+pub fn register_all() {
+    for (var, _) in std::env::vars_os().filter_map(|(k, v)| Some((k.into_string().ok()?, v))) {
+        let Some(name) = var.strip_prefix("PITCREW_SECRET_") else { continue };
+        let name = name.strip_suffix("_FILE").unwrap_or(name);
+        match value_of(&format!("PITCREW_SECRET_{name}")) {
+            Ok(Some(value)) => {
+                if !pitcrew_model::redact::register_secret(&value) {
+                    tracing::warn!(
+                        secret = name,
+                        "this secret is too short or plain to be redacted from output (under 10 bytes, or letters only): \
+                         commands that name it will not run"
+                    );
+                }
+            }
+            Ok(None) => {}
+            Err(e) => tracing::warn!(secret = name, error = %e, "cannot read this secret"),
         }
-        let Ok(path) = std::env::var(format!("{var}_FILE")) else { return Ok(None) };
-        let read = || -> std::io::Result<String> {
-            use std::io::Read;
-            let mut text = String::new();
-            std::fs::File::open(&path)?.take(MAX_VALUE).read_to_string(&mut text)?;
-            Ok(text)
-        };
-        let text = read().map_err(|e| format!("{var}_FILE names {path}, which cannot be read: {e}"))?;
-        Ok(Some(text.strip_suffix('\n').map(|t| t.strip_suffix('\r').unwrap_or(t)).unwrap_or(&text).to_string()))
-    })
+    }
 }
 
 /// [`expand`] with the values from `lookup` (None: not set; an error: set but unreadable).
@@ -70,7 +100,18 @@ fn expand_with(
                     name.to_ascii_uppercase()
                 ))
             })?;
-            pitcrew_model::redact::register_secret(&value);
+            if value.contains('\0') {
+                return Err(ExecError::Secret(format!("secret '{name}' holds a NUL byte, which no argument can")));
+            }
+            // Redacted from then on, or not used: a value redaction would pass over (short,
+            // letters only) would show in the command's output and everything quoting it.
+            if !pitcrew_model::redact::register_secret(&value) {
+                return Err(ExecError::Secret(format!(
+                    "secret '{name}' is too short or plain to be redacted from what pitcrew keeps (under {} bytes, or \
+                     letters only): give it a longer value",
+                    pitcrew_model::redact::MIN_KNOWN_LEN
+                )));
+            }
             expanded.push_str(&value);
             rest = &after[name_len + 1..];
         }
@@ -112,6 +153,11 @@ mod tests {
         assert!(malformed.contains("not a secret's placeholder"), "{malformed}");
         let program = expand_with(words("{secret:token} --version"), vault).unwrap_err().to_string();
         assert!(program.contains("cannot name the program"), "{program}");
+        let short = |name: &str| Ok(Some(if name == "pin" { "4711".into() } else { "onlyletterssecret".into() }));
+        for name in ["pin", "plain"] {
+            let e = expand_with(words(&format!("app --key {{secret:{name}}}")), short).unwrap_err().to_string();
+            assert!(e.contains("too short or plain to be redacted"), "{e}");
+        }
     }
 
     #[test]

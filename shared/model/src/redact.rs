@@ -92,17 +92,24 @@ const MAX_KNOWN: usize = 64;
 /// Redact `value`, one of this process's secrets, wherever it shows from now on: when it is
 /// at least [`MIN_KNOWN_LEN`] bytes long and not a plain word (letters only: `postgresql`
 /// would be redacted out of every error that names the database).
-pub fn register_secret(value: &str) {
+/// Whether it is (it was known already, or is now): a short or plain value is not, nor one
+/// past the [`MAX_KNOWN`] this process keeps.
+pub fn register_secret(value: &str) -> bool {
     let value = value.trim();
     if value.len() < MIN_KNOWN_LEN || value.chars().all(|c| c.is_alphabetic()) {
-        return;
+        return false;
     }
     let mut known = KNOWN.write().unwrap_or_else(|p| p.into_inner());
-    if known.len() < MAX_KNOWN && !known.iter().any(|k| k == value) {
-        known.push(value.to_string());
-        // Longest first: a secret that holds another is replaced whole, not around it.
-        known.sort_by_key(|k| std::cmp::Reverse(k.len()));
+    if known.iter().any(|k| k == value) {
+        return true;
     }
+    if known.len() >= MAX_KNOWN {
+        return false;
+    }
+    known.push(value.to_string());
+    // Longest first: a secret that holds another is replaced whole, not around it.
+    known.sort_by_key(|k| std::cmp::Reverse(k.len()));
+    true
 }
 
 /// `text` with every secret it shows replaced.

@@ -79,6 +79,7 @@ const BUILT_IN: &[&str] = &[
     "invisible-character",
     "non-ascii-program",
     "secret-as-program",
+    "secret-use",
     "host-allow-list",
     "host-sudo-list",
 ];
@@ -334,6 +335,14 @@ impl Policy {
                 );
                 forbidden.push(hit("secret-as-program", FORBIDDEN, why));
             }
+            // Anywhere else, the value goes where the command sends it (`curl https://x/?k=...`):
+            // a human approves that, unless the operator wrote the command (`gate_on_trusting`).
+            if cmd.contains("{secret:") {
+                let why = "puts a secret's value ({secret:NAME}) into the command: a human approves where it goes, \
+                           unless the command is one the service's own configuration holds"
+                    .to_string();
+                critical.push(hit("secret-use", CRITICAL, why));
+            }
             if let Some(construct) = shell::find_construct(cmd) {
                 let why = format!(
                     "shell construct '{construct}' outside quotes: commands run one per line, \
@@ -403,6 +412,20 @@ impl Policy {
 
     /// As `gate`, for a plan that runs on `host` (its `[hosts.<name>]` lists apply).
     pub fn gate_on(&self, host: &str, commands: &[String]) -> GateDecision {
+        self.gate_on_trusting(host, commands, &[])
+    }
+
+    /// The findings of `findings_on` but `secret-use` on a command `trusted` holds: the
+    /// service's own commands as the operator configured them (its start, stop, restart) may
+    /// name the secrets they need without a human each time.
+    pub fn findings_on_trusting(&self, host: &str, commands: &[String], trusted: &[String]) -> Vec<Finding> {
+        let mut all = self.findings_on(host, commands);
+        all.retain(|f| !(f.rule == "secret-use" && trusted.iter().any(|t| t.trim() == f.command.trim())));
+        all
+    }
+
+    /// As `gate_on`, with the service's own commands `trusted` (see `findings_on_trusting`).
+    pub fn gate_on_trusting(&self, host: &str, commands: &[String], trusted: &[String]) -> GateDecision {
         if commands.is_empty() {
             let reason = "rejected by policy rule 'empty-plan': the plan has no commands".to_string();
             return GateDecision::Reject { rule: "empty-plan".into(), command: String::new(), reason };
@@ -415,7 +438,7 @@ impl Policy {
             let command = commands[MAX_PLAN_COMMANDS].clone();
             return GateDecision::Reject { rule: "too-many-commands".into(), command, reason };
         }
-        let Some(first) = self.findings_on(host, commands).into_iter().next() else {
+        let Some(first) = self.findings_on_trusting(host, commands, trusted).into_iter().next() else {
             return GateDecision::Allow;
         };
         let describe = |verdict: &str| {
