@@ -32,7 +32,7 @@ impl Secret {
         match std::env::var(var) {
             Ok(v) if !v.trim().is_empty() => {
                 // Redacted wherever it shows, a command's output or a log line.
-                pitcrew_model::redact::register_secret(&v);
+                let _ = pitcrew_model::redact::register_secret(&v);
                 Ok(Secret(v.trim().to_string()))
             }
             _ => Err(MissingSecret { what, var: var.to_string(), key, bridge }),

@@ -36,11 +36,12 @@ fn value_of(var: &str) -> Result<Option<String>, String> {
         std::fs::File::open(&path)?.take(MAX_VALUE + 1).read_to_end(&mut bytes)?;
         Ok(bytes)
     };
-    let bytes = read().map_err(|e| format!("{var}_FILE names {path}, which cannot be read: {e}"))?;
+    // The file's path is not said: were a value put there by mistake, it would show.
+    let bytes = read().map_err(|e| format!("the file {var}_FILE names cannot be read: {e}"))?;
     if bytes.len() as u64 > MAX_VALUE {
-        return Err(format!("{var}_FILE names {path}, larger than the {MAX_VALUE} bytes a secret may be"));
+        return Err(format!("the file {var}_FILE names is larger than the {MAX_VALUE} bytes a secret may be"));
     }
-    let text = String::from_utf8(bytes).map_err(|_| format!("{var}_FILE names {path}, which is not UTF-8 text"))?;
+    let text = String::from_utf8(bytes).map_err(|_| format!("the file {var}_FILE names is not UTF-8 text"))?;
     Ok(Some(text.strip_suffix('\n').map(|t| t.strip_suffix('\r').unwrap_or(t)).unwrap_or(&text).to_string()))
 }
 
@@ -48,23 +49,43 @@ fn value_of(var: &str) -> Result<Option<String>, String> {
 /// everything it logs, stores or publishes from now on, expanded or not: a process list or a
 /// log that shows one is then kept redacted too. Called once as the executors are made.
 pub fn register_all() {
-    for (var, _) in std::env::vars_os().filter_map(|(k, v)| Some((k.into_string().ok()?, v))) {
-        let Some(name) = var.strip_prefix("PITCREW_SECRET_") else { continue };
-        let name = name.strip_suffix("_FILE").unwrap_or(name);
-        match value_of(&format!("PITCREW_SECRET_{name}")) {
-            Ok(Some(value)) => {
-                if !pitcrew_model::redact::register_secret(&value) {
-                    tracing::warn!(
-                        secret = name,
-                        "this secret is too short or plain to be redacted from output (under 10 bytes, or letters only): \
-                         commands that name it will not run"
-                    );
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        let mut names: Vec<String> = std::env::vars_os()
+            .filter_map(|(k, _)| k.into_string().ok())
+            .filter_map(|k| k.strip_prefix("PITCREW_SECRET_").map(|n| n.strip_suffix("_FILE").unwrap_or(n).to_string()))
+            .collect();
+        names.sort();
+        names.dedup();
+        for name in names {
+            match value_of(&format!("PITCREW_SECRET_{name}")) {
+                Ok(Some(value)) => {
+                    if let Err(e) = remember(&name, &value) {
+                        tracing::warn!(secret = %name, "this secret is {e}: commands that name it will not run");
+                    }
                 }
+                Ok(None) => {}
+                Err(e) => tracing::warn!(secret = %name, error = %e, "cannot read this secret"),
             }
-            Ok(None) => {}
-            Err(e) => tracing::warn!(secret = name, error = %e, "cannot read this secret"),
         }
+    });
+}
+
+/// Redact `value`, the value of secret `name` now, from then on; an earlier value of the same
+/// secret (a file rotated) is forgotten, so rotations do not use up the room for others.
+fn remember(name: &str, value: &str) -> Result<(), pitcrew_model::redact::NotKept> {
+    static VALUES: std::sync::Mutex<Vec<(String, String)>> = std::sync::Mutex::new(Vec::new());
+    let mut values = VALUES.lock().unwrap_or_else(|p| p.into_inner());
+    let key = name.to_ascii_uppercase();
+    match values.iter_mut().find(|(n, _)| *n == key) {
+        Some((_, old)) if old == value => return Ok(()),
+        Some((_, old)) => {
+            pitcrew_model::redact::forget_secret(old);
+            *old = value.to_string();
+        }
+        None => values.push((key, value.to_string())),
     }
+    pitcrew_model::redact::register_secret(value)
 }
 
 /// [`expand`] with the values from `lookup` (None: not set; an error: set but unreadable).
@@ -93,6 +114,11 @@ fn expand_with(
                 )));
             }
             let name = &after[..name_len];
+            if name.to_ascii_uppercase().ends_with("_FILE") {
+                return Err(ExecError::Secret(format!(
+                    "secret '{name}': a name may not end in _FILE (PITCREW_SECRET_<NAME>_FILE names a file holding <NAME>)"
+                )));
+            }
             let value = lookup(name).map_err(ExecError::Secret)?.ok_or_else(|| {
                 ExecError::Secret(format!(
                     "secret '{name}' is not set on this worker: set PITCREW_SECRET_{} (or PITCREW_SECRET_{}_FILE to a file holding it)",
@@ -105,12 +131,8 @@ fn expand_with(
             }
             // Redacted from then on, or not used: a value redaction would pass over (short,
             // letters only) would show in the command's output and everything quoting it.
-            if !pitcrew_model::redact::register_secret(&value) {
-                return Err(ExecError::Secret(format!(
-                    "secret '{name}' is too short or plain to be redacted from what pitcrew keeps (under {} bytes, or \
-                     letters only): give it a longer value",
-                    pitcrew_model::redact::MIN_KNOWN_LEN
-                )));
+            if let Err(e) = remember(name, &value) {
+                return Err(ExecError::Secret(format!("secret '{name}' is {e}: it is not used")));
             }
             expanded.push_str(&value);
             rest = &after[name_len + 1..];
@@ -158,6 +180,18 @@ mod tests {
             let e = expand_with(words(&format!("app --key {{secret:{name}}}")), short).unwrap_err().to_string();
             assert!(e.contains("too short or plain to be redacted"), "{e}");
         }
+        let file = expand_with(words("app --key {secret:key_file}"), vault).unwrap_err().to_string();
+        assert!(file.contains("may not end in _FILE"), "{file}");
+    }
+
+    #[test]
+    fn a_rotated_value_replaces_the_one_before() {
+        let first = |_: &str| Ok(Some("rotation-one-5a6b7c".to_string()));
+        let second = |_: &str| Ok(Some("rotation-two-8d9e0f".to_string()));
+        expand_with(words("app --key {secret:rotating}"), first).unwrap();
+        expand_with(words("app --key {secret:rotating}"), second).unwrap();
+        assert_eq!(pitcrew_model::redact::redact("rotation-two-8d9e0f"), "[REDACTED]");
+        assert_eq!(pitcrew_model::redact::redact("rotation-one-5a6b7c"), "rotation-one-5a6b7c", "forgotten");
     }
 
     #[test]

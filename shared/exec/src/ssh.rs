@@ -154,7 +154,7 @@ pub fn quoted(word: &str) -> String {
 /// (`sudo journalctl -n 50`): sudo's `-n` goes right after it unless already there (sudo
 /// takes a repeated `-n`).
 pub fn non_interactive_sudo(mut argv: Vec<String>) -> Vec<String> {
-    let is_sudo = argv.first().is_some_and(|p| p.rsplit('/').next() == Some("sudo"));
+    let is_sudo = argv.first().is_some_and(|p| matches!(p.rsplit('/').next(), Some("sudo" | "sudo-rs" | "sudo.ws")));
     let has_n = argv.get(1).is_some_and(|a| a == "-n" || a == "--non-interactive");
     if is_sudo && !has_n {
         argv.insert(1, "-n".into());
@@ -558,6 +558,7 @@ mod tests {
             "the command's own -n is not sudo's"
         );
         assert_eq!(non_interactive_sudo(v(&["/usr/bin/sudo", "true"])), v(&["/usr/bin/sudo", "-n", "true"]));
+        assert_eq!(non_interactive_sudo(v(&["sudo-rs", "true"])), v(&["sudo-rs", "-n", "true"]));
         assert_eq!(
             non_interactive_sudo(v(&["sudo", "-u", "app", "-n", "x"])),
             v(&["sudo", "-n", "-u", "app", "-n", "x"])

@@ -257,7 +257,7 @@ impl OpenAi {
             "" => None,
             var => match std::env::var(var) {
                 Ok(k) if !k.trim().is_empty() => {
-                    pitcrew_model::redact::register_secret(&k);
+                    let _ = pitcrew_model::redact::register_secret(&k);
                     Some(k.trim().to_string())
                 }
                 _ => {

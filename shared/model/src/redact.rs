@@ -92,24 +92,40 @@ const MAX_KNOWN: usize = 64;
 /// Redact `value`, one of this process's secrets, wherever it shows from now on: when it is
 /// at least [`MIN_KNOWN_LEN`] bytes long and not a plain word (letters only: `postgresql`
 /// would be redacted out of every error that names the database).
-/// Whether it is (it was known already, or is now): a short or plain value is not, nor one
-/// past the [`MAX_KNOWN`] this process keeps.
-pub fn register_secret(value: &str) -> bool {
+/// Whether it is (known already, or now): a short or plain value is not, nor one past the
+/// [`MAX_KNOWN`] this process keeps.
+pub fn register_secret(value: &str) -> Result<(), NotKept> {
     let value = value.trim();
     if value.len() < MIN_KNOWN_LEN || value.chars().all(|c| c.is_alphabetic()) {
-        return false;
+        return Err(NotKept::Plain);
     }
     let mut known = KNOWN.write().unwrap_or_else(|p| p.into_inner());
     if known.iter().any(|k| k == value) {
-        return true;
+        return Ok(());
     }
     if known.len() >= MAX_KNOWN {
-        return false;
+        return Err(NotKept::Full);
     }
     known.push(value.to_string());
     // Longest first: a secret that holds another is replaced whole, not around it.
     known.sort_by_key(|k| std::cmp::Reverse(k.len()));
-    true
+    Ok(())
+}
+
+/// Stop redacting `value` (a secret's earlier value, replaced by a new one): room for others.
+pub fn forget_secret(value: &str) {
+    KNOWN.write().unwrap_or_else(|p| p.into_inner()).retain(|k| k != value.trim());
+}
+
+/// Why a secret is not redacted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum NotKept {
+    #[error(
+        "too short or plain to be redacted from what pitcrew keeps (under {MIN_KNOWN_LEN} bytes, or letters only)"
+    )]
+    Plain,
+    #[error("one secret too many: this process redacts at most {MAX_KNOWN}")]
+    Full,
 }
 
 /// `text` with every secret it shows replaced.
@@ -214,19 +230,22 @@ mod tests {
         let value = "hooks-T0-B1-9f8e7d6c5b4a";
         let text = format!("SLACK_HOOK={value}\0HOME=/root\0and again {value}.");
         assert!(redact(&text).contains(value), "not a secret until registered");
-        register_secret(value);
-        register_secret("short");
+        assert_eq!(register_secret(value), Ok(()));
+        assert_eq!(register_secret("short"), Err(NotKept::Plain));
         assert_eq!(redact(&text), "SLACK_HOOK=[REDACTED]\0HOME=/root\0and again [REDACTED].");
         assert!(
             matches!(redact("a short word"), Cow::Borrowed(_)),
             "values under {MIN_KNOWN_LEN} bytes are not registered"
         );
-        register_secret("postgresql");
+        assert_eq!(register_secret("postgresql"), Err(NotKept::Plain));
         assert!(matches!(redact("postgresql is down"), Cow::Borrowed(_)), "nor plain words");
         // One secret inside another: the longer is replaced whole.
-        register_secret("abc-123-def");
-        register_secret("abc-123-def-456-ghi");
+        let _ = register_secret("abc-123-def");
+        let _ = register_secret("abc-123-def-456-ghi");
         assert_eq!(redact("k=abc-123-def-456-ghi"), "k=[REDACTED]");
+        // A value replaced by a new one is forgotten.
+        forget_secret("abc-123-def-456-ghi");
+        assert_eq!(redact("k=abc-123-def-456-ghi"), "k=[REDACTED]-456-ghi", "the other one stays");
     }
 
     #[test]

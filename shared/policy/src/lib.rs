@@ -337,7 +337,9 @@ impl Policy {
             }
             // Anywhere else, the value goes where the command sends it (`curl https://x/?k=...`):
             // a human approves that, unless the operator wrote the command (`gate_on_trusting`).
-            if cmd.contains("{secret:") {
+            // In the words the executor fills in, not the text: quotes (`{"secret:"x}`,
+            // `\{secret:x}`) vanish from a word, and the placeholder with them would not show.
+            if argv.iter().any(|w| w.contains("{secret:")) {
                 let why = "puts a secret's value ({secret:NAME}) into the command: a human approves where it goes, \
                            unless the command is one the service's own configuration holds"
                     .to_string();
@@ -420,7 +422,9 @@ impl Policy {
     /// name the secrets they need without a human each time.
     pub fn findings_on_trusting(&self, host: &str, commands: &[String], trusted: &[String]) -> Vec<Finding> {
         let mut all = self.findings_on(host, commands);
-        all.retain(|f| !(f.rule == "secret-use" && trusted.iter().any(|t| t.trim() == f.command.trim())));
+        let words = |c: &str| shell_words::split(c).ok();
+        let trusted: Vec<Vec<String>> = trusted.iter().filter_map(|t| words(t)).collect();
+        all.retain(|f| !(f.rule == "secret-use" && words(&f.command).is_some_and(|w| trusted.contains(&w))));
         all
     }
 

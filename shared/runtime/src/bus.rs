@@ -235,11 +235,11 @@ impl Bus {
         // async-nats ignores credentials in the URL: pass them on.
         opts = match url_credentials(&url) {
             Some(Credentials::UserPassword(user, password)) => {
-                pitcrew_model::redact::register_secret(&password);
+                let _ = pitcrew_model::redact::register_secret(&password);
                 opts.user_and_password(user, password)
             }
             Some(Credentials::Token(token)) => {
-                pitcrew_model::redact::register_secret(&token);
+                let _ = pitcrew_model::redact::register_secret(&token);
                 opts.token(token)
             }
             None => opts,

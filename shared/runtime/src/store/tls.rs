@@ -37,7 +37,7 @@ pub fn target(url: &str) -> Result<Target, StoreError> {
     let mut config: tokio_postgres::Config = rest.parse().map_err(|e| bad(super::said_with_causes(&e)))?;
     // Redacted by its value from here on, wherever it shows (a client's error that quotes it).
     if let Some(password) = config.get_password() {
-        pitcrew_model::redact::register_secret(&String::from_utf8_lossy(password));
+        let _ = pitcrew_model::redact::register_secret(&String::from_utf8_lossy(password));
     }
     // Every `sslmode` read above is gone from `rest`: one tokio-postgres still finds was written
     // where this reading missed it (`sslmode = require`, an escaped key, a `?` in the password),
