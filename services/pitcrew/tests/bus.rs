@@ -911,6 +911,17 @@ async fn a_step_redelivered_after_its_commit_with_another_answer_keeps_the_commi
     crew.shutdown().await
 }
 
+/// A run at its approval step with a plan the gate holds for a human (`kill -9`), and the
+/// request that step makes for it.
+async fn at_approval_of_a_critical_plan(
+) -> anyhow::Result<(Crew, pitcrew_runtime::Deps, pitcrew_model::RunState, pitcrew_model::ApprovalRequest)> {
+    let (crew, deps, mut state) = run_at(Stage::Approval).await?;
+    let commands = vec!["kill -9 42".into()];
+    state.plan = Some(pitcrew_model::Plan { attempt: 1, commands, rationale: String::new(), source: "p".into() });
+    let req = pitcrew_approval::gate::request(&state, "local", "kill-9", "SIGKILL loses state", 600, 1);
+    Ok((crew, deps, state, req))
+}
+
 /// The approval step delivered again after its commit landed, parking this time where the
 /// first delivery went on to execute (two processes of the stage with different policies,
 /// one of them mid-change): the committed transition stands and is sent on (its publish
@@ -918,16 +929,13 @@ async fn a_step_redelivered_after_its_commit_with_another_answer_keeps_the_commi
 /// execute with no message to move it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_approval_step_that_parks_after_another_delivery_went_on_sends_that_one_on() -> anyhow::Result<()> {
-    use pitcrew_model::{Plan, RunState};
+    use pitcrew_model::RunState;
     use pitcrew_runtime::store::RunStatus;
     use pitcrew_runtime::Transition;
-    let (mut crew, deps, mut state) = run_at(Stage::Approval).await?;
-    state.plan =
-        Some(Plan { attempt: 1, commands: vec!["kill -9 42".into()], rationale: String::new(), source: "p".into() });
+    let (mut crew, deps, state, req) = at_approval_of_a_critical_plan().await?;
     let mut first = state.clone();
     first.advance(Stage::Execute);
     assert!(crew.store.commit_transition_with(&first, RunStatus::Open, &[], vec![]).await?);
-    let req = pitcrew_approval::gate::request(&state, "local", "kill-9", "SIGKILL loses state", 600, 1);
     pitcrew_runtime::runner::apply(&crew.bus, &deps, state.clone(), Transition::Park(Box::new(req)), vec![], vec![])
         .await?;
     let db = crew.db().await?;
@@ -949,13 +957,10 @@ async fn an_approval_step_that_parks_after_another_delivery_went_on_sends_that_o
 /// and the request never reached the approvers; the run waited until its approval expired.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_approval_step_that_goes_on_after_another_delivery_parked_sends_that_request() -> anyhow::Result<()> {
-    use pitcrew_model::{ApprovalRequest, Plan, RunEvent};
+    use pitcrew_model::{ApprovalRequest, RunEvent};
     use pitcrew_runtime::store::{Record, RunStatus};
     use pitcrew_runtime::Transition;
-    let (mut crew, deps, mut state) = run_at(Stage::Approval).await?;
-    state.plan =
-        Some(Plan { attempt: 1, commands: vec!["kill -9 42".into()], rationale: String::new(), source: "p".into() });
-    let req = pitcrew_approval::gate::request(&state, "local", "kill-9", "SIGKILL loses state", 600, 1);
+    let (mut crew, deps, state, req) = at_approval_of_a_critical_plan().await?;
     let asked = RunEvent {
         run_id: state.run_id,
         seq: state.seq,

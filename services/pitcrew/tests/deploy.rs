@@ -397,14 +397,11 @@ impl Drop for Pitcrew {
 /// Run `deploy/postgres-init.sh` as the postgres image does (as the superuser, on `url`'s
 /// database), making pitcrew's login with `password`.
 fn postgres_init(url: &str, password: &str) -> anyhow::Result<()> {
-    let cfg: tokio_postgres::Config = url.parse()?;
-    let Some(tokio_postgres::config::Host::Tcp(host)) = cfg.get_hosts().first() else {
-        anyhow::bail!("a TCP host in {url}")
-    };
+    let (cfg, host, port) = server_of(url)?;
     let out = Command::new("sh")
         .arg(repo().join("deploy/postgres-init.sh"))
         .env("PGHOST", host)
-        .env("PGPORT", cfg.get_ports().first().copied().unwrap_or(5432).to_string())
+        .env("PGPORT", port.to_string())
         .env("POSTGRES_USER", cfg.get_user().unwrap_or("postgres"))
         .env("POSTGRES_DB", cfg.get_dbname().unwrap_or_default())
         .env("PITCREW_DB_PASSWORD", password)
@@ -416,12 +413,18 @@ fn postgres_init(url: &str, password: &str) -> anyhow::Result<()> {
 
 /// The URL pitcrew's own login uses for `url`'s database.
 fn login_url(url: &str, password: &str) -> anyhow::Result<String> {
+    let (cfg, host, port) = server_of(url)?;
+    Ok(format!("postgres://pitcrew:{password}@{host}:{port}/{}", cfg.get_dbname().unwrap_or_default()))
+}
+
+/// `url` read, with the TCP host and port of its server.
+fn server_of(url: &str) -> anyhow::Result<(tokio_postgres::Config, String, u16)> {
     let cfg: tokio_postgres::Config = url.parse()?;
-    let Some(tokio_postgres::config::Host::Tcp(host)) = cfg.get_hosts().first() else {
+    let Some(tokio_postgres::config::Host::Tcp(host)) = cfg.get_hosts().first().cloned() else {
         anyhow::bail!("a TCP host in {url}")
     };
     let port = cfg.get_ports().first().copied().unwrap_or(5432);
-    Ok(format!("postgres://pitcrew:{password}@{host}:{port}/{}", cfg.get_dbname().unwrap_or_default()))
+    Ok((cfg, host, port))
 }
 
 /// The owners of `url`'s tables and whether the `pitcrew` login is a superuser.

@@ -90,8 +90,7 @@ impl LocalExecutor {
         if !is_local(host) {
             return Err(ExecError::UnknownHost(host.to_string()));
         }
-        let argv = shell_words::split(command).map_err(|e| ExecError::Parse(e.to_string()))?;
-        let argv = crate::secrets::expand(argv)?;
+        let argv = crate::secrets::argv_of(command)?;
         let (program, args) = argv.split_first().ok_or(ExecError::Empty)?;
 
         let started = Instant::now();

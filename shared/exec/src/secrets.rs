@@ -8,8 +8,7 @@
 
 use crate::ExecError;
 
-/// What a placeholder opens with.
-const OPEN: &str = "{secret:";
+use pitcrew_model::redact::PLACEHOLDER as OPEN;
 
 /// Longest secret name.
 const MAX_NAME: usize = 64;
@@ -20,8 +19,13 @@ const MAX_VALUE: u64 = 64 * 1024;
 /// `argv` with every `{secret:NAME}` replaced by its value, each within its own word (a value
 /// with spaces or quotes stays one argument). The program's own word may not hold one: what
 /// runs must be what the gate judged. A name this worker has no value for runs nothing.
-pub fn expand(argv: Vec<String>) -> Result<Vec<String>, ExecError> {
-    expand_with(argv, |name| value_of(&format!("PITCREW_SECRET_{}", name.to_ascii_uppercase())))
+fn expand(argv: Vec<String>) -> Result<Vec<String>, ExecError> {
+    expand_with(argv, |name| value_of(&var_of(name)))
+}
+
+/// The variable that holds secret `name`'s value on a worker.
+fn var_of(name: &str) -> String {
+    format!("PITCREW_SECRET_{}", name.to_ascii_uppercase())
 }
 
 /// The value `var` holds, or the file `<var>_FILE` names holds (its last newline dropped).
@@ -58,7 +62,7 @@ pub fn register_all() {
         names.sort();
         names.dedup();
         for name in names {
-            match value_of(&format!("PITCREW_SECRET_{name}")) {
+            match value_of(&var_of(&name)) {
                 Ok(Some(value)) => {
                     if let Err(e) = remember(&name, &value) {
                         tracing::warn!(secret = %name, "this secret is {e}: commands that name it will not run");
@@ -86,6 +90,16 @@ fn remember(name: &str, value: &str) -> Result<(), pitcrew_model::redact::NotKep
         None => values.push((key, value.to_string())),
     }
     pitcrew_model::redact::register_secret(value)
+}
+
+/// The words `command` runs: split as a shell would (no shell runs it), its secrets filled
+/// in, at least one.
+pub fn argv_of(command: &str) -> Result<Vec<String>, ExecError> {
+    let argv = shell_words::split(command).map_err(|e| ExecError::Parse(e.to_string()))?;
+    if argv.is_empty() {
+        return Err(ExecError::Empty);
+    }
+    expand(argv)
 }
 
 /// [`expand`] with the values from `lookup` (None: not set; an error: set but unreadable).
@@ -120,10 +134,9 @@ fn expand_with(
                 )));
             }
             let value = lookup(name).map_err(ExecError::Secret)?.ok_or_else(|| {
+                let var = var_of(name);
                 ExecError::Secret(format!(
-                    "secret '{name}' is not set on this worker: set PITCREW_SECRET_{} (or PITCREW_SECRET_{}_FILE to a file holding it)",
-                    name.to_ascii_uppercase(),
-                    name.to_ascii_uppercase()
+                    "secret '{name}' is not set on this worker: set {var} (or {var}_FILE to a file holding it)"
                 ))
             })?;
             if value.contains('\0') {

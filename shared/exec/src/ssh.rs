@@ -272,12 +272,7 @@ impl SshExecutor {
         timeout: Duration,
         ready: crate::BeforeStart<'_>,
     ) -> Result<CommandOutput, ExecError> {
-        let argv = shell_words::split(command).map_err(|e| ExecError::Parse(e.to_string()))?;
-        let argv = crate::secrets::expand(argv)?;
-        if argv.is_empty() {
-            return Err(ExecError::Empty);
-        }
-        let argv = non_interactive_sudo(argv);
+        let argv = non_interactive_sudo(crate::secrets::argv_of(command)?);
         // Waiting for a channel is not the command's time: its deadline starts once it runs.
         let _channel = self.channel(host).await?;
         let session = self.session(host).await?;

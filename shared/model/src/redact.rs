@@ -10,6 +10,10 @@ use std::sync::{LazyLock, RwLock};
 /// What replaces a secret.
 pub const MARK: &str = "[REDACTED]";
 
+/// What a command's placeholder for a secret opens with (`{secret:NAME}`): the policy gate
+/// judges commands that hold one, the executor fills it in.
+pub const PLACEHOLDER: &str = "{secret:";
+
 struct Pattern {
     re: Regex,
     /// The replacement, with `$n` groups kept (the key, the separator).
@@ -91,9 +95,9 @@ const MAX_KNOWN: usize = 64;
 
 /// Redact `value`, one of this process's secrets, wherever it shows from now on: when it is
 /// at least [`MIN_KNOWN_LEN`] bytes long and not a plain word (letters only: `postgresql`
-/// would be redacted out of every error that names the database).
-/// Whether it is (known already, or now): a short or plain value is not, nor one past the
-/// [`MAX_KNOWN`] this process keeps.
+/// would be redacted out of every error that names the database). Says why not when it is
+/// not (known already counts as kept): a short or plain value, or one past the [`MAX_KNOWN`]
+/// this process keeps.
 pub fn register_secret(value: &str) -> Result<(), NotKept> {
     let value = value.trim();
     if value.len() < MIN_KNOWN_LEN || value.chars().all(|c| c.is_alphabetic()) {

@@ -328,7 +328,7 @@ impl Policy {
             }
             // `{secret:NAME}` becomes the worker's value only when the command runs: in the
             // program's word (`sudo /opt/{secret:x}/run`), that value would choose what runs.
-            if unwrapped.path.contains("{secret:") {
+            if unwrapped.path.contains(pitcrew_model::redact::PLACEHOLDER) {
                 let why = format!(
                     "a secret names the program ('{}'): what runs would not be what was judged",
                     unwrapped.path
@@ -339,7 +339,7 @@ impl Policy {
             // a human approves that, unless the operator wrote the command (`gate_on_trusting`).
             // In the words the executor fills in, not the text: quotes (`{"secret:"x}`,
             // `\{secret:x}`) vanish from a word, and the placeholder with them would not show.
-            if argv.iter().any(|w| w.contains("{secret:")) {
+            if argv.iter().any(|w| w.contains(pitcrew_model::redact::PLACEHOLDER)) {
                 let why = "puts a secret's value ({secret:NAME}) into the command: a human approves where it goes, \
                            unless the command is one the service's own configuration holds"
                     .to_string();

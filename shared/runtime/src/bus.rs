@@ -321,10 +321,7 @@ impl Bus {
             // Only a refusal of this stream's own requests counts below (one of an update
             // refused earlier, which some users may not make, is no reason to stop).
             self.refused.lock().unwrap_or_else(|p| p.into_inner()).take();
-            let refused = || {
-                let said = self.refused.lock().unwrap_or_else(|p| p.into_inner()).clone();
-                said.filter(|violation| violation.contains(&format!(".{name}")))
-            };
+            let refused = || self.refusal(|violation| violation.contains(&format!(".{name}")));
             for _ in 0..3 {
                 match self.js.get_or_create_stream(first.clone()).await {
                     Ok(stream) => {
@@ -348,20 +345,23 @@ impl Bus {
                 }
                 return Err(BusError::Setup { what: format!("stream {name}"), error });
             }
-            // A stream made by an older pitcrew keeps its settings: bring them up to date (the
-            // stages stream once expired and dropped pending work). Only the crew's and the
-            // operator's NATS users may; the others leave it to them.
             let Some(info) = found else { continue };
             if retention == stream::RetentionPolicy::Interest && !self.incidents_ready(&info).await {
                 continue;
             }
-            if let Some(old) = Some(info.config).filter(|old| differs(old, &config)) {
+            // A stream made by an older pitcrew keeps its settings: bring them up to date (the
+            // stages stream once expired and dropped pending work). Only the crew's and the
+            // operator's NATS users may; the others leave it to them.
+            let old = info.config;
+            if differs(&old, &config) {
                 match self.js.update_stream(config.clone()).await {
                     Ok(_) => tracing::info!(
                         stream = %name,
+                        retention = ?config.retention,
                         max_age_secs = config.max_age.as_secs(),
                         max_bytes = config.max_bytes,
                         discard = ?config.discard,
+                        was_retention = ?old.retention,
                         was_max_age_secs = old.max_age.as_secs(),
                         was_discard = ?old.discard,
                         "stream settings brought up to date"
@@ -444,6 +444,11 @@ impl Bus {
         }
     }
 
+    /// The last permissions violation the server reported, if `about` it.
+    fn refusal(&self, about: impl Fn(&str) -> bool) -> Option<String> {
+        self.refused.lock().unwrap_or_else(|p| p.into_inner()).clone().filter(|violation| about(violation))
+    }
+
     /// Intake's consumer, made with this process's settings for it if there is none yet.
     async fn intake_consumer(&self) -> Result<(), BusError> {
         let (stream, name) = (self.subjects.incidents_stream(), Stage::Intake.as_str());
@@ -454,8 +459,7 @@ impl Bus {
         // request itself waits for its timeout: whichever comes first.
         let refused = async {
             loop {
-                let said = self.refused.lock().unwrap_or_else(|p| p.into_inner()).clone();
-                if let Some(violation) = said.filter(|v| v.contains("CONSUMER.") && v.contains(&stream)) {
+                if let Some(violation) = self.refusal(|v| v.contains("CONSUMER.") && v.contains(&stream)) {
                     return violation;
                 }
                 tokio::time::sleep(Duration::from_millis(20)).await;
@@ -531,14 +535,13 @@ impl Bus {
     /// this before publishing its end again.
     pub async fn holds_event(&self, event: &pitcrew_model::RunEvent) -> Result<bool, BusError> {
         let subject = self.subjects.event(event.run_id, event.kind.as_str());
-        let last = self.last_on(&self.subjects.events_stream(), &subject).await?;
-        Ok(last.is_some_and(|last| last.headers.get(NATS_MESSAGE_ID).is_some_and(|id| id.as_str() == event.msg_id())))
+        self.holds(&self.subjects.events_stream(), &subject, &event.msg_id()).await
     }
 
-    /// Whether the last approval request of `run` on the bus has the message id `id`: a
-    /// request sent again past the stream's duplicate window would show twice to approvers.
-    pub async fn holds_request(&self, id: &str, run: uuid::Uuid) -> Result<bool, BusError> {
-        let last = self.last_on(&self.subjects.approvals_stream(), &self.subjects.approval_requested(run)).await?;
+    /// Whether the last message on `subject` of `stream` has the message id `id`: one sent
+    /// again past the stream's duplicate window would not be dropped as a duplicate.
+    pub async fn holds(&self, stream: &str, subject: &str, id: &str) -> Result<bool, BusError> {
+        let last = self.last_on(stream, subject).await?;
         Ok(last.is_some_and(|last| last.headers.get(NATS_MESSAGE_ID).is_some_and(|held| held.as_str() == id)))
     }
 

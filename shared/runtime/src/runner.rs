@@ -539,10 +539,7 @@ pub async fn apply(
             }
             // The request first, then the events: whoever sees `approval_requested` (an
             // operator, `pitcrew watch`, the demo) finds the request on the bridge subject.
-            // Not twice: a redelivery past the bus's duplicate window would show it again.
-            if !bus.holds_request(&request_id(&req), req.run_id).await? {
-                publish_request(bus, &req).await?;
-            }
+            send_request(bus, &req).await?;
             publish_events(bus, &events).await?;
         }
         Transition::Done(outcome) => {
@@ -658,11 +655,7 @@ async fn resend_committed(bus: &Bus, deps: &Deps, refused: &RunState, from: (Sta
                 "an earlier delivery of this step parked the run for approval: sending its request on"
             );
             match serde_json::from_value::<ApprovalRequest>(asked.data.clone()) {
-                Ok(req) => {
-                    if !bus.holds_request(&request_id(&req), req.run_id).await? {
-                        publish_request(bus, &req).await?;
-                    }
-                }
+                Ok(req) => send_request(bus, &req).await?,
                 Err(e) => {
                     tracing::warn!(run = %refused.run_id, error = %e, "the parked step's request cannot be read back: not sent again")
                 }
@@ -674,17 +667,18 @@ async fn resend_committed(bus: &Bus, deps: &Deps, refused: &RunState, from: (Sta
     Ok(())
 }
 
-/// An approval request's message id. The attempt is in it: the same plan asked for again by
-/// a later attempt is a new request, not a duplicate the bus drops.
-fn request_id(req: &ApprovalRequest) -> String {
-    format!("{}.{}.{}.request", req.run_id, req.plan_hash, req.attempt)
-}
-
-/// Publish an approval request on the bridge subject.
-async fn publish_request(bus: &Bus, req: &ApprovalRequest) -> Result<(), BusError> {
+/// Publish an approval request on the bridge subject, unless it is there already: a step
+/// delivered again past the bus's duplicate window would show it to approvers twice. The
+/// attempt is in its id: the same plan asked for again by a later attempt is a new request,
+/// not a duplicate the bus drops.
+async fn send_request(bus: &Bus, req: &ApprovalRequest) -> Result<(), BusError> {
+    let id = format!("{}.{}.{}.request", req.run_id, req.plan_hash, req.attempt);
+    let subject = bus.subjects.approval_requested(req.run_id);
+    if bus.holds(&bus.subjects.approvals_stream(), &subject, &id).await? {
+        return Ok(());
+    }
     let payload = serde_json::to_vec(req).expect("approval request serialises");
-    bus.publish(bus.subjects.approval_requested(req.run_id), &request_id(req), JSON, Some(req.run_id), payload.into())
-        .await
+    bus.publish(subject, &id, JSON, Some(req.run_id), payload.into()).await
 }
 
 /// Publish a state to the stage it is addressed to.
