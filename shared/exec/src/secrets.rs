@@ -89,7 +89,7 @@ fn remember(name: &str, value: &str) -> Result<(), pitcrew_model::redact::NotKep
         }
         None => values.push((key, value.to_string())),
     }
-    pitcrew_model::redact::register_secret(value)
+    pitcrew_model::redact::register_command_secret(value)
 }
 
 /// The words `command` runs: split as a shell would (no shell runs it), its secrets filled

@@ -93,12 +93,29 @@ pub const MIN_KNOWN_LEN: usize = MARK.len();
 /// Most values registered: the secrets of one process's configuration.
 const MAX_KNOWN: usize = 64;
 
+/// Of [`MAX_KNOWN`], the most the secrets commands name may take (see
+/// [`register_command_secret`]): the rest stays free for the process's own credentials (its
+/// NATS and Postgres passwords, the model's key, a chat bridge's tokens), which a process may
+/// learn after its executors registered theirs.
+pub const MAX_COMMAND_SECRETS: usize = MAX_KNOWN - 16;
+
 /// Redact `value`, one of this process's secrets, wherever it shows from now on: when it is
 /// at least [`MIN_KNOWN_LEN`] bytes long and not a plain word (letters only: `postgresql`
 /// would be redacted out of every error that names the database). Says why not when it is
 /// not (known already counts as kept): a short or plain value, or one past the [`MAX_KNOWN`]
 /// this process keeps.
 pub fn register_secret(value: &str) -> Result<(), NotKept> {
+    register_within(value, MAX_KNOWN)
+}
+
+/// [`register_secret`] for the value of a secret commands name (`{secret:NAME}`): kept only
+/// while fewer than [`MAX_COMMAND_SECRETS`] values are, so however many an operator gives a
+/// worker, its own credentials are still redacted.
+pub fn register_command_secret(value: &str) -> Result<(), NotKept> {
+    register_within(value, MAX_COMMAND_SECRETS)
+}
+
+fn register_within(value: &str, room: usize) -> Result<(), NotKept> {
     let value = value.trim();
     if value.len() < MIN_KNOWN_LEN || value.chars().all(|c| c.is_alphabetic()) {
         return Err(NotKept::Plain);
@@ -107,7 +124,7 @@ pub fn register_secret(value: &str) -> Result<(), NotKept> {
     if known.iter().any(|k| k == value) {
         return Ok(());
     }
-    if known.len() >= MAX_KNOWN {
+    if known.len() >= room {
         return Err(NotKept::Full);
     }
     known.push(value.to_string());
@@ -128,7 +145,10 @@ pub enum NotKept {
         "too short or plain to be redacted from what pitcrew keeps (under {MIN_KNOWN_LEN} bytes, or letters only)"
     )]
     Plain,
-    #[error("one secret too many: this process redacts at most {MAX_KNOWN}")]
+    #[error(
+        "one secret too many: this process redacts at most {MAX_KNOWN} values, of which secrets commands name \
+         may take {MAX_COMMAND_SECRETS}"
+    )]
     Full,
 }
 
@@ -250,6 +270,30 @@ mod tests {
         // A value replaced by a new one is forgotten.
         forget_secret("abc-123-def-456-ghi");
         assert_eq!(redact("k=abc-123-def-456-ghi"), "k=[REDACTED]-456-ghi", "the other one stays");
+    }
+
+    /// However many secrets a worker's commands may name, room is left for the worker's own
+    /// credentials, which it may learn after them (the monitor connects to NATS after it made
+    /// its executors).
+    #[test]
+    fn secrets_commands_name_leave_room_for_the_process_own() {
+        let mut kept = 0;
+        for i in 0..MAX_KNOWN {
+            match register_command_secret(&format!("command-secret-{i:03}-Zq")) {
+                Ok(()) => kept += 1,
+                Err(e) => assert_eq!(e, NotKept::Full),
+            }
+        }
+        assert!(kept > 0 && kept <= MAX_COMMAND_SECRETS, "{kept} kept");
+        assert_eq!(register_command_secret("command-secret-late-Zq"), Err(NotKept::Full));
+        assert_eq!(register_command_secret("command-secret-000-Zq"), Ok(()), "one kept already stays kept");
+        let own = "nats-password-after-them-7";
+        assert_eq!(register_secret(own), Ok(()));
+        assert_eq!(redact(&format!("auth failed for {own}")), "auth failed for [REDACTED]");
+        for i in 0..MAX_KNOWN {
+            forget_secret(&format!("command-secret-{i:03}-Zq"));
+        }
+        forget_secret(own);
     }
 
     #[test]
