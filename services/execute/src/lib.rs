@@ -597,6 +597,17 @@ impl StageHandler for Execute {
                                     }
                                     return Err(StageError::Transient(e));
                                 }
+                                // A secret this worker does not hold (or cannot use): nothing
+                                // ran, and nothing is known of the command. Recorded as not run,
+                                // not failed: episodic memory would bar the command for every
+                                // worker, those that hold the value too. Verify decides, as for
+                                // any plan left alone.
+                                Err(ExecError::Secret(e)) => not_run(
+                                    state.attempt,
+                                    index,
+                                    command,
+                                    &format!("not run by worker {}: {e}", cx.deps.worker),
+                                ),
                                 Err(e) => ExecutionRecord {
                                     attempt: state.attempt,
                                     index,
@@ -627,8 +638,10 @@ impl StageHandler for Execute {
                 if rec.status != ExecutionStatus::Succeeded && !stop {
                     stop = true;
                     // The rest of a plan left alone is left alone for the same reason.
-                    stop_why = if rec.status == ExecutionStatus::Skipped {
+                    stop_why = if rec.status == ExecutionStatus::Skipped && skip.is_some() {
                         rec.output.clone()
+                    } else if rec.status == ExecutionStatus::Skipped {
+                        format!("not run: command {index} of the plan could not start")
                     } else {
                         "not run: an earlier command of the plan did not succeed".into()
                     };

@@ -156,16 +156,39 @@ async fn a_secret_a_command_names_reaches_the_program_and_nothing_else() -> anyh
     assert!(!logged.contains(VALUE), "the value reached the worker's log");
     drop(worker);
 
-    // A worker that does not hold it runs none of the plan's commands that name it (the run
-    // then goes on as after any failed command: here, a retry without them fixes it).
+    // A worker that does not hold it runs none of the plan's commands that name it, nor the
+    // rest of the plan, and says which is missing. Nothing is known of those commands: they
+    // are recorded as not run, and episodic memory, which every worker reads, does not bar
+    // them as failed (a worker that holds the value would not be let run them). Verify
+    // decides, and with the same plan every attempt the run escalates.
     let mut bare = crew.spawn_worker_with("w2", &stages, &[], "")?;
     std::fs::remove_file(&healthy)?;
     let again = crew.open("svc", "credentials expired again").await?;
-    crew.events.terminal(again, common::WAIT).await?;
-    let sql = "SELECT coalesce(output, '') FROM executions WHERE run_id = $1 AND idx = 0 ORDER BY attempt";
-    let failed = texts(&db, sql, again).await;
-    assert!(failed[0].contains("secret 'api_key' is not set on this worker"), "{failed:?}");
-    assert!(failed[0].contains("PITCREW_SECRET_API_KEY"), "{failed:?}");
+    let end = crew.events.terminal(again, common::WAIT).await?;
+    assert_eq!(end.kind, EventKind::Escalated, "{}", end.message);
+    let sql = "SELECT idx || ' ' || status || ': ' || coalesce(output, '') FROM executions WHERE run_id = $1 \
+               ORDER BY attempt, idx";
+    let records = texts(&db, sql, again).await;
+    assert!(records.len() >= 2, "every attempt tried its plan: {records:?}");
+    for record in &records {
+        assert!(record.starts_with("0 skipped: not run by worker w2"), "{records:?}");
+        assert!(record.contains("secret 'api_key' is not set on this worker"), "{records:?}");
+        assert!(record.contains("PITCREW_SECRET_API_KEY"), "{records:?}");
+    }
+    let sql = "SELECT e->>'status' || ': ' || (e->>'output') FROM runs, jsonb_array_elements(state->'executions') e \
+               WHERE id = $1 AND e->>'index' = '2'";
+    let rest = texts(&db, sql, again).await;
+    assert_eq!(rest.len(), 1, "the last attempt's record of the plan's last command: {rest:?}");
+    assert!(rest[0].starts_with("skipped: not run: command 0 of the plan could not start"), "{rest:?}");
+    assert!(!std::path::Path::new(&healthy).exists(), "the plan's last command did not run");
+    let barred: i64 = db
+        .query_one(
+            "SELECT count(*) FROM episodes WHERE NOT success AND 'echo key={secret:api_key}' = ANY(commands)",
+            &[],
+        )
+        .await?
+        .get(0);
+    assert_eq!(barred, 0, "memory would bar the service's own start for every worker");
     stop(&mut bare)?;
     drop(bare);
     crew.shutdown().await

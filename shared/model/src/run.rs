@@ -146,7 +146,9 @@ pub enum ExecutionStatus {
     TimedOut,
     /// Started by an earlier delivery that never recorded an end: not run again.
     Interrupted,
-    /// Not run because an earlier command of the plan failed.
+    /// Not run: an earlier command of the plan did not succeed, the plan was left alone
+    /// (another run fixed the service first), or the worker did not hold a secret the command
+    /// names. Its output says which.
     Skipped,
 }
 
