@@ -519,6 +519,43 @@ async fn a_consumer_told_to_stop_pulls_nothing_more() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// A message that arrives after the signal, while the worker's pull still waits for one (an
+/// idle pull waits up to a second), is handed back at once, not started: a stopping worker
+/// began handlers (model calls, commands) its drain could then cut short.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_that_arrives_after_the_signal_is_handed_back_not_started() -> anyhow::Result<()> {
+    // A message neither settled nor handed back would come back only after a minute.
+    let (_env, cfg, bus, consumer) = waiting_on_report("[stage.report]\nack_wait_secs = 60\n", 0).await?;
+    let settings = cfg.stage_settings(Stage::Report);
+    let handled = Arc::new(AtomicUsize::new(0));
+    let (stop, running) = consuming(
+        bus.client.clone(),
+        consumer.clone(),
+        settings,
+        Arc::new(Counting(handled.clone())),
+        Duration::from_secs(5),
+    );
+    // Its pull waits on the empty stream; the signal comes, then a message.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let _ = stop.send(());
+    let mut headers = HeaderMap::new();
+    headers.insert(NATS_MESSAGE_ID, "after-the-signal");
+    bus.js.publish_with_headers(bus.subjects.stage(Stage::Report), headers, "x".into()).await?.await?;
+    tokio::time::timeout(WAIT, running).await??;
+    assert_eq!(handled.load(Ordering::SeqCst), 0, "a stopping worker started a message");
+    // Handed back: the next worker takes it at once.
+    let (stop, running) =
+        consuming(bus.client.clone(), consumer, settings, Arc::new(Counting(handled.clone())), Duration::from_secs(5));
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while handled.load(Ordering::SeqCst) < 1 {
+        anyhow::ensure!(tokio::time::Instant::now() < deadline, "the message was not handed back");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let _ = stop.send(());
+    running.await?;
+    Ok(())
+}
+
 /// A pull the server answers at once with nothing is not repeated at once. The server does
 /// so ("408 Requests Pending") while it holds a message it cannot hand out (the consumer's
 /// ack-pending limit is reached) and another worker's pull waits for more than it holds: the

@@ -124,6 +124,10 @@ pub async fn consume<H: MessageHandler>(
         };
         let mut permit = Some(first);
         let (mut pulled, mut error) = (0usize, None);
+        // Set once shutdown came while the batch was read (an idle pull waits up to
+        // `FETCH_EXPIRES` for messages): what arrives after it is handed back, not started.
+        let mut stopping = false;
+        let mut handed_back = 0usize;
         // A fetch holds at most `want` messages, and we hold `want` permits' worth: every
         // message starts at once. Finishing the batch is not raced with shutdown, so none of
         // the fetched messages is left unsettled (it would wait out its ack timer).
@@ -138,6 +142,23 @@ pub async fn consume<H: MessageHandler>(
                 }
             };
             pulled += 1;
+            // Looked at once a message is in hand, and never again once it fired (a finished
+            // future is not polled twice).
+            stopping = stopping || shutdown.as_mut().now_or_never().is_some();
+            if stopping {
+                // Without delay: another worker takes it now. Bounded: with NATS gone the nak
+                // cannot go out, and the message comes back after its ack wait.
+                match tokio::time::timeout(crate::bus::FLUSH_LIMIT, msg.ack_with(AckKind::Nak(None))).await {
+                    Ok(Ok(())) => handed_back += 1,
+                    Ok(Err(e)) => {
+                        tracing::warn!(subject = %msg.subject, error = %e, "cannot hand a message back: it is redelivered after its ack wait")
+                    }
+                    Err(_) => {
+                        tracing::warn!(subject = %msg.subject, "NATS did not take a hand-back in time: the message is redelivered after its ack wait")
+                    }
+                }
+                continue;
+            }
             let permit = match permit.take() {
                 Some(p) => p,
                 None => sem.clone().acquire_owned().await.expect("semaphore never closed"),
@@ -171,6 +192,10 @@ pub async fn consume<H: MessageHandler>(
             held.insert(task.id(), (kept, began));
         }
         drop(permit);
+        if stopping {
+            tracing::info!(consumer = %name, handed_back, "stopping: messages that came after the signal were handed back, not started");
+            break 'outer;
+        }
         if pulled > 0 {
             failures = 0;
         }
