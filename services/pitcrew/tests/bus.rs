@@ -360,6 +360,41 @@ async fn a_poison_stage_message_is_dead_lettered_and_its_run_escalated() -> anyh
     crew.shutdown().await
 }
 
+/// A poison message whose run Postgres refuses to escalate (a refusal, not an outage) is
+/// settled once its dead letter is stored: every retry would be refused the same way, and each
+/// stored another dead letter once past the bus's duplicate window. The run is left as it is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_poison_message_whose_run_cannot_be_escalated_is_dead_lettered_once_and_settled() -> anyhow::Result<()> {
+    let (mut crew, run) = held_before_execute().await?;
+    let db = crew.db().await?;
+    db.batch_execute(&format!(
+        "CREATE FUNCTION refuse_escalation() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN
+             IF NEW.id = '{run}' AND NEW.stage = 'escalate' THEN RAISE EXCEPTION 'no escalation here'; END IF;
+             RETURN NEW;
+         END $$;
+         CREATE TRIGGER refuse_escalation BEFORE UPDATE ON runs FOR EACH ROW EXECUTE FUNCTION refuse_escalation();"
+    ))
+    .await?;
+    publish_garbage(&crew, Stage::Verify, run, "garbage-refused").await?;
+    let stages = crew.bus.js.get_stream(crew.bus.subjects.stages_stream()).await?;
+    let verify = crew.bus.subjects.stage(Stage::Verify);
+    tokio::time::timeout(WAIT, async {
+        while stages.get_last_raw_message_by_subject(&verify).await.is_ok() {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await
+    .map_err(|_| anyhow::anyhow!("the poison message was never settled"))?;
+    let dlq = crew.bus.js.get_stream(crew.bus.subjects.dlq_stream()).await?;
+    let dead = dlq.get_last_raw_message_by_subject(&crew.bus.subjects.dlq("verify")).await?;
+    assert!(std::str::from_utf8(&dead.payload)?.contains("not msgpack"));
+    assert_eq!(dlq.get_info().await?.state.messages, 1, "dead-lettered once");
+    let status: String = db.query_one("SELECT status FROM runs WHERE id = $1", &[&run]).await?.get(0);
+    assert_eq!(status, "open", "left as it is, for a human");
+    crew.shutdown().await
+}
+
 /// Two copies of an execute message at once (a redelivery while the first still works, in
 /// another process): one runs the plan's first command; the other takes the target after it,
 /// finds the service passing its check (that command fixed it) after another run remediated

@@ -376,10 +376,16 @@ impl StageRunner {
             tracing::warn!(stage = %stage, error = %why, stream_seq, "not dead-lettered while Postgres cannot take writes");
             return wait;
         }
-        tracing::error!(stage = %stage, error = %why, stream_seq, "poison message: dead-lettering");
-        if let Err(e) = dead_letter(&self.bus, msg, stage.as_str(), why, &format!("{stream}.{stream_seq}")).await {
-            tracing::warn!(stage = %stage, error = %e, "dead-letter publish failed: will retry");
-            return Disposition::Nak(backoff(delivered));
+        // A message whose run could not be escalated after its dead letter comes back here: its
+        // dead letter is not stored again (past the bus's duplicate window, it would be).
+        let id = format!("{stream}.{stream_seq}");
+        let dlq = (self.bus.subjects.dlq_stream(), self.bus.subjects.dlq(stage.as_str()));
+        if !matches!(self.bus.holds(&dlq.0, &dlq.1, &format!("dlq.{id}")).await, Ok(true)) {
+            tracing::error!(stage = %stage, error = %why, stream_seq, "poison message: dead-lettering");
+            if let Err(e) = dead_letter(&self.bus, msg, stage.as_str(), why, &id).await {
+                tracing::warn!(stage = %stage, error = %e, "dead-letter publish failed: will retry");
+                return Disposition::Nak(backoff(delivered));
+            }
         }
         // Find the run: from the decoded state, or the run header and the store.
         let state = match state {
@@ -456,11 +462,23 @@ impl StageRunner {
         if stage == Stage::Escalate && state.escalation_reason.is_none() {
             state.escalation_reason = Some(why.to_string());
         }
+        let run = state.run_id;
         match apply(&self.bus, &self.deps, state, t, events, Vec::new()).await {
             Ok(()) => Disposition::Term,
-            Err(e) => {
+            Err(e) if e.is_transient() => {
                 tracing::warn!(error = %e, "escalating poisoned run failed: will retry");
                 Disposition::Nak(backoff(delivered))
+            }
+            // Refused as written (by Postgres, or NATS' permissions): every retry would be
+            // refused the same way, and the message is in the DLQ. The run is left as it is,
+            // for a human.
+            Err(e) => {
+                tracing::error!(
+                    stage = %stage, run = %run, error = %e, stream_seq,
+                    "the run of a dead-lettered message cannot be escalated: it is left as it is, for a human \
+                     (its message is in the DLQ)"
+                );
+                Disposition::Term
             }
         }
     }
