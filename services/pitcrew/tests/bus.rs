@@ -1122,6 +1122,42 @@ async fn a_run_state_from_a_newer_worker_is_left_for_one() -> anyhow::Result<()>
 /// oldest dropped when full) is brought to that, with the incidents it holds, unless others
 /// read it too, and so is a new one, which is made with intake's consumer before any intake
 /// process runs: without one, it would keep nothing. A consumer deleted by hand is made again.
+/// A state from a newer worker that no worker reading it took within the stage's limits (an
+/// upgrade rolled back) goes to the DLQ for a human: it was handed back every 30 s for as long
+/// as the stream kept it (forever). Its run is left as it is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_state_from_a_newer_worker_none_took_is_dead_lettered_past_the_limits() -> anyhow::Result<()> {
+    let env = TestEnv::start().await?;
+    let text = format!("[stages]\nmax_deliveries = 1\npoison_after_secs = 1\n{}", marker_service(&env, "svc"));
+    let mut crew = Crew::start_in(env, &text, &[Stage::Verify]).await?;
+    let run = uuid::Uuid::now_v7();
+    let newer = serde_json::json!({ "version": pitcrew_model::RUN_STATE_VERSION + 1, "run_id": run, "step": "verify" });
+    let mut headers = HeaderMap::new();
+    headers.insert(NATS_MESSAGE_ID, "newer-rolled-back");
+    headers.insert(CONTENT_TYPE, MSGPACK);
+    headers.insert(pitcrew_runtime::bus::RUN_HEADER, run.to_string().as_str());
+    let payload = pitcrew_model::codec::to_msgpack(&newer);
+    crew.bus.publish_with_headers(crew.bus.subjects.stage(Stage::Verify), headers, payload.into()).await?;
+    // Handed back for 30 s once, then past both limits.
+    let dlq = crew.bus.js.get_stream(crew.bus.subjects.dlq_stream()).await?;
+    let subject = crew.bus.subjects.dlq("verify");
+    let dead = tokio::time::timeout(Duration::from_secs(60), async {
+        loop {
+            if let Ok(dead) = dlq.get_last_raw_message_by_subject(&subject).await {
+                return dead;
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    })
+    .await
+    .map_err(|_| anyhow::anyhow!("never dead-lettered"))?;
+    let why = dead.headers.get(pitcrew_runtime::bus::ERROR_HEADER).map(|v| v.to_string()).unwrap_or_default();
+    assert!(why.contains("newer") && why.contains("no worker that reads it took it"), "{why}");
+    let stages = crew.bus.js.get_stream(crew.bus.subjects.stages_stream()).await?;
+    emptied(&stages).await?;
+    crew.shutdown().await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_incidents_stream_keeps_an_incident_until_intake_took_it() -> anyhow::Result<()> {
     use async_nats::jetstream::{consumer, stream};

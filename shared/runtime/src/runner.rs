@@ -183,7 +183,14 @@ impl StageRunner {
             Ok(s) => s,
             Err(Unreadable::Newer(why)) => {
                 // Written by a newer worker (a rolling upgrade): not poison. Left for a worker
-                // that reads it; this one looks again in a while.
+                // that reads it; this one looks again in a while. Past the limits, none came
+                // (an upgrade rolled back): the DLQ keeps it for a human. Its run is left as it
+                // is: this worker cannot read the state it would escalate.
+                if let Some(limits) = &exhausted {
+                    return self
+                        .dead_letter_only(msg, &format!("{why}; no worker that reads it took it: {limits}"))
+                        .await;
+                }
                 tracing::warn!(stage = %stage, error = %why, delivered, "run state from a newer worker: leaving it for one");
                 return Disposition::Nak(NEWER_STATE_WAIT);
             }
@@ -364,11 +371,37 @@ impl StageRunner {
         self.poison(msg, state, &format!("{limits}; the last try: {error}")).await
     }
 
+    /// Store the message in the DLQ, unless it is there already: a message whose run could
+    /// not be escalated after its dead letter comes back (past the bus's duplicate window, it
+    /// would be stored again). `Err` holds the retry when the publish failed.
+    async fn dead_letter_once(&self, msg: &jetstream::Message, why: &str) -> Result<(), Disposition> {
+        let stage = self.handler.stage();
+        let (stream, stream_seq, delivered) = delivery(msg);
+        let id = format!("{stream}.{stream_seq}");
+        let (dlq, subject) = (self.bus.subjects.dlq_stream(), self.bus.subjects.dlq(stage.as_str()));
+        if matches!(self.bus.holds(&dlq, &subject, &format!("dlq.{id}")).await, Ok(true)) {
+            return Ok(());
+        }
+        tracing::error!(stage = %stage, error = %why, stream_seq, "poison message: dead-lettering");
+        dead_letter(&self.bus, msg, stage.as_str(), why, &id).await.map_err(|e| {
+            tracing::warn!(stage = %stage, error = %e, "dead-letter publish failed: will retry");
+            Disposition::Nak(backoff(delivered))
+        })
+    }
+
+    /// Dead-letter the message and settle it, its run left alone.
+    async fn dead_letter_only(&self, msg: &jetstream::Message, why: &str) -> Disposition {
+        match self.dead_letter_once(msg, why).await {
+            Ok(()) => Disposition::Term,
+            Err(wait) => wait,
+        }
+    }
+
     /// Dead-letter the message, then escalate its run (when it has one). Term only once the
     /// dead letter is safely stored; otherwise retry.
     async fn poison(&self, msg: &jetstream::Message, state: Option<RunState>, why: &str) -> Disposition {
         let stage = self.handler.stage();
-        let (stream, stream_seq, delivered) = delivery(msg);
+        let (_, stream_seq, delivered) = delivery(msg);
         // Its run is looked up and escalated in Postgres after the dead letter: while Postgres
         // cannot take writes, each retry would store another dead letter (past the bus's
         // duplicate window) for the same message.
@@ -376,16 +409,8 @@ impl StageRunner {
             tracing::warn!(stage = %stage, error = %why, stream_seq, "not dead-lettered while Postgres cannot take writes");
             return wait;
         }
-        // A message whose run could not be escalated after its dead letter comes back here: its
-        // dead letter is not stored again (past the bus's duplicate window, it would be).
-        let id = format!("{stream}.{stream_seq}");
-        let dlq = (self.bus.subjects.dlq_stream(), self.bus.subjects.dlq(stage.as_str()));
-        if !matches!(self.bus.holds(&dlq.0, &dlq.1, &format!("dlq.{id}")).await, Ok(true)) {
-            tracing::error!(stage = %stage, error = %why, stream_seq, "poison message: dead-lettering");
-            if let Err(e) = dead_letter(&self.bus, msg, stage.as_str(), why, &id).await {
-                tracing::warn!(stage = %stage, error = %e, "dead-letter publish failed: will retry");
-                return Disposition::Nak(backoff(delivered));
-            }
+        if let Err(wait) = self.dead_letter_once(msg, why).await {
+            return wait;
         }
         // Find the run: from the decoded state, or the run header and the store.
         let state = match state {
