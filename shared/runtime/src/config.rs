@@ -597,6 +597,12 @@ pub(crate) fn name_char(c: char) -> bool {
 /// Longest `limits.approval_timeout_secs`: 30 days (the approvals stream keeps requests 90).
 pub const MAX_APPROVAL_TIMEOUT_SECS: u64 = 30 * 24 * 3600;
 
+/// Most messages one process handles at once for one stage.
+pub const MAX_STAGE_CONCURRENCY: usize = 65_536;
+
+/// Longest ack wait a stage may set.
+pub const MAX_ACK_WAIT_SECS: u64 = 86_400;
+
 /// `PITCREW_*` variables that are not config keys (read elsewhere).
 const NOT_CONFIG: &[&str] = &[
     "log",
@@ -718,6 +724,27 @@ impl Config {
         for name in self.stage.keys() {
             if name.parse::<Stage>().is_err() {
                 return bad(format!("[stage.{name}]: unknown stage"));
+            }
+        }
+        // Past these, a number stops meaning what it says: NATS takes the ack wait in
+        // nanoseconds as an i64 (18446744074 s arrives as 0.29 s), and tokio's semaphore
+        // panics above `usize::MAX >> 3` permits.
+        let scopes =
+            std::iter::once(("stages".to_string(), Some(self.stages.concurrency), Some(self.stages.ack_wait_secs)))
+                .chain(self.stage.iter().map(|(name, o)| (format!("stage.{name}"), o.concurrency, o.ack_wait_secs)));
+        for (scope, concurrency, ack_wait) in scopes {
+            if concurrency.is_some_and(|c| c > MAX_STAGE_CONCURRENCY) {
+                return bad(format!(
+                    "[{scope}] concurrency ({}) must be at most {MAX_STAGE_CONCURRENCY}",
+                    concurrency.unwrap_or_default()
+                ));
+            }
+            if ack_wait.is_some_and(|w| w > MAX_ACK_WAIT_SECS) {
+                return bad(format!(
+                    "[{scope}] ack_wait_secs ({}) must be at most {MAX_ACK_WAIT_SECS} (a day): a step holding \
+                     its message longer sends progress acks, whatever this is",
+                    ack_wait.unwrap_or_default()
+                ));
             }
         }
         for (name, host) in &self.hosts {
@@ -996,6 +1023,21 @@ mod tests {
         assert!(e.contains("limits.approval_timeout_secs (10000000000000) must be 1 to 2592000"), "{e}");
         assert!(Config::from_toml("[limits]\napproval_timeout_secs = 0\n").is_err());
         assert!(Config::from_toml("[limits]\napproval_timeout_secs = 2592000\n").is_ok());
+    }
+
+    /// An ack wait NATS would read wrapped (it takes nanoseconds as an i64) and a concurrency
+    /// tokio's semaphore panics on are refused as the configuration is read.
+    #[test]
+    fn stage_numbers_past_what_they_can_mean_are_refused() {
+        let e = Config::from_toml("[stages]\nack_wait_secs = 18446744074\n").unwrap_err().to_string();
+        assert!(e.contains("[stages] ack_wait_secs (18446744074) must be at most 86400"), "{e}");
+        let e = Config::from_toml("[stage.diagnose]\nack_wait_secs = 86401\n").unwrap_err().to_string();
+        assert!(e.contains("[stage.diagnose] ack_wait_secs (86401)"), "{e}");
+        let e = Config::from_toml("[stage.plan]\nconcurrency = 4611686018427387904\n").unwrap_err().to_string();
+        assert!(e.contains("[stage.plan] concurrency (4611686018427387904) must be at most 65536"), "{e}");
+        assert!(Config::from_toml("[stages]\nconcurrency = 65537\n").is_err());
+        let fine = "[stages]\nack_wait_secs = 86400\nconcurrency = 65536\n[stage.diagnose]\nconcurrency = 1000\n";
+        assert!(Config::from_toml(fine).is_ok());
     }
 
     #[test]
