@@ -135,7 +135,7 @@ pub async fn pending(
         .into_iter()
         .map(|p| {
             json!({
-                "run_id": p.run_id, "plan_hash": p.plan_hash, "rule": p.rule, "commands": p.commands,
+                "run_id": p.run_id, "plan_hash": p.plan_hash, "attempt": p.attempt, "rule": p.rule, "commands": p.commands,
                 "requested_at": p.requested_at, "expires_at": p.expires_at,
             })
         })
@@ -149,6 +149,9 @@ pub async fn pending(
 pub struct DecisionBody {
     /// The plan the decider saw: refused (409) when the run now waits on another.
     plan_hash: Option<String>,
+    /// The attempt whose request the decider saw: refused (409) when the run now asks again
+    /// for a later one, the same plan included (its earlier run did not fix the service).
+    attempt: Option<u32>,
     reason: Option<String>,
 }
 
@@ -203,7 +206,7 @@ async fn decide(
     let input = DecisionInput {
         run,
         plan_hash: body.plan_hash.as_deref(),
-        attempt: None,
+        attempt: body.attempt,
         decision,
         by: &caller.name,
         reason,
@@ -223,6 +226,7 @@ async fn decide(
         StatusCode::ACCEPTED,
         Json(json!({
             "run_id": run, "decision": decision.as_str(), "by": caller.name, "plan_hash": req.plan_hash,
+            "attempt": req.attempt,
             "plan": req.plan, "quorum": req.quorum,
         })),
     )

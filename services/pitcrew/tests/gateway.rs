@@ -451,6 +451,7 @@ async fn a_run_streams_its_past_then_live_events_and_is_approved_over_http() -> 
     assert_eq!(status, StatusCode::OK);
     let plan_hash = pending["approvals"][0]["plan_hash"].as_str().unwrap_or_default().to_string();
     assert_eq!(pending["approvals"][0]["run_id"], json!(run), "{pending}");
+    assert_eq!(pending["approvals"][0]["attempt"], json!(1), "{pending}");
 
     // The stream replays the past (intake first, up to the approval request) ...
     let resp = api.stream(&format!("/v1/runs/{run}/events"), "rita").await?;
@@ -474,9 +475,17 @@ async fn a_run_streams_its_past_then_live_events_and_is_approved_over_http() -> 
     let (status, body) = api.post(&format!("/v1/runs/{run}/deny"), "ann", &json!({})).await?;
     assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY);
     assert!(body["error"].as_str().unwrap_or_default().contains("needs a reason"), "{body}");
+    // A decision read off another attempt's request (the run asked again, the same plan
+    // included) is refused: a retry of an old decision does not approve the new request.
+    let stale = json!({"plan_hash": plan_hash, "attempt": 2});
+    let (status, body) = api.post(&format!("/v1/runs/{run}/approve"), "ann", &stale).await?;
+    assert_eq!(status, StatusCode::CONFLICT, "{body}");
+    assert!(body["error"].as_str().unwrap_or_default().contains("stale request"), "{body}");
     // ... then follows live events as the approval lets the plan run, and ends with the run.
-    let (status, body) = api.post(&format!("/v1/runs/{run}/approve"), "ann", &json!({"plan_hash": plan_hash})).await?;
+    let read = json!({"plan_hash": plan_hash, "attempt": 1});
+    let (status, body) = api.post(&format!("/v1/runs/{run}/approve"), "ann", &read).await?;
     assert_eq!(status, StatusCode::ACCEPTED, "{body}");
+    assert_eq!(body["attempt"], json!(1), "{body}");
     let mut live = Vec::new();
     let mut ids = Vec::new();
     while let Some((id, _, e)) = sse.next().await? {

@@ -113,6 +113,8 @@ pub enum DecideOutcome {
 pub struct PendingApproval {
     pub run_id: Uuid,
     pub plan_hash: String,
+    /// The attempt that asks: a plan asked again by a later attempt is a new request.
+    pub attempt: i32,
     pub rule: String,
     pub commands: Vec<String>,
     pub requested_at: DateTime<Utc>,
@@ -341,7 +343,7 @@ impl Store {
         let client = self.client().await?;
         let rows = client
             .query(
-                "SELECT run_id, plan_hash, rule, commands, requested_at, expires_at FROM approvals
+                "SELECT run_id, plan_hash, rule, commands, requested_at, expires_at, attempt FROM approvals
                  WHERE decision IS NULL AND (NOT $1 OR expires_at < now())
                  ORDER BY requested_at LIMIT $2",
                 &[&only_expired, &limit],
@@ -356,6 +358,7 @@ impl Store {
                 commands: r.get(3),
                 requested_at: r.get(4),
                 expires_at: r.get(5),
+                attempt: r.get(6),
             })
             .collect())
     }
