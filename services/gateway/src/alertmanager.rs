@@ -97,6 +97,11 @@ fn action(i: usize, a: &Alert, cfg: &GatewayConfig, services: &dyn Fn(&str) -> b
     if a.fingerprint.trim().is_empty() || a.fingerprint.len() > 64 {
         return Err(refused(format!("alerts[{i}]: 'fingerprint' must be 1-64 characters")));
     }
+    // Alertmanager's are hex. A control character (a NUL) cannot be stored: its resolution
+    // failed with 503 on every re-send, and the rest of its group with it.
+    if a.fingerprint.chars().any(char::is_control) {
+        return Err(refused(format!("alerts[{i}]: 'fingerprint' holds a control character")));
+    }
     match a.status.as_str() {
         "firing" => incident(a, cfg, services).map(Action::Fire).map_err(|e| refused(format!("{at}: {e}"))),
         "resolved" => Ok(Action::Resolve {
@@ -260,6 +265,25 @@ mod tests {
         let resolved = payload(r#"{"alertname":"WebDown","job":"web"}"#, "resolved");
         let Ok(Action::Resolve { run, .. }) = &actions(&resolved, &cfg, &known).unwrap()[0] else { panic!() };
         assert_eq!(Some(*run), i.id, "the resolved alert names the firing alert's run");
+    }
+
+    /// A fingerprint no row can hold is refused alone, firing or resolved: the alerts after
+    /// it in the group are still taken.
+    #[test]
+    fn a_fingerprint_with_a_control_character_is_refused_alone() {
+        let cfg = GatewayConfig::default();
+        let known = |s: &str| s == "web";
+        for status in ["resolved", "firing"] {
+            let mut p = payload(r#"{"alertname":"WebDown","job":"web"}"#, status);
+            let mut good = p.alerts[0].clone();
+            good.fingerprint = "4c1f9e2b".into();
+            p.alerts[0].fingerprint = "ab\u{0}".into();
+            p.alerts.push(good);
+            let a = actions(&p, &cfg, &known).unwrap();
+            let Err(r) = &a[0] else { panic!("{status}: {a:?}") };
+            assert!(r.error.contains("alerts[0]: 'fingerprint' holds a control character"), "{}", r.error);
+            assert!(a[1].is_ok(), "{status}: {a:?}");
+        }
     }
 
     #[test]
