@@ -178,16 +178,24 @@ async fn readyz(State(gw): State<Arc<Gateway>>) -> Response {
             return (*status, Json(body.clone())).into_response();
         }
     }
+    // The answer is public (probes carry no key): it says which part is down, the log why (a
+    // backend's error names hosts, users, the database).
     let wait = Duration::from_secs(2);
     let nats = match tokio::time::timeout(wait, gw.bus.js.get_stream(gw.bus.subjects.incidents_stream())).await {
-        Ok(Ok(_)) => "ok".to_string(),
-        Ok(Err(e)) => format!("JetStream: {e}"),
-        Err(_) => "JetStream did not answer within 2 s".to_string(),
+        Ok(Ok(_)) => "ok",
+        Ok(Err(e)) => {
+            tracing::warn!(error = %e, "not ready: JetStream refused the readiness check");
+            "unavailable"
+        }
+        Err(_) => "no answer within 2 s",
     };
     let postgres = match tokio::time::timeout(wait, gw.store.ping()).await {
-        Ok(Ok(())) => "ok".to_string(),
-        Ok(Err(e)) => e.to_string(),
-        Err(_) => "Postgres did not answer within 2 s".to_string(),
+        Ok(Ok(())) => "ok",
+        Ok(Err(e)) => {
+            tracing::warn!(error = %e, "not ready: Postgres refused the readiness check");
+            "unavailable"
+        }
+        Err(_) => "no answer within 2 s",
     };
     let ready = nats == "ok" && postgres == "ok";
     let status = if ready { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };

@@ -839,7 +839,8 @@ async fn a_key_over_its_rate_gets_429_with_retry_after_and_readiness_follows_nat
     };
     assert_eq!(ready.status(), StatusCode::SERVICE_UNAVAILABLE);
     let body: Value = ready.json().await?;
-    assert_ne!(body["nats"], "ok", "{body}");
+    let nats = body["nats"].as_str().unwrap_or_default();
+    assert!(["unavailable", "no answer within 2 s"].contains(&nats), "public: the part, not its error: {body}");
     assert_eq!(body["postgres"], "ok", "{body}");
     // A decision while NATS is down is "try again" (503), not "no such request" (404).
     let (status, body) = api.post(&format!("/v1/runs/{}/approve", Uuid::now_v7()), "ann", &json!({})).await?;
