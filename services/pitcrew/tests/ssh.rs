@@ -104,7 +104,8 @@ async fn an_unknown_host_key_is_refused_unless_accepted_for_that_host() -> anyho
     let sshd = start_target()?;
     let f = fleet(sshd.host(false), 4096);
     match f.run("box", "true", T).await {
-        Err(ExecError::Spawn { error, .. }) => assert!(error.contains("not trusted"), "{error}"),
+        // Nothing ran, and a human must trust the key: the run escalates, as for a host down.
+        Err(ExecError::Unreachable(error)) => assert!(error.contains("not trusted"), "{error}"),
         other => panic!("an unknown host key must be refused, got {other:?}"),
     }
     let mut opted_in = sshd.host(false);
@@ -113,6 +114,22 @@ async fn an_unknown_host_key_is_refused_unless_accepted_for_that_host() -> anyho
     assert_eq!(f.run("box", "true", T).await?.exit_code, Some(0));
     let remembered = std::fs::read_to_string(sshd.path("empty_known_hosts"))?;
     assert!(remembered.contains("ssh-ed25519"), "the accepted key is remembered: {remembered}");
+    // A key the host does not authorise: refused the same way, nothing ran.
+    let stranger = sshd.path("stranger_key");
+    let made = std::process::Command::new("ssh-keygen")
+        .args(["-q", "-t", "ed25519", "-N", "", "-f"])
+        .arg(&stranger)
+        .stdin(std::process::Stdio::null())
+        .status()?;
+    assert!(made.success());
+    let mut refused = sshd.host(true);
+    refused.key_file = Some(stranger.display().to_string());
+    match fleet(refused, 4096).run("box", "true", T).await {
+        Err(ExecError::Unreachable(error)) => {
+            assert!(error.contains("login to box as") && error.contains("refused"), "{error}")
+        }
+        other => panic!("a refused login must escalate, got {other:?}"),
+    }
     Ok(())
 }
 

@@ -108,7 +108,8 @@ pub enum ExecError {
     /// The host is not known to this executor: the inventory or plan is wrong, do not retry.
     #[error("unknown host '{0}'")]
     UnknownHost(String),
-    /// The host did not answer after a few tries: escalate rather than retry forever.
+    /// The host did not answer after a few tries, or refused the login (its host key is not
+    /// trusted, the key is refused): nothing ran; escalate rather than retry forever.
     #[error("unreachable: {0}")]
     Unreachable(String),
     /// Transient infrastructure error (connection lost, out of processes...): retry later.

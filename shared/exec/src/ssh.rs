@@ -438,10 +438,12 @@ fn connect_error(host: &str, spec: &HostSpec, e: openssh::Error) -> ExecError {
         } else {
             " (add its key to known_hosts, or set accept_unknown_host_key = true for this host)"
         };
-        return ExecError::Spawn { program: "ssh".into(), error: format!("host key of {host} not trusted{hint}") };
+        return ExecError::Unreachable(format!("host key of {host} not trusted{hint}"));
     }
+    // Nothing ran, and nothing will until a human mends the keys: the run escalates (it was
+    // recorded as the command failing, which memory then barred for the service).
     if lower.contains("permission denied") {
-        return ExecError::Spawn { program: "ssh".into(), error: format!("login to {host} as {} refused", spec.user) };
+        return ExecError::Unreachable(format!("login to {host} as {} refused", spec.user));
     }
     ExecError::Transient(format!("cannot connect to {host} ({}:{}): {text}", spec.address, spec.port))
 }
