@@ -201,6 +201,37 @@ async fn an_idle_master_connection_ends_by_itself_even_when_its_worker_was_kille
     Ok(())
 }
 
+/// The connection lost while a command runs (its worker's master killed): on the host the
+/// command may run on to its end or its deadline (`timeout`: a partition leaves sshd none the
+/// wiser), so it is not reported ended, and nothing after it runs, before that deadline has
+/// passed. It was reported ended at once, as killed by a signal.
+#[tokio::test]
+async fn a_command_whose_connection_is_lost_is_not_reported_ended_before_its_deadline() -> anyhow::Result<()> {
+    let sshd = start_target()?;
+    let f = std::sync::Arc::new(fleet(sshd.host(true), 4096));
+    conn(&f).await?;
+    let socket = f.ssh.session("box").await?.control_socket().to_path_buf();
+    let started = Instant::now();
+    let limit = Duration::from_secs(4);
+    let running = tokio::spawn({
+        let f = f.clone();
+        async move { f.run("box", "sleep 2", limit).await }
+    });
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    let masters = processes_naming(&socket);
+    assert_eq!(masters.len(), 1, "{masters:?}");
+    // SAFETY: kill(2) on the pid of the master process read from /proc just now.
+    unsafe { libc::kill(masters[0], libc::SIGKILL) };
+    let out = running.await??;
+    let took = started.elapsed();
+    assert_eq!((out.exit_code, out.timed_out), (None, false), "{out:?}");
+    assert!(out.stderr.contains("failed while running"), "{out:?}");
+    assert!(took >= limit, "reported after {took:?}, before the command's deadline");
+    // The next command connects anew.
+    assert_eq!(f.run("box", "true", T).await?.exit_code, Some(0));
+    Ok(())
+}
+
 /// A host that stops answering while its connection stays up (hung, or cut off by a
 /// partition the keepalives have not noticed yet): a command waits no longer than the host's
 /// connect timeout for its channel, not the keepalives' 45 s, fails as transient (it may have

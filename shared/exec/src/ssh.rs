@@ -312,7 +312,17 @@ impl SshExecutor {
             );
             status
         };
-        let (exit_code, timed_out) = match tokio::time::timeout(timeout.saturating_add(LOCAL_GRACE), run).await {
+        let ran = tokio::time::timeout(timeout.saturating_add(LOCAL_GRACE), run).await;
+        // A channel that ended without an exit status before the deadline: the command ended
+        // by a signal, or the connection was lost (the master killed reads the same) and the
+        // command may still run on the host. The master tells them apart.
+        let signalled = match &ran {
+            Ok(Err(openssh::Error::RemoteProcessTerminated)) if started.elapsed() < timeout => {
+                matches!(tokio::time::timeout(CHECK_WITHIN, session.check()).await, Ok(Ok(())))
+            }
+            _ => true,
+        };
+        let (exit_code, timed_out) = match ran {
             Err(_) => (None, true),
             // 124: `timeout` killed it at the deadline (137 when it needed SIGKILL). Before
             // the deadline they are the command's own codes (137: killed by the OOM killer).
@@ -322,13 +332,24 @@ impl SshExecutor {
             },
             // Ended by a signal: at the deadline, `timeout`'s SIGKILL (it kills its whole
             // group, itself too, when the command ignored SIGTERM).
-            Ok(Err(openssh::Error::RemoteProcessTerminated)) => (None, started.elapsed() >= timeout),
+            Ok(Err(openssh::Error::RemoteProcessTerminated)) if signalled => (None, started.elapsed() >= timeout),
             // openssh reads exit status 127 as "command not found": it is the command's own
             // (or `timeout`'s, when it could not run the program: told apart below).
             Ok(Err(openssh::Error::Remote(e))) if e.kind() == std::io::ErrorKind::NotFound => (Some(127), false),
             Ok(Err(e)) => {
-                // The command may have run: report it as failed, never as something to retry.
-                err.extend_from_slice(format!("\npitcrew: ssh to {host} failed while running: {e}").as_bytes());
+                // The command may have run, and may still run: the channel is gone, not the
+                // host's `timeout`, which ends it by its deadline. Reported once that has surely
+                // passed (what runs next, verify or another attempt, must not run beside it),
+                // as failed: never as something to retry.
+                let left = timeout.saturating_add(LOCAL_GRACE).saturating_sub(started.elapsed());
+                tokio::time::sleep(left).await;
+                err.extend_from_slice(
+                    format!(
+                        "\npitcrew: ssh to {host} failed while running: {e} (reported once its deadline had passed: \
+                         the host's `timeout` ends it by then)"
+                    )
+                    .as_bytes(),
+                );
                 (None, false)
             }
         };
