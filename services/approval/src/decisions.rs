@@ -121,15 +121,15 @@ impl Decisions {
             Err(DecideError::Permanent(e)) => {
                 self.reject(msg, &format!("decision cannot be applied: {e}"), &stream, seq).await
             }
-            Err(DecideError::Transient(e)) => match exhausted {
-                Some(limits) if outage(&self.deps, DECISIONS_CONSUMER, delivered).await.is_none() => {
-                    self.reject(msg, &format!("{limits}; the last try: {e}"), &stream, seq).await
-                }
-                _ => {
-                    tracing::warn!(run = %d.run_id, error = %e, "applying decision failed: will retry");
-                    Disposition::Nak(backoff(delivered))
-                }
-            },
+            // Retried whatever its deliveries, never dead-lettered: the decision may already
+            // be recorded on its request (which then takes no other), and only this message
+            // moves the run on. Dead-lettered past the limits (a lock, a deadlock, a publish
+            // failing for an hour), it left the run waiting for good and every later incident
+            // of its fingerprint a duplicate of it.
+            Err(DecideError::Transient(e)) => {
+                tracing::warn!(run = %d.run_id, error = %e, delivered, "applying decision failed: will retry");
+                Disposition::Nak(backoff(delivered))
+            }
         }
     }
 

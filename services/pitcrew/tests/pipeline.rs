@@ -268,6 +268,36 @@ async fn a_fix_nothing_could_check_is_not_remembered_as_failed() -> anyhow::Resu
     crew.shutdown().await
 }
 
+/// An approval whose run's transition keeps failing for a while (a lock, a serialization
+/// failure: Postgres up all along) is retried until it goes through, whatever its deliveries.
+/// Dead-lettered past the limits, the decision stayed recorded on its request, which then
+/// took no other, and the run waited for good.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_approval_whose_transition_fails_for_a_while_is_retried_not_dead_lettered() -> anyhow::Result<()> {
+    let mut crew = crew_with_playbook("[stages]\nmax_deliveries = 1\npoison_after_secs = 1\n").await?;
+    let run = crew.open("svc", "stale lock held").await?;
+    crew.events.kind(run, EventKind::ApprovalRequested, WAIT).await?;
+    let db = crew.db().await?;
+    db.batch_execute(&format!(
+        "CREATE FUNCTION busy_run() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN
+             IF NEW.id = '{run}' THEN RAISE EXCEPTION 'busy' USING ERRCODE = 'serialization_failure'; END IF;
+             RETURN NEW;
+         END $$;
+         CREATE TRIGGER busy_run BEFORE UPDATE ON runs FOR EACH ROW EXECUTE FUNCTION busy_run();"
+    ))
+    .await?;
+    cli::submit(&crew.bus, Some(&crew.store), DecisionInput::cli(run, Decision::Approve, "ann", None, &crew.cfg))
+        .await?;
+    // Past both limits (a second delivery, a second old) several times over.
+    tokio::time::sleep(std::time::Duration::from_secs(5)).await;
+    assert_eq!(crew.dead_letters().await?, 0, "the decision was dead-lettered");
+    db.batch_execute("DROP TRIGGER busy_run ON runs").await?;
+    let end = crew.events.terminal(run, WAIT).await?;
+    assert_eq!(end.kind, EventKind::Resolved, "{}", end.message);
+    crew.shutdown().await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_denied_plan_is_escalated_and_nothing_runs() -> anyhow::Result<()> {
     let mut crew = crew_with_playbook("").await?;
