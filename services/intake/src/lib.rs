@@ -9,11 +9,32 @@ use pitcrew_runtime::{Cx, StageError, StageHandler, Transition};
 /// The intake stage.
 pub struct Intake;
 
-/// Validate and normalise in place: trimmed fields, fingerprint set.
-pub fn normalise(incident: &mut Incident) -> Result<(), IncidentError> {
+/// Validate and normalise in place: trimmed fields, fingerprint set. Without a fingerprint of
+/// its own, an incident's is derived from its service, host and error, where a host that is
+/// the service's own (as `cfg` has it) counts as none: `{web, refused}` and `{web, refused,
+/// host: localhost}` for a local `web` are one fault, and one run (they were two, remediating
+/// the same target in turn).
+pub fn normalise(incident: &mut Incident, cfg: &pitcrew_runtime::Config) -> Result<(), IncidentError> {
     incident.validate()?;
-    incident.fingerprint = Some(incident.effective_fingerprint());
+    if incident.fingerprint.is_none() {
+        let own = match (&incident.host, cfg.services.get(&incident.service)) {
+            (Some(host), Some(spec)) => same_host(host, &spec.host),
+            _ => false,
+        };
+        let fingerprint = match own {
+            true => Incident { host: None, ..incident.clone() }.effective_fingerprint(),
+            false => incident.effective_fingerprint(),
+        };
+        incident.fingerprint = Some(fingerprint);
+    }
     Ok(())
+}
+
+/// Whether `host`, named by an incident, is `service_host`, a service's own (`localhost`,
+/// `127.0.0.1` and `local` are one).
+fn same_host(host: &str, service_host: &str) -> bool {
+    let local = ["local", "localhost", "127.0.0.1"];
+    host == service_host || (local.contains(&host) && local.contains(&service_host))
 }
 
 /// An incident may name the host it saw the fault on: it must be the service's own host,
@@ -23,7 +44,7 @@ pub fn normalise(incident: &mut Incident) -> Result<(), IncidentError> {
 /// still stands.
 pub fn known_host(cfg: &pitcrew_runtime::Config, host: &str, service_host: &str) -> Result<(), String> {
     let local = ["local", "localhost", "127.0.0.1"];
-    if host == service_host || (local.contains(&host) && local.contains(&service_host)) {
+    if same_host(host, service_host) {
         return Ok(());
     }
     if cfg.hosts.contains_key(host) || local.contains(&host) {
@@ -48,7 +69,7 @@ impl StageHandler for Intake {
         cx: &'a mut Cx<'_>,
     ) -> BoxFuture<'a, Result<Transition, StageError>> {
         Box::pin(async move {
-            normalise(&mut state.incident).map_err(|e| StageError::Poison(e.to_string()))?;
+            normalise(&mut state.incident, cx.config()).map_err(|e| StageError::Poison(e.to_string()))?;
             let inc = &state.incident;
             match cx.deps.store.open_run(state).await? {
                 OpenRun::Duplicate(other) => {
@@ -99,17 +120,37 @@ mod tests {
 
     #[test]
     fn normalise_sets_a_stable_fingerprint_and_refuses_bad_input() {
+        let cfg = pitcrew_runtime::Config::from_toml(
+            "[services.web]\nhost = \"local\"\n[services.db]\nhost = \"pe1\"\n\
+             [hosts.pe1]\naddress = \"10.0.0.1\"\nuser = \"s\"\n",
+        )
+        .unwrap();
         let mut a = Incident::new(" web ", "connection refused on :8080");
-        normalise(&mut a).unwrap();
+        normalise(&mut a, &cfg).unwrap();
         let mut b = Incident::new("web", "connection refused on :9090");
-        normalise(&mut b).unwrap();
+        normalise(&mut b, &cfg).unwrap();
         assert_eq!(a.fingerprint, b.fingerprint);
         assert_eq!(a.service, "web");
+        // The service's own host, however named, is no host: one fault, one run.
+        for (service, host) in [("web", "localhost"), ("web", "127.0.0.1"), ("web", "local"), ("db", "pe1")] {
+            let mut none = Incident::new(service, "connection refused");
+            normalise(&mut none, &cfg).unwrap();
+            let mut named = Incident::new(service, "connection refused");
+            named.host = Some(host.into());
+            normalise(&mut named, &cfg).unwrap();
+            assert_eq!(named.fingerprint, none.fingerprint, "{service} on {host}");
+            assert_eq!(named.host.as_deref(), Some(host), "the incident keeps what it said");
+        }
+        // Another host is another fault (escalated as such, not dropped as a duplicate).
+        let mut other = Incident::new("web", "connection refused on :8080");
+        other.host = Some("pe1".into());
+        normalise(&mut other, &cfg).unwrap();
+        assert_ne!(other.fingerprint, a.fingerprint);
         let mut explicit = Incident::new("web", "x");
         explicit.fingerprint = Some("am-123".into());
-        normalise(&mut explicit).unwrap();
+        normalise(&mut explicit, &cfg).unwrap();
         assert_eq!(explicit.fingerprint.as_deref(), Some("am-123"));
         let mut bad = Incident::new("web", "");
-        assert_eq!(normalise(&mut bad), Err(IncidentError::EmptyError));
+        assert_eq!(normalise(&mut bad, &cfg), Err(IncidentError::EmptyError));
     }
 }
