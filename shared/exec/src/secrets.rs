@@ -75,21 +75,54 @@ pub fn register_all() {
     });
 }
 
-/// Redact `value`, the value of secret `name` now, from then on; an earlier value of the same
-/// secret (a file rotated) is forgotten, so rotations do not use up the room for others.
+/// Redact `value`, the value of secret `name` now, from then on.
 fn remember(name: &str, value: &str) -> Result<(), pitcrew_model::redact::NotKept> {
-    static VALUES: std::sync::Mutex<Vec<(String, String)>> = std::sync::Mutex::new(Vec::new());
-    let mut values = VALUES.lock().unwrap_or_else(|p| p.into_inner());
-    let key = name.to_ascii_uppercase();
-    match values.iter_mut().find(|(n, _)| *n == key) {
-        Some((_, old)) if old == value => return Ok(()),
-        Some((_, old)) => {
-            pitcrew_model::redact::forget_secret(old);
-            *old = value.to_string();
+    static HELD: std::sync::Mutex<Held> =
+        std::sync::Mutex::new(Held { values: Vec::new(), retired: std::collections::VecDeque::new() });
+    let mut held = HELD.lock().unwrap_or_else(|p| p.into_inner());
+    held.remember(name, value, pitcrew_model::redact::register_command_secret, pitcrew_model::redact::forget_secret)
+}
+
+/// The values of the secrets this worker fills in.
+struct Held {
+    /// Each secret's value now, by upper-case name.
+    values: Vec<(String, String)>,
+    /// Values replaced by a rotation, oldest first: still redacted (a command started with one
+    /// may still print it, and a rotated credential often stays valid a while), until the room
+    /// is wanted for a value in use.
+    retired: std::collections::VecDeque<String>,
+}
+
+impl Held {
+    fn remember(
+        &mut self,
+        name: &str,
+        value: &str,
+        register: impl Fn(&str) -> Result<(), pitcrew_model::redact::NotKept>,
+        forget: impl Fn(&str),
+    ) -> Result<(), pitcrew_model::redact::NotKept> {
+        let key = name.to_ascii_uppercase();
+        match self.values.iter_mut().find(|(n, _)| *n == key) {
+            Some((_, now)) if now == value => return Ok(()),
+            Some((_, now)) => {
+                let before = std::mem::replace(now, value.to_string());
+                self.retired.push_back(before);
+            }
+            None => self.values.push((key, value.to_string())),
         }
-        None => values.push((key, value.to_string())),
+        // A value in use again (rotated back) is no longer retired: never forgotten as one.
+        self.retired.retain(|r| r != value);
+        loop {
+            match register(value) {
+                Err(pitcrew_model::redact::NotKept::Full) => match self.retired.pop_front() {
+                    Some(oldest) if !self.values.iter().any(|(_, v)| *v == oldest) => forget(&oldest),
+                    Some(_) => {}
+                    None => return Err(pitcrew_model::redact::NotKept::Full),
+                },
+                kept => return kept,
+            }
+        }
     }
-    pitcrew_model::redact::register_command_secret(value)
 }
 
 /// The words `command` runs: split as a shell would (no shell runs it), its secrets filled
@@ -197,14 +230,45 @@ mod tests {
         assert!(file.contains("may not end in _FILE"), "{file}");
     }
 
+    /// A rotated value stays redacted (a command started with it may still print it, and the
+    /// old credential is often still valid): it was forgotten at once. It gives its room up
+    /// only when a value in use needs it, oldest first.
     #[test]
-    fn a_rotated_value_replaces_the_one_before() {
+    fn a_rotated_value_stays_redacted_until_its_room_is_wanted() {
         let first = |_: &str| Ok(Some("rotation-one-5a6b7c".to_string()));
         let second = |_: &str| Ok(Some("rotation-two-8d9e0f".to_string()));
         expand_with(words("app --key {secret:rotating}"), first).unwrap();
         expand_with(words("app --key {secret:rotating}"), second).unwrap();
         assert_eq!(pitcrew_model::redact::redact("rotation-two-8d9e0f"), "[REDACTED]");
-        assert_eq!(pitcrew_model::redact::redact("rotation-one-5a6b7c"), "rotation-one-5a6b7c", "forgotten");
+        assert_eq!(pitcrew_model::redact::redact("rotation-one-5a6b7c"), "[REDACTED]", "still redacted");
+
+        // Room for three values.
+        use pitcrew_model::redact::NotKept;
+        let kept = std::cell::RefCell::new(Vec::<String>::new());
+        let register = |v: &str| {
+            let mut kept = kept.borrow_mut();
+            if kept.iter().any(|k| k == v) {
+                return Ok(());
+            }
+            if kept.len() == 3 {
+                return Err(NotKept::Full);
+            }
+            kept.push(v.to_string());
+            Ok(())
+        };
+        let forget = |v: &str| kept.borrow_mut().retain(|k| k != v);
+        let mut held = Held { values: Vec::new(), retired: Default::default() };
+        for (name, value) in [("a", "a1"), ("a", "a2"), ("b", "b1"), ("a", "a3")] {
+            assert_eq!(held.remember(name, value, register, forget), Ok(()), "{name}={value}");
+        }
+        assert_eq!(*kept.borrow(), ["a2", "b1", "a3"], "the oldest retired value gave its room up");
+        // Rotated back to a value in use: that one is never given up as retired.
+        assert_eq!(held.remember("a", "a2", register, forget), Ok(()));
+        assert_eq!(held.remember("c", "c1", register, forget), Ok(()));
+        assert_eq!(*kept.borrow(), ["a2", "b1", "c1"]);
+        // With nothing retired left, a new value finds no room.
+        assert_eq!(held.remember("d", "d1", register, forget), Err(NotKept::Full));
+        assert_eq!(*kept.borrow(), ["a2", "b1", "c1"], "values in use are kept");
     }
 
     #[test]
