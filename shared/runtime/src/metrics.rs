@@ -83,7 +83,7 @@ pub fn finished(consumer: &str, outcome: &'static str, took: Duration) {
     HANDLING.observe(&[consumer], took.as_secs_f64());
 }
 
-/// A run ended (`resolved`, `escalated`, ...).
+/// This process committed a run's end (`resolved`, `escalated`).
 pub fn run_finished(outcome: &'static str) {
     RUNS.inc(&[outcome]);
 }

@@ -616,6 +616,9 @@ pub async fn apply(
                 }
                 return stale(state.run_id);
             }
+            // Counted where the run ends, once: not at each publish of its end (a publish that
+            // failed, then the redelivery's, counted it twice).
+            crate::metrics::run_finished(outcome.as_str());
             publish_events(bus, &events).await?;
         }
         Transition::Drop => {
@@ -743,9 +746,6 @@ pub async fn publish_batch(bus: &Bus, events: &[RunEvent], state: Option<&RunSta
 
 /// `publish_batch` with the state already encoded.
 async fn publish_encoded(bus: &Bus, events: &[RunEvent], state: Option<(&RunState, Vec<u8>)>) -> Result<(), BusError> {
-    for e in events.iter().filter(|e| e.kind.is_terminal()) {
-        crate::metrics::run_finished(e.kind.as_str());
-    }
     let mut acks = Vec::with_capacity(events.len() + 1);
     let failed = |subject: &str, err: String| BusError::Publish { subject: subject.to_string(), error: err };
     for e in events {
