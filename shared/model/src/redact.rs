@@ -152,14 +152,47 @@ pub enum NotKept {
     Full,
 }
 
-/// `text` with every secret it shows replaced.
+/// The shortest start of a known secret replaced where a text ends with it.
+const MIN_PARTIAL: usize = 4;
+
+/// Where the start of a known secret begins, when `text` ends with one (ignoring a trailing
+/// `…`, which [`crate::trim::clip`] adds): a text cut short at a cap (a command's output read
+/// up to its limit, a line clipped) may stop partway through a secret, whose start the
+/// replacement of whole values passes over. The longest such start.
+fn cut_secret_at(text: &str, known: &[String]) -> Option<usize> {
+    let body = text.strip_suffix('…').unwrap_or(text);
+    let mut from: Option<usize> = None;
+    for k in known {
+        let Some(head) = k.get(..MIN_PARTIAL) else { continue };
+        // Only where a start shorter than the whole secret may begin.
+        let mut window = body.len().saturating_sub(k.len() - 1);
+        while !body.is_char_boundary(window) {
+            window += 1;
+        }
+        for (at, _) in body[window..].match_indices(head) {
+            let at = window + at;
+            if k.as_bytes().starts_with(&body.as_bytes()[at..]) {
+                from = Some(from.map_or(at, |f| f.min(at)));
+                break;
+            }
+        }
+    }
+    from
+}
+
+/// `text` with every secret it shows replaced, the start of one it was cut short in too.
 pub fn redact(text: &str) -> Cow<'_, str> {
     let known = KNOWN.read().unwrap_or_else(|p| p.into_inner());
     let shows_known = known.iter().any(|k| text.contains(k.as_str()));
-    if !shows_known && !ANY.is_match(text) {
+    let cut_at = if known.is_empty() { None } else { cut_secret_at(text, &known) };
+    if !shows_known && cut_at.is_none() && !ANY.is_match(text) {
         return Cow::Borrowed(text);
     }
     let mut out = Cow::Borrowed(text);
+    if let Some(at) = cut_at {
+        let ellipsis = if text.ends_with('…') { "…" } else { "" };
+        out = Cow::Owned(format!("{}{MARK}{ellipsis}", &text[..at]));
+    }
     if shows_known {
         for k in known.iter() {
             if out.contains(k.as_str()) {
@@ -294,6 +327,23 @@ mod tests {
             forget_secret(&format!("command-secret-{i:03}-Zq"));
         }
         forget_secret(own);
+    }
+
+    /// Output read up to its cap, or a line clipped, can stop partway through a secret: the
+    /// start it shows is replaced too (from its first 4 bytes), a text that merely ends like
+    /// one's first few letters is left alone.
+    #[test]
+    fn a_secret_cut_short_at_the_end_of_a_text_is_redacted_too() {
+        let value = "cut-short-Q7w9-secret";
+        assert_eq!(register_secret(value), Ok(()));
+        assert_eq!(redact("token echoed: cut-short-Q7w"), "token echoed: [REDACTED]");
+        assert_eq!(redact("a line clipped cut-short-Q…"), "a line clipped [REDACTED]…");
+        assert_eq!(redact("whole cut-short-Q7w9-secret then cut-sh"), "whole [REDACTED] then [REDACTED]");
+        for plain in ["ends in cut", "cut-shorter than that", "cut-short-Q7w9-secrets are long"] {
+            assert_eq!(redact(plain).as_ref(), plain.replace(value, MARK), "{plain}");
+        }
+        assert!(matches!(redact("ends in cut"), Cow::Borrowed(_)));
+        forget_secret(value);
     }
 
     #[test]
