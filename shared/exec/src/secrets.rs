@@ -102,16 +102,12 @@ impl Held {
         forget: impl Fn(&str),
     ) -> Result<(), pitcrew_model::redact::NotKept> {
         let key = name.to_ascii_uppercase();
-        match self.values.iter_mut().find(|(n, _)| *n == key) {
-            Some((_, now)) if now == value => return Ok(()),
-            Some((_, now)) => {
-                let before = std::mem::replace(now, value.to_string());
-                self.retired.push_back(before);
-            }
-            None => self.values.push((key, value.to_string())),
+        let at = self.values.iter().position(|(n, _)| *n == key);
+        if at.is_some_and(|i| self.values[i].1 == value) {
+            return Ok(());
         }
-        // A value in use again (rotated back) is no longer retired: never forgotten as one.
-        self.retired.retain(|r| r != value);
+        // Held as the secret's value only once redaction keeps it: a value refused (too plain,
+        // no room) is refused again at its next use, never used unredacted.
         loop {
             match register(value) {
                 Err(pitcrew_model::redact::NotKept::Full) => match self.retired.pop_front() {
@@ -119,9 +115,20 @@ impl Held {
                     Some(_) => {}
                     None => return Err(pitcrew_model::redact::NotKept::Full),
                 },
-                kept => return kept,
+                Err(e) => return Err(e),
+                Ok(()) => break,
             }
         }
+        match at {
+            Some(i) => {
+                let before = std::mem::replace(&mut self.values[i].1, value.to_string());
+                self.retired.push_back(before);
+            }
+            None => self.values.push((key, value.to_string())),
+        }
+        // A value in use again (rotated back) is no longer retired: never forgotten as one.
+        self.retired.retain(|r| r != value);
+        Ok(())
     }
 }
 
@@ -266,9 +273,16 @@ mod tests {
         assert_eq!(held.remember("a", "a2", register, forget), Ok(()));
         assert_eq!(held.remember("c", "c1", register, forget), Ok(()));
         assert_eq!(*kept.borrow(), ["a2", "b1", "c1"]);
-        // With nothing retired left, a new value finds no room.
-        assert_eq!(held.remember("d", "d1", register, forget), Err(NotKept::Full));
+        // With nothing retired left, a new value finds no room, at each use: it is never held
+        // as the secret's value, so never used unredacted.
+        for _ in 0..2 {
+            assert_eq!(held.remember("d", "d1", register, forget), Err(NotKept::Full));
+        }
         assert_eq!(*kept.borrow(), ["a2", "b1", "c1"], "values in use are kept");
+        let plain = |_: &str| Err(NotKept::Plain);
+        for _ in 0..2 {
+            assert_eq!(held.remember("pin", "12345678", plain, forget), Err(NotKept::Plain));
+        }
     }
 
     #[test]
