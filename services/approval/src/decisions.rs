@@ -47,14 +47,20 @@ impl From<ApplyError> for DecideError {
     fn from(e: ApplyError) -> Self {
         match e {
             ApplyError::Store(s) => s.into(),
-            ApplyError::Bus(b) => DecideError::Transient(b.to_string()),
+            ApplyError::Bus(b) => b.into(),
         }
     }
 }
 
 impl From<BusError> for DecideError {
+    /// A publish NATS refuses (its permissions) or a stream it will not set up is refused the
+    /// same way every time: dead-lettered for a human, not retried for good (a decision that
+    /// fails for a while otherwise is retried whatever its deliveries).
     fn from(e: BusError) -> Self {
-        DecideError::Transient(e.to_string())
+        match e {
+            BusError::Refused { .. } | BusError::Setup { .. } => DecideError::Permanent(e.to_string()),
+            _ => DecideError::Transient(e.to_string()),
+        }
     }
 }
 
@@ -369,5 +375,22 @@ pub async fn sweep_expired(bus: Bus, deps: Arc<Deps>, every: Duration, shutdown:
                 tracing::warn!(run = %p.run_id, error = %e, "cannot publish expiry");
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A decision is retried whatever its deliveries while it fails for a while; one NATS
+    /// refuses every time (its permissions) is dead-lettered for a human, not retried for good.
+    #[test]
+    fn a_refusal_is_permanent_and_a_failed_publish_is_not() {
+        let refused = BusError::Refused { what: "publish".into(), error: "permissions violation".into() };
+        assert!(matches!(DecideError::from(refused), DecideError::Permanent(_)));
+        let applied = ApplyError::Bus(BusError::Refused { what: "publish".into(), error: "denied".into() });
+        assert!(matches!(DecideError::from(applied), DecideError::Permanent(_)));
+        let lost = BusError::Publish { subject: "s".into(), error: "timed out".into() };
+        assert!(matches!(DecideError::from(lost), DecideError::Transient(_)));
     }
 }
