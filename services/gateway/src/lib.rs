@@ -187,7 +187,10 @@ async fn readyz(State(gw): State<Arc<Gateway>>) -> Response {
             tracing::warn!(error = %e, "not ready: JetStream refused the readiness check");
             "unavailable"
         }
-        Err(_) => "no answer within 2 s",
+        Err(_) => {
+            tracing::warn!("not ready: JetStream did not answer the readiness check within 2 s");
+            "no answer within 2 s"
+        }
     };
     let postgres = match tokio::time::timeout(wait, gw.store.ping()).await {
         Ok(Ok(())) => "ok",
@@ -195,7 +198,10 @@ async fn readyz(State(gw): State<Arc<Gateway>>) -> Response {
             tracing::warn!(error = %e, "not ready: Postgres refused the readiness check");
             "unavailable"
         }
-        Err(_) => "no answer within 2 s",
+        Err(_) => {
+            tracing::warn!("not ready: Postgres did not answer the readiness check within 2 s");
+            "no answer within 2 s"
+        }
     };
     let ready = nats == "ok" && postgres == "ok";
     let status = if ready { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };

@@ -1116,12 +1116,6 @@ async fn a_run_state_from_a_newer_worker_is_left_for_one() -> anyhow::Result<()>
     crew.shutdown().await
 }
 
-/// The incidents stream keeps an incident until intake took it, however long that is, and
-/// however many come meanwhile: a full stream refuses the next one (its publisher is told)
-/// rather than delete one not taken yet. A stream an older pitcrew made (kept 7 days, the
-/// oldest dropped when full) is brought to that, with the incidents it holds, unless others
-/// read it too, and so is a new one, which is made with intake's consumer before any intake
-/// process runs: without one, it would keep nothing. A consumer deleted by hand is made again.
 /// A state from a newer worker that no worker reading it took within the stage's limits (an
 /// upgrade rolled back) goes to the DLQ for a human: it was handed back every 30 s for as long
 /// as the stream kept it (forever). Its run is left as it is.
@@ -1158,6 +1152,12 @@ async fn a_run_state_from_a_newer_worker_none_took_is_dead_lettered_past_the_lim
     crew.shutdown().await
 }
 
+/// The incidents stream keeps an incident until intake took it, however long that is, and
+/// however many come meanwhile: a full stream refuses the next one (its publisher is told)
+/// rather than delete one not taken yet. A stream an older pitcrew made (kept 7 days, the
+/// oldest dropped when full) is brought to that, with the incidents it holds, unless others
+/// read it too, and so is a new one, which is made with intake's consumer before any intake
+/// process runs: without one, it would keep nothing. A consumer deleted by hand is made again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_incidents_stream_keeps_an_incident_until_intake_took_it() -> anyhow::Result<()> {
     use async_nats::jetstream::{consumer, stream};

@@ -301,6 +301,8 @@ impl SshExecutor {
                 )));
             }
         };
+        // The host's `timeout` counts from the channel's opening, up to `open_within` later.
+        let opened = Instant::now();
         let (mut stdout, mut stderr) = (child.stdout().take(), child.stderr().take());
         let (mut out, mut err) = (Vec::new(), Vec::new());
         let max = self.max_output;
@@ -341,7 +343,7 @@ impl SshExecutor {
                 // host's `timeout`, which ends it by its deadline. Reported once that has surely
                 // passed (what runs next, verify or another attempt, must not run beside it),
                 // as failed: never as something to retry.
-                let left = timeout.saturating_add(LOCAL_GRACE).saturating_sub(started.elapsed());
+                let left = timeout.saturating_add(LOCAL_GRACE).saturating_sub(opened.elapsed());
                 tokio::time::sleep(left).await;
                 err.extend_from_slice(
                     format!(

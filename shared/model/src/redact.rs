@@ -180,19 +180,29 @@ fn cut_secret_at(text: &str, known: &[String]) -> Option<usize> {
     from
 }
 
-/// `text` with every secret it shows replaced, the start of one it was cut short in too.
+/// A text cut short at a cap (`trim`'s cuts, a command's output read up to its limit): the
+/// start of a known secret it ends with replaced (whole values are [`redact`]'s). Only where a
+/// cut was made: a text that merely ends like a secret's first letters (`local` of a
+/// `local-crew` password) is left alone elsewhere.
+pub fn redact_cut(text: &str) -> Cow<'_, str> {
+    let known = KNOWN.read().unwrap_or_else(|p| p.into_inner());
+    match cut_secret_at(text, &known) {
+        Some(at) => {
+            let ellipsis = if text.ends_with('…') { "…" } else { "" };
+            Cow::Owned(format!("{}{MARK}{ellipsis}", &text[..at]))
+        }
+        None => Cow::Borrowed(text),
+    }
+}
+
+/// `text` with every secret it shows replaced.
 pub fn redact(text: &str) -> Cow<'_, str> {
     let known = KNOWN.read().unwrap_or_else(|p| p.into_inner());
     let shows_known = known.iter().any(|k| text.contains(k.as_str()));
-    let cut_at = if known.is_empty() { None } else { cut_secret_at(text, &known) };
-    if !shows_known && cut_at.is_none() && !ANY.is_match(text) {
+    if !shows_known && !ANY.is_match(text) {
         return Cow::Borrowed(text);
     }
     let mut out = Cow::Borrowed(text);
-    if let Some(at) = cut_at {
-        let ellipsis = if text.ends_with('…') { "…" } else { "" };
-        out = Cow::Owned(format!("{}{MARK}{ellipsis}", &text[..at]));
-    }
     if shows_known {
         for k in known.iter() {
             if out.contains(k.as_str()) {
@@ -232,6 +242,12 @@ pub fn redact_json(v: &mut serde_json::Value) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The tests that register secrets one at a time: the registry is the process's.
+    fn serial() -> std::sync::MutexGuard<'static, ()> {
+        static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+        SERIAL.lock().unwrap_or_else(|p| p.into_inner())
+    }
 
     #[test]
     fn secrets_are_replaced_and_the_rest_kept() {
@@ -284,6 +300,7 @@ mod tests {
     /// environment dump names it nothing a pattern knows.
     #[test]
     fn a_registered_secret_is_redacted_wherever_it_shows() {
+        let _serial = serial();
         let value = "hooks-T0-B1-9f8e7d6c5b4a";
         let text = format!("SLACK_HOOK={value}\0HOME=/root\0and again {value}.");
         assert!(redact(&text).contains(value), "not a secret until registered");
@@ -310,6 +327,7 @@ mod tests {
     /// its executors).
     #[test]
     fn secrets_commands_name_leave_room_for_the_process_own() {
+        let _serial = serial();
         let mut kept = 0;
         for i in 0..MAX_KNOWN {
             match register_command_secret(&format!("command-secret-{i:03}-Zq")) {
@@ -329,20 +347,23 @@ mod tests {
         forget_secret(own);
     }
 
-    /// Output read up to its cap, or a line clipped, can stop partway through a secret: the
-    /// start it shows is replaced too (from its first 4 bytes), a text that merely ends like
-    /// one's first few letters is left alone.
+    /// Output read up to its cap, or a line clipped, can stop partway through a secret: where
+    /// a cut was made, the start it shows is replaced too (from its first 4 bytes). Elsewhere
+    /// a text that ends like a secret's first letters is left alone.
     #[test]
     fn a_secret_cut_short_at_the_end_of_a_text_is_redacted_too() {
+        let _serial = serial();
         let value = "cut-short-Q7w9-secret";
         assert_eq!(register_secret(value), Ok(()));
-        assert_eq!(redact("token echoed: cut-short-Q7w"), "token echoed: [REDACTED]");
-        assert_eq!(redact("a line clipped cut-short-Q…"), "a line clipped [REDACTED]…");
-        assert_eq!(redact("whole cut-short-Q7w9-secret then cut-sh"), "whole [REDACTED] then [REDACTED]");
-        for plain in ["ends in cut", "cut-shorter than that", "cut-short-Q7w9-secrets are long"] {
-            assert_eq!(redact(plain).as_ref(), plain.replace(value, MARK), "{plain}");
+        let echoed = "token echoed: cut-short-Q7w9-secret and more";
+        assert_eq!(crate::trim::text_within(echoed.as_bytes(), 26), "token echoed: [REDACTED]");
+        assert_eq!(crate::trim::clip(echoed, 26), "token echoed: [REDACTED]…");
+        assert_eq!(redact_cut("whole then cut-sh"), "whole then [REDACTED]");
+        for plain in ["ends in cut", "cut-shorter than that", "a text cut-short-Q7w"] {
+            assert!(matches!(redact(plain), Cow::Borrowed(_)), "{plain}: not cut, left alone");
         }
-        assert!(matches!(redact("ends in cut"), Cow::Borrowed(_)));
+        assert!(matches!(redact_cut("ends in cut"), Cow::Borrowed(_)), "under 4 bytes");
+        assert_eq!(crate::trim::text_within(b"short enough", 26), "short enough");
         forget_secret(value);
     }
 

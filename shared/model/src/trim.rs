@@ -34,7 +34,7 @@ pub fn trim_output(text: &str, max: usize) -> String {
         while !text.is_char_boundary(end) {
             end -= 1;
         }
-        out.push_str(&text[..end]);
+        out.push_str(&crate::redact::redact_cut(&text[..end]));
         out.push('\n');
     }
     out.push_str(&format!("[… {dropped} lines trimmed]"));
@@ -105,6 +105,13 @@ pub fn text_within(bytes: &[u8], max: usize) -> String {
         }
         text.truncate(end);
     }
+    // At its cap the text may have been cut (output is read up to it): partway through a
+    // secret, maybe, whose start whole-value redaction would pass over.
+    if bytes.len() >= max {
+        if let std::borrow::Cow::Owned(cut) = crate::redact::redact_cut(&text) {
+            return cut;
+        }
+    }
     text
 }
 
@@ -117,7 +124,7 @@ pub fn clip(text: &str, max: usize) -> String {
     while !text.is_char_boundary(end) {
         end -= 1;
     }
-    format!("{}…", &text[..end])
+    format!("{}…", crate::redact::redact_cut(&text[..end]))
 }
 
 #[cfg(test)]
