@@ -87,6 +87,10 @@ enum Command {
         /// run now waits on another plan. Without it, whatever plan the run waits on.
         #[arg(long)]
         plan: Option<String>,
+        /// The attempt whose request you read (`pitcrew approvals`): refused if the run now
+        /// asks again for a later one, even for the same plan.
+        #[arg(long)]
+        attempt: Option<u32>,
     },
     /// Deny the plan a run is waiting on (the run escalates).
     Deny {
@@ -98,6 +102,9 @@ enum Command {
         /// The hash of the plan you read: refused if the run now waits on another plan.
         #[arg(long)]
         plan: Option<String>,
+        /// The attempt whose request you read: refused if the run now asks again.
+        #[arg(long)]
+        attempt: Option<u32>,
     },
     /// Recent runs and their outcomes.
     Incidents {
@@ -374,7 +381,7 @@ async fn run(args: Args, cfg: Option<Config>) -> anyhow::Result<()> {
             let end = cli::watch(&bus, store.as_ref(), run, Duration::from_secs(timeout)).await?;
             cli::ended(&end)
         }
-        Command::Approve { run, by, plan } => {
+        Command::Approve { run, by, plan, attempt } => {
             if let Some(why) = cfg.refuse_approver(&by) {
                 bail!("{why}");
             }
@@ -382,6 +389,7 @@ async fn run(args: Args, cfg: Option<Config>) -> anyhow::Result<()> {
             let store = cli::store(&cfg).await.ok();
             let input = DecisionInput {
                 plan_hash: plan.as_deref(),
+                attempt,
                 ..DecisionInput::cli(run, Decision::Approve, &by, None, &cfg)
             };
             let req = cli::submit(&bus, store.as_ref(), input).await?;
@@ -392,7 +400,7 @@ async fn run(args: Args, cfg: Option<Config>) -> anyhow::Result<()> {
             println!("{}", cli::approved(&req, &by, voters.as_deref()));
             Ok(())
         }
-        Command::Deny { run, by, reason, plan } => {
+        Command::Deny { run, by, reason, plan, attempt } => {
             if let Some(why) = cfg.refuse_approver(&by) {
                 bail!("{why}");
             }
@@ -400,6 +408,7 @@ async fn run(args: Args, cfg: Option<Config>) -> anyhow::Result<()> {
             let store = cli::store(&cfg).await.ok();
             let input = DecisionInput {
                 plan_hash: plan.as_deref(),
+                attempt,
                 ..DecisionInput::cli(run, Decision::Deny, &by, Some(reason), &cfg)
             };
             let req = cli::submit(&bus, store.as_ref(), input).await?;

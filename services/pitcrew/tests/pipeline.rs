@@ -212,6 +212,17 @@ async fn a_critical_plan_parks_until_approved_then_runs() -> anyhow::Result<()> 
     let pending = crew.cli(&["approvals"])?;
     let line = pending.lines().find(|l| l.starts_with(&run.to_string())).unwrap_or_default();
     assert!(line.contains(" rm ") && line.contains(&req.plan[0]), "{pending}");
+    let attempt = line.split_whitespace().nth(1).unwrap_or_default();
+    assert_eq!(attempt, "1", "the attempt that asks: {pending}");
+    // An approval read off another attempt's request (the run asked again, the same plan
+    // included) is refused too.
+    let (code, _, err) = pitcrew_cli(
+        &crew.config_file()?,
+        &["approve", &run.to_string(), "--by", "ann", "--plan", &req.plan_hash, "--attempt", "2"],
+    )
+    .await?;
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains("stale request: this one was for attempt 2"), "{err}");
     // An approval naming another plan than the one the run waits on (the one the operator read,
     // since replaced) is refused, and changes nothing.
     let (code, _, err) =
@@ -220,9 +231,11 @@ async fn a_critical_plan_parks_until_approved_then_runs() -> anyhow::Result<()> 
     assert!(err.contains(&format!("stale plan: run {run} now waits on plan {}, not 0000ffff", req.plan_hash)), "{err}");
     assert_eq!(count(&db, "SELECT count(*) FROM approvals WHERE run_id = $1 AND decision IS NOT NULL", run).await, 0);
     let decided = chrono::Utc::now();
-    let (code, said, err) =
-        pitcrew_cli(&crew.config_file()?, &["approve", &run.to_string(), "--by", "ann", "--plan", &req.plan_hash])
-            .await?;
+    let (code, said, err) = pitcrew_cli(
+        &crew.config_file()?,
+        &["approve", &run.to_string(), "--by", "ann", "--plan", &req.plan_hash, "--attempt", attempt],
+    )
+    .await?;
     assert_eq!(code, Some(0), "{said}{err}");
     let end = crew.events.terminal(run, WAIT).await?;
     assert_eq!(end.kind, EventKind::Resolved, "{}", end.message);
