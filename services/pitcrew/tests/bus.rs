@@ -749,21 +749,6 @@ async fn a_step_failing_past_its_limits_is_tried_once_more_then_dead_lettered() 
     crew.shutdown().await
 }
 
-/// What a stage of `crew` runs with, in this process (worker "test").
-fn deps_of(crew: &Crew) -> anyhow::Result<pitcrew_runtime::Deps> {
-    let (playbook, policy) = pitcrew::crew::providers(&crew.cfg)?;
-    Ok(pitcrew_runtime::Deps {
-        config: Arc::new(crew.cfg.clone()),
-        store: crew.store.clone(),
-        reasoner: pitcrew::crew::reasoner(&crew.cfg, playbook)?,
-        executor: Arc::new(pitcrew_exec::LocalExecutor::new(4096)),
-        policy: Arc::new(policy),
-        worker: "test".into(),
-        live: None,
-        stopping: Default::default(),
-    })
-}
-
 /// A closing step delivered again after its commit landed and its events were published (its
 /// worker died before the ack): the redelivery starts its timeline with a "delivery 2" line,
 /// yet its terminal event keeps its id, so the bus holds the run's end once (it held it twice,
@@ -771,28 +756,7 @@ fn deps_of(crew: &Crew) -> anyhow::Result<pitcrew_runtime::Deps> {
 /// the bus's duplicate window, finds the end on the bus and does not publish it again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_closing_step_delivered_again_ends_its_run_once_on_the_bus() -> anyhow::Result<()> {
-    use pitcrew_model::{Incident, RunState};
-    use pitcrew_runtime::runner::StageRunner;
-    use pitcrew_runtime::store::{OpenRun, RunStatus};
-    let env = TestEnv::start().await?;
-    let text = marker_service(&env, "svc");
-    let crew = Crew::start_in(env, &text, &[]).await?;
-    let mut state = RunState::new(uuid::Uuid::now_v7(), Incident::new("svc", "down"));
-    assert_eq!(crew.store.open_run(&state).await?, OpenRun::Created);
-    state.escalate("a human must look");
-    assert!(crew.store.commit_transition_with(&state, RunStatus::Open, &[], vec![]).await?);
-    pitcrew_runtime::runner::publish_state(&crew.bus, &state).await?;
-    let settings = pitcrew_runtime::config::StageSettings {
-        ack_wait: Duration::from_secs(1),
-        ..crew.cfg.stage_settings(Stage::Escalate)
-    };
-    let consumer = crew.bus.stage_consumer(Stage::Escalate, settings).await?;
-    let policy = pitcrew::crew::providers(&crew.cfg)?.1;
-    let runner = Arc::new(StageRunner {
-        bus: crew.bus.clone(),
-        deps: Arc::new(deps_of(&crew)?),
-        handler: pitcrew::crew::handler(Stage::Escalate, &policy),
-    });
+    let (crew, state, consumer, runner) = common::at_escalate().await?;
     let events = crew.bus.js.get_stream(crew.bus.subjects.events_stream()).await?;
     for delivery in 1..=3 {
         if delivery == 3 {
@@ -829,7 +793,7 @@ async fn run_at(step: Stage) -> anyhow::Result<(Crew, pitcrew_runtime::Deps, pit
     let env = TestEnv::start().await?;
     let text = marker_service(&env, "svc");
     let crew = Crew::start_in(env, &text, &[]).await?;
-    let deps = deps_of(&crew)?;
+    let deps = common::deps_of(&crew)?;
     let mut state = RunState::new(uuid::Uuid::now_v7(), Incident::new("svc", "down"));
     assert_eq!(crew.store.open_run(&state).await?, OpenRun::Created);
     state.advance(step);

@@ -3,13 +3,8 @@
 
 mod common;
 
-use common::{marker_service, Crew};
 use futures::StreamExt;
-use pitcrew_model::{Incident, RunState, Stage};
 use pitcrew_runtime::consume::{Disposition, MessageHandler};
-use pitcrew_runtime::runner::StageRunner;
-use pitcrew_runtime::store::{OpenRun, RunStatus};
-use pitcrew_testkit::TestEnv;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -26,35 +21,7 @@ fn escalated_count() -> f64 {
 /// it was counted at each publish, twice.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_run_whose_end_is_published_again_is_counted_once() -> anyhow::Result<()> {
-    let env = TestEnv::start().await?;
-    let text = marker_service(&env, "svc");
-    let crew = Crew::start_in(env, &text, &[]).await?;
-    let mut state = RunState::new(uuid::Uuid::now_v7(), Incident::new("svc", "down"));
-    assert_eq!(crew.store.open_run(&state).await?, OpenRun::Created);
-    state.escalate("a human must look");
-    assert!(crew.store.commit_transition_with(&state, RunStatus::Open, &[], vec![]).await?);
-    pitcrew_runtime::runner::publish_state(&crew.bus, &state).await?;
-    let settings = pitcrew_runtime::config::StageSettings {
-        ack_wait: Duration::from_secs(1),
-        ..crew.cfg.stage_settings(Stage::Escalate)
-    };
-    let consumer = crew.bus.stage_consumer(Stage::Escalate, settings).await?;
-    let (playbook, policy) = pitcrew::crew::providers(&crew.cfg)?;
-    let deps = pitcrew_runtime::Deps {
-        config: Arc::new(crew.cfg.clone()),
-        store: crew.store.clone(),
-        reasoner: pitcrew::crew::reasoner(&crew.cfg, playbook)?,
-        executor: Arc::new(pitcrew_exec::LocalExecutor::new(4096)),
-        policy: Arc::new(policy.clone()),
-        worker: "test".into(),
-        live: None,
-        stopping: Default::default(),
-    };
-    let runner = Arc::new(StageRunner {
-        bus: crew.bus.clone(),
-        deps: Arc::new(deps),
-        handler: pitcrew::crew::handler(Stage::Escalate, &policy),
-    });
+    let (crew, state, consumer, runner) = common::at_escalate().await?;
     let mut events = crew.bus.js.get_stream(crew.bus.subjects.events_stream()).await?;
     let open = events.info().await?.config.clone();
     let before = escalated_count();

@@ -333,3 +333,50 @@ pub fn spawn_monitor(cfg: Config) -> (tokio::sync::oneshot::Sender<()>, tokio::t
     .shared();
     (stop, tokio::spawn(crew::monitor(cfg, shutdown)))
 }
+
+/// What a stage's runner needs, from the crew's configuration, with the local executor.
+pub fn deps_of(crew: &Crew) -> anyhow::Result<pitcrew_runtime::Deps> {
+    let (playbook, policy) = pitcrew::crew::providers(&crew.cfg)?;
+    Ok(pitcrew_runtime::Deps {
+        config: std::sync::Arc::new(crew.cfg.clone()),
+        store: crew.store.clone(),
+        reasoner: pitcrew::crew::reasoner(&crew.cfg, playbook)?,
+        executor: std::sync::Arc::new(pitcrew_exec::LocalExecutor::new(4096)),
+        policy: std::sync::Arc::new(policy),
+        worker: "test".into(),
+        live: None,
+        stopping: Default::default(),
+    })
+}
+
+/// A crew running no stage; a run escalated, its state waiting on escalate's subject; that
+/// stage's consumer (a 1 s ack wait: a delivery handled but never acked comes back at once)
+/// and a runner of the stage, to hand its deliveries to by hand.
+pub async fn at_escalate() -> anyhow::Result<(
+    Crew,
+    pitcrew_model::RunState,
+    async_nats::jetstream::consumer::PullConsumer,
+    std::sync::Arc<pitcrew_runtime::runner::StageRunner>,
+)> {
+    use pitcrew_runtime::store::{OpenRun, RunStatus};
+    let env = TestEnv::start().await?;
+    let text = marker_service(&env, "svc");
+    let crew = Crew::start_in(env, &text, &[]).await?;
+    let mut state = pitcrew_model::RunState::new(Uuid::now_v7(), Incident::new("svc", "down"));
+    anyhow::ensure!(crew.store.open_run(&state).await? == OpenRun::Created, "the run was not opened");
+    state.escalate("a human must look");
+    anyhow::ensure!(crew.store.commit_transition_with(&state, RunStatus::Open, &[], vec![]).await?);
+    pitcrew_runtime::runner::publish_state(&crew.bus, &state).await?;
+    let settings = pitcrew_runtime::config::StageSettings {
+        ack_wait: Duration::from_secs(1),
+        ..crew.cfg.stage_settings(Stage::Escalate)
+    };
+    let consumer = crew.bus.stage_consumer(Stage::Escalate, settings).await?;
+    let policy = pitcrew::crew::providers(&crew.cfg)?.1;
+    let runner = std::sync::Arc::new(pitcrew_runtime::runner::StageRunner {
+        bus: crew.bus.clone(),
+        deps: std::sync::Arc::new(deps_of(&crew)?),
+        handler: pitcrew::crew::handler(Stage::Escalate, &policy),
+    });
+    Ok((crew, state, consumer, runner))
+}
