@@ -638,12 +638,12 @@ impl StageHandler for Execute {
                 if rec.status != ExecutionStatus::Succeeded && !stop {
                     stop = true;
                     // The rest of a plan left alone is left alone for the same reason.
-                    stop_why = if rec.status == ExecutionStatus::Skipped && skip.is_some() {
-                        rec.output.clone()
-                    } else if rec.status == ExecutionStatus::Skipped {
-                        format!("not run: command {index} of the plan could not start")
-                    } else {
-                        "not run: an earlier command of the plan did not succeed".into()
+                    stop_why = match (rec.status, &skip) {
+                        (ExecutionStatus::Skipped, Some(_)) => rec.output.clone(),
+                        (ExecutionStatus::Skipped, None) => {
+                            format!("not run: command {index} of the plan could not start")
+                        }
+                        _ => "not run: an earlier command of the plan did not succeed".into(),
                     };
                 }
                 cx.emit(

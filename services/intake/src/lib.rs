@@ -33,8 +33,8 @@ pub fn normalise(incident: &mut Incident, cfg: &pitcrew_runtime::Config) -> Resu
 /// Whether `host`, named by an incident, is `service_host`, a service's own (`localhost`,
 /// `127.0.0.1` and `local` are one).
 fn same_host(host: &str, service_host: &str) -> bool {
-    let local = ["local", "localhost", "127.0.0.1"];
-    host == service_host || (local.contains(&host) && local.contains(&service_host))
+    use pitcrew_exec::local::is_local;
+    host == service_host || (is_local(host) && is_local(service_host))
 }
 
 /// An incident may name the host it saw the fault on: it must be the service's own host,
@@ -43,11 +43,10 @@ fn same_host(host: &str, service_host: &str) -> bool {
 /// fixing the service's host instead, and verifying there, would report a fault fixed that
 /// still stands.
 pub fn known_host(cfg: &pitcrew_runtime::Config, host: &str, service_host: &str) -> Result<(), String> {
-    let local = ["local", "localhost", "127.0.0.1"];
     if same_host(host, service_host) {
         return Ok(());
     }
-    if cfg.hosts.contains_key(host) || local.contains(&host) {
+    if cfg.hosts.contains_key(host) || pitcrew_exec::local::is_local(host) {
         return Err(format!(
             "the incident is on host '{host}' but its service runs on '{service_host}' (its [services.<name>] \
              host): pitcrew acts on a service's own host only; give the service on '{host}' an entry of its own"

@@ -329,11 +329,22 @@ async fn a_malformed_incident_naming_an_open_run_leaves_that_run_alone() -> anyh
 
 /// Publish bytes that are no run state to `stage`, naming `run` in the run header.
 async fn publish_garbage(crew: &Crew, stage: Stage, run: uuid::Uuid, id: &str) -> anyhow::Result<()> {
+    publish_as_state(crew, stage, run, id, "\u{1}not msgpack".into()).await
+}
+
+/// Publish `payload` to `stage` as a run state (MessagePack, `run` in the run header).
+async fn publish_as_state(
+    crew: &Crew,
+    stage: Stage,
+    run: uuid::Uuid,
+    id: &str,
+    payload: Vec<u8>,
+) -> anyhow::Result<()> {
     let mut headers = HeaderMap::new();
     headers.insert(NATS_MESSAGE_ID, id);
     headers.insert(CONTENT_TYPE, MSGPACK);
     headers.insert(pitcrew_runtime::bus::RUN_HEADER, run.to_string().as_str());
-    crew.bus.publish_with_headers(crew.bus.subjects.stage(stage), headers, "\u{1}not msgpack".into()).await?;
+    crew.bus.publish_with_headers(crew.bus.subjects.stage(stage), headers, payload.into()).await?;
     Ok(())
 }
 
@@ -1056,12 +1067,8 @@ async fn a_run_state_from_a_newer_worker_is_left_for_one() -> anyhow::Result<()>
     let mut unreadable = serde_json::json!({ "version": pitcrew_model::RUN_STATE_VERSION + 1, "layout": "v9" });
     unreadable["run_id"] = serde_json::json!(run);
     for (i, state) in [newer, unreadable].into_iter().enumerate() {
-        let mut headers = HeaderMap::new();
-        headers.insert(NATS_MESSAGE_ID, format!("newer-{i}").as_str());
-        headers.insert(CONTENT_TYPE, MSGPACK);
-        headers.insert(pitcrew_runtime::bus::RUN_HEADER, run.to_string().as_str());
         let payload = pitcrew_model::codec::to_msgpack(&state);
-        crew.bus.publish_with_headers(crew.bus.subjects.stage(Stage::Verify), headers, payload.into()).await?;
+        publish_as_state(&crew, Stage::Verify, run, &format!("newer-{i}"), payload).await?;
     }
     tokio::time::sleep(Duration::from_secs(3)).await;
     let status: String = db.query_one("SELECT status FROM runs WHERE id = $1", &[&run]).await?.get(0);
@@ -1090,12 +1097,8 @@ async fn a_run_state_from_a_newer_worker_none_took_is_dead_lettered_past_the_lim
     let mut crew = Crew::start_in(env, &text, &[Stage::Verify]).await?;
     let run = uuid::Uuid::now_v7();
     let newer = serde_json::json!({ "version": pitcrew_model::RUN_STATE_VERSION + 1, "run_id": run, "step": "verify" });
-    let mut headers = HeaderMap::new();
-    headers.insert(NATS_MESSAGE_ID, "newer-rolled-back");
-    headers.insert(CONTENT_TYPE, MSGPACK);
-    headers.insert(pitcrew_runtime::bus::RUN_HEADER, run.to_string().as_str());
     let payload = pitcrew_model::codec::to_msgpack(&newer);
-    crew.bus.publish_with_headers(crew.bus.subjects.stage(Stage::Verify), headers, payload.into()).await?;
+    publish_as_state(&crew, Stage::Verify, run, "newer-rolled-back", payload).await?;
     // Handed back for 30 s once, then past both limits.
     let dlq = crew.bus.js.get_stream(crew.bus.subjects.dlq_stream()).await?;
     let subject = crew.bus.subjects.dlq("verify");

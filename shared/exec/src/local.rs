@@ -214,7 +214,8 @@ impl Executor for LocalExecutor {
     }
 }
 
-pub(crate) fn is_local(host: &str) -> bool {
+/// Whether `host` names this machine (`local`, `localhost`, `127.0.0.1`).
+pub fn is_local(host: &str) -> bool {
     LOCAL_HOSTS.contains(&host)
 }
 

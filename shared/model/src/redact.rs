@@ -155,12 +155,10 @@ pub enum NotKept {
 /// The shortest start of a known secret replaced where a text ends with it.
 const MIN_PARTIAL: usize = 4;
 
-/// Where the start of a known secret begins, when `text` ends with one (ignoring a trailing
-/// `…`, which [`crate::trim::clip`] adds): a text cut short at a cap (a command's output read
-/// up to its limit, a line clipped) may stop partway through a secret, whose start the
-/// replacement of whole values passes over. The longest such start.
-fn cut_secret_at(text: &str, known: &[String]) -> Option<usize> {
-    let body = text.strip_suffix('…').unwrap_or(text);
+/// Where the start of a known secret begins, when `body` ends with one: a text cut short at
+/// a cap (a command's output read up to its limit, a line clipped) may stop partway through a
+/// secret, whose start the replacement of whole values passes over. The longest such start.
+fn cut_secret_at(body: &str, known: &[String]) -> Option<usize> {
     let mut from: Option<usize> = None;
     for k in known {
         let Some(head) = k.get(..MIN_PARTIAL) else { continue };
@@ -187,10 +185,7 @@ fn cut_secret_at(text: &str, known: &[String]) -> Option<usize> {
 pub fn redact_cut(text: &str) -> Cow<'_, str> {
     let known = KNOWN.read().unwrap_or_else(|p| p.into_inner());
     match cut_secret_at(text, &known) {
-        Some(at) => {
-            let ellipsis = if text.ends_with('…') { "…" } else { "" };
-            Cow::Owned(format!("{}{MARK}{ellipsis}", &text[..at]))
-        }
+        Some(at) => Cow::Owned(format!("{}{MARK}", &text[..at])),
         None => Cow::Borrowed(text),
     }
 }

@@ -733,17 +733,13 @@ impl Config {
             std::iter::once(("stages".to_string(), Some(self.stages.concurrency), Some(self.stages.ack_wait_secs)))
                 .chain(self.stage.iter().map(|(name, o)| (format!("stage.{name}"), o.concurrency, o.ack_wait_secs)));
         for (scope, concurrency, ack_wait) in scopes {
-            if concurrency.is_some_and(|c| c > MAX_STAGE_CONCURRENCY) {
-                return bad(format!(
-                    "[{scope}] concurrency ({}) must be at most {MAX_STAGE_CONCURRENCY}",
-                    concurrency.unwrap_or_default()
-                ));
+            if let Some(c) = concurrency.filter(|c| *c > MAX_STAGE_CONCURRENCY) {
+                return bad(format!("[{scope}] concurrency ({c}) must be at most {MAX_STAGE_CONCURRENCY}"));
             }
-            if ack_wait.is_some_and(|w| w > MAX_ACK_WAIT_SECS) {
+            if let Some(w) = ack_wait.filter(|w| *w > MAX_ACK_WAIT_SECS) {
                 return bad(format!(
-                    "[{scope}] ack_wait_secs ({}) must be at most {MAX_ACK_WAIT_SECS} (a day): a step holding \
-                     its message longer sends progress acks, whatever this is",
-                    ack_wait.unwrap_or_default()
+                    "[{scope}] ack_wait_secs ({w}) must be at most {MAX_ACK_WAIT_SECS} (a day): a step holding \
+                     its message longer sends progress acks, whatever this is"
                 ));
             }
         }
@@ -757,8 +753,7 @@ impl Config {
             }
         }
         for (name, svc) in &self.services {
-            let local = ["local", "localhost", "127.0.0.1"].contains(&svc.host.as_str());
-            if !local && !self.hosts.contains_key(&svc.host) {
+            if !pitcrew_exec::local::is_local(&svc.host) && !self.hosts.contains_key(&svc.host) {
                 return bad(format!("[services.{name}]: host '{}' is not under [hosts]", svc.host));
             }
         }

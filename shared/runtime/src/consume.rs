@@ -148,11 +148,9 @@ pub async fn consume<H: MessageHandler>(
             if stopping {
                 // Without delay: another worker takes it now. Bounded: with NATS gone the nak
                 // cannot go out, and the message comes back after its ack wait.
-                match tokio::time::timeout(crate::bus::FLUSH_LIMIT, msg.ack_with(AckKind::Nak(None))).await {
-                    Ok(Ok(())) => handed_back += 1,
-                    Ok(Err(e)) => {
-                        tracing::warn!(subject = %msg.subject, error = %e, "cannot hand a message back: it is redelivered after its ack wait")
-                    }
+                match tokio::time::timeout(crate::bus::FLUSH_LIMIT, hand_back(&msg)).await {
+                    Ok(true) => handed_back += 1,
+                    Ok(false) => {}
                     Err(_) => {
                         tracing::warn!(subject = %msg.subject, "NATS did not take a hand-back in time: the message is redelivered after its ack wait")
                     }
@@ -259,15 +257,7 @@ pub async fn consume<H: MessageHandler>(
         }
         // Bounded: with NATS unreachable the naks cannot go out (the client's queue may be
         // full), and the worker must still exit; those messages come back after their ack wait.
-        let naks = futures::future::join_all(stopped.iter().map(|(msg, _)| async {
-            match msg.ack_with(AckKind::Nak(None)).await {
-                Ok(()) => true,
-                Err(e) => {
-                    tracing::warn!(subject = %msg.subject, error = %e, "cannot hand a message back: it is redelivered after its ack wait");
-                    false
-                }
-            }
-        }));
+        let naks = futures::future::join_all(stopped.iter().map(|(msg, _)| hand_back(msg)));
         match tokio::time::timeout(crate::bus::FLUSH_LIMIT, naks).await {
             Ok(naked) => {
                 let handed_back = naked.into_iter().filter(|ok| *ok).count();
@@ -278,6 +268,17 @@ pub async fn consume<H: MessageHandler>(
                 left = stopped.len(),
                 "NATS did not take the hand-backs in time: those messages are redelivered after their ack wait"
             ),
+        }
+    }
+}
+
+/// Nak `msg` without delay, so another worker takes it now; false (said) when NATS refused.
+async fn hand_back(msg: &jetstream::Message) -> bool {
+    match msg.ack_with(AckKind::Nak(None)).await {
+        Ok(()) => true,
+        Err(e) => {
+            tracing::warn!(subject = %msg.subject, error = %e, "cannot hand a message back: it is redelivered after its ack wait");
+            false
         }
     }
 }
