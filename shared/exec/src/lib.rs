@@ -4,6 +4,7 @@
 pub mod check;
 pub mod local;
 pub mod process;
+pub mod runner;
 pub mod secrets;
 pub mod ssh;
 pub mod sshd;

@@ -64,11 +64,21 @@ pub struct LocalExecutor {
     pub max_output: usize,
     /// Variables passed on besides [`INHERITED`] and the locale's `LC_*` (`[exec] pass_env`).
     pass_env: Vec<String>,
+    /// The process that starts the commands, when not this one ([`crate::runner`]).
+    runner: Option<std::sync::Arc<crate::runner::Runner>>,
 }
 
 impl LocalExecutor {
+    /// Commands are started by this process's runner once [`crate::runner::use_own`] has set
+    /// it up (a `pitcrew` process does), else by this process itself.
     pub fn new(max_output: usize) -> Self {
-        Self { max_output, pass_env: Vec::new() }
+        Self { max_output, pass_env: Vec::new(), runner: crate::runner::own() }
+    }
+
+    /// Start the commands through `runner` (None: in this process).
+    pub fn with_runner(mut self, runner: Option<std::sync::Arc<crate::runner::Runner>>) -> Self {
+        self.runner = runner;
+        self
     }
 
     /// Also pass these variables of pitcrew's environment on to every command.
@@ -92,105 +102,121 @@ impl LocalExecutor {
         }
         let argv = crate::secrets::argv_of(command)?;
         let (program, args) = argv.split_first().ok_or(ExecError::Empty)?;
-
-        let started = Instant::now();
-        let deadline = started.checked_add(timeout).unwrap_or(started + FAR_FUTURE);
         // Found here, not by the child: with its environment replaced, std would look the
         // program up in the child's PATH, which it can only do by forking the whole crew
         // (posix_spawn looks in ours) — measured at 2-3x the CPU a command costs.
         let located = locate(program);
-        let mut child = tokio::process::Command::new(located.as_deref().unwrap_or(std::path::Path::new(program)))
-            .arg0(program)
-            .args(args)
-            .env_clear()
-            .envs(self.env())
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .kill_on_drop(true)
-            .process_group(0)
-            .spawn()
-            .map_err(|e| spawn_error(program, e))?;
-        // process_group(0) makes the child the leader of a group whose id is its pid.
-        let mut group = GroupGuard(child.id().and_then(|p| i32::try_from(p).ok()));
-        let mut stdout = child.stdout.take();
-        let mut stderr = child.stderr.take();
+        let env: Vec<_> = self.env().collect();
+        match &self.runner {
+            Some(runner) => runner.run(program, located.as_deref(), args, env, timeout, self.max_output).await,
+            None => run_argv(program, located.as_deref(), args, env, timeout, self.max_output).await,
+        }
+    }
+}
 
-        let (mut out, mut err) = (Vec::new(), Vec::new());
-        let mut wait_error = None;
-        let (waited, timed_out) = {
-            let max = self.max_output;
-            let drain = async {
-                tokio::join!(read_capped(&mut stdout, max, &mut out), read_capped(&mut stderr, max, &mut err))
-            };
-            tokio::pin!(drain);
-            let mut drained = false;
-            let waited: Option<std::io::Result<ExitStatus>> = loop {
-                tokio::select! {
-                    status = child.wait() => break Some(status),
-                    _ = &mut drain, if !drained => drained = true,
-                    _ = tokio::time::sleep_until(deadline) => break None,
-                }
-            };
-            match waited {
-                Some(Ok(status)) => {
-                    // Reaped: the group id may be reused from now on, never signal it again.
-                    group.disarm();
-                    if !drained {
-                        let until = deadline.min(Instant::now() + PIPE_GRACE);
-                        let _ = tokio::time::timeout_at(until, &mut drain).await;
-                    }
-                    (Some(status), false)
-                }
-                other => {
-                    group.kill();
-                    let _ = tokio::time::timeout(KILL_GRACE, child.wait()).await;
-                    group.disarm();
-                    if !drained {
-                        let _ = tokio::time::timeout(KILL_GRACE, &mut drain).await;
-                    }
-                    // The command ran (and may have had effects): never report it as
-                    // something to retry. A failed wait is a failed command.
-                    if let Some(Err(e)) = other {
-                        wait_error = Some(format!("\npitcrew: waiting for '{program}' failed: {e}"));
-                        (None, false)
-                    } else {
-                        (None, true)
-                    }
-                }
+/// Run `program` (found at `located`, if it was) with `args` and only the variables of `env`,
+/// in a process group of its own, keeping at most `max_output` bytes of each of its outputs,
+/// and kill the whole group at `timeout` (or when the future is dropped).
+pub(crate) async fn run_argv(
+    program: &str,
+    located: Option<&std::path::Path>,
+    args: &[String],
+    env: Vec<(std::ffi::OsString, std::ffi::OsString)>,
+    timeout: Duration,
+    max_output: usize,
+) -> Result<CommandOutput, ExecError> {
+    let started = Instant::now();
+    let deadline = started.checked_add(timeout).unwrap_or(started + FAR_FUTURE);
+    let mut child = tokio::process::Command::new(located.unwrap_or(std::path::Path::new(program)))
+        .arg0(program)
+        .args(args)
+        .env_clear()
+        .envs(env)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .process_group(0)
+        .spawn()
+        .map_err(|e| spawn_error(program, e))?;
+    // process_group(0) makes the child the leader of a group whose id is its pid.
+    let mut group = GroupGuard(child.id().and_then(|p| i32::try_from(p).ok()));
+    let mut stdout = child.stdout.take();
+    let mut stderr = child.stderr.take();
+
+    let (mut out, mut err) = (Vec::new(), Vec::new());
+    let mut wait_error = None;
+    let (waited, timed_out) = {
+        let max = max_output;
+        let drain =
+            async { tokio::join!(read_capped(&mut stdout, max, &mut out), read_capped(&mut stderr, max, &mut err)) };
+        tokio::pin!(drain);
+        let mut drained = false;
+        let waited: Option<std::io::Result<ExitStatus>> = loop {
+            tokio::select! {
+                status = child.wait() => break Some(status),
+                _ = &mut drain, if !drained => drained = true,
+                _ = tokio::time::sleep_until(deadline) => break None,
             }
         };
-        if let Some(e) = wait_error {
-            err.extend_from_slice(e.as_bytes());
+        match waited {
+            Some(Ok(status)) => {
+                // Reaped: the group id may be reused from now on, never signal it again.
+                group.disarm();
+                if !drained {
+                    let until = deadline.min(Instant::now() + PIPE_GRACE);
+                    let _ = tokio::time::timeout_at(until, &mut drain).await;
+                }
+                (Some(status), false)
+            }
+            other => {
+                group.kill();
+                let _ = tokio::time::timeout(KILL_GRACE, child.wait()).await;
+                group.disarm();
+                if !drained {
+                    let _ = tokio::time::timeout(KILL_GRACE, &mut drain).await;
+                }
+                // The command ran (and may have had effects): never report it as
+                // something to retry. A failed wait is a failed command.
+                if let Some(Err(e)) = other {
+                    wait_error = Some(format!("\npitcrew: waiting for '{program}' failed: {e}"));
+                    (None, false)
+                } else {
+                    (None, true)
+                }
+            }
         }
-        // Still open after the leader exited: something it started holds them.
-        let held: Vec<Box<dyn AsyncRead + Send + Unpin>> = [
-            stdout.map(|p| Box::new(p) as Box<dyn AsyncRead + Send + Unpin>),
-            stderr.map(|p| Box::new(p) as Box<dyn AsyncRead + Send + Unpin>),
-        ]
-        .into_iter()
-        .flatten()
-        .collect();
-        if waited.is_some() && !held.is_empty() {
-            linger(program, held, self.max_output, &mut err);
-        }
-        let output = CommandOutput {
-            exit_code: waited.and_then(|s| s.code()),
-            // U+FFFD for NUL or bad UTF-8 is three bytes: the cap holds after it too.
-            stdout: pitcrew_model::trim::text_within(&out, self.max_output),
-            stderr: pitcrew_model::trim::text_within(&err, self.max_output),
-            timed_out,
-            duration: started.elapsed(),
-        };
-        tracing::debug!(
-            program = %program,
-            exit_code = ?output.exit_code,
-            timed_out,
-            duration_ms = output.duration.as_millis() as u64,
-            "local command finished"
-        );
-        Ok(output)
+    };
+    if let Some(e) = wait_error {
+        err.extend_from_slice(e.as_bytes());
     }
+    // Still open after the leader exited: something it started holds them.
+    let held: Vec<Box<dyn AsyncRead + Send + Unpin>> = [
+        stdout.map(|p| Box::new(p) as Box<dyn AsyncRead + Send + Unpin>),
+        stderr.map(|p| Box::new(p) as Box<dyn AsyncRead + Send + Unpin>),
+    ]
+    .into_iter()
+    .flatten()
+    .collect();
+    if waited.is_some() && !held.is_empty() {
+        linger(program, held, max_output, &mut err);
+    }
+    let output = CommandOutput {
+        exit_code: waited.and_then(|s| s.code()),
+        // U+FFFD for NUL or bad UTF-8 is three bytes: the cap holds after it too.
+        stdout: pitcrew_model::trim::text_within(&out, max_output),
+        stderr: pitcrew_model::trim::text_within(&err, max_output),
+        timed_out,
+        duration: started.elapsed(),
+    };
+    tracing::debug!(
+        program = %program,
+        exit_code = ?output.exit_code,
+        timed_out,
+        duration_ms = output.duration.as_millis() as u64,
+        "local command finished"
+    );
+    Ok(output)
 }
 
 impl Executor for LocalExecutor {
