@@ -107,10 +107,19 @@ impl LocalExecutor {
         // (posix_spawn looks in ours) — measured at 2-3x the CPU a command costs.
         let located = locate(program);
         let env: Vec<_> = self.env().collect();
-        match &self.runner {
-            Some(runner) => runner.run(program, located.as_deref(), args, env, timeout, self.max_output).await,
-            None => run_argv(program, located.as_deref(), args, env, timeout, self.max_output).await,
-        }
+        let output = match &self.runner {
+            Some(runner) => runner.run(program, located.as_deref(), args, env, timeout, self.max_output).await?,
+            None => run_argv(program, located.as_deref(), args, env, timeout, self.max_output).await?,
+        };
+        // Here, not where it ran: a runner logs nothing, and here the line has its run's span.
+        tracing::debug!(
+            program = %program,
+            exit_code = ?output.exit_code,
+            timed_out = output.timed_out,
+            duration_ms = output.duration.as_millis() as u64,
+            "local command finished"
+        );
+        Ok(output)
     }
 }
 
@@ -209,13 +218,6 @@ pub(crate) async fn run_argv(
         timed_out,
         duration: started.elapsed(),
     };
-    tracing::debug!(
-        program = %program,
-        exit_code = ?output.exit_code,
-        timed_out,
-        duration_ms = output.duration.as_millis() as u64,
-        "local command finished"
-    );
     Ok(output)
 }
 

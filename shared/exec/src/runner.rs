@@ -32,7 +32,7 @@ use tokio::time::Instant;
 pub const MARKER: &str = "__pitcrew-local-runner";
 
 /// The largest frame either side reads: a result holds two outputs of at most
-/// `[limits] max_output_bytes` each (at most 16 MiB, see the config's checks).
+/// `[limits] max_output_bytes` each (at most 16 MiB: `pitcrew_runtime`'s `MAX_OUTPUT_BYTES`).
 const MAX_FRAME: usize = 64 << 20;
 
 /// How long past a command's timeout its result may take before the runner counts as hung:
@@ -114,7 +114,10 @@ where
     }
     buf.resize(len, 0);
     from.read_exact(buf).await?;
-    rmp_serde::from_slice(buf).map(Some).map_err(|e| std::io::Error::other(format!("a bad frame: {e}")))
+    // Not the decoder's words: they may quote a value, and a command's arguments hold secrets.
+    rmp_serde::from_slice(buf)
+        .map(Some)
+        .map_err(|_| std::io::Error::other(format!("a frame of {len} bytes that does not decode")))
 }
 
 /// If this process was started as a runner (its first argument is [`MARKER`]), serve as one
@@ -198,6 +201,8 @@ async fn serving() -> std::io::Result<()> {
                 Some(Ok(Request::Run { id, program, located, args, env, timeout_us, max_output })) => {
                     let replies = replies.clone();
                     let handle = running.spawn(async move {
+                        // A run that panics is still answered: it may have started the command.
+                        let mut answer = Answer { id, replies, sent: false };
                         let located = located.map(|l| PathBuf::from(OsString::from_vec(l)));
                         let env = env.into_iter().map(|(k, v)| (OsString::from_vec(k), OsString::from_vec(v))).collect();
                         let timeout = Duration::from_micros(timeout_us);
@@ -214,7 +219,7 @@ async fn serving() -> std::io::Result<()> {
                             Err(ExecError::Spawn { program, error }) => Outcome::Spawn { program, error },
                             Err(other) => Outcome::Spawn { program, error: other.to_string() },
                         };
-                        let _ = replies.send(frame(&Reply { id, outcome }));
+                        answer.send(outcome);
                         id
                     });
                     handles.insert(id, handle);
@@ -244,6 +249,35 @@ async fn serving() -> std::io::Result<()> {
     drop(replies);
     let _ = writer.await;
     Ok(())
+}
+
+/// Sends a command's outcome, or, if its run ends without one (a panic; a cancel, whose
+/// answer nobody reads), one saying it may have run.
+struct Answer {
+    id: u64,
+    replies: mpsc::UnboundedSender<Vec<u8>>,
+    sent: bool,
+}
+
+impl Answer {
+    fn send(&mut self, outcome: Outcome) {
+        self.sent = true;
+        let _ = self.replies.send(frame(&Reply { id: self.id, outcome }));
+    }
+}
+
+impl Drop for Answer {
+    fn drop(&mut self) {
+        if !self.sent {
+            self.send(Outcome::Ran {
+                exit_code: None,
+                stdout: String::new(),
+                stderr: "pitcrew: the local runner failed while running it: it may have run".to_string(),
+                timed_out: false,
+                duration_us: 0,
+            });
+        }
+    }
 }
 
 fn micros(d: Duration) -> u64 {
@@ -408,7 +442,9 @@ impl Runner {
             let why = loop {
                 match read_frame::<_, Reply>(&mut stdout, &mut buf).await {
                     Ok(Some(reply)) => {
-                        let Some(conn) = reading.upgrade() else { break None };
+                        // Read on while the runner answers, whoever waits: it exits once it
+                        // has written its last answer.
+                        let Some(conn) = reading.upgrade() else { continue };
                         let waiter = conn
                             .waiting
                             .lock()
@@ -425,6 +461,8 @@ impl Runner {
                 }
             };
             drop(gone);
+            // Its next write fails, not blocks: it ends once its commands have.
+            drop(stdout);
             let status = child.wait().await;
             match (why, status) {
                 (None, Ok(s)) if s.success() => tracing::debug!(pid, "the local runner ended"),
@@ -488,21 +526,18 @@ impl Runner {
             Ok(Ok(Outcome::Transient(why))) => return Err(ExecError::Transient(why)),
             Ok(Err(_)) => "ended",
             Err(_) => {
-                // Hung: the next command gets a new runner; this one is stopped, and its
-                // commands with it (their groups are their own: they may run on).
+                // Hung: the next command gets a new runner. This one is not killed (its other
+                // commands would run on with no deadline): it gets no more commands, and its
+                // stdin ends with the last of its waiters, when it holds its commands to their
+                // deadlines and exits.
                 conn.forget(id);
                 conn.gone();
-                if let Some(pid) = conn.pid.and_then(|p| i32::try_from(p).ok()).filter(|p| *p > 1) {
-                    // SAFETY: kill(2) has no memory-safety preconditions; the runner is our
-                    // child and not reaped until its output ends, so the pid is still its own.
-                    unsafe { libc::kill(pid, libc::SIGKILL) };
-                }
                 "did not answer"
             }
         };
-        // The command may have run, and may still run: reported once its deadline has surely
-        // passed (what runs next, verify or another attempt, must not run beside it), as
-        // failed: never as something to retry.
+        // The command may have run, and may still run: reported as failed, never as something
+        // to retry, once its deadline has passed (a runner that only stopped answering still
+        // ends it by then; one killed left it to run on, orphaned, with its own deadline only).
         if let Some(at) = started.checked_add(timeout.saturating_add(LOST_GRACE)) {
             tokio::time::sleep_until(at).await;
         }
@@ -512,7 +547,7 @@ impl Runner {
             stdout: String::new(),
             stderr: format!(
                 "pitcrew: the local runner {why} while '{program}' ran: it may have run to its end, been stopped, or \
-                 still run (reported once its deadline had passed)"
+                 still run (reported once its deadline had passed; a runner killed could not end it then)"
             ),
             timed_out: false,
             duration: started.elapsed(),

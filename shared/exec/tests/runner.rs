@@ -104,10 +104,13 @@ async fn a_run_given_up_is_killed() {
     let runner = runner();
     let exec = exec(&runner);
     let command = sleeper(&file);
-    let given_up =
-        tokio::time::timeout(Duration::from_millis(500), exec.run("local", &command, Duration::from_secs(60)));
-    assert!(given_up.await.is_err(), "a sleep of 300 s ended in 500 ms");
-    let pid = pid_in(&file).await;
+    let mut run = Box::pin(exec.run("local", &command, Duration::from_secs(60)));
+    // Given up once it runs.
+    let pid = tokio::select! {
+        ended = &mut run => panic!("a sleep of 300 s ended: {ended:?}"),
+        pid = pid_in(&file) => pid,
+    };
+    drop(run);
     assert!(dies_within(pid, Duration::from_secs(10)).await, "the command {pid} outlived the run given up");
     // The runner is still there for the next one.
     let out = exec.run("local", "echo still", Duration::from_secs(10)).await.unwrap();
@@ -146,17 +149,14 @@ async fn a_lost_runner_is_reported_after_the_deadline_and_replaced() {
 async fn stop_signals_reach_the_worker_not_the_runners_commands() {
     let runner = runner();
     let exec = exec(&runner);
-    let run = exec.run("local", "sh -c 'sleep 1; echo done'", Duration::from_secs(20));
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("pid");
+    let command = format!("sh -c 'echo $$ > {}; sleep 1; echo done'", file.display());
+    let run = exec.run("local", &command, Duration::from_secs(20));
     let signal = async {
-        let deadline = Instant::now() + Duration::from_secs(10);
-        let pid = loop {
-            if let Some(pid) = runner.pid() {
-                break pid as i32;
-            }
-            assert!(Instant::now() < deadline, "no runner started");
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        };
-        tokio::time::sleep(Duration::from_millis(300)).await;
+        // The command runs: the runner has long set its handlers.
+        let _ = pid_in(&file).await;
+        let pid = runner.pid().expect("a runner runs") as i32;
         unsafe {
             libc::kill(pid, libc::SIGTERM);
             libc::kill(pid, libc::SIGINT);

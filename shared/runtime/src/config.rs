@@ -600,6 +600,9 @@ pub const MAX_APPROVAL_TIMEOUT_SECS: u64 = 30 * 24 * 3600;
 /// Most messages one process handles at once for one stage.
 pub const MAX_STAGE_CONCURRENCY: usize = 65_536;
 
+/// The most `[limits] max_output_bytes` may keep of each of a command's outputs.
+pub const MAX_OUTPUT_BYTES: usize = 16 << 20;
+
 /// Longest ack wait a stage may set.
 pub const MAX_ACK_WAIT_SECS: u64 = 86_400;
 
@@ -707,6 +710,13 @@ impl Config {
                 "limits.approval_timeout_secs ({}) must be 1 to {MAX_APPROVAL_TIMEOUT_SECS} (30 days): an approval \
                  nobody decides in that long is for escalation",
                 self.limits.approval_timeout_secs
+            ));
+        }
+        if !(1..=MAX_OUTPUT_BYTES).contains(&self.limits.max_output_bytes) {
+            return bad(format!(
+                "limits.max_output_bytes ({}) must be 1 to {MAX_OUTPUT_BYTES} (16 MiB): it is kept of each of a \
+                 command's outputs, in memory, in the run state and in its events",
+                self.limits.max_output_bytes
             ));
         }
         if !(1..=100).contains(&self.verify.healthy_checks) {
@@ -1018,6 +1028,14 @@ mod tests {
         assert!(e.contains("limits.approval_timeout_secs (10000000000000) must be 1 to 2592000"), "{e}");
         assert!(Config::from_toml("[limits]\napproval_timeout_secs = 0\n").is_err());
         assert!(Config::from_toml("[limits]\napproval_timeout_secs = 2592000\n").is_ok());
+    }
+
+    #[test]
+    fn an_output_cap_past_sixteen_mib_is_refused() {
+        let e = Config::from_toml("[limits]\nmax_output_bytes = 16777217\n").unwrap_err().to_string();
+        assert!(e.contains("limits.max_output_bytes (16777217) must be 1 to 16777216"), "{e}");
+        assert!(Config::from_toml("[limits]\nmax_output_bytes = 0\n").is_err());
+        assert!(Config::from_toml("[limits]\nmax_output_bytes = 16777216\n").is_ok());
     }
 
     /// An ack wait NATS would read wrapped (it takes nanoseconds as an i64) and a concurrency
