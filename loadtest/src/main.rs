@@ -223,9 +223,8 @@ fn peak_rss_mb() -> Option<f64> {
     Some((kb / 1024.0 * 10.0).round() / 10.0)
 }
 
-/// CPU time (user + system) of this process and its local runner, and of the commands the
-/// crew ran (this process's reaped children and the runner's), in ms, from getrusage and
-/// /proc.
+/// CPU time (user + system) of this process and its local watchdog, and of its reaped
+/// children (the commands the crew ran), in ms, from getrusage and /proc.
 fn cpu_ms() -> (f64, f64) {
     let of = |who| {
         // SAFETY: getrusage only writes the struct we hand it.
@@ -236,9 +235,8 @@ fn cpu_ms() -> (f64, f64) {
         let ms = |t: libc::timeval| t.tv_sec as f64 * 1000.0 + t.tv_usec as f64 / 1000.0;
         ms(ru.ru_utime) + ms(ru.ru_stime)
     };
-    let (runner, commands) =
-        pitcrew_exec::runner::own().and_then(|r| pitcrew_exec::runner::cpu_ms(&r)).unwrap_or((0.0, 0.0));
-    (of(libc::RUSAGE_SELF) + runner, of(libc::RUSAGE_CHILDREN) + commands)
+    let watchdog = pitcrew_exec::watchdog::own().and_then(|w| w.cpu_ms()).unwrap_or(0.0);
+    (of(libc::RUSAGE_SELF) + watchdog, of(libc::RUSAGE_CHILDREN))
 }
 
 /// Busy CPU time of the whole machine so far (every process: Postgres and nats-server too),
@@ -494,10 +492,10 @@ async fn connect_target(
 }
 
 fn main() -> anyhow::Result<()> {
-    // As in a `pitcrew` process: the crew's local commands are started by a runner, this
-    // binary again (its CPU is counted with the crew's and the commands').
-    pitcrew_exec::runner::serve_if_asked();
-    pitcrew_exec::runner::use_own();
+    // As in a `pitcrew` process: the crew's local commands are watched by a watchdog, this
+    // binary again (its CPU is counted with the crew's).
+    pitcrew_exec::watchdog::serve_if_asked();
+    pitcrew_exec::watchdog::use_own();
     let args = Args::parse();
     // A worker thread a core (or TOKIO_WORKER_THREADS) unless `workers` says.
     let runtime = |name: &str, workers: Option<usize>| {

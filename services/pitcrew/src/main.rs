@@ -236,9 +236,9 @@ fn parse_severity(s: &str) -> Result<Severity, String> {
 }
 
 fn main() -> ExitCode {
-    // Before anything else: this process may be a worker's local runner.
-    pitcrew_exec::runner::serve_if_asked();
-    pitcrew_exec::runner::use_own();
+    // Before anything else: this process may be a worker's local watchdog.
+    pitcrew_exec::watchdog::serve_if_asked();
+    pitcrew_exec::watchdog::use_own();
     let args = match Args::try_parse() {
         Ok(a) => a,
         Err(e) => {

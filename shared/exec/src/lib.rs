@@ -4,10 +4,10 @@
 pub mod check;
 pub mod local;
 pub mod process;
-pub mod runner;
 pub mod secrets;
 pub mod ssh;
 pub mod sshd;
+pub mod watchdog;
 
 pub use check::{run_check, CheckOutcome};
 pub use local::LocalExecutor;

@@ -64,20 +64,21 @@ pub struct LocalExecutor {
     pub max_output: usize,
     /// Variables passed on besides [`INHERITED`] and the locale's `LC_*` (`[exec] pass_env`).
     pass_env: Vec<String>,
-    /// The process that starts the commands, when not this one ([`crate::runner`]).
-    runner: Option<std::sync::Arc<crate::runner::Runner>>,
+    /// The process that ends the commands at their deadlines if this one dies
+    /// ([`crate::watchdog`]).
+    watchdog: Option<std::sync::Arc<crate::watchdog::Watchdog>>,
 }
 
 impl LocalExecutor {
-    /// Commands are started by this process's runner once [`crate::runner::use_own`] has set
-    /// it up (a `pitcrew` process does), else by this process itself.
+    /// Commands are watched by this process's watchdog once [`crate::watchdog::use_own`] has
+    /// set it up (a `pitcrew` process does).
     pub fn new(max_output: usize) -> Self {
-        Self { max_output, pass_env: Vec::new(), runner: crate::runner::own() }
+        Self { max_output, pass_env: Vec::new(), watchdog: crate::watchdog::own() }
     }
 
-    /// Start the commands through `runner` (None: in this process).
-    pub fn with_runner(mut self, runner: Option<std::sync::Arc<crate::runner::Runner>>) -> Self {
-        self.runner = runner;
+    /// Tell `watchdog` of every command (None: no watchdog).
+    pub fn with_watchdog(mut self, watchdog: Option<std::sync::Arc<crate::watchdog::Watchdog>>) -> Self {
+        self.watchdog = watchdog;
         self
     }
 
@@ -107,11 +108,9 @@ impl LocalExecutor {
         // (posix_spawn looks in ours) — measured at 2-3x the CPU a command costs.
         let located = locate(program);
         let env: Vec<_> = self.env().collect();
-        let output = match &self.runner {
-            Some(runner) => runner.run(program, located.as_deref(), args, env, timeout, self.max_output).await?,
-            None => run_argv(program, located.as_deref(), args, env, timeout, self.max_output).await?,
-        };
-        // Here, not where it ran: a runner logs nothing, and here the line has its run's span.
+        let output =
+            run_argv(program, located.as_deref(), args, env, timeout, self.max_output, self.watchdog.as_deref())
+                .await?;
         tracing::debug!(
             program = %program,
             exit_code = ?output.exit_code,
@@ -125,14 +124,16 @@ impl LocalExecutor {
 
 /// Run `program` (found at `located`, if it was) with `args` and only the variables of `env`,
 /// in a process group of its own, keeping at most `max_output` bytes of each of its outputs,
-/// and kill the whole group at `timeout` (or when the future is dropped).
-pub(crate) async fn run_argv(
+/// and kill the whole group at `timeout` (or when the future is dropped; or, told of it, the
+/// `watchdog` if this process dies).
+async fn run_argv(
     program: &str,
     located: Option<&std::path::Path>,
     args: &[String],
     env: Vec<(std::ffi::OsString, std::ffi::OsString)>,
     timeout: Duration,
     max_output: usize,
+    watchdog: Option<&crate::watchdog::Watchdog>,
 ) -> Result<CommandOutput, ExecError> {
     let started = Instant::now();
     let deadline = started.checked_add(timeout).unwrap_or(started + FAR_FUTURE);
@@ -150,6 +151,8 @@ pub(crate) async fn run_argv(
         .map_err(|e| spawn_error(program, e))?;
     // process_group(0) makes the child the leader of a group whose id is its pid.
     let mut group = GroupGuard(child.id().and_then(|p| i32::try_from(p).ok()));
+    // Told the end when dropped: once the group is reaped or killed, at the end of this run.
+    let _watched = watchdog.zip(child.id()).map(|(w, pid)| w.guard(pid, timeout));
     let mut stdout = child.stdout.take();
     let mut stderr = child.stderr.take();
 

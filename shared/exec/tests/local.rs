@@ -1,18 +1,18 @@
 //! The local executor against real processes: argv without a shell, capped output, exit
 //! codes, spawn failures and deadlines that kill the whole process group. Every test runs
-//! twice: with the commands started by the test's own process, and through a local runner
-//! (`pitcrew_exec::runner`, as in a `pitcrew` process).
+//! twice: alone, and with a local watchdog told of every command (`pitcrew_exec::watchdog`,
+//! as in a `pitcrew` process).
 
-use pitcrew_exec::runner::Runner;
+use pitcrew_exec::watchdog::Watchdog;
 use pitcrew_exec::{ExecError, Executor, LocalExecutor};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 const T: Duration = Duration::from_secs(10);
 
-/// A runner of the test's own (a runner's pipes belong to the runtime that started it).
-fn runner() -> Option<Arc<Runner>> {
-    Some(Arc::new(Runner::new(env!("CARGO_BIN_EXE_pitcrew-local-runner"), Vec::<String>::new())))
+/// A watchdog of the test's own (its pipe belongs to the runtime that started it).
+fn watchdog() -> Option<Arc<Watchdog>> {
+    Some(Arc::new(Watchdog::new(env!("CARGO_BIN_EXE_pitcrew-watchdog"), Vec::<String>::new())))
 }
 
 /// Whether `pid` is still a live (not zombie) process.
@@ -25,9 +25,9 @@ fn alive(pid: i32) -> bool {
 }
 
 macro_rules! local_tests {
-    ($runner:expr) => {
+    ($watchdog:expr) => {
     fn exec() -> LocalExecutor {
-        LocalExecutor::new(64 * 1024).with_runner($runner)
+        LocalExecutor::new(64 * 1024).with_watchdog($watchdog)
     }
 
     #[tokio::test]
@@ -88,7 +88,7 @@ macro_rules! local_tests {
 
     #[tokio::test]
     async fn output_is_capped_without_hanging() {
-        let small = LocalExecutor::new(1024).with_runner($runner);
+        let small = LocalExecutor::new(1024).with_watchdog($watchdog);
         let cmd = "head -c 1000000 /dev/zero";
         let out = tokio::time::timeout(T, small.run("local", cmd, T)).await.expect("hung").unwrap();
         assert!(out.stdout.len() <= 1024, "{}", out.stdout.len());
@@ -170,7 +170,7 @@ macro_rules! local_tests {
     async fn a_daemon_left_holding_the_output_is_not_killed_by_sigpipe() {
         let cmd = "sh -c 'sh -c \"while :; do echo tick; echo tock >&2; sleep 0.1; done\" & echo $!; exit 0'";
         let started = Instant::now();
-        // The worker runs on (its runner too): the daemon's output is read while it does.
+        // The worker runs on: the daemon's output is read while it does.
         let worker = exec();
         let out = worker.run("local", cmd, T).await.unwrap();
         assert!(started.elapsed() < Duration::from_secs(5), "{:?}", started.elapsed());
@@ -197,7 +197,7 @@ mod in_process {
     local_tests!(None);
 }
 
-mod through_a_runner {
+mod watched {
     use super::*;
-    local_tests!(runner());
+    local_tests!(watchdog());
 }
