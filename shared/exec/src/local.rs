@@ -149,10 +149,10 @@ async fn run_argv(
         .process_group(0)
         .spawn()
         .map_err(|e| spawn_error(program, e))?;
+    // Told the end when dropped, after the group below: once it is reaped or killed.
+    let _watched = watchdog.zip(child.id()).map(|(w, pid)| w.guard(pid, timeout));
     // process_group(0) makes the child the leader of a group whose id is its pid.
     let mut group = GroupGuard(child.id().and_then(|p| i32::try_from(p).ok()));
-    // Told the end when dropped: once the group is reaped or killed, at the end of this run.
-    let _watched = watchdog.zip(child.id()).map(|(w, pid)| w.guard(pid, timeout));
     let mut stdout = child.stdout.take();
     let mut stderr = child.stderr.take();
 

@@ -29,22 +29,29 @@ use tokio::time::Instant;
 /// The first argument that makes a pitcrew binary serve as a watchdog ([`serve_if_asked`]).
 pub const MARKER: &str = "__pitcrew-watchdog";
 
-/// One message: a kind byte, the command's id, its group and its deadline in ms from now.
-const MESSAGE: usize = 1 + 8 + 4 + 8;
+/// One message: a kind byte, the command's id, its group, its deadline in ms from now and its
+/// leader's start time (read by the worker before it could have reaped the leader). At most
+/// `PIPE_BUF` bytes: a non-blocking write of it is whole or fails.
+const MESSAGE: usize = 1 + 8 + 4 + 8 + 8;
 const STARTED: u8 = 1;
 const ENDED: u8 = 2;
 
 /// A deadline further than this is no deadline (a "forever" timeout): such a group is left.
 const FOREVER_MS: u64 = 365 * 24 * 3600 * 1000;
 
-fn message(kind: u8, id: u64, pgid: u32, deadline_ms: u64) -> [u8; MESSAGE] {
+fn message(kind: u8, id: u64, pgid: u32, deadline_ms: u64, started: u64) -> [u8; MESSAGE] {
     let mut m = [0u8; MESSAGE];
     m[0] = kind;
     m[1..9].copy_from_slice(&id.to_le_bytes());
     m[9..13].copy_from_slice(&pgid.to_le_bytes());
     m[13..21].copy_from_slice(&deadline_ms.to_le_bytes());
+    m[21..29].copy_from_slice(&started.to_le_bytes());
     m
 }
+
+/// How many starts between two sweeps of the groups held for ones that are gone (their end
+/// was not heard: a message dropped, see [`Watchdog::send`]).
+const SWEEP_EVERY: u64 = 1024;
 
 /// If this process was started as a watchdog (its first argument is [`MARKER`]), serve as one
 /// and exit; else return at once. Called first thing in `main`, before any thread starts.
@@ -68,12 +75,18 @@ pub fn serve() -> i32 {
     }
 }
 
-/// A group held: its leader's pid and start time (None: it had already gone when told of),
-/// and its deadline.
+/// A group held: its leader's pid and start time, and its deadline.
 struct Held {
     pgid: i32,
-    started: Option<u64>,
+    started: u64,
     deadline: Option<Instant>,
+}
+
+impl Held {
+    /// Its leader is still the process that was started: the group id is still its own.
+    fn still_there(&self) -> bool {
+        self.pgid > 1 && start_time(self.pgid) == Some(self.started)
+    }
 }
 
 async fn serving() -> std::io::Result<()> {
@@ -96,6 +109,7 @@ async fn serving() -> std::io::Result<()> {
 
     let mut input = tokio::io::BufReader::with_capacity(64 * 1024, input);
     let mut held: HashMap<u64, Held> = HashMap::new();
+    let mut starts = 0u64;
     let mut m = [0u8; MESSAGE];
     loop {
         match input.read_exact(&mut m).await {
@@ -111,8 +125,13 @@ async fn serving() -> std::io::Result<()> {
             STARTED => {
                 let pgid = i32::from_le_bytes(m[9..13].try_into().expect("4 bytes"));
                 let ms = u64::from_le_bytes(m[13..21].try_into().expect("8 bytes"));
+                let started = u64::from_le_bytes(m[21..29].try_into().expect("8 bytes"));
                 let deadline = (ms < FOREVER_MS).then(|| Instant::now() + Duration::from_millis(ms));
-                held.insert(id, Held { pgid, started: start_time(pgid), deadline });
+                starts += 1;
+                if starts.is_multiple_of(SWEEP_EVERY) {
+                    held.retain(|_, h| h.still_there());
+                }
+                held.insert(id, Held { pgid, started, deadline });
             }
             ENDED => {
                 held.remove(&id);
@@ -124,13 +143,13 @@ async fn serving() -> std::io::Result<()> {
         }
     }
     // The worker is gone: each group still held is ended at its deadline, in their order.
-    let mut left: Vec<Held> = held.into_values().filter(|h| h.deadline.is_some() && h.started.is_some()).collect();
+    let mut left: Vec<Held> = held.into_values().filter(|h| h.deadline.is_some() && h.still_there()).collect();
     left.sort_by_key(|h| h.deadline);
     for group in left {
         if let Some(at) = group.deadline {
             tokio::time::sleep_until(at).await;
         }
-        if group.pgid > 1 && start_time(group.pgid).is_some() && start_time(group.pgid) == group.started {
+        if group.still_there() {
             // SAFETY: kill(2) has no memory-safety preconditions. The group's leader is the
             // process started (same pid, same start time), so the group id is still its own.
             unsafe { libc::kill(-group.pgid, libc::SIGKILL) };
@@ -141,7 +160,7 @@ async fn serving() -> std::io::Result<()> {
 
 /// When process `pid` started (in clock ticks since boot, `/proc/<pid>/stat`'s 22nd field):
 /// with the pid, it names one process for good. None if there is no such process.
-fn start_time(pid: i32) -> Option<u64> {
+pub(crate) fn start_time(pid: i32) -> Option<u64> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     // After the command name (which may hold spaces and parentheses): the state is field 3.
     stat.rsplit_once(')')?.1.split_whitespace().nth(22 - 3)?.parse().ok()
@@ -153,6 +172,8 @@ pub struct Watchdog {
     args: Vec<OsString>,
     /// The watchdog now started; None until then, or once it could not be.
     to: Mutex<Option<Started>>,
+    /// When a start last failed: the next is tried no sooner than [`RETRY_AFTER`] later.
+    failed: Mutex<Option<std::time::Instant>>,
     next_id: std::sync::atomic::AtomicU64,
 }
 
@@ -167,6 +188,29 @@ struct Started {
     pipe: std::fs::File,
     child: std::process::Child,
 }
+
+impl Started {
+    /// Close its stdin and reap it once it exits (at once if it holds nothing), on a thread
+    /// of its own: it may hold groups to their deadlines.
+    fn reap(self) {
+        let Started { pipe, mut child } = self;
+        drop(pipe);
+        if !matches!(child.try_wait(), Ok(Some(_))) {
+            let _ = std::thread::Builder::new().name("watchdog-reaper".into()).spawn(move || child.wait());
+        }
+    }
+}
+
+impl Drop for Watchdog {
+    fn drop(&mut self) {
+        if let Some(started) = self.to.get_mut().unwrap_or_else(|e| e.into_inner()).take() {
+            started.reap();
+        }
+    }
+}
+
+/// After a watchdog could not be started, how long commands go without one before the next try.
+const RETRY_AFTER: Duration = Duration::from_secs(10);
 
 static OWN: OnceLock<Arc<Watchdog>> = OnceLock::new();
 
@@ -189,7 +233,7 @@ pub(crate) struct Guarded<'a> {
 
 impl Drop for Guarded<'_> {
     fn drop(&mut self) {
-        self.watchdog.send(message(ENDED, self.id, 0, 0));
+        self.watchdog.send(message(ENDED, self.id, 0, 0, 0));
     }
 }
 
@@ -205,6 +249,7 @@ impl Watchdog {
             program: program.into(),
             args: args.into_iter().map(Into::into).collect(),
             to: Mutex::new(None),
+            failed: Mutex::new(None),
             next_id: std::sync::atomic::AtomicU64::new(0),
         }
     }
@@ -228,17 +273,23 @@ impl Watchdog {
 
     /// Tell the watchdog that process group `pgid` started with `timeout` to run; it is told
     /// of the end when the returned guard is dropped (once the group is reaped or killed).
+    ///
+    /// Called before the leader can have been reaped (before its child is first waited for),
+    /// so the start time read here is surely the command's.
     pub(crate) fn guard(&self, pgid: u32, timeout: Duration) -> Guarded<'_> {
         let id = self.next_id.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let ms = u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX);
-        self.send(message(STARTED, id, pgid, ms));
+        // Unreadable only if /proc is not mounted: 0 matches no process, nothing is signalled.
+        let started = i32::try_from(pgid).ok().and_then(start_time).unwrap_or(0);
+        self.send(message(STARTED, id, pgid, ms, started));
         Guarded { watchdog: self, id }
     }
 
     /// Write `m` to the watchdog, starting one if none runs; a write of a few bytes to a pipe,
     /// whole or not at all, that never waits. A message the watchdog has no room for (it is
-    /// 3000 behind) is dropped, said once: it may leave one command unguarded, never signal
-    /// one that ended (see [`serving`]).
+    /// some 2000 behind: its pipe is full) is dropped, said once: it may leave one command
+    /// unguarded, or one that ended held until a sweep, never signal one that ended (the
+    /// leader's start time tells).
     fn send(&self, m: [u8; MESSAGE]) {
         use std::io::Write;
         static FULL: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
@@ -252,12 +303,12 @@ impl Watchdog {
                     }
                     return;
                 }
-                // Gone (EPIPE): reaped, and replaced below.
+                // Gone (EPIPE): replaced below, and reaped off this thread.
                 _ => {
                     tracing::error!(pid = started.child.id(), "the local watchdog has gone: starting another");
-                    let _ = started.child.kill();
-                    let _ = started.child.wait();
-                    *to = None;
+                    if let Some(gone) = to.take() {
+                        gone.reap();
+                    }
                 }
             }
         }
@@ -265,16 +316,25 @@ impl Watchdog {
         if m[0] == ENDED {
             return;
         }
+        let mut failed = self.failed.lock().unwrap_or_else(|e| e.into_inner());
+        if failed.is_some_and(|at| at.elapsed() < RETRY_AFTER) {
+            return;
+        }
         match self.start() {
             Ok(started) => {
                 let _ = (&started.pipe).write(&m);
                 *to = Some(started);
+                *failed = None;
             }
-            Err(e) => tracing::error!(
-                program = %self.program.display(),
-                error = %e,
-                "cannot start the local watchdog: a local command of a worker killed outright runs past its deadline"
-            ),
+            Err(e) => {
+                tracing::error!(
+                    program = %self.program.display(),
+                    error = %e,
+                    "cannot start the local watchdog (tried again in 10 s): until then a local command of a worker \
+                     killed outright runs past its deadline"
+                );
+                *failed = Some(std::time::Instant::now());
+            }
         }
     }
 

@@ -70,21 +70,40 @@ async fn worker_helper() {
         let out = exec.run("local", &cmd, Duration::from_secs(1)).await.unwrap();
         assert!(out.success(), "{out:?}");
         name(&watchdog);
-        std::future::pending::<()>().await;
+        // Killed long before; gone on its own if the test that started it failed.
+        tokio::time::sleep(Duration::from_secs(60)).await;
+        return;
     }
     let command = sleeper(&dir.join("command"));
     let run = exec.run("local", &command, Duration::from_secs(3));
     let named = async {
         let _ = pid_in(&dir.join("command")).await;
         name(&watchdog);
-        std::future::pending::<()>().await
+        tokio::time::sleep(Duration::from_secs(60)).await
     };
     // Killed long before either ends.
     let _ = tokio::join!(run, named);
 }
 
+/// The helper worker, killed when dropped (a test that fails leaves none behind).
+struct Worker(std::process::Child);
+
+impl Worker {
+    fn kill(&mut self) {
+        self.0.kill().unwrap();
+        self.0.wait().unwrap();
+    }
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
 /// Start the helper worker in `scene`; its command's pid and its watchdog's.
-async fn worker(dir: &Path, scene: &str) -> (std::process::Child, i32, i32) {
+async fn worker(dir: &Path, scene: &str) -> (Worker, i32, i32) {
     let worker = std::process::Command::new(std::env::current_exe().unwrap())
         .args(["--exact", "worker_helper", "--test-threads", "1"])
         .env(WORKER_HELPER, dir)
@@ -92,6 +111,7 @@ async fn worker(dir: &Path, scene: &str) -> (std::process::Child, i32, i32) {
         .stdout(std::process::Stdio::null())
         .spawn()
         .unwrap();
+    let worker = Worker(worker);
     let command = pid_in(&dir.join("command")).await;
     let watchdog = pid_in(&dir.join("watchdog")).await;
     (worker, command, watchdog)
@@ -102,8 +122,7 @@ async fn a_command_of_a_killed_worker_is_killed_at_its_deadline_and_the_watchdog
     let dir = tempfile::tempdir().unwrap();
     let (mut worker, command, watchdog) = worker(dir.path(), "long").await;
     let started = Instant::now();
-    worker.kill().unwrap();
-    worker.wait().unwrap();
+    worker.kill();
 
     // It runs on (a remediation is not cut off half done when its worker dies) ...
     tokio::time::sleep(Duration::from_millis(500)).await;
@@ -121,8 +140,7 @@ async fn a_command_of_a_killed_worker_is_killed_at_its_deadline_and_the_watchdog
 async fn a_command_that_ended_is_not_killed_when_its_worker_dies() {
     let dir = tempfile::tempdir().unwrap();
     let (mut worker, daemon, watchdog) = worker(dir.path(), "ended").await;
-    worker.kill().unwrap();
-    worker.wait().unwrap();
+    worker.kill();
     assert!(dies_within(watchdog, Duration::from_secs(5)).await, "the watchdog {watchdog} waited for nothing");
     // Past the 1 s deadline its command had.
     tokio::time::sleep(Duration::from_millis(1500)).await;
@@ -158,8 +176,18 @@ async fn stop_signals_are_for_the_worker_not_its_watchdog() {
     let exec = exec(&watchdog);
     assert!(exec.run("local", "true", Duration::from_secs(10)).await.unwrap().success());
     let pid = watchdog.pid().expect("a watchdog runs") as i32;
-    // Let it set its handlers: it has read the first command's messages by then.
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // Once it handles both (SigCgt: bit 1 is SIGINT, bit 14 SIGTERM).
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+        let caught = status.lines().find_map(|l| l.strip_prefix("SigCgt:")).map(str::trim).unwrap().to_string();
+        let caught = u64::from_str_radix(&caught, 16).unwrap();
+        if caught & (1 << 1) != 0 && caught & (1 << 14) != 0 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the watchdog never handled SIGINT and SIGTERM");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     unsafe {
         libc::kill(pid, libc::SIGTERM);
         libc::kill(pid, libc::SIGINT);
