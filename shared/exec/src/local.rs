@@ -103,125 +103,107 @@ impl LocalExecutor {
         }
         let argv = crate::secrets::argv_of(command)?;
         let (program, args) = argv.split_first().ok_or(ExecError::Empty)?;
+
+        let started = Instant::now();
+        let deadline = started.checked_add(timeout).unwrap_or(started + FAR_FUTURE);
         // Found here, not by the child: with its environment replaced, std would look the
         // program up in the child's PATH, which it can only do by forking the whole crew
         // (posix_spawn looks in ours) — measured at 2-3x the CPU a command costs.
         let located = locate(program);
-        let env: Vec<_> = self.env().collect();
-        let output =
-            run_argv(program, located.as_deref(), args, env, timeout, self.max_output, self.watchdog.as_deref())
-                .await?;
+        let mut child = tokio::process::Command::new(located.as_deref().unwrap_or(std::path::Path::new(program)))
+            .arg0(program)
+            .args(args)
+            .env_clear()
+            .envs(self.env())
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .kill_on_drop(true)
+            .process_group(0)
+            .spawn()
+            .map_err(|e| spawn_error(program, e))?;
+        // Told the end when dropped, after the group below: once it is reaped or killed.
+        let _watched = self.watchdog.as_deref().zip(child.id()).map(|(w, pid)| w.guard(pid, timeout));
+        // process_group(0) makes the child the leader of a group whose id is its pid.
+        let mut group = GroupGuard(child.id().and_then(|p| i32::try_from(p).ok()));
+        let mut stdout = child.stdout.take();
+        let mut stderr = child.stderr.take();
+
+        let (mut out, mut err) = (Vec::new(), Vec::new());
+        let mut wait_error = None;
+        let (waited, timed_out) = {
+            let max = self.max_output;
+            let drain = async {
+                tokio::join!(read_capped(&mut stdout, max, &mut out), read_capped(&mut stderr, max, &mut err))
+            };
+            tokio::pin!(drain);
+            let mut drained = false;
+            let waited: Option<std::io::Result<ExitStatus>> = loop {
+                tokio::select! {
+                    status = child.wait() => break Some(status),
+                    _ = &mut drain, if !drained => drained = true,
+                    _ = tokio::time::sleep_until(deadline) => break None,
+                }
+            };
+            match waited {
+                Some(Ok(status)) => {
+                    // Reaped: the group id may be reused from now on, never signal it again.
+                    group.disarm();
+                    if !drained {
+                        let until = deadline.min(Instant::now() + PIPE_GRACE);
+                        let _ = tokio::time::timeout_at(until, &mut drain).await;
+                    }
+                    (Some(status), false)
+                }
+                other => {
+                    group.kill();
+                    let _ = tokio::time::timeout(KILL_GRACE, child.wait()).await;
+                    group.disarm();
+                    if !drained {
+                        let _ = tokio::time::timeout(KILL_GRACE, &mut drain).await;
+                    }
+                    // The command ran (and may have had effects): never report it as
+                    // something to retry. A failed wait is a failed command.
+                    if let Some(Err(e)) = other {
+                        wait_error = Some(format!("\npitcrew: waiting for '{program}' failed: {e}"));
+                        (None, false)
+                    } else {
+                        (None, true)
+                    }
+                }
+            }
+        };
+        if let Some(e) = wait_error {
+            err.extend_from_slice(e.as_bytes());
+        }
+        // Still open after the leader exited: something it started holds them.
+        let held: Vec<Box<dyn AsyncRead + Send + Unpin>> = [
+            stdout.map(|p| Box::new(p) as Box<dyn AsyncRead + Send + Unpin>),
+            stderr.map(|p| Box::new(p) as Box<dyn AsyncRead + Send + Unpin>),
+        ]
+        .into_iter()
+        .flatten()
+        .collect();
+        if waited.is_some() && !held.is_empty() {
+            linger(program, held, self.max_output, &mut err);
+        }
+        let output = CommandOutput {
+            exit_code: waited.and_then(|s| s.code()),
+            // U+FFFD for NUL or bad UTF-8 is three bytes: the cap holds after it too.
+            stdout: pitcrew_model::trim::text_within(&out, self.max_output),
+            stderr: pitcrew_model::trim::text_within(&err, self.max_output),
+            timed_out,
+            duration: started.elapsed(),
+        };
         tracing::debug!(
             program = %program,
             exit_code = ?output.exit_code,
-            timed_out = output.timed_out,
+            timed_out,
             duration_ms = output.duration.as_millis() as u64,
             "local command finished"
         );
         Ok(output)
     }
-}
-
-/// Run `program` (found at `located`, if it was) with `args` and only the variables of `env`,
-/// in a process group of its own, keeping at most `max_output` bytes of each of its outputs,
-/// and kill the whole group at `timeout` (or when the future is dropped; or, told of it, the
-/// `watchdog` if this process dies).
-async fn run_argv(
-    program: &str,
-    located: Option<&std::path::Path>,
-    args: &[String],
-    env: Vec<(std::ffi::OsString, std::ffi::OsString)>,
-    timeout: Duration,
-    max_output: usize,
-    watchdog: Option<&crate::watchdog::Watchdog>,
-) -> Result<CommandOutput, ExecError> {
-    let started = Instant::now();
-    let deadline = started.checked_add(timeout).unwrap_or(started + FAR_FUTURE);
-    let mut child = tokio::process::Command::new(located.unwrap_or(std::path::Path::new(program)))
-        .arg0(program)
-        .args(args)
-        .env_clear()
-        .envs(env)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .kill_on_drop(true)
-        .process_group(0)
-        .spawn()
-        .map_err(|e| spawn_error(program, e))?;
-    // Told the end when dropped, after the group below: once it is reaped or killed.
-    let _watched = watchdog.zip(child.id()).map(|(w, pid)| w.guard(pid, timeout));
-    // process_group(0) makes the child the leader of a group whose id is its pid.
-    let mut group = GroupGuard(child.id().and_then(|p| i32::try_from(p).ok()));
-    let mut stdout = child.stdout.take();
-    let mut stderr = child.stderr.take();
-
-    let (mut out, mut err) = (Vec::new(), Vec::new());
-    let mut wait_error = None;
-    let (waited, timed_out) = {
-        let max = max_output;
-        let drain =
-            async { tokio::join!(read_capped(&mut stdout, max, &mut out), read_capped(&mut stderr, max, &mut err)) };
-        tokio::pin!(drain);
-        let mut drained = false;
-        let waited: Option<std::io::Result<ExitStatus>> = loop {
-            tokio::select! {
-                status = child.wait() => break Some(status),
-                _ = &mut drain, if !drained => drained = true,
-                _ = tokio::time::sleep_until(deadline) => break None,
-            }
-        };
-        match waited {
-            Some(Ok(status)) => {
-                // Reaped: the group id may be reused from now on, never signal it again.
-                group.disarm();
-                if !drained {
-                    let until = deadline.min(Instant::now() + PIPE_GRACE);
-                    let _ = tokio::time::timeout_at(until, &mut drain).await;
-                }
-                (Some(status), false)
-            }
-            other => {
-                group.kill();
-                let _ = tokio::time::timeout(KILL_GRACE, child.wait()).await;
-                group.disarm();
-                if !drained {
-                    let _ = tokio::time::timeout(KILL_GRACE, &mut drain).await;
-                }
-                // The command ran (and may have had effects): never report it as
-                // something to retry. A failed wait is a failed command.
-                if let Some(Err(e)) = other {
-                    wait_error = Some(format!("\npitcrew: waiting for '{program}' failed: {e}"));
-                    (None, false)
-                } else {
-                    (None, true)
-                }
-            }
-        }
-    };
-    if let Some(e) = wait_error {
-        err.extend_from_slice(e.as_bytes());
-    }
-    // Still open after the leader exited: something it started holds them.
-    let held: Vec<Box<dyn AsyncRead + Send + Unpin>> = [
-        stdout.map(|p| Box::new(p) as Box<dyn AsyncRead + Send + Unpin>),
-        stderr.map(|p| Box::new(p) as Box<dyn AsyncRead + Send + Unpin>),
-    ]
-    .into_iter()
-    .flatten()
-    .collect();
-    if waited.is_some() && !held.is_empty() {
-        linger(program, held, max_output, &mut err);
-    }
-    let output = CommandOutput {
-        exit_code: waited.and_then(|s| s.code()),
-        // U+FFFD for NUL or bad UTF-8 is three bytes: the cap holds after it too.
-        stdout: pitcrew_model::trim::text_within(&out, max_output),
-        stderr: pitcrew_model::trim::text_within(&err, max_output),
-        timed_out,
-        duration: started.elapsed(),
-    };
-    Ok(output)
 }
 
 impl Executor for LocalExecutor {
