@@ -58,6 +58,24 @@ pub fn listening(port: u16) -> bool {
     std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
 }
 
+/// `/proc/<pid>/stat` of a process: what follows its command name (which may hold spaces and
+/// parentheses).
+pub struct ProcStat(String);
+
+impl ProcStat {
+    /// None if there is no such process.
+    pub fn read(pid: u32) -> Option<ProcStat> {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+        Some(ProcStat(stat.rsplit_once(')')?.1.to_string()))
+    }
+
+    /// Numeric field `n`, numbered as in proc(5) (4: the parent's pid; 14, 15: user and
+    /// system time in clock ticks; 22: the start time in clock ticks since boot).
+    pub fn field(&self, n: usize) -> Option<u64> {
+        self.0.split_whitespace().nth(n.checked_sub(3)?)?.parse().ok()
+    }
+}
+
 /// A spawn request for the thread that starts tied servers, and where its answer goes.
 type SpawnJob = (Command, mpsc::Sender<std::io::Result<Child>>);
 

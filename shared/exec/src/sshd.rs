@@ -241,10 +241,8 @@ fn descendants(root: u32) -> Vec<u32> {
     if let Ok(entries) = std::fs::read_dir("/proc") {
         for e in entries.flatten() {
             let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else { continue };
-            let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { continue };
-            // The parent pid is the second field after the parenthesised command name.
-            let Some(rest) = stat.rsplit_once(')').map(|(_, r)| r) else { continue };
-            if let Some(ppid) = rest.split_whitespace().nth(1).and_then(|p| p.parse::<u32>().ok()) {
+            let ppid = crate::process::ProcStat::read(pid).and_then(|s| s.field(4)).and_then(|p| u32::try_from(p).ok());
+            if let Some(ppid) = ppid {
                 parent_of.push((pid, ppid));
             }
         }

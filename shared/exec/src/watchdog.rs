@@ -18,6 +18,7 @@
 //! the worker, which drains first. A watchdog that dies is started again with the next
 //! command; the commands it held are then guarded by their worker alone.
 
+use crate::process::ProcStat;
 use std::collections::HashMap;
 use std::ffi::{OsStr, OsString};
 use std::path::PathBuf;
@@ -160,10 +161,8 @@ async fn serving() -> std::io::Result<()> {
 
 /// When process `pid` started (in clock ticks since boot, `/proc/<pid>/stat`'s 22nd field):
 /// with the pid, it names one process for good. None if there is no such process.
-pub(crate) fn start_time(pid: i32) -> Option<u64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    // After the command name (which may hold spaces and parentheses): the state is field 3.
-    stat.rsplit_once(')')?.1.split_whitespace().nth(22 - 3)?.parse().ok()
+fn start_time(pid: i32) -> Option<u64> {
+    ProcStat::read(u32::try_from(pid).ok()?)?.field(22)
 }
 
 /// A worker's side of a watchdog: started with the first command, and again after it died.
@@ -262,13 +261,10 @@ impl Watchdog {
     /// CPU time (user + system) of the watchdog now started, in ms (None: none runs, or
     /// `/proc` cannot be read).
     pub fn cpu_ms(&self) -> Option<f64> {
-        let stat = std::fs::read_to_string(format!("/proc/{}/stat", self.pid()?)).ok()?;
-        let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
-        // utime and stime: fields 14 and 15, counted from the state (field 3).
-        let ticks = |i: usize| fields.get(i - 3).and_then(|f| f.parse::<f64>().ok());
+        let stat = ProcStat::read(self.pid()?)?;
         // SAFETY: sysconf has no preconditions.
         let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
-        Some((ticks(14)? + ticks(15)?) * 1000.0 / hz.max(1.0))
+        Some((stat.field(14)? + stat.field(15)?) as f64 * 1000.0 / hz.max(1.0))
     }
 
     /// Tell the watchdog that process group `pgid` started with `timeout` to run; it is told
