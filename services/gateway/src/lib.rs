@@ -169,6 +169,25 @@ async fn healthz() -> Json<serde_json::Value> {
     Json(json!({ "status": "ok" }))
 }
 
+/// One part's readiness for `/readyz`: `ok`, or why not in words safe to show anyone; the
+/// log has the error (a backend's error names hosts, users, the database).
+async fn part_ready<T, E: std::fmt::Display>(
+    part: &str,
+    check: impl std::future::Future<Output = Result<T, E>>,
+) -> &'static str {
+    match tokio::time::timeout(Duration::from_secs(2), check).await {
+        Ok(Ok(_)) => "ok",
+        Ok(Err(e)) => {
+            tracing::warn!(error = %e, "not ready: {part} refused the readiness check");
+            "unavailable"
+        }
+        Err(_) => {
+            tracing::warn!("not ready: {part} did not answer the readiness check within 2 s");
+            "no answer within 2 s"
+        }
+    }
+}
+
 /// Ready when NATS (JetStream answers) and Postgres (a query answers) do, each within 2 s.
 /// Checked at most once a second (`checked_at` tells when); callers meanwhile share the answer.
 async fn readyz(State(gw): State<Arc<Gateway>>) -> Response {
@@ -178,31 +197,11 @@ async fn readyz(State(gw): State<Arc<Gateway>>) -> Response {
             return (*status, Json(body.clone())).into_response();
         }
     }
-    // The answer is public (probes carry no key): it says which part is down, the log why (a
-    // backend's error names hosts, users, the database).
-    let wait = Duration::from_secs(2);
-    let nats = match tokio::time::timeout(wait, gw.bus.js.get_stream(gw.bus.subjects.incidents_stream())).await {
-        Ok(Ok(_)) => "ok",
-        Ok(Err(e)) => {
-            tracing::warn!(error = %e, "not ready: JetStream refused the readiness check");
-            "unavailable"
-        }
-        Err(_) => {
-            tracing::warn!("not ready: JetStream did not answer the readiness check within 2 s");
-            "no answer within 2 s"
-        }
-    };
-    let postgres = match tokio::time::timeout(wait, gw.store.ping()).await {
-        Ok(Ok(())) => "ok",
-        Ok(Err(e)) => {
-            tracing::warn!(error = %e, "not ready: Postgres refused the readiness check");
-            "unavailable"
-        }
-        Err(_) => {
-            tracing::warn!("not ready: Postgres did not answer the readiness check within 2 s");
-            "no answer within 2 s"
-        }
-    };
+    // The answer is public (probes carry no key): it says which part is down, the log why.
+    let (nats, postgres) = tokio::join!(
+        part_ready("JetStream", gw.bus.js.get_stream(gw.bus.subjects.incidents_stream())),
+        part_ready("Postgres", gw.store.ping()),
+    );
     let ready = nats == "ok" && postgres == "ok";
     let status = if ready { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
     let body = json!({
