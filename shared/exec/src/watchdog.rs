@@ -4,7 +4,8 @@
 //! run on with no deadline but its own (over SSH, the host's `timeout` ends it).
 //!
 //! The worker starts its commands itself, as before, and only tells the watchdog of each:
-//! "command `id`, process group `pgid`, deadline in `ms`" when it starts, "`id` ended" once
+//! "command `id`, process group `pgid` (its leader's start time), deadline in `ms`" when it
+//! starts, "`id` ended" once
 //! its group is dealt with. These are fire-and-forget writes on the watchdog's stdin, off the
 //! command's path: nothing waits for the watchdog. When its stdin ends (the worker stopped or
 //! died), the watchdog kills at its deadline each group it still holds whose leader is still
@@ -78,7 +79,7 @@ pub fn serve() -> i32 {
 
 /// A group held: its leader's pid and start time, and its deadline.
 struct Held {
-    pgid: i32,
+    pgid: u32,
     started: u64,
     deadline: Option<Instant>,
 }
@@ -124,7 +125,7 @@ async fn serving() -> std::io::Result<()> {
         let id = u64::from_le_bytes(m[1..9].try_into().expect("8 bytes"));
         match m[0] {
             STARTED => {
-                let pgid = i32::from_le_bytes(m[9..13].try_into().expect("4 bytes"));
+                let pgid = u32::from_le_bytes(m[9..13].try_into().expect("4 bytes"));
                 let ms = u64::from_le_bytes(m[13..21].try_into().expect("8 bytes"));
                 let started = u64::from_le_bytes(m[21..29].try_into().expect("8 bytes"));
                 let deadline = (ms < FOREVER_MS).then(|| Instant::now() + Duration::from_millis(ms));
@@ -150,10 +151,10 @@ async fn serving() -> std::io::Result<()> {
         if let Some(at) = group.deadline {
             tokio::time::sleep_until(at).await;
         }
-        if group.still_there() {
+        if let Some(pgid) = i32::try_from(group.pgid).ok().filter(|_| group.still_there()) {
             // SAFETY: kill(2) has no memory-safety preconditions. The group's leader is the
             // process started (same pid, same start time), so the group id is still its own.
-            unsafe { libc::kill(-group.pgid, libc::SIGKILL) };
+            unsafe { libc::kill(-pgid, libc::SIGKILL) };
         }
     }
     Ok(())
@@ -161,18 +162,15 @@ async fn serving() -> std::io::Result<()> {
 
 /// When process `pid` started (in clock ticks since boot, `/proc/<pid>/stat`'s 22nd field):
 /// with the pid, it names one process for good. None if there is no such process.
-fn start_time(pid: i32) -> Option<u64> {
-    ProcStat::read(u32::try_from(pid).ok()?)?.field(22)
+fn start_time(pid: u32) -> Option<u64> {
+    ProcStat::read(pid)?.field(22)
 }
 
 /// A worker's side of a watchdog: started with the first command, and again after it died.
 pub struct Watchdog {
     program: PathBuf,
     args: Vec<OsString>,
-    /// The watchdog now started; None until then, or once it could not be.
-    to: Mutex<Option<Started>>,
-    /// When a start last failed: the next is tried no sooner than [`RETRY_AFTER`] later.
-    failed: Mutex<Option<std::time::Instant>>,
+    to: Mutex<Link>,
     next_id: std::sync::atomic::AtomicU64,
 }
 
@@ -180,6 +178,15 @@ impl std::fmt::Debug for Watchdog {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Watchdog").field("program", &self.program).field("args", &self.args).finish_non_exhaustive()
     }
+}
+
+/// The worker's link to its watchdog.
+enum Link {
+    /// None started yet, or the last one has gone.
+    Down,
+    Up(Started),
+    /// A start failed then: the next is tried no sooner than [`RETRY_AFTER`] later.
+    Failed(std::time::Instant),
 }
 
 /// A watchdog started: the write end of its stdin (non-blocking) and the process.
@@ -202,7 +209,7 @@ impl Started {
 
 impl Drop for Watchdog {
     fn drop(&mut self) {
-        if let Some(started) = self.to.get_mut().unwrap_or_else(|e| e.into_inner()).take() {
+        if let Link::Up(started) = std::mem::replace(self.to.get_mut().unwrap_or_else(|e| e.into_inner()), Link::Down) {
             started.reap();
         }
     }
@@ -247,15 +254,17 @@ impl Watchdog {
         Watchdog {
             program: program.into(),
             args: args.into_iter().map(Into::into).collect(),
-            to: Mutex::new(None),
-            failed: Mutex::new(None),
+            to: Mutex::new(Link::Down),
             next_id: std::sync::atomic::AtomicU64::new(0),
         }
     }
 
     /// The process id of the watchdog now started, if one is.
     pub fn pid(&self) -> Option<u32> {
-        self.to.lock().unwrap_or_else(|e| e.into_inner()).as_ref().map(|s| s.child.id())
+        match &*self.to.lock().unwrap_or_else(|e| e.into_inner()) {
+            Link::Up(started) => Some(started.child.id()),
+            Link::Down | Link::Failed(_) => None,
+        }
     }
 
     /// CPU time (user + system) of the watchdog now started, in ms (None: none runs, or
@@ -276,7 +285,7 @@ impl Watchdog {
         let id = self.next_id.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let ms = u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX);
         // Unreadable only if /proc is not mounted: 0 matches no process, nothing is signalled.
-        let started = i32::try_from(pgid).ok().and_then(start_time).unwrap_or(0);
+        let started = start_time(pgid).unwrap_or(0);
         self.send(message(STARTED, id, pgid, ms, started));
         Guarded { watchdog: self, id }
     }
@@ -289,8 +298,8 @@ impl Watchdog {
     fn send(&self, m: [u8; MESSAGE]) {
         use std::io::Write;
         static FULL: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
-        let mut to = self.to.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(started) = to.as_mut() {
+        let mut link = self.to.lock().unwrap_or_else(|e| e.into_inner());
+        if let Link::Up(started) = &mut *link {
             match (&started.pipe).write(&m) {
                 Ok(n) if n == MESSAGE => return,
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
@@ -302,7 +311,7 @@ impl Watchdog {
                 // Gone (EPIPE): replaced below, and reaped off this thread.
                 _ => {
                     tracing::error!(pid = started.child.id(), "the local watchdog has gone: starting another");
-                    if let Some(gone) = to.take() {
+                    if let Link::Up(gone) = std::mem::replace(&mut *link, Link::Down) {
                         gone.reap();
                     }
                 }
@@ -312,15 +321,13 @@ impl Watchdog {
         if m[0] == ENDED {
             return;
         }
-        let mut failed = self.failed.lock().unwrap_or_else(|e| e.into_inner());
-        if failed.is_some_and(|at| at.elapsed() < RETRY_AFTER) {
+        if matches!(*link, Link::Failed(at) if at.elapsed() < RETRY_AFTER) {
             return;
         }
         match self.start() {
             Ok(started) => {
                 let _ = (&started.pipe).write(&m);
-                *to = Some(started);
-                *failed = None;
+                *link = Link::Up(started);
             }
             Err(e) => {
                 tracing::error!(
@@ -329,7 +336,7 @@ impl Watchdog {
                     "cannot start the local watchdog (tried again in 10 s): until then a local command of a worker \
                      killed outright runs past its deadline"
                 );
-                *failed = Some(std::time::Instant::now());
+                *link = Link::Failed(std::time::Instant::now());
             }
         }
     }
