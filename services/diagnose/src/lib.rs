@@ -7,6 +7,8 @@ use pitcrew_llm::{ReasonError, ToolOutput, ToolSpec, Tools};
 use pitcrew_model::{EventKind, Evidence, RunState, ServiceSpec, Stage};
 use pitcrew_policy::Policy;
 use pitcrew_runtime::{target, Cx, StageError, StageHandler, Transition};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 pub mod web;
@@ -16,17 +18,85 @@ pub mod web;
 pub struct Diagnose {
     /// The configured HTTP tools, built once (their client pools connections).
     web: std::sync::OnceLock<Option<web::WebTools>>,
+    /// The read-only commands this process's runs are running, for the runs that ask for the
+    /// same ones meanwhile (one executor per process).
+    flights: Flights,
+}
+
+/// What a read-only command's run said: (succeeded, trimmed and redacted output or the error).
+type Read = (bool, String);
+
+/// One command's run on one host, for whoever asked for it while it ran.
+type Flight = Arc<tokio::sync::OnceCell<Read>>;
+
+/// The read-only commands in flight, by host and command line. A run that asks for a command
+/// a host is already running for another run (an alert storm: hundreds of incidents on one
+/// host, each gathering the same `df -h`) waits for that run's answer instead of starting its
+/// own, so the host is not sent a copy a run. Nothing is kept once a command ends: the next
+/// ask runs it afresh, so a run's evidence is never older than the command it joined (which
+/// began before the ask, by at most [`EVIDENCE_WITHIN`]). The answers of one executor only.
+#[derive(Default)]
+pub struct Flights {
+    running: Mutex<HashMap<(String, String), Flight>>,
+}
+
+impl Flights {
+    /// Run `cmd` on `host`, or wait for its run already under way. When the run that started
+    /// it is dropped (its message's handling cancelled), one of those waiting starts it anew.
+    pub async fn run(&self, executor: &dyn Executor, host: &str, cmd: &str) -> Read {
+        let key = (host.to_string(), cmd.to_string());
+        let flight = self.lock().entry(key.clone()).or_default().clone();
+        let seat = Seat { flights: self, key, flight: Some(flight) };
+        let flight = seat.flight.as_ref().expect("held until the seat is dropped");
+        flight.get_or_init(|| run_evidence(executor, host, cmd)).await.clone()
+    }
+
+    fn lock(&self) -> MutexGuard<'_, HashMap<(String, String), Flight>> {
+        self.running.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The commands in flight.
+    pub fn len(&self) -> usize {
+        self.lock().len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// One run's place on a flight: its leaving takes the flight off the map once the command has
+/// answered (later asks run it afresh) or when no one else is on it.
+struct Seat<'a> {
+    flights: &'a Flights,
+    key: (String, String),
+    flight: Option<Flight>,
+}
+
+impl Drop for Seat<'_> {
+    fn drop(&mut self) {
+        let mut running = self.flights.lock();
+        let Some(flight) = self.flight.take() else { return };
+        let alone = Arc::strong_count(&flight) == 2; // the map's and this seat's
+        if (flight.initialized() || alone) && running.get(&self.key).is_some_and(|f| Arc::ptr_eq(f, &flight)) {
+            running.remove(&self.key);
+        }
+        // Let go under the lock, so the next seat to leave counts the holders as they are.
+        drop(flight);
+    }
 }
 
 /// Read-only evidence for `attempt`: the check's result, the pidfile, the port's holder and,
 /// at the same time, the service's evidence commands (log tail, journal, ports, disk,
 /// memory), each admitted by the policy's read-only class first. Each item comes with the
-/// timeline line that reports it, in that order.
+/// timeline line that reports it, in that order. The read-only commands (all but the check)
+/// join a run of the same command on the host that `flights` holds.
 pub async fn gather(
     spec: &ServiceSpec,
     attempt: u32,
     executor: &dyn Executor,
     policy: &Policy,
+    flights: &Flights,
 ) -> Vec<(Evidence, String)> {
     // The check, the pidfile and the port depend on each other; the evidence commands
     // depend on nothing: both run at once (kept in this order).
@@ -44,7 +114,7 @@ pub async fn gather(
         }
         if let Some(pidfile) = &spec.pidfile {
             let cmd = format!("cat {}", shell_words::quote(pidfile));
-            let (mut ok, output) = run_evidence(executor, &spec.host, &cmd).await;
+            let (mut ok, output) = flights.run(executor, &spec.host, &cmd).await;
             let pid = output.trim().to_string();
             let mut line = format!("pidfile {pidfile}: {}", if ok { pid.as_str() } else { "unreadable" });
             // A pid is only evidence if that process still runs: a stale pidfile must never hand
@@ -52,7 +122,7 @@ pub async fn gather(
             if ok {
                 let alive = !pid.is_empty()
                     && pid.chars().all(|c| c.is_ascii_digit())
-                    && run_evidence(executor, &spec.host, &format!("ps -p {pid}")).await.0;
+                    && flights.run(executor, &spec.host, &format!("ps -p {pid}")).await.0;
                 if !alive {
                     ok = false;
                     line = format!("pidfile {pidfile}: {pid} is stale (no such process)");
@@ -63,7 +133,7 @@ pub async fn gather(
         if let (false, Some(port)) = (healthy, spec.port()) {
             let service_pid = found.iter().find(|(e, _)| e.source == "pidfile" && e.ok).map(|(e, _)| e.output.trim());
             let service_pid = service_pid.map(str::to_string);
-            found.push(port_holder(spec, port, service_pid.as_deref(), attempt, executor, policy).await);
+            found.push(port_holder(spec, port, service_pid.as_deref(), attempt, (executor, flights), policy).await);
         }
         found
     };
@@ -72,7 +142,7 @@ pub async fn gather(
         let (ok, output, line) = match policy.read_only_on(&spec.host, &cmd) {
             Err(why) => (false, String::new(), format!("`{cmd}` not run: {why}")),
             Ok(()) => {
-                let (ok, output) = run_evidence(executor, &spec.host, &cmd).await;
+                let (ok, output) = flights.run(executor, &spec.host, &cmd).await;
                 let line = evidence_line(&format!("`{cmd}`"), ok, &output);
                 (ok, output, line)
             }
@@ -93,7 +163,7 @@ async fn port_holder(
     port: u16,
     service_pid: Option<&str>,
     attempt: u32,
-    executor: &dyn Executor,
+    (executor, flights): (&dyn Executor, &Flights),
     policy: &Policy,
 ) -> (Evidence, String) {
     let cmd = format!("ss -Hltnp sport = :{port}");
@@ -107,7 +177,7 @@ async fn port_holder(
     if let Err(why) = policy.read_only_on(&spec.host, &cmd) {
         return (evidence("port", false, String::new()), format!("`{cmd}` not run: {why}"));
     }
-    let (ok, output) = run_evidence(executor, &spec.host, &cmd).await;
+    let (ok, output) = flights.run(executor, &spec.host, &cmd).await;
     if !ok {
         let line = format!("port {port}: `{cmd}` failed: {}", output.lines().next().unwrap_or("(no output)"));
         return (evidence("port", false, output), line);
@@ -181,6 +251,7 @@ pub struct EvidenceTools<'a> {
     executor: &'a dyn Executor,
     policy: &'a Policy,
     web: Option<&'a web::WebTools>,
+    flights: Option<&'a Flights>,
     found: std::sync::Mutex<Vec<(Evidence, String)>>,
     /// Calls begun: a call takes its slot before it runs, so calls made at once (a model
     /// turn's calls run together) cannot all see an unspent budget.
@@ -195,6 +266,7 @@ impl<'a> EvidenceTools<'a> {
             executor,
             policy,
             web: None,
+            flights: None,
             found: Default::default(),
             begun: Default::default(),
         }
@@ -203,6 +275,12 @@ impl<'a> EvidenceTools<'a> {
     /// Also offer the configured HTTP tools.
     pub fn with_web(mut self, web: Option<&'a web::WebTools>) -> Self {
         self.web = web;
+        self
+    }
+
+    /// Join the runs of the same commands on the host under way in `flights`.
+    pub fn sharing(mut self, flights: &'a Flights) -> Self {
+        self.flights = Some(flights);
         self
     }
 
@@ -263,7 +341,10 @@ impl<'a> EvidenceTools<'a> {
             self.keep(false, &command, String::new(), format!("tool `{command}` not run: {why}"));
             return refuse(format!("refused: {why}"));
         }
-        let (ok, output) = run_evidence(self.executor, self.host, &command).await;
+        let (ok, output) = match self.flights {
+            Some(flights) => flights.run(self.executor, self.host, &command).await,
+            None => run_evidence(self.executor, self.host, &command).await,
+        };
         let line = evidence_line(&format!("tool `{command}`"), ok, &output);
         self.keep(ok, &command, output.clone(), line);
         ToolOutput { ok, output }
@@ -380,7 +461,7 @@ impl StageHandler for Diagnose {
             state.evidence.retain(|e| e.attempt != state.attempt);
             // Episodic memory does not depend on the evidence: read it while the commands run.
             let (found, memory) = futures::future::join(
-                gather(spec, state.attempt, cx.deps.executor.as_ref(), &cx.deps.policy),
+                gather(spec, state.attempt, cx.deps.executor.as_ref(), &cx.deps.policy, &self.flights),
                 target::memory(cx.deps, state),
             )
             .await;
@@ -389,8 +470,9 @@ impl StageHandler for Diagnose {
             let reasoning = target::ReasonContext::with_memory(cx.deps, state, spec, memory);
             let failed = reasoning.failed.clone();
             let web = self.web.get_or_init(|| web::WebTools::from_config(&cfg)).as_ref();
-            let tools =
-                EvidenceTools::new(&spec.host, state.attempt, cx.deps.executor.as_ref(), &cx.deps.policy).with_web(web);
+            let tools = EvidenceTools::new(&spec.host, state.attempt, cx.deps.executor.as_ref(), &cx.deps.policy)
+                .with_web(web)
+                .sharing(&self.flights);
             let meter = pitcrew_llm::UsageMeter::default();
             let mut input = reasoning.input(state);
             input.tools = Some(&tools);
@@ -468,7 +550,9 @@ mod tests {
         }
         log.push_str("ERROR: config invalid: listen address missing\n");
         std::fs::write(dir.path().join("app.log"), log).unwrap();
-        let found = gather(&spec(dir.path()), 3, &LocalExecutor::new(4096), &Policy::default_policy()).await;
+        let found =
+            gather(&spec(dir.path()), 3, &LocalExecutor::new(4096), &Policy::default_policy(), &Flights::default())
+                .await;
         assert_eq!(found.len(), 5);
         let (check, line) = &found[0];
         assert!(!check.ok && check.attempt == 3 && line.contains("exited 1"), "{check:?} {line}");
@@ -490,11 +574,15 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         // A pid far above any real one (pid_max is at most 2^22).
         std::fs::write(dir.path().join("pid"), "99999999\n").unwrap();
-        let found = gather(&spec(dir.path()), 1, &LocalExecutor::new(4096), &Policy::default_policy()).await;
+        let found =
+            gather(&spec(dir.path()), 1, &LocalExecutor::new(4096), &Policy::default_policy(), &Flights::default())
+                .await;
         let (pid, line) = &found[1];
         assert!(!pid.ok && line.contains("stale"), "{pid:?} {line}");
         std::fs::write(dir.path().join("pid"), format!("{}\n", std::process::id())).unwrap();
-        let found = gather(&spec(dir.path()), 1, &LocalExecutor::new(4096), &Policy::default_policy()).await;
+        let found =
+            gather(&spec(dir.path()), 1, &LocalExecutor::new(4096), &Policy::default_policy(), &Flights::default())
+                .await;
         assert!(found[1].0.ok, "a live pid is evidence: {:?}", found[1]);
     }
 
@@ -502,7 +590,9 @@ mod tests {
     async fn a_missing_pidfile_is_reported_not_fatal() {
         let dir = tempfile::tempdir().unwrap();
         std::fs::write(dir.path().join("up"), "").unwrap();
-        let found = gather(&spec(dir.path()), 1, &LocalExecutor::new(4096), &Policy::default_policy()).await;
+        let found =
+            gather(&spec(dir.path()), 1, &LocalExecutor::new(4096), &Policy::default_policy(), &Flights::default())
+                .await;
         assert!(found[0].0.ok, "the check passes");
         assert!(!found[1].0.ok && found[1].1.ends_with("unreadable"));
     }
@@ -559,7 +649,7 @@ mod port_tests {
         let port = squatter.local_addr().unwrap().port();
         let spec = on_port(dir.path(), port);
         let policy = Policy::default_policy();
-        let found = gather(&spec, 1, &LocalExecutor::new(64 * 1024), &policy).await;
+        let found = gather(&spec, 1, &LocalExecutor::new(64 * 1024), &policy, &Flights::default()).await;
         let (holder, line) = found.iter().find(|(e, _)| e.source.starts_with("port")).expect("port evidence");
         let me = std::process::id();
         assert_eq!(holder.source, "port-holder", "{holder:?} {line}");
@@ -568,14 +658,14 @@ mod port_tests {
 
         // The service's own pid on its port is not a squatter.
         std::fs::write(dir.path().join("pid"), format!("{me}\n")).unwrap();
-        let found = gather(&spec, 1, &LocalExecutor::new(64 * 1024), &policy).await;
+        let found = gather(&spec, 1, &LocalExecutor::new(64 * 1024), &policy, &Flights::default()).await;
         let (own, line) = found.iter().find(|(e, _)| e.source.starts_with("port")).unwrap();
         assert_eq!(own.source, "port", "{line}");
         assert!(line.contains("the service's own process"), "{line}");
 
         // Nothing listening: said so, no holder.
         drop(squatter);
-        let found = gather(&spec, 1, &LocalExecutor::new(64 * 1024), &policy).await;
+        let found = gather(&spec, 1, &LocalExecutor::new(64 * 1024), &policy, &Flights::default()).await;
         let (none, line) = found.iter().find(|(e, _)| e.source.starts_with("port")).unwrap();
         assert!(none.source == "port" && line.ends_with("nothing listens"), "{line}");
     }
@@ -613,7 +703,8 @@ mod port_tests {
         assert_eq!(comm.trim(), format!("\",pid={me}"), "the squatter goes by the disguised name");
 
         let spec = on_port(dir.path(), port);
-        let found = gather(&spec, 1, &LocalExecutor::new(64 * 1024), &Policy::default_policy()).await;
+        let found =
+            gather(&spec, 1, &LocalExecutor::new(64 * 1024), &Policy::default_policy(), &Flights::default()).await;
         let _ = squatter.kill();
         let _ = squatter.wait();
         let (port_evidence, line) = found.iter().find(|(e, _)| e.source.starts_with("port")).expect("port evidence");
@@ -722,5 +813,100 @@ mod web_tests {
     fn no_http_tool_unless_configured() {
         let cfg = pitcrew_runtime::Config::from_toml("").unwrap();
         assert!(web::WebTools::from_config(&cfg).is_none());
+    }
+}
+
+#[cfg(test)]
+mod flight_tests {
+    use super::*;
+    use pitcrew_exec::LocalExecutor;
+
+    /// A command that answers after a while with a value no two runs share.
+    const SLOW_UNIQUE: &str = "sh -c 'sleep 0.3; cat /proc/sys/kernel/random/uuid'";
+
+    #[tokio::test]
+    async fn the_same_command_asked_for_at_once_runs_once() {
+        let (exec, flights) = (LocalExecutor::new(4096), Flights::default());
+        let ask = || flights.run(&exec, "local", SLOW_UNIQUE);
+        let (a, b, c) = tokio::join!(ask(), ask(), ask());
+        assert!(a.0 && a.1.trim().len() == 36, "{a:?}");
+        assert_eq!(a, b, "joined the run under way");
+        assert_eq!(a, c, "joined the run under way");
+        assert!(flights.is_empty(), "nothing kept once it answered");
+
+        // Asked again once it answered: run afresh, never the earlier answer.
+        let later = ask().await;
+        assert!(later.0 && later.1 != a.1, "{later:?} after {a:?}");
+        // Another command, or another host, is another run.
+        let (d, e) =
+            tokio::join!(ask(), flights.run(&exec, "local", "sh -c 'sleep 0.3; cat /proc/sys/kernel/random/uuid' x"));
+        assert!(d.0 && e.0 && d.1 != e.1, "{d:?} {e:?}");
+        let (f, g) = tokio::join!(ask(), flights.run(&exec, "elsewhere", SLOW_UNIQUE));
+        assert!(f.0 && !g.0 && g.1.contains("elsewhere"), "{f:?} {g:?}");
+        assert!(flights.is_empty());
+    }
+
+    #[tokio::test]
+    async fn a_run_dropped_mid_command_leaves_those_waiting_an_answer() {
+        let (exec, flights) = (LocalExecutor::new(4096), Flights::default());
+        let mut first = Box::pin(flights.run(&exec, "local", SLOW_UNIQUE));
+        assert!(futures::poll!(first.as_mut()).is_pending(), "the command runs");
+        let second = flights.run(&exec, "local", SLOW_UNIQUE);
+        let third = async {
+            // Asks once the first is gone: still joins the second's run.
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            flights.run(&exec, "local", SLOW_UNIQUE).await
+        };
+        let dropping = async {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            drop(first);
+        };
+        let (second, third, ()) = tokio::join!(second, third, dropping);
+        assert!(second.0 && second.1.trim().len() == 36, "{second:?}");
+        assert_eq!(second, third);
+        assert!(flights.is_empty());
+
+        // The only one on a run, dropped: the run is off the map, the next ask starts anew.
+        let mut alone = Box::pin(flights.run(&exec, "local", SLOW_UNIQUE));
+        assert!(futures::poll!(alone.as_mut()).is_pending());
+        assert_eq!(flights.len(), 1);
+        drop(alone);
+        assert!(flights.is_empty(), "no one waits on it");
+    }
+
+    /// Two runs of services on one host gathering at once: the shared evidence command ran
+    /// once, and both runs hold its answer as their own evidence.
+    #[tokio::test]
+    async fn runs_on_one_host_share_an_evidence_command_under_way() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut spec: ServiceSpec = serde_json::from_value(serde_json::json!({})).unwrap();
+        spec.log_file = Some(format!("{}/app.log", dir.path().display()));
+        std::fs::write(dir.path().join("app.log"), "started\n").unwrap();
+        spec.evidence = Some(vec!["cat /proc/sys/kernel/random/uuid".into()]);
+        let (exec, policy, flights) = (LocalExecutor::new(4096), Policy::default_policy(), Flights::default());
+        let (a, b) =
+            tokio::join!(gather(&spec, 1, &exec, &policy, &flights), gather(&spec, 2, &exec, &policy, &flights));
+        let uuid = |found: &[(Evidence, String)]| {
+            let (e, _) = found.iter().find(|(e, _)| e.detail.contains("uuid")).expect("the evidence command");
+            assert!(e.ok && e.source == "command", "{e:?}");
+            e.output.clone()
+        };
+        assert_eq!(uuid(&a), uuid(&b), "one run of the command");
+        assert_eq!((a[0].0.attempt, b[0].0.attempt), (1, 2), "each run's own evidence");
+        let again = gather(&spec, 1, &exec, &policy, &flights).await;
+        assert_ne!(uuid(&again), uuid(&a), "gathered later: run afresh");
+
+        // A model's tool call joins the same way, when its tools share the flights.
+        let shared = EvidenceTools::new("local", 1, &exec, &policy).sharing(&flights);
+        let alone = EvidenceTools::new("local", 1, &exec, &policy);
+        let args = serde_json::json!({ "command": "cat /proc/sys/kernel/random/uuid" }).to_string();
+        let (x, y, z) = tokio::join!(
+            shared.call("run_command", &args),
+            shared.call("run_command", &args),
+            alone.call("run_command", &args)
+        );
+        assert!(x.ok && x.output == y.output, "{x:?} {y:?}");
+        assert!(z.ok && z.output != x.output, "without the flights, a run of its own: {z:?}");
+        assert!(flights.is_empty());
     }
 }
