@@ -9,7 +9,7 @@ use pitcrew_policy::Policy;
 use pitcrew_runtime::{target, Cx, StageError, StageHandler, Transition};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 pub mod web;
 
@@ -26,32 +26,35 @@ pub struct Diagnose {
 /// What a read-only command's run said: (succeeded, trimmed and redacted output or the error).
 type Read = (bool, String);
 
-/// One command's run on one host, for whoever asked for it while it ran.
-type Flight = Arc<tokio::sync::OnceCell<Read>>;
+/// One command's run on one host, for whoever asks for it while it runs.
+struct Flight {
+    began: Instant,
+    answer: tokio::sync::OnceCell<Read>,
+}
+
+/// How long a run waits on a command another run started: its deadline, and time to be
+/// started again by a waiting run when the one that started it is cancelled.
+const JOIN_WITHIN: Duration = Duration::from_secs(EVIDENCE_WITHIN.as_secs() + 5);
 
 /// The read-only commands in flight, by host and command line. A run that asks for a command
 /// a host is already running for another run (an alert storm: hundreds of incidents on one
 /// host, each gathering the same `df -h`) waits for that run's answer instead of starting its
-/// own, so the host is not sent a copy a run. Nothing is kept once a command ends: the next
-/// ask runs it afresh, so a run's evidence is never older than the command it joined (which
-/// began before the ask, by at most [`EVIDENCE_WITHIN`]). The answers of one executor only.
+/// own, so the host is not sent a copy a run. Only a command begun since the asking run's
+/// handling began is joined (on a later attempt, one begun before the run's own fix is not),
+/// and nothing is kept once it answers: the next ask runs it afresh. The answers of one
+/// executor only.
 #[derive(Default)]
 pub struct Flights {
-    running: Mutex<HashMap<(String, String), Flight>>,
+    running: Mutex<HashMap<(String, String), Arc<Flight>>>,
 }
 
 impl Flights {
-    /// Run `cmd` on `host`, or wait for its run already under way. When the run that started
-    /// it is dropped (its message's handling cancelled), one of those waiting starts it anew.
-    pub async fn run(&self, executor: &dyn Executor, host: &str, cmd: &str) -> Read {
-        let key = (host.to_string(), cmd.to_string());
-        let flight = self.lock().entry(key.clone()).or_default().clone();
-        let seat = Seat { flights: self, key, flight: Some(flight) };
-        let flight = seat.flight.as_ref().expect("held until the seat is dropped");
-        flight.get_or_init(|| run_evidence(executor, host, cmd)).await.clone()
+    /// This process's flights, for a run whose handling began at `since`.
+    pub fn since(&self, since: Instant) -> Reads<'_> {
+        Reads { flights: self, since }
     }
 
-    fn lock(&self) -> MutexGuard<'_, HashMap<(String, String), Flight>> {
+    fn lock(&self) -> MutexGuard<'_, HashMap<(String, String), Arc<Flight>>> {
         self.running.lock().unwrap_or_else(|p| p.into_inner())
     }
 
@@ -65,12 +68,50 @@ impl Flights {
     }
 }
 
+/// One run's way to its process's flights: see [`Flights`].
+#[derive(Clone, Copy)]
+pub struct Reads<'a> {
+    flights: &'a Flights,
+    since: Instant,
+}
+
+impl Reads<'_> {
+    /// Run `cmd` on `host`, or wait for its run begun since this run's handling began. When
+    /// the run that started it is dropped (its message's handling cancelled), one of those
+    /// waiting starts it anew.
+    pub async fn run(&self, executor: &dyn Executor, host: &str, cmd: &str) -> Read {
+        let key = (host.to_string(), cmd.to_string());
+        let (flight, joined) = {
+            let mut running = self.flights.lock();
+            let fresh = || Arc::new(Flight { began: Instant::now(), answer: Default::default() });
+            match running.entry(key.clone()) {
+                std::collections::hash_map::Entry::Occupied(mut e) if e.get().began < self.since => {
+                    // Its seats keep it; it is no longer found.
+                    e.insert(fresh());
+                    (e.get().clone(), false)
+                }
+                std::collections::hash_map::Entry::Occupied(e) => (e.get().clone(), true),
+                std::collections::hash_map::Entry::Vacant(e) => (e.insert(fresh()).clone(), false),
+            }
+        };
+        if joined {
+            tracing::debug!(host, command = cmd, "joined the same command under way for another run");
+        }
+        let seat = Seat { flights: self.flights, key, flight: Some(flight) };
+        let flight = seat.flight.as_ref().expect("held until the seat is dropped");
+        match tokio::time::timeout(JOIN_WITHIN, flight.answer.get_or_init(|| run_evidence(executor, host, cmd))).await {
+            Ok(read) => read.clone(),
+            Err(_) => (false, format!("no answer within {} s", JOIN_WITHIN.as_secs())),
+        }
+    }
+}
+
 /// One run's place on a flight: its leaving takes the flight off the map once the command has
 /// answered (later asks run it afresh) or when no one else is on it.
 struct Seat<'a> {
     flights: &'a Flights,
     key: (String, String),
-    flight: Option<Flight>,
+    flight: Option<Arc<Flight>>,
 }
 
 impl Drop for Seat<'_> {
@@ -78,7 +119,7 @@ impl Drop for Seat<'_> {
         let mut running = self.flights.lock();
         let Some(flight) = self.flight.take() else { return };
         let alone = Arc::strong_count(&flight) == 2; // the map's and this seat's
-        if (flight.initialized() || alone) && running.get(&self.key).is_some_and(|f| Arc::ptr_eq(f, &flight)) {
+        if (flight.answer.initialized() || alone) && running.get(&self.key).is_some_and(|f| Arc::ptr_eq(f, &flight)) {
             running.remove(&self.key);
         }
         // Let go under the lock, so the next seat to leave counts the holders as they are.
@@ -90,13 +131,13 @@ impl Drop for Seat<'_> {
 /// at the same time, the service's evidence commands (log tail, journal, ports, disk,
 /// memory), each admitted by the policy's read-only class first. Each item comes with the
 /// timeline line that reports it, in that order. The read-only commands (all but the check)
-/// join a run of the same command on the host that `flights` holds.
+/// join a run of the same command on the host that `reads` finds.
 pub async fn gather(
     spec: &ServiceSpec,
     attempt: u32,
     executor: &dyn Executor,
     policy: &Policy,
-    flights: &Flights,
+    reads: Reads<'_>,
 ) -> Vec<(Evidence, String)> {
     // The check, the pidfile and the port depend on each other; the evidence commands
     // depend on nothing: both run at once (kept in this order).
@@ -114,7 +155,7 @@ pub async fn gather(
         }
         if let Some(pidfile) = &spec.pidfile {
             let cmd = format!("cat {}", shell_words::quote(pidfile));
-            let (mut ok, output) = flights.run(executor, &spec.host, &cmd).await;
+            let (mut ok, output) = reads.run(executor, &spec.host, &cmd).await;
             let pid = output.trim().to_string();
             let mut line = format!("pidfile {pidfile}: {}", if ok { pid.as_str() } else { "unreadable" });
             // A pid is only evidence if that process still runs: a stale pidfile must never hand
@@ -122,7 +163,7 @@ pub async fn gather(
             if ok {
                 let alive = !pid.is_empty()
                     && pid.chars().all(|c| c.is_ascii_digit())
-                    && flights.run(executor, &spec.host, &format!("ps -p {pid}")).await.0;
+                    && reads.run(executor, &spec.host, &format!("ps -p {pid}")).await.0;
                 if !alive {
                     ok = false;
                     line = format!("pidfile {pidfile}: {pid} is stale (no such process)");
@@ -133,7 +174,7 @@ pub async fn gather(
         if let (false, Some(port)) = (healthy, spec.port()) {
             let service_pid = found.iter().find(|(e, _)| e.source == "pidfile" && e.ok).map(|(e, _)| e.output.trim());
             let service_pid = service_pid.map(str::to_string);
-            found.push(port_holder(spec, port, service_pid.as_deref(), attempt, (executor, flights), policy).await);
+            found.push(port_holder(spec, port, service_pid.as_deref(), attempt, (executor, reads), policy).await);
         }
         found
     };
@@ -142,7 +183,7 @@ pub async fn gather(
         let (ok, output, line) = match policy.read_only_on(&spec.host, &cmd) {
             Err(why) => (false, String::new(), format!("`{cmd}` not run: {why}")),
             Ok(()) => {
-                let (ok, output) = flights.run(executor, &spec.host, &cmd).await;
+                let (ok, output) = reads.run(executor, &spec.host, &cmd).await;
                 let line = evidence_line(&format!("`{cmd}`"), ok, &output);
                 (ok, output, line)
             }
@@ -163,7 +204,7 @@ async fn port_holder(
     port: u16,
     service_pid: Option<&str>,
     attempt: u32,
-    (executor, flights): (&dyn Executor, &Flights),
+    (executor, reads): (&dyn Executor, Reads<'_>),
     policy: &Policy,
 ) -> (Evidence, String) {
     let cmd = format!("ss -Hltnp sport = :{port}");
@@ -177,7 +218,7 @@ async fn port_holder(
     if let Err(why) = policy.read_only_on(&spec.host, &cmd) {
         return (evidence("port", false, String::new()), format!("`{cmd}` not run: {why}"));
     }
-    let (ok, output) = flights.run(executor, &spec.host, &cmd).await;
+    let (ok, output) = reads.run(executor, &spec.host, &cmd).await;
     if !ok {
         let line = format!("port {port}: `{cmd}` failed: {}", output.lines().next().unwrap_or("(no output)"));
         return (evidence("port", false, output), line);
@@ -251,7 +292,7 @@ pub struct EvidenceTools<'a> {
     executor: &'a dyn Executor,
     policy: &'a Policy,
     web: Option<&'a web::WebTools>,
-    flights: Option<&'a Flights>,
+    reads: Option<Reads<'a>>,
     found: std::sync::Mutex<Vec<(Evidence, String)>>,
     /// Calls begun: a call takes its slot before it runs, so calls made at once (a model
     /// turn's calls run together) cannot all see an unspent budget.
@@ -266,7 +307,7 @@ impl<'a> EvidenceTools<'a> {
             executor,
             policy,
             web: None,
-            flights: None,
+            reads: None,
             found: Default::default(),
             begun: Default::default(),
         }
@@ -278,9 +319,9 @@ impl<'a> EvidenceTools<'a> {
         self
     }
 
-    /// Join the runs of the same commands on the host under way in `flights`.
-    pub fn sharing(mut self, flights: &'a Flights) -> Self {
-        self.flights = Some(flights);
+    /// Join the runs of the same commands on the host that `reads` finds.
+    pub fn sharing(mut self, reads: Reads<'a>) -> Self {
+        self.reads = Some(reads);
         self
     }
 
@@ -341,8 +382,8 @@ impl<'a> EvidenceTools<'a> {
             self.keep(false, &command, String::new(), format!("tool `{command}` not run: {why}"));
             return refuse(format!("refused: {why}"));
         }
-        let (ok, output) = match self.flights {
-            Some(flights) => flights.run(self.executor, self.host, &command).await,
+        let (ok, output) = match self.reads {
+            Some(reads) => reads.run(self.executor, self.host, &command).await,
             None => run_evidence(self.executor, self.host, &command).await,
         };
         let line = evidence_line(&format!("tool `{command}`"), ok, &output);
@@ -455,13 +496,16 @@ impl StageHandler for Diagnose {
         cx: &'a mut Cx<'_>,
     ) -> BoxFuture<'a, Result<Transition, StageError>> {
         Box::pin(async move {
+            // Commands begun before now (on a later attempt, before this run's own fix) are
+            // not this run's evidence.
+            let reads = self.flights.since(Instant::now());
             let cfg = cx.deps.config.clone();
             let spec = pitcrew_runtime::service_or_escalate!(&cfg, state);
             // A redelivery starts over from the input state: evidence of this attempt is regathered.
             state.evidence.retain(|e| e.attempt != state.attempt);
             // Episodic memory does not depend on the evidence: read it while the commands run.
             let (found, memory) = futures::future::join(
-                gather(spec, state.attempt, cx.deps.executor.as_ref(), &cx.deps.policy, &self.flights),
+                gather(spec, state.attempt, cx.deps.executor.as_ref(), &cx.deps.policy, reads),
                 target::memory(cx.deps, state),
             )
             .await;
@@ -472,7 +516,7 @@ impl StageHandler for Diagnose {
             let web = self.web.get_or_init(|| web::WebTools::from_config(&cfg)).as_ref();
             let tools = EvidenceTools::new(&spec.host, state.attempt, cx.deps.executor.as_ref(), &cx.deps.policy)
                 .with_web(web)
-                .sharing(&self.flights);
+                .sharing(reads);
             let meter = pitcrew_llm::UsageMeter::default();
             let mut input = reasoning.input(state);
             input.tools = Some(&tools);
@@ -550,9 +594,14 @@ mod tests {
         }
         log.push_str("ERROR: config invalid: listen address missing\n");
         std::fs::write(dir.path().join("app.log"), log).unwrap();
-        let found =
-            gather(&spec(dir.path()), 3, &LocalExecutor::new(4096), &Policy::default_policy(), &Flights::default())
-                .await;
+        let found = gather(
+            &spec(dir.path()),
+            3,
+            &LocalExecutor::new(4096),
+            &Policy::default_policy(),
+            Flights::default().since(Instant::now()),
+        )
+        .await;
         assert_eq!(found.len(), 5);
         let (check, line) = &found[0];
         assert!(!check.ok && check.attempt == 3 && line.contains("exited 1"), "{check:?} {line}");
@@ -574,15 +623,25 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         // A pid far above any real one (pid_max is at most 2^22).
         std::fs::write(dir.path().join("pid"), "99999999\n").unwrap();
-        let found =
-            gather(&spec(dir.path()), 1, &LocalExecutor::new(4096), &Policy::default_policy(), &Flights::default())
-                .await;
+        let found = gather(
+            &spec(dir.path()),
+            1,
+            &LocalExecutor::new(4096),
+            &Policy::default_policy(),
+            Flights::default().since(Instant::now()),
+        )
+        .await;
         let (pid, line) = &found[1];
         assert!(!pid.ok && line.contains("stale"), "{pid:?} {line}");
         std::fs::write(dir.path().join("pid"), format!("{}\n", std::process::id())).unwrap();
-        let found =
-            gather(&spec(dir.path()), 1, &LocalExecutor::new(4096), &Policy::default_policy(), &Flights::default())
-                .await;
+        let found = gather(
+            &spec(dir.path()),
+            1,
+            &LocalExecutor::new(4096),
+            &Policy::default_policy(),
+            Flights::default().since(Instant::now()),
+        )
+        .await;
         assert!(found[1].0.ok, "a live pid is evidence: {:?}", found[1]);
     }
 
@@ -590,9 +649,14 @@ mod tests {
     async fn a_missing_pidfile_is_reported_not_fatal() {
         let dir = tempfile::tempdir().unwrap();
         std::fs::write(dir.path().join("up"), "").unwrap();
-        let found =
-            gather(&spec(dir.path()), 1, &LocalExecutor::new(4096), &Policy::default_policy(), &Flights::default())
-                .await;
+        let found = gather(
+            &spec(dir.path()),
+            1,
+            &LocalExecutor::new(4096),
+            &Policy::default_policy(),
+            Flights::default().since(Instant::now()),
+        )
+        .await;
         assert!(found[0].0.ok, "the check passes");
         assert!(!found[1].0.ok && found[1].1.ends_with("unreadable"));
     }
@@ -649,7 +713,8 @@ mod port_tests {
         let port = squatter.local_addr().unwrap().port();
         let spec = on_port(dir.path(), port);
         let policy = Policy::default_policy();
-        let found = gather(&spec, 1, &LocalExecutor::new(64 * 1024), &policy, &Flights::default()).await;
+        let found =
+            gather(&spec, 1, &LocalExecutor::new(64 * 1024), &policy, Flights::default().since(Instant::now())).await;
         let (holder, line) = found.iter().find(|(e, _)| e.source.starts_with("port")).expect("port evidence");
         let me = std::process::id();
         assert_eq!(holder.source, "port-holder", "{holder:?} {line}");
@@ -658,14 +723,16 @@ mod port_tests {
 
         // The service's own pid on its port is not a squatter.
         std::fs::write(dir.path().join("pid"), format!("{me}\n")).unwrap();
-        let found = gather(&spec, 1, &LocalExecutor::new(64 * 1024), &policy, &Flights::default()).await;
+        let found =
+            gather(&spec, 1, &LocalExecutor::new(64 * 1024), &policy, Flights::default().since(Instant::now())).await;
         let (own, line) = found.iter().find(|(e, _)| e.source.starts_with("port")).unwrap();
         assert_eq!(own.source, "port", "{line}");
         assert!(line.contains("the service's own process"), "{line}");
 
         // Nothing listening: said so, no holder.
         drop(squatter);
-        let found = gather(&spec, 1, &LocalExecutor::new(64 * 1024), &policy, &Flights::default()).await;
+        let found =
+            gather(&spec, 1, &LocalExecutor::new(64 * 1024), &policy, Flights::default().since(Instant::now())).await;
         let (none, line) = found.iter().find(|(e, _)| e.source.starts_with("port")).unwrap();
         assert!(none.source == "port" && line.ends_with("nothing listens"), "{line}");
     }
@@ -703,8 +770,14 @@ mod port_tests {
         assert_eq!(comm.trim(), format!("\",pid={me}"), "the squatter goes by the disguised name");
 
         let spec = on_port(dir.path(), port);
-        let found =
-            gather(&spec, 1, &LocalExecutor::new(64 * 1024), &Policy::default_policy(), &Flights::default()).await;
+        let found = gather(
+            &spec,
+            1,
+            &LocalExecutor::new(64 * 1024),
+            &Policy::default_policy(),
+            Flights::default().since(Instant::now()),
+        )
+        .await;
         let _ = squatter.kill();
         let _ = squatter.wait();
         let (port_evidence, line) = found.iter().find(|(e, _)| e.source.starts_with("port")).expect("port evidence");
@@ -820,62 +893,120 @@ mod web_tests {
 mod flight_tests {
     use super::*;
     use pitcrew_exec::LocalExecutor;
+    use std::future::Future;
 
     /// A command that answers after a while with a value no two runs share.
     const SLOW_UNIQUE: &str = "sh -c 'sleep 0.3; cat /proc/sys/kernel/random/uuid'";
 
+    /// A waiter that hangs fails the test instead of hanging the suite.
+    async fn within<T>(f: impl Future<Output = T>) -> T {
+        tokio::time::timeout(Duration::from_secs(20), f).await.expect("answered in time")
+    }
+
     #[tokio::test]
     async fn the_same_command_asked_for_at_once_runs_once() {
         let (exec, flights) = (LocalExecutor::new(4096), Flights::default());
-        let ask = || flights.run(&exec, "local", SLOW_UNIQUE);
-        let (a, b, c) = tokio::join!(ask(), ask(), ask());
+        let reads = flights.since(Instant::now());
+        let ask = || reads.run(&exec, "local", SLOW_UNIQUE);
+        let (a, b, c) = within(async { tokio::join!(ask(), ask(), ask()) }).await;
         assert!(a.0 && a.1.trim().len() == 36, "{a:?}");
         assert_eq!(a, b, "joined the run under way");
         assert_eq!(a, c, "joined the run under way");
         assert!(flights.is_empty(), "nothing kept once it answered");
 
         // Asked again once it answered: run afresh, never the earlier answer.
-        let later = ask().await;
+        let later = within(ask()).await;
         assert!(later.0 && later.1 != a.1, "{later:?} after {a:?}");
         // Another command, or another host, is another run.
-        let (d, e) =
-            tokio::join!(ask(), flights.run(&exec, "local", "sh -c 'sleep 0.3; cat /proc/sys/kernel/random/uuid' x"));
+        let other = format!("{SLOW_UNIQUE} x");
+        let (d, e) = within(async { tokio::join!(ask(), reads.run(&exec, "local", &other)) }).await;
         assert!(d.0 && e.0 && d.1 != e.1, "{d:?} {e:?}");
-        let (f, g) = tokio::join!(ask(), flights.run(&exec, "elsewhere", SLOW_UNIQUE));
+        let (f, g) = within(async { tokio::join!(ask(), reads.run(&exec, "elsewhere", SLOW_UNIQUE)) }).await;
         assert!(f.0 && !g.0 && g.1.contains("elsewhere"), "{f:?} {g:?}");
         assert!(flights.is_empty());
+    }
+
+    /// A run whose handling began after a command did (on a later attempt: after its own
+    /// fix) starts its own; runs that began before it still join the first.
+    #[tokio::test]
+    async fn a_command_begun_before_a_run_s_handling_is_not_its_evidence() {
+        let (exec, flights) = (LocalExecutor::new(4096), Flights::default());
+        let early = flights.since(Instant::now());
+        let mut first = Box::pin(early.run(&exec, "local", SLOW_UNIQUE));
+        assert!(futures::poll!(first.as_mut()).is_pending(), "the command runs");
+        let late = flights.since(Instant::now() + Duration::from_millis(1));
+        let (first, same_start, fresh, joins_fresh) = within(async {
+            tokio::join!(
+                first,
+                early.run(&exec, "local", SLOW_UNIQUE),
+                late.run(&exec, "local", SLOW_UNIQUE),
+                early.run(&exec, "local", SLOW_UNIQUE)
+            )
+        })
+        .await;
+        assert!(first.0 && fresh.0, "{first:?} {fresh:?}");
+        assert_eq!(first, same_start, "began before it: joined");
+        assert_ne!(first, fresh, "begun before the run's handling: not joined");
+        assert_eq!(fresh, joins_fresh, "the later flight is the one found");
+        assert!(flights.is_empty(), "neither kept");
     }
 
     #[tokio::test]
     async fn a_run_dropped_mid_command_leaves_those_waiting_an_answer() {
         let (exec, flights) = (LocalExecutor::new(4096), Flights::default());
-        let mut first = Box::pin(flights.run(&exec, "local", SLOW_UNIQUE));
+        let reads = flights.since(Instant::now());
+        let mut first = Box::pin(reads.run(&exec, "local", SLOW_UNIQUE));
         assert!(futures::poll!(first.as_mut()).is_pending(), "the command runs");
-        let second = flights.run(&exec, "local", SLOW_UNIQUE);
+        let second = reads.run(&exec, "local", SLOW_UNIQUE);
         let third = async {
-            // Asks once the first is gone: still joins the second's run.
-            tokio::time::sleep(Duration::from_millis(100)).await;
-            flights.run(&exec, "local", SLOW_UNIQUE).await
-        };
-        let dropping = async {
-            tokio::time::sleep(Duration::from_millis(50)).await;
+            // The second waits on the first's run by now (polled first); the first goes, and
+            // a third asks: the second's new run, or its own that the second joins.
             drop(first);
+            reads.run(&exec, "local", SLOW_UNIQUE).await
         };
-        let (second, third, ()) = tokio::join!(second, third, dropping);
+        let (second, third) = within(async { tokio::join!(second, third) }).await;
         assert!(second.0 && second.1.trim().len() == 36, "{second:?}");
         assert_eq!(second, third);
         assert!(flights.is_empty());
 
         // The only one on a run, dropped: the run is off the map, the next ask starts anew.
-        let mut alone = Box::pin(flights.run(&exec, "local", SLOW_UNIQUE));
+        let mut alone = Box::pin(reads.run(&exec, "local", SLOW_UNIQUE));
         assert!(futures::poll!(alone.as_mut()).is_pending());
         assert_eq!(flights.len(), 1);
         drop(alone);
         assert!(flights.is_empty(), "no one waits on it");
     }
 
+    /// The run that got the answer leaves first; one waiting on the same run has not yet
+    /// been polled to read it. A run asking in between starts afresh: an answered command is
+    /// never handed out again.
+    #[tokio::test]
+    async fn an_answered_command_is_not_joined_while_others_still_read_it() {
+        let (exec, flights) = (LocalExecutor::new(4096), Flights::default());
+        let reads = flights.since(Instant::now());
+        let answered = std::cell::Cell::new(false);
+        let first = async {
+            let read = reads.run(&exec, "local", SLOW_UNIQUE).await;
+            answered.set(true);
+            read
+        };
+        let between = async {
+            while !answered.get() {
+                tokio::task::yield_now().await;
+            }
+            reads.run(&exec, "local", SLOW_UNIQUE).await
+        };
+        let waiting = reads.run(&exec, "local", SLOW_UNIQUE);
+        // Polled in this order each round: `between` asks in the round `first` ends, before
+        // `waiting` is polled again.
+        let (first, between, waiting) = within(async { tokio::join!(first, between, waiting) }).await;
+        assert_eq!(first, waiting, "{first:?} {waiting:?}");
+        assert!(between.0 && between.1 != first.1, "asked after the answer: its own run ({between:?})");
+        assert!(flights.is_empty());
+    }
+
     /// Two runs of services on one host gathering at once: the shared evidence command ran
-    /// once, and both runs hold its answer as their own evidence.
+    /// once, and both runs hold its answer as their own evidence; each ran its own check.
     #[tokio::test]
     async fn runs_on_one_host_share_an_evidence_command_under_way() {
         let dir = tempfile::tempdir().unwrap();
@@ -883,28 +1014,46 @@ mod flight_tests {
         spec.log_file = Some(format!("{}/app.log", dir.path().display()));
         std::fs::write(dir.path().join("app.log"), "started\n").unwrap();
         spec.evidence = Some(vec!["cat /proc/sys/kernel/random/uuid".into()]);
+        spec.check = Some(pitcrew_model::CheckSpec::Command {
+            command: "cat /proc/sys/kernel/random/uuid".into(),
+            running_indicator: None,
+            timeout_ms: 2000,
+        });
         let (exec, policy, flights) = (LocalExecutor::new(4096), Policy::default_policy(), Flights::default());
-        let (a, b) =
-            tokio::join!(gather(&spec, 1, &exec, &policy, &flights), gather(&spec, 2, &exec, &policy, &flights));
+        let reads = flights.since(Instant::now());
+        let (a, b) = within(async {
+            tokio::join!(gather(&spec, 1, &exec, &policy, reads), gather(&spec, 2, &exec, &policy, reads))
+        })
+        .await;
         let uuid = |found: &[(Evidence, String)]| {
-            let (e, _) = found.iter().find(|(e, _)| e.detail.contains("uuid")).expect("the evidence command");
-            assert!(e.ok && e.source == "command", "{e:?}");
+            let e = found.iter().find(|(e, _)| e.source == "command" && e.detail.contains("uuid"));
+            let (e, _) = e.expect("the evidence command");
+            assert!(e.ok, "{e:?}");
             e.output.clone()
         };
         assert_eq!(uuid(&a), uuid(&b), "one run of the command");
+        let check = |found: &[(Evidence, String)]| {
+            let (e, _) = &found[0];
+            assert!(e.source == "check" && e.ok, "{e:?}");
+            e.output.clone()
+        };
+        assert_ne!(check(&a), check(&b), "the check is each run's own");
         assert_eq!((a[0].0.attempt, b[0].0.attempt), (1, 2), "each run's own evidence");
-        let again = gather(&spec, 1, &exec, &policy, &flights).await;
+        let again = within(gather(&spec, 1, &exec, &policy, reads)).await;
         assert_ne!(uuid(&again), uuid(&a), "gathered later: run afresh");
 
         // A model's tool call joins the same way, when its tools share the flights.
-        let shared = EvidenceTools::new("local", 1, &exec, &policy).sharing(&flights);
+        let shared = EvidenceTools::new("local", 1, &exec, &policy).sharing(reads);
         let alone = EvidenceTools::new("local", 1, &exec, &policy);
         let args = serde_json::json!({ "command": "cat /proc/sys/kernel/random/uuid" }).to_string();
-        let (x, y, z) = tokio::join!(
-            shared.call("run_command", &args),
-            shared.call("run_command", &args),
-            alone.call("run_command", &args)
-        );
+        let (x, y, z) = within(async {
+            tokio::join!(
+                shared.call("run_command", &args),
+                shared.call("run_command", &args),
+                alone.call("run_command", &args)
+            )
+        })
+        .await;
         assert!(x.ok && x.output == y.output, "{x:?} {y:?}");
         assert!(z.ok && z.output != x.output, "without the flights, a run of its own: {z:?}");
         assert!(flights.is_empty());
