@@ -39,19 +39,23 @@ const JOIN_WITHIN: Duration = Duration::from_secs(EVIDENCE_WITHIN.as_secs() + 5)
 /// The read-only commands in flight, by host and command line. A run that asks for a command
 /// a host is already running for another run (an alert storm: hundreds of incidents on one
 /// host, each gathering the same `df -h`) waits for that run's answer instead of starting its
-/// own, so the host is not sent a copy a run. Only a command begun since the asking run's
-/// handling began is joined (on a later attempt, one begun before the run's own fix is not),
-/// and nothing is kept once it answers: the next ask runs it afresh. The answers of one
-/// executor only.
+/// own, so the host is not sent a copy a run. A run on a later attempt joins only a command
+/// begun since its diagnosis began (never one begun before its own fix), and nothing is kept
+/// once it answers: the next ask runs it afresh. The answers of one executor only.
 #[derive(Default)]
 pub struct Flights {
     running: Mutex<HashMap<(String, String), Arc<Flight>>>,
 }
 
 impl Flights {
-    /// This process's flights, for a run whose handling began at `since`.
+    /// This process's flights, for a run that may join any command under way.
+    pub fn any(&self) -> Reads<'_> {
+        Reads { flights: self, since: None }
+    }
+
+    /// This process's flights, for a run that may join only a command begun at `since` or later.
     pub fn since(&self, since: Instant) -> Reads<'_> {
-        Reads { flights: self, since }
+        Reads { flights: self, since: Some(since) }
     }
 
     fn lock(&self) -> MutexGuard<'_, HashMap<(String, String), Arc<Flight>>> {
@@ -72,11 +76,11 @@ impl Flights {
 #[derive(Clone, Copy)]
 pub struct Reads<'a> {
     flights: &'a Flights,
-    since: Instant,
+    since: Option<Instant>,
 }
 
 impl Reads<'_> {
-    /// Run `cmd` on `host`, or wait for its run begun since this run's handling began. When
+    /// Run `cmd` on `host`, or wait for its run under way (begun at `since` or later). When
     /// the run that started it is dropped (its message's handling cancelled), one of those
     /// waiting starts it anew.
     pub async fn run(&self, executor: &dyn Executor, host: &str, cmd: &str) -> Read {
@@ -85,7 +89,9 @@ impl Reads<'_> {
             let mut running = self.flights.lock();
             let fresh = || Arc::new(Flight { began: Instant::now(), answer: Default::default() });
             match running.entry(key.clone()) {
-                std::collections::hash_map::Entry::Occupied(mut e) if e.get().began < self.since => {
+                std::collections::hash_map::Entry::Occupied(mut e)
+                    if self.since.is_some_and(|since| e.get().began < since) =>
+                {
                     // Its seats keep it; it is no longer found.
                     e.insert(fresh());
                     (e.get().clone(), false)
@@ -496,9 +502,12 @@ impl StageHandler for Diagnose {
         cx: &'a mut Cx<'_>,
     ) -> BoxFuture<'a, Result<Transition, StageError>> {
         Box::pin(async move {
-            // Commands begun before now (on a later attempt, before this run's own fix) are
-            // not this run's evidence.
-            let reads = self.flights.since(Instant::now());
+            // On a later attempt, a command begun before now may have begun before this
+            // run's own fix: not its evidence. The first attempt follows no fix of its own.
+            let reads = match state.attempt {
+                0 | 1 => self.flights.any(),
+                _ => self.flights.since(Instant::now()),
+            };
             let cfg = cx.deps.config.clone();
             let spec = pitcrew_runtime::service_or_escalate!(&cfg, state);
             // A redelivery starts over from the input state: evidence of this attempt is regathered.
@@ -926,12 +935,12 @@ mod flight_tests {
         assert!(flights.is_empty());
     }
 
-    /// A run whose handling began after a command did (on a later attempt: after its own
-    /// fix) starts its own; runs that began before it still join the first.
+    /// A run on a later attempt, whose diagnosis began after a command did (after its own
+    /// fix), starts its own; runs on a first attempt still join the first.
     #[tokio::test]
     async fn a_command_begun_before_a_run_s_handling_is_not_its_evidence() {
         let (exec, flights) = (LocalExecutor::new(4096), Flights::default());
-        let early = flights.since(Instant::now());
+        let early = flights.any();
         let mut first = Box::pin(early.run(&exec, "local", SLOW_UNIQUE));
         assert!(futures::poll!(first.as_mut()).is_pending(), "the command runs");
         let late = flights.since(Instant::now() + Duration::from_millis(1));
@@ -945,7 +954,7 @@ mod flight_tests {
         })
         .await;
         assert!(first.0 && fresh.0, "{first:?} {fresh:?}");
-        assert_eq!(first, same_start, "began before it: joined");
+        assert_eq!(first, same_start, "a first attempt joins whatever runs");
         assert_ne!(first, fresh, "begun before the run's handling: not joined");
         assert_eq!(fresh, joins_fresh, "the later flight is the one found");
         assert!(flights.is_empty(), "neither kept");
