@@ -580,6 +580,11 @@ mod tests {
         assert_eq!(evidence_line("`df -h`", ok, &text), "`df -h` failed: timed out after 10 s");
     }
 
+    /// What `gather` finds with the local executor and the shipped policy, for a run alone.
+    async fn gathered(spec: &ServiceSpec, attempt: u32) -> Vec<(Evidence, String)> {
+        gather(spec, attempt, &LocalExecutor::new(4096), &Policy::default_policy(), Flights::default().any()).await
+    }
+
     fn spec(dir: &std::path::Path) -> ServiceSpec {
         let mut s: ServiceSpec = serde_json::from_value(serde_json::json!({})).unwrap();
         s.check = Some(CheckSpec::Command {
@@ -603,14 +608,7 @@ mod tests {
         }
         log.push_str("ERROR: config invalid: listen address missing\n");
         std::fs::write(dir.path().join("app.log"), log).unwrap();
-        let found = gather(
-            &spec(dir.path()),
-            3,
-            &LocalExecutor::new(4096),
-            &Policy::default_policy(),
-            Flights::default().since(Instant::now()),
-        )
-        .await;
+        let found = gathered(&spec(dir.path()), 3).await;
         assert_eq!(found.len(), 5);
         let (check, line) = &found[0];
         assert!(!check.ok && check.attempt == 3 && line.contains("exited 1"), "{check:?} {line}");
@@ -632,25 +630,11 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         // A pid far above any real one (pid_max is at most 2^22).
         std::fs::write(dir.path().join("pid"), "99999999\n").unwrap();
-        let found = gather(
-            &spec(dir.path()),
-            1,
-            &LocalExecutor::new(4096),
-            &Policy::default_policy(),
-            Flights::default().since(Instant::now()),
-        )
-        .await;
+        let found = gathered(&spec(dir.path()), 1).await;
         let (pid, line) = &found[1];
         assert!(!pid.ok && line.contains("stale"), "{pid:?} {line}");
         std::fs::write(dir.path().join("pid"), format!("{}\n", std::process::id())).unwrap();
-        let found = gather(
-            &spec(dir.path()),
-            1,
-            &LocalExecutor::new(4096),
-            &Policy::default_policy(),
-            Flights::default().since(Instant::now()),
-        )
-        .await;
+        let found = gathered(&spec(dir.path()), 1).await;
         assert!(found[1].0.ok, "a live pid is evidence: {:?}", found[1]);
     }
 
@@ -658,14 +642,7 @@ mod tests {
     async fn a_missing_pidfile_is_reported_not_fatal() {
         let dir = tempfile::tempdir().unwrap();
         std::fs::write(dir.path().join("up"), "").unwrap();
-        let found = gather(
-            &spec(dir.path()),
-            1,
-            &LocalExecutor::new(4096),
-            &Policy::default_policy(),
-            Flights::default().since(Instant::now()),
-        )
-        .await;
+        let found = gathered(&spec(dir.path()), 1).await;
         assert!(found[0].0.ok, "the check passes");
         assert!(!found[1].0.ok && found[1].1.ends_with("unreadable"));
     }
@@ -700,6 +677,11 @@ mod port_tests {
         }
     }
 
+    /// What `gather` finds with the local executor and the shipped policy, for a run alone.
+    async fn gathered(spec: &ServiceSpec) -> Vec<(Evidence, String)> {
+        gather(spec, 1, &LocalExecutor::new(64 * 1024), &Policy::default_policy(), Flights::default().any()).await
+    }
+
     /// A service checked over HTTP on `port` (nothing there answers it), its pidfile in `dir`
     /// naming no running process.
     fn on_port(dir: &std::path::Path, port: u16) -> ServiceSpec {
@@ -721,9 +703,7 @@ mod port_tests {
         let squatter = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let port = squatter.local_addr().unwrap().port();
         let spec = on_port(dir.path(), port);
-        let policy = Policy::default_policy();
-        let found =
-            gather(&spec, 1, &LocalExecutor::new(64 * 1024), &policy, Flights::default().since(Instant::now())).await;
+        let found = gathered(&spec).await;
         let (holder, line) = found.iter().find(|(e, _)| e.source.starts_with("port")).expect("port evidence");
         let me = std::process::id();
         assert_eq!(holder.source, "port-holder", "{holder:?} {line}");
@@ -732,16 +712,14 @@ mod port_tests {
 
         // The service's own pid on its port is not a squatter.
         std::fs::write(dir.path().join("pid"), format!("{me}\n")).unwrap();
-        let found =
-            gather(&spec, 1, &LocalExecutor::new(64 * 1024), &policy, Flights::default().since(Instant::now())).await;
+        let found = gathered(&spec).await;
         let (own, line) = found.iter().find(|(e, _)| e.source.starts_with("port")).unwrap();
         assert_eq!(own.source, "port", "{line}");
         assert!(line.contains("the service's own process"), "{line}");
 
         // Nothing listening: said so, no holder.
         drop(squatter);
-        let found =
-            gather(&spec, 1, &LocalExecutor::new(64 * 1024), &policy, Flights::default().since(Instant::now())).await;
+        let found = gathered(&spec).await;
         let (none, line) = found.iter().find(|(e, _)| e.source.starts_with("port")).unwrap();
         assert!(none.source == "port" && line.ends_with("nothing listens"), "{line}");
     }
@@ -779,14 +757,7 @@ mod port_tests {
         assert_eq!(comm.trim(), format!("\",pid={me}"), "the squatter goes by the disguised name");
 
         let spec = on_port(dir.path(), port);
-        let found = gather(
-            &spec,
-            1,
-            &LocalExecutor::new(64 * 1024),
-            &Policy::default_policy(),
-            Flights::default().since(Instant::now()),
-        )
-        .await;
+        let found = gathered(&spec).await;
         let _ = squatter.kill();
         let _ = squatter.wait();
         let (port_evidence, line) = found.iter().find(|(e, _)| e.source.starts_with("port")).expect("port evidence");
