@@ -32,6 +32,13 @@ struct Flight {
     answer: tokio::sync::OnceCell<Read>,
 }
 
+static JOINED: pitcrew_metrics::Counter = pitcrew_metrics::Counter::new(
+    "pitcrew_commands_joined_total",
+    "Read-only commands a run did not start because its host was running the same one for another run: \
+     the run took that one's answer.",
+    &[],
+);
+
 /// How long a run waits on a command another run started: its deadline, and time to be
 /// started again by a waiting run when the one that started it is cancelled.
 const JOIN_WITHIN: Duration = Duration::from_secs(EVIDENCE_WITHIN.as_secs() + 5);
@@ -101,7 +108,9 @@ impl Reads<'_> {
             }
         };
         if joined {
-            tracing::debug!(host, command = cmd, "joined the same command under way for another run");
+            JOINED.inc(&[]);
+            let command = pitcrew_model::redact::redact(cmd);
+            tracing::debug!(host, %command, "joined the same command under way for another run");
         }
         let seat = Seat { flights: self.flights, key, flight: Some(flight) };
         let flight = seat.flight.as_ref().expect("held until the seat is dropped");
@@ -888,10 +897,12 @@ mod flight_tests {
         let (exec, flights) = (LocalExecutor::new(4096), Flights::default());
         let reads = flights.since(Instant::now());
         let ask = || reads.run(&exec, "local", SLOW_UNIQUE);
+        let joined = JOINED.get(&[]);
         let (a, b, c) = within(async { tokio::join!(ask(), ask(), ask()) }).await;
         assert!(a.0 && a.1.trim().len() == 36, "{a:?}");
         assert_eq!(a, b, "joined the run under way");
         assert_eq!(a, c, "joined the run under way");
+        assert!(JOINED.get(&[]) >= joined + 2.0, "the two joins are counted");
         assert!(flights.is_empty(), "nothing kept once it answered");
 
         // Asked again once it answered: run afresh, never the earlier answer.
