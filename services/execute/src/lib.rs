@@ -324,6 +324,20 @@ impl StageHandler for Execute {
                 );
                 return Ok(Transition::Drop);
             }
+            // Postgres behind the bus (a standby that lags, a failover that lost the commit
+            // that sent the run here): it does not yet hold the approval this step runs on.
+            // Looked at again, never taken for a late delivery and dropped (the run would stay
+            // where Postgres has it, with no message); past the delivery limits, dead-lettered
+            // and the run escalated, for a human.
+            if run.state.seq < state.seq {
+                return Err(StageError::Transient(format!(
+                    "Postgres holds this run at step {} (seq {}), behind this message (seq {}): \
+                     waiting for it to catch up",
+                    run.state.step.as_str(),
+                    run.state.seq,
+                    state.seq
+                )));
+            }
             // A late delivery (the run moved on, to a next attempt say: its worker died
             // between the commit and the ack) runs nothing, only replays its claims; it is no
             // poison when the approval stored now is another attempt's.
@@ -437,11 +451,18 @@ impl StageHandler for Execute {
                     }
                     Claim::Finished(rec) => rec,
                     Claim::Unfinished { .. } if at.shared() => {
-                        // Still running in this process: try again once it has ended.
-                        return Err(StageError::Transient(format!(
-                            "command {index} of attempt {} is running in this process for another copy of this message",
-                            state.attempt
-                        )));
+                        // Still running in this process: try again once it has ended. A wait,
+                        // never a failure: dead-lettered, the run would leave the step (and its
+                        // target to another run) while the command runs.
+                        return Err(StageError::Wait {
+                            why: format!(
+                                "command {index} of attempt {} is running in this process for another copy of this \
+                                 message",
+                                state.attempt
+                            ),
+                            retry: Duration::from_secs(1),
+                            note: None,
+                        });
                     }
                     Claim::Unfinished { running_for, gone_in, unstarted } => 'unfinished: {
                         // Another copy in this process may have finished it between the claim
@@ -563,11 +584,15 @@ impl StageHandler for Execute {
                                         .release_execution(state.run_id, state.attempt, index, token, claimed_started)
                                         .await?
                                     {
-                                        return Err(StageError::Transient(format!(
-                                            "command {index} of attempt {} was taken over by another delivery while \
-                                             this one could not reach {} ({e})",
-                                            state.attempt, spec.host
-                                        )));
+                                        return Err(StageError::Wait {
+                                            why: format!(
+                                                "command {index} of attempt {} was taken over by another delivery \
+                                                 while this one could not reach {} ({e})",
+                                                state.attempt, spec.host
+                                            ),
+                                            retry: Duration::from_secs(1),
+                                            note: None,
+                                        });
                                     }
                                     cx.emit(
                                         EventKind::Error,
@@ -582,7 +607,7 @@ impl StageHandler for Execute {
                                     // release the claim so the retry can run it. Past the mark (an
                                     // SSH channel that failed as it opened) the command may have
                                     // started: the claim stays, and is recorded interrupted later.
-                                    store
+                                    let released = store
                                         .release_execution(state.run_id, state.attempt, index, token, claimed_started)
                                         .await?;
                                     // A worker stopping now (its start hook saw it, or the
@@ -594,6 +619,21 @@ impl StageHandler for Execute {
                                              {} ({e}): it and the rest run on another worker",
                                             cx.deps.worker, spec.host
                                         )));
+                                    }
+                                    if !released {
+                                        // It may be running: the run stays at this step (its
+                                        // target held) until the claim says it is surely gone.
+                                        // A failure counted towards the dead letter would
+                                        // escalate the run and free the target meanwhile.
+                                        return Err(StageError::Wait {
+                                            why: format!(
+                                                "command {index} of attempt {} may have started on {} before its \
+                                                 connection failed ({e}): looked at again once its deadline has passed",
+                                                state.attempt, spec.host
+                                            ),
+                                            retry: gone_after + Duration::from_millis(250),
+                                            note: Some(WaitNote::Straggler),
+                                        });
                                     }
                                     return Err(StageError::Transient(e));
                                 }

@@ -148,6 +148,51 @@ async fn a_late_execute_delivery_from_an_earlier_attempt_is_dropped_not_dead_let
     crew.shutdown().await
 }
 
+/// An execute message ahead of Postgres (a standby that lags, a failover that lost the
+/// approval's commit: here the run moved back a step by hand): it runs nothing and is not
+/// taken for a late delivery and dropped, which would leave the run where Postgres has it
+/// with no message anywhere. It is looked at again; once Postgres has caught up (the step put
+/// back), it runs, and the run resolves.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_execute_message_ahead_of_postgres_waits_for_it_and_is_not_dropped() -> anyhow::Result<()> {
+    let (mut crew, run) = held_before_execute().await?;
+    crew.shutdown().await?;
+    let db = crew.db().await?;
+    let back = "UPDATE runs SET seq = seq - 1, stage = 'approval',
+                    state = jsonb_set(jsonb_set(state, '{seq}', to_jsonb(seq - 1)), '{step}', '\"approval\"')
+                WHERE id = $1 AND stage = 'execute'";
+    assert_eq!(db.execute(back, &[&run]).await?, 1);
+    crew.run(&[Stage::Execute]);
+    let stream = crew.bus.js.get_stream(crew.bus.subjects.stages_stream()).await?;
+    // Delivered three times, put back each time.
+    tokio::time::timeout(WAIT, async {
+        loop {
+            // (Made as the stage starts.)
+            if stream.consumer_info("execute").await.is_ok_and(|i| i.delivered.consumer_sequence >= 3) {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await?;
+    assert_eq!(stream.get_info().await?.state.messages, 1, "the message is kept");
+    assert_eq!(count(&db, "SELECT count(*) FROM executions WHERE run_id = $1", run).await, 0, "nothing ran");
+    assert_eq!(crew.dead_letters().await?, 0, "nothing dead-lettered");
+    crew.shutdown().await?;
+
+    // Postgres caught up: the same message runs the plan.
+    let forward = "UPDATE runs SET seq = seq + 1, stage = 'execute',
+                       state = jsonb_set(jsonb_set(state, '{seq}', to_jsonb(seq + 1)), '{step}', '\"execute\"')
+                   WHERE id = $1 AND stage = 'approval'";
+    assert_eq!(db.execute(forward, &[&run]).await?, 1);
+    crew.run(&Stage::ALL);
+    let end = crew.end(run).await?;
+    assert_eq!(end.kind, EventKind::Resolved, "{}", end.message);
+    assert!(std::path::Path::new(&crew.env.path("made-once")).exists(), "the plan ran");
+    assert_eq!(crew.dead_letters().await?, 0, "nothing dead-lettered");
+    crew.shutdown().await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_processes_of_one_stage_share_its_work() -> anyhow::Result<()> {
     let env = TestEnv::start().await?;
