@@ -6,7 +6,7 @@
 use crate::error::{ApiError, Outcome};
 use crate::Gateway;
 use axum::extract::{ConnectInfo, MatchedPath, Request, State};
-use axum::http::Method;
+use axum::http::{Method, StatusCode};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use pitcrew_model::trim::storable;
@@ -240,8 +240,24 @@ fn mutating(m: &Method) -> bool {
 }
 
 /// Authenticate, authorise and rate-limit the request, run it, then log it and (when it
-/// changes anything) audit it.
-pub async fn guard(State(gw): State<Arc<Gateway>>, mut req: Request, next: Next) -> Response {
+/// changes anything) audit it. A request that changes anything runs to its end in a task of
+/// its own, even when its client leaves: dropped with the connection half way, a decision or
+/// an incident already published would go through without its audit row.
+pub async fn guard(State(gw): State<Arc<Gateway>>, req: Request, next: Next) -> Response {
+    if !mutating(req.method()) {
+        return guarded(gw, req, next).await;
+    }
+    match tokio::spawn(guarded(gw, req, next)).await {
+        Ok(resp) => resp,
+        Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+        Err(e) => {
+            tracing::error!(error = %e, "a request's task was cancelled");
+            StatusCode::INTERNAL_SERVER_ERROR.into_response()
+        }
+    }
+}
+
+async fn guarded(gw: Arc<Gateway>, mut req: Request, next: Next) -> Response {
     let started = Instant::now();
     let method = req.method().clone();
     let path = req.uri().path().to_string();

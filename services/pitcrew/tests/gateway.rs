@@ -440,6 +440,37 @@ async fn every_route_refuses_no_key_and_the_wrong_role_and_admits_the_right_one(
     api.crew.shutdown().await
 }
 
+/// A client that leaves while its mutating request is under way (here the audit table is
+/// locked, so the request waits for its audit row) does not cost the audit: the request runs
+/// to its end, and its row is stored once the table is free.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_leaves_mid_request_still_leaves_its_audit_row() -> anyhow::Result<()> {
+    let api = Api::start(&[], "").await?;
+    let db = api.crew.db().await?;
+    let locker = api.crew.db().await?;
+    locker.batch_execute("BEGIN; LOCK TABLE gateway_audit IN EXCLUSIVE MODE").await?;
+    let sent = api
+        .req(reqwest::Method::POST, "/v1/incidents", Some("otto"))
+        .timeout(Duration::from_millis(500))
+        .json(&json!({"service": "svc", "error": "the client left early"}))
+        .send()
+        .await;
+    assert!(sent.as_ref().is_err_and(|e| e.is_timeout()), "the request waits on its audit row: {sent:?}");
+    // Time for a request dropped with its connection to be gone before the table is free.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    locker.batch_execute("COMMIT").await?;
+    let audited =
+        "SELECT count(*) FROM gateway_audit WHERE principal = 'otto' AND path = '/v1/incidents' AND status = 202";
+    tokio::time::timeout(WAIT, async {
+        while db.query_one(audited, &[]).await.map(|r| r.get::<_, i64>(0)).unwrap_or(0) == 0 {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await
+    .map_err(|_| anyhow::anyhow!("the request that changed something was not audited"))?;
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_run_streams_its_past_then_live_events_and_is_approved_over_http() -> anyhow::Result<()> {
     let mut api = Api::start(&Stage::ALL, "").await?;
