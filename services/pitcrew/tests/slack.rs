@@ -585,8 +585,9 @@ async fn the_bridge_refuses_to_start_without_its_secrets() -> anyhow::Result<()>
     Ok(())
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_mattermost_click_runs_the_plan_and_forged_or_second_clicks_change_nothing() -> anyhow::Result<()> {
+/// A fake Mattermost, a crew whose bridge posts there (ann and bob mapped to approvers), the
+/// bridge, and the public URL its buttons call.
+async fn mattermost_crew() -> anyhow::Result<(FakeSlack, Crew, Bridge, String)> {
     let mm = FakeSlack::start_mattermost(MM_TOKEN).await?;
     let port = pitcrew_runtime::natsd::free_port()?;
     let public = format!("http://127.0.0.1:{port}");
@@ -595,9 +596,45 @@ async fn a_mattermost_click_runs_the_plan_and_forged_or_second_clicks_change_not
          public_url = \"{public}\"\ntimeout_secs = 5\nallow_from = [\"127.0.0.1\"]\n[bridge.mattermost.users]\nmmann0 = \"ann\"\nmmbob0 = \"bob\"\n",
         mm.url
     );
-    let mut crew = crew_with(&bridge, None).await?;
+    let crew = crew_with(&bridge, None).await?;
     let secrets = [("MATTERMOST_TOKEN", MM_TOKEN), ("MATTERMOST_ACTION_SECRET", MM_ACTION_SECRET)];
     let bridge = Bridge::start_kind(&crew, port, "mattermost", "mattermost", &secrets).await?;
+    Ok((mm, crew, bridge, public))
+}
+
+/// Mattermost gives up on an action call (its timeout) while the decision is under way (here
+/// the approvals table is locked, so the decision waits on it): the decision still runs to
+/// its end once the table is free, and the run resolves.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_mattermost_click_whose_caller_gives_up_is_still_decided() -> anyhow::Result<()> {
+    let (mm, mut crew, bridge, _) = mattermost_crew().await?;
+    let run = crew.open("svc", "stale lock held").await?;
+    crew.events.kind(run, EventKind::ApprovalRequested, WAIT).await?;
+    let post = posted_with(&mm, "v4/posts", run).await?;
+    let approve = post.body["props"]["attachments"][0]["actions"][0]["integration"]["context"].clone();
+    let locker = crew.db().await?;
+    locker.batch_execute("BEGIN; LOCK TABLE approvals IN ACCESS EXCLUSIVE MODE").await?;
+    let call = json!({ "user_id": "mmann0", "context": approve });
+    let sent = reqwest::Client::new()
+        .post(format!("{}/mattermost/actions", bridge.url))
+        .timeout(Duration::from_millis(500))
+        .json(&call)
+        .send()
+        .await;
+    assert!(sent.as_ref().is_err_and(|e| e.is_timeout()), "the decision waits on the table: {sent:?}");
+    // Time for a decision dropped with its connection to be gone before the table is free.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    locker.batch_execute("COMMIT").await?;
+    let end = crew.end(run).await?;
+    assert_eq!(end.kind, EventKind::Resolved, "{}", end.message);
+    assert_eq!(decisions_published(&crew, run).await?, 1);
+    bridge.stop().await?;
+    crew.shutdown().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_mattermost_click_runs_the_plan_and_forged_or_second_clicks_change_nothing() -> anyhow::Result<()> {
+    let (mm, mut crew, bridge, public) = mattermost_crew().await?;
     let run = crew.open("svc", "stale lock held").await?;
     crew.events.kind(run, EventKind::ApprovalRequested, WAIT).await?;
     let req = cli::approval_request(&crew.bus, run).await?;

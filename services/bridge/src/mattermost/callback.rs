@@ -37,7 +37,7 @@ pub fn router(app: Arc<App>) -> Router {
 }
 
 /// The parts of Mattermost's action call the bridge reads.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Clone, Deserialize)]
 struct ActionCall {
     #[serde(default)]
     user_id: String,
@@ -78,10 +78,31 @@ async fn actions(
             return (StatusCode::UNAUTHORIZED, why).into_response();
         }
     };
-    let context = &call.context;
-    let click =
-        Click { chat: "mattermost", user, run, plan_hash: &context.plan_hash, attempt: context.attempt, decision };
-    match decide(&app.bus, &app.store, &app.cfg, &app.users, click).await {
+    // Decided in a task of its own: Mattermost giving up on the call (its timeout) or the
+    // connection dropping must not cut a decision off half way, a vote counted and its
+    // decision not published.
+    let deciding = tokio::spawn({
+        let app = app.clone();
+        let call = call.clone();
+        async move {
+            let context = &call.context;
+            let click = Click {
+                chat: "mattermost",
+                user: &call.user_id,
+                run: context.run,
+                plan_hash: &context.plan_hash,
+                attempt: context.attempt,
+                decision,
+            };
+            decide(&app.bus, &app.store, &app.cfg, &app.users, click).await
+        }
+    });
+    let decided = match deciding.await {
+        Ok(decided) => decided,
+        Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+        Err(e) => Err(format!("the decision's task was cancelled: {e}")),
+    };
+    match decided {
         Ok(Outcome::Decided { req, approver }) => Json(message::decided(&req, decision, &approver)).into_response(),
         Ok(Outcome::Counted { note }) => Json(message::ephemeral(&note)).into_response(),
         Err(why) => {
