@@ -247,7 +247,7 @@ pub async fn guard(State(gw): State<Arc<Gateway>>, req: Request, next: Next) -> 
     if !mutating(req.method()) {
         return guarded(gw, req, next).await;
     }
-    match tokio::spawn(guarded(gw, req, next)).await {
+    match pitcrew_runtime::trace::spawn(guarded(gw, req, next)).await {
         Ok(resp) => resp,
         Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
         Err(e) => {

@@ -107,6 +107,17 @@ pub async fn carrying<F: Future>(traceparent: Option<String>, f: F) -> F::Output
     CARRIED.scope(traceparent, f).await
 }
 
+/// Spawn `f` as a task that goes on with this one's trace: in the current span, carrying the
+/// context this task carries (a task does not inherit either).
+pub fn spawn<F>(f: F) -> tokio::task::JoinHandle<F::Output>
+where
+    F: Future + Send + 'static,
+    F::Output: Send + 'static,
+{
+    let carried = CARRIED.try_with(|c| c.clone()).ok().flatten();
+    tokio::spawn(tracing::Instrument::in_current_span(carrying(carried, f)))
+}
+
 /// The traceparent to publish now: the current span's when exporting, else the carried one.
 pub fn current() -> Option<String> {
     if exporting() {

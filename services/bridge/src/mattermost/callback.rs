@@ -81,7 +81,7 @@ async fn actions(
     // Decided in a task of its own: Mattermost giving up on the call (its timeout) or the
     // connection dropping must not cut a decision off half way, a vote counted and its
     // decision not published.
-    let deciding = tokio::spawn({
+    let deciding = pitcrew_runtime::trace::spawn({
         let app = app.clone();
         let call = call.clone();
         async move {
