@@ -25,6 +25,7 @@ use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::mpsc::{self, error::SendTimeoutError, error::TrySendError};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use uuid::Uuid;
 
 /// Live streams open at once; more are refused with 503.
@@ -37,6 +38,10 @@ const KEEP_ALIVE: Duration = Duration::from_secs(15);
 const PUBLISH_GRACE: Duration = Duration::from_secs(2);
 /// A client whose buffer stays full this long is dropped.
 pub const SLOW_CLIENT: Duration = Duration::from_secs(5);
+/// The most a live stream holds for its client, in bytes of events (one larger than this is
+/// held alone), besides `[gateway] sse_buffer` events: whichever is reached first makes the
+/// buffer full. With [`MAX_STREAMS`] streams, 256 MiB in all, whatever the events' size.
+pub const STREAM_BUFFER_BYTES: usize = 256 * 1024;
 
 type EventStream = Sse<KeepAliveStream<std::pin::Pin<Box<dyn Stream<Item = Result<Event, Infallible>> + Send>>>>;
 
@@ -315,7 +320,9 @@ async fn follow(
         return Ok(None);
     }
     let mut messages = consumer.messages().await.map_err(|e| ApiError::unavailable("NATS", e))?;
-    let (tx, rx) = mpsc::channel::<Event>(gw.cfg.gateway.sse_buffer.max(1));
+    let (tx, rx) = mpsc::channel::<(Event, OwnedSemaphorePermit)>(gw.cfg.gateway.sse_buffer.max(1));
+    // Its bytes: each event takes its size from `room` until the client's side takes it.
+    let room = Arc::new(Semaphore::new(STREAM_BUFFER_BYTES));
     let mut shutdown = gw.shutdown.clone();
     tokio::spawn(async move {
         let _permits = (permit, key_permit);
@@ -354,23 +361,37 @@ async fn follow(
                 .id(seq.to_string())
                 .event(event.kind.as_str())
                 .data(String::from_utf8_lossy(&msg.payload));
-            let sent = match tx.try_send(sse) {
-                Ok(()) => true,
-                // A full buffer: the client gets a moment to catch up (a burst), then is dropped.
-                Err(TrySendError::Full(sse)) => match tx.send_timeout(sse, SLOW_CLIENT).await {
-                    Ok(()) => true,
-                    Err(SendTimeoutError::Timeout(_)) => {
-                        tracing::warn!(
-                            run = %event.run_id,
-                            "live stream client too slow: dropped (it may reconnect with Last-Event-ID)"
-                        );
-                        false
-                    }
-                    Err(SendTimeoutError::Closed(_)) => false,
-                },
-                Err(TrySendError::Closed(_)) => false,
+            // A full buffer (in events or in bytes): the client gets a moment to catch up (a
+            // burst), then is dropped.
+            let size = u32::try_from(msg.payload.len().clamp(1, STREAM_BUFFER_BYTES)).unwrap_or(u32::MAX);
+            let slow = tokio::time::Instant::now() + SLOW_CLIENT;
+            let held = match room.clone().try_acquire_many_owned(size) {
+                Ok(held) => Some(held),
+                Err(_) => {
+                    tokio::time::timeout_at(slow, room.clone().acquire_many_owned(size)).await.ok().and_then(Result::ok)
+                }
             };
-            if !sent {
+            let sent = match held {
+                None => Err(true),
+                Some(held) => match tx.try_send((sse, held)) {
+                    Ok(()) => Ok(()),
+                    Err(TrySendError::Full(item)) => {
+                        match tx.send_timeout(item, slow.saturating_duration_since(tokio::time::Instant::now())).await {
+                            Ok(()) => Ok(()),
+                            Err(SendTimeoutError::Timeout(_)) => Err(true),
+                            Err(SendTimeoutError::Closed(_)) => Err(false),
+                        }
+                    }
+                    Err(TrySendError::Closed(_)) => Err(false),
+                },
+            };
+            if let Err(too_slow) = sent {
+                if too_slow {
+                    tracing::warn!(
+                        run = %event.run_id,
+                        "live stream client too slow: dropped (it may reconnect with Last-Event-ID)"
+                    );
+                }
                 break;
             }
             if (end != End::Never && event.kind.is_terminal()) || caught_up {
@@ -378,7 +399,8 @@ async fn follow(
             }
         }
     });
-    let body = futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|e| (Ok(e), rx)) });
+    // An event's bytes are given back as it leaves for the client.
+    let body = futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|(e, _held)| (Ok(e), rx)) });
     let body: std::pin::Pin<Box<dyn Stream<Item = Result<Event, Infallible>> + Send>> = Box::pin(body);
     Ok(Some(Sse::new(body).keep_alive(KeepAlive::new().interval(KEEP_ALIVE))))
 }

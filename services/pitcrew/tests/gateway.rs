@@ -985,6 +985,56 @@ async fn a_slow_live_stream_client_is_dropped_and_blocks_no_one() -> anyhow::Res
     Ok(())
 }
 
+/// A live stream's buffer is bounded in bytes as well as in events: a client that reads
+/// nothing is dropped once large events fill it, though they are fewer than its 64 events.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_client_s_buffer_is_bounded_in_bytes_too() -> anyhow::Result<()> {
+    use tokio::io::AsyncWriteExt;
+    let api = Api::start(&[], "").await?;
+    let addr: std::net::SocketAddr = api.url.trim_start_matches("http://").parse()?;
+    let socket = tokio::net::TcpSocket::new_v4()?;
+    socket.set_recv_buffer_size(4096)?;
+    let mut slow = socket.connect(addr).await?;
+    let ask = format!(
+        "GET /v1/events HTTP/1.1\r\nHost: {addr}\r\nAuthorization: Bearer {}\r\nConnection: close\r\n\r\n",
+        key("rita")
+    );
+    slow.write_all(ask.as_bytes()).await?;
+    let open = |gw: &Gateway| pitcrew_gateway::events::MAX_STREAMS - gw.streams.available_permits();
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while open(&api.gw) == 0 {
+        assert!(tokio::time::Instant::now() < deadline, "the stream never opened");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // 40 events of 200 KiB: 8 MB, far past the socket buffers, in fewer than 64 events.
+    for _ in 0..40 {
+        let run = Uuid::new_v4();
+        let e = RunEvent {
+            run_id: run,
+            seq: 0,
+            index: 0,
+            stage: Stage::Intake,
+            kind: EventKind::Status,
+            message: "x".repeat(200 * 1024),
+            data: Value::Null,
+            worker: "test".into(),
+            at: chrono::Utc::now(),
+        };
+        api.crew.bus.client.publish(api.crew.bus.subjects.event(run, "status"), serde_json::to_vec(&e)?.into()).await?;
+    }
+    api.crew.bus.client.flush().await?;
+    // Dropped for its full buffer (after SLOW_CLIENT), well before the connection's write
+    // timeout would end it anyway.
+    let within = pitcrew_runtime::httpd::WRITE_TIMEOUT / 2;
+    let deadline = tokio::time::Instant::now() + within;
+    while open(&api.gw) > 0 {
+        assert!(tokio::time::Instant::now() < deadline, "the slow client was not dropped within {within:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    drop(slow);
+    Ok(())
+}
+
 /// One key cannot hold every live stream: past `streams_per_key` it gets 429, other keys are
 /// served, and a stream its client closes is given back.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
