@@ -98,7 +98,13 @@ impl IntoResponse for ApiError {
 }
 
 impl From<pitcrew_runtime::StoreError> for ApiError {
+    /// Answered without Postgres' own words (they name tables, constraints and values, to any
+    /// caller with a key): the log has them, under the reference the answer gives.
     fn from(e: pitcrew_runtime::StoreError) -> Self {
-        ApiError::unavailable("Postgres", e)
+        let reference = uuid::Uuid::new_v4().simple().to_string()[..12].to_string();
+        tracing::warn!(what = "Postgres", %reference, error = %e, "backend failure");
+        ApiError::Unavailable(format!(
+            "Postgres failed (retry later; the gateway's log has the error under reference {reference})"
+        ))
     }
 }

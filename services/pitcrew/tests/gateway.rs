@@ -985,6 +985,24 @@ async fn a_slow_live_stream_client_is_dropped_and_blocks_no_one() -> anyhow::Res
     Ok(())
 }
 
+/// A Postgres failure is answered 503 without Postgres' own words (they name tables,
+/// constraints and values), with a reference the gateway's log has them under.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_postgres_failure_is_answered_without_its_details() -> anyhow::Result<()> {
+    let api = Api::start(&[], "").await?;
+    let db = api.crew.db().await?;
+    db.batch_execute("ALTER TABLE runs RENAME TO runs_elsewhere").await?;
+    let answer = api.get(&format!("/v1/runs/{}", Uuid::now_v7()), "rita").await;
+    db.batch_execute("ALTER TABLE runs_elsewhere RENAME TO runs").await?;
+    let (status, body) = answer?;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{body}");
+    let error = body["error"].as_str().unwrap_or_default();
+    let said = "Postgres failed (retry later; the gateway's log has the error under reference ";
+    assert!(error.starts_with(said) && error.len() == said.len() + 13, "{body}");
+    assert!(!error.contains("runs") && !error.contains("relation"), "{body}");
+    Ok(())
+}
+
 /// A live stream's buffer is bounded in bytes as well as in events: a client that reads
 /// nothing is dropped once large events fill it, though they are fewer than its 64 events.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
