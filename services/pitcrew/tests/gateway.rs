@@ -917,36 +917,31 @@ async fn a_key_refused_by_its_role_is_rate_limited_and_stops_filling_the_audit_t
     Ok(())
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_slow_live_stream_client_is_dropped_and_blocks_no_one() -> anyhow::Result<()> {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let api = Api::start(&[], "").await?;
-    // A client that asks for every event and then reads nothing, with a tiny receive window.
+/// A client that asks for every event and then reads nothing, with a tiny receive window.
+async fn slow_client(api: &Api) -> anyhow::Result<tokio::net::TcpStream> {
+    use tokio::io::AsyncWriteExt;
     let addr: std::net::SocketAddr = api.url.trim_start_matches("http://").parse()?;
     let socket = tokio::net::TcpSocket::new_v4()?;
     socket.set_recv_buffer_size(4096)?;
     let mut slow = socket.connect(addr).await?;
-    slow.write_all(
-        format!(
-            "GET /v1/events HTTP/1.1\r\nHost: {addr}\r\nAuthorization: Bearer {}\r\nConnection: close\r\n\r\n",
-            key("rita")
-        )
-        .as_bytes(),
-    )
-    .await?;
-    let mut fast = Sse::new(api.stream("/v1/events", "rita").await?);
-    // 8000 events of 2 KiB: far more than the slow client's socket buffers and its 64 events.
-    let n = 8000;
-    let last = Uuid::new_v4();
-    for i in 0..=n {
-        let run = if i == n { last } else { Uuid::new_v4() };
+    let ask = format!(
+        "GET /v1/events HTTP/1.1\r\nHost: {addr}\r\nAuthorization: Bearer {}\r\nConnection: close\r\n\r\n",
+        key("rita")
+    );
+    slow.write_all(ask.as_bytes()).await?;
+    Ok(slow)
+}
+
+/// Publish a `status` event of `size` bytes of message on the bus for each of `runs`.
+async fn publish_events(api: &Api, runs: impl IntoIterator<Item = Uuid>, size: usize) -> anyhow::Result<()> {
+    for run in runs {
         let e = RunEvent {
             run_id: run,
             seq: 0,
             index: 0,
             stage: Stage::Intake,
             kind: EventKind::Status,
-            message: "x".repeat(2048),
+            message: "x".repeat(size),
             data: Value::Null,
             worker: "test".into(),
             at: chrono::Utc::now(),
@@ -954,6 +949,19 @@ async fn a_slow_live_stream_client_is_dropped_and_blocks_no_one() -> anyhow::Res
         api.crew.bus.client.publish(api.crew.bus.subjects.event(run, "status"), serde_json::to_vec(&e)?.into()).await?;
     }
     api.crew.bus.client.flush().await?;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_live_stream_client_is_dropped_and_blocks_no_one() -> anyhow::Result<()> {
+    use tokio::io::AsyncReadExt;
+    let api = Api::start(&[], "").await?;
+    let mut slow = slow_client(&api).await?;
+    let mut fast = Sse::new(api.stream("/v1/events", "rita").await?);
+    // 8000 events of 2 KiB: far more than the slow client's socket buffers and its 64 events.
+    let n = 8000;
+    let last = Uuid::new_v4();
+    publish_events(&api, (0..n).map(|_| Uuid::new_v4()).chain([last]), 2048).await?;
     // The fast client gets everything, to the last event, while the slow one stalls.
     let mut got = 0;
     loop {
@@ -1007,17 +1015,8 @@ async fn a_postgres_failure_is_answered_without_its_details() -> anyhow::Result<
 /// nothing is dropped once large events fill it, though they are fewer than its 64 events.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_slow_client_s_buffer_is_bounded_in_bytes_too() -> anyhow::Result<()> {
-    use tokio::io::AsyncWriteExt;
     let api = Api::start(&[], "").await?;
-    let addr: std::net::SocketAddr = api.url.trim_start_matches("http://").parse()?;
-    let socket = tokio::net::TcpSocket::new_v4()?;
-    socket.set_recv_buffer_size(4096)?;
-    let mut slow = socket.connect(addr).await?;
-    let ask = format!(
-        "GET /v1/events HTTP/1.1\r\nHost: {addr}\r\nAuthorization: Bearer {}\r\nConnection: close\r\n\r\n",
-        key("rita")
-    );
-    slow.write_all(ask.as_bytes()).await?;
+    let slow = slow_client(&api).await?;
     let open = |gw: &Gateway| pitcrew_gateway::events::MAX_STREAMS - gw.streams.available_permits();
     let deadline = tokio::time::Instant::now() + WAIT;
     while open(&api.gw) == 0 {
@@ -1025,22 +1024,7 @@ async fn a_slow_client_s_buffer_is_bounded_in_bytes_too() -> anyhow::Result<()> 
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     // 40 events of 200 KiB: 8 MB, far past the socket buffers, in fewer than 64 events.
-    for _ in 0..40 {
-        let run = Uuid::new_v4();
-        let e = RunEvent {
-            run_id: run,
-            seq: 0,
-            index: 0,
-            stage: Stage::Intake,
-            kind: EventKind::Status,
-            message: "x".repeat(200 * 1024),
-            data: Value::Null,
-            worker: "test".into(),
-            at: chrono::Utc::now(),
-        };
-        api.crew.bus.client.publish(api.crew.bus.subjects.event(run, "status"), serde_json::to_vec(&e)?.into()).await?;
-    }
-    api.crew.bus.client.flush().await?;
+    publish_events(&api, (0..40).map(|_| Uuid::new_v4()), 200 * 1024).await?;
     // Dropped for its full buffer (after SLOW_CLIENT), well before the connection's write
     // timeout would end it anyway.
     let within = pitcrew_runtime::httpd::WRITE_TIMEOUT / 2;
