@@ -55,14 +55,15 @@ pub struct Flights {
 }
 
 impl Flights {
-    /// This process's flights, for a run that may join any command under way.
-    pub fn any(&self) -> Reads<'_> {
-        Reads { flights: self, since: None }
+    /// This process's flights on `executor`, for a run that may join any command under way.
+    pub fn any<'a>(&'a self, executor: &'a dyn Executor) -> Reads<'a> {
+        Reads { flights: self, executor, since: None }
     }
 
-    /// This process's flights, for a run that may join only a command begun at `since` or later.
-    pub fn since(&self, since: Instant) -> Reads<'_> {
-        Reads { flights: self, since: Some(since) }
+    /// This process's flights on `executor`, for a run that may join only a command begun at
+    /// `since` or later.
+    pub fn since<'a>(&'a self, executor: &'a dyn Executor, since: Instant) -> Reads<'a> {
+        Reads { flights: self, executor, since: Some(since) }
     }
 
     fn lock(&self) -> MutexGuard<'_, HashMap<(String, String), Arc<Flight>>> {
@@ -70,19 +71,23 @@ impl Flights {
     }
 
     /// The commands in flight.
-    pub fn len(&self) -> usize {
+    #[cfg(test)]
+    fn len(&self) -> usize {
         self.lock().len()
     }
 
-    pub fn is_empty(&self) -> bool {
+    #[cfg(test)]
+    fn is_empty(&self) -> bool {
         self.len() == 0
     }
 }
 
-/// One run's way to its process's flights: see [`Flights`].
+/// One run's way to run read-only commands on its executor, joining its process's flights:
+/// see [`Flights`].
 #[derive(Clone, Copy)]
 pub struct Reads<'a> {
     flights: &'a Flights,
+    executor: &'a dyn Executor,
     since: Option<Instant>,
 }
 
@@ -90,7 +95,7 @@ impl Reads<'_> {
     /// Run `cmd` on `host`, or wait for its run under way (begun at `since` or later). When
     /// the run that started it is dropped (its message's handling cancelled), one of those
     /// waiting starts it anew.
-    pub async fn run(&self, executor: &dyn Executor, host: &str, cmd: &str) -> Read {
+    pub async fn run(&self, host: &str, cmd: &str) -> Read {
         let key = (host.to_string(), cmd.to_string());
         let (flight, joined) = {
             let mut running = self.flights.lock();
@@ -114,7 +119,9 @@ impl Reads<'_> {
         }
         let seat = Seat { flights: self.flights, key, flight: Some(flight) };
         let flight = seat.flight.as_ref().expect("held until the seat is dropped");
-        match tokio::time::timeout(JOIN_WITHIN, flight.answer.get_or_init(|| run_evidence(executor, host, cmd))).await {
+        match tokio::time::timeout(JOIN_WITHIN, flight.answer.get_or_init(|| run_evidence(self.executor, host, cmd)))
+            .await
+        {
             Ok(read) => read.clone(),
             Err(_) => (false, format!("no answer within {} s", JOIN_WITHIN.as_secs())),
         }
@@ -145,22 +152,16 @@ impl Drop for Seat<'_> {
 /// Read-only evidence for `attempt`: the check's result, the pidfile, the port's holder and,
 /// at the same time, the service's evidence commands (log tail, journal, ports, disk,
 /// memory), each admitted by the policy's read-only class first. Each item comes with the
-/// timeline line that reports it, in that order. The read-only commands (all but the check)
-/// join a run of the same command on the host that `reads` finds.
-pub async fn gather(
-    spec: &ServiceSpec,
-    attempt: u32,
-    executor: &dyn Executor,
-    policy: &Policy,
-    reads: Reads<'_>,
-) -> Vec<(Evidence, String)> {
+/// timeline line that reports it, in that order. Everything runs on `reads`' executor; the
+/// read-only commands (all but the check) join a run of the same command on the host.
+pub async fn gather(spec: &ServiceSpec, attempt: u32, reads: Reads<'_>, policy: &Policy) -> Vec<(Evidence, String)> {
     // The check, the pidfile and the port depend on each other; the evidence commands
     // depend on nothing: both run at once (kept in this order).
     let chain = async {
         let mut found = Vec::new();
         let mut healthy = true;
         if let Some(check) = &spec.check {
-            let out = run_check(check, &spec.host, executor).await;
+            let out = run_check(check, &spec.host, reads.executor).await;
             healthy = out.healthy;
             let line = format!("check: {}", out.detail);
             found.push((
@@ -170,7 +171,7 @@ pub async fn gather(
         }
         if let Some(pidfile) = &spec.pidfile {
             let cmd = format!("cat {}", shell_words::quote(pidfile));
-            let (mut ok, output) = reads.run(executor, &spec.host, &cmd).await;
+            let (mut ok, output) = reads.run(&spec.host, &cmd).await;
             let pid = output.trim().to_string();
             let mut line = format!("pidfile {pidfile}: {}", if ok { pid.as_str() } else { "unreadable" });
             // A pid is only evidence if that process still runs: a stale pidfile must never hand
@@ -178,7 +179,7 @@ pub async fn gather(
             if ok {
                 let alive = !pid.is_empty()
                     && pid.chars().all(|c| c.is_ascii_digit())
-                    && reads.run(executor, &spec.host, &format!("ps -p {pid}")).await.0;
+                    && reads.run(&spec.host, &format!("ps -p {pid}")).await.0;
                 if !alive {
                     ok = false;
                     line = format!("pidfile {pidfile}: {pid} is stale (no such process)");
@@ -189,7 +190,7 @@ pub async fn gather(
         if let (false, Some(port)) = (healthy, spec.port()) {
             let service_pid = found.iter().find(|(e, _)| e.source == "pidfile" && e.ok).map(|(e, _)| e.output.trim());
             let service_pid = service_pid.map(str::to_string);
-            found.push(port_holder(spec, port, service_pid.as_deref(), attempt, (executor, reads), policy).await);
+            found.push(port_holder(spec, port, service_pid.as_deref(), attempt, reads, policy).await);
         }
         found
     };
@@ -198,7 +199,7 @@ pub async fn gather(
         let (ok, output, line) = match policy.read_only_on(&spec.host, &cmd) {
             Err(why) => (false, String::new(), format!("`{cmd}` not run: {why}")),
             Ok(()) => {
-                let (ok, output) = reads.run(executor, &spec.host, &cmd).await;
+                let (ok, output) = reads.run(&spec.host, &cmd).await;
                 let line = evidence_line(&format!("`{cmd}`"), ok, &output);
                 (ok, output, line)
             }
@@ -219,7 +220,7 @@ async fn port_holder(
     port: u16,
     service_pid: Option<&str>,
     attempt: u32,
-    (executor, reads): (&dyn Executor, Reads<'_>),
+    reads: Reads<'_>,
     policy: &Policy,
 ) -> (Evidence, String) {
     let cmd = format!("ss -Hltnp sport = :{port}");
@@ -233,7 +234,7 @@ async fn port_holder(
     if let Err(why) = policy.read_only_on(&spec.host, &cmd) {
         return (evidence("port", false, String::new()), format!("`{cmd}` not run: {why}"));
     }
-    let (ok, output) = reads.run(executor, &spec.host, &cmd).await;
+    let (ok, output) = reads.run(&spec.host, &cmd).await;
     if !ok {
         let line = format!("port {port}: `{cmd}` failed: {}", output.lines().next().unwrap_or("(no output)"));
         return (evidence("port", false, output), line);
@@ -304,10 +305,9 @@ const MAX_TOOL_CALLS: usize = 16;
 pub struct EvidenceTools<'a> {
     host: &'a str,
     attempt: u32,
-    executor: &'a dyn Executor,
+    reads: Reads<'a>,
     policy: &'a Policy,
     web: Option<&'a web::WebTools>,
-    reads: Option<Reads<'a>>,
     found: std::sync::Mutex<Vec<(Evidence, String)>>,
     /// Calls begun: a call takes its slot before it runs, so calls made at once (a model
     /// turn's calls run together) cannot all see an unspent budget.
@@ -315,28 +315,15 @@ pub struct EvidenceTools<'a> {
 }
 
 impl<'a> EvidenceTools<'a> {
-    pub fn new(host: &'a str, attempt: u32, executor: &'a dyn Executor, policy: &'a Policy) -> Self {
-        EvidenceTools {
-            host,
-            attempt,
-            executor,
-            policy,
-            web: None,
-            reads: None,
-            found: Default::default(),
-            begun: Default::default(),
-        }
+    /// The tools of a diagnosis of `attempt` on `host`: commands run by `reads`, joining the
+    /// same ones under way.
+    pub fn new(host: &'a str, attempt: u32, reads: Reads<'a>, policy: &'a Policy) -> Self {
+        EvidenceTools { host, attempt, reads, policy, web: None, found: Default::default(), begun: Default::default() }
     }
 
     /// Also offer the configured HTTP tools.
     pub fn with_web(mut self, web: Option<&'a web::WebTools>) -> Self {
         self.web = web;
-        self
-    }
-
-    /// Join the runs of the same commands on the host that `reads` finds.
-    pub fn sharing(mut self, reads: Reads<'a>) -> Self {
-        self.reads = Some(reads);
         self
     }
 
@@ -397,10 +384,7 @@ impl<'a> EvidenceTools<'a> {
             self.keep(false, &command, String::new(), format!("tool `{command}` not run: {why}"));
             return refuse(format!("refused: {why}"));
         }
-        let (ok, output) = match self.reads {
-            Some(reads) => reads.run(self.executor, self.host, &command).await,
-            None => run_evidence(self.executor, self.host, &command).await,
-        };
+        let (ok, output) = self.reads.run(self.host, &command).await;
         let line = evidence_line(&format!("tool `{command}`"), ok, &output);
         self.keep(ok, &command, output.clone(), line);
         ToolOutput { ok, output }
@@ -514,8 +498,8 @@ impl StageHandler for Diagnose {
             // On a later attempt, a command begun before now may have begun before this
             // run's own fix: not its evidence. The first attempt follows no fix of its own.
             let reads = match state.attempt {
-                0 | 1 => self.flights.any(),
-                _ => self.flights.since(Instant::now()),
+                0 | 1 => self.flights.any(cx.deps.executor.as_ref()),
+                _ => self.flights.since(cx.deps.executor.as_ref(), Instant::now()),
             };
             let cfg = cx.deps.config.clone();
             let spec = pitcrew_runtime::service_or_escalate!(&cfg, state);
@@ -523,7 +507,7 @@ impl StageHandler for Diagnose {
             state.evidence.retain(|e| e.attempt != state.attempt);
             // Episodic memory does not depend on the evidence: read it while the commands run.
             let (found, memory) = futures::future::join(
-                gather(spec, state.attempt, cx.deps.executor.as_ref(), &cx.deps.policy, reads),
+                gather(spec, state.attempt, reads, &cx.deps.policy),
                 target::memory(cx.deps, state),
             )
             .await;
@@ -532,9 +516,7 @@ impl StageHandler for Diagnose {
             let reasoning = target::ReasonContext::with_memory(cx.deps, state, spec, memory);
             let failed = reasoning.failed.clone();
             let web = self.web.get_or_init(|| web::WebTools::from_config(&cfg)).as_ref();
-            let tools = EvidenceTools::new(&spec.host, state.attempt, cx.deps.executor.as_ref(), &cx.deps.policy)
-                .with_web(web)
-                .sharing(reads);
+            let tools = EvidenceTools::new(&spec.host, state.attempt, reads, &cx.deps.policy).with_web(web);
             let meter = pitcrew_llm::UsageMeter::default();
             let mut input = reasoning.input(state);
             input.tools = Some(&tools);
@@ -591,7 +573,8 @@ mod tests {
 
     /// What `gather` finds with the local executor and the shipped policy, for a run alone.
     async fn gathered(spec: &ServiceSpec, attempt: u32) -> Vec<(Evidence, String)> {
-        gather(spec, attempt, &LocalExecutor::new(4096), &Policy::default_policy(), Flights::default().any()).await
+        let exec = LocalExecutor::new(4096);
+        gather(spec, attempt, Flights::default().any(&exec), &Policy::default_policy()).await
     }
 
     fn spec(dir: &std::path::Path) -> ServiceSpec {
@@ -688,7 +671,8 @@ mod port_tests {
 
     /// What `gather` finds with the local executor and the shipped policy, for a run alone.
     async fn gathered(spec: &ServiceSpec) -> Vec<(Evidence, String)> {
-        gather(spec, 1, &LocalExecutor::new(64 * 1024), &Policy::default_policy(), Flights::default().any()).await
+        let exec = LocalExecutor::new(64 * 1024);
+        gather(spec, 1, Flights::default().any(&exec), &Policy::default_policy()).await
     }
 
     /// A service checked over HTTP on `port` (nothing there answers it), its pidfile in `dir`
@@ -787,8 +771,8 @@ mod web_tests {
     /// and hands it to the model), whatever the host's sudo list says.
     #[tokio::test]
     async fn a_tool_call_never_runs_under_sudo() {
-        let (exec, policy) = (LocalExecutor::new(4096), Policy::default_policy());
-        let tools = EvidenceTools::new("local", 1, &exec, &policy);
+        let (exec, policy, flights) = (LocalExecutor::new(4096), Policy::default_policy(), Flights::default());
+        let tools = EvidenceTools::new("local", 1, flights.any(&exec), &policy);
         for cmd in ["sudo cat /etc/hostname", "env sudo -n cat /etc/hostname", "doas cat /etc/hostname"] {
             let out = tools.call("run_command", &json!({ "command": cmd }).to_string()).await;
             assert!(!out.ok && out.output.contains("never runs under sudo"), "{cmd}: {out:?}");
@@ -800,8 +784,8 @@ mod web_tests {
     /// diagnosis' budget, the rest are refused without running.
     #[tokio::test]
     async fn calls_made_at_once_share_one_budget() {
-        let (exec, policy) = (LocalExecutor::new(4096), Policy::default_policy());
-        let tools = EvidenceTools::new("local", 1, &exec, &policy);
+        let (exec, policy, flights) = (LocalExecutor::new(4096), Policy::default_policy(), Flights::default());
+        let tools = EvidenceTools::new("local", 1, flights.any(&exec), &policy);
         let outs =
             futures::future::join_all((0..40).map(|_| tools.call("run_command", r#"{"command": "uptime"}"#))).await;
         let ran = outs.iter().filter(|o| o.ok).count();
@@ -842,8 +826,8 @@ mod web_tests {
         );
         let cfg = pitcrew_runtime::Config::from_toml(&text).unwrap();
         let web = web::WebTools::from_config(&cfg).expect("tools configured");
-        let (exec, policy) = (LocalExecutor::new(4096), Policy::default_policy());
-        let tools = EvidenceTools::new("local", 1, &exec, &policy).with_web(Some(&web));
+        let (exec, policy, flights) = (LocalExecutor::new(4096), Policy::default_policy(), Flights::default());
+        let tools = EvidenceTools::new("local", 1, flights.any(&exec), &policy).with_web(Some(&web));
         let names: Vec<String> = tools.specs().into_iter().map(|s| s.name).collect();
         assert_eq!(names, ["run_command", "http_probe", "prometheus_query", "loki_query"]);
 
@@ -895,8 +879,8 @@ mod flight_tests {
     #[tokio::test]
     async fn the_same_command_asked_for_at_once_runs_once() {
         let (exec, flights) = (LocalExecutor::new(4096), Flights::default());
-        let reads = flights.since(Instant::now());
-        let ask = || reads.run(&exec, "local", SLOW_UNIQUE);
+        let reads = flights.since(&exec, Instant::now());
+        let ask = || reads.run("local", SLOW_UNIQUE);
         let joined = JOINED.get(&[]);
         let (a, b, c) = within(async { tokio::join!(ask(), ask(), ask()) }).await;
         assert!(a.0 && a.1.trim().len() == 36, "{a:?}");
@@ -910,9 +894,9 @@ mod flight_tests {
         assert!(later.0 && later.1 != a.1, "{later:?} after {a:?}");
         // Another command, or another host, is another run.
         let other = format!("{SLOW_UNIQUE} x");
-        let (d, e) = within(async { tokio::join!(ask(), reads.run(&exec, "local", &other)) }).await;
+        let (d, e) = within(async { tokio::join!(ask(), reads.run("local", &other)) }).await;
         assert!(d.0 && e.0 && d.1 != e.1, "{d:?} {e:?}");
-        let (f, g) = within(async { tokio::join!(ask(), reads.run(&exec, "elsewhere", SLOW_UNIQUE)) }).await;
+        let (f, g) = within(async { tokio::join!(ask(), reads.run("elsewhere", SLOW_UNIQUE)) }).await;
         assert!(f.0 && !g.0 && g.1.contains("elsewhere"), "{f:?} {g:?}");
         assert!(flights.is_empty());
     }
@@ -922,16 +906,16 @@ mod flight_tests {
     #[tokio::test]
     async fn a_command_begun_before_a_run_s_handling_is_not_its_evidence() {
         let (exec, flights) = (LocalExecutor::new(4096), Flights::default());
-        let early = flights.any();
-        let mut first = Box::pin(early.run(&exec, "local", SLOW_UNIQUE));
+        let early = flights.any(&exec);
+        let mut first = Box::pin(early.run("local", SLOW_UNIQUE));
         assert!(futures::poll!(first.as_mut()).is_pending(), "the command runs");
-        let late = flights.since(Instant::now() + Duration::from_millis(1));
+        let late = flights.since(&exec, Instant::now() + Duration::from_millis(1));
         let (first, same_start, fresh, joins_fresh) = within(async {
             tokio::join!(
                 first,
-                early.run(&exec, "local", SLOW_UNIQUE),
-                late.run(&exec, "local", SLOW_UNIQUE),
-                early.run(&exec, "local", SLOW_UNIQUE)
+                early.run("local", SLOW_UNIQUE),
+                late.run("local", SLOW_UNIQUE),
+                early.run("local", SLOW_UNIQUE)
             )
         })
         .await;
@@ -945,15 +929,15 @@ mod flight_tests {
     #[tokio::test]
     async fn a_run_dropped_mid_command_leaves_those_waiting_an_answer() {
         let (exec, flights) = (LocalExecutor::new(4096), Flights::default());
-        let reads = flights.since(Instant::now());
-        let mut first = Box::pin(reads.run(&exec, "local", SLOW_UNIQUE));
+        let reads = flights.since(&exec, Instant::now());
+        let mut first = Box::pin(reads.run("local", SLOW_UNIQUE));
         assert!(futures::poll!(first.as_mut()).is_pending(), "the command runs");
-        let second = reads.run(&exec, "local", SLOW_UNIQUE);
+        let second = reads.run("local", SLOW_UNIQUE);
         let third = async {
             // The second waits on the first's run by now (polled first); the first goes, and
             // a third asks: the second's new run, or its own that the second joins.
             drop(first);
-            reads.run(&exec, "local", SLOW_UNIQUE).await
+            reads.run("local", SLOW_UNIQUE).await
         };
         let (second, third) = within(async { tokio::join!(second, third) }).await;
         assert!(second.0 && second.1.trim().len() == 36, "{second:?}");
@@ -961,7 +945,7 @@ mod flight_tests {
         assert!(flights.is_empty());
 
         // The only one on a run, dropped: the run is off the map, the next ask starts anew.
-        let mut alone = Box::pin(reads.run(&exec, "local", SLOW_UNIQUE));
+        let mut alone = Box::pin(reads.run("local", SLOW_UNIQUE));
         assert!(futures::poll!(alone.as_mut()).is_pending());
         assert_eq!(flights.len(), 1);
         drop(alone);
@@ -974,10 +958,10 @@ mod flight_tests {
     #[tokio::test]
     async fn an_answered_command_is_not_joined_while_others_still_read_it() {
         let (exec, flights) = (LocalExecutor::new(4096), Flights::default());
-        let reads = flights.since(Instant::now());
+        let reads = flights.since(&exec, Instant::now());
         let answered = std::cell::Cell::new(false);
         let first = async {
-            let read = reads.run(&exec, "local", SLOW_UNIQUE).await;
+            let read = reads.run("local", SLOW_UNIQUE).await;
             answered.set(true);
             read
         };
@@ -985,9 +969,9 @@ mod flight_tests {
             while !answered.get() {
                 tokio::task::yield_now().await;
             }
-            reads.run(&exec, "local", SLOW_UNIQUE).await
+            reads.run("local", SLOW_UNIQUE).await
         };
-        let waiting = reads.run(&exec, "local", SLOW_UNIQUE);
+        let waiting = reads.run("local", SLOW_UNIQUE);
         // Polled in this order each round: `between` asks in the round `first` ends, before
         // `waiting` is polled again.
         let (first, between, waiting) = within(async { tokio::join!(first, between, waiting) }).await;
@@ -1011,11 +995,9 @@ mod flight_tests {
             timeout_ms: 2000,
         });
         let (exec, policy, flights) = (LocalExecutor::new(4096), Policy::default_policy(), Flights::default());
-        let reads = flights.since(Instant::now());
-        let (a, b) = within(async {
-            tokio::join!(gather(&spec, 1, &exec, &policy, reads), gather(&spec, 2, &exec, &policy, reads))
-        })
-        .await;
+        let reads = flights.since(&exec, Instant::now());
+        let (a, b) =
+            within(async { tokio::join!(gather(&spec, 1, reads, &policy), gather(&spec, 2, reads, &policy)) }).await;
         let uuid = |found: &[(Evidence, String)]| {
             let e = found.iter().find(|(e, _)| e.source == "command" && e.detail.contains("uuid"));
             let (e, _) = e.expect("the evidence command");
@@ -1030,12 +1012,14 @@ mod flight_tests {
         };
         assert_ne!(check(&a), check(&b), "the check is each run's own");
         assert_eq!((a[0].0.attempt, b[0].0.attempt), (1, 2), "each run's own evidence");
-        let again = within(gather(&spec, 1, &exec, &policy, reads)).await;
+        let again = within(gather(&spec, 1, reads, &policy)).await;
         assert_ne!(uuid(&again), uuid(&a), "gathered later: run afresh");
 
-        // A model's tool call joins the same way, when its tools share the flights.
-        let shared = EvidenceTools::new("local", 1, &exec, &policy).sharing(reads);
-        let alone = EvidenceTools::new("local", 1, &exec, &policy);
+        // A model's tool call joins the same way; tools on other flights (another process's)
+        // run their own.
+        let elsewhere = Flights::default();
+        let shared = EvidenceTools::new("local", 1, reads, &policy);
+        let alone = EvidenceTools::new("local", 1, elsewhere.any(&exec), &policy);
         let args = serde_json::json!({ "command": "cat /proc/sys/kernel/random/uuid" }).to_string();
         let (x, y, z) = within(async {
             tokio::join!(
