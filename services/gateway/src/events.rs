@@ -24,7 +24,7 @@ use serde::Deserialize;
 use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::sync::mpsc::{self, error::SendTimeoutError, error::TrySendError};
+use tokio::sync::mpsc;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use uuid::Uuid;
 
@@ -364,35 +364,21 @@ async fn follow(
             // A full buffer (in events or in bytes): the client gets a moment to catch up (a
             // burst), then is dropped.
             let size = u32::try_from(msg.payload.len().clamp(1, STREAM_BUFFER_BYTES)).unwrap_or(u32::MAX);
-            let slow = tokio::time::Instant::now() + SLOW_CLIENT;
-            let held = match room.clone().try_acquire_many_owned(size) {
-                Ok(held) => Some(held),
+            let handed = async {
+                let held = room.clone().acquire_many_owned(size).await.ok()?;
+                tx.send((sse, held)).await.ok()
+            };
+            match tokio::time::timeout(SLOW_CLIENT, handed).await {
+                Ok(Some(())) => {}
+                // The client is gone.
+                Ok(None) => break,
                 Err(_) => {
-                    tokio::time::timeout_at(slow, room.clone().acquire_many_owned(size)).await.ok().and_then(Result::ok)
-                }
-            };
-            let sent = match held {
-                None => Err(true),
-                Some(held) => match tx.try_send((sse, held)) {
-                    Ok(()) => Ok(()),
-                    Err(TrySendError::Full(item)) => {
-                        match tx.send_timeout(item, slow.saturating_duration_since(tokio::time::Instant::now())).await {
-                            Ok(()) => Ok(()),
-                            Err(SendTimeoutError::Timeout(_)) => Err(true),
-                            Err(SendTimeoutError::Closed(_)) => Err(false),
-                        }
-                    }
-                    Err(TrySendError::Closed(_)) => Err(false),
-                },
-            };
-            if let Err(too_slow) = sent {
-                if too_slow {
                     tracing::warn!(
                         run = %event.run_id,
                         "live stream client too slow: dropped (it may reconnect with Last-Event-ID)"
                     );
+                    break;
                 }
-                break;
             }
             if (end != End::Never && event.kind.is_terminal()) || caught_up {
                 break;
