@@ -247,14 +247,10 @@ pub async fn guard(State(gw): State<Arc<Gateway>>, req: Request, next: Next) -> 
     if !mutating(req.method()) {
         return guarded(gw, req, next).await;
     }
-    match pitcrew_runtime::trace::spawn(guarded(gw, req, next)).await {
-        Ok(resp) => resp,
-        Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
-        Err(e) => {
-            tracing::error!(error = %e, "a request's task was cancelled");
-            StatusCode::INTERNAL_SERVER_ERROR.into_response()
-        }
-    }
+    pitcrew_runtime::trace::to_the_end(guarded(gw, req, next)).await.unwrap_or_else(|| {
+        tracing::error!("a request's task was cancelled");
+        StatusCode::INTERNAL_SERVER_ERROR.into_response()
+    })
 }
 
 async fn guarded(gw: Arc<Gateway>, mut req: Request, next: Next) -> Response {

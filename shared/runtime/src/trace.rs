@@ -107,15 +107,21 @@ pub async fn carrying<F: Future>(traceparent: Option<String>, f: F) -> F::Output
     CARRIED.scope(traceparent, f).await
 }
 
-/// Spawn `f` as a task that goes on with this one's trace: in the current span, carrying the
-/// context this task carries (a task does not inherit either).
-pub fn spawn<F>(f: F) -> tokio::task::JoinHandle<F::Output>
+/// Run `f` to its end in a task of its own and wait for it: the caller dropped meanwhile (a
+/// client that left) does not cut it off. The task goes on with this one's trace (the current
+/// span, the context this task carries: a task inherits neither); a panic in it goes on in
+/// the caller. None only when the task was cancelled (the runtime shutting down).
+pub async fn to_the_end<F>(f: F) -> Option<F::Output>
 where
     F: Future + Send + 'static,
     F::Output: Send + 'static,
 {
     let carried = CARRIED.try_with(|c| c.clone()).ok().flatten();
-    tokio::spawn(tracing::Instrument::in_current_span(carrying(carried, f)))
+    match tokio::spawn(tracing::Instrument::in_current_span(carrying(carried, f))).await {
+        Ok(out) => Some(out),
+        Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+        Err(_) => None,
+    }
 }
 
 /// The traceparent to publish now: the current span's when exporting, else the carried one.

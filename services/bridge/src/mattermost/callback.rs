@@ -81,7 +81,7 @@ async fn actions(
     // Decided in a task of its own: Mattermost giving up on the call (its timeout) or the
     // connection dropping must not cut a decision off half way, a vote counted and its
     // decision not published.
-    let deciding = pitcrew_runtime::trace::spawn({
+    let decided = pitcrew_runtime::trace::to_the_end({
         let app = app.clone();
         let call = call.clone();
         async move {
@@ -96,12 +96,9 @@ async fn actions(
             };
             decide(&app.bus, &app.store, &app.cfg, &app.users, click).await
         }
-    });
-    let decided = match deciding.await {
-        Ok(decided) => decided,
-        Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
-        Err(e) => Err(format!("the decision's task was cancelled: {e}")),
-    };
+    })
+    .await
+    .unwrap_or_else(|| Err("the decision's task was cancelled".to_string()));
     match decided {
         Ok(Outcome::Decided { req, approver }) => Json(message::decided(&req, decision, &approver)).into_response(),
         Ok(Outcome::Counted { note }) => Json(message::ephemeral(&note)).into_response(),
