@@ -1022,20 +1022,23 @@ mod tests {
         assert!(!e.contains("Zx9") && !e.contains("Qw+e"), "{e}");
     }
 
+    /// `[limits] key` is refused at `past` (saying it must be 1 to `max`) and at 0, and taken
+    /// at `max`.
+    fn a_limit_from_one_to(key: &str, max: u64, past: u64) {
+        let e = Config::from_toml(&format!("[limits]\n{key} = {past}\n")).unwrap_err().to_string();
+        assert!(e.contains(&format!("limits.{key} ({past}) must be 1 to {max}")), "{e}");
+        assert!(Config::from_toml(&format!("[limits]\n{key} = 0\n")).is_err());
+        assert!(Config::from_toml(&format!("[limits]\n{key} = {max}\n")).is_ok());
+    }
+
     #[test]
     fn an_approval_timeout_past_thirty_days_is_refused_not_an_overflow_later() {
-        let e = Config::from_toml("[limits]\napproval_timeout_secs = 10000000000000\n").unwrap_err().to_string();
-        assert!(e.contains("limits.approval_timeout_secs (10000000000000) must be 1 to 2592000"), "{e}");
-        assert!(Config::from_toml("[limits]\napproval_timeout_secs = 0\n").is_err());
-        assert!(Config::from_toml("[limits]\napproval_timeout_secs = 2592000\n").is_ok());
+        a_limit_from_one_to("approval_timeout_secs", 2_592_000, 10_000_000_000_000);
     }
 
     #[test]
     fn an_output_cap_past_sixteen_mib_is_refused() {
-        let e = Config::from_toml("[limits]\nmax_output_bytes = 16777217\n").unwrap_err().to_string();
-        assert!(e.contains("limits.max_output_bytes (16777217) must be 1 to 16777216"), "{e}");
-        assert!(Config::from_toml("[limits]\nmax_output_bytes = 0\n").is_err());
-        assert!(Config::from_toml("[limits]\nmax_output_bytes = 16777216\n").is_ok());
+        a_limit_from_one_to("max_output_bytes", 16_777_216, 16_777_217);
     }
 
     /// An ack wait NATS would read wrapped (it takes nanoseconds as an i64) and a concurrency
