@@ -67,10 +67,15 @@ impl ApiError {
         }
     }
 
-    /// A store or bus failure: logged in full, answered as 503.
+    /// A store or bus failure, answered as 503 without its own words (a client library's or
+    /// Postgres' text names subjects, streams, tables, constraints and values, to any caller
+    /// with a key): the log has them, under the reference the answer gives.
     pub fn unavailable(what: &str, e: impl std::fmt::Display) -> ApiError {
-        tracing::warn!(what, error = %e, "backend failure");
-        ApiError::Unavailable(format!("{what} failed: {e} (retry later)"))
+        let reference = uuid::Uuid::new_v4().simple().to_string()[..12].to_string();
+        tracing::warn!(what, %reference, error = %e, "backend failure");
+        ApiError::Unavailable(format!(
+            "{what} failed (retry later; the gateway's log has the error under reference {reference})"
+        ))
     }
 }
 
@@ -98,13 +103,7 @@ impl IntoResponse for ApiError {
 }
 
 impl From<pitcrew_runtime::StoreError> for ApiError {
-    /// Answered without Postgres' own words (they name tables, constraints and values, to any
-    /// caller with a key): the log has them, under the reference the answer gives.
     fn from(e: pitcrew_runtime::StoreError) -> Self {
-        let reference = uuid::Uuid::new_v4().simple().to_string()[..12].to_string();
-        tracing::warn!(what = "Postgres", %reference, error = %e, "backend failure");
-        ApiError::Unavailable(format!(
-            "Postgres failed (retry later; the gateway's log has the error under reference {reference})"
-        ))
+        ApiError::unavailable("Postgres", e)
     }
 }
