@@ -160,6 +160,20 @@ const DANGEROUS: &[&str] = &[
     "ip route change default via 10.9.9.9",
     "ip nexthop flush",
     "ip link set eth0 netns ns1",
+    // Found by review on 2026-11-28: each was allowed outright before.
+    "sudo systemctl start systemd-reboot.service",
+    "systemctl start systemd-poweroff",
+    "systemctl start runlevel6.target",
+    "systemctl start umount.target",
+    "busctl call org.freedesktop.login1 /org/freedesktop/login1 org.freedesktop.login1.Manager Reboot b false",
+    "screen -dm rm -rf --no-preserve-root /",
+    "tmux new-session -d 'rm -rf --no-preserve-root /'",
+    "sqlite3 :memory: '.shell reboot'",
+    "make -f /dev/null --eval='x: ; reboot' x",
+    "sudo sed -n 's|.*|* * * * * root /sbin/reboot|w /etc/cron.d/pitcrew' /etc/hostname",
+    "sed 's|x|reboot|e' /tmp/f",
+    "sh /tmp/fix.sh",
+    "sudo cp /tmp/job /etc/cron.d/job -S .bak",
 ];
 
 /// Disguises that must not turn a dangerous command into an allowed one.
@@ -255,6 +269,10 @@ const SAFE: &[&str] = &[
     "haproxy -c -f /etc/haproxy/haproxy.cfg",
     "find /var/log/app -name '*.gz' -mtime +7 -print",
     "echo 'a; rm -rf /'",
+    "sqlite3 /var/lib/app/app.db 'select count(*) from jobs'",
+    "busctl status",
+    "sed 's/a/b/g' /var/www/index.html",
+    "cp -a /etc/nginx /srv/backup/nginx",
 ];
 
 #[test]
