@@ -83,12 +83,17 @@ pub fn recorded_approval(incoming: &RunState, stored: &RunState) -> Result<(), S
     let (Some(want), Some(got)) = (&stored.plan, &incoming.plan) else {
         return Err("no plan to execute".into());
     };
-    if want.hash() != got.hash() || stored.attempt != incoming.attempt {
+    // The commands themselves, not only their hash: the hash ends each command with a
+    // newline, so one command holding a newline hashes as two (`["a\nb"]` as `["a", "b"]`),
+    // and would run as one the gate never read.
+    if want.commands != got.commands || stored.attempt != incoming.attempt {
         return Err(format!(
-            "the plan to execute ({}, attempt {}) is not the approved one ({}, attempt {})",
+            "the plan to execute ({}: {} command(s), attempt {}) is not the approved one ({}: {} command(s), attempt {})",
             got.hash(),
+            got.commands.len(),
             incoming.attempt,
             want.hash(),
+            want.commands.len(),
             stored.attempt
         ));
     }
@@ -763,6 +768,16 @@ mod tests {
         let mut reworded = stored.clone();
         reworded.incident.error = "disk full".into();
         assert!(recorded_approval(&reworded, &stored).unwrap_err().contains("error, labels or other fields"));
+        // Two approved commands sent as one that holds a newline: the same hash, not the same
+        // plan.
+        let mut two = stored.clone();
+        two.plan =
+            Some(Plan { commands: vec!["systemctl restart web".into(), "rm -f /tmp/web.lock".into()], ..plan("") });
+        let mut merged = two.clone();
+        merged.plan = Some(plan("systemctl restart web\nrm -f /tmp/web.lock"));
+        assert_eq!(merged.plan.as_ref().map(Plan::hash), two.plan.as_ref().map(Plan::hash));
+        assert!(recorded_approval(&merged, &two).unwrap_err().contains("not the approved one"));
+        assert!(recorded_approval(&two.clone(), &two).is_ok());
     }
 
     #[test]
