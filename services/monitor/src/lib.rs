@@ -225,8 +225,20 @@ async fn joined(bus: &Bus, run: Uuid) -> Option<Uuid> {
 }
 
 /// The fingerprint of the monitor's incidents for `service`: one open run per service outage.
+/// Within the 128 bytes an incident's fingerprint may have: a name too long for the prefix
+/// (121-128 characters) keeps its head and a digest of the whole (intake refused every one of
+/// its incidents before, so its outage was never remediated).
 pub fn fingerprint(service: &str) -> String {
-    format!("monitor:{service}")
+    const PREFIX: &str = "monitor:";
+    if PREFIX.len() + service.len() <= pitcrew_model::incident::MAX_NAME_LEN {
+        return format!("{PREFIX}{service}");
+    }
+    let digest = Uuid::new_v5(&Uuid::NAMESPACE_OID, service.as_bytes()).simple().to_string();
+    let mut head = pitcrew_model::incident::MAX_NAME_LEN - PREFIX.len() - 1 - digest.len();
+    while !service.is_char_boundary(head) {
+        head -= 1;
+    }
+    format!("{PREFIX}{}~{digest}", &service[..head])
 }
 
 /// Published on `<prefix>.events.monitor.<service>.recovered`.
@@ -374,6 +386,27 @@ async fn recovered(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_fingerprint_fits_an_incident_whatever_the_service_name() {
+        let fits = |service: &str| {
+            let mut incident = Incident::new(service, "connection refused");
+            incident.fingerprint = Some(fingerprint(service));
+            incident.validate()
+        };
+        assert_eq!(fingerprint("web"), "monitor:web");
+        let longest = "a".repeat(pitcrew_model::incident::MAX_NAME_LEN);
+        assert!(pitcrew_model::incident::valid_service_name(&longest));
+        for len in [120, 121, 127, 128] {
+            let name = &longest[..len];
+            assert!(fits(name).is_ok(), "{len}: {:?}", fits(name));
+        }
+        assert_eq!(fingerprint(&longest[..120]), format!("monitor:{}", &longest[..120]), "120 fit as they are");
+        // Names alike but for their tail stay apart.
+        let other = format!("{}b", &longest[..127]);
+        assert_ne!(fingerprint(&longest), fingerprint(&other));
+        assert_eq!(fingerprint(&longest), fingerprint(&longest.clone()), "the same name, the same outage");
+    }
 
     #[test]
     fn one_incident_per_outage_then_a_recovery() {
