@@ -18,7 +18,7 @@ pub fn normalise(incident: &mut Incident, cfg: &pitcrew_runtime::Config) -> Resu
     incident.validate()?;
     if incident.fingerprint.is_none() {
         let own = match (&incident.host, cfg.services.get(&incident.service)) {
-            (Some(host), Some(spec)) => same_host(host, &spec.host),
+            (Some(host), Some(spec)) => same_host(cfg, host, &spec.host),
             _ => false,
         };
         let fingerprint = match own {
@@ -30,11 +30,20 @@ pub fn normalise(incident: &mut Incident, cfg: &pitcrew_runtime::Config) -> Resu
     Ok(())
 }
 
-/// Whether `host`, named by an incident, is `service_host`, a service's own (`localhost`,
-/// `127.0.0.1` and `local` are one).
-fn same_host(host: &str, service_host: &str) -> bool {
+/// Whether `host`, named by an incident, is `service_host`, a service's own: by its inventory
+/// name, or by the address its `[hosts.<name>]` entry reaches it at (an alert's `instance`
+/// label names a scrape target by IP address or DNS name, not by inventory name; a name's
+/// case and a trailing dot do not count). `localhost`, `127.0.0.1` and `local` are one.
+fn same_host(cfg: &pitcrew_runtime::Config, host: &str, service_host: &str) -> bool {
     use pitcrew_exec::local::is_local;
-    host == service_host || (is_local(host) && is_local(service_host))
+    host == service_host
+        || (is_local(host) && is_local(service_host))
+        || cfg.hosts.get(service_host).is_some_and(|h| same_address(&h.address, host))
+}
+
+fn same_address(a: &str, b: &str) -> bool {
+    let bare = |s: &str| s.trim_end_matches('.').to_ascii_lowercase();
+    !a.is_empty() && bare(a) == bare(b)
 }
 
 /// An incident may name the host it saw the fault on: it must be the service's own host,
@@ -43,12 +52,15 @@ fn same_host(host: &str, service_host: &str) -> bool {
 /// fixing the service's host instead, and verifying there, would report a fault fixed that
 /// still stands.
 pub fn known_host(cfg: &pitcrew_runtime::Config, host: &str, service_host: &str) -> Result<(), String> {
-    if same_host(host, service_host) {
+    if same_host(cfg, host, service_host) {
         return Ok(());
     }
-    if cfg.hosts.contains_key(host) || pitcrew_exec::local::is_local(host) {
+    let by_address = cfg.hosts.iter().find(|(_, h)| same_address(&h.address, host)).map(|(name, _)| name);
+    if cfg.hosts.contains_key(host) || pitcrew_exec::local::is_local(host) || by_address.is_some() {
+        let named =
+            by_address.filter(|name| *name != host).map(|name| format!(" ([hosts.{name}])")).unwrap_or_default();
         return Err(format!(
-            "the incident is on host '{host}' but its service runs on '{service_host}' (its [services.<name>] \
+            "the incident is on host '{host}'{named} but its service runs on '{service_host}' (its [services.<name>] \
              host): pitcrew acts on a service's own host only; give the service on '{host}' an entry of its own"
         ));
     }
@@ -115,6 +127,31 @@ mod tests {
         let elsewhere = known_host(&cfg, "pe1", "local").unwrap_err();
         assert!(elsewhere.contains("on host 'pe1' but its service runs on 'local'"), "{elsewhere}");
         assert!(known_host(&cfg, "localhost", "pe1").unwrap_err().contains("runs on 'pe1'"));
+    }
+
+    /// An alert names its host as Prometheus scraped it (`instance`, its port dropped): the
+    /// address of the service's inventory entry is that host too.
+    #[test]
+    fn an_incident_may_name_its_service_s_host_by_address() {
+        let cfg = pitcrew_runtime::Config::from_toml(
+            "[services.db]\nhost = \"pe1\"\n[hosts.pe1]\naddress = \"DB-1.example.com\"\nuser = \"s\"\n\
+             [hosts.pe2]\naddress = \"10.0.0.12\"\nuser = \"s\"\n",
+        )
+        .unwrap();
+        assert!(known_host(&cfg, "db-1.example.com", "pe1").is_ok());
+        assert!(known_host(&cfg, "db-1.example.com.", "pe1").is_ok());
+        assert!(known_host(&cfg, "10.0.0.12", "pe2").is_ok());
+        // Another host's address is still another host.
+        let elsewhere = known_host(&cfg, "10.0.0.12", "pe1").unwrap_err();
+        assert!(elsewhere.contains("on host '10.0.0.12' ([hosts.pe2]) but its service runs on 'pe1'"), "{elsewhere}");
+        assert!(known_host(&cfg, "10.0.0.13", "pe1").unwrap_err().contains("unknown host '10.0.0.13'"));
+        // One fault whether the alert names the host by address or not at all: one run.
+        let mut by_address = Incident::new("db", "connection refused");
+        by_address.host = Some("db-1.example.com".into());
+        normalise(&mut by_address, &cfg).unwrap();
+        let mut hostless = Incident::new("db", "connection refused");
+        normalise(&mut hostless, &cfg).unwrap();
+        assert_eq!(by_address.fingerprint, hostless.fingerprint);
     }
 
     #[test]
