@@ -1274,6 +1274,33 @@ async fn a_stream_made_with_older_settings_takes_the_current_ones() -> anyhow::R
     assert_eq!(info.max_age, Duration::ZERO, "pending work never expires");
     assert_eq!(info.discard, stream::DiscardPolicy::New, "a full stream refuses new work");
     assert_eq!(info.duplicate_window, Duration::from_secs(120));
+
+    // Limits an operator raised by hand (a stages stream that filled in a storm, events kept
+    // longer) stay raised at the next start; lowered ones are brought back.
+    let set = |name: String, change: fn(&mut stream::Config)| {
+        let js = bus.js.clone();
+        async move {
+            let mut config = js.get_stream(&name).await?.info().await?.config.clone();
+            change(&mut config);
+            js.update_stream(config).await?;
+            anyhow::Ok(())
+        }
+    };
+    let (stages, events) = (bus.subjects.stages_stream(), bus.subjects.events_stream());
+    set(stages.clone(), |c| c.max_bytes = 8 << 30).await?;
+    set(events.clone(), |c| c.max_age = Duration::from_secs(30 * 86_400)).await?;
+    bus.ensure_streams().await?;
+    let config = |name: String| {
+        let js = bus.js.clone();
+        async move { anyhow::Ok(js.get_stream(&name).await?.info().await?.config.clone()) }
+    };
+    assert_eq!(config(stages.clone()).await?.max_bytes, 8 << 30, "raised by hand: kept");
+    assert_eq!(config(events.clone()).await?.max_age, Duration::from_secs(30 * 86_400), "raised by hand: kept");
+    set(stages.clone(), |c| c.max_bytes = 1 << 20).await?;
+    set(events.clone(), |c| c.max_age = Duration::from_secs(86_400)).await?;
+    bus.ensure_streams().await?;
+    assert_eq!(config(stages).await?.max_bytes, 4 << 30, "lowered: pitcrew's again");
+    assert_eq!(config(events).await?.max_age, Duration::from_secs(7 * 86_400), "lowered: pitcrew's again");
     Ok(())
 }
 
@@ -1361,4 +1388,64 @@ async fn a_claim_its_worker_never_started_is_run_and_one_it_may_have_started_is_
     .await;
     assert_eq!(plans.len(), 2, "start, then restart: {plans:?}");
     crew.shutdown().await
+}
+
+/// A step delivered again after its commit (the successor's publish refused: a full stages
+/// stream) sends the committed transition on, and does not do its work again: the model is
+/// asked for the diagnosis once, however many deliveries the refusals take.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_step_delivered_again_after_its_commit_is_not_done_again() -> anyhow::Result<()> {
+    use pitcrew_testkit::llm::{Reply, ScriptedLlm};
+    let env = TestEnv::start().await?;
+    let svc = marker_service(&env, "svc");
+    let llm = ScriptedLlm::start(vec![]).await?;
+    llm.respond_with(|_| Reply::answer(r#"{"diagnosis": "svc is down", "evidence": ["connection refused"]}"#));
+    let text = format!(
+        "{svc}[reasoning]\nprovider = \"openai\"\n[reasoning.openai]\nbase_url = \"{}\"\nmodel = \"m\"\n\
+         api_key_env = \"\"\nstream = false\n",
+        llm.base_url
+    );
+    let crew = Crew::start_in(env, &text, &[Stage::Intake, Stage::Diagnose]).await?;
+    // Room for one message: the diagnose step's own. Its successor is refused (discard new).
+    let stages = crew.bus.subjects.stages_stream();
+    let room = |max_messages: i64| {
+        let (js, stages) = (crew.bus.js.clone(), stages.clone());
+        async move {
+            let mut config = js.get_stream(&stages).await?.info().await?.config.clone();
+            config.max_messages = max_messages;
+            js.update_stream(config).await?;
+            anyhow::Ok(())
+        }
+    };
+    room(1).await?;
+    let run = crew.open("svc", "GET /health: connection refused").await?;
+    let db = crew.db().await?;
+    let deadline = tokio::time::Instant::now() + WAIT;
+    async fn stage(db: &tokio_postgres::Client, run: uuid::Uuid) -> anyhow::Result<Option<String>> {
+        Ok(db.query_opt("SELECT stage FROM runs WHERE id = $1", &[&run]).await?.map(|r| r.get(0)))
+    }
+    while stage(&db, run).await?.as_deref() != Some("plan") {
+        assert!(tokio::time::Instant::now() < deadline, "diagnose never committed");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let asked = llm.requests().len();
+    assert!(asked >= 1);
+    // Delivered again and again while the publish is refused.
+    let mut consumer: async_nats::jetstream::consumer::PullConsumer =
+        crew.bus.js.get_stream(&stages).await?.get_consumer("diagnose").await.map_err(|e| anyhow::anyhow!("{e}"))?;
+    while consumer.info().await?.delivered.consumer_sequence < 4 {
+        assert!(tokio::time::Instant::now() < deadline, "the step was not delivered again");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(llm.requests().len(), asked, "the diagnosis was asked for again after its commit");
+    // Room again: the committed transition goes on to plan.
+    room(-1).await?;
+    let plan = crew.bus.subjects.stage(Stage::Plan);
+    while crew.bus.last_on(&stages, &plan).await?.is_none() {
+        assert!(tokio::time::Instant::now() < deadline, "the committed transition never went on");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(llm.requests().len(), asked);
+    assert_eq!(stage(&db, run).await?.as_deref(), Some("plan"));
+    Ok(())
 }

@@ -182,6 +182,24 @@ fn pull_config(name: &str, filter: String, settings: StageSettings) -> consumer:
     }
 }
 
+/// pitcrew's settings for a stream, but the limits an operator raised on it by hand: a larger
+/// size (a stages stream that filled in a storm, whose runs wait for room), a longer age, a
+/// larger message. Lowered, or an older pitcrew's, they are brought back to pitcrew's.
+fn raised_limits_kept(old: &stream::Config, mut new: stream::Config) -> stream::Config {
+    let more = |old: i64, new: i64| old < 0 || (new >= 0 && old > new);
+    if more(old.max_bytes, new.max_bytes) {
+        new.max_bytes = old.max_bytes;
+    }
+    if more(i64::from(old.max_message_size), i64::from(new.max_message_size)) {
+        new.max_message_size = old.max_message_size;
+    }
+    // Zero is no limit: ours (pending work never expires) is kept; another's no limit too.
+    if !new.max_age.is_zero() && (old.max_age.is_zero() || old.max_age > new.max_age) {
+        new.max_age = old.max_age;
+    }
+    new
+}
+
 /// Whether a stream's settings differ from the ones pitcrew manages.
 fn differs(old: &stream::Config, new: &stream::Config) -> bool {
     old.subjects != new.subjects
@@ -353,6 +371,7 @@ impl Bus {
             // stages stream once expired and dropped pending work). Only the crew's and the
             // operator's NATS users may; the others leave it to them.
             let old = info.config;
+            let config = raised_limits_kept(&old, config);
             if differs(&old, &config) {
                 match self.js.update_stream(config.clone()).await {
                     Ok(_) => tracing::info!(

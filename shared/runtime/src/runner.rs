@@ -211,6 +211,16 @@ impl StageRunner {
         );
         crate::trace::adopt(&span, parent.as_deref());
         let work = async {
+            // A delivery after the first may follow its step's commit (the publish after it
+            // failed, or its worker died before the ack): the committed transition is sent on
+            // without doing the step's work again (its model calls, its commands), however
+            // often the publish fails (a full stages stream).
+            if delivered > 1 {
+                if let Some(done) = self.committed_already(&state, delivered).await {
+                    tracing::Span::current().record("outcome", "committed");
+                    return done;
+                }
+            }
             let mut cx = Cx::new(&self.deps, stage, state.run_id, input_seq, 0);
             if let Ok(info) = msg.info() {
                 cx.set_age(age_of(&info));
@@ -288,6 +298,26 @@ impl StageRunner {
             }
         };
         work.instrument(span).await
+    }
+
+    /// When Postgres holds this very step committed (the run open or parked, one transition
+    /// past the message): send it on as a refused commit would, and say how to settle the
+    /// message. None when it is not, or Postgres cannot say: the step runs as on a first
+    /// delivery (and its commit finds out).
+    async fn committed_already(&self, state: &RunState, delivered: i64) -> Option<Disposition> {
+        let run = self.deps.store.load_run(state.run_id).await.ok()??;
+        let parked_or_open = matches!(run.status, RunStatus::Open | RunStatus::WaitingApproval);
+        if !parked_or_open || run.state.seq != state.seq + 1 {
+            return None;
+        }
+        let committed = RunState { seq: state.seq + 1, ..state.clone() };
+        match resend_committed(&self.bus, &self.deps, &committed, (state.step, state.seq)).await {
+            Ok(()) => Some(Disposition::Ack),
+            Err(e) => {
+                tracing::warn!(error = %e, delivered, "sending the committed step on failed: will retry");
+                Some(Disposition::Nak(backoff(delivered)))
+            }
+        }
     }
 
     /// Put a step's wait on its run's timeline (stored and published), so `pitcrew watch` and
