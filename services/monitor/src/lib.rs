@@ -4,6 +4,7 @@
 //! and publishes a recovery event when it answers again.
 
 use futures::future::join_all;
+use futures::StreamExt;
 use pitcrew_exec::{run_check, CheckOutcome, Executor};
 use pitcrew_metrics::{Counter, Gauge, Histogram, LATENCY_BUCKETS};
 use pitcrew_model::codec::JSON;
@@ -135,6 +136,17 @@ impl Tracker {
         }
     }
 
+    /// Take up an outage an earlier monitor reported (`Reported`) and saw no recovery of: down
+    /// since then, reported then, its run the one to look at for a resolution. A monitor
+    /// restarted mid-outage then reminds after `realert` as if it had run throughout, instead
+    /// of opening a run for an outage whose run escalated (people's now) at once.
+    pub fn resume(&mut self, r: &Reported) {
+        let mut outage = Outage::new(r.down_since);
+        outage.reported = Some(r.reported_at);
+        outage.runs.push(r.run);
+        self.down.insert(r.service.clone(), outage);
+    }
+
     /// The id the incident `service`'s outage is reported under now (the same on every try
     /// until one is published), if it is down.
     pub fn incident_id(&self, service: &str) -> Option<Uuid> {
@@ -241,6 +253,43 @@ pub fn fingerprint(service: &str) -> String {
     format!("{PREFIX}{}~{digest}", &service[..head])
 }
 
+/// Published on `<prefix>.events.monitor.<service>.down` with each incident the monitor opens:
+/// what a monitor started later takes the outage up from (`Tracker::resume`).
+#[derive(Debug, Clone, PartialEq, Serialize, serde::Deserialize)]
+pub struct Reported {
+    pub service: String,
+    /// The incident's id: its run's, unless it joined an open one.
+    pub run: Uuid,
+    pub down_since: chrono::DateTime<chrono::Utc>,
+    pub reported_at: chrono::DateTime<chrono::Utc>,
+}
+
+fn monitor_subject(bus: &Bus, service: &str, what: &str) -> String {
+    format!("{}.events.monitor.{service}.{what}", bus.subjects.prefix())
+}
+
+/// The outage of `service` an earlier monitor reported last, unless it saw it recover after.
+/// Any failure to ask (bounded: `Bus::last_on`) reads as none: the outage is reported anew.
+async fn reported_earlier(bus: &Bus, service: &str) -> Option<Reported> {
+    let stream = bus.subjects.events_stream();
+    let last = |what: &'static str| {
+        let subject = monitor_subject(bus, service, what);
+        let stream = stream.clone();
+        async move {
+            bus.last_on(&stream, &subject).await.unwrap_or_else(|e| {
+                tracing::warn!(service, error = %e, "cannot read what an earlier monitor reported");
+                None
+            })
+        }
+    };
+    let (down, recovered) = futures::join!(last("down"), last("recovered"));
+    let down = down?;
+    if recovered.is_some_and(|r| r.sequence > down.sequence) {
+        return None;
+    }
+    serde_json::from_slice(&down.payload).ok()
+}
+
 /// Published on `<prefix>.events.monitor.<service>.recovered`.
 #[derive(Debug, Clone, Serialize)]
 pub struct Recovery {
@@ -281,6 +330,17 @@ pub async fn run(
 ) {
     tokio::pin!(shutdown);
     let mut tracker = Tracker::new(threshold);
+    let earlier: Vec<Option<Reported>> = futures::stream::iter(services.keys().cloned().map(|service| {
+        let bus = bus.clone();
+        async move { reported_earlier(&bus, &service).await }
+    }))
+    .buffer_unordered(16)
+    .collect()
+    .await;
+    for r in earlier.into_iter().flatten() {
+        tracing::info!(service = %r.service, run = %r.run, down_since = %r.down_since, "taking up an outage reported before this start");
+        tracker.resume(&r);
+    }
     tracing::info!(services = services.len(), every_ms = every.as_millis() as u64, "monitor running");
     loop {
         // A round is raced with shutdown: its checks and publishes may each take seconds while
@@ -362,6 +422,13 @@ async fn open(
     incident.observed_at = Some(since);
     bus.open_incident(&incident).await?;
     tracing::warn!(service, detail = %out.detail, run = %id, "service down: incident opened");
+    // For a monitor started later. Not kept, that one reports the outage anew.
+    let r = Reported { service: service.into(), run: id, down_since: since, reported_at: chrono::Utc::now() };
+    let payload = serde_json::to_vec(&r).expect("a report serialises");
+    let msg_id = format!("monitor.{service}.{id}.down");
+    if let Err(e) = bus.publish(monitor_subject(bus, service, "down"), &msg_id, JSON, None, payload.into()).await {
+        tracing::warn!(service, error = %e, "cannot record the incident for a later monitor to take up");
+    }
     Ok(())
 }
 
@@ -378,7 +445,7 @@ async fn recovered(
         detail: out.detail.clone(),
     };
     tracing::info!(service, "service recovered");
-    let subject = format!("{}.events.monitor.{service}.recovered", bus.subjects.prefix());
+    let subject = monitor_subject(bus, service, "recovered");
     let id = format!("monitor.{service}.{}", r.recovered_at.timestamp_micros());
     bus.publish(subject, &id, JSON, None, serde_json::to_vec(&r).expect("recovery serialises").into()).await
 }

@@ -8,6 +8,7 @@ use futures::StreamExt;
 use pitcrew::cli;
 use pitcrew::cli::DecisionInput;
 use pitcrew_model::{Decision, EventKind};
+use std::time::Duration;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_outage_opens_one_run_and_its_recovery_is_reported() -> anyhow::Result<()> {
@@ -71,6 +72,56 @@ async fn a_service_down_again_right_after_its_run_resolved_opens_a_new_run_at_on
     std::fs::remove_file(&healthy)?;
     // A new outage, reported at the next round rather than an hour later.
     common::a_second_run_opens_for_the_relapse(&mut crew, first).await?;
+    let _ = stop.send(());
+    monitor.await??;
+    crew.shutdown().await
+}
+
+/// A monitor restarted during an outage whose run escalated takes the outage up where the
+/// one before left it: the humans have it, so no run opens again (and no fix runs again)
+/// before `realert`, however many rounds the new monitor sees it down.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_monitor_takes_up_the_outage_it_reported() -> anyhow::Result<()> {
+    let mut crew = crew_fixing_on_approval("interval_ms = 100\nrealert_secs = 3600").await?;
+    let spawn = |crew: &common::Crew| -> anyhow::Result<_> {
+        let port = pitcrew_runtime::natsd::free_port()?;
+        let mut cfg = crew.cfg.clone();
+        cfg.metrics.listen = Some(format!("127.0.0.1:{port}"));
+        let (stop, monitor) = common::spawn_monitor(cfg);
+        Ok((stop, monitor, format!("http://127.0.0.1:{port}/metrics")))
+    };
+    let (stop, monitor, _) = spawn(&crew)?;
+    let first = crew.events.wait_any(|e| e.kind == EventKind::ApprovalRequested, WAIT).await?.run_id;
+    let deny = DecisionInput::cli(first, Decision::Deny, "ann", Some("not now: we are on it".into()), &crew.cfg);
+    cli::submit(&crew.bus, Some(&crew.store), deny).await?;
+    assert_eq!(crew.end(first).await?.kind, EventKind::Escalated);
+    let _ = stop.send(());
+    monitor.await??;
+
+    // The service is still down when the monitor starts again.
+    let (stop, monitor, metrics) = spawn(&crew)?;
+    let down = r#"pitcrew_monitor_checks_total{service="svc",result="down"}"#;
+    let checks = |m: &[(String, f64)]| sample(m, down);
+    let deadline = tokio::time::Instant::now() + WAIT;
+    let before = loop {
+        match scrape(&metrics).await {
+            Ok(m) => break checks(&m),
+            Err(_) if tokio::time::Instant::now() < deadline => tokio::time::sleep(Duration::from_millis(50)).await,
+            Err(e) => return Err(e),
+        }
+    };
+    loop {
+        let now = checks(&scrape(&metrics).await?);
+        if now >= before + 10.0 {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "the new monitor checked {now} - {before} times");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let db = crew.db().await?;
+    let runs: i64 = db.query_one("SELECT count(*) FROM runs WHERE fingerprint = 'monitor:svc'", &[]).await?.get(0);
+    assert_eq!(runs, 1, "ten rounds of the outage after the restart: no second run");
+    assert_eq!(count(&db, "SELECT count(*) FROM executions WHERE run_id = $1", first).await, 0, "nothing ran");
     let _ = stop.send(());
     monitor.await??;
     crew.shutdown().await
