@@ -52,6 +52,11 @@ static PATTERNS: LazyLock<Vec<Pattern>> = LazyLock::new(|| {
         p(r"(?i)(?-u:\b)((?:nats|tls|wss?)://)[^/\s:@,]+@", "${1}[REDACTED]@"),
         // A header's value up to the line's end or a quote (a log line in JSON goes on).
         p(r#"(?i)(?-u:\b)((?:set-)?cookie\s*:\s*)[^\r\n"]+"#, "${1}[REDACTED]"),
+        // A systemd unit's `Environment=` line (`systemctl cat`, a unit file, a drop-in) sets
+        // variables whose names say nothing (`STRIPE_KEY=sk_live_...`): its whole value.
+        p(r"(?m)^(\s*Environment\s*=\s*)[^\r\n]+", "${1}[REDACTED]"),
+        // A kubeconfig's `client-key-data:` (a private key, base64).
+        p(r"(?i)(?-u:\b)([a-z-]*key-data\s*:\s*)\S+", "${1}[REDACTED]"),
         p(r"(?-u:\b)AKIA[0-9A-Z]{16}(?-u:\b)", MARK),
         p(r"(?-u:\b)sk-[A-Za-z0-9_-]{16,}", MARK),
         p(r"(?-u:\b)xox[abprs]-[A-Za-z0-9-]{10,}", MARK),
@@ -267,6 +272,11 @@ mod tests {
             ("nats://s3cret@nats:4222", "nats://[REDACTED]@nats:4222"),
             ("tls://a@n1:4222,tls://b@n2:4222", "tls://[REDACTED]@n1:4222,tls://[REDACTED]@n2:4222"),
             ("Cookie: session=abc; theme=dark", "Cookie: [REDACTED]"),
+            (
+                "[Service]\nEnvironment=STRIPE_KEY=sk_live_51abc LOG=1\nExecStart=/opt/web",
+                "[Service]\nEnvironment=[REDACTED]\nExecStart=/opt/web",
+            ),
+            ("    client-key-data: LS0tLS1CRUdJTiBSU0Eg", "    client-key-data: [REDACTED]"),
             (r#"{"h":"Cookie: s=1","next":2}"#, r#"{"h":"Cookie: [REDACTED]","next":2}"#),
             (
                 "-----BEGIN RSA PRIVATE KEY-----\nMIIE\n-----END RSA PRIVATE KEY-----\nafter",
@@ -286,6 +296,8 @@ mod tests {
             "(root) NOPASSWD: /bin/systemctl",
             "OLDPWD=/home/ops",
             "bypass=1",
+            "EnvironmentFile=/etc/default/web",
+            "certificate-authority-data-file: /etc/ca.crt",
         ] {
             assert!(matches!(redact(plain), Cow::Borrowed(_)), "{plain} is left alone");
         }

@@ -3,12 +3,14 @@
 //! `tail`, `netstat` and `ps` take allow-lists: an option or verb not named here is refused,
 //! however harmless, so a new or abbreviated one cannot slip past. `cat`, `head` and `tail`
 //! read any file but a process's environment (`/proc/<pid>/environ`: pitcrew's own holds its
-//! secrets), a device (anything under a `dev` directory) or a credential file (the gate's
+//! secrets), a device (anything under a `dev` directory), a file that reading consumes
+//! (`/proc/kmsg`, a `trace_pipe`, init's `initctl` FIFO) or a credential file (the gate's
 //! `credential-file` finding, which the class refuses with every other finding), and `cat`
 //! and `head` take any option (none of theirs writes). Every program, wrappers too, is named
 //! bare or by its path in /bin, /sbin, /usr/bin or /usr/sbin: the class knows programs by
-//! name, and an application's own `bin/test` is not `test`. `df`, `free`,
-//! `uptime`, `pgrep`, `uname` and `test` take any arguments: none of theirs writes, reaches
+//! name, and an application's own `bin/test` is not `test`. `free`, `uptime`, `uname` and
+//! `test` take any arguments, `df` and `pgrep` any but a device or a file reading consumes
+//! (both open what they are given) and `df` not `--sync`: none of theirs writes, reaches
 //! another host or shows an environment (`free -s N` repeats until stopped, as `tail -f`
 //! would: the executor's time limit ends it).
 
@@ -21,11 +23,11 @@ const PROGRAMS: &[(&str, Check)] = &[
     ("head", files),
     ("ss", ss),
     ("netstat", netstat),
-    ("df", any),
+    ("df", df),
     ("free", any),
     ("uptime", any),
     ("ps", ps),
-    ("pgrep", any),
+    ("pgrep", no_device),
     ("journalctl", journalctl),
     ("systemctl", systemctl),
     ("service", service),
@@ -62,8 +64,39 @@ fn names_device(argv: &[String]) -> Option<&String> {
     argv[1..].iter().find(|a| a.split('/').any(|part| part == "dev"))
 }
 
-/// `cat` and `head`: any options (none writes), any file but a process's environment or a
-/// device.
+/// A file whose reading takes its data from whoever else reads it, or waits for data that
+/// may never come: the kernel's log as syslog reads it (`/proc/kmsg`: what is read is gone
+/// from the log buffer, an OOM kill's lines among it), a tracing pipe, init's control FIFO.
+fn names_consumed(argv: &[String]) -> Option<&String> {
+    argv[1..].iter().find(|a| {
+        let name = a.rsplit(['/', '=']).next().unwrap_or(a);
+        name == "kmsg" || name.starts_with("trace_pipe") || name == "initctl"
+    })
+}
+
+/// No device and no file that reading consumes (`df` and `pgrep -F` open what they are
+/// given: `df /dev/watchdog` arms the watchdog as `cat` would).
+fn no_device(argv: &[String]) -> Result<(), String> {
+    if let Some(file) = names_device(argv) {
+        return Err(format!("`{} {file}` opens a device: read-only calls read files", argv[0]));
+    }
+    if let Some(file) = names_consumed(argv) {
+        return Err(format!("`{} {file}` takes what it reads from whoever else reads it, or waits for it", argv[0]));
+    }
+    Ok(())
+}
+
+/// `df`: any options but `--sync` (any abbreviation), which flushes every filesystem (a
+/// storm of writes on a host whose disks are the incident), on no device.
+fn df(argv: &[String]) -> Result<(), String> {
+    if let Some(sync) = argv[1..].iter().find(|a| a.len() > 3 && "--sync".starts_with(a.as_str())) {
+        return Err(format!("`df {sync}` flushes every filesystem before it reads"));
+    }
+    no_device(argv)
+}
+
+/// `cat` and `head`: any options (none writes), any file but a process's environment, a
+/// device or a file that reading consumes.
 fn files(argv: &[String]) -> Result<(), String> {
     if let Some(file) = names_environment(argv) {
         return Err(format!("`{} {file}` may read a process's environment (pitcrew's own holds its secrets)", argv[0]));
@@ -71,7 +104,7 @@ fn files(argv: &[String]) -> Result<(), String> {
     if let Some(file) = names_device(argv) {
         return Err(format!("`{} {file}` reads a device: read-only calls read files", argv[0]));
     }
-    Ok(())
+    no_device(argv)
 }
 
 fn ps(argv: &[String]) -> Result<(), String> {

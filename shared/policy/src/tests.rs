@@ -974,6 +974,19 @@ fn programs_outside_the_system_devices_and_unit_names_that_are_paths_are_not_rea
         "tail -c +1048576 /dev/sda",
         "head -c 4096 /proc/1/root/dev/sda",
         "cat ../dev/initctl",
+        // Found by review on 2026-11-28: df and pgrep open what they are given (the watchdog
+        // arms); reads that take the kernel's log or a pipe's data from their reader.
+        "df /dev/watchdog",
+        "df -h /dev/watchdog0",
+        "df --sync",
+        "df --syn -h",
+        "pgrep -F /dev/watchdog",
+        "pgrep --pidfile=/dev/watchdog x",
+        "cat /proc/kmsg",
+        "tail -n 5 /proc/kmsg",
+        "head -c 100 /sys/kernel/tracing/trace_pipe",
+        "cat /run/initctl",
+        "pgrep -F /run/initctl",
         // tail's obsolete form follows: `+1f` is `-f` from the first line.
         "tail +1f /var/log/syslog",
         "tail +5 /var/log/syslog",
@@ -994,6 +1007,12 @@ fn programs_outside_the_system_devices_and_unit_names_that_are_paths_are_not_rea
         "tail -c +100 /var/log/syslog",
         "tail --lines=+5 /var/log/syslog",
         "head -n 5 /var/log/developer.log",
+        "df -h",
+        "df -h /var",
+        "df --output=source,pcent /srv",
+        "pgrep -x nginx",
+        "pgrep -F /run/nginx.pid",
+        "cat /sys/kernel/tracing/available_tracers",
     ] {
         assert!(p.read_only(ok).is_ok(), "{ok} reads: {:?}", p.read_only(ok));
     }
