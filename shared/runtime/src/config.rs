@@ -890,7 +890,11 @@ fn redact_one(url: &str) -> String {
 pub(crate) fn userinfo(url: &str) -> Option<(usize, &str)> {
     let at = url.find("://").map_or(0, |i| i + 3);
     let rest = &url[at..];
-    let authority = &rest[..rest.find(['/', '?']).unwrap_or(rest.len())];
+    // A NATS URL has no path: its user part runs to its last `@`, whatever it holds
+    // unencoded (`nats://crew:Ab3/xYz@nats`, a token with a `/`): such a URL does not connect,
+    // and the error that says so must not show it.
+    let nats = ["nats://", "tls://", "ws://", "wss://"].iter().any(|s| url[..at].eq_ignore_ascii_case(s));
+    let authority = if nats { rest } else { &rest[..rest.find(['/', '?']).unwrap_or(rest.len())] };
     authority.rsplit_once('@').map(|(info, _)| (at, info))
 }
 
@@ -901,6 +905,15 @@ mod tests {
     #[test]
     fn passwords_are_redacted() {
         assert_eq!(redact_url("postgres://u:p%40ss@h:5432/db"), "postgres://u:***@h:5432/db");
+        // A NATS password or token with an unencoded `/` or `?` (it does not connect: the
+        // error says so without it).
+        assert_eq!(redact_url("nats://crew:Ab3/xYz@nats:4222"), "nats://crew:***@nats:4222");
+        assert_eq!(redact_url("nats://tok3n/AbC+x==@nats:4222"), "nats://***@nats:4222");
+        assert_eq!(
+            redact_url("TLS://crew:a?b@n1:4222,tls://crew:c/d@n2:4222"),
+            "TLS://crew:***@n1:4222,tls://crew:***@n2:4222"
+        );
+        assert_eq!(redact_url("nats://nats:4222"), "nats://nats:4222");
         assert_eq!(redact_url("postgres://u@h/db"), "postgres://u@h/db");
         // What tokio-postgres takes for the password, whatever it holds: `/`, `,`, `?`, `@`.
         assert_eq!(redact_url("postgres://app:Zx9/Qw+e@db/pitcrew"), "postgres://app:***@db/pitcrew");
