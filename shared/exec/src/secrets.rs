@@ -75,6 +75,38 @@ pub fn register_all() {
     });
 }
 
+/// How often a worker reads its `_FILE` secrets again, at most.
+const REFRESH_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// Read the `_FILE` secrets again (at most every [`REFRESH_EVERY`]), so a value rotated in
+/// its file, or written there after this worker started (a sidecar that fetches secrets), is
+/// redacted from what this worker reads from then on, though it never runs a command that
+/// names it (diagnose reads `ps`, logs and status that may show it). Called before each
+/// command runs; its earlier value stays redacted for a while (see [`Held`]).
+pub fn refresh() {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static LAST: AtomicU64 = AtomicU64::new(0);
+    static EPOCH: std::sync::LazyLock<std::time::Instant> = std::sync::LazyLock::new(std::time::Instant::now);
+    let now = EPOCH.elapsed().as_millis() as u64 + 1;
+    let last = LAST.load(Ordering::Relaxed);
+    if last != 0 && now < last + REFRESH_EVERY.as_millis() as u64 {
+        return;
+    }
+    if LAST.compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed).is_err() {
+        return; // another thread reads them now
+    }
+    for (var, _) in std::env::vars_os() {
+        let Some(name) = var.to_str().and_then(|k| k.strip_prefix("PITCREW_SECRET_")?.strip_suffix("_FILE")) else {
+            continue;
+        };
+        if let Ok(Some(value)) = value_of(&var_of(name)) {
+            if let Err(e) = remember(name, &value) {
+                tracing::debug!(secret = %name, "this secret's value is {e}");
+            }
+        }
+    }
+}
+
 /// Redact `value`, the value of secret `name` now, from then on.
 fn remember(name: &str, value: &str) -> Result<(), pitcrew_model::redact::NotKept> {
     static HELD: std::sync::Mutex<Held> =
@@ -135,6 +167,7 @@ impl Held {
 /// The words `command` runs: split as a shell would (no shell runs it), its secrets filled
 /// in, at least one.
 pub fn argv_of(command: &str) -> Result<Vec<String>, ExecError> {
+    refresh();
     let argv = shell_words::split(command).map_err(|e| ExecError::Parse(e.to_string()))?;
     if argv.is_empty() {
         return Err(ExecError::Empty);
@@ -295,5 +328,25 @@ mod tests {
         let argv = expand(words("app --password {secret:exec_test_filed}")).unwrap();
         assert_eq!(argv[2], "from-a-file-42");
         assert_eq!(pitcrew_model::redact::redact("echoed from-a-file-42 back"), "echoed [REDACTED] back");
+    }
+
+    /// A value rotated in its file is redacted from what the worker's commands read, though
+    /// none of them names it (diagnose's `ps` of the service that uses it).
+    #[test]
+    fn a_value_rotated_in_its_file_is_redacted_before_any_command_uses_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("pw");
+        std::fs::write(&file, "rotated-first-0001\n").unwrap();
+        std::env::set_var("PITCREW_SECRET_EXEC_TEST_ROTATED_FILE", &file);
+        refresh();
+        std::thread::sleep(REFRESH_EVERY);
+        argv_of("ps aux").unwrap();
+        assert_eq!(pitcrew_model::redact::redact("app -a rotated-first-0001"), "app -a [REDACTED]");
+        std::fs::write(&file, "rotated-second-0002\n").unwrap();
+        std::thread::sleep(REFRESH_EVERY);
+        // The next command this worker runs, whatever it is, reads the file again first.
+        argv_of("ps aux").unwrap();
+        assert_eq!(pitcrew_model::redact::redact("app -a rotated-second-0002"), "app -a [REDACTED]");
+        assert_eq!(pitcrew_model::redact::redact("app -a rotated-first-0001"), "app -a [REDACTED]", "still");
     }
 }
