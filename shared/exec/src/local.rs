@@ -355,9 +355,25 @@ fn linger(program: &str, pipes: Vec<Box<dyn AsyncRead + Send + Unpin>>, max: usi
 }
 
 /// Append pitcrew's own `line` to a command's output of at most `max` bytes, cutting the
-/// output rather than the line: it is never the part cut off.
+/// output rather than the line: it is never the part cut off. A known secret the cut goes
+/// through is marked redacted: whole values are redacted later, but not the start of one
+/// left before a line that is not the end of the text.
 fn append_within(buf: &mut Vec<u8>, max: usize, line: &str) {
-    buf.truncate(max.saturating_sub(line.len()).min(buf.len()));
+    use pitcrew_model::redact::{redact_cut, MARK};
+    let room = max.saturating_sub(line.len());
+    if buf.len() > room {
+        buf.truncate(room);
+        let text = String::from_utf8_lossy(buf).into_owned();
+        if let std::borrow::Cow::Owned(marked) = redact_cut(&text) {
+            let at = marked.len() - MARK.len();
+            // The mark may be longer than the start it replaces: the output gives way.
+            let mut keep = at.min(room.saturating_sub(MARK.len()));
+            while !marked.is_char_boundary(keep) {
+                keep -= 1;
+            }
+            *buf = format!("{}{MARK}", &marked[..keep]).into_bytes();
+        }
+    }
     buf.extend_from_slice(line.as_bytes());
 }
 
@@ -393,6 +409,27 @@ impl Drop for GroupGuard {
 mod tests {
     use super::*;
     use std::collections::VecDeque;
+
+    /// Output cut short for pitcrew's note, the cut through a secret this process knows: its
+    /// start is not kept before the note.
+    #[test]
+    fn a_cut_before_a_note_leaves_no_start_of_a_secret() {
+        let secret = "cut-secret-Q7w9-xyz";
+        pitcrew_model::redact::register_secret(secret).unwrap();
+        let line = "\npitcrew: a note";
+        for through in [4, 10, secret.len() - 1] {
+            let mut buf = format!("{}{secret} and more", "x".repeat(40)).into_bytes();
+            let max = 40 + through + line.len();
+            append_within(&mut buf, max, line);
+            let text = String::from_utf8(buf).unwrap();
+            assert!(!text.contains(&secret[..4]), "{through}: {text}");
+            assert!(text.ends_with(line) && text.len() <= max, "{through}: {text}");
+        }
+        // No secret where it cut: the output as it was, up to the room.
+        let mut buf = b"plain output that goes on".to_vec();
+        append_within(&mut buf, 10 + line.len(), line);
+        assert_eq!(String::from_utf8(buf).unwrap(), format!("plain outp{line}"));
+    }
     use std::io;
     use std::pin::Pin;
     use std::task::{Context, Poll};
