@@ -841,6 +841,11 @@ mod web_tests {
         assert!(!out.ok && out.output.starts_with("HTTP 503"), "{out:?}");
         let out = tools.call("http_probe", r#"{"url": "http://10.255.1.2/admin"}"#).await;
         assert!(!out.ok && out.output.contains("not a host of the inventory"), "{out:?}");
+        // The check's host, on another port (a local admin API: Consul's, Docker's).
+        let host = stub.url.trim_start_matches("http://").rsplit_once(':').map(|(h, _)| h.to_string()).unwrap();
+        let out =
+            tools.call("http_probe", &json!({ "url": format!("http://{host}:8500/v1/kv/?recurse") }).to_string()).await;
+        assert!(!out.ok && out.output.contains("refused: port 8500 of"), "{out:?}");
 
         let seen = stub.requests();
         assert!(seen[0].starts_with("/api/v1/query?query=up%7Bjob%3D%22web%22%7D+%3D%3D+0&time="), "{seen:?}");
@@ -851,7 +856,7 @@ mod web_tests {
         );
         assert_eq!(seen.len(), 4, "the refused probe never left the process: {seen:?}");
         let kept = tools.take();
-        assert_eq!(kept.len(), 5, "every call is evidence for the timeline");
+        assert_eq!(kept.len(), 6, "every call is evidence for the timeline");
         assert!(kept[0].1.starts_with("tool prometheus_query PromQL: up"), "{}", kept[0].1);
     }
 

@@ -20,13 +20,16 @@ pub struct WebTools {
     cfg: ToolsConfig,
     /// Hosts `http_probe` may reach: those the inventory names.
     hosts: BTreeSet<String>,
+    /// Ports it may reach on one of them besides `http_probe_ports`: its checks' own.
+    checked: BTreeSet<(String, u16)>,
     http: reqwest::Client,
 }
 
-/// The host part of a URL, lower-cased, without brackets.
-fn url_host(url: &str) -> Option<String> {
+/// The host part of a URL (lower-cased, without brackets) and its port (the scheme's when
+/// none is written).
+fn url_target(url: &str) -> Option<(String, u16)> {
     let u = reqwest::Url::parse(url).ok()?;
-    Some(u.host_str()?.trim_matches(['[', ']']).to_ascii_lowercase())
+    Some((u.host_str()?.trim_matches(['[', ']']).to_ascii_lowercase(), u.port_or_known_default()?))
 }
 
 impl WebTools {
@@ -37,13 +40,18 @@ impl WebTools {
             return None;
         }
         let mut hosts: BTreeSet<String> = cfg.hosts.values().map(|h| h.address.to_ascii_lowercase()).collect();
+        let mut checked = BTreeSet::new();
         for s in cfg.services.values() {
-            match &s.check {
-                Some(pitcrew_model::CheckSpec::Http { url, .. }) => hosts.extend(url_host(url)),
-                Some(pitcrew_model::CheckSpec::Tcp { address, .. }) => {
-                    hosts.extend(address.rsplit_once(':').map(|(h, _)| h.trim_matches(['[', ']']).to_ascii_lowercase()))
-                }
-                _ => {}
+            let target = match &s.check {
+                Some(pitcrew_model::CheckSpec::Http { url, .. }) => url_target(url),
+                Some(pitcrew_model::CheckSpec::Tcp { address, .. }) => address
+                    .rsplit_once(':')
+                    .and_then(|(h, p)| Some((h.trim_matches(['[', ']']).to_ascii_lowercase(), p.parse().ok()?))),
+                _ => None,
+            };
+            if let Some((host, port)) = target {
+                hosts.insert(host.clone());
+                checked.insert((host, port));
             }
         }
         let http = reqwest::Client::builder()
@@ -51,7 +59,7 @@ impl WebTools {
             .redirect(reqwest::redirect::Policy::none())
             .build()
             .ok()?;
-        Some(WebTools { cfg: t.clone(), hosts, http })
+        Some(WebTools { cfg: t.clone(), hosts, checked, http })
     }
 
     pub fn specs(&self) -> Vec<ToolSpec> {
@@ -59,8 +67,8 @@ impl WebTools {
         if self.cfg.http_probe {
             out.push(ToolSpec {
                 name: "http_probe".into(),
-                description: "GET a URL on one of the inventory's hosts (no redirects followed) and return the \
-                              status and the start of the body."
+                description: "GET a URL on one of the inventory's hosts, on a service's health-check port or a \
+                              usual web port (no redirects followed), and return the status and the start of the body."
                     .into(),
                 parameters: json!({ "type": "object", "properties": { "url": { "type": "string" } }, "required": ["url"] }),
             });
@@ -105,9 +113,22 @@ impl WebTools {
             "http_probe" => {
                 let Some(url) = text("url") else { return fail("http_probe".into(), "needs {\"url\": ...}".into()) };
                 let asked = format!("GET {url}");
-                match url_host(url) {
-                    Some(h) if self.hosts.contains(&h) => {}
-                    Some(h) => return fail(asked, format!("refused: {h} is not a host of the inventory")),
+                match url_target(url) {
+                    Some((h, _)) if !self.hosts.contains(&h) => {
+                        return fail(asked, format!("refused: {h} is not a host of the inventory"))
+                    }
+                    Some((h, p))
+                        if !self.cfg.http_probe_ports.contains(&p) && !self.checked.contains(&(h.clone(), p)) =>
+                    {
+                        return fail(
+                            asked,
+                            format!(
+                                "refused: port {p} of {h} is neither a service's health-check port there nor one of \
+                                 [reasoning.tools] http_probe_ports"
+                            ),
+                        )
+                    }
+                    Some(_) => {}
                     None => return fail(asked, "refused: not an http(s) URL".into()),
                 }
                 if !url.starts_with("http://") && !url.starts_with("https://") {

@@ -374,8 +374,13 @@ fn default_playbook_after_secs() -> u64 {
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct ToolsConfig {
-    /// `http_probe`: GET a URL whose host is in the inventory (service checks, [hosts]).
+    /// `http_probe`: GET a URL whose host is in the inventory (service checks, [hosts]), on
+    /// the port of a service's check there or on one of `http_probe_ports`: not any port of
+    /// those hosts (an admin API on the same machine, Consul's or Docker's, answers a GET
+    /// with secrets).
     pub http_probe: bool,
+    /// Ports `http_probe` may reach on every inventory host, besides its checks' own.
+    pub http_probe_ports: Vec<u16>,
     /// `prometheus_query`: PromQL instant and range queries against this Prometheus.
     pub prometheus_url: Option<String>,
     /// `loki_query`: LogQL queries against this Loki.
@@ -386,7 +391,13 @@ pub struct ToolsConfig {
 
 impl Default for ToolsConfig {
     fn default() -> Self {
-        ToolsConfig { http_probe: false, prometheus_url: None, loki_url: None, timeout_secs: 10 }
+        ToolsConfig {
+            http_probe: false,
+            http_probe_ports: vec![80, 443],
+            prometheus_url: None,
+            loki_url: None,
+            timeout_secs: 10,
+        }
     }
 }
 
