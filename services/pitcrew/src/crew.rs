@@ -73,11 +73,32 @@ where
     })
 }
 
+/// Say which stage subjects hold work no stage of this version reads: it stays on the work
+/// queue until a worker that reads it runs, or a human removes it.
+async fn warn_of_unread_stage_subjects(bus: &Bus) {
+    match bus.unread_stage_subjects(20).await {
+        Ok(unread) => {
+            for (subject, messages) in unread {
+                tracing::warn!(
+                    subject = %subject,
+                    messages,
+                    stream = %bus.subjects.stages_stream(),
+                    "no stage of this version reads these messages (a stage of a newer crew in a rolling upgrade, \
+                     or of one rolled back): they wait for a worker that reads them, or for \
+                     `nats stream purge <stream> --subject <subject>`"
+                );
+            }
+        }
+        Err(e) => tracing::debug!(error = %e, "cannot list the stages stream's subjects"),
+    }
+}
+
 /// Run `stages` until `shutdown`, then drain. Returns when every consumer has stopped.
 pub async fn run(cfg: Config, stages: &[Stage], shutdown: Shutdown) -> anyhow::Result<()> {
     let (playbook, policy) = providers(&cfg)?;
     let reasoner = reasoner(&cfg, playbook)?;
     let Some((bus, store)) = connect_patiently(&cfg, &shutdown).await? else { return Ok(()) };
+    warn_of_unread_stage_subjects(&bus).await;
     let cfg = Arc::new(cfg);
     let deps = Arc::new(Deps {
         worker: cfg.worker(),

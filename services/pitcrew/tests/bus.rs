@@ -1449,3 +1449,22 @@ async fn a_step_delivered_again_after_its_commit_is_not_done_again() -> anyhow::
     assert_eq!(stage(&db, run).await?.as_deref(), Some("plan"));
     Ok(())
 }
+
+/// Work on a stage subject no stage of this version reads (a rolled-back crew's stage) is
+/// listed with its count, for the crew to say so at its start; the known stages' is not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn work_no_stage_reads_is_named_with_its_count() -> anyhow::Result<()> {
+    let env = TestEnv::start().await?;
+    let cfg = pitcrew_runtime::Config::from_toml(&env.config_toml(""))?;
+    let bus = pitcrew_runtime::Bus::connect(&cfg).await?;
+    bus.ensure_streams().await?;
+    assert!(bus.unread_stage_subjects(20).await?.is_empty());
+    let unknown = format!("{}.stage.investigate", bus.subjects.prefix());
+    for i in 0..3 {
+        bus.js.publish(unknown.clone(), format!("{i}").into()).await?.await?;
+    }
+    bus.js.publish(bus.subjects.stage(Stage::Diagnose), "known".into()).await?.await?;
+    assert_eq!(bus.unread_stage_subjects(20).await?, vec![(unknown, 3)]);
+    assert!(bus.unread_stage_subjects(0).await?.is_empty(), "at most the limit");
+    Ok(())
+}

@@ -532,6 +532,30 @@ impl Bus {
         Err(setup(last))
     }
 
+    /// Subjects of the stages stream that hold messages no stage of this version reads (a
+    /// stage a newer crew added in a rolling upgrade, or a rolled-back one's, or a typo in a
+    /// hand-made publish), with their counts: nothing takes them off the work queue but a
+    /// worker that reads them or a human. At most `limit` are listed.
+    pub async fn unread_stage_subjects(&self, limit: usize) -> Result<Vec<(String, usize)>, BusError> {
+        use futures::TryStreamExt;
+        let failed =
+            |e: String| BusError::Read { what: format!("the subjects of {}", self.subjects.stages_stream()), error: e };
+        let known: Vec<String> = Stage::ALL.iter().map(|s| self.subjects.stage(*s)).collect();
+        within("a listing of the stages stream's subjects", async {
+            let stream = self.js.get_stream(self.subjects.stages_stream()).await.map_err(|e| failed(e.to_string()))?;
+            let mut subjects =
+                stream.info_with_subjects(self.subjects.stages_all()).await.map_err(|e| failed(e.to_string()))?;
+            let mut unread = Vec::new();
+            while let Some((subject, count)) = subjects.try_next().await.map_err(|e| failed(e.to_string()))? {
+                if !known.contains(&subject) && unread.len() < limit {
+                    unread.push((subject, count));
+                }
+            }
+            Ok(unread)
+        })
+        .await?
+    }
+
     /// The last message on `subject` of `stream`, asked within [`API_LIMIT`]: None when it
     /// has none.
     pub async fn last_on(&self, stream: &str, subject: &str) -> Result<Option<StreamMessage>, BusError> {
