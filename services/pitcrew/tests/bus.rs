@@ -1174,9 +1174,7 @@ async fn a_run_state_from_a_newer_worker_none_took_is_dead_lettered_past_the_lim
 async fn the_incidents_stream_keeps_an_incident_until_intake_took_it() -> anyhow::Result<()> {
     use async_nats::jetstream::{consumer, stream};
     use pitcrew_model::Incident;
-    let env = TestEnv::start().await?;
-    let cfg = pitcrew_runtime::Config::from_toml(&env.config_toml(""))?;
-    let bus = pitcrew_runtime::Bus::connect(&cfg).await?;
+    let (_env, bus) = bare_bus().await?;
     let name = bus.subjects.incidents_stream();
     bus.js
         .create_stream(stream::Config {
@@ -1252,9 +1250,7 @@ async fn the_incidents_stream_keeps_an_incident_until_intake_took_it() -> anyhow
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stream_made_with_older_settings_takes_the_current_ones() -> anyhow::Result<()> {
     use async_nats::jetstream::stream;
-    let env = TestEnv::start().await?;
-    let cfg = pitcrew_runtime::Config::from_toml(&env.config_toml(""))?;
-    let bus = pitcrew_runtime::Bus::connect(&cfg).await?;
+    let (_env, bus) = bare_bus().await?;
     // The stages stream as an older pitcrew made it: pending work expired after 7 days, and a
     // full stream dropped the oldest.
     bus.js
@@ -1454,9 +1450,7 @@ async fn a_step_delivered_again_after_its_commit_is_not_done_again() -> anyhow::
 /// listed with its count, for the crew to say so at its start; the known stages' is not.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn work_no_stage_reads_is_named_with_its_count() -> anyhow::Result<()> {
-    let env = TestEnv::start().await?;
-    let cfg = pitcrew_runtime::Config::from_toml(&env.config_toml(""))?;
-    let bus = pitcrew_runtime::Bus::connect(&cfg).await?;
+    let (_env, bus) = bare_bus().await?;
     bus.ensure_streams().await?;
     assert!(bus.unread_stage_subjects(20).await?.is_empty());
     let unknown = format!("{}.stage.investigate", bus.subjects.prefix());
@@ -1467,4 +1461,12 @@ async fn work_no_stage_reads_is_named_with_its_count() -> anyhow::Result<()> {
     assert_eq!(bus.unread_stage_subjects(20).await?, vec![(unknown, 3)]);
     assert!(bus.unread_stage_subjects(0).await?.is_empty(), "at most the limit");
     Ok(())
+}
+
+/// A bus on a nats-server (and database) of its own, with no crew: the env keeps them up.
+async fn bare_bus() -> anyhow::Result<(TestEnv, pitcrew_runtime::Bus)> {
+    let env = TestEnv::start().await?;
+    let cfg = pitcrew_runtime::Config::from_toml(&env.config_toml(""))?;
+    let bus = pitcrew_runtime::Bus::connect(&cfg).await?;
+    Ok((env, bus))
 }
