@@ -232,7 +232,7 @@ impl Decisions {
         // A plan that needs several approvers runs on the last approval of its quorum.
         let mut counted = None;
         if d.decision == Decision::Approve && pending.as_deref() == Some(plan_hash.as_str()) {
-            if let Some((votes, quorum)) = store.vote(d.run_id, &plan_hash, &d.by, &d.channel, seq).await? {
+            if let Some((votes, quorum)) = store.vote(d.run_id, &plan_hash, &d.by, &d.channel, seq, attempt).await? {
                 if votes < quorum {
                     let msg = format!("approve by {} via {} counted: {votes} of {quorum} approvals", d.by, d.channel);
                     return self.record(cx, EventKind::ApprovalDecided, msg, d).await;
@@ -240,7 +240,7 @@ impl Decisions {
                 counted = Some((votes, quorum));
             }
         }
-        let outcome = store.decide_approval(&plan_hash, d, seq).await?;
+        let outcome = store.decide_approval(&plan_hash, d, seq, attempt).await?;
         if outcome == DecideOutcome::Applied {
             // Best effort: a failed read costs one observation, never the decision.
             if let Ok(Some(requested)) = store.approval_requested_at(d.run_id, &plan_hash).await {

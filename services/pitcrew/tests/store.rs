@@ -760,7 +760,7 @@ async fn an_expiry_written_for_a_late_approval_is_found_again_on_its_redelivery(
         channel: "timeout".into(),
         decided_at: Utc::now(),
     };
-    assert_eq!(store.decide_approval("h1", &expire, 7).await?, pitcrew_runtime::store::DecideOutcome::Applied);
+    assert_eq!(store.decide_approval("h1", &expire, 7, None).await?, pitcrew_runtime::store::DecideOutcome::Applied);
     // ...and its redelivery (the run's transition failed after that write) finds it expired
     // again, rather than going on as the approval it was.
     assert!(store.approval_expired(run, "h1", 7).await?.is_some(), "the same message: expired");
@@ -814,12 +814,12 @@ async fn the_same_plan_asked_for_again_by_a_later_attempt_waits_for_a_new_decisi
     };
     state.seq += 1;
     assert!(park(&state, request(1, 2)).await?, "parked");
-    assert_eq!(store.vote(run, "h1", "ann", "cli", 4).await?, Some((1, 2)));
-    assert_eq!(store.vote(run, "h1", "bob", "cli", 5).await?, Some((2, 2)));
-    assert_eq!(store.decide_approval("h1", &approve("bob"), 5).await?, DecideOutcome::Applied);
+    assert_eq!(store.vote(run, "h1", "ann", "cli", 4, None).await?, Some((1, 2)));
+    assert_eq!(store.vote(run, "h1", "bob", "cli", 5, None).await?, Some((2, 2)));
+    assert_eq!(store.decide_approval("h1", &approve("bob"), 5, None).await?, DecideOutcome::Applied);
     // Attempt 1's request again (a redelivery of its step, which parks again): still decided.
     assert!(park(&state, request(1, 2)).await?, "parked again");
-    assert_eq!(store.decide_approval("h1", &approve("bob"), 5).await?, DecideOutcome::Repeated);
+    assert_eq!(store.decide_approval("h1", &approve("bob"), 5, None).await?, DecideOutcome::Repeated);
 
     // Attempt 2 plans the same commands: pending again, and what decided attempt 1 does not.
     state.attempt = 2;
@@ -827,13 +827,19 @@ async fn the_same_plan_asked_for_again_by_a_later_attempt_waits_for_a_new_decisi
     assert!(park(&state, request(2, 2)).await?, "parked in attempt 2");
     let pending = store.approval_decision(run, "h1").await?;
     assert!(pending.is_none(), "the request waits for a decision: {pending:?}");
-    assert_eq!(store.vote(run, "h1", "ann", "cli", 4).await?, None, "a vote from before counts for nothing");
-    assert_eq!(store.decide_approval("h1", &approve("bob"), 5).await?, DecideOutcome::Stale);
+    assert_eq!(store.vote(run, "h1", "ann", "cli", 4, None).await?, None, "a vote from before counts for nothing");
+    // A decision for attempt 1's request held up until now (message 12, after the floor):
+    // neither counted nor settling attempt 2's request, which would leave the run parked on
+    // a request decided behind it.
+    assert_eq!(store.vote(run, "h1", "carol", "cli", 12, Some(1)).await?, None, "another attempt's vote");
+    assert_eq!(store.decide_approval("h1", &approve("carol"), 12, Some(1)).await?, DecideOutcome::Stale);
+    assert!(store.approval_decision(run, "h1").await?.is_none(), "still pending");
+    assert_eq!(store.decide_approval("h1", &approve("bob"), 5, None).await?, DecideOutcome::Stale);
     assert!(store.approval_decision(run, "h1").await?.is_none(), "still pending");
     // New votes, counted from none.
-    assert_eq!(store.vote(run, "h1", "ann", "cli", 9).await?, Some((1, 2)));
-    assert_eq!(store.vote(run, "h1", "bob", "cli", 10).await?, Some((2, 2)));
-    assert_eq!(store.decide_approval("h1", &approve("bob"), 10).await?, DecideOutcome::Applied);
+    assert_eq!(store.vote(run, "h1", "ann", "cli", 9, None).await?, Some((1, 2)));
+    assert_eq!(store.vote(run, "h1", "bob", "cli", 10, Some(2)).await?, Some((2, 2)));
+    assert_eq!(store.decide_approval("h1", &approve("bob"), 10, Some(2)).await?, DecideOutcome::Applied);
     let attempt: i32 =
         db.client().await?.query_one("SELECT attempt FROM approvals WHERE run_id = $1", &[&run]).await?.get(0);
     assert_eq!(attempt, 2);

@@ -178,8 +178,9 @@ impl Store {
     }
 
     /// Count `by`'s approval of a pending request that needs a quorum: (distinct approvals so
-    /// far, quorum), or None when the request is not pending (decided, or never made). An
-    /// approver who already voted is counted once.
+    /// far, quorum), or None when the request is not pending (decided, or never made, or made
+    /// again by an attempt other than `attempt`, the one the approver answered, when known).
+    /// An approver who already voted is counted once.
     #[tracing::instrument(name = "db_write", skip_all, fields(op = "vote"))]
     pub async fn vote(
         &self,
@@ -188,15 +189,17 @@ impl Store {
         by: &str,
         channel: &str,
         seq: u64,
+        attempt: Option<u32>,
     ) -> Result<Option<(i64, i64)>, StoreError> {
         let client = self.client().await?;
-        // A vote from before the request was made again (see `Record::Approval`) counts for
-        // nothing.
+        // A vote from before the request was made again (see `Record::Approval`), or for
+        // another attempt's request of the same plan, counts for nothing.
+        let attempt = attempt.map(|a| a as i32);
         let quorum = client
             .query_opt(
                 "SELECT quorum FROM approvals WHERE run_id = $1 AND plan_hash = $2 AND decision IS NULL
-                   AND (decision_seq IS NULL OR decision_seq < $3)",
-                &[&run, &plan_hash, &(seq as i64)],
+                   AND (decision_seq IS NULL OR decision_seq < $3) AND ($4::int4 IS NULL OR attempt = $4)",
+                &[&run, &plan_hash, &(seq as i64), &attempt],
             )
             .await?;
         let Some(quorum) = quorum.map(|r| i64::from(r.get::<_, i32>(0))) else { return Ok(None) };
@@ -236,7 +239,10 @@ impl Store {
         Ok(row.map(|r| r.get(0)))
     }
 
-    /// Settle the request for `plan_hash` with `d`, only if it is still pending.
+    /// Settle the request for `plan_hash` with `d`, only if it is still pending, and when
+    /// `attempt` (the one whose request the decision answered) is known, only if that attempt
+    /// made it: a decision held up until a later attempt asked for the same plan again settles
+    /// nothing (it would leave that attempt's run parked on a request decided behind it).
     /// `seq` is the bridge-stream sequence of the decision message, recognising redeliveries.
     #[tracing::instrument(name = "db_write", skip_all, fields(op = "decide_approval"))]
     pub async fn decide_approval(
@@ -244,6 +250,7 @@ impl Store {
         plan_hash: &str,
         d: &ApprovalDecision,
         seq: u64,
+        attempt: Option<u32>,
     ) -> Result<DecideOutcome, StoreError> {
         let client = self.client().await?;
         let stmt = client
@@ -251,9 +258,10 @@ impl Store {
                 "UPDATE approvals SET decision = $3, decided_by = $4, decided_at = $5, channel = $6, reason = $7,
                         decision_seq = $8
                  WHERE run_id = $1 AND plan_hash = $2 AND decision IS NULL
-                   AND (decision_seq IS NULL OR decision_seq < $8)",
+                   AND (decision_seq IS NULL OR decision_seq < $8) AND ($9::int4 IS NULL OR attempt = $9)",
             )
             .await?;
+        let attempt = attempt.map(|a| a as i32);
         let n = client
             .execute(
                 &stmt,
@@ -266,6 +274,7 @@ impl Store {
                     &d.channel,
                     &d.reason,
                     &(seq as i64),
+                    &attempt,
                 ],
             )
             .await?;
@@ -285,7 +294,8 @@ impl Store {
                 let by: Option<String> = r.get(1);
                 let decided_seq: Option<i64> = r.get(2);
                 match decision {
-                    // Pending, and this decision is from before its floor.
+                    // Pending, and this decision is from before its floor, or answered another
+                    // attempt's request of the plan.
                     None => DecideOutcome::Stale,
                     Some(_) if decided_seq == Some(seq as i64) => DecideOutcome::Repeated,
                     Some(decision) => DecideOutcome::AlreadyDecided { decision, by: by.unwrap_or_default() },
