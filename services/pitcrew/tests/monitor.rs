@@ -61,8 +61,10 @@ async fn an_outage_opens_one_run_and_its_recovery_is_reported() -> anyhow::Resul
 async fn a_service_down_again_right_after_its_run_resolved_opens_a_new_run_at_once() -> anyhow::Result<()> {
     // Reminders an hour apart, rounds 1.5 s apart: the service fails again right after the
     // run resolves, before the monitor's next round can see it healthy.
-    let mut crew = crew_fixing_on_approval("interval_ms = 1500\nrealert_secs = 3600").await?;
-    let healthy = crew.env.path("svc-healthy");
+    // A service of its own: the monitor's metrics (`service_up`), which the first test reads,
+    // are the test process's.
+    let mut crew = common::crew_fixing_on_approval_of("svc-relapse", "interval_ms = 1500\nrealert_secs = 3600").await?;
+    let healthy = crew.env.path("svc-relapse-healthy");
     let (stop, monitor) = common::spawn_monitor(crew.cfg.clone());
 
     let first = crew.events.wait_any(|e| e.kind == EventKind::ApprovalRequested, WAIT).await?.run_id;
@@ -71,7 +73,7 @@ async fn a_service_down_again_right_after_its_run_resolved_opens_a_new_run_at_on
     assert_eq!(crew.end(first).await?.kind, EventKind::Resolved);
     std::fs::remove_file(&healthy)?;
     // A new outage, reported at the next round rather than an hour later.
-    common::a_second_run_opens_for_the_relapse(&mut crew, first).await?;
+    common::a_second_run_of_opens_for_the_relapse(&mut crew, "svc-relapse", first).await?;
     let _ = stop.send(());
     monitor.await??;
     crew.shutdown().await
@@ -82,7 +84,9 @@ async fn a_service_down_again_right_after_its_run_resolved_opens_a_new_run_at_on
 /// before `realert`, however many rounds the new monitor sees it down.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restarted_monitor_takes_up_the_outage_it_reported() -> anyhow::Result<()> {
-    let mut crew = crew_fixing_on_approval("interval_ms = 100\nrealert_secs = 3600").await?;
+    // A service of its own: the monitor's metrics, read below, are the test process's.
+    let mut crew =
+        common::crew_fixing_on_approval_of("svc-restarted", "interval_ms = 100\nrealert_secs = 3600").await?;
     let spawn = |crew: &common::Crew| -> anyhow::Result<_> {
         let port = pitcrew_runtime::natsd::free_port()?;
         let mut cfg = crew.cfg.clone();
@@ -100,7 +104,7 @@ async fn a_restarted_monitor_takes_up_the_outage_it_reported() -> anyhow::Result
 
     // The service is still down when the monitor starts again.
     let (stop, monitor, metrics) = spawn(&crew)?;
-    let down = r#"pitcrew_monitor_checks_total{service="svc",result="down"}"#;
+    let down = r#"pitcrew_monitor_checks_total{service="svc-restarted",result="down"}"#;
     let checks = |m: &[(String, f64)]| sample(m, down);
     let deadline = tokio::time::Instant::now() + WAIT;
     let before = loop {
@@ -119,7 +123,8 @@ async fn a_restarted_monitor_takes_up_the_outage_it_reported() -> anyhow::Result
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     let db = crew.db().await?;
-    let runs: i64 = db.query_one("SELECT count(*) FROM runs WHERE fingerprint = 'monitor:svc'", &[]).await?.get(0);
+    let runs: i64 =
+        db.query_one("SELECT count(*) FROM runs WHERE fingerprint = 'monitor:svc-restarted'", &[]).await?.get(0);
     assert_eq!(runs, 1, "ten rounds of the outage after the restart: no second run");
     assert_eq!(count(&db, "SELECT count(*) FROM executions WHERE run_id = $1", first).await, 0, "nothing ran");
     let _ = stop.send(());

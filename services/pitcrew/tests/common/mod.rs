@@ -295,6 +295,12 @@ pub async fn closed_within(mut conn: tokio::net::TcpStream, limit: Duration) -> 
 /// A crew (every stage) whose fix for `svc` needs approval, so its run stays open until the
 /// test decides it, with the `[monitor]` settings `monitor`.
 pub async fn crew_fixing_on_approval(monitor: &str) -> anyhow::Result<Crew> {
+    crew_fixing_on_approval_of("svc", monitor).await
+}
+
+/// As [`crew_fixing_on_approval`], for a service of another name: the monitor's metrics are
+/// the process's, so tests that run at once and read them keep to services of their own.
+pub async fn crew_fixing_on_approval_of(service: &str, monitor: &str) -> anyhow::Result<Crew> {
     let env = TestEnv::start().await?;
     let book = write(
         &env,
@@ -303,13 +309,18 @@ pub async fn crew_fixing_on_approval(monitor: &str) -> anyhow::Result<Crew> {
          plans = [[\"rm -f {dir}/lock\", \"{start}\"]]\n",
     );
     let text =
-        format!("[reasoning]\nplaybook_file = \"{book}\"\n[monitor]\n{monitor}\n{}", marker_service(&env, "svc"));
+        format!("[reasoning]\nplaybook_file = \"{book}\"\n[monitor]\n{monitor}\n{}", marker_service(&env, service));
     Crew::start_in(env, &text, &Stage::ALL).await
 }
 
 /// After `first` (the monitor's run for `svc`) resolved and the service failed again: a run of
 /// its own opens for the relapse within 20 s, and the fingerprint has those two runs.
 pub async fn a_second_run_opens_for_the_relapse(crew: &mut Crew, first: Uuid) -> anyhow::Result<()> {
+    a_second_run_of_opens_for_the_relapse(crew, "svc", first).await
+}
+
+/// As [`a_second_run_opens_for_the_relapse`], for `service`.
+pub async fn a_second_run_of_opens_for_the_relapse(crew: &mut Crew, service: &str, first: Uuid) -> anyhow::Result<()> {
     use pitcrew_model::EventKind;
     let second = crew
         .events
@@ -318,7 +329,8 @@ pub async fn a_second_run_opens_for_the_relapse(crew: &mut Crew, first: Uuid) ->
         .map_err(|e| anyhow::anyhow!("no run for the relapse: {e}"))?
         .run_id;
     let db = crew.db().await?;
-    let runs: i64 = db.query_one("SELECT count(*) FROM runs WHERE fingerprint = 'monitor:svc'", &[]).await?.get(0);
+    let fingerprint = format!("monitor:{service}");
+    let runs: i64 = db.query_one("SELECT count(*) FROM runs WHERE fingerprint = $1", &[&fingerprint]).await?.get(0);
     anyhow::ensure!(runs == 2, "one run per outage: {first} then {second}, not {runs} runs");
     Ok(())
 }
