@@ -311,7 +311,7 @@ impl StageRunner {
             return None;
         }
         let committed = RunState { seq: state.seq + 1, ..state.clone() };
-        match resend_committed(&self.bus, &self.deps, &committed, (state.step, state.seq)).await {
+        match resend_stored(&self.bus, &self.deps, Some(run), &committed, (state.step, state.seq)).await {
             Ok(()) => Some(Disposition::Ack),
             Err(e) => {
                 tracing::warn!(error = %e, delivered, "sending the committed step on failed: will retry");
@@ -701,6 +701,17 @@ fn within_limit(state: &mut RunState) -> Vec<u8> {
 /// `from`: the step and seq the refused transition left.
 async fn resend_committed(bus: &Bus, deps: &Deps, refused: &RunState, from: (Stage, u32)) -> Result<(), ApplyError> {
     let stored = deps.store.load_run(refused.run_id).await?;
+    resend_stored(bus, deps, stored, refused, from).await
+}
+
+/// [`resend_committed`] with the run as Postgres holds it, read already.
+async fn resend_stored(
+    bus: &Bus,
+    deps: &Deps,
+    stored: Option<crate::store::StoredRun>,
+    refused: &RunState,
+    from: (Stage, u32),
+) -> Result<(), ApplyError> {
     match stored {
         Some(run) if run.status == RunStatus::Open && run.state.seq == refused.seq => {
             tracing::info!(
