@@ -49,19 +49,31 @@ fn value_of(var: &str) -> Result<Option<String>, String> {
     Ok(Some(text.strip_suffix('\n').map(|t| t.strip_suffix('\r').unwrap_or(t)).unwrap_or(&text).to_string()))
 }
 
+/// The secrets this worker's environment names (`PITCREW_SECRET_<NAME>`, or `..._FILE` for
+/// one held in a file), each once; with `files_only`, those held in a file.
+fn named(files_only: bool) -> Vec<String> {
+    let mut names: Vec<String> = std::env::vars_os()
+        .filter_map(|(k, _)| k.into_string().ok())
+        .filter_map(|k| {
+            let name = k.strip_prefix("PITCREW_SECRET_")?;
+            match name.strip_suffix("_FILE") {
+                Some(file) => Some(file.to_string()),
+                None => (!files_only).then(|| name.to_string()),
+            }
+        })
+        .collect();
+    names.sort();
+    names.dedup();
+    names
+}
+
 /// Redact every secret this worker holds (`PITCREW_SECRET_*`, `_FILE` ones read) from
 /// everything it logs, stores or publishes from now on, expanded or not: a process list or a
 /// log that shows one is then kept redacted too. Called once as the executors are made.
 pub fn register_all() {
     static ONCE: std::sync::Once = std::sync::Once::new();
     ONCE.call_once(|| {
-        let mut names: Vec<String> = std::env::vars_os()
-            .filter_map(|(k, _)| k.into_string().ok())
-            .filter_map(|k| k.strip_prefix("PITCREW_SECRET_").map(|n| n.strip_suffix("_FILE").unwrap_or(n).to_string()))
-            .collect();
-        names.sort();
-        names.dedup();
-        for name in names {
+        for name in named(false) {
             match value_of(&var_of(&name)) {
                 Ok(Some(value)) => {
                     if let Err(e) = remember(&name, &value) {
@@ -84,23 +96,16 @@ const REFRESH_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
 /// names it (diagnose reads `ps`, logs and status that may show it). Called before each
 /// command runs; its earlier value stays redacted for a while (see [`Held`]).
 pub fn refresh() {
-    use std::sync::atomic::{AtomicU64, Ordering};
-    static LAST: AtomicU64 = AtomicU64::new(0);
-    static EPOCH: std::sync::LazyLock<std::time::Instant> = std::sync::LazyLock::new(std::time::Instant::now);
-    let now = EPOCH.elapsed().as_millis() as u64 + 1;
-    let last = LAST.load(Ordering::Relaxed);
-    if last != 0 && now < last + REFRESH_EVERY.as_millis() as u64 {
+    static LAST: std::sync::Mutex<Option<std::time::Instant>> = std::sync::Mutex::new(None);
+    // Held by another thread: that one reads them now.
+    let Ok(mut last) = LAST.try_lock() else { return };
+    if last.is_some_and(|at| at.elapsed() < REFRESH_EVERY) {
         return;
     }
-    if LAST.compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed).is_err() {
-        return; // another thread reads them now
-    }
-    for (var, _) in std::env::vars_os() {
-        let Some(name) = var.to_str().and_then(|k| k.strip_prefix("PITCREW_SECRET_")?.strip_suffix("_FILE")) else {
-            continue;
-        };
-        if let Ok(Some(value)) = value_of(&var_of(name)) {
-            if let Err(e) = remember(name, &value) {
+    *last = Some(std::time::Instant::now());
+    for name in named(true) {
+        if let Ok(Some(value)) = value_of(&var_of(&name)) {
+            if let Err(e) = remember(&name, &value) {
                 tracing::debug!(secret = %name, "this secret's value is {e}");
             }
         }
@@ -318,13 +323,19 @@ mod tests {
         }
     }
 
-    #[test]
-    fn a_value_may_come_from_a_file_and_is_redacted_from_then_on() {
+    /// A file holding `value` (and a newline), named by `var` in the process's own
+    /// environment, as a worker's (each test a name no other uses); the file goes with the dir.
+    fn secret_file(var: &str, value: &str) -> (tempfile::TempDir, std::path::PathBuf) {
         let dir = tempfile::tempdir().unwrap();
         let file = dir.path().join("pw");
-        std::fs::write(&file, "from-a-file-42\n").unwrap();
-        // The process's own environment, as a worker's: a name no other test uses.
-        std::env::set_var("PITCREW_SECRET_EXEC_TEST_FILED_FILE", &file);
+        std::fs::write(&file, format!("{value}\n")).unwrap();
+        std::env::set_var(var, &file);
+        (dir, file)
+    }
+
+    #[test]
+    fn a_value_may_come_from_a_file_and_is_redacted_from_then_on() {
+        let _file = secret_file("PITCREW_SECRET_EXEC_TEST_FILED_FILE", "from-a-file-42");
         let argv = expand(words("app --password {secret:exec_test_filed}")).unwrap();
         assert_eq!(argv[2], "from-a-file-42");
         assert_eq!(pitcrew_model::redact::redact("echoed from-a-file-42 back"), "echoed [REDACTED] back");
@@ -334,10 +345,7 @@ mod tests {
     /// none of them names it (diagnose's `ps` of the service that uses it).
     #[test]
     fn a_value_rotated_in_its_file_is_redacted_before_any_command_uses_it() {
-        let dir = tempfile::tempdir().unwrap();
-        let file = dir.path().join("pw");
-        std::fs::write(&file, "rotated-first-0001\n").unwrap();
-        std::env::set_var("PITCREW_SECRET_EXEC_TEST_ROTATED_FILE", &file);
+        let (_dir, file) = secret_file("PITCREW_SECRET_EXEC_TEST_ROTATED_FILE", "rotated-first-0001");
         refresh();
         std::thread::sleep(REFRESH_EVERY);
         argv_of("ps aux").unwrap();
