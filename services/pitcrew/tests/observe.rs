@@ -172,9 +172,9 @@ async fn an_unreachable_collector_is_reported_once_and_runs_go_on() -> anyhow::R
     let env = pitcrew_testkit::TestEnv::start().await?;
     let svc = common::marker_service(&env, "svc");
     let mut crew = Crew::start_in(env, &svc, &[]).await?;
-    // Nothing listens there.
+    // Nothing listens there; a collector behind basic auth has a password in its URL.
     let port = pitcrew_runtime::natsd::free_port()?;
-    let extra = format!("[telemetry]\notlp_endpoint = \"http://127.0.0.1:{port}\"\n");
+    let extra = format!("[telemetry]\notlp_endpoint = \"http://ops:c0llector-S3CRET@127.0.0.1:{port}\"\n");
     let stages: Vec<&str> = pitcrew_model::Stage::ALL.iter().map(|s| s.as_str()).collect();
     let env = [
         ("OTEL_BSP_SCHEDULE_DELAY", "100"),
@@ -195,6 +195,7 @@ async fn an_unreachable_collector_is_reported_once_and_runs_go_on() -> anyhow::R
     let log = std::fs::read_to_string(&w.log)?;
     let warned = log.matches("cannot export spans to the OTLP collector").count();
     assert_eq!(warned, 1, "one warning, not one per batch:\n{log}");
+    assert!(log.contains("http://ops:***@127.0.0.1") && !log.contains("c0llector-S3CRET"), "{log}");
     // JSON lines; those written while a stage handled a run carry the run (its span's fields).
     let lines: Vec<serde_json::Value> =
         log.lines().map(serde_json::from_str).collect::<Result<_, _>>().map_err(|e| anyhow::anyhow!("{e}: {log}"))?;

@@ -590,13 +590,16 @@ pub struct StageSettings {
 /// A document that did not parse: its error may quote the line it stumbled on, a password
 /// and all (`url = "postgres://app:pa\ss@db/x"`, an invalid escape), and goes to stderr.
 fn unreadable(e: figment::Error) -> ConfigError {
-    // Every URL it quotes as `redact_url` shows it (a Postgres password may hold `/`, which
-    // the general patterns stop at), then the general patterns.
+    ConfigError(pitcrew_model::redact::redact(&redact_urls_in(&e.to_string())).into_owned())
+}
+
+/// `text` with every URL it quotes shown as `redact_url` shows it (a Postgres password may
+/// hold `/`, which the general patterns stop at): for errors of libraries that quote the URL
+/// they were given.
+pub fn redact_urls_in(text: &str) -> String {
     static URL: std::sync::LazyLock<regex::Regex> =
         std::sync::LazyLock::new(|| regex::Regex::new(r#"(?i)[a-z][a-z0-9+.-]*://[^\s"']+"#).expect("url pattern"));
-    let text = e.to_string();
-    let urls = URL.replace_all(&text, |c: &regex::Captures<'_>| redact_url(&c[0]));
-    ConfigError(pitcrew_model::redact::redact(&urls).into_owned())
+    URL.replace_all(text, |c: &regex::Captures<'_>| redact_url(&c[0])).into_owned()
 }
 
 /// A character of the names pitcrew puts in subjects, stream and consumer names and SQL

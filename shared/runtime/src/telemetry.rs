@@ -79,14 +79,18 @@ pub fn init_with(default: &str, cfg: &TelemetryConfig) -> Result<Guard, Telemetr
         return Ok(Guard { provider: None });
     };
     let endpoint = traces_url(endpoint);
+    // What logs and errors show of it: a collector behind basic auth has its password in it.
+    let shown = crate::config::redact_url(&endpoint);
     let exporter = opentelemetry_otlp::SpanExporter::builder()
         .with_http()
         .with_protocol(Protocol::HttpJson)
         .with_endpoint(endpoint.clone())
         .with_timeout(Duration::from_secs(cfg.export_timeout_secs.max(1)))
         .build()
-        .map_err(|e| TelemetryError(format!("otlp_endpoint = \"{endpoint}\": {e}")))?;
-    let exporter = WarnOnce { inner: exporter, endpoint: endpoint.clone(), failing: AtomicBool::new(false) };
+        .map_err(|e| {
+            TelemetryError(format!("otlp_endpoint = \"{shown}\": {}", crate::config::redact_urls_in(&e.to_string())))
+        })?;
+    let exporter = WarnOnce { inner: exporter, endpoint: shown.clone(), failing: AtomicBool::new(false) };
     let resource = opentelemetry_sdk::Resource::builder().with_service_name(cfg.service_name.clone()).build();
     let provider = SdkTracerProvider::builder()
         .with_batch_exporter(exporter)
@@ -109,7 +113,7 @@ pub fn init_with(default: &str, cfg: &TelemetryConfig) -> Result<Guard, Telemetr
         return Ok(Guard { provider: None });
     }
     crate::trace::set_exporting();
-    tracing::info!(endpoint = %endpoint, service = %cfg.service_name, "exporting spans over OTLP/HTTP");
+    tracing::info!(endpoint = %shown, service = %cfg.service_name, "exporting spans over OTLP/HTTP");
     Ok(Guard { provider: Some(provider) })
 }
 
@@ -138,7 +142,7 @@ impl<E: SpanExporter> SpanExporter for WarnOnce<E> {
         let res = self.inner.export(batch).await;
         match &res {
             Err(e) if !self.failing.swap(true, Ordering::Relaxed) => tracing::warn!(
-                endpoint = %self.endpoint, error = %e, dropped = n,
+                endpoint = %self.endpoint, error = %crate::config::redact_urls_in(&e.to_string()), dropped = n,
                 "cannot export spans to the OTLP collector: pitcrew keeps running and drops spans until it answers"
             ),
             Ok(()) if self.failing.swap(false, Ordering::Relaxed) => {

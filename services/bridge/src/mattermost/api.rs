@@ -8,6 +8,7 @@ use crate::secret::Secret;
 use futures::future::BoxFuture;
 use futures::FutureExt;
 use pitcrew_model::ApprovalRequest;
+use pitcrew_runtime::config::redact_url;
 use serde_json::Value;
 use std::time::Duration;
 
@@ -58,7 +59,7 @@ impl MattermostApi {
                 ),
             });
         }
-        Err(ApiError::Permanent(format!("{method}: HTTP {status} from {}: {said}", self.base)))
+        Err(ApiError::Permanent(format!("{method}: HTTP {status} from {}: {said}", redact_url(&self.base))))
     }
 }
 

@@ -80,7 +80,7 @@ pub async fn run(cfg: Config, secrets: Secrets, shutdown: Shutdown) -> anyhow::R
     let listener = pitcrew_runtime::httpd::bind(&mm.listen, "[bridge.mattermost] listen").await?;
     let listen = listener.local_addr()?;
     tracing::info!(
-        %listen, server = %mm.url, channel = %mm.channel_id, %action_url, users = mm.users.len(), allow_from = ?mm.allow_from, durable = %mm.durable,
+        %listen, server = %pitcrew_runtime::config::redact_url(&mm.url), channel = %mm.channel_id, %action_url, users = mm.users.len(), allow_from = ?mm.allow_from, durable = %mm.durable,
         "mattermost bridge running: posting approval requests, actions on POST /mattermost/actions"
     );
     let served = pitcrew_runtime::httpd::serve(listener, callback::router(app), shutdown).await;

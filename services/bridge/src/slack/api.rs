@@ -8,6 +8,7 @@ use crate::secret::Secret;
 use futures::future::BoxFuture;
 use futures::FutureExt;
 use pitcrew_model::ApprovalRequest;
+use pitcrew_runtime::config::redact_url;
 use serde_json::Value;
 use std::time::Duration;
 
@@ -144,7 +145,7 @@ impl SlackApi {
         }
         let status = resp.status();
         if !status.is_success() {
-            let why = format!("{method}: HTTP {status} from {} (is api_url right?)", self.base);
+            let why = format!("{method}: HTTP {status} from {} (is api_url right?)", redact_url(&self.base));
             // Refused or not found: a proxy's or the URL's setup, which someone can fix while
             // the request waits; anything else will not work as sent.
             if [401, 403, 404].contains(&status.as_u16()) {
@@ -297,6 +298,20 @@ mod tests {
         let base = answering_with(400, "{}").await;
         let got = api(&base).post_message(&serde_json::json!({"channel": "C1", "text": "x"})).await;
         assert!(matches!(got, Err(ApiError::Permanent(_))), "{got:?}");
+    }
+
+    #[tokio::test]
+    async fn an_api_url_with_a_password_is_not_quoted_with_it() {
+        // A Web API behind a proxy with basic auth: the error that quotes the URL hides it.
+        for status in [401, 400] {
+            let base = answering_with(status, "{}").await.replace("http://", "http://ops:pr0xy-S3CRET@");
+            let api = SlackApi::new(&base, Some(Secret::new("xoxb-t")), None, Duration::from_secs(5)).unwrap();
+            let why = match api.post_message(&serde_json::json!({"channel": "C1", "text": "x"})).await {
+                Err(ApiError::Retry { why, .. } | ApiError::Permanent(why)) => why,
+                other => panic!("{status}: {other:?}"),
+            };
+            assert!(why.contains("ops:***@127.0.0.1") && !why.contains("pr0xy-S3CRET"), "{why}");
+        }
     }
 
     #[tokio::test]

@@ -78,7 +78,7 @@ pub async fn run(cfg: Config, secrets: Secrets, shutdown: Shutdown) -> anyhow::R
     let listener = pitcrew_runtime::httpd::bind(&slack.listen, "[bridge.slack] listen").await?;
     let listen = listener.local_addr()?;
     tracing::info!(
-        %listen, api = %slack.api_url, channel = %slack.channel, webhook = slack.webhook_url_env.is_some(), users = slack.users.len(), durable = %slack.durable,
+        %listen, api = %pitcrew_runtime::config::redact_url(&slack.api_url), channel = %slack.channel, webhook = slack.webhook_url_env.is_some(), users = slack.users.len(), durable = %slack.durable,
         "slack bridge running: posting approval requests, callbacks on POST /slack/interactions"
     );
     let served = pitcrew_runtime::httpd::serve(listener, callback::router(app.clone()), shutdown).await;
