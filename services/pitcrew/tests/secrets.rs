@@ -108,13 +108,17 @@ async fn a_secret_a_command_names_reaches_the_program_and_nothing_else() -> anyh
             "[[rule]]\nname = \"rotate\"\nmatch = \"credentials expired\"\ndiagnosis = \"{{service}}: {{error}}\"\n\
              plans = [[\"{{start}}\", \"{{restart}}\", \"touch {healthy}\"]]\n\
              [[rule]]\nname = \"elsewhere\"\nmatch = \"send it\"\ndiagnosis = \"{{service}}: {{error}}\"\n\
-             plans = [[\"touch {healthy}-elsewhere-{{secret:api_key}}\"]]\n"
+             plans = [[\"touch {healthy}-elsewhere-{{secret:api_key}}\"]]\n\
+             [[rule]]\nname = \"keyed\"\nmatch = \"keyed check\"\ndiagnosis = \"{{service}}: {{error}}\"\n\
+             plans = [[\"touch {healthy}-keyed\"]]\n"
         ),
     );
     let text = format!(
         "[reasoning]\nplaybook_file = \"{book}\"\n[services.svc]\nhost = \"local\"\n\
          start = \"echo key={{secret:api_key}}\"\nrestart = \"touch {healthy}-{{secret:api_key}}\"\n\
-         check = {{ kind = \"command\", command = \"test -f {healthy}\" }}\n"
+         check = {{ kind = \"command\", command = \"test -f {healthy}\" }}\n\
+         [services.keyed]\nhost = \"local\"\n\
+         check = {{ kind = \"command\", command = \"test -f {healthy}-keyed --{{secret:api_key}}\" }}\n"
     );
     let mut crew = Crew::start_in(env, &text, &[]).await?;
     let stages: Vec<&str> = Stage::ALL.iter().map(|s| s.as_str()).collect();
@@ -166,6 +170,14 @@ async fn a_secret_a_command_names_reaches_the_program_and_nothing_else() -> anyh
     let again = crew.open("svc", "credentials expired again").await?;
     let end = crew.events.terminal(again, common::WAIT).await?;
     assert_eq!(end.kind, EventKind::Escalated, "{}", end.message);
+    // The escalation says nothing ran, and why.
+    assert!(
+        end.message.contains("(no command of attempt")
+            && end.message.contains("ran: not run by worker w2")
+            && end.message.contains("PITCREW_SECRET_API_KEY"),
+        "{}",
+        end.message
+    );
     let sql = "SELECT idx || ' ' || status || ': ' || coalesce(output, '') FROM executions WHERE run_id = $1 \
                ORDER BY attempt, idx";
     let records = texts(&db, sql, again).await;
@@ -189,6 +201,27 @@ async fn a_secret_a_command_names_reaches_the_program_and_nothing_else() -> anyh
         .await?
         .get(0);
     assert_eq!(barred, 0, "memory would bar the service's own start for every worker");
+
+    // A check this worker cannot run (it names the secret) tells nothing of the service: the
+    // fix that ran is neither a success nor a failure, and no second attempt remediates a
+    // service perhaps healthy: a human looks.
+    let keyed = crew.open("keyed", "keyed check").await?;
+    let end = crew.events.terminal(keyed, common::WAIT).await?;
+    assert_eq!(end.kind, EventKind::Escalated, "{}", end.message);
+    assert!(
+        end.message.contains("cannot verify the fix") && end.message.contains("PITCREW_SECRET_API_KEY"),
+        "{}",
+        end.message
+    );
+    assert!(std::path::Path::new(&format!("{healthy}-keyed")).exists(), "its fix ran");
+    let attempts = texts(&db, "SELECT DISTINCT attempt::text FROM executions WHERE run_id = $1", keyed).await;
+    assert_eq!(attempts, ["1"], "one attempt");
+    let sql = "SELECT success || ' ' || array_to_string(commands, ' ') FROM episodes WHERE run_id = $1";
+    let episodes = texts(&db, sql, keyed).await;
+    assert!(
+        episodes.iter().all(|e| !e.contains("-keyed")),
+        "memory learns nothing of a fix nobody could judge: {episodes:?}"
+    );
     stop(&mut bare)?;
     drop(bare);
     crew.shutdown().await

@@ -2,7 +2,7 @@
 //! diagnose with what failed, until max_retries, then escalate.
 
 use futures::future::BoxFuture;
-use pitcrew_exec::{run_check, CheckOutcome};
+use pitcrew_exec::{run_check, CheckOutcome, Inconclusive};
 use pitcrew_model::{ApprovalStatus, EventKind, ExecutionStatus, RunState, Stage, Verification};
 use pitcrew_runtime::store::{Episode, Record};
 use pitcrew_runtime::{Cx, StageError, StageHandler, Transition};
@@ -68,6 +68,24 @@ fn remember_failed(state: &mut RunState) {
     pitcrew_model::run::add_once(&mut state.failed_commands, tried);
 }
 
+/// A failed check of an attempt none of whose commands ran (each recorded as not run: a
+/// secret the execute worker lacked, the plan left alone) says so, and why: the escalation
+/// would otherwise read as though the fix had been tried.
+fn with_nothing_run(state: &RunState, outcome: CheckOutcome) -> CheckOutcome {
+    let mut records = state.executions.iter().filter(|e| e.attempt == state.attempt).peekable();
+    let first = records.peek().map(|e| e.output.clone());
+    match first {
+        Some(why) if records.all(|e| e.status == ExecutionStatus::Skipped) => {
+            let why = pitcrew_model::trim::clip(why.trim_start_matches("not run: "), 240);
+            CheckOutcome {
+                detail: format!("{} (no command of attempt {} ran: {why})", outcome.detail, state.attempt),
+                ..outcome
+            }
+        }
+        _ => outcome,
+    }
+}
+
 impl StageHandler for Verify {
     fn stage(&self) -> Stage {
         Stage::Verify
@@ -114,19 +132,25 @@ impl StageHandler for Verify {
             } else {
                 outcome
             };
-            if !recovered && outcome.host_unreachable {
-                // Nothing is known of the service: the fix is neither a success nor a failure
-                // (memory would bar a command that may have worked), and a human must look.
+            if let Some(why) = outcome.inconclusive.filter(|_| !recovered) {
+                // Nothing is known of the service (its host did not answer, or the check's
+                // command did not run: a secret this worker lacks, its program missing): the
+                // fix is neither a success nor a failure (memory would bar a command that may
+                // have worked, another attempt would remediate a service perhaps healthy), and
+                // a human must look.
                 cx.emit(
                     EventKind::Verification,
                     format!("cannot verify: {}", outcome.detail),
                     serde_json::json!({ "recovered": null, "attempt": state.attempt }),
                 );
-                return Ok(Transition::Escalate(format!(
-                    "cannot reach {} to verify the fix: {}",
-                    spec.host, outcome.detail
-                )));
+                return Ok(Transition::Escalate(match why {
+                    Inconclusive::Unreachable => {
+                        format!("cannot reach {} to verify the fix: {}", spec.host, outcome.detail)
+                    }
+                    Inconclusive::NotRun => format!("cannot verify the fix: {}", outcome.detail),
+                }));
             }
+            let outcome = if recovered { outcome } else { with_nothing_run(state, outcome) };
             state.verification =
                 Some(Verification { attempt: state.attempt, recovered, detail: outcome.detail.clone() });
             cx.emit(

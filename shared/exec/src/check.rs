@@ -27,9 +27,10 @@ pub struct CheckOutcome {
     pub detail: String,
     /// The response body or command stdout, trimmed to 4096 bytes (evidence for diagnosis).
     pub output: String,
-    /// The check's command could not reach its host (`ExecError::Unreachable`): nothing is
-    /// known of the service, so a fix must not be judged by it.
-    pub host_unreachable: bool,
+    /// The check's command did not run, or may not have (its host unreachable, a secret this
+    /// worker lacks, its program missing, a failed channel): nothing is known of the service,
+    /// so a fix must not be judged by it.
+    pub inconclusive: Option<Inconclusive>,
 }
 
 impl CheckOutcome {
@@ -37,13 +38,17 @@ impl CheckOutcome {
     /// both as evidence, and a check's URL, command line, body or output may carry a secret.
     fn new(healthy: bool, detail: String, output: &str) -> Self {
         let output = trim_output(output, MAX_OUTPUT);
-        Self {
-            healthy,
-            detail: one_line(&redact(&detail)),
-            output: redact(&output).into_owned(),
-            host_unreachable: false,
-        }
+        Self { healthy, detail: one_line(&redact(&detail)), output: redact(&output).into_owned(), inconclusive: None }
     }
+}
+
+/// Why a check told nothing of the service.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Inconclusive {
+    /// Its host did not answer or refused the login.
+    Unreachable,
+    /// Anything else that kept its command from running (or from being known to have run).
+    NotRun,
 }
 
 /// Run one health check. Never errors: an unreachable service is an unhealthy outcome with
@@ -161,7 +166,10 @@ async fn command_check(
         Ok(out) => out,
         Err(e) => {
             let mut outcome = CheckOutcome::new(false, format!("`{shown}` on {host}: {e}"), "");
-            outcome.host_unreachable = matches!(e, crate::ExecError::Unreachable(_));
+            outcome.inconclusive = Some(match e {
+                crate::ExecError::Unreachable(_) => Inconclusive::Unreachable,
+                _ => Inconclusive::NotRun,
+            });
             return outcome;
         }
     };

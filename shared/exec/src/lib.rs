@@ -9,7 +9,7 @@ pub mod ssh;
 pub mod sshd;
 pub mod watchdog;
 
-pub use check::{run_check, CheckOutcome};
+pub use check::{run_check, CheckOutcome, Inconclusive};
 pub use local::LocalExecutor;
 pub use ssh::SshExecutor;
 
