@@ -64,6 +64,29 @@ fn policy_rules(state: &RunState) -> Vec<String> {
     rules
 }
 
+/// Why this state may not resolve its run: only a verification of its attempt that saw the
+/// service recovered closes it (a state that reached report otherwise, by a bug of a stage or
+/// a message nobody's stage sent, goes to a human).
+pub fn unverified(state: &RunState) -> Option<String> {
+    match &state.verification {
+        Some(v) if v.recovered && v.attempt == state.attempt => None,
+        Some(v) if v.attempt == state.attempt => {
+            Some(format!("reached report though attempt {} did not recover: {}", state.attempt, v.detail))
+        }
+        _ => Some(format!("reached report without a verification of attempt {}", state.attempt)),
+    }
+}
+
+/// The commands this attempt ran (whatever their end), in order: not those it left alone.
+fn ran(state: &RunState) -> Vec<&str> {
+    state
+        .executions
+        .iter()
+        .filter(|e| e.attempt == state.attempt && e.status != ExecutionStatus::Skipped)
+        .map(|e| e.command.as_str())
+        .collect()
+}
+
 impl StageHandler for Report {
     fn stage(&self) -> Stage {
         Stage::Report
@@ -75,6 +98,9 @@ impl StageHandler for Report {
         cx: &'a mut Cx<'_>,
     ) -> BoxFuture<'a, Result<Transition, StageError>> {
         Box::pin(async move {
+            if let Some(why) = unverified(state) {
+                return Ok(Transition::Escalate(why));
+            }
             let elapsed = (chrono::Utc::now() - state.started_at).num_milliseconds();
             cx.emit(
                 EventKind::Resolved,
@@ -82,7 +108,7 @@ impl StageHandler for Report {
                 serde_json::json!({
                     "attempts": state.attempt,
                     "diagnosis": state.diagnosis().map(|d| d.summary.clone()),
-                    "commands": state.plan.as_ref().map(|p| p.commands.clone()),
+                    "commands": ran(state),
                     "approval": state.approval,
                     "policy_rules": policy_rules(state),
                     "elapsed_ms": elapsed,
@@ -161,5 +187,22 @@ mod tests {
             "resolved web after 2 attempt(s): ran nothing (run 7 remediated web on web-1 since this run opened, and its \
              check passes now); approved by ann (policy rule kill-9); GET / -> 200"
         );
+        assert!(ran(&s).is_empty(), "the event names no command left alone");
+        s.executions[0].status = ExecutionStatus::Failed;
+        assert_eq!(ran(&s), ["a"]);
+    }
+
+    #[test]
+    fn only_a_verified_recovery_of_the_attempt_resolves() {
+        let mut s = RunState::new(uuid::Uuid::nil(), Incident::new("web", "down"));
+        s.attempt = 2;
+        let why = unverified(&s).expect("no verification");
+        assert_eq!(why, "reached report without a verification of attempt 2");
+        s.verification = Some(Verification { attempt: 1, recovered: true, detail: "GET / -> 200".into() });
+        assert!(unverified(&s).is_some(), "an earlier attempt's recovery is not this one's");
+        s.verification = Some(Verification { attempt: 2, recovered: false, detail: "GET / -> 503".into() });
+        assert_eq!(unverified(&s).unwrap(), "reached report though attempt 2 did not recover: GET / -> 503");
+        s.verification = Some(Verification { attempt: 2, recovered: true, detail: "GET / -> 200".into() });
+        assert_eq!(unverified(&s), None);
     }
 }
