@@ -95,7 +95,14 @@ async fn a_command_that_leaves_a_daemon_holding_its_output_ends_when_it_exits() 
     // The daemon itself is left running (a start script's service must be).
     let alive = f.run("box", "pgrep -f 'sleep 25.0417'", T).await?;
     assert_eq!(alive.exit_code, Some(0), "{alive:?}");
-    f.run("box", "pkill -f 'sleep 25.0417'", T).await?;
+    // The command's words are not in the argv of what runs it on the host: `pkill -f` signals
+    // the daemon alone (not its own `timeout`), and `pgrep -f` then finds nothing.
+    let killed = f.run("box", "pkill -f 'sleep 25.0417'", T).await?;
+    assert_eq!((killed.exit_code, killed.timed_out), (Some(0), false), "{killed:?}");
+    let gone = f.run("box", "pgrep -f 'sleep 25.0417'", T).await?;
+    assert_eq!(gone.exit_code, Some(1), "{gone:?}");
+    let none = f.run("box", "pgrep -f no-such-proc-zq9", T).await?;
+    assert_eq!(none.exit_code, Some(1), "{none:?}");
     Ok(())
 }
 

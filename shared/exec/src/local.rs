@@ -174,7 +174,8 @@ impl LocalExecutor {
             }
         };
         if let Some(e) = wait_error {
-            err.extend_from_slice(e.as_bytes());
+            // Kept whole past a full stderr: it says why there is no exit code.
+            append_within(&mut err, self.max_output, &e);
         }
         // Still open after the leader exited: something it started holds them.
         let held: Vec<Box<dyn AsyncRead + Send + Unpin>> = [
@@ -358,7 +359,7 @@ fn linger(program: &str, pipes: Vec<Box<dyn AsyncRead + Send + Unpin>>, max: usi
 /// output rather than the line: it is never the part cut off. A known secret the cut goes
 /// through is marked redacted: whole values are redacted later, but not the start of one
 /// left before a line that is not the end of the text.
-fn append_within(buf: &mut Vec<u8>, max: usize, line: &str) {
+pub(crate) fn append_within(buf: &mut Vec<u8>, max: usize, line: &str) {
     use pitcrew_model::redact::{redact_cut, MARK};
     let room = max.saturating_sub(line.len());
     if buf.len() > room {

@@ -284,10 +284,16 @@ impl SshExecutor {
             self.hosts.get(host).ok_or_else(|| ExecError::UnknownHost(host.to_string()))?.connect_timeout();
         ready().await.map_err(ExecError::Transient)?;
         let started = Instant::now();
-        // The remote `timeout` kills the command at the deadline even if our channel dies.
+        // The remote `timeout` kills the command at the deadline even if our channel dies. The
+        // command's words reach it on stdin, not in the argv of `timeout` or of the login
+        // shell: `pgrep -f app` would find them there and always succeed (and `pkill -f app`
+        // signal its own `timeout`). A nonce ends them, so a text cut short runs nothing.
+        let nonce = uuid::Uuid::new_v4().simple().to_string();
+        let words: Vec<String> = argv.iter().map(|a| quoted(a)).collect();
+        let text = format!("{}\n{nonce}", words.join(" "));
         let mut cmd = Session::to_command(session.clone(), "timeout");
-        cmd.args(["-k", "2", &remote_limit(timeout)]).raw_args(argv.iter().map(|a| quoted(a)));
-        cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
+        cmd.args(["-k", "2", &remote_limit(timeout)]).raw_args(["sh", "-c", &quoted(FROM_STDIN), "sh", &nonce]);
+        cmd.stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::piped());
         let mut child = match tokio::time::timeout(open_within, cmd.spawn()).await {
             Ok(spawned) => spawned.map_err(|e| ExecError::Transient(format!("ssh to {host}: {e}")))?,
             Err(_) => {
@@ -304,10 +310,21 @@ impl SshExecutor {
         // The host's `timeout` counts from the channel's opening, up to `open_within` later.
         let opened = Instant::now();
         let (mut stdout, mut stderr) = (child.stdout().take(), child.stderr().take());
+        let stdin = child.stdin().take();
         let (mut out, mut err) = (Vec::new(), Vec::new());
         let max = self.max_output;
+        let feed = async move {
+            use tokio::io::AsyncWriteExt;
+            // A write that fails leaves the text without its nonce: the host runs nothing.
+            if let Some(mut stdin) = stdin {
+                if stdin.write_all(text.as_bytes()).await.is_ok() {
+                    let _ = stdin.shutdown().await;
+                }
+            }
+        };
         let run = async {
-            let (_, _, status) = tokio::join!(
+            let (_, _, _, status) = tokio::join!(
+                feed,
                 read_capped(&mut stdout, max, &mut out),
                 read_capped(&mut stderr, max, &mut err),
                 child.wait()
@@ -345,12 +362,14 @@ impl SshExecutor {
                 // as failed: never as something to retry.
                 let left = timeout.saturating_add(LOCAL_GRACE).saturating_sub(opened.elapsed());
                 tokio::time::sleep(left).await;
-                err.extend_from_slice(
-                    format!(
+                // Kept whole past a full stderr: it says why there is no exit code.
+                crate::local::append_within(
+                    &mut err,
+                    max,
+                    &format!(
                         "\npitcrew: ssh to {host} failed while running: {e} (reported once its deadline had passed: \
                          the host's `timeout` ends it by then)"
-                    )
-                    .as_bytes(),
+                    ),
                 );
                 (None, false)
             }
@@ -359,6 +378,9 @@ impl SshExecutor {
         let stderr = pitcrew_model::trim::text_within(&err, self.max_output);
         if not_found(exit_code, &stderr) {
             return Err(ExecError::Spawn { program: argv[0].clone(), error: format!("not found on {host}") });
+        }
+        if exit_code == Some(CUT_SHORT) && stderr.starts_with(CUT_SHORT_SAID) {
+            return Err(ExecError::Transient(format!("ssh to {host}: {}", stderr.trim_end())));
         }
         Ok(CommandOutput {
             exit_code,
@@ -476,8 +498,21 @@ fn connect_error(host: &str, spec: &HostSpec, e: openssh::Error) -> ExecError {
 /// The prefix is all that may arrive: coreutils writes it apart from the rest of the message,
 /// and a remote command's last stderr has been seen cut after it (`timeout: `).
 fn not_found(exit_code: Option<i32>, stderr: &str) -> bool {
-    exit_code == Some(127) && stderr.starts_with("timeout: ")
+    exit_code == Some(127) && (stderr.starts_with("timeout: ") || stderr.starts_with(NOT_FOUND_SAID))
 }
+
+/// What the host's `sh` runs under `timeout`: the command's words, read from stdin up to the
+/// nonce (`$1`), each as one argument (as `quoted` wrote it); its program looked up first, so
+/// a missing one is told apart from a command's own exit 127. Without the nonce at the end
+/// (the text cut short) nothing runs.
+const FROM_STDIN: &str = r#"c=$(cat); case $c in *"$1") ;; *) echo "pitcrew: the command did not arrive whole: nothing ran" >&2; exit 125;; esac; eval "set -- ${c%"$1"}"; command -v "$1" >/dev/null 2>&1 || { echo "pitcrew: not found: $1" >&2; exit 127; }; exec "$@""#;
+
+/// `FROM_STDIN`'s exit and first words when the text was cut short.
+const CUT_SHORT: i32 = 125;
+const CUT_SHORT_SAID: &str = "pitcrew: the command did not arrive whole";
+
+/// `FROM_STDIN`'s first words when the program is not on the host.
+const NOT_FOUND_SAID: &str = "pitcrew: not found: ";
 
 #[cfg(test)]
 mod tests {
@@ -559,8 +594,47 @@ mod tests {
         assert!(not_found(Some(127), said));
         assert!(not_found(Some(127), "timeout: "), "its message cut after the prefix");
         assert!(!not_found(Some(127), "sh: 1: nope: not found\n"), "the command's own 127");
+        assert!(not_found(Some(127), "pitcrew: not found: nope\n"), "the wrapper's look-up");
+        assert!(!not_found(Some(1), "pitcrew: not found: nope\n"));
         assert!(!not_found(Some(126), "timeout: failed to run command 'x': Permission denied\n"));
         assert!(!not_found(Some(0), ""));
+    }
+
+    /// What the host's `sh` makes of the text `run_ssh` sends it: every word whole, a text
+    /// cut short nothing, a missing program told apart.
+    #[test]
+    fn the_words_sent_on_stdin_run_as_one_argv_and_only_whole() {
+        use std::io::Write;
+        let run = |text: &str, nonce: &str| {
+            let mut child = std::process::Command::new("sh")
+                .args(["-c", FROM_STDIN, "sh", nonce])
+                .stdin(std::process::Stdio::piped())
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .expect("sh");
+            child.stdin.take().unwrap().write_all(text.as_bytes()).unwrap();
+            let out = child.wait_with_output().unwrap();
+            (
+                out.status.code(),
+                String::from_utf8_lossy(&out.stdout).into_owned(),
+                String::from_utf8_lossy(&out.stderr).into_owned(),
+            )
+        };
+        let words = ["printf", "%s|", "a b", "it's", "$(id) `id` $HOME * ;", "line\nnext", "--x=\\", "-"];
+        let text = words.iter().map(|w| quoted(w)).collect::<Vec<_>>().join(" ");
+        let (code, out, _) = run(&format!("{text}\nn0nce"), "n0nce");
+        assert_eq!((code, out.as_str()), (Some(0), "a b|it's|$(id) `id` $HOME * ;|line\nnext|--x=\\|-|"));
+        // Cut short: the nonce missing, or only part of it.
+        for cut in [text.clone(), format!("{text}\nn0n")] {
+            let (code, out, err) = run(&cut, "n0nce");
+            assert_eq!((code, out.as_str()), (Some(CUT_SHORT), ""), "{err}");
+            assert!(err.starts_with(CUT_SHORT_SAID), "{err}");
+        }
+        let (code, _, err) = run("no-such-program-zq9 x\nn0nce", "n0nce");
+        assert!(not_found(code, &err), "{code:?} {err}");
+        let (code, _, err) = run("sh -c 'exit 127'\nn0nce", "n0nce");
+        assert!(code == Some(127) && !not_found(code, &err), "the command's own 127: {err}");
     }
 
     #[test]
