@@ -77,6 +77,7 @@ const BUILT_IN: &[&str] = &[
     "empty-plan",
     "too-many-commands",
     "invisible-character",
+    "control-character",
     "non-ascii-program",
     "secret-as-program",
     "secret-use",
@@ -317,6 +318,13 @@ impl Policy {
                 let why = format!("contains the invisible character U+{:04X}", c as u32);
                 forbidden.push(hit("invisible-character", FORBIDDEN, why));
             }
+            // An escape sequence, a backspace or a line separator in a command changes how it
+            // shows on a terminal or in a chat: an approver would approve what they see, not
+            // what runs (`rm -f a '\x1b[8m' /srv/data` hides its last argument).
+            if let Some(c) = cmd.chars().find(|c| is_control(*c)) {
+                let why = format!("contains the control character U+{:04X}", c as u32);
+                forbidden.push(hit("control-character", FORBIDDEN, why));
+            }
             let unwrapped = shell::unwrap(&argv);
             if let Some(why) = &unwrapped.opaque {
                 forbidden.push(hit("opaque-command", FORBIDDEN, why.clone()));
@@ -488,6 +496,13 @@ impl Policy {
 /// wrapped).
 pub fn elevated(command: &str) -> bool {
     shell_words::split(command).is_ok_and(|argv| shell::unwrap(&argv).elevated)
+}
+
+/// Control characters but the tab (which reads as the space it splits like) and those
+/// `shell-construct` names (newline, carriage return, NUL), and the Unicode line and
+/// paragraph separators.
+fn is_control(c: char) -> bool {
+    (c.is_control() && !matches!(c, '\t' | '\n' | '\r' | '\0')) || matches!(c, '\u{2028}' | '\u{2029}')
 }
 
 /// Zero-width, joiner, direction and other format characters that render as nothing.

@@ -802,6 +802,25 @@ fn malformed_plans_are_rejected_by_built_in_rules() {
 }
 
 #[test]
+fn control_characters_that_change_what_a_command_shows_are_forbidden() {
+    let p = Policy::default_policy();
+    // Concealed text, a backspace over a word, a C1 control, DEL, Unicode line separators.
+    for cmd in [
+        "rm -f /tmp/web.lock '\u{1b}[8m' /srv/app/data",
+        "touch /tmp/ok\u{8}\u{8}\u{8}",
+        "touch /tmp/a\u{85}b",
+        "touch /tmp/a\u{7f}",
+        "touch '/tmp/a\u{2028}b'",
+        "touch '/tmp/a\u{2029}b'",
+    ] {
+        let d = p.gate(&plan(&[cmd]));
+        assert_eq!(d.rule(), Some("control-character"), "{cmd:?}: {d:?}");
+    }
+    // A tab splits words as a space does, and shows as one.
+    assert!(first_hit(&p, "touch\t/tmp/ok").is_none());
+}
+
+#[test]
 fn load_errors_name_the_rule() {
     let err =
         Policy::from_toml("[[forbidden]]\nname = \"bad\"\nreason = \"r\"\npattern = \"(\"\n").unwrap_err().to_string();
