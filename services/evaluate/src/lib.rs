@@ -41,6 +41,9 @@ fn facts(summary: &str) -> Vec<String> {
         .collect()
 }
 
+/// Letters and digits a ground must hold to count as one.
+const MIN_GROUND: usize = 4;
+
 /// A judge scoring below this sends the plan back.
 pub const JUDGE_PASS: f64 = 0.5;
 
@@ -68,11 +71,14 @@ pub fn assess(state: &RunState, found: &Findings, max_attempts: u32) -> Evaluati
     // detail is the command the model itself wrote, and a failed call's output mostly echoes
     // it (`cat: 'pid 42 holds :8080': No such file`): only what a call that worked answered
     // counts, so a model cannot ground a claim in its own words.
-    let observed: Vec<String> = std::iter::once(state.incident.error.to_lowercase())
+    // Each observation with, for a tool call's answer, the words of the call: a quote the call
+    // itself holds is no observation either (`ps -o 'pid=port 8080 is held by pid 4242'`
+    // works, and prints its header: the model's words).
+    let observed: Vec<(String, Option<String>)> = std::iter::once((state.incident.error.to_lowercase(), None))
         .chain(state.current_evidence().flat_map(|e| {
             let tool = e.source == "tool";
-            let detail = (!tool).then(|| e.detail.to_lowercase());
-            let output = (!tool || e.ok).then(|| e.output.to_lowercase());
+            let detail = (!tool).then(|| (e.detail.to_lowercase(), None));
+            let output = (!tool || e.ok).then(|| (e.output.to_lowercase(), tool.then(|| e.detail.to_lowercase())));
             detail.into_iter().chain(output)
         }))
         .collect();
@@ -82,15 +88,26 @@ pub fn assess(state: &RunState, found: &Findings, max_attempts: u32) -> Evaluati
         .flatten()
         .map(|n| n.to_lowercase())
         .collect();
-    let seen = |fact: &str| observed.iter().any(|o| o.contains(fact)) || names.iter().any(|n| n == fact);
+    let seen = |fact: &str| observed.iter().any(|(o, _)| o.contains(fact)) || names.iter().any(|n| n == fact);
+    let quoted = |ground: &str| {
+        observed.iter().any(|(o, own)| o.contains(ground) && own.as_ref().is_none_or(|w| !w.contains(ground)))
+    };
+    // A ground too short to say anything (`…`, `.`, `e`) is found in any text: none counts.
+    let grounds: Vec<String> = state.diagnosis().map_or_else(Vec::new, |d| {
+        d.grounds
+            .iter()
+            .map(|g| g.trim().trim_end_matches('…').trim().to_lowercase())
+            .filter(|g| g.chars().filter(|c| c.is_alphanumeric()).count() >= MIN_GROUND)
+            .collect()
+    });
     let (grounded, detail) = match state.diagnosis() {
         None => (false, "no diagnosis for this attempt".to_string()),
-        Some(d) if d.grounds.is_empty() => (false, "the diagnosis cites no observed evidence".to_string()),
-        Some(d) => match d.grounds.iter().find(|g| !seen(g.to_lowercase().trim_end_matches('…'))) {
+        Some(_) if grounds.is_empty() => (false, "the diagnosis cites no observed evidence".to_string()),
+        Some(d) => match grounds.iter().find(|g| !quoted(g)) {
             Some(g) => (false, format!("claim not backed by anything observed in this run: '{g}'")),
             None => match facts(&d.summary).into_iter().find(|f| !seen(f)) {
                 Some(f) => (false, format!("the diagnosis states '{f}', which nothing observed in this run shows")),
-                None => (true, format!("{} ground(s) found in observed evidence", d.grounds.len())),
+                None => (true, format!("{} ground(s) found in observed evidence", grounds.len())),
             },
         },
     };
@@ -387,11 +404,34 @@ mod tests {
             assess(s, &found(&[], &["systemctl"], None), 3).checks.into_iter().find(|c| c.name == "grounded").unwrap()
         };
         assert!(!grounded(&s).passed, "neither the model's command line nor a failure's echo of it is an observation");
-        // What the host answered to a call that worked is.
+        // Nor is a call that worked and printed the model's own words back.
         let last = s.evidence.last_mut().unwrap();
         last.ok = true;
+        last.detail = "ps -p 1 -o 'pid=pid 4242 holds port 8080'".into();
+        last.output = "pid 4242 holds port 8080\n  1\n".into();
+        assert!(!grounded(&s).passed, "a header the model wrote is not an observation");
+        // What the host answered to a call that worked is.
+        let last = s.evidence.last_mut().unwrap();
+        last.detail = "ss -ltnp".into();
         last.output = "LISTEN 0 128 *:8080 users:((\"x\",pid=4242)) pid 4242 holds port 8080".into();
         assert!(grounded(&s).passed);
+    }
+
+    #[test]
+    fn grounds_too_short_to_say_anything_ground_nothing() {
+        for grounds in [&["…"][..], &["."], &["e", " refused "], &["  ", "50"]] {
+            let mut s = state(grounds, &["systemctl restart web"]);
+            s.diagnosis_log[0].summary = "the config is invalid".into();
+            let ev = assess(&s, &found(&[], &["systemctl"], None), 3);
+            let check = ev.checks.iter().find(|c| c.name == "grounded").unwrap();
+            if grounds.contains(&" refused ") {
+                // One real ground among them: the short ones are left out, not held against it.
+                assert!(check.passed, "{grounds:?}: {check:?}");
+            } else {
+                assert!(!check.passed && check.detail.contains("cites no observed evidence"), "{grounds:?}: {check:?}");
+                assert_eq!(ev.verdict, Verdict::Regenerate, "{grounds:?}");
+            }
+        }
     }
 
     #[test]
