@@ -737,6 +737,45 @@ async fn a_statement_stuck_behind_a_lock_fails_at_the_timeout_and_its_retry_succ
     Ok(())
 }
 
+/// A request's deadline is kept by Postgres's clock, however wrong the clock of the worker
+/// that made it: one an hour behind would have its requests expired at once.
+#[tokio::test]
+async fn an_approval_deadline_follows_the_database_clock() -> anyhow::Result<()> {
+    let db = TestDb::create().await?;
+    let store = store(&db).await?;
+    let mut state = open_runs(&store, 1).await?.remove(0);
+    let run = state.run_id;
+    let behind = Utc::now() - chrono::Duration::hours(1);
+    let req = pitcrew_model::ApprovalRequest {
+        run_id: run,
+        service: "svc-0".into(),
+        host: None,
+        error: "down".into(),
+        attempt: 1,
+        plan: vec!["systemctl restart svc-0".into()],
+        plan_hash: "h1".into(),
+        risk: "critical".into(),
+        rule: "restart".into(),
+        diagnosis: "down".into(),
+        evidence: vec![],
+        requested_at: behind,
+        expires_at: behind + chrono::Duration::seconds(600),
+        quorum: 1,
+    };
+    state.seq += 1;
+    let records = vec![Record::Approval(Box::new(req))];
+    assert!(store.commit_transition_with(&state, RunStatus::WaitingApproval, &[], records).await?, "parked");
+    assert!(store.approval_expired(run, "h1", 3).await?.is_none(), "ten minutes from now, by Postgres");
+    assert!(store.pending_approvals(true, 10).await?.is_empty(), "none expired");
+    let pg = db.client().await?;
+    let left: f64 = pg
+        .query_one("SELECT extract(epoch FROM expires_at - now())::float8 FROM approvals WHERE run_id = $1", &[&run])
+        .await?
+        .get(0);
+    assert!((590.0..=600.0).contains(&left), "{left}");
+    Ok(())
+}
+
 #[tokio::test]
 async fn an_expiry_written_for_a_late_approval_is_found_again_on_its_redelivery() -> anyhow::Result<()> {
     let db = TestDb::create().await?;

@@ -297,11 +297,13 @@ const LLM_USAGE: &str = ",
              at = now())";
 
 /// Approval requests, written with the park that waits for them (see `Record::Approval`).
+/// Their times are Postgres's (the request's timeout from now), as every check of a deadline
+/// is: a worker's clock may be off.
 const APPROVALS: &str = ",
      req AS (
          INSERT INTO approvals (run_id, plan_hash, attempt, commands, risk, rule, requested_at, expires_at, quorum)
          SELECT a.run_id, a.plan_hash, a.attempt, ARRAY(SELECT jsonb_array_elements_text(a.commands)), a.risk,
-                a.rule, a.requested_at, a.expires_at, a.quorum
+                a.rule, now(), now() + (a.expires_at - a.requested_at), a.quorum
          FROM unnest($?::int8[], $?::uuid[], $?::text[], $?::int4[], $?::jsonb[], $?::text[], $?::text[],
                      $?::timestamptz[], $?::timestamptz[], $?::int4[])
               AS a(item, run_id, plan_hash, attempt, commands, risk, rule, requested_at, expires_at, quorum)
