@@ -420,6 +420,21 @@ impl Tools for EvidenceTools<'_> {
         Box::pin(tracing::Instrument::instrument(
             async move {
                 let out = match name {
+                    // Refused before anything reads them: kept, they would ride in the run's
+                    // state and in every later prompt.
+                    _ if arguments.len() > MAX_TOOL_ARGUMENTS => {
+                        let why = format!(
+                            "arguments of {} bytes, more than the {MAX_TOOL_ARGUMENTS} a tool call may have",
+                            arguments.len()
+                        );
+                        let asked = format!(
+                            "{} {}",
+                            pitcrew_model::trim::clip(name, 64),
+                            pitcrew_model::trim::clip(arguments, 200)
+                        );
+                        self.keep(false, &asked, String::new(), format!("tool call not run: {why}"));
+                        ToolOutput { ok: false, output: format!("refused: {why}") }
+                    }
                     "run_command" => self.run_command(arguments).await,
                     other => match self.web.filter(|w| w.offers(other)) {
                         Some(w) => self.web_call(w, other, arguments).await,
@@ -439,6 +454,10 @@ impl Tools for EvidenceTools<'_> {
         ))
     }
 }
+
+/// Largest arguments of one tool call, in bytes: a command the policy reads is at most 4096
+/// (`MAX_COMMAND_LEN`), a query about as long.
+const MAX_TOOL_ARGUMENTS: usize = 8192;
 
 /// How long one evidence command may run.
 const EVIDENCE_WITHIN: Duration = Duration::from_secs(10);
@@ -778,6 +797,25 @@ mod web_tests {
             assert!(!out.ok && out.output.contains("never runs under sudo"), "{cmd}: {out:?}");
         }
         assert!(tools.call("run_command", r#"{"command": "cat /etc/hostname"}"#).await.ok);
+    }
+
+    /// Arguments past the bound are refused unread, and what is kept of them is bounded: the
+    /// run's state and every later prompt carry it.
+    #[tokio::test]
+    async fn an_oversized_tool_call_is_refused_and_kept_short() {
+        let (exec, policy, flights) = (LocalExecutor::new(4096), Policy::default_policy(), Flights::default());
+        let tools = EvidenceTools::new("local", 1, flights.any(&exec), &policy);
+        let huge = format!("cat /etc/hostname {}", "x".repeat(1 << 20));
+        let out = tools.call("run_command", &json!({ "command": huge }).to_string()).await;
+        assert!(!out.ok && out.output.contains("more than the 8192 a tool call may have"), "{}", out.output.len());
+        let kept = tools.take();
+        assert_eq!(kept.len(), 1);
+        let (ev, line) = &kept[0];
+        assert!(ev.detail.len() <= 300 && line.len() <= 300, "{} {}", ev.detail.len(), line.len());
+        // And any evidence's detail is bounded in the state.
+        let mut state = RunState::new(uuid::Uuid::nil(), pitcrew_model::Incident::new("web", "down"));
+        state.push_evidence(Evidence { detail: "y".repeat(1 << 20), ..ev.clone() });
+        assert!(state.evidence[0].detail.len() <= pitcrew_model::run::MAX_DETAIL + "…".len());
     }
 
     /// A model turn's calls run together: all of them at once still get no more than the

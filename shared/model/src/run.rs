@@ -13,6 +13,8 @@ pub const RUN_STATE_VERSION: u32 = 1;
 pub const MAX_EVIDENCE: usize = 32;
 /// Bytes of output kept per evidence item or execution in the state.
 pub const MAX_OUTPUT: usize = 4096;
+/// Bytes kept of what an evidence item ran or asked (its `detail`).
+pub const MAX_DETAIL: usize = 2048;
 
 /// A diagnosis: what the reasoning provider believes is wrong.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
@@ -281,7 +283,9 @@ impl RunState {
     /// Add evidence, keeping the list and each output bounded.
     pub fn push_evidence(&mut self, mut ev: Evidence) {
         ev.output = crate::redact::kept(&ev.output, MAX_OUTPUT);
-        ev.detail = crate::redact::redact(&ev.detail).into_owned();
+        // What was run or asked: a tool call's is the model's words, bounded here for every
+        // source.
+        ev.detail = crate::trim::clip(&crate::redact::redact(&ev.detail), MAX_DETAIL);
         self.evidence.push(ev);
         if self.evidence.len() > MAX_EVIDENCE {
             let drop = self.evidence.len() - MAX_EVIDENCE;
