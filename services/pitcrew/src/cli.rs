@@ -282,6 +282,52 @@ fn kind_outcome(kind: EventKind) -> &'static str {
     }
 }
 
+/// Close an open or parked run by hand, as escalated by `by` for `reason`: a run nothing moves
+/// any more (its message lost, its stage's upgrade rolled back) holds its fingerprint, and
+/// every incident with it would be folded into it. Its requests for approval are denied, its
+/// target freed (a holder lets go once its run is closed), and a step still under way finds
+/// it closed and does nothing more. The escalated event goes to Postgres and the bus, as any
+/// run's end.
+pub async fn abandon(
+    bus: &Bus,
+    store: &Store,
+    cfg: &Config,
+    run: Uuid,
+    by: &str,
+    reason: &str,
+) -> anyhow::Result<RunEvent> {
+    use pitcrew_runtime::store::RunStatus;
+    let reason = pitcrew_model::redact::redact(reason.trim()).into_owned();
+    if reason.is_empty() {
+        bail!("say why: --reason is empty");
+    }
+    let Some(stored) = store.load_run(run).await? else { bail!("no run {run}") };
+    if !matches!(stored.status, RunStatus::Open | RunStatus::WaitingApproval) {
+        bail!("run {run} is {} already", stored.status.as_str());
+    }
+    let mut state = stored.state;
+    let was = (state.step, state.seq);
+    let why = format!("closed by {by}: {reason}");
+    state.escalate(why.clone());
+    let event = RunEvent {
+        run_id: run,
+        seq: state.seq,
+        index: 0,
+        stage: pitcrew_model::Stage::Escalate,
+        kind: EventKind::Escalated,
+        message: format!("escalated {}: {why}", state.incident.service),
+        data: state.escalated_data(&why),
+        worker: cfg.worker(),
+        at: chrono::Utc::now(),
+    };
+    if !store.commit_transition(&state, RunStatus::Escalated, std::slice::from_ref(&event)).await? {
+        bail!("run {run} moved on from {} (seq {}) while it was being closed: look again", was.0, was.1);
+    }
+    store.deny_pending(run, by, &why).await?;
+    pitcrew_runtime::runner::publish_events(bus, std::slice::from_ref(&event)).await?;
+    Ok(event)
+}
+
 /// Connect to Postgres for a read-only command.
 pub async fn store(cfg: &Config) -> anyhow::Result<Store> {
     Ok(Store::connect(&cfg.database).await?)

@@ -106,6 +106,15 @@ enum Command {
         #[arg(long)]
         attempt: Option<u32>,
     },
+    /// Close a run nothing moves any more (open or waiting for approval) as escalated: its
+    /// fingerprint is free for the next incident, its pending approvals denied.
+    Abandon {
+        run: Uuid,
+        #[arg(long)]
+        by: String,
+        #[arg(long)]
+        reason: String,
+    },
     /// Recent runs and their outcomes.
     Incidents {
         #[arg(long, default_value_t = 20)]
@@ -416,6 +425,16 @@ async fn run(args: Args, cfg: Option<Config>) -> anyhow::Result<()> {
             };
             let req = cli::submit(&bus, store.as_ref(), input).await?;
             println!("denied plan {} of run {run}", req.plan_hash);
+            Ok(())
+        }
+        Command::Abandon { run, by, reason } => {
+            if let Some(why) = cfg.refuse_approver(&by) {
+                bail!("{why}");
+            }
+            let bus = Bus::connect(&cfg).await?;
+            let store = cli::store(&cfg).await?;
+            let end = cli::abandon(&bus, &store, &cfg, run, &by, &reason).await?;
+            println!("{}", end.message);
             Ok(())
         }
         Command::Incidents { limit } => cli::incidents(&cli::store(&cfg).await?, limit).await,

@@ -184,6 +184,53 @@ async fn a_forbidden_plan_is_escalated_and_nothing_runs() -> anyhow::Result<()> 
     crew.shutdown().await
 }
 
+/// A run nothing will move any more holds its fingerprint: `pitcrew abandon` closes it as
+/// escalated, by an approver and for a reason, denies what it waited on, and the next
+/// incident with the fingerprint opens a run of its own instead of being folded into it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_abandoned_run_frees_its_fingerprint_for_the_next_incident() -> anyhow::Result<()> {
+    let mut crew = crew_with_playbook("").await?;
+    let fp = Some("stale-lock-fp".to_string());
+    let run = crew.open_with("svc", "stale lock held", fp.clone()).await?;
+    crew.events.kind(run, EventKind::ApprovalRequested, WAIT).await?;
+    let folded = crew.open_with("svc", "stale lock held", fp.clone()).await?;
+    assert_eq!(crew.events.terminal(folded, WAIT).await?.kind, EventKind::Duplicate, "folded into the parked run");
+    let config = crew.config_file()?;
+    let id = run.to_string();
+    // Only an approver, with a reason.
+    let (code, _, err) = pitcrew_cli(&config, &["abandon", &id, "--by", "mallory", "--reason", "x"]).await?;
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains("mallory"), "{err}");
+    let (code, said, err) =
+        pitcrew_cli(&config, &["abandon", &id, "--by", "carol", "--reason", "host decommissioned"]).await?;
+    assert_eq!(code, Some(0), "{said}{err}");
+    assert!(said.contains("closed by carol: host decommissioned"), "{said}");
+    let end = crew.events.terminal(run, WAIT).await?;
+    assert_eq!(end.kind, EventKind::Escalated, "the end on the bus, for followers: {}", end.message);
+    assert!(end.message.contains("closed by carol: host decommissioned"), "{}", end.message);
+    let db = crew.db().await?;
+    let (status, reason): (String, String) =
+        db.query_one("SELECT status, reason FROM runs WHERE id = $1", &[&run]).await.map(|r| (r.get(0), r.get(1)))?;
+    assert_eq!(status, "escalated");
+    assert!(reason.contains("host decommissioned"), "{reason}");
+    let denied = count(&db, "SELECT count(*) FROM approvals WHERE run_id = $1 AND decision = 'deny'", run).await;
+    assert_eq!(denied, 1, "what it waited on is no longer pending");
+    assert_eq!(crew.cli(&["approvals"])?.trim(), "no pending approvals");
+    assert_eq!(count(&db, "SELECT count(*) FROM executions WHERE run_id = $1", run).await, 0, "nothing ran");
+    // Closed once: a second time says so.
+    let (code, _, err) = pitcrew_cli(&config, &["abandon", &id, "--by", "carol", "--reason", "again"]).await?;
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains("is escalated already"), "{err}");
+    // The fingerprint is free: the next incident opens a run of its own.
+    let next = crew.open_with("svc", "stale lock held", fp).await?;
+    let asked = crew.events.kind(next, EventKind::ApprovalRequested, WAIT).await?;
+    assert_eq!(asked.run_id, next);
+    let status: String = db.query_one("SELECT status FROM runs WHERE id = $1", &[&next]).await?.get(0);
+    assert_eq!(status, "waiting_approval");
+    assert_eq!(crew.dead_letters().await?, 0);
+    crew.shutdown().await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_critical_plan_parks_until_approved_then_runs() -> anyhow::Result<()> {
     let mut crew = crew_with_playbook("").await?;
