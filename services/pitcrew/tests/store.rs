@@ -1269,3 +1269,34 @@ async fn listing_a_rare_status_or_one_service_uses_their_indexes_not_every_run()
     assert!(listed.windows(2).all(|w| w[0].created_at >= w[1].created_at), "newest first");
     Ok(())
 }
+
+/// Workers starting at once on a new database: one migrates while the others wait, then find
+/// nothing left; each migration commits on its own (the locks one takes are not held through
+/// the next), and no advisory lock is left on the pooled connections.
+#[tokio::test]
+async fn migrators_at_once_apply_each_migration_once_in_its_own_transaction() -> anyhow::Result<()> {
+    let db = TestDb::create().await?;
+    let cfg = DatabaseConfig { url: db.url.clone(), pool_size: 1, migrate_on_start: false, statement_timeout_secs: 30 };
+    let stores = futures::future::try_join_all((0..3).map(|_| Store::connect(&cfg))).await?;
+    let applied = futures::future::try_join_all(stores.iter().map(|s| s.migrate())).await?;
+    let n = pitcrew_runtime::store::MIGRATIONS.len();
+    assert_eq!(applied.iter().sum::<usize>(), n, "{applied:?}");
+    let pg = db.client().await?;
+    let versions: i64 = pg.query_one("SELECT count(*) FROM pitcrew_migrations", &[]).await?.get(0);
+    assert_eq!(versions as usize, n);
+    // One transaction each: each recorded at its own transaction's time.
+    let times: i64 = pg.query_one("SELECT count(DISTINCT applied_at) FROM pitcrew_migrations", &[]).await?.get(0);
+    assert_eq!(times as usize, n, "a transaction a migration");
+    let held: i64 = pg
+        .query_one(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' \
+         AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
+            &[],
+        )
+        .await?
+        .get(0);
+    assert_eq!(held, 0, "the migrators let go of their lock");
+    // And again: nothing to do.
+    assert_eq!(stores[0].migrate().await?, 0);
+    Ok(())
+}

@@ -21,32 +21,54 @@ pub const MIGRATIONS: &[(i32, &str, &str)] = &[
 /// Arbitrary constant: the advisory lock that serialises migrators.
 const MIGRATION_LOCK: i64 = 0x0070_6974_6372_6577;
 
-/// Apply pending migrations in one transaction under an advisory lock. Returns how many ran.
+/// Apply pending migrations, each in a transaction of its own, under an advisory lock held
+/// for them all (one migrator at a time; the others wait, then find nothing left). Each its
+/// own transaction: the locks one takes (a table rewritten, an index built) are let go as it
+/// commits, not held through the next, every transition of the crew waiting behind them.
+/// Returns how many ran.
 pub async fn migrate(client: &mut tokio_postgres::Client) -> Result<usize, StoreError> {
-    let tx = client.transaction().await?;
-    // A migration may rewrite a large table: the pool's statement timeout is not for it.
-    tx.batch_execute("SET LOCAL statement_timeout = 0").await?;
-    tx.execute("SELECT pg_advisory_xact_lock($1)", &[&MIGRATION_LOCK]).await?;
-    tx.batch_execute(
-        "CREATE TABLE IF NOT EXISTS pitcrew_migrations (
-            version integer PRIMARY KEY,
-            name text NOT NULL,
-            applied_at timestamptz NOT NULL DEFAULT now())",
-    )
-    .await?;
+    let locked: bool = client.query_one("SELECT pg_try_advisory_lock($1)", &[&MIGRATION_LOCK]).await?.get(0);
+    if !locked {
+        tracing::info!("another process is migrating the database: waiting for it");
+        client.execute("SELECT pg_advisory_lock($1)", &[&MIGRATION_LOCK]).await?;
+    }
+    let applied = apply(client).await;
+    // A session's lock outlives its transactions: let go whatever happened (a pooled
+    // connection goes back to the pool).
+    let unlocked = client.execute("SELECT pg_advisory_unlock($1)", &[&MIGRATION_LOCK]).await;
+    let applied = applied?;
+    unlocked?;
+    Ok(applied)
+}
+
+async fn apply(client: &mut tokio_postgres::Client) -> Result<usize, StoreError> {
+    client
+        .batch_execute(
+            "CREATE TABLE IF NOT EXISTS pitcrew_migrations (
+                version integer PRIMARY KEY,
+                name text NOT NULL,
+                applied_at timestamptz NOT NULL DEFAULT now())",
+        )
+        .await?;
     let mut applied = 0;
     for (version, name, sql) in MIGRATIONS {
-        let done = tx.query_opt("SELECT 1 FROM pitcrew_migrations WHERE version = $1", &[version]).await?.is_some();
+        let done = client.query_opt("SELECT 1 FROM pitcrew_migrations WHERE version = $1", &[version]).await?.is_some();
         if done {
             continue;
         }
+        tracing::info!(version, name, "applying migration");
+        let started = std::time::Instant::now();
+        let tx = client.transaction().await?;
+        // A migration may rewrite a large table: the pool's statement timeout is not for it.
+        tx.batch_execute("SET LOCAL statement_timeout = 0").await?;
         tx.batch_execute(sql)
             .await
             .map_err(|e| StoreError::Migration(format!("migration {version} ({name}) failed: {e}")))?;
         tx.execute("INSERT INTO pitcrew_migrations (version, name) VALUES ($1, $2)", &[version, name]).await?;
+        tx.commit().await?;
+        tracing::info!(version, name, ms = started.elapsed().as_millis() as u64, "migration applied");
         applied += 1;
     }
-    tx.commit().await?;
     Ok(applied)
 }
 
