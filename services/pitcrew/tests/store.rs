@@ -1300,3 +1300,36 @@ async fn migrators_at_once_apply_each_migration_once_in_its_own_transaction() ->
     assert_eq!(stores[0].migrate().await?, 0);
     Ok(())
 }
+
+/// The last fixes of a signature never fixed are read from the successes alone, however many
+/// failures it has.
+#[tokio::test]
+async fn the_fixes_of_a_signature_are_read_without_walking_its_failures() -> anyhow::Result<()> {
+    let db = TestDb::create().await?;
+    let store = store(&db).await?;
+    let run = open_runs(&store, 1).await?.remove(0).run_id;
+    let pg = db.client().await?;
+    pg.execute(
+        "INSERT INTO episodes (run_id, attempt, service, signature, error, diagnosis, commands, result, success)
+         SELECT $1, a, 'web', 'sig', 'down', 'd', ARRAY['systemctl restart web'], 'still down', false
+         FROM generate_series(1, 5000) a",
+        &[&run],
+    )
+    .await?;
+    pg.batch_execute("ANALYZE episodes").await?;
+    let plan: String = pg
+        .query(
+            "EXPLAIN SELECT commands FROM episodes WHERE service = 'web' AND signature = 'sig' AND success
+             ORDER BY created_at DESC LIMIT 3",
+            &[],
+        )
+        .await?
+        .iter()
+        .map(|r| r.get::<_, String>(0))
+        .collect::<Vec<_>>()
+        .join("\n");
+    assert!(plan.contains("episodes_fixed"), "{plan}");
+    let memory = store.memory("web", "sig", std::time::Duration::from_secs(3600)).await?;
+    assert!(memory.fixes.is_empty() && memory.failed == ["systemctl restart web"], "{memory:?}");
+    Ok(())
+}

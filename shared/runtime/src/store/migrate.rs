@@ -16,6 +16,7 @@ pub const MIGRATIONS: &[(i32, &str, &str)] = &[
     (9, "execution_start", include_str!("../../../../schemas/migrations/0009_execution_start.sql")),
     (10, "state_inline", include_str!("../../../../schemas/migrations/0010_state_inline.sql")),
     (11, "listing_indexes", include_str!("../../../../schemas/migrations/0011_listing_indexes.sql")),
+    (12, "memory_fixes", include_str!("../../../../schemas/migrations/0012_memory_fixes.sql")),
 ];
 
 /// Arbitrary constant: the advisory lock that serialises migrators.
