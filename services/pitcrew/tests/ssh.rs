@@ -1008,3 +1008,40 @@ async fn wedged_master_scenario() -> anyhow::Result<()> {
     assert!(ticked >= 20, "the runtime kept ticking while the master was replaced: {ticked}");
     Ok(())
 }
+
+/// A host that answers the TCP connect and the SSH banner, then nothing (a hung sshd, a
+/// middlebox eating packets): connecting is bounded, the host is reported unreachable, and
+/// the executor is not held for good.
+#[tokio::test]
+async fn a_host_stalled_after_its_banner_fails_within_its_connect_timeout() -> anyhow::Result<()> {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let port = listener.local_addr()?.port();
+    let held = tokio::spawn(async move {
+        use tokio::io::AsyncWriteExt;
+        let mut open = Vec::new();
+        while let Ok((mut sock, _)) = listener.accept().await {
+            let _ = sock.write_all(b"SSH-2.0-OpenSSH_9.2\r\n").await;
+            open.push(sock); // and never a word more
+        }
+    });
+    let sshd = start_target()?;
+    let host = HostSpec { port, connect_timeout_secs: 2, ..sshd.host(true) };
+    let f = fleet(host, 1024);
+    let started = Instant::now();
+    let got = tokio::time::timeout(Duration::from_secs(120), f.run("box", "true", T)).await;
+    let took = started.elapsed();
+    held.abort();
+    match got {
+        Ok(Err(ExecError::Unreachable(e))) => eprintln!("unreachable after {took:?}: {e}"),
+        other => panic!("after {took:?}: {other:?}"),
+    }
+    assert!(took < Duration::from_secs(20), "{took:?}");
+    // The `ssh` it launched is not left in its handshake (killed: at most a zombie until
+    // the runtime reaps it).
+    let me = std::process::id().to_string();
+    let children = std::process::Command::new("ps").args(["-o", "stat=,comm=", "--ppid", &me]).output()?;
+    let children = String::from_utf8_lossy(&children.stdout).into_owned();
+    let running = children.lines().filter(|l| l.trim_end().ends_with("ssh") && !l.trim_start().starts_with('Z'));
+    assert_eq!(running.count(), 0, "{children}");
+    Ok(())
+}

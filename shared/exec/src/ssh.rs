@@ -12,6 +12,7 @@ use crate::{CommandOutput, ExecError};
 use openssh::{ControlPersist, KnownHosts, Session, SessionBuilder, Stdio};
 use pitcrew_model::HostSpec;
 use std::collections::{BTreeMap, HashMap};
+use std::os::unix::ffi::OsStrExt;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::{Mutex, Semaphore};
@@ -220,9 +221,24 @@ impl SshExecutor {
         }
         // A few quick tries ride out a blip; a host that stays silent is unreachable.
         let mut tries = 0;
+        let limit = connect_limit(spec);
         let session = loop {
             tries += 1;
-            match b.connect_mux(&spec.address).await.map_err(|e| connect_error(host, spec, e)) {
+            let Ok(connected) = tokio::time::timeout(limit, b.connect_mux(&spec.address)).await else {
+                // Its `ConnectTimeout` bounds the TCP connect and the banner, not what follows:
+                // a host that answers, then nothing, would hold this host's lock (every command
+                // and check on it) until TCP gave up. Not a blip: no second try.
+                kill_abandoned_launchers();
+                let e = format!(
+                    "cannot connect to {host} ({}:{}): no login within {} s (the host answered, then went silent)",
+                    spec.address,
+                    spec.port,
+                    limit.as_secs()
+                );
+                self.down.lock().expect("down map").insert(host.to_string(), (Instant::now() + DOWN_FOR, e.clone()));
+                return Err(ExecError::Unreachable(e));
+            };
+            match connected.map_err(|e| connect_error(host, spec, e)) {
                 Ok(s) => break s,
                 Err(ExecError::Transient(e)) if tries < CONNECT_TRIES => {
                     tracing::warn!(host, tries, error = %e, "ssh connect failed: retrying");
@@ -472,6 +488,40 @@ fn sweep(dir: &std::path::Path, stale_after: Duration) -> usize {
         }
     }
     swept
+}
+
+/// How long connecting may take in all (TCP, banner, key exchange, login): twice the host's
+/// connect timeout, and 5 s more.
+fn connect_limit(spec: &HostSpec) -> Duration {
+    spec.connect_timeout().saturating_mul(2) + Duration::from_secs(5)
+}
+
+/// Kill this process's `ssh` launchers whose connect was given up on: the crate leaves the
+/// launcher running when its future is dropped, but removes its control directory, which the
+/// launcher's `-S` names. Without this, each would sit in its handshake until TCP gave up.
+fn kill_abandoned_launchers() {
+    let me = std::process::id();
+    let Ok(procs) = std::fs::read_dir("/proc") else { return };
+    for entry in procs.flatten() {
+        let Some(pid) = entry.file_name().to_str().and_then(|n| n.parse::<i32>().ok()) else { continue };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { continue };
+        // `pid (comm) state ppid ...`: comm may hold spaces and parentheses.
+        let ppid = stat.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().nth(1)?.parse::<u32>().ok());
+        if ppid != Some(me) {
+            continue;
+        }
+        let Ok(cmdline) = std::fs::read(format!("/proc/{pid}/cmdline")) else { continue };
+        let args: Vec<&[u8]> = cmdline.split(|b| *b == 0).collect();
+        let launcher = args.first().is_some_and(|a| a.ends_with(b"ssh")) && args.contains(&&b"-M"[..]);
+        let socket = args.iter().position(|a| *a == b"-S").and_then(|i| args.get(i + 1));
+        let gone = socket.is_some_and(|s| {
+            std::path::Path::new(std::ffi::OsStr::from_bytes(s)).parent().is_some_and(|dir| !dir.exists())
+        });
+        if launcher && gone {
+            // SAFETY: kill(2) on a pid just read, our own child; no memory is involved.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+        }
+    }
 }
 
 fn connect_error(host: &str, spec: &HostSpec, e: openssh::Error) -> ExecError {
