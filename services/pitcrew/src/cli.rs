@@ -328,6 +328,33 @@ pub async fn abandon(
     Ok(event)
 }
 
+/// Prune what is older than `days`, batch after batch, a line for each, until nothing is left.
+pub async fn prune(store: &Store, days: u32, batch: i64) -> anyhow::Result<()> {
+    let before = chrono::Utc::now() - chrono::Duration::days(i64::from(days));
+    let mut total = pitcrew_runtime::store::Pruned::default();
+    loop {
+        let pruned = store.prune(before, batch).await?;
+        if pruned.is_empty() {
+            break;
+        }
+        total.runs += pruned.runs;
+        total.incidents += pruned.incidents;
+        total.audit += pruned.audit;
+        eprintln!(
+            "pruned {} runs, {} incidents without a run, {} audit lines ({} / {} / {} so far)",
+            pruned.runs, pruned.incidents, pruned.audit, total.runs, total.incidents, total.audit
+        );
+    }
+    println!(
+        "pruned before {}: {} closed runs, {} incidents without a run, {} gateway audit lines",
+        before.format("%Y-%m-%d %H:%M:%S UTC"),
+        total.runs,
+        total.incidents,
+        total.audit
+    );
+    Ok(())
+}
+
 /// Connect to Postgres for a read-only command.
 pub async fn store(cfg: &Config) -> anyhow::Result<Store> {
     Ok(Store::connect(&cfg.database).await?)

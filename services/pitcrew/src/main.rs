@@ -115,6 +115,17 @@ enum Command {
         #[arg(long)]
         reason: String,
     },
+    /// Delete closed runs (with all that belongs to them), incidents that started none, and
+    /// gateway audit lines, older than the cutoff; open and parked runs are kept however old.
+    /// Nothing is deleted otherwise: run it from cron.
+    Prune {
+        /// Keep what is younger than this many days (at least 1).
+        #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+        older_than_days: u32,
+        /// Rows of each kind a batch deletes (each batch its own transaction).
+        #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(i64).range(1..=100_000))]
+        batch: i64,
+    },
     /// Recent runs and their outcomes.
     Incidents {
         #[arg(long, default_value_t = 20)]
@@ -436,6 +447,10 @@ async fn run(args: Args, cfg: Option<Config>) -> anyhow::Result<()> {
             let end = cli::abandon(&bus, &store, &cfg, run, &by, &reason).await?;
             println!("{}", end.message);
             Ok(())
+        }
+        Command::Prune { older_than_days, batch } => {
+            let store = cli::store(&cfg).await?;
+            cli::prune(&store, older_than_days, batch).await
         }
         Command::Incidents { limit } => cli::incidents(&cli::store(&cfg).await?, limit).await,
         Command::Approvals { limit } => cli::approvals(&cli::store(&cfg).await?, limit).await,

@@ -228,6 +228,13 @@ async fn an_abandoned_run_frees_its_fingerprint_for_the_next_incident() -> anyho
     let status: String = db.query_one("SELECT status FROM runs WHERE id = $1", &[&next]).await?.get(0);
     assert_eq!(status, "waiting_approval");
     assert_eq!(crew.dead_letters().await?, 0);
+    // Nothing here is a day old: pruning keeps it all, and says so.
+    let (code, said, err) = pitcrew_cli(&config, &["prune", "--older-than-days", "1"]).await?;
+    assert_eq!(code, Some(0), "{err}");
+    assert!(said.contains(": 0 closed runs, 0 incidents without a run, 0 gateway audit lines"), "{said}");
+    assert_eq!(count(&db, "SELECT count(*) FROM runs WHERE id = $1", run).await, 1);
+    let (code, _, err) = pitcrew_cli(&config, &["prune", "--older-than-days", "0"]).await?;
+    assert_eq!(code, Some(2), "a cutoff of now is refused: {err}");
     crew.shutdown().await
 }
 

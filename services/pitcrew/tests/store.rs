@@ -1333,3 +1333,90 @@ async fn the_fixes_of_a_signature_are_read_without_walking_its_failures() -> any
     assert!(memory.fixes.is_empty() && memory.failed == ["systemctl restart web"], "{memory:?}");
     Ok(())
 }
+
+/// Pruning deletes closed runs older than the cutoff with all that belongs to them, incidents
+/// that started no run, and old audit lines; open runs, however old, and recent ones stay.
+#[tokio::test]
+async fn prune_deletes_old_closed_runs_with_all_they_hold_and_keeps_the_rest() -> anyhow::Result<()> {
+    let db = TestDb::create().await?;
+    let store = store(&db).await?;
+    let runs = open_runs(&store, 4).await?;
+    let (old, old_open, recent, folded_into) = (&runs[0], &runs[1], &runs[2], &runs[3]);
+    let pg = db.client().await?;
+    // Everything a run may hold, for each run.
+    for r in &runs {
+        let (moved, events) = step(r, Stage::Escalate, "x");
+        assert!(store.commit_transition(&moved, RunStatus::Open, &events).await?);
+        pg.batch_execute(&format!(
+            "INSERT INTO executions (run_id, attempt, idx, command, host, worker) VALUES ('{id}', 1, 0, 'true', 'local', 'w');
+             INSERT INTO episodes (run_id, attempt, service, signature, error, diagnosis, commands, result, success)
+               VALUES ('{id}', 1, 's', 'sig', 'e', 'd', ARRAY['true'], 'r', true);
+             INSERT INTO evaluations (run_id, attempt, regeneration, score, verdict, checks) VALUES ('{id}', 1, 0, 1, 'pass', '[]');
+             INSERT INTO approvals (run_id, plan_hash, attempt, commands, risk, rule, requested_at, expires_at)
+               VALUES ('{id}', 'h', 1, ARRAY['true'], 'critical', 'r', now(), now());
+             INSERT INTO approval_votes (run_id, plan_hash, approver, channel) VALUES ('{id}', 'h', 'ann', 'cli');
+             INSERT INTO llm_usage (run_id, seq, stage, attempt, model, calls, prompt_tokens, completion_tokens)
+               VALUES ('{id}', 1, 'diagnose', 1, 'm', 1, 1, 1);
+             INSERT INTO target_waits (run_id, attempt, service, host) VALUES ('{id}', 1, 's', 'h');",
+            id = r.run_id
+        ))
+        .await?;
+    }
+    // An incident folded into the old run; one refused at intake, long ago; audit lines.
+    let (dup, refused) = (Uuid::now_v7(), Uuid::now_v7());
+    pg.execute(
+        "INSERT INTO incidents (id, fingerprint, service, error, severity, duplicate_of, received_at)
+         VALUES ($1, 'group-0', 'svc-0', 'down', 'critical', $2, now() - interval '40 days'),
+                ($3, 'f', 'nope', 'down', 'critical', NULL, now() - interval '40 days')",
+        &[&dup, &old.run_id, &refused],
+    )
+    .await?;
+    pg.batch_execute(&format!(
+        "INSERT INTO run_events (run_id, seq, idx, stage, kind, message, worker, at)
+           VALUES ('{dup}', 0, 0, 'intake', 'duplicate', 'd', 'w', now()), ('{refused}', 0, 0, 'intake', 'rejected', 'r', 'w', now());
+         INSERT INTO gateway_audit (principal, method, path, status, outcome, at)
+           VALUES ('a', 'GET', '/v1/runs', 200, 'ok', now() - interval '40 days'), ('a', 'GET', '/v1/runs', 200, 'ok', now());
+         UPDATE runs SET status = 'escalated', created_at = now() - interval '40 days'
+          WHERE id IN ('{a}', '{c}');
+         UPDATE runs SET created_at = now() - interval '40 days' WHERE id = '{b}';
+         UPDATE runs SET status = 'resolved' WHERE id = '{d}';",
+        a = old.run_id,
+        b = old_open.run_id,
+        c = folded_into.run_id,
+        d = recent.run_id,
+    ))
+    .await?;
+    let before = Utc::now() - chrono::Duration::days(30);
+    // Batches of one: the loop a caller runs.
+    let mut total = pitcrew_runtime::store::Pruned::default();
+    loop {
+        let p = store.prune(before, 1).await?;
+        assert!(p.runs <= 1 && p.incidents <= 1 && p.audit <= 1, "{p:?}");
+        if p.is_empty() {
+            break;
+        }
+        total.runs += p.runs;
+        total.incidents += p.incidents;
+        total.audit += p.audit;
+    }
+    assert_eq!((total.runs, total.incidents, total.audit), (2, 1, 1), "{total:?}");
+    let left = |table: &'static str, column: &'static str| {
+        let pg = &pg;
+        async move {
+            let sql = format!("SELECT {column} FROM {table} ORDER BY 1");
+            anyhow::Ok(pg.query(&sql, &[]).await?.iter().map(|r| r.get::<_, Uuid>(0)).collect::<Vec<_>>())
+        }
+    };
+    let mut kept = vec![old_open.run_id, recent.run_id];
+    kept.sort();
+    assert_eq!(left("runs", "id").await?, kept);
+    assert_eq!(left("incidents", "id").await?, kept, "the pruned runs', the folded and the refused incident went");
+    for table in ["executions", "episodes", "evaluations", "approvals", "approval_votes", "llm_usage", "target_waits"] {
+        assert_eq!(left(table, "DISTINCT run_id").await?, kept, "{table}");
+    }
+    assert_eq!(left("run_events", "DISTINCT run_id").await?, kept, "run_events");
+    let audit: i64 = pg.query_one("SELECT count(*) FROM gateway_audit", &[]).await?.get(0);
+    assert_eq!(audit, 1);
+    assert!(store.prune(before, 100).await?.is_empty(), "nothing left to prune");
+    Ok(())
+}

@@ -17,6 +17,7 @@ pub const MIGRATIONS: &[(i32, &str, &str)] = &[
     (10, "state_inline", include_str!("../../../../schemas/migrations/0010_state_inline.sql")),
     (11, "listing_indexes", include_str!("../../../../schemas/migrations/0011_listing_indexes.sql")),
     (12, "memory_fixes", include_str!("../../../../schemas/migrations/0012_memory_fixes.sql")),
+    (13, "prune", include_str!("../../../../schemas/migrations/0013_prune.sql")),
 ];
 
 /// Arbitrary constant: the advisory lock that serialises migrators.

@@ -4,6 +4,7 @@
 mod group;
 mod migrate;
 mod observe;
+mod prune;
 mod query;
 mod recall;
 mod runs;
@@ -13,6 +14,7 @@ mod votes;
 mod work;
 
 pub use migrate::{ensure_database, migrate as apply_migrations, MIGRATIONS};
+pub use prune::Pruned;
 pub use query::{AuditEntry, EvaluationRow, ExecutionRow, RunFilter};
 pub use runs::{IncidentSeen, OpenRun, RunStatus, RunSummary, StoredRun};
 pub use targets::TargetLock;

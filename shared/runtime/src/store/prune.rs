@@ -1,0 +1,79 @@
+//! Retention: nothing is deleted as pitcrew runs; `pitcrew prune` deletes what is older than
+//! a cutoff, in batches (each its own transaction, its locks short).
+
+use super::{Store, StoreError};
+use chrono::{DateTime, Utc};
+
+/// Closed runs created before `$1`, up to `$2`, with everything that belongs to them: their
+/// incident and those folded into it (and the timelines of both), evaluations, approvals and
+/// votes, executions, episodes, model usage, target waits. One statement: the foreign keys are
+/// checked at its end, when the children are gone too. Runs another transaction holds are
+/// left for the next batch.
+const PRUNE_RUNS: &str = "
+    WITH doomed AS (
+        SELECT id FROM runs WHERE created_at < $1 AND status IN ('resolved', 'escalated')
+         ORDER BY created_at LIMIT $2 FOR UPDATE SKIP LOCKED),
+    folded AS (SELECT i.id FROM incidents i JOIN doomed d ON i.duplicate_of = d.id),
+    ev AS (DELETE FROM run_events x WHERE x.run_id IN (SELECT id FROM doomed UNION ALL SELECT id FROM folded)),
+    ep AS (DELETE FROM episodes x USING doomed d WHERE x.run_id = d.id),
+    evl AS (DELETE FROM evaluations x USING doomed d WHERE x.run_id = d.id),
+    ap AS (DELETE FROM approvals x USING doomed d WHERE x.run_id = d.id),
+    av AS (DELETE FROM approval_votes x USING doomed d WHERE x.run_id = d.id),
+    ex AS (DELETE FROM executions x USING doomed d WHERE x.run_id = d.id),
+    lu AS (DELETE FROM llm_usage x USING doomed d WHERE x.run_id = d.id),
+    tw AS (DELETE FROM target_waits x USING doomed d WHERE x.run_id = d.id),
+    r AS (DELETE FROM runs x USING doomed d WHERE x.id = d.id RETURNING x.id),
+    inc AS (DELETE FROM incidents x WHERE x.id IN (SELECT id FROM doomed UNION ALL SELECT id FROM folded))
+    SELECT count(*) FROM r";
+
+/// Incidents received before `$1` that started no run and joined none that is still kept
+/// (refused at intake; folded into a run pruned before), up to `$2`, with their timelines.
+const PRUNE_ORPHANS: &str = "
+    WITH doomed AS (
+        SELECT i.id FROM incidents i
+         WHERE i.received_at < $1
+           AND NOT EXISTS (SELECT 1 FROM runs r WHERE r.id = i.id)
+           AND (i.duplicate_of IS NULL OR NOT EXISTS (SELECT 1 FROM runs r WHERE r.id = i.duplicate_of))
+         ORDER BY i.received_at LIMIT $2),
+    ev AS (DELETE FROM run_events x USING doomed d WHERE x.run_id = d.id),
+    inc AS (DELETE FROM incidents x USING doomed d WHERE x.id = d.id RETURNING x.id)
+    SELECT count(*) FROM inc";
+
+/// The gateway's audit lines written before `$1`, up to `$2`.
+const PRUNE_AUDIT: &str = "
+    WITH doomed AS (SELECT id FROM gateway_audit WHERE at < $1 ORDER BY at LIMIT $2),
+    gone AS (DELETE FROM gateway_audit x USING doomed d WHERE x.id = d.id RETURNING x.id)
+    SELECT count(*) FROM gone";
+
+/// What one batch of pruning deleted.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Pruned {
+    /// Closed runs, each with its incident and all that belonged to it.
+    pub runs: i64,
+    /// Incidents that had started no run (refused, or folded into a run pruned earlier).
+    pub incidents: i64,
+    /// Lines of the gateway's audit trail.
+    pub audit: i64,
+}
+
+impl Pruned {
+    pub fn is_empty(&self) -> bool {
+        *self == Pruned::default()
+    }
+}
+
+impl Store {
+    /// One batch of pruning: up to `batch` of each kind of row older than `before`. Open and
+    /// parked runs are never touched, however old. Call until it prunes nothing.
+    pub async fn prune(&self, before: DateTime<Utc>, batch: i64) -> Result<Pruned, StoreError> {
+        let client = self.client().await?;
+        let mut pruned = Pruned::default();
+        for (sql, count) in
+            [(PRUNE_RUNS, &mut pruned.runs), (PRUNE_ORPHANS, &mut pruned.incidents), (PRUNE_AUDIT, &mut pruned.audit)]
+        {
+            let stmt = client.prepare_cached(sql).await?;
+            *count = client.query_one(&stmt, &[&before, &batch]).await?.get(0);
+        }
+        Ok(pruned)
+    }
+}
