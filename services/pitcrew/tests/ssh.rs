@@ -1039,9 +1039,11 @@ async fn a_host_stalled_after_its_banner_fails_within_its_connect_timeout() -> a
     // The `ssh` it launched is not left in its handshake (killed: at most a zombie until
     // the runtime reaps it).
     let me = std::process::id().to_string();
-    let children = std::process::Command::new("ps").args(["-o", "stat=,comm=", "--ppid", &me]).output()?;
+    let children = std::process::Command::new("ps").args(["-o", "stat=,args=", "--ppid", &me]).output()?;
     let children = String::from_utf8_lossy(&children.stdout).into_owned();
-    let running = children.lines().filter(|l| l.trim_end().ends_with("ssh") && !l.trim_start().starts_with('Z'));
+    // This test's launcher only (others run beside it in this process): the one to its port.
+    let to_port = format!(" -p {port} ");
+    let running = children.lines().filter(|l| l.contains(&to_port) && !l.trim_start().starts_with('Z'));
     assert_eq!(running.count(), 0, "{children}");
     Ok(())
 }

@@ -548,21 +548,24 @@ fn connect_error(host: &str, spec: &HostSpec, e: openssh::Error) -> ExecError {
 /// The prefix is all that may arrive: coreutils writes it apart from the rest of the message,
 /// and a remote command's last stderr has been seen cut after it (`timeout: `).
 fn not_found(exit_code: Option<i32>, stderr: &str) -> bool {
-    exit_code == Some(127) && (stderr.starts_with("timeout: ") || stderr.starts_with(NOT_FOUND_SAID))
+    // `sh`'s own word when `exec` finds no program after all (a script whose interpreter is
+    // missing): `sh: 1: exec: ./start: not found` (dash), `sh: line 1: exec: ...` (bash).
+    let exec_failed = || {
+        let first = stderr.lines().next().unwrap_or_default();
+        first.starts_with("sh: ") && first.contains("exec: ") && first.ends_with("not found")
+    };
+    exit_code == Some(127) && (stderr.starts_with("timeout: ") || exec_failed())
 }
 
 /// What the host's `sh` runs under `timeout`: the command's words, read from stdin up to the
-/// nonce (`$1`), each as one argument (as `quoted` wrote it); its program looked up first, so
-/// a missing one is told apart from a command's own exit 127. Without the nonce at the end
-/// (the text cut short) nothing runs.
-const FROM_STDIN: &str = r#"c=$(cat); case $c in *"$1") ;; *) echo "pitcrew: the command did not arrive whole: nothing ran" >&2; exit 125;; esac; eval "set -- ${c%"$1"}"; command -v "$1" >/dev/null 2>&1 || { echo "pitcrew: not found: $1" >&2; exit 127; }; exec "$@""#;
+/// nonce (`$1`), each as one argument (as `quoted` wrote it), then `exec`: a program it cannot
+/// find (a builtin alone is none) is said by `sh` in words `not_found` knows. Without the
+/// nonce at the end (the text cut short) nothing runs.
+const FROM_STDIN: &str = r#"c=$(cat); case $c in *"$1") ;; *) echo "pitcrew: the command did not arrive whole: nothing ran" >&2; exit 125;; esac; eval "set -- ${c%"$1"}"; exec "$@""#;
 
 /// `FROM_STDIN`'s exit and first words when the text was cut short.
 const CUT_SHORT: i32 = 125;
 const CUT_SHORT_SAID: &str = "pitcrew: the command did not arrive whole";
-
-/// `FROM_STDIN`'s first words when the program is not on the host.
-const NOT_FOUND_SAID: &str = "pitcrew: not found: ";
 
 #[cfg(test)]
 mod tests {
@@ -644,8 +647,9 @@ mod tests {
         assert!(not_found(Some(127), said));
         assert!(not_found(Some(127), "timeout: "), "its message cut after the prefix");
         assert!(!not_found(Some(127), "sh: 1: nope: not found\n"), "the command's own 127");
-        assert!(not_found(Some(127), "pitcrew: not found: nope\n"), "the wrapper's look-up");
-        assert!(!not_found(Some(1), "pitcrew: not found: nope\n"));
+        assert!(not_found(Some(127), "sh: 1: exec: nope: not found\n"), "dash's exec");
+        assert!(not_found(Some(127), "sh: line 1: exec: nope: not found\n"), "bash's");
+        assert!(!not_found(Some(1), "sh: 1: exec: nope: not found\n"));
         assert!(!not_found(Some(126), "timeout: failed to run command 'x': Permission denied\n"));
         assert!(!not_found(Some(0), ""));
     }
@@ -682,6 +686,16 @@ mod tests {
             assert!(err.starts_with(CUT_SHORT_SAID), "{err}");
         }
         let (code, _, err) = run("no-such-program-zq9 x\nn0nce", "n0nce");
+        assert!(not_found(code, &err), "{code:?} {err}");
+        // A builtin is no program to run.
+        let (code, _, err) = run("cd /\nn0nce", "n0nce");
+        assert!(not_found(code, &err), "{code:?} {err}");
+        // A script whose interpreter is missing.
+        let dir = tempfile::tempdir().unwrap();
+        let script = dir.path().join("start");
+        std::fs::write(&script, "#!/no/such/interpreter\n").unwrap();
+        std::fs::set_permissions(&script, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+        let (code, _, err) = run(&format!("{}\nn0nce", script.display()), "n0nce");
         assert!(not_found(code, &err), "{code:?} {err}");
         let (code, _, err) = run("sh -c 'exit 127'\nn0nce", "n0nce");
         assert!(code == Some(127) && !not_found(code, &err), "the command's own 127: {err}");
