@@ -89,8 +89,16 @@ pub fn assess(state: &RunState, found: &Findings, max_attempts: u32) -> Evaluati
         .map(|n| n.to_lowercase())
         .collect();
     let seen = |fact: &str| observed.iter().any(|(o, _)| o.contains(fact)) || names.iter().any(|n| n == fact);
+    // A quote the call's own words hold counts only where the answer says more than it on
+    // the same line (`grep -F OutOfMemoryError app.log` answering a log line), not where the
+    // line is the quote alone (a header the model wrote).
+    let more_than = |o: &str, ground: &str| {
+        o.lines().any(|l| l.contains(ground) && l.replacen(ground, "", 1).chars().any(char::is_alphanumeric))
+    };
     let quoted = |ground: &str| {
-        observed.iter().any(|(o, own)| o.contains(ground) && own.as_ref().is_none_or(|w| !w.contains(ground)))
+        observed.iter().any(|(o, own)| {
+            o.contains(ground) && own.as_ref().is_none_or(|w| !w.contains(ground) || more_than(o, ground))
+        })
     };
     // A ground too short to say anything (`…`, `.`, `e`) is found in any text: none counts.
     let grounds: Vec<String> = state.diagnosis().map_or_else(Vec::new, |d| {
@@ -410,6 +418,11 @@ mod tests {
         last.detail = "ps -p 1 -o 'pid=pid 4242 holds port 8080'".into();
         last.output = "pid 4242 holds port 8080\n  1\n".into();
         assert!(!grounded(&s).passed, "a header the model wrote is not an observation");
+        // A line the host answered that holds the words asked for, and more, is one.
+        let last = s.evidence.last_mut().unwrap();
+        last.detail = "grep -F 'pid 4242 holds port 8080' /var/log/web.log".into();
+        last.output = "12:01:07 warn: pid 4242 holds port 8080, retrying\n".into();
+        assert!(grounded(&s).passed, "a matching log line is an observation");
         // What the host answered to a call that worked is.
         let last = s.evidence.last_mut().unwrap();
         last.detail = "ss -ltnp".into();
