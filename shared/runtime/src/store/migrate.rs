@@ -29,6 +29,9 @@ const MIGRATION_LOCK: i64 = 0x0070_6974_6372_6577;
 /// commits, not held through the next, every transition of the crew waiting behind them.
 /// Returns how many ran.
 pub async fn migrate(client: &mut tokio_postgres::Client) -> Result<usize, StoreError> {
+    // Waiting for another migrator, as a migration itself, may outlast the pool's statement
+    // timeout: not for this session, until it is done.
+    client.batch_execute("SET statement_timeout = 0").await?;
     let locked: bool = client.query_one("SELECT pg_try_advisory_lock($1)", &[&MIGRATION_LOCK]).await?.get(0);
     if !locked {
         tracing::info!("another process is migrating the database: waiting for it");
@@ -38,8 +41,10 @@ pub async fn migrate(client: &mut tokio_postgres::Client) -> Result<usize, Store
     // A session's lock outlives its transactions: let go whatever happened (a pooled
     // connection goes back to the pool).
     let unlocked = client.execute("SELECT pg_advisory_unlock($1)", &[&MIGRATION_LOCK]).await;
+    let reset = client.batch_execute("RESET statement_timeout").await;
     let applied = applied?;
     unlocked?;
+    reset?;
     Ok(applied)
 }
 
@@ -61,8 +66,6 @@ async fn apply(client: &mut tokio_postgres::Client) -> Result<usize, StoreError>
         tracing::info!(version, name, "applying migration");
         let started = std::time::Instant::now();
         let tx = client.transaction().await?;
-        // A migration may rewrite a large table: the pool's statement timeout is not for it.
-        tx.batch_execute("SET LOCAL statement_timeout = 0").await?;
         tx.batch_execute(sql)
             .await
             .map_err(|e| StoreError::Migration(format!("migration {version} ({name}) failed: {e}")))?;

@@ -4,14 +4,15 @@
 use super::{Store, StoreError};
 use chrono::{DateTime, Utc};
 
-/// Closed runs created before `$1`, up to `$2`, with everything that belongs to them: their
+/// Runs closed before `$1` (a run open for long, closed lately, is kept), up to `$2`, with everything that belongs to them: their
 /// incident and those folded into it (and the timelines of both), evaluations, approvals and
 /// votes, executions, episodes, model usage, target waits. One statement: the foreign keys are
 /// checked at its end, when the children are gone too. Runs another transaction holds are
 /// left for the next batch.
 const PRUNE_RUNS: &str = "
     WITH doomed AS (
-        SELECT id FROM runs WHERE created_at < $1 AND status IN ('resolved', 'escalated')
+        SELECT id FROM runs WHERE created_at < $1 AND coalesce(finished_at, created_at) < $1
+           AND status IN ('resolved', 'escalated')
          ORDER BY created_at LIMIT $2 FOR UPDATE SKIP LOCKED),
     folded AS (SELECT i.id FROM incidents i JOIN doomed d ON i.duplicate_of = d.id),
     ev AS (DELETE FROM run_events x WHERE x.run_id IN (SELECT id FROM doomed UNION ALL SELECT id FROM folded)),
