@@ -320,10 +320,9 @@ pub async fn abandon(
         worker: cfg.worker(),
         at: chrono::Utc::now(),
     };
-    if !store.commit_transition(&state, RunStatus::Escalated, std::slice::from_ref(&event)).await? {
+    if !store.close_run(was, &state, &event, by).await? {
         bail!("run {run} moved on from {} (seq {}) while it was being closed: look again", was.0, was.1);
     }
-    store.deny_pending(run, by, &why).await?;
     pitcrew_runtime::runner::publish_events(bus, std::slice::from_ref(&event)).await?;
     Ok(event)
 }

@@ -773,6 +773,10 @@ async fn an_approval_deadline_follows_the_database_clock() -> anyhow::Result<()>
         .await?
         .get(0);
     assert!((590.0..=600.0).contains(&left), "{left}");
+    // As the runner reads them back for the request it publishes.
+    let (at, until) = store.approval_window(run, "h1").await?.expect("the request");
+    assert!((Utc::now() - at).num_seconds().abs() < 60, "{at}");
+    assert_eq!((until - at).num_seconds(), 600);
     Ok(())
 }
 
@@ -1418,5 +1422,56 @@ async fn prune_deletes_old_closed_runs_with_all_they_hold_and_keeps_the_rest() -
     let audit: i64 = pg.query_one("SELECT count(*) FROM gateway_audit", &[]).await?.get(0);
     assert_eq!(audit, 1);
     assert!(store.prune(before, 100).await?.is_empty(), "nothing left to prune");
+    Ok(())
+}
+
+/// Closing a run by hand takes only where it was read: a step that moved it meanwhile (its
+/// own escalation, at the very seq the close would take) stands, and the close says so.
+#[tokio::test]
+async fn a_run_closed_by_hand_only_where_it_was_read() -> anyhow::Result<()> {
+    let db = TestDb::create().await?;
+    let store = store(&db).await?;
+    let read = open_runs(&store, 1).await?.remove(0);
+    let was = (read.step, read.seq);
+    let close = |state: &RunState| {
+        let mut closing = state.clone();
+        closing.escalate("closed by carol: gone");
+        let event =
+            RunEvent { kind: EventKind::Escalated, ..event(&closing, 0, "escalated svc-0: closed by carol: gone") };
+        (closing, event)
+    };
+    // Meanwhile the crew escalated it itself, at the seq the close would take.
+    let mut crew = read.clone();
+    crew.escalate("approval timed out");
+    assert!(store.commit_transition(&crew, RunStatus::Open, &[]).await?);
+    let (closing, ev) = close(&read);
+    assert!(!store.close_run(was, &closing, &ev, "carol").await?, "the crew's step stands");
+    let stored = store.load_run(read.run_id).await?.expect("run");
+    assert_eq!(stored.state.escalation_reason.as_deref(), Some("approval timed out"));
+    // Read again, it closes, and denies what the run waited on.
+    let pg = db.client().await?;
+    pg.execute(
+        "INSERT INTO approvals (run_id, plan_hash, attempt, commands, risk, rule, requested_at, expires_at)
+         VALUES ($1, 'h', 1, ARRAY['rm -f /tmp/x'], 'critical', 'rm', now(), now() + interval '1 h')",
+        &[&read.run_id],
+    )
+    .await?;
+    let (closing, ev) = close(&stored.state);
+    assert!(store.close_run((stored.state.step, stored.state.seq), &closing, &ev, "carol").await?);
+    let row = pg.query_one("SELECT status, reason FROM runs WHERE id = $1", &[&read.run_id]).await?;
+    assert_eq!(
+        (row.get::<_, String>(0), row.get::<_, String>(1)),
+        ("escalated".into(), "closed by carol: gone".into())
+    );
+    let denied = pg
+        .query_one("SELECT decision || ' ' || decided_by FROM approvals WHERE run_id = $1", &[&read.run_id])
+        .await?
+        .get::<_, String>(0);
+    assert_eq!(denied, "deny carol");
+    let kinds = pg.query("SELECT kind FROM run_events WHERE run_id = $1", &[&read.run_id]).await?;
+    assert!(kinds.iter().any(|r| r.get::<_, String>(0) == "escalated"));
+    // Closed: a second close takes nothing.
+    let (closing, ev) = close(&closing);
+    assert!(!store.close_run((closing.step, closing.seq - 1), &closing, &ev, "carol").await?);
     Ok(())
 }

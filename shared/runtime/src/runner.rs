@@ -610,6 +610,17 @@ pub async fn apply(
                 // its policy not this one's) and its publish failed: send that on.
                 return resend_committed(bus, deps, &state, from).await;
             }
+            // Its times as Postgres wrote them, by its clock, which decides its deadline: a
+            // bridge or the CLI reading this worker's would refuse a request whose clock is
+            // behind as expired. Unread (Postgres gone since the commit): this worker's.
+            let mut req = req;
+            match store.approval_window(req.run_id, &req.plan_hash).await {
+                Ok(Some((at, until))) => (req.requested_at, req.expires_at) = (at, until),
+                Ok(None) => {}
+                Err(e) => {
+                    tracing::warn!(run = %req.run_id, error = %e, "cannot read the request's deadline back: sending this worker's")
+                }
+            }
             // The request first, then the events: whoever sees `approval_requested` (an
             // operator, `pitcrew watch`, the demo) finds the request on the bridge subject.
             send_request(bus, &req).await?;

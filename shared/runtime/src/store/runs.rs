@@ -204,6 +204,62 @@ impl Store {
         self.committer.commit(state, status, events, records).await
     }
 
+    /// Close `state`'s run by hand as escalated (`state` addressed to escalate, with its reason,
+    /// and `event` its end), only if it is still where it was read (`was`: its step and seq,
+    /// open or parked): a step that moved it meanwhile, an escalation of its own at the same
+    /// seq included, stands. What it waited on is denied by `by`, in the same statement.
+    /// Returns whether it was closed.
+    pub async fn close_run(
+        &self,
+        was: (Stage, u32),
+        state: &RunState,
+        event: &RunEvent,
+        by: &str,
+    ) -> Result<bool, StoreError> {
+        let client = self.client().await?;
+        let stmt = client
+            .prepare_cached(
+                "WITH upd AS (
+                     UPDATE runs SET stage = $2, seq = $3, state = $4::text::jsonb, status = 'escalated',
+                            reason = $5, updated_at = now(), finished_at = now()
+                     WHERE id = $1 AND seq = $6 AND stage = $7 AND status IN ('open', 'waiting_approval')
+                     RETURNING id),
+                 ev AS (
+                     INSERT INTO run_events (run_id, seq, idx, stage, kind, message, data, worker, at)
+                     SELECT $1, $3, 0, $2, $8, $9, $10::jsonb, $11, $12 WHERE EXISTS (SELECT 1 FROM upd)
+                     ON CONFLICT DO NOTHING),
+                 denied AS (
+                     UPDATE approvals SET decision = 'deny', decided_by = $13, decided_at = now(), channel = 'cli',
+                            reason = $5
+                     WHERE run_id = $1 AND decision IS NULL AND EXISTS (SELECT 1 FROM upd))
+                 SELECT count(*) FROM upd",
+            )
+            .await?;
+        let text = serde_json::to_string(state).expect("run state serialises");
+        let closed: i64 = client
+            .query_one(
+                &stmt,
+                &[
+                    &state.run_id,
+                    &state.step.as_str(),
+                    &(state.seq as i32),
+                    &text,
+                    &state.escalation_reason,
+                    &(was.1 as i32),
+                    &was.0.as_str(),
+                    &event.kind.as_str(),
+                    &event.message,
+                    &tokio_postgres::types::Json(&event.data),
+                    &event.worker,
+                    &event.at,
+                    &by,
+                ],
+            )
+            .await?
+            .get(0);
+        Ok(closed == 1)
+    }
+
     /// Store events that belong to no run row (a rejected incident).
     #[tracing::instrument(name = "db_write", skip_all, fields(op = "insert_events"))]
     pub async fn insert_events(&self, events: &[RunEvent]) -> Result<(), StoreError> {

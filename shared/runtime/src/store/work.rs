@@ -348,19 +348,6 @@ impl Store {
             .collect())
     }
 
-    /// Deny what `run` still waits on, by `by` (a run closed by hand): its requests leave the
-    /// pending list. Returns how many were pending.
-    pub async fn deny_pending(&self, run: Uuid, by: &str, reason: &str) -> Result<u64, StoreError> {
-        let client = self.client().await?;
-        Ok(client
-            .execute(
-                "UPDATE approvals SET decision = 'deny', decided_by = $2, decided_at = now(), channel = 'cli', reason = $3
-                 WHERE run_id = $1 AND decision IS NULL",
-                &[&run, &by, &reason],
-            )
-            .await?)
-    }
-
     /// Pending approvals (all, or only those past their deadline), oldest first.
     pub async fn pending_approvals(&self, only_expired: bool, limit: i64) -> Result<Vec<PendingApproval>, StoreError> {
         let client = self.client().await?;
