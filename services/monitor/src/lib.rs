@@ -65,6 +65,8 @@ pub struct Tracker {
     down: HashMap<String, Outage>,
     /// When each service was last reported at once after its run resolved (a relapse).
     relapsed: HashMap<String, chrono::DateTime<chrono::Utc>>,
+    /// Services whose check the monitor cannot run now (said once, until it runs again).
+    unsure: std::collections::HashSet<String>,
 }
 
 #[derive(Debug, Clone)]
@@ -299,6 +301,12 @@ pub struct Recovery {
     pub detail: String,
 }
 
+/// Whether the check's command did not run (or may not have) for a reason other than its
+/// host: a host that does not answer is an outage to report.
+fn not_run(out: &CheckOutcome) -> bool {
+    matches!(out.inconclusive, Some(pitcrew_exec::Inconclusive::NotRun))
+}
+
 /// Check every service once, concurrently; each check is bounded by its own timeout.
 pub async fn check_all(
     services: &BTreeMap<String, ServiceSpec>,
@@ -310,8 +318,13 @@ pub async fn check_all(
             let started = Instant::now();
             let out = run_check(check, &spec.host, executor).await;
             CHECK_SECONDS.observe(&[name], started.elapsed().as_secs_f64());
-            CHECKS.inc(&[name, if out.healthy { "up" } else { "down" }]);
-            UP.set(&[name], if out.healthy { 1.0 } else { 0.0 });
+            if not_run(&out) {
+                // Nothing is known of the service: neither up nor down.
+                CHECKS.inc(&[name, "unknown"]);
+            } else {
+                CHECKS.inc(&[name, if out.healthy { "up" } else { "down" }]);
+                UP.set(&[name], if out.healthy { 1.0 } else { 0.0 });
+            }
             (name.clone(), out)
         })
     });
@@ -370,6 +383,19 @@ async fn one_round(
 ) {
     let round = chrono::Utc::now();
     for (service, out) in check_all(services, executor).await {
+        // A check the monitor could not run (a secret it lacks, its program missing, a failed
+        // channel) tells nothing of the service: an incident would have the crew remediate a
+        // service perhaps healthy. Said once, until it runs again; the count of failed checks
+        // in a row goes on from where it was.
+        if not_run(&out) {
+            if tracker.unsure.insert(service.clone()) {
+                tracing::warn!(service = %service, detail = %out.detail, "cannot run the service's check: reporting nothing of it until it runs");
+            }
+            continue;
+        }
+        if tracker.unsure.remove(&service) {
+            tracing::info!(service = %service, "the service's check runs again");
+        }
         let now = chrono::Utc::now();
         let mut change = tracker.observe(&service, out.healthy, now, realert);
         if change == Change::Nothing && !out.healthy {

@@ -131,3 +131,41 @@ async fn a_restarted_monitor_takes_up_the_outage_it_reported() -> anyhow::Result
     monitor.await??;
     crew.shutdown().await
 }
+
+/// A check the monitor cannot run (it names a secret the monitor does not hold) tells nothing
+/// of the service: no incident, no remediation of a service perhaps healthy; the checks count
+/// as `unknown`, and the service reads neither up nor down.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_check_the_monitor_cannot_run_opens_no_incident() -> anyhow::Result<()> {
+    let env = pitcrew_testkit::TestEnv::start().await?;
+    let text = "[monitor]\ninterval_ms = 100\nrealert_secs = 0\n[services.keyed-mon]\nhost = \"local\"\n\
+                start = \"true\"\ncheck = { kind = \"command\", command = \"test -n {secret:mon_key}\" }\n";
+    let crew = common::Crew::start_in(env, text, &pitcrew_model::Stage::ALL).await?;
+    let port = pitcrew_runtime::natsd::free_port()?;
+    let mut monitor_cfg = crew.cfg.clone();
+    monitor_cfg.metrics.listen = Some(format!("127.0.0.1:{port}"));
+    let metrics = format!("http://127.0.0.1:{port}/metrics");
+    let (stop, monitor) = common::spawn_monitor(monitor_cfg);
+    let unknown = r#"pitcrew_monitor_checks_total{service="keyed-mon",result="unknown"}"#;
+    let deadline = std::time::Instant::now() + WAIT;
+    loop {
+        let seen = scrape(&metrics).await.unwrap_or_default();
+        if sample(&seen, unknown) >= 5.0 {
+            assert_eq!(sample(&seen, r#"pitcrew_monitor_checks_total{service="keyed-mon",result="down"}"#), 0.0);
+            assert!(
+                !seen.iter().any(|(s, _)| s.starts_with(r#"pitcrew_monitor_service_up{service="keyed-mon"}"#)),
+                "{seen:?}"
+            );
+            break;
+        }
+        anyhow::ensure!(std::time::Instant::now() < deadline, "no unknown checks counted: {seen:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let db = crew.db().await?;
+    let incidents: i64 = db.query_one("SELECT count(*) FROM incidents WHERE service = 'keyed-mon'", &[]).await?.get(0);
+    assert_eq!(incidents, 0, "five rounds and no incident");
+    let _ = stop.send(());
+    monitor.await??;
+    let mut crew = crew;
+    crew.shutdown().await
+}
