@@ -32,9 +32,7 @@ impl StageHandler for Escalate {
             // fix that may work.
             if state.plan.is_some() && state.verification.as_ref().is_none_or(|v| v.attempt != state.attempt) {
                 let failed: Vec<String> = state
-                    .executions
-                    .iter()
-                    .filter(|e| e.attempt == state.attempt)
+                    .current_executions()
                     .filter(|e| {
                         matches!(
                             e.status,

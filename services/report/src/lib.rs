@@ -10,13 +10,13 @@ pub struct Report;
 /// One line that says what happened: the commands this attempt ran (how each that did not
 /// succeed ended, and those it skipped), not the plan as proposed.
 pub fn summary(state: &RunState) -> String {
-    let records: Vec<_> = state.executions.iter().filter(|e| e.attempt == state.attempt).collect();
+    let records: Vec<_> = state.current_executions().collect();
     let plan = if records.is_empty() {
         state.plan.as_ref().map(|p| format!("`{}`", p.commands.join(" ; "))).unwrap_or_else(|| "nothing".into())
     } else {
         let mut ran = Vec::new();
         let mut skipped = Vec::new();
-        for e in records {
+        for e in &records {
             match e.status {
                 ExecutionStatus::Succeeded => ran.push(e.command.clone()),
                 ExecutionStatus::Skipped => skipped.push(e.command.as_str()),
@@ -32,7 +32,7 @@ pub fn summary(state: &RunState) -> String {
             format!("`{}`", ran.join(" ; "))
         } else if ran.is_empty() {
             // Nothing of the plan ran (another run fixed the service first): say why.
-            let why = state.executions.iter().find(|e| e.attempt == state.attempt).map(|e| e.output.as_str());
+            let why = records.first().map(|e| e.output.as_str());
             format!("nothing ({})", why.unwrap_or_default().trim_start_matches("not run: "))
         } else {
             format!("`{}`, skipped `{}`", ran.join(" ; "), skipped.join(" ; "))
@@ -77,16 +77,6 @@ pub fn unverified(state: &RunState) -> Option<String> {
     }
 }
 
-/// The commands this attempt ran (whatever their end), in order: not those it left alone.
-fn ran(state: &RunState) -> Vec<&str> {
-    state
-        .executions
-        .iter()
-        .filter(|e| e.attempt == state.attempt && e.status != ExecutionStatus::Skipped)
-        .map(|e| e.command.as_str())
-        .collect()
-}
-
 impl StageHandler for Report {
     fn stage(&self) -> Stage {
         Stage::Report
@@ -108,7 +98,7 @@ impl StageHandler for Report {
                 serde_json::json!({
                     "attempts": state.attempt,
                     "diagnosis": state.diagnosis().map(|d| d.summary.clone()),
-                    "commands": ran(state),
+                    "commands": state.ran_commands().collect::<Vec<_>>(),
                     "approval": state.approval,
                     "policy_rules": policy_rules(state),
                     "elapsed_ms": elapsed,
@@ -187,9 +177,9 @@ mod tests {
             "resolved web after 2 attempt(s): ran nothing (run 7 remediated web on web-1 since this run opened, and its \
              check passes now); approved by ann (policy rule kill-9); GET / -> 200"
         );
-        assert!(ran(&s).is_empty(), "the event names no command left alone");
+        assert!(s.ran_commands().next().is_none(), "the event names no command left alone");
         s.executions[0].status = ExecutionStatus::Failed;
-        assert_eq!(ran(&s), ["a"]);
+        assert_eq!(s.ran_commands().collect::<Vec<_>>(), ["a"]);
     }
 
     #[test]

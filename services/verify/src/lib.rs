@@ -24,12 +24,7 @@ pub fn next_step(recovered: bool, attempt: u32, max_retries: u32) -> Result<Stag
 
 /// Commands of this attempt that ran (or may have) without fixing the service.
 pub fn tried_commands(state: &RunState) -> Vec<String> {
-    state
-        .executions
-        .iter()
-        .filter(|e| e.attempt == state.attempt && e.status != ExecutionStatus::Skipped)
-        .map(|e| e.command.clone())
-        .collect()
+    state.ran_commands().map(str::to_string).collect()
 }
 
 /// What this attempt teaches memory. When the service recovered: the commands that succeeded.
@@ -41,12 +36,7 @@ pub fn learned_commands(state: &RunState, recovered: bool) -> Vec<String> {
     if !recovered {
         return tried_commands(state);
     }
-    state
-        .executions
-        .iter()
-        .filter(|e| e.attempt == state.attempt && e.status == ExecutionStatus::Succeeded)
-        .map(|e| e.command.clone())
-        .collect()
+    state.current_executions().filter(|e| e.status == ExecutionStatus::Succeeded).map(|e| e.command.clone()).collect()
 }
 
 /// Reset the per-attempt fields and count the next attempt, remembering what failed.
@@ -72,11 +62,9 @@ fn remember_failed(state: &mut RunState) {
 /// secret the execute worker lacked, the plan left alone) says so, and why: the escalation
 /// would otherwise read as though the fix had been tried.
 fn with_nothing_run(state: &RunState, outcome: CheckOutcome) -> CheckOutcome {
-    let mut records = state.executions.iter().filter(|e| e.attempt == state.attempt).peekable();
-    let first = records.peek().map(|e| e.output.clone());
-    match first {
-        Some(why) if records.all(|e| e.status == ExecutionStatus::Skipped) => {
-            let why = pitcrew_model::trim::clip(why.trim_start_matches("not run: "), 240);
+    match state.current_executions().next() {
+        Some(first) if state.ran_commands().next().is_none() => {
+            let why = pitcrew_model::trim::clip(first.output.trim_start_matches("not run: "), 240);
             CheckOutcome {
                 detail: format!("{} (no command of attempt {} ran: {why})", outcome.detail, state.attempt),
                 ..outcome

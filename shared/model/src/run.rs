@@ -280,6 +280,17 @@ impl RunState {
         self.evidence.iter().filter(move |e| e.attempt == self.attempt)
     }
 
+    /// The current attempt's execution records, in order.
+    pub fn current_executions(&self) -> impl Iterator<Item = &ExecutionRecord> {
+        self.executions.iter().filter(move |e| e.attempt == self.attempt)
+    }
+
+    /// The commands the current attempt ran, or may have (whatever their end), in order: not
+    /// those it left alone.
+    pub fn ran_commands(&self) -> impl Iterator<Item = &str> {
+        self.current_executions().filter(|e| e.status != ExecutionStatus::Skipped).map(|e| e.command.as_str())
+    }
+
     /// Add evidence, keeping the list and each output bounded.
     pub fn push_evidence(&mut self, mut ev: Evidence) {
         ev.output = crate::redact::kept(&ev.output, MAX_OUTPUT);
