@@ -243,7 +243,7 @@ impl Decisions {
         let outcome = store.decide_approval(&plan_hash, d, seq, attempt).await?;
         if outcome == DecideOutcome::Applied {
             // Best effort: a failed read costs one observation, never the decision.
-            if let Ok(Some(requested)) = store.approval_requested_at(d.run_id, &plan_hash).await {
+            if let Ok(Some((requested, _))) = store.approval_window(d.run_id, &plan_hash).await {
                 let waited = (d.decided_at - requested).to_std().unwrap_or_default();
                 pitcrew_runtime::metrics::approval_decided(d.decision.as_str(), waited);
             }

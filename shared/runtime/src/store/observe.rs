@@ -12,19 +12,6 @@ impl Store {
 }
 
 impl Store {
-    /// When the approval request for `plan_hash` of `run` was made (None: no such request).
-    pub async fn approval_requested_at(
-        &self,
-        run: uuid::Uuid,
-        plan_hash: &str,
-    ) -> Result<Option<chrono::DateTime<chrono::Utc>>, StoreError> {
-        let client = self.client().await?;
-        let row = client
-            .query_opt("SELECT requested_at FROM approvals WHERE run_id = $1 AND plan_hash = $2", &[&run, &plan_hash])
-            .await?;
-        Ok(row.map(|r| r.get(0)))
-    }
-
     /// When the approval request for `plan_hash` of `run` was made and until when it may be
     /// decided, as Postgres wrote them (by its clock: see `Record::Approval`).
     pub async fn approval_window(
