@@ -44,6 +44,15 @@ async fn open_runs(store: &Store, n: usize) -> anyhow::Result<Vec<RunState>> {
     Ok(runs)
 }
 
+/// A fresh database, a store on it, one run opened at intake, and a client on the database.
+async fn one_run() -> anyhow::Result<(TestDb, Store, RunState, tokio_postgres::Client)> {
+    let db = TestDb::create().await?;
+    let store = store(&db).await?;
+    let run = open_runs(&store, 1).await?.remove(0);
+    let pg = db.client().await?;
+    Ok((db, store, run, pg))
+}
+
 /// Where a transition commit leaves a run: its stage and status, and its attempt if given.
 async fn move_run(
     pg: &tokio_postgres::Client,
@@ -340,10 +349,7 @@ async fn records_are_written_with_their_transition_and_only_if_the_run_takes_it(
 
 #[tokio::test]
 async fn memory_reads_failures_from_the_failures_alone_however_many_successes() -> anyhow::Result<()> {
-    let db = TestDb::create().await?;
-    let store = store(&db).await?;
-    let run = open_runs(&store, 1).await?.remove(0);
-    let pg = db.client().await?;
+    let (_db, store, run, pg) = one_run().await?;
     // A popular signature: 2,000 successes within the window, one failure still unanswered,
     // and one a later success answered.
     pg.execute(
@@ -782,10 +788,8 @@ async fn an_approval_deadline_follows_the_database_clock() -> anyhow::Result<()>
 
 #[tokio::test]
 async fn an_expiry_written_for_a_late_approval_is_found_again_on_its_redelivery() -> anyhow::Result<()> {
-    let db = TestDb::create().await?;
-    let store = store(&db).await?;
-    let run = open_runs(&store, 1).await?.remove(0).run_id;
-    let pg = db.client().await?;
+    let (_db, store, run, pg) = one_run().await?;
+    let run = run.run_id;
     pg.execute(
         "INSERT INTO approvals (run_id, plan_hash, attempt, commands, risk, rule, requested_at, expires_at, quorum)
          VALUES ($1, 'h1', 1, ARRAY['rm -f /tmp/x'], 'critical', 'rm', now() - interval '2 h', now() - interval '1 h', 1)",
@@ -1309,10 +1313,8 @@ async fn migrators_at_once_apply_each_migration_once_in_its_own_transaction() ->
 /// failures it has.
 #[tokio::test]
 async fn the_fixes_of_a_signature_are_read_without_walking_its_failures() -> anyhow::Result<()> {
-    let db = TestDb::create().await?;
-    let store = store(&db).await?;
-    let run = open_runs(&store, 1).await?.remove(0).run_id;
-    let pg = db.client().await?;
+    let (_db, store, run, pg) = one_run().await?;
+    let run = run.run_id;
     pg.execute(
         "INSERT INTO episodes (run_id, attempt, service, signature, error, diagnosis, commands, result, success)
          SELECT $1, a, 'web', 'sig', 'down', 'd', ARRAY['systemctl restart web'], 'still down', false
