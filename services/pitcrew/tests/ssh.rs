@@ -1038,12 +1038,52 @@ async fn a_host_stalled_after_its_banner_fails_within_its_connect_timeout() -> a
     assert!(took < Duration::from_secs(20), "{took:?}");
     // The `ssh` it launched is not left in its handshake (killed: at most a zombie until
     // the runtime reaps it).
+    let (running, children) = ssh_children_to(port)?;
+    assert_eq!(running, 0, "{children}");
+    Ok(())
+}
+
+/// How many of this process's children are `ssh` launchers to `port` and not zombies (only
+/// the calling test's: others run beside it in this process), and `ps`'s list of them all.
+fn ssh_children_to(port: u16) -> anyhow::Result<(usize, String)> {
     let me = std::process::id().to_string();
     let children = std::process::Command::new("ps").args(["-o", "stat=,args=", "--ppid", &me]).output()?;
     let children = String::from_utf8_lossy(&children.stdout).into_owned();
-    // This test's launcher only (others run beside it in this process): the one to its port.
     let to_port = format!(" -p {port} ");
-    let running = children.lines().filter(|l| l.contains(&to_port) && !l.trim_start().starts_with('Z'));
-    assert_eq!(running.count(), 0, "{children}");
+    let running = children.lines().filter(|l| l.contains(&to_port) && !l.trim_start().starts_with('Z')).count();
+    Ok((running, children))
+}
+
+/// The same stalled host, given up on by the caller before the login's own bound (diagnose
+/// holds its evidence to a deadline of its own): the launcher of the dropped connect is
+/// killed all the same, not left in its handshake until TCP gives up.
+#[tokio::test]
+async fn a_connect_its_caller_gives_up_on_leaves_no_ssh_behind() -> anyhow::Result<()> {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let port = listener.local_addr()?.port();
+    let held = tokio::spawn(async move {
+        use tokio::io::AsyncWriteExt;
+        let mut open = Vec::new();
+        while let Ok((mut sock, _)) = listener.accept().await {
+            let _ = sock.write_all(b"SSH-2.0-OpenSSH_9.2\r\n").await;
+            open.push(sock);
+        }
+    });
+    let sshd = start_target()?;
+    // Its login's bound: 2 × 5 s + 5 s; the caller gives up after 3 s.
+    let host = HostSpec { port, connect_timeout_secs: 5, ..sshd.host(true) };
+    let f = fleet(host, 1024);
+    let got = tokio::time::timeout(Duration::from_secs(3), f.run("box", "true", T)).await;
+    assert!(got.is_err(), "the caller's deadline came first: {got:?}");
+    let gone_by = Instant::now() + Duration::from_secs(5);
+    loop {
+        let (running, children) = ssh_children_to(port)?;
+        if running == 0 {
+            break;
+        }
+        assert!(Instant::now() < gone_by, "an ssh launcher outlived its dropped connect: {children}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    held.abort();
     Ok(())
 }

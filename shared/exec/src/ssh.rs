@@ -221,6 +221,7 @@ impl SshExecutor {
         }
         // A few quick tries ride out a blip; a host that stays silent is unreachable.
         let mut tries = 0;
+        let mut abandoned = AbandonedLaunchers { armed: true };
         let limit = connect_limit(spec);
         let session = loop {
             tries += 1;
@@ -254,6 +255,7 @@ impl SshExecutor {
                 Err(e) => return Err(e),
             }
         };
+        abandoned.armed = false;
         let session = Master::new(session);
         *slot = Some(session.clone());
         self.down.lock().expect("down map").remove(host);
@@ -494,6 +496,25 @@ fn sweep(dir: &std::path::Path, stale_after: Duration) -> usize {
 /// connect timeout, and 5 s more.
 fn connect_limit(spec: &HostSpec) -> Duration {
     spec.connect_timeout().saturating_mul(2) + Duration::from_secs(5)
+}
+
+/// Armed while a connect is under way: dropped armed (the caller gave up on it first, its own
+/// deadline shorter than the login's bound; or the connect failed), it kills the launchers
+/// left behind, from a thread of its own a moment later (once the crate, dropped too, has
+/// removed the control directory that tells them apart).
+struct AbandonedLaunchers {
+    armed: bool,
+}
+
+impl Drop for AbandonedLaunchers {
+    fn drop(&mut self) {
+        if self.armed {
+            std::thread::spawn(|| {
+                std::thread::sleep(Duration::from_millis(200));
+                kill_abandoned_launchers();
+            });
+        }
+    }
 }
 
 /// Kill this process's `ssh` launchers whose connect was given up on: the crate leaves the
