@@ -32,19 +32,27 @@ pub async fn migrate(client: &mut tokio_postgres::Client) -> Result<usize, Store
     // Waiting for another migrator, as a migration itself, may outlast the pool's statement
     // timeout: not for this session, until it is done.
     client.batch_execute("SET statement_timeout = 0").await?;
+    let applied = locked_apply(client).await;
+    // Whatever happened (the lock itself may have failed): a pooled connection goes back to
+    // the pool with its statement timeout.
+    let reset = client.batch_execute("RESET statement_timeout").await;
+    let applied = applied?;
+    reset?;
+    Ok(applied)
+}
+
+/// [`apply`] under the migration lock.
+async fn locked_apply(client: &mut tokio_postgres::Client) -> Result<usize, StoreError> {
     let locked: bool = client.query_one("SELECT pg_try_advisory_lock($1)", &[&MIGRATION_LOCK]).await?.get(0);
     if !locked {
         tracing::info!("another process is migrating the database: waiting for it");
         client.execute("SELECT pg_advisory_lock($1)", &[&MIGRATION_LOCK]).await?;
     }
     let applied = apply(client).await;
-    // A session's lock outlives its transactions: let go whatever happened (a pooled
-    // connection goes back to the pool).
+    // A session's lock outlives its transactions: let go whatever happened.
     let unlocked = client.execute("SELECT pg_advisory_unlock($1)", &[&MIGRATION_LOCK]).await;
-    let reset = client.batch_execute("RESET statement_timeout").await;
     let applied = applied?;
     unlocked?;
-    reset?;
     Ok(applied)
 }
 
