@@ -232,7 +232,10 @@ impl Decisions {
         // A plan that needs several approvers runs on the last approval of its quorum.
         let mut counted = None;
         if d.decision == Decision::Approve && pending.as_deref() == Some(plan_hash.as_str()) {
-            if let Some((votes, quorum)) = store.vote(d.run_id, &plan_hash, &d.by, &d.channel, seq, attempt).await? {
+            if let Some((votes, quorum)) = store
+                .vote(d.run_id, &plan_hash, &d.by, &d.channel, seq, attempt, &self.deps.config.approver_names())
+                .await?
+            {
                 if votes < quorum {
                     let msg = format!("approve by {} via {} counted: {votes} of {quorum} approvals", d.by, d.channel);
                     return self.record(cx, EventKind::ApprovalDecided, msg, d).await;

@@ -101,7 +101,7 @@ async fn decide_click(
     if decision == Decision::Approve && req.quorum > 1 {
         // The crew counts the votes; this click completes the quorum when the approvers
         // already counted and this one are enough (a vote still in flight counts later).
-        let voters = store.voters_with(run, plan_hash, approver).await.unwrap_or_else(|e| {
+        let voters = store.voters_with(run, plan_hash, approver, &cfg.approver_names()).await.unwrap_or_else(|e| {
             tracing::warn!(%run, error = %e, "cannot read the votes so far: the message is left as it is");
             vec![approver.to_string()]
         });

@@ -3,6 +3,7 @@
 use anyhow::{anyhow, bail};
 use async_nats::jetstream::consumer::{pull::OrderedConfig, DeliverPolicy};
 use futures::StreamExt;
+use pitcrew_model::trim::printable;
 use pitcrew_model::{EventKind, Incident, RunEvent, Severity};
 pub use pitcrew_runtime::approvals::{approval_request, submit, DecisionInput};
 use pitcrew_runtime::{Bus, Config, Store};
@@ -31,30 +32,35 @@ pub fn incident(
 /// counted so far with this one; `None` when Postgres cannot say).
 pub fn approved(req: &pitcrew_model::ApprovalRequest, by: &str, voters: Option<&[String]>) -> String {
     let (plan, run, quorum) = (&req.plan_hash, req.run_id, req.quorum);
-    let commands = req.plan.join(" ; ");
+    let commands = printable(&req.plan.join(" ; ")).into_owned();
     if quorum <= 1 {
         return format!("approved plan {plan} of run {run}: {commands}");
     }
     match voters {
         Some(v) if v.len() as u32 >= quorum => {
-            format!("approved plan {plan} of run {run} ({quorum} of {quorum} approvers: {}): {commands}", v.join(", "))
+            format!(
+                "approved plan {plan} of run {run} ({quorum} of {quorum} approvers: {}): {commands}",
+                printable(&v.join(", "))
+            )
         }
         Some(v) => format!(
             "your approval of plan {plan} of run {run} is counted ({} of {quorum}, by {}): it runs once {quorum} \
              distinct approvers approve: {commands}",
             v.len(),
-            v.join(", ")
+            printable(&v.join(", "))
         ),
         None => format!(
-            "your approval of plan {plan} of run {run} is published as {by}'s vote: it runs once {quorum} distinct \
-             approvers approve (the votes so far are unknown: Postgres is unreachable): {commands}"
+            "your approval of plan {plan} of run {run} is published as {}'s vote: it runs once {quorum} distinct \
+             approvers approve (the votes so far are unknown: Postgres is unreachable): {commands}",
+            printable(by)
         ),
     }
 }
 
-/// One event as a line for humans.
+/// One event as a line for humans (its message, which may quote an alert, a host or a model,
+/// made [`printable`]).
 pub fn format_event(e: &RunEvent) -> String {
-    format!("{} {:<9} {:<18} {}", e.at.format("%H:%M:%S%.3f"), e.stage.as_str(), e.kind.as_str(), e.message)
+    format!("{} {:<9} {:<18} {}", e.at.format("%H:%M:%S%.3f"), e.stage.as_str(), e.kind.as_str(), printable(&e.message))
 }
 
 /// Print a run's events (past and live) until a terminal one; returns it.
@@ -124,11 +130,11 @@ pub async fn incidents(store: &Store, limit: i64) -> anyhow::Result<()> {
             "{}  {}  {:<12}  {:<16}  {:>3}  {:<9}  {}",
             r.id,
             r.created_at.format("%Y-%m-%d %H:%M:%S"),
-            pitcrew_model::trim::clip(&r.service, 12),
+            printable(&pitcrew_model::trim::clip(&r.service, 12)),
             r.status,
             r.attempt,
             r.stage,
-            pitcrew_model::trim::clip(r.reason.as_deref().unwrap_or(&r.error), 80)
+            printable(&pitcrew_model::trim::clip(r.reason.as_deref().unwrap_or(&r.error), 80))
         );
     }
     Ok(())
@@ -153,8 +159,8 @@ pub async fn approvals(store: &Store, limit: i64) -> anyhow::Result<()> {
             human_secs(age),
             if left > 0 { human_secs(left) } else { "expired".into() },
             // The stored rule reads `<name>: <why>`; the name fits the table.
-            pitcrew_model::trim::clip(p.rule.split(':').next().unwrap_or(&p.rule), 20),
-            pitcrew_model::trim::clip(&p.commands.join(" ; "), 100)
+            printable(&pitcrew_model::trim::clip(p.rule.split(':').next().unwrap_or(&p.rule), 20)),
+            printable(&pitcrew_model::trim::clip(&p.commands.join(" ; "), 100))
         );
     }
     Ok(())
@@ -176,17 +182,23 @@ pub async fn show(store: &Store, run: Uuid) -> anyhow::Result<()> {
     };
     let s = &stored.state;
     println!("run {run}: {} at stage {} (attempt {})", stored.status.as_str(), s.step.as_str(), s.attempt);
-    println!("incident: {} on {}: {}", s.incident.service, s.incident.host.as_deref().unwrap_or("-"), s.incident.error);
+    // Whatever came from an alert, a host, a model or a decider is printed through `printable`.
+    println!(
+        "incident: {} on {}: {}",
+        printable(&s.incident.service),
+        printable(s.incident.host.as_deref().unwrap_or("-")),
+        printable(&s.incident.error)
+    );
     if let Some(r) = &stored.reason {
-        println!("outcome: {r}");
+        println!("outcome: {}", printable(r));
     }
     for d in &s.diagnosis_log {
-        println!("diagnosis (attempt {}, {}): {}", d.attempt, d.source, d.summary);
+        println!("diagnosis (attempt {}, {}): {}", d.attempt, d.source, printable(&d.summary));
     }
     if let Some(p) = &s.plan {
         println!("plan (attempt {}, {}, hash {}):", p.attempt, p.source, p.hash());
         for c in &p.commands {
-            println!("  {c}");
+            println!("  {}", printable(c));
         }
     }
     let timeline = store.timeline(run).await?;
@@ -207,16 +219,18 @@ pub async fn show(store: &Store, run: Uuid) -> anyhow::Result<()> {
             println!(
                 "  {} requested for plan {} (rule {}): {}",
                 a.requested_at.format("%Y-%m-%d %H:%M:%S"),
-                a.plan_hash,
-                a.rule,
-                a.commands.join(" ; ")
+                printable(&a.plan_hash),
+                printable(&a.rule),
+                printable(&a.commands.join(" ; "))
             );
             match (&a.decision, &a.by) {
                 (Some(d), Some(by)) => println!(
-                    "  {} {d} by {by} via {}{}",
+                    "  {} {} by {} via {}{}",
                     a.decided_at.map(|t| t.format("%Y-%m-%d %H:%M:%S").to_string()).unwrap_or_default(),
-                    a.channel.as_deref().unwrap_or("-"),
-                    a.reason.as_deref().map(|r| format!(": {r}")).unwrap_or_default()
+                    printable(d),
+                    printable(by),
+                    printable(a.channel.as_deref().unwrap_or("-")),
+                    a.reason.as_deref().map(|r| format!(": {}", printable(r))).unwrap_or_default()
                 ),
                 _ => println!("  (undecided)"),
             }
@@ -226,7 +240,8 @@ pub async fn show(store: &Store, run: Uuid) -> anyhow::Result<()> {
     if !ran.is_empty() {
         println!("executions:");
         for (command, host, status) in ran {
-            println!("  {host}  {:<11}  {command}", if status.is_empty() { "running" } else { &status });
+            let status = if status.is_empty() { "running".into() } else { printable(&status) };
+            println!("  {}  {status:<11}  {}", printable(&host), printable(&command));
         }
     }
     Ok(())
@@ -286,8 +301,9 @@ fn kind_outcome(kind: EventKind) -> &'static str {
 /// any more (its message lost, its stage's upgrade rolled back) holds its fingerprint, and
 /// every incident with it would be folded into it. Its requests for approval are denied, its
 /// target freed (a holder lets go once its run is closed), and a step still under way finds
-/// it closed and does nothing more. The escalated event goes to Postgres and the bus, as any
-/// run's end.
+/// it closed and does nothing more. Refused while one of its commands may still be running:
+/// its target freed, another run could remediate the service beside it. The escalated event
+/// goes to Postgres and the bus, as any run's end.
 pub async fn abandon(
     bus: &Bus,
     store: &Store,
@@ -304,6 +320,15 @@ pub async fn abandon(
     let Some(stored) = store.load_run(run).await? else { bail!("no run {run}") };
     if !matches!(stored.status, RunStatus::Open | RunStatus::WaitingApproval) {
         bail!("run {run} is {} already", stored.status.as_str());
+    }
+    if let Some((command, host, until)) = store.running_execution(run).await? {
+        bail!(
+            "run {run} may still be running `{}` on {} (until {} at the latest): closing it now would free its target \
+             for another run while the command runs; abandon it once that command has ended",
+            printable(&command),
+            printable(&host),
+            until.format("%Y-%m-%d %H:%M:%S UTC")
+        );
     }
     let mut state = stored.state;
     let was = (state.step, state.seq);
@@ -332,7 +357,15 @@ pub async fn prune(store: &Store, days: u32, batch: i64) -> anyhow::Result<()> {
     let before = chrono::Utc::now() - chrono::Duration::days(i64::from(days));
     let mut total = pitcrew_runtime::store::Pruned::default();
     loop {
-        let pruned = store.prune(before, batch).await?;
+        let pruned = store.prune(before, batch).await.map_err(|e| {
+            anyhow!(
+                "pruning stopped after {} runs, {} incidents without a run and {} audit lines: {e} (run it again; \
+                 a smaller --batch if a batch took too long)",
+                total.runs,
+                total.incidents,
+                total.audit
+            )
+        })?;
         if pruned.is_empty() {
             break;
         }

@@ -330,7 +330,10 @@ fn report(res: anyhow::Result<()>) -> ExitCode {
             ExitCode::from(e.downcast_ref::<cli::Unresolved>().map(cli::Unresolved::exit_code).unwrap_or(1))
         }
         Err(e) => {
-            eprintln!("error: {e:#}");
+            // An error may quote what a decider or the bus sent: each of its lines made inert.
+            let text = format!("{e:#}");
+            let lines: Vec<_> = text.lines().map(pitcrew_model::trim::printable).collect();
+            eprintln!("error: {}", lines.join("\n"));
             ExitCode::FAILURE
         }
     }
@@ -417,7 +420,7 @@ async fn run(args: Args, cfg: Option<Config>) -> anyhow::Result<()> {
             };
             let req = cli::submit(&bus, store.as_ref(), input).await?;
             let voters = match (&store, req.quorum > 1) {
-                (Some(store), true) => store.voters_with(run, &req.plan_hash, &by).await.ok(),
+                (Some(store), true) => store.voters_with(run, &req.plan_hash, &by, &cfg.approver_names()).await.ok(),
                 _ => None,
             };
             println!("{}", cli::approved(&req, &by, voters.as_deref()));

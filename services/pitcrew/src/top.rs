@@ -2,6 +2,7 @@
 //! consumer's pending messages, messages in flight (delivered, not yet acked), pull requests
 //! waiting (idle workers), and delivery and ack rates; then the most recent runs.
 
+use pitcrew_model::trim::printable;
 use pitcrew_model::Stage;
 use pitcrew_runtime::metrics::consumer_info;
 use pitcrew_runtime::{Bus, Store};
@@ -87,12 +88,12 @@ pub async fn frame(bus: &Bus, store: Option<&Store>, prev: &mut HashMap<String, 
                         out,
                         "{:<36}  {:<12} {:<16} {:<9} {:>7}  {:<8}  {}",
                         r.id,
-                        pitcrew_model::trim::clip(&r.service, 12),
+                        printable(&pitcrew_model::trim::clip(&r.service, 12)),
                         r.status,
                         r.stage,
                         r.attempt,
                         r.updated_at.format("%H:%M:%S"),
-                        pitcrew_model::trim::clip(r.error.lines().next().unwrap_or(""), 60),
+                        printable(&pitcrew_model::trim::clip(r.error.lines().next().unwrap_or(""), 60)),
                     );
                 }
             }

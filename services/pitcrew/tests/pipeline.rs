@@ -169,6 +169,29 @@ async fn watch_exits_with_how_the_run_ended() -> anyhow::Result<()> {
     crew.shutdown().await
 }
 
+/// An alert's text reaches the operator's terminal through `watch`, `show` and `incidents`:
+/// escape sequences in it (conceal the rest, set the clipboard, go back to the line's start)
+/// are printed as inert text, never sent to the terminal.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cli_prints_escape_sequences_from_an_alert_as_text() -> anyhow::Result<()> {
+    let mut crew = crew_with_playbook("").await?;
+    let hostile = "GET /health: connection refused\u{1b}]52;c;cm0=\u{7}\u{1b}[8m\r\nplan: fake\u{9b}2J";
+    let run = crew.open("svc", hostile).await?;
+    let end = crew.events.terminal(run, WAIT).await?;
+    assert_eq!(end.kind, EventKind::Resolved, "{}", end.message);
+    let config = crew.config_file()?;
+    let id = run.to_string();
+    for args in [&["watch", id.as_str(), "--timeout", "30"][..], &["show", id.as_str()], &["incidents"]] {
+        let (code, out, err) = pitcrew_cli(&config, args).await?;
+        assert_eq!(code, Some(0), "{args:?}: {out}{err}");
+        for c in ['\u{1b}', '\u{7}', '\r', '\u{9b}'] {
+            assert!(!out.contains(c), "{args:?} printed {c:?} raw: {out:?}");
+        }
+        assert!(out.contains(r"refused\u{1b}]52;c;cm0=\u{7}\u{1b}[8m\r\nplan: fake\u{9b}2J"), "{args:?}: {out}");
+    }
+    crew.shutdown().await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_forbidden_plan_is_escalated_and_nothing_runs() -> anyhow::Result<()> {
     let mut crew = crew_with_playbook("").await?;
@@ -201,6 +224,22 @@ async fn an_abandoned_run_frees_its_fingerprint_for_the_next_incident() -> anyho
     let (code, _, err) = pitcrew_cli(&config, &["abandon", &id, "--by", "mallory", "--reason", "x"]).await?;
     assert_eq!(code, Some(1), "{err}");
     assert!(err.contains("mallory"), "{err}");
+    // Not while a command of it may still be running: its target would be free beside it.
+    let db = crew.db().await?;
+    db.execute(
+        "INSERT INTO executions (run_id, attempt, idx, command, host, worker, gone_by, started)
+         VALUES ($1, 9, 0, 'systemctl restart svc', 'box', 'w', now() + interval '1 minute', true)",
+        &[&run],
+    )
+    .await?;
+    let (code, _, err) = pitcrew_cli(&config, &["abandon", &id, "--by", "carol", "--reason", "gone"]).await?;
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains("may still be running `systemctl restart svc` on box"), "{err}");
+    db.execute(
+        "UPDATE executions SET gone_by = now() - interval '1 second' WHERE run_id = $1 AND attempt = 9",
+        &[&run],
+    )
+    .await?;
     let (code, said, err) =
         pitcrew_cli(&config, &["abandon", &id, "--by", "carol", "--reason", "host decommissioned"]).await?;
     assert_eq!(code, Some(0), "{said}{err}");
@@ -208,7 +247,6 @@ async fn an_abandoned_run_frees_its_fingerprint_for_the_next_incident() -> anyho
     let end = crew.events.terminal(run, WAIT).await?;
     assert_eq!(end.kind, EventKind::Escalated, "the end on the bus, for followers: {}", end.message);
     assert!(end.message.contains("closed by carol: host decommissioned"), "{}", end.message);
-    let db = crew.db().await?;
     let (status, reason): (String, String) =
         db.query_one("SELECT status, reason FROM runs WHERE id = $1", &[&run]).await.map(|r| (r.get(0), r.get(1)))?;
     assert_eq!(status, "escalated");
@@ -216,7 +254,8 @@ async fn an_abandoned_run_frees_its_fingerprint_for_the_next_incident() -> anyho
     let denied = count(&db, "SELECT count(*) FROM approvals WHERE run_id = $1 AND decision = 'deny'", run).await;
     assert_eq!(denied, 1, "what it waited on is no longer pending");
     assert_eq!(crew.cli(&["approvals"])?.trim(), "no pending approvals");
-    assert_eq!(count(&db, "SELECT count(*) FROM executions WHERE run_id = $1", run).await, 0, "nothing ran");
+    let ran = count(&db, "SELECT count(*) FROM executions WHERE run_id = $1 AND attempt <> 9", run).await;
+    assert_eq!(ran, 0, "nothing ran but the command written in by hand");
     // Closed once: a second time says so.
     let (code, _, err) = pitcrew_cli(&config, &["abandon", &id, "--by", "carol", "--reason", "again"]).await?;
     assert_eq!(code, Some(1), "{err}");

@@ -825,6 +825,7 @@ async fn the_same_plan_asked_for_again_by_a_later_attempt_waits_for_a_new_decisi
     let store = store(&db).await?;
     let mut state = open_runs(&store, 1).await?.remove(0);
     let run = state.run_id;
+    let names: Vec<String> = ["ann", "bob", "carol"].map(String::from).to_vec();
     let request = |attempt: u32, quorum: u32| pitcrew_model::ApprovalRequest {
         run_id: run,
         service: "svc-0".into(),
@@ -861,8 +862,8 @@ async fn the_same_plan_asked_for_again_by_a_later_attempt_waits_for_a_new_decisi
     };
     state.seq += 1;
     assert!(park(&state, request(1, 2)).await?, "parked");
-    assert_eq!(store.vote(run, "h1", "ann", "cli", 4, None).await?, Some((1, 2)));
-    assert_eq!(store.vote(run, "h1", "bob", "cli", 5, None).await?, Some((2, 2)));
+    assert_eq!(store.vote(run, "h1", "ann", "cli", 4, None, &names).await?, Some((1, 2)));
+    assert_eq!(store.vote(run, "h1", "bob", "cli", 5, None, &names).await?, Some((2, 2)));
     assert_eq!(store.decide_approval("h1", &approve("bob"), 5, None).await?, DecideOutcome::Applied);
     // Attempt 1's request again (a redelivery of its step, which parks again): still decided.
     assert!(park(&state, request(1, 2)).await?, "parked again");
@@ -874,18 +875,27 @@ async fn the_same_plan_asked_for_again_by_a_later_attempt_waits_for_a_new_decisi
     assert!(park(&state, request(2, 2)).await?, "parked in attempt 2");
     let pending = store.approval_decision(run, "h1").await?;
     assert!(pending.is_none(), "the request waits for a decision: {pending:?}");
-    assert_eq!(store.vote(run, "h1", "ann", "cli", 4, None).await?, None, "a vote from before counts for nothing");
+    assert_eq!(
+        store.vote(run, "h1", "ann", "cli", 4, None, &names).await?,
+        None,
+        "a vote from before counts for nothing"
+    );
     // A decision for attempt 1's request held up until now (message 12, after the floor):
     // neither counted nor settling attempt 2's request, which would leave the run parked on
     // a request decided behind it.
-    assert_eq!(store.vote(run, "h1", "carol", "cli", 12, Some(1)).await?, None, "another attempt's vote");
+    assert_eq!(store.vote(run, "h1", "carol", "cli", 12, Some(1), &names).await?, None, "another attempt's vote");
     assert_eq!(store.decide_approval("h1", &approve("carol"), 12, Some(1)).await?, DecideOutcome::Stale);
     assert!(store.approval_decision(run, "h1").await?.is_none(), "still pending");
     assert_eq!(store.decide_approval("h1", &approve("bob"), 5, None).await?, DecideOutcome::Stale);
     assert!(store.approval_decision(run, "h1").await?.is_none(), "still pending");
-    // New votes, counted from none.
-    assert_eq!(store.vote(run, "h1", "ann", "cli", 9, None).await?, Some((1, 2)));
-    assert_eq!(store.vote(run, "h1", "bob", "cli", 10, Some(2)).await?, Some((2, 2)));
+    // New votes, counted from none, and only while their approvers are configured ones.
+    assert_eq!(store.vote(run, "h1", "ann", "cli", 9, None, &names).await?, Some((1, 2)));
+    let without_ann: Vec<String> = ["bob", "carol"].map(String::from).to_vec();
+    let counted = store.vote(run, "h1", "bob", "cli", 10, Some(2), &without_ann).await?;
+    assert_eq!(counted, Some((1, 2)), "ann was removed from the approvers after she voted");
+    assert_eq!(store.approval_voters(run, "h1", &without_ann).await?, ["bob"]);
+    assert_eq!(store.voters_with(run, "h1", "carol", &without_ann).await?, ["bob", "carol"]);
+    assert_eq!(store.vote(run, "h1", "bob", "cli", 10, Some(2), &names).await?, Some((2, 2)));
     assert_eq!(store.decide_approval("h1", &approve("bob"), 10, Some(2)).await?, DecideOutcome::Applied);
     let attempt: i32 =
         db.client().await?.query_one("SELECT attempt FROM approvals WHERE run_id = $1", &[&run]).await?.get(0);
@@ -1385,7 +1395,9 @@ async fn prune_deletes_old_closed_runs_with_all_they_hold_and_keeps_the_rest() -
          UPDATE runs SET status = 'escalated', created_at = now() - interval '40 days'
           WHERE id IN ('{a}', '{c}');
          UPDATE runs SET created_at = now() - interval '40 days' WHERE id = '{b}';
-         UPDATE runs SET status = 'resolved' WHERE id = '{d}';",
+         UPDATE runs SET status = 'resolved' WHERE id = '{d}';
+         -- A redelivery racing the fold: the recent run's own incident also folded into the old.
+         UPDATE incidents SET duplicate_of = '{a}' WHERE id = '{d}';",
         a = old.run_id,
         b = old_open.run_id,
         c = folded_into.run_id,
@@ -1398,6 +1410,7 @@ async fn prune_deletes_old_closed_runs_with_all_they_hold_and_keeps_the_rest() -
     loop {
         let p = store.prune(before, 1).await?;
         assert!(p.runs <= 1 && p.incidents <= 1 && p.audit <= 1, "{p:?}");
+        assert!(p.runs == 0 || (p.incidents, p.audit) == (0, 0), "runs go first, the rest after them: {p:?}");
         if p.is_empty() {
             break;
         }

@@ -127,9 +127,57 @@ pub fn clip(text: &str, max: usize) -> String {
     format!("{}…", crate::redact::redact_cut(&text[..end]))
 }
 
+/// Characters a terminal acts on or shows as nothing: C0 controls (newline and tab too), DEL,
+/// C1 controls (0x9B is a one-character CSI), the line and paragraph separators, and the
+/// zero-width, joiner and direction-changing format characters (see [`invisible`]).
+pub fn unprintable(c: char) -> bool {
+    c.is_control() || matches!(c, '\u{2028}' | '\u{2029}') || invisible(c)
+}
+
+/// Zero-width, joiner, direction and other format characters that render as nothing.
+pub fn invisible(c: char) -> bool {
+    matches!(c as u32, 0x00AD | 0x180E | 0x200B..=0x200F | 0x202A..=0x202E | 0x2060..=0x2064 | 0x2066..=0x206F | 0xFEFF)
+}
+
+/// `text` as inert terminal text on one line: each [`unprintable`] character is shown escaped
+/// (`\n`, `\t`, `\r`, else `\u{1b}`), everything else is kept as it is, quotes and backslashes
+/// too. Text from alerts, hosts, models and deciders goes through it before the CLI prints it,
+/// so an escape sequence in an alert cannot rewrite an operator's screen (hide a plan, retitle
+/// the terminal, set its clipboard).
+pub fn printable(text: &str) -> std::borrow::Cow<'_, str> {
+    if !text.chars().any(unprintable) {
+        return std::borrow::Cow::Borrowed(text);
+    }
+    let mut out = String::with_capacity(text.len() + 16);
+    for c in text.chars() {
+        match c {
+            '\n' => out.push_str("\\n"),
+            '\t' => out.push_str("\\t"),
+            '\r' => out.push_str("\\r"),
+            c if unprintable(c) => out.push_str(&format!("\\u{{{:x}}}", c as u32)),
+            c => out.push(c),
+        }
+    }
+    std::borrow::Cow::Owned(out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn printable_text_cannot_steer_a_terminal() {
+        let hostile = "web\u{1b}]52;c;cm0=\u{7}\u{1b}[8m\r\nplan:\tfake\u{9b}2J\u{202e}\u{200b}\u{2028}\u{7f}";
+        let shown = printable(hostile);
+        assert!(!shown.chars().any(unprintable), "{shown}");
+        assert_eq!(
+            shown,
+            "web\\u{1b}]52;c;cm0=\\u{7}\\u{1b}[8m\\r\\nplan:\\tfake\\u{9b}2J\\u{202e}\\u{200b}\\u{2028}\\u{7f}"
+        );
+        // Ordinary text, non-ASCII letters, quotes and backslashes are left alone (and not copied).
+        let plain = r#"disk 98% on /var — ü "quoted" \d+ 'x'"#;
+        assert!(matches!(printable(plain), std::borrow::Cow::Borrowed(t) if t == plain));
+    }
 
     #[test]
     fn text_postgres_can_keep_within_its_cap() {

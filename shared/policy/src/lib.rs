@@ -314,7 +314,7 @@ impl Policy {
             };
             // Invisible characters and look-alike letters make a command read as something
             // it is not (`rм`, `ｒｍ`, `r\u{200b}m`).
-            if let Some(c) = cmd.chars().find(|c| is_invisible(*c)) {
+            if let Some(c) = cmd.chars().find(|c| pitcrew_model::trim::invisible(*c)) {
                 let why = format!("contains the invisible character U+{:04X}", c as u32);
                 forbidden.push(hit("invisible-character", FORBIDDEN, why));
             }
@@ -503,11 +503,6 @@ pub fn elevated(command: &str) -> bool {
 /// paragraph separators.
 fn is_control(c: char) -> bool {
     (c.is_control() && !matches!(c, '\t' | '\n' | '\r' | '\0')) || matches!(c, '\u{2028}' | '\u{2029}')
-}
-
-/// Zero-width, joiner, direction and other format characters that render as nothing.
-fn is_invisible(c: char) -> bool {
-    matches!(c as u32, 0x00AD | 0x180E | 0x200B..=0x200F | 0x202A..=0x202E | 0x2060..=0x2064 | 0x2066..=0x206F | 0xFEFF)
 }
 
 fn rule_error(class: &'static str, rule: &str, problem: impl Into<String>) -> PolicyError {

@@ -4,8 +4,9 @@
 use super::{Store, StoreError};
 use chrono::{DateTime, Utc};
 
-/// Runs closed before `$1` (a run open for long, closed lately, is kept), up to `$2`, with everything that belongs to them: their
-/// incident and those folded into it (and the timelines of both), evaluations, approvals and
+/// Runs closed before `$1` (a run open for long, closed lately, is kept), up to `$2`, with
+/// everything that belongs to them: their incident and those folded into it that started no
+/// run of their own (and the timelines of both), evaluations, approvals and
 /// votes, executions, episodes, model usage, target waits. One statement: the foreign keys are
 /// checked at its end, when the children are gone too. Runs another transaction holds are
 /// left for the next batch.
@@ -14,7 +15,8 @@ const PRUNE_RUNS: &str = "
         SELECT id FROM runs WHERE created_at < $1 AND coalesce(finished_at, created_at) < $1
            AND status IN ('resolved', 'escalated')
          ORDER BY created_at LIMIT $2 FOR UPDATE SKIP LOCKED),
-    folded AS (SELECT i.id FROM incidents i JOIN doomed d ON i.duplicate_of = d.id),
+    folded AS (SELECT i.id FROM incidents i JOIN doomed d ON i.duplicate_of = d.id
+                WHERE NOT EXISTS (SELECT 1 FROM runs r WHERE r.id = i.id)),
     ev AS (DELETE FROM run_events x WHERE x.run_id IN (SELECT id FROM doomed UNION ALL SELECT id FROM folded)),
     ep AS (DELETE FROM episodes x USING doomed d WHERE x.run_id = d.id),
     evl AS (DELETE FROM evaluations x USING doomed d WHERE x.run_id = d.id),
@@ -64,8 +66,13 @@ impl Pruned {
 }
 
 impl Store {
-    /// One batch of pruning: up to `batch` of each kind of row older than `before`. Open and
-    /// parked runs are never touched, however old. Call until it prunes nothing.
+    /// One batch of pruning: up to `batch` rows older than `before`, runs first, then (once
+    /// none is left) incidents without a run, then audit lines. Open and parked runs are never
+    /// touched, however old. Call until it prunes nothing.
+    ///
+    /// One kind at a time: the search for incidents without a run passes every old incident
+    /// that still has one, so it waits until the runs that can go are gone (run with each
+    /// batch, a long backlog would cost it as much each time).
     pub async fn prune(&self, before: DateTime<Utc>, batch: i64) -> Result<Pruned, StoreError> {
         let client = self.client().await?;
         let mut pruned = Pruned::default();
@@ -74,6 +81,9 @@ impl Store {
         {
             let stmt = client.prepare_cached(sql).await?;
             *count = client.query_one(&stmt, &[&before, &batch]).await?.get(0);
+            if *count >= batch {
+                break;
+            }
         }
         Ok(pruned)
     }

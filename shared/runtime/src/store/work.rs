@@ -180,8 +180,10 @@ impl Store {
     /// Count `by`'s approval of a pending request that needs a quorum: (distinct approvals so
     /// far, quorum), or None when the request is not pending (decided, or never made, or made
     /// again by an attempt other than `attempt`, the one the approver answered, when known).
-    /// An approver who already voted is counted once.
+    /// An approver who already voted is counted once; only votes of `approvers` (the
+    /// configured ones) count: one cast by someone removed from them since counts no more.
     #[tracing::instrument(name = "db_write", skip_all, fields(op = "vote"))]
+    #[allow(clippy::too_many_arguments)]
     pub async fn vote(
         &self,
         run: Uuid,
@@ -190,6 +192,7 @@ impl Store {
         channel: &str,
         seq: u64,
         attempt: Option<u32>,
+        approvers: &[String],
     ) -> Result<Option<(i64, i64)>, StoreError> {
         let client = self.client().await?;
         // A vote from before the request was made again (see `Record::Approval`), or for
@@ -211,7 +214,10 @@ impl Store {
             )
             .await?;
         let votes: i64 = client
-            .query_one("SELECT count(*) FROM approval_votes WHERE run_id = $1 AND plan_hash = $2", &[&run, &plan_hash])
+            .query_one(
+                "SELECT count(*) FROM approval_votes WHERE run_id = $1 AND plan_hash = $2 AND approver = ANY($3)",
+                &[&run, &plan_hash, &approvers],
+            )
             .await?
             .get(0);
         Ok(Some((votes, quorum)))
@@ -500,6 +506,23 @@ impl Store {
             .await?;
         let rows = client.query(&stmt, &[&run]).await?;
         Ok(rows.iter().map(|r| (r.get(0), r.get(1), r.get(2))).collect())
+    }
+
+    /// A command of `run` that may still be running: claimed, not finished, and its deadline
+    /// (`gone_by`, by Postgres's clock) not past. Its command, host and deadline.
+    pub async fn running_execution(
+        &self,
+        run: Uuid,
+    ) -> Result<Option<(String, String, chrono::DateTime<chrono::Utc>)>, StoreError> {
+        let client = self.client().await?;
+        let row = client
+            .query_opt(
+                "SELECT command, host, gone_by FROM executions
+                  WHERE run_id = $1 AND finished_at IS NULL AND gone_by > now() ORDER BY gone_by DESC LIMIT 1",
+                &[&run],
+            )
+            .await?;
+        Ok(row.map(|r| (r.get(0), r.get(1), r.get(2))))
     }
 
     /// Record how a claimed command ended. Returns false when another delivery of the step
