@@ -488,6 +488,72 @@ async fn a_cli_decision_racing_one_the_crew_has_not_recorded_yet_is_refused() ->
     crew.shutdown().await
 }
 
+/// Two deciders at the same moment (a chat click and a terminal, the crew not yet recording
+/// either): exactly one decision is published and told so; the other is refused, naming it,
+/// never told "denied" for a plan that runs. Over several runs, each pair started together.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_decisions_at_the_same_moment_publish_exactly_one() -> anyhow::Result<()> {
+    let mut crew = crew_with_playbook("").await?;
+    let mut runs = Vec::new();
+    for i in 0..8 {
+        runs.push(crew.open_with("svc", "stale lock held", Some(format!("race-{i}"))).await?);
+    }
+    for run in &runs {
+        crew.events.kind(*run, EventKind::ApprovalRequested, WAIT).await?;
+    }
+    crew.shutdown().await?;
+    let subject_count = |run: uuid::Uuid| {
+        let bus = crew.bus.clone();
+        async move {
+            let stream = bus.js.get_stream(bus.subjects.approvals_stream()).await?;
+            let info = stream.info_with_subjects(bus.subjects.approval_decided(run)).await?;
+            let mut n = 0;
+            futures::pin_mut!(info);
+            while let Some(s) = futures::StreamExt::next(&mut info).await {
+                n += s?.1;
+            }
+            anyhow::Ok(n)
+        }
+    };
+    for run in &runs {
+        let approve = DecisionInput::cli(*run, Decision::Approve, "ann", None, &crew.cfg);
+        let deny = DecisionInput::cli(*run, Decision::Deny, "carol", Some("wait".into()), &crew.cfg);
+        let (a, d) = tokio::join!(
+            cli::submit(&crew.bus, Some(&crew.store), approve),
+            cli::submit(&crew.bus, Some(&crew.store), deny)
+        );
+        let (won, lost) = match (a, d) {
+            (Ok(_), Err(e)) => ("approve by ann", e),
+            (Err(e), Ok(_)) => ("deny by carol", e),
+            (a, d) => panic!("run {run}: exactly one decision goes: {a:?} / {d:?}"),
+        };
+        let why = lost.to_string();
+        assert!(why.contains(&format!("already decided: {won} via cli")), "{why}");
+        assert_eq!(subject_count(*run).await?, 1, "one decision on the subject of run {run}");
+    }
+    crew.shutdown().await
+}
+
+/// Under a two-person rule, two approvals the crew has not recorded yet make the quorum: a
+/// denial after them would be ignored (the plan runs), so it is refused, naming both
+/// approvers, rather than answered "denied".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_denial_after_a_quorum_of_approvals_not_yet_recorded_is_refused() -> anyhow::Result<()> {
+    let (mut crew, run) = waiting_for_two_approvers().await?;
+    crew.shutdown().await?;
+    for by in ["ann", "bob"] {
+        cli::submit(&crew.bus, Some(&crew.store), DecisionInput::cli(run, Decision::Approve, by, None, &crew.cfg))
+            .await?;
+    }
+    let deny = DecisionInput::cli(run, Decision::Deny, "carol", Some("no".into()), &crew.cfg);
+    let why = cli::submit(&crew.bus, Some(&crew.store), deny).await.unwrap_err().to_string();
+    assert!(why.contains("already approved by ann, bob (2 of 2 approvals, being recorded)"), "{why}");
+    crew.run(&Stage::ALL);
+    let end = crew.end(run).await?;
+    assert_eq!(end.kind, EventKind::Resolved, "the quorum ran the plan: {}", end.message);
+    crew.shutdown().await
+}
+
 /// The playbook's slow fix: two seconds between its start and its end, each written to
 /// `fix.log`; a second copy started while one runs fails at once (so interleaved runs show in
 /// the log). It makes the service healthy when `heals`.

@@ -5,6 +5,7 @@
 
 use crate::{Bus, Config, Store};
 use anyhow::{anyhow, Context};
+use async_nats::jetstream::context::PublishErrorKind;
 use async_nats::jetstream::message::StreamMessage;
 use pitcrew_model::codec::JSON;
 use pitcrew_model::{ApprovalDecision, ApprovalRequest, Decision};
@@ -95,18 +96,54 @@ impl<'a> DecisionInput<'a> {
     }
 }
 
+/// How often a decision is checked again when another one landed on the run's decision
+/// subject between its checks and its publish (see [`submit`]).
+const CHECK_TRIES: u32 = 5;
+
+/// Most messages [`submit`] reads on one run's decision subject (a run sees a handful: one a
+/// decider and attempt).
+const MAX_DECISIONS_READ: usize = 256;
+
 /// Publish `input` on `pitcrew.approvals.decided.<run>` once it names the pending plan and,
-/// with the store, that plan is still undecided (and, with `racing`, no decision for it is in
-/// flight). Returns the request decided.
+/// with the store, that plan is still undecided (and, with `racing`, no decision not yet
+/// recorded settles it first). Returns the request decided.
+///
+/// The checks and the publish are one step on the bus: the decision is published only if the
+/// subject's last message is still the one the checks read (JetStream's expected last subject
+/// sequence). Two deciders at once cannot both pass: the later publish is refused, checked
+/// again against the other's decision, and answered as that says (a vote under a quorum still
+/// counts; a denial after an approval that settled the plan does not, and is told so).
 pub async fn submit(
     bus: &Bus,
     store: Option<&Store>,
     input: DecisionInput<'_>,
 ) -> Result<ApprovalRequest, DecideError> {
-    let DecisionInput { run, plan_hash, attempt, decision, by, reason, channel, racing } = input;
-    if by.trim().is_empty() {
+    if input.by.trim().is_empty() {
         return Err(DecideError::Invalid("--by must name who decides".into()));
     }
+    for _ in 0..CHECK_TRIES {
+        match check_and_publish(bus, store, &input).await? {
+            Some(req) => return Ok(req),
+            None => {
+                tracing::info!(run = %input.run, "another decision landed while this one was checked: checking again")
+            }
+        }
+    }
+    Err(DecideError::Conflict(format!(
+        "other decisions for run {} kept landing while this one was checked ({CHECK_TRIES} times): nothing was \
+         decided; look at the run (`pitcrew show {}`) and decide again",
+        input.run, input.run
+    )))
+}
+
+/// One round of [`submit`]: the request decided, or None when another decision landed on the
+/// subject after the checks read it (check again).
+async fn check_and_publish(
+    bus: &Bus,
+    store: Option<&Store>,
+    input: &DecisionInput<'_>,
+) -> Result<Option<ApprovalRequest>, DecideError> {
+    let DecisionInput { run, plan_hash, attempt, decision, by, ref reason, channel, racing } = *input;
     let req = find_request(bus, run).await.map_err(|e| DecideError::Bus(format!("{e:#}")))?;
     let req = req.ok_or(DecideError::NoRequest(run))?;
     if let Some(seen) = plan_hash {
@@ -135,6 +172,10 @@ pub async fn submit(
             req.expires_at.format("%Y-%m-%d %H:%M:%S")
         )));
     }
+    // Read before the store: a decision the crew records in between is then either in
+    // Postgres or among these, never missed by both.
+    let on_bus = decisions_on(bus, run).await.map_err(|e| DecideError::Bus(format!("{e:#}")))?;
+    let mut recorded = Vec::new();
     if let Some(store) = store {
         if let Some((prev, who, via, when)) = store.approval_decision(run, &req.plan_hash).await? {
             return Err(DecideError::Conflict(format!(
@@ -143,9 +184,12 @@ pub async fn submit(
                 when.format("%Y-%m-%d %H:%M:%S")
             )));
         }
+        if let Some(cfg) = racing.filter(|_| req.quorum > 1) {
+            recorded = store.approval_voters(run, &req.plan_hash, &cfg.approver_names()).await?;
+        }
     }
     if let Some(cfg) = racing {
-        if let Some(why) = racing_decision(bus, cfg, &req, by).await? {
+        if let Some(why) = settled(cfg, &req, by, &recorded, &on_bus.in_flight) {
             return Err(DecideError::Conflict(why));
         }
     }
@@ -154,7 +198,7 @@ pub async fn submit(
         decision,
         by: by.to_string(),
         plan_hash: Some(req.plan_hash.clone()),
-        reason,
+        reason: reason.clone(),
         channel: channel.to_string(),
         decided_at: chrono::Utc::now(),
     };
@@ -173,61 +217,113 @@ pub async fn submit(
     }
     let mut headers = crate::bus::headers(&id, JSON, Some(run));
     headers.insert(ATTEMPT_HEADER, req.attempt.to_string().as_str());
-    bus.publish_with_headers(bus.subjects.approval_decided(run), headers, payload.into())
-        .await
-        .map_err(|e| DecideError::Bus(e.to_string()))?;
-    Ok(req)
+    headers.insert(async_nats::header::NATS_EXPECTED_LAST_SUBJECT_SEQUENCE, on_bus.last_seq.to_string().as_str());
+    let subject = bus.subjects.approval_decided(run);
+    let failed = |e: &dyn std::fmt::Display| DecideError::Bus(format!("publish to {subject} failed: {e}"));
+    let ack = bus.js.publish_with_headers(subject.clone(), headers, payload.into()).await.map_err(|e| failed(&e))?;
+    match ack.await {
+        Ok(_) => Ok(Some(req)),
+        Err(e) if e.kind() == PublishErrorKind::WrongLastSequence => Ok(None),
+        Err(e) => Err(failed(&format!("{e}: no ack, so it may be stored all the same"))),
+    }
 }
 
-/// Why a decision for `req`'s plan is refused because another one is on the bridge subject,
-/// not yet recorded by the crew (two clicks racing): the last decision published for that plan
-/// within [`IN_FLIGHT`] by a configured approver wins, unless it is an approval under a quorum
-/// and this decision is another approver's (a vote, or a denial). None: not racing.
-async fn racing_decision(
-    bus: &Bus,
+/// A run's decision subject as [`submit`] read it: the sequence of its last message (0: none,
+/// which the publish then expects) and the decisions published within [`IN_FLIGHT`], oldest
+/// first, each with the attempt it answered when it says.
+struct OnBus {
+    last_seq: u64,
+    in_flight: Vec<(ApprovalDecision, Option<u32>)>,
+}
+
+/// Every message on `run`'s decision subject, oldest first (one read each, at most
+/// [`MAX_DECISIONS_READ`]).
+async fn decisions_on(bus: &Bus, run: Uuid) -> anyhow::Result<OnBus> {
+    let subject = bus.subjects.approval_decided(run);
+    let read = async {
+        let stream = bus.js.get_stream(bus.subjects.approvals_stream()).await?;
+        let (mut next, mut seen) = (1, OnBus { last_seq: 0, in_flight: Vec::new() });
+        for _ in 0..MAX_DECISIONS_READ {
+            let msg = match stream.get_first_raw_message_by_subject(&subject, next).await {
+                Ok(m) => m,
+                Err(e) if e.kind() == async_nats::jetstream::stream::LastRawMessageErrorKind::NoMessageFound => {
+                    return anyhow::Ok(seen);
+                }
+                Err(e) => return Err(e.into()),
+            };
+            (seen.last_seq, next) = (msg.sequence, msg.sequence + 1);
+            let age = time::OffsetDateTime::now_utc() - msg.time;
+            if let (true, Ok(d)) = (age <= IN_FLIGHT, serde_json::from_slice::<ApprovalDecision>(&msg.payload)) {
+                let answered = answered_attempt(msg.headers.get(ATTEMPT_HEADER).map(|v| v.as_str()));
+                seen.in_flight.push((d, answered));
+            }
+        }
+        Err(anyhow!(
+            "run {run} has more than {MAX_DECISIONS_READ} decisions on {subject}: refused rather than decided unseen"
+        ))
+    };
+    tokio::time::timeout(Duration::from_secs(10), read)
+        .await
+        .map_err(|_| anyhow!("NATS did not answer a read of {subject} within 10 s (retry)"))?
+}
+
+/// What the decisions on the bus that the crew has not recorded yet settle for `req`'s plan,
+/// taken in the order the crew records them: a denial stops the plan; an approval decides it
+/// alone, or with the votes that complete its quorum (`recorded`: the approvers Postgres
+/// counted so far). A decision from before this request, for another attempt's, or by someone
+/// the crew refuses settles nothing. None: nothing is settled, `by`'s decision counts; else
+/// why it is refused.
+fn settled(
     cfg: &Config,
     req: &ApprovalRequest,
     by: &str,
-) -> Result<Option<String>, DecideError> {
+    recorded: &[String],
+    in_flight: &[(ApprovalDecision, Option<u32>)],
+) -> Option<String> {
     let (run, plan_hash) = (req.run_id, req.plan_hash.as_str());
-    let Some((prev, answered)) =
-        in_flight(bus, run, plan_hash).await.map_err(|e| DecideError::Bus(format!("{e:#}")))?
-    else {
-        return Ok(None);
+    let quorum = req.quorum.max(1) as usize;
+    let mut voters: Vec<&str> = recorded.iter().map(String::as_str).collect();
+    let approved = |voters: &[&str]| {
+        format!(
+            "plan {plan_hash} of run {run} was already approved by {} ({} of {} approvals, being recorded): this \
+             decision is ignored",
+            voters.join(", "),
+            voters.len(),
+            req.quorum
+        )
     };
-    // A decision from before this request, or for another attempt's, answered an earlier one
-    // (the same plan, asked for again by a later attempt): it decides nothing here.
-    if prev.decided_at < req.requested_at || answered.is_some_and(|a| a != req.attempt) {
-        return Ok(None);
+    if req.quorum > 1 && voters.len() >= quorum {
+        return Some(approved(&voters));
     }
-    if cfg.refuse_approver(&prev.by).is_some() {
-        // The crew refuses it: it wins nothing.
-        return Ok(None);
+    for (prev, answered) in in_flight {
+        let counts = prev.plan_hash.as_deref() == Some(plan_hash)
+            && prev.decided_at >= req.requested_at
+            && answered.is_none_or(|a| a == req.attempt)
+            && prev.decision != Decision::Expire
+            && cfg.refuse_approver(&prev.by).is_none();
+        if !counts {
+            continue;
+        }
+        // Under a quorum an approval is one vote: another approver's vote or denial goes on
+        // until the votes are enough (the crew counts votes, and one denial stops the plan).
+        if req.quorum > 1 && prev.decision == Decision::Approve && prev.by != by {
+            if !voters.contains(&prev.by.as_str()) {
+                voters.push(&prev.by);
+            }
+            if voters.len() >= quorum {
+                return Some(approved(&voters));
+            }
+            continue;
+        }
+        return Some(format!(
+            "plan {plan_hash} of run {run} was already decided: {} by {} via {} at {} (being recorded: this decision is ignored)",
+            prev.decision.as_str(),
+            prev.by,
+            prev.channel,
+            prev.decided_at.format("%Y-%m-%d %H:%M:%S")
+        ));
     }
-    // Under a quorum an approval is one vote, not the decision: another approver's vote or
-    // denial goes on (the crew counts votes, and one denial stops the plan).
-    if req.quorum > 1 && prev.decision == Decision::Approve && prev.by != by {
-        return Ok(None);
-    }
-    Ok(Some(format!(
-        "plan {plan_hash} of run {run} was already decided: {} by {} via {} at {} (being recorded: this decision is ignored)",
-        prev.decision.as_str(),
-        prev.by,
-        prev.channel,
-        prev.decided_at.format("%Y-%m-%d %H:%M:%S")
-    )))
-}
-
-/// The last decision published for `plan_hash` of `run` within [`IN_FLIGHT`], if any, with
-/// the attempt it answered when it says.
-async fn in_flight(bus: &Bus, run: Uuid, plan_hash: &str) -> anyhow::Result<Option<(ApprovalDecision, Option<u32>)>> {
-    let Some(msg) = last_on(bus, &bus.subjects.approval_decided(run)).await? else { return Ok(None) };
-    let Ok(d) = serde_json::from_slice::<ApprovalDecision>(&msg.payload) else { return Ok(None) };
-    let age = time::OffsetDateTime::now_utc() - msg.time;
-    if d.plan_hash.as_deref() != Some(plan_hash) || age > IN_FLIGHT {
-        return Ok(None);
-    }
-    Ok(Some((d, answered_attempt(msg.headers.get(ATTEMPT_HEADER).map(|v| v.as_str())))))
+    None
 }
 
 /// The attempt a decision's [`ATTEMPT_HEADER`] names: one that is not a number names no
