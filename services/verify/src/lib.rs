@@ -22,6 +22,20 @@ pub fn next_step(recovered: bool, attempt: u32, max_retries: u32) -> Result<Stag
     }
 }
 
+/// What the checks of one verification say when they end unhealthy: the last, unless it told
+/// nothing of the service (inconclusive: a channel that did not open in time, the host silent
+/// for a moment) and an earlier one did (`said`: the last failed check that ran): that one
+/// decides, and the fix counts as not having worked instead of escalating as unverifiable.
+/// Pure.
+pub fn settled_outcome(last: CheckOutcome, said: Option<CheckOutcome>) -> CheckOutcome {
+    match (last.inconclusive, said) {
+        (Some(_), Some(said)) if !last.healthy => {
+            CheckOutcome { detail: format!("{} (the last check could not run: {})", said.detail, last.detail), ..said }
+        }
+        _ => last,
+    }
+}
+
 /// Commands of this attempt that ran (or may have) without fixing the service.
 pub fn tried_commands(state: &RunState) -> Vec<String> {
     state.ran_commands().map(str::to_string).collect()
@@ -96,7 +110,7 @@ impl StageHandler for Verify {
             let executor = cx.deps.executor.clone();
             let tries = cfg.verify.checks.max(1);
             let needed = cfg.verify.healthy_checks.max(1);
-            let (mut made, mut streak, mut was_healthy) = (0, 0, false);
+            let (mut made, mut streak, mut was_healthy, mut said) = (0, 0, false, None);
             let outcome = loop {
                 let outcome = run_check(check, &spec.host, executor.as_ref()).await;
                 made += 1;
@@ -105,6 +119,9 @@ impl StageHandler for Verify {
                     was_healthy = true;
                 } else {
                     streak = 0;
+                    if outcome.inconclusive.is_none() {
+                        said = Some(outcome.clone());
+                    }
                 }
                 // A run of healthy checks under way is seen through, past `checks` too.
                 if streak >= needed || (streak == 0 && made >= tries) {
@@ -113,6 +130,7 @@ impl StageHandler for Verify {
                 tokio::time::sleep(Duration::from_millis(cfg.verify.interval_ms)).await;
             };
             let recovered = streak >= needed;
+            let outcome = if recovered { outcome } else { settled_outcome(outcome, said) };
             let outcome = if !recovered && was_healthy {
                 // Up for a moment, then down again: the fix did not hold.
                 let detail = format!("healthy at first, then failed again: {}", outcome.detail);
@@ -181,6 +199,29 @@ mod tests {
         assert_eq!(next_step(false, 1, 5), Ok(Stage::Diagnose));
         assert_eq!(next_step(false, 4, 5), Ok(Stage::Diagnose));
         assert!(next_step(false, 5, 5).unwrap_err().contains("max_retries (5)"));
+    }
+
+    #[test]
+    fn a_last_check_that_could_not_run_does_not_outweigh_the_ones_that_did() {
+        let failed = |detail: &str, inconclusive: Option<Inconclusive>| CheckOutcome {
+            healthy: false,
+            detail: detail.into(),
+            output: String::new(),
+            inconclusive,
+        };
+        let said = failed("GET /health returned 503", None);
+        let blip = failed("channel did not open within 10 s", Some(Inconclusive::NotRun));
+        let settled = settled_outcome(blip.clone(), Some(said.clone()));
+        assert_eq!(settled.inconclusive, None, "a conclusive failure decides: {settled:?}");
+        assert_eq!(
+            settled.detail,
+            "GET /health returned 503 (the last check could not run: channel did not open within 10 s)"
+        );
+        // No check ran at all: still nothing known of the service.
+        assert_eq!(settled_outcome(blip.clone(), None), blip);
+        // The last check said something itself: it decides.
+        let last = failed("GET /health returned 500", None);
+        assert_eq!(settled_outcome(last.clone(), Some(said)), last);
     }
 
     /// Command `index` of `attempt`, `command`, ended as `status`.
