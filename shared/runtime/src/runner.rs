@@ -68,7 +68,9 @@ impl ApplyError {
     pub fn is_transient(&self) -> bool {
         match self {
             ApplyError::Store(e) => e.is_transient(),
-            ApplyError::Bus(BusError::Refused { .. } | BusError::Setup { .. }) => false,
+            ApplyError::Bus(BusError::Refused { .. } | BusError::Setup { .. } | BusError::Misconfigured { .. }) => {
+                false
+            }
             ApplyError::Bus(_) => true,
         }
     }
@@ -610,17 +612,7 @@ pub async fn apply(
                 // its policy not this one's) and its publish failed: send that on.
                 return resend_committed(bus, deps, &state, from).await;
             }
-            // Its times as Postgres wrote them, by its clock, which decides its deadline: a
-            // bridge or the CLI reading this worker's would refuse a request whose clock is
-            // behind as expired. Unread (Postgres gone since the commit): this worker's.
-            let mut req = req;
-            match store.approval_window(req.run_id, &req.plan_hash).await {
-                Ok(Some((at, until))) => (req.requested_at, req.expires_at) = (at, until),
-                Ok(None) => {}
-                Err(e) => {
-                    tracing::warn!(run = %req.run_id, error = %e, "cannot read the request's deadline back: sending this worker's")
-                }
-            }
+            let req = with_stored_window(store, *req).await;
             // The request first, then the events: whoever sees `approval_requested` (an
             // operator, `pitcrew watch`, the demo) finds the request on the bridge subject.
             send_request(bus, &req).await?;
@@ -753,7 +745,7 @@ async fn resend_stored(
                 "an earlier delivery of this step parked the run for approval: sending its request on"
             );
             match serde_json::from_value::<ApprovalRequest>(asked.data.clone()) {
-                Ok(req) => send_request(bus, &req).await?,
+                Ok(req) => send_request(bus, &with_stored_window(&deps.store, req).await).await?,
                 Err(e) => {
                     tracing::warn!(run = %refused.run_id, error = %e, "the parked step's request cannot be read back: not sent again")
                 }
@@ -763,6 +755,21 @@ async fn resend_stored(
         _ => tracing::info!(run = %refused.run_id, "stale delivery: the run has moved on; dropping it"),
     }
     Ok(())
+}
+
+/// `req` with its times as Postgres wrote them, by its clock, which decides its deadline (the
+/// event's copy holds the parking worker's): a bridge or the CLI reading a worker's clock that
+/// is behind would refuse the request as expired. Unread (Postgres gone since the commit):
+/// as it came.
+async fn with_stored_window(store: &crate::Store, mut req: ApprovalRequest) -> ApprovalRequest {
+    match store.approval_window(req.run_id, &req.plan_hash).await {
+        Ok(Some((at, until))) => (req.requested_at, req.expires_at) = (at, until),
+        Ok(None) => {}
+        Err(e) => {
+            tracing::warn!(run = %req.run_id, error = %e, "cannot read the request's deadline back: sending this worker's")
+        }
+    }
+    req
 }
 
 /// Publish an approval request on the bridge subject, unless it is there already: a step
