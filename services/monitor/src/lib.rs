@@ -319,8 +319,10 @@ pub async fn check_all(
             let out = run_check(check, &spec.host, executor).await;
             CHECK_SECONDS.observe(&[name], started.elapsed().as_secs_f64());
             if not_run(&out) {
-                // Nothing is known of the service: neither up nor down.
+                // Nothing is known of the service: neither up nor down (NaN, not the last
+                // answer kept: a service up before must not read as up while unknown).
                 CHECKS.inc(&[name, "unknown"]);
+                UP.set(&[name], f64::NAN);
             } else {
                 CHECKS.inc(&[name, if out.healthy { "up" } else { "down" }]);
                 UP.set(&[name], if out.healthy { 1.0 } else { 0.0 });
