@@ -90,6 +90,11 @@ struct ConfiguredNats {
 
 impl ConfiguredNats {
     fn start(passwords: &BTreeMap<String, String>) -> anyhow::Result<ConfiguredNats> {
+        Self::start_with(passwords, &[])
+    }
+
+    /// The same, with lines of `deploy/nats.conf` changed as `edits` say (each must be there).
+    fn start_with(passwords: &BTreeMap<String, String>, edits: &[(&str, &str)]) -> anyhow::Result<ConfiguredNats> {
         let dir = tempfile::tempdir()?;
         let port = pitcrew_runtime::natsd::free_port()?;
         let conf = std::fs::read_to_string(repo().join("deploy/nats.conf"))?;
@@ -100,7 +105,10 @@ impl ConfiguredNats {
             ("listen: 0.0.0.0:4222".to_string(), format!("listen: 127.0.0.1:{port}")),
             ("http: 0.0.0.0:8222".to_string(), String::new()),
             ("store_dir: /data/jetstream".to_string(), format!("store_dir: \"{}\"", store.display())),
-        ] {
+        ]
+        .into_iter()
+        .chain(edits.iter().map(|(from, to)| (from.to_string(), to.to_string())))
+        {
             anyhow::ensure!(text.contains(&from), "deploy/nats.conf no longer has `{from}`");
             text = text.replace(&from, &to);
         }
@@ -551,6 +559,23 @@ fn passwords() -> BTreeMap<String, String> {
         .into_iter()
         .map(|u| (format!("NATS_{u}_PASSWORD"), format!("{}-{}", u.to_lowercase(), uuid::Uuid::new_v4().simple())))
         .collect()
+}
+
+/// A server whose `max_payload` cannot carry a run's state would refuse it mid-run, for good:
+/// every process refuses it at start-up instead, saying what to set.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_too_small_for_a_run_state_is_refused_at_start() -> anyhow::Result<()> {
+    let passwords = passwords();
+    let nats = ConfiguredNats::start_with(&passwords, &[("max_payload: 1MB", "max_payload: 64KB")])?;
+    let url = nats.url("crew", &passwords["NATS_CREW_PASSWORD"]);
+    let cfg = Config::from_toml(&format!("[nats]\nurl = \"{url}\"\ninbox_prefix = \"_INBOX_crew\"\n"))?;
+    let bus = Bus::connect(&cfg).await?;
+    let err = bus.ensure_streams().await.expect_err("refused").to_string();
+    assert!(
+        err.contains("max_payload is 65536 bytes, less than the 524288") && err.contains("set max_payload to 1MB"),
+        "{err}"
+    );
+    Ok(())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -50,6 +50,8 @@ pub enum BusError {
     Refused { what: String, error: String },
     #[error("reading {what} failed: {error}")]
     Read { what: String, error: String },
+    #[error("NATS is set up so pitcrew cannot work: {what} ({fix})")]
+    Misconfigured { what: String, fix: String },
 }
 
 /// `call`, a JetStream API request about `what`, given at most [`API_LIMIT`].
@@ -80,7 +82,7 @@ impl BusError {
             ),
             BusError::Publish { .. } => false,
             BusError::Unanswered { .. } => true,
-            BusError::Refused { .. } | BusError::Read { .. } => false,
+            BusError::Refused { .. } | BusError::Read { .. } | BusError::Misconfigured { .. } => false,
         }
     }
 }
@@ -290,7 +292,19 @@ impl Bus {
     }
 
     /// Create the five streams if missing. Safe when many processes start at once.
+    /// Refused at once: a server whose `max_payload` is below [`MAX_MESSAGE`] (a run's state
+    /// or a dead letter would be refused mid-run, for good, and its run stuck).
     pub async fn ensure_streams(&self) -> Result<(), BusError> {
+        let max_payload = self.client.server_info().max_payload;
+        if max_payload < MAX_MESSAGE {
+            return Err(BusError::Misconfigured {
+                what: format!(
+                    "the server's max_payload is {max_payload} bytes, less than the {MAX_MESSAGE} a run's state or a \
+                     dead letter may take"
+                ),
+                fix: "set max_payload to 1MB, nats-server's default, or more in its config".into(),
+            });
+        }
         let s = &self.subjects;
         let day = Duration::from_secs(86_400);
         let streams = [
