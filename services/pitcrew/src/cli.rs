@@ -348,7 +348,13 @@ pub async fn abandon(
     if !store.close_run(was, &state, &event, by).await? {
         bail!("run {run} moved on from {} (seq {}) while it was being closed: look again", was.0, was.1);
     }
-    pitcrew_runtime::runner::publish_events(bus, std::slice::from_ref(&event)).await?;
+    pitcrew_runtime::runner::publish_events(bus, std::slice::from_ref(&event)).await.map_err(|e| {
+        anyhow!(
+            "run {run} is closed (escalated in Postgres: {}), but its end could not be published: {e}; \
+             `pitcrew watch` and the chat bridges will not hear of it",
+            printable(&why)
+        )
+    })?;
     Ok(event)
 }
 
