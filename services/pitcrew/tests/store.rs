@@ -903,6 +903,36 @@ async fn the_same_plan_asked_for_again_by_a_later_attempt_waits_for_a_new_decisi
     Ok(())
 }
 
+/// A run closed while a command of it may still be running (escalated as poison mid-command,
+/// say) holds its target until that command has ended or its deadline has passed: no other
+/// run remediates the service beside it.
+#[tokio::test]
+async fn a_closed_run_holds_its_target_while_a_command_of_it_may_still_run() -> anyhow::Result<()> {
+    use pitcrew_runtime::store::TargetLock;
+    let db = TestDb::create().await?;
+    let store = store(&db).await?;
+    let pg = db.client().await?;
+    let runs: Vec<Uuid> = open_runs(&store, 2).await?.iter().map(|s| s.run_id).collect();
+    let (a, b) = (runs[0], runs[1]);
+    for run in [a, b] {
+        move_run(&pg, run, "execute", "open", None).await?;
+    }
+    assert!(matches!(store.take_target("web", "web-1", a, 1).await?, TargetLock::Held { .. }));
+    store.claim_execution(a, 1, 0, "systemctl restart web", "web-1", "w", Uuid::new_v4(), true, secs(70)).await?;
+    move_run(&pg, a, "escalate", "escalated", None).await?;
+    match store.take_target("web", "web-1", b, 1).await? {
+        TargetLock::Busy { holder, .. } => assert_eq!(holder, Some(a), "its holder is named"),
+        held => panic!("taken beside a command that may still run: {held:?}"),
+    }
+    pg.execute("UPDATE executions SET gone_by = now() - interval '1 second' WHERE run_id = $1", &[&a]).await?;
+    assert_eq!(
+        store.take_target("web", "web-1", b, 1).await?,
+        TargetLock::Held { remediated_since: Some(a), started: false },
+        "past its deadline the command is over"
+    );
+    Ok(())
+}
+
 /// One remediation at a time on a target: a run in execute or verify holds its service's host
 /// against every other run until it is closed or has moved on, whatever process it was in (no
 /// release step a killed worker could miss); taking it again is the same attempt's
@@ -937,6 +967,7 @@ async fn a_target_is_held_by_one_run_while_it_executes_and_verifies() -> anyhow:
         store.take_target("web", "web-1", a, 1).await?,
         TargetLock::Held { remediated_since: None, started: true }
     );
+    pg.execute("UPDATE executions SET finished_at = now(), status = 'succeeded' WHERE run_id = $1", &[&a]).await?;
     // Verifying, A still holds it; once it reports, B takes it and learns A was there.
     at("verify", "open", a).await?;
     assert_eq!(holder(store.take_target("web", "web-1", b, 1).await?), Some(a));

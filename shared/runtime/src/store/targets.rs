@@ -28,7 +28,9 @@ pub enum TargetLock {
 }
 
 /// One statement, one snapshot: take the target's row unless another run holds it (a holder
-/// lets go once its run is closed, or past verify, or on to another attempt) or a run that has waited longer is still
+/// lets go once its run is closed, or past verify, or on to another attempt, and none of its
+/// commands may still be running: claimed, unfinished, its deadline not past, as when a run
+/// was escalated or closed by hand mid-command) or a run that has waited longer is still
 /// waiting for it (waiters are served in order; one that has not looked for `$6` seconds, its
 /// crew down or its message backing off, is passed over); otherwise note this attempt as
 /// waiting.
@@ -66,6 +68,9 @@ const TAKE: &str = "
                 SELECT 1 FROM runs h WHERE h.id = l.run_id AND h.attempt = l.attempt
                    AND h.status IN ('open', 'waiting_approval') AND h.stage IN ('execute', 'verify'))
             AND NOT EXISTS (
+                SELECT 1 FROM executions e WHERE e.run_id = l.run_id AND e.attempt = l.attempt
+                   AND e.finished_at IS NULL AND e.gone_by > now())
+            AND NOT EXISTS (
                 SELECT 1 FROM waiting w WHERE w.looked > now() - make_interval(secs => $6)
                    AND (w.since, w.run_id) < (coalesce((SELECT since FROM mine), now()), $3)))
         RETURNING previous_run),
@@ -88,7 +93,9 @@ const TAKE: &str = "
            EXISTS (SELECT 1 FROM executions e WHERE e.run_id = $3 AND e.attempt = $4),
            (SELECT l.run_id FROM target_locks l JOIN runs h ON h.id = l.run_id AND h.attempt = l.attempt
              WHERE l.service = $1 AND l.host = $2 AND l.run_id <> $3
-               AND h.status IN ('open', 'waiting_approval') AND h.stage IN ('execute', 'verify')),
+               AND ((h.status IN ('open', 'waiting_approval') AND h.stage IN ('execute', 'verify'))
+                    OR EXISTS (SELECT 1 FROM executions e WHERE e.run_id = l.run_id AND e.attempt = l.attempt
+                                 AND e.finished_at IS NULL AND e.gone_by > now()))),
            (SELECT EXTRACT(EPOCH FROM now() - since)::float8 FROM noted),
            (SELECT count(*) FROM waiting w WHERE w.looked > now() - make_interval(secs => $6)
                AND (w.since, w.run_id) < ((SELECT since FROM noted), $3)),
