@@ -41,6 +41,11 @@ fn facts(summary: &str) -> Vec<String> {
         .collect()
 }
 
+/// The words of `text`: its runs of letters and digits.
+fn words(text: &str) -> impl Iterator<Item = &str> {
+    text.split(|c: char| !c.is_alphanumeric()).filter(|w| !w.is_empty())
+}
+
 /// Letters and digits a ground must hold to count as one.
 const MIN_GROUND: usize = 4;
 
@@ -89,15 +94,23 @@ pub fn assess(state: &RunState, found: &Findings, max_attempts: u32) -> Evaluati
         .map(|n| n.to_lowercase())
         .collect();
     let seen = |fact: &str| observed.iter().any(|(o, _)| o.contains(fact)) || names.iter().any(|n| n == fact);
-    // A quote the call's own words hold counts only where the answer says more than it on
-    // the same line (`grep -F OutOfMemoryError app.log` answering a log line), not where the
-    // line is the quote alone (a header the model wrote).
-    let more_than = |o: &str, ground: &str| {
-        o.lines().any(|l| l.contains(ground) && l.replacen(ground, "", 1).chars().any(char::is_alphanumeric))
+    // A quote the call's own words hold counts only where the answer's line says more than
+    // the call did: a word the call does not hold (`grep -F OutOfMemoryError app.log`
+    // answering a log line). Not a line of the quote and the call's own words (a header the
+    // model wrote, an `echo` of them), and never an answer the query itself writes: PromQL's
+    // labels (`label_replace`) and LogQL's rewritten lines (`line_format`, `label_format`)
+    // hold whatever words it gives them, beside labels and times it did not write.
+    let more_than = |o: &str, ground: &str, own: &str| {
+        let writes_its_answer = own.starts_with("promql")
+            || (own.starts_with("logql") && (own.contains("line_format") || own.contains("label_format")));
+        let own_words: std::collections::HashSet<&str> = words(own).collect();
+        !writes_its_answer
+            && o.lines()
+                .any(|l| l.contains(ground) && words(&l.replacen(ground, " ", 1)).any(|w| !own_words.contains(w)))
     };
     let quoted = |ground: &str| {
         observed.iter().any(|(o, own)| {
-            o.contains(ground) && own.as_ref().is_none_or(|w| !w.contains(ground) || more_than(o, ground))
+            o.contains(ground) && own.as_ref().is_none_or(|w| !w.contains(ground) || more_than(o, ground, w))
         })
     };
     // A ground too short to say anything (`…`, `.`, `e`) is found in any text: none counts.
@@ -423,6 +436,25 @@ mod tests {
         last.detail = "grep -F 'pid 4242 holds port 8080' /var/log/web.log".into();
         last.output = "12:01:07 warn: pid 4242 holds port 8080, retrying\n".into();
         assert!(grounded(&s).passed, "a matching log line is an observation");
+        // A line of the quote and the call's own words is not, whatever program printed it.
+        let last = s.evidence.last_mut().unwrap();
+        last.detail = "echo 'pid 4242 holds port 8080' retrying".into();
+        last.output = "pid 4242 holds port 8080 retrying\n".into();
+        assert!(!grounded(&s).passed, "an echo of the call's own words is not an observation");
+        // Nor a PromQL answer, whose labels the query can write (beside ones it did not).
+        let last = s.evidence.last_mut().unwrap();
+        last.detail = r#"PromQL: label_replace(up, "why", "pid 4242 holds port 8080", "", "")"#.into();
+        last.output = r#"up{instance="web-1",job="web",why="pid 4242 holds port 8080"} 1"#.into();
+        assert!(!grounded(&s).passed, "a label the query wrote is not an observation");
+        // A LogQL line filter answering a log line is one; a line the query rewrote is not.
+        let last = s.evidence.last_mut().unwrap();
+        last.detail = r#"LogQL over 30 min: {app="web"} |= "pid 4242 holds port 8080""#.into();
+        last.output = "2026-11-28T12:01:07Z warn: pid 4242 holds port 8080, retrying\n".into();
+        assert!(grounded(&s).passed, "a log line Loki found is an observation");
+        let last = s.evidence.last_mut().unwrap();
+        last.detail = r#"LogQL over 30 min: {app="web"} | line_format "pid 4242 holds port 8080 {{.level}}""#.into();
+        last.output = "2026-11-28T12:01:07Z pid 4242 holds port 8080 warn\n".into();
+        assert!(!grounded(&s).passed, "a line the query wrote is not an observation");
         // What the host answered to a call that worked is.
         let last = s.evidence.last_mut().unwrap();
         last.detail = "ss -ltnp".into();
