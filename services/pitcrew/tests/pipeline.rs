@@ -554,6 +554,26 @@ async fn a_denial_after_a_quorum_of_approvals_not_yet_recorded_is_refused() -> a
     crew.shutdown().await
 }
 
+/// Under a two-person rule an approver who voted and thinks better of it may still deny,
+/// before the quorum is met, whether the crew recorded the vote or not: the denial stops the
+/// plan.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_approver_may_deny_after_their_own_vote_until_the_quorum_is_met() -> anyhow::Result<()> {
+    let (mut crew, run) = waiting_for_two_approvers().await?;
+    crew.shutdown().await?;
+    cli::submit(&crew.bus, Some(&crew.store), DecisionInput::cli(run, Decision::Approve, "ann", None, &crew.cfg))
+        .await?;
+    let deny = DecisionInput::cli(run, Decision::Deny, "ann", Some("wrong lock file".into()), &crew.cfg);
+    cli::submit(&crew.bus, Some(&crew.store), deny).await?;
+    crew.run(&Stage::ALL);
+    let end = crew.end(run).await?;
+    assert_eq!(end.kind, EventKind::Escalated, "{}", end.message);
+    assert!(end.message.contains("plan denied by ann: wrong lock file"), "{}", end.message);
+    let db = crew.db().await?;
+    assert_eq!(count(&db, "SELECT count(*) FROM executions WHERE run_id = $1", run).await, 0, "the plan never ran");
+    crew.shutdown().await
+}
+
 /// The playbook's slow fix: two seconds between its start and its end, each written to
 /// `fix.log`; a second copy started while one runs fails at once (so interleaved runs show in
 /// the log). It makes the service healthy when `heals`.

@@ -12,11 +12,6 @@ use pitcrew_model::{ApprovalDecision, ApprovalRequest, Decision};
 use std::time::Duration;
 use uuid::Uuid;
 
-/// How long a decision on the bridge subject counts as in flight (published, not yet recorded
-/// by the crew). Past it, a decision the crew never recorded was refused by it and blocks
-/// nothing.
-pub const IN_FLIGHT: Duration = Duration::from_secs(60);
-
 /// The header of a decision naming the attempt whose request it answers (every channel sets
 /// it from the request it checked): the crew ignores a decision for another attempt than the
 /// one the run waits on, such as a vote published for attempt 1 just before attempt 2 asked
@@ -35,8 +30,17 @@ pub async fn approval_request(bus: &Bus, run: Uuid) -> anyhow::Result<ApprovalRe
 /// The latest approval request of a run: None when it has none; an error when the bus could
 /// not say (NATS unreachable), so a caller can tell "no such request" from "try again".
 pub async fn find_request(bus: &Bus, run: Uuid) -> anyhow::Result<Option<ApprovalRequest>> {
+    Ok(request_at(bus, run).await?.map(|(req, _)| req))
+}
+
+/// [`find_request`], with the request's sequence in the approvals stream: a decision on the
+/// stream after it was published after it.
+async fn request_at(bus: &Bus, run: Uuid) -> anyhow::Result<Option<(ApprovalRequest, u64)>> {
     match last_on(bus, &bus.subjects.approval_requested(run)).await? {
-        Some(msg) => Ok(Some(serde_json::from_slice(&msg.payload).context("approval request unreadable")?)),
+        Some(msg) => {
+            let req = serde_json::from_slice(&msg.payload).context("approval request unreadable")?;
+            Ok(Some((req, msg.sequence)))
+        }
         None => Ok(None),
     }
 }
@@ -82,7 +86,7 @@ pub struct DecisionInput<'a> {
     pub reason: Option<String>,
     pub channel: &'a str,
     /// With the config: also refuse a decision racing one on the bridge subject that the crew
-    /// has not recorded yet (two operators deciding at once, see [`IN_FLIGHT`]).
+    /// has not recorded yet (two operators deciding at once: see [`submit`]).
     pub racing: Option<&'a Config>,
 }
 
@@ -144,8 +148,8 @@ async fn check_and_publish(
     input: &DecisionInput<'_>,
 ) -> Result<Option<ApprovalRequest>, DecideError> {
     let DecisionInput { run, plan_hash, attempt, decision, by, ref reason, channel, racing } = *input;
-    let req = find_request(bus, run).await.map_err(|e| DecideError::Bus(format!("{e:#}")))?;
-    let req = req.ok_or(DecideError::NoRequest(run))?;
+    let found = request_at(bus, run).await.map_err(|e| DecideError::Bus(format!("{e:#}")))?;
+    let (req, asked_at) = found.ok_or(DecideError::NoRequest(run))?;
     if let Some(seen) = plan_hash {
         if seen != req.plan_hash {
             return Err(DecideError::Conflict(format!(
@@ -174,7 +178,7 @@ async fn check_and_publish(
     }
     // Read before the store: a decision the crew records in between is then either in
     // Postgres or among these, never missed by both.
-    let on_bus = decisions_on(bus, run).await.map_err(|e| DecideError::Bus(format!("{e:#}")))?;
+    let on_bus = decisions_on(bus, run, asked_at).await?;
     let mut recorded = Vec::new();
     if let Some(store) = store {
         if let Some((prev, who, via, when)) = store.approval_decision(run, &req.plan_hash).await? {
@@ -189,7 +193,7 @@ async fn check_and_publish(
         }
     }
     if let Some(cfg) = racing {
-        if let Some(why) = settled(cfg, &req, by, &recorded, &on_bus.in_flight) {
+        if let Some(why) = settled(cfg, &req, &recorded, &on_bus.in_flight) {
             return Err(DecideError::Conflict(why));
         }
     }
@@ -229,54 +233,61 @@ async fn check_and_publish(
 }
 
 /// A run's decision subject as [`submit`] read it: the sequence of its last message (0: none,
-/// which the publish then expects) and the decisions published within [`IN_FLIGHT`], oldest
+/// which the publish then expects) and the decisions published after the request, oldest
 /// first, each with the attempt it answered when it says.
 struct OnBus {
     last_seq: u64,
     in_flight: Vec<(ApprovalDecision, Option<u32>)>,
 }
 
-/// Every message on `run`'s decision subject, oldest first (one read each, at most
-/// [`MAX_DECISIONS_READ`]).
-async fn decisions_on(bus: &Bus, run: Uuid) -> anyhow::Result<OnBus> {
+/// `run`'s decision subject: its last message, and every decision published after the
+/// request (stream sequence `asked_at`), one read each, at most [`MAX_DECISIONS_READ`]. By
+/// sequence, not by time: a decision stays in the way however long the crew takes to record
+/// it (stopped, or Postgres down), whatever the clock of the host that published it.
+async fn decisions_on(bus: &Bus, run: Uuid, asked_at: u64) -> Result<OnBus, DecideError> {
     let subject = bus.subjects.approval_decided(run);
+    let unread = |e: &dyn std::fmt::Display| DecideError::Bus(format!("reading {subject} failed: {e} (retry)"));
+    let last = last_on(bus, &subject).await.map_err(|e| unread(&e))?;
+    let mut seen = OnBus { last_seq: last.as_ref().map_or(0, |m| m.sequence), in_flight: Vec::new() };
+    if seen.last_seq <= asked_at {
+        return Ok(seen);
+    }
     let read = async {
-        let stream = bus.js.get_stream(bus.subjects.approvals_stream()).await?;
-        let (mut next, mut seen) = (1, OnBus { last_seq: 0, in_flight: Vec::new() });
+        let stream = bus.js.get_stream(bus.subjects.approvals_stream()).await.map_err(|e| unread(&e))?;
+        let mut next = asked_at + 1;
         for _ in 0..MAX_DECISIONS_READ {
             let msg = match stream.get_first_raw_message_by_subject(&subject, next).await {
                 Ok(m) => m,
                 Err(e) if e.kind() == async_nats::jetstream::stream::LastRawMessageErrorKind::NoMessageFound => {
-                    return anyhow::Ok(seen);
+                    return Ok(seen);
                 }
-                Err(e) => return Err(e.into()),
+                Err(e) => return Err(unread(&e)),
             };
-            (seen.last_seq, next) = (msg.sequence, msg.sequence + 1);
-            let age = time::OffsetDateTime::now_utc() - msg.time;
-            if let (true, Ok(d)) = (age <= IN_FLIGHT, serde_json::from_slice::<ApprovalDecision>(&msg.payload)) {
+            (seen.last_seq, next) = (seen.last_seq.max(msg.sequence), msg.sequence + 1);
+            if let Ok(d) = serde_json::from_slice::<ApprovalDecision>(&msg.payload) {
                 let answered = answered_attempt(msg.headers.get(ATTEMPT_HEADER).map(|v| v.as_str()));
                 seen.in_flight.push((d, answered));
             }
         }
-        Err(anyhow!(
-            "run {run} has more than {MAX_DECISIONS_READ} decisions on {subject}: refused rather than decided unseen"
-        ))
+        Err(DecideError::Conflict(format!(
+            "run {run} has more than {MAX_DECISIONS_READ} decisions on {subject} since its request: nothing was \
+             decided (look at who publishes them; `pitcrew show {run}`)"
+        )))
     };
     tokio::time::timeout(Duration::from_secs(10), read)
         .await
-        .map_err(|_| anyhow!("NATS did not answer a read of {subject} within 10 s (retry)"))?
+        .map_err(|_| DecideError::Bus(format!("NATS did not answer a read of {subject} within 10 s (retry)")))?
 }
 
-/// What the decisions on the bus that the crew has not recorded yet settle for `req`'s plan,
-/// taken in the order the crew records them: a denial stops the plan; an approval decides it
-/// alone, or with the votes that complete its quorum (`recorded`: the approvers Postgres
-/// counted so far). A decision from before this request, for another attempt's, or by someone
-/// the crew refuses settles nothing. None: nothing is settled, `by`'s decision counts; else
-/// why it is refused.
+/// What the decisions published since the request (`in_flight`, perhaps recorded by the crew
+/// already) settle for `req`'s plan, taken in the order the crew records them: a denial stops
+/// the plan; an approval decides it alone, or with the votes that complete its quorum
+/// (`recorded`: the approvers Postgres counted so far). One for another plan or attempt, an
+/// expiry, or one by someone the crew refuses settles nothing. None: nothing is settled, a
+/// new decision counts; else why it is refused.
 fn settled(
     cfg: &Config,
     req: &ApprovalRequest,
-    by: &str,
     recorded: &[String],
     in_flight: &[(ApprovalDecision, Option<u32>)],
 ) -> Option<String> {
@@ -297,16 +308,16 @@ fn settled(
     }
     for (prev, answered) in in_flight {
         let counts = prev.plan_hash.as_deref() == Some(plan_hash)
-            && prev.decided_at >= req.requested_at
             && answered.is_none_or(|a| a == req.attempt)
             && prev.decision != Decision::Expire
             && cfg.refuse_approver(&prev.by).is_none();
         if !counts {
             continue;
         }
-        // Under a quorum an approval is one vote: another approver's vote or denial goes on
-        // until the votes are enough (the crew counts votes, and one denial stops the plan).
-        if req.quorum > 1 && prev.decision == Decision::Approve && prev.by != by {
+        // Under a quorum an approval is one vote, whoever cast it: a vote or a denial (the
+        // voter's own too) goes on until the votes are enough (the crew counts each approver
+        // once, and one denial stops the plan).
+        if req.quorum > 1 && prev.decision == Decision::Approve {
             if !voters.contains(&prev.by.as_str()) {
                 voters.push(&prev.by);
             }

@@ -503,12 +503,12 @@ impl Default for Config {
 pub const APPROVER_ROLES: &[&str] = &["approver", "admin"];
 
 impl Config {
-    /// Why `name` may not decide approvals, or None when `[approvers]` lists them.
     /// The configured approvers' names, sorted.
     pub fn approver_names(&self) -> Vec<String> {
         self.approvers.keys().cloned().collect()
     }
 
+    /// Why `name` may not decide approvals, or None when `[approvers]` lists them.
     pub fn refuse_approver(&self, name: &str) -> Option<String> {
         if self.approvers.contains_key(name) {
             return None;
