@@ -22,6 +22,34 @@ pub fn next_step(recovered: bool, attempt: u32, max_retries: u32) -> Result<Stag
     }
 }
 
+/// The checks of one verification so far.
+#[derive(Debug, Default)]
+struct Checks {
+    made: u32,
+    /// Healthy checks in a row, up to the last.
+    streak: u32,
+    was_healthy: bool,
+    /// The last failed check that ran, since the last healthy one (a failure before a healthy
+    /// check no longer says how the fix stands).
+    said: Option<CheckOutcome>,
+}
+
+impl Checks {
+    fn saw(&mut self, outcome: &CheckOutcome) {
+        self.made += 1;
+        if outcome.healthy {
+            self.streak += 1;
+            self.was_healthy = true;
+            self.said = None;
+        } else {
+            self.streak = 0;
+            if outcome.inconclusive.is_none() {
+                self.said = Some(outcome.clone());
+            }
+        }
+    }
+}
+
 /// What the checks of one verification say when they end unhealthy: the last, unless it told
 /// nothing of the service (inconclusive: a channel that did not open in time, the host silent
 /// for a moment) and an earlier one did (`said`: the last failed check that ran): that one
@@ -110,27 +138,19 @@ impl StageHandler for Verify {
             let executor = cx.deps.executor.clone();
             let tries = cfg.verify.checks.max(1);
             let needed = cfg.verify.healthy_checks.max(1);
-            let (mut made, mut streak, mut was_healthy, mut said) = (0, 0, false, None);
+            let mut seen = Checks::default();
             let outcome = loop {
                 let outcome = run_check(check, &spec.host, executor.as_ref()).await;
-                made += 1;
-                if outcome.healthy {
-                    streak += 1;
-                    was_healthy = true;
-                } else {
-                    streak = 0;
-                    if outcome.inconclusive.is_none() {
-                        said = Some(outcome.clone());
-                    }
-                }
+                seen.saw(&outcome);
                 // A run of healthy checks under way is seen through, past `checks` too.
-                if streak >= needed || (streak == 0 && made >= tries) {
+                if seen.streak >= needed || (seen.streak == 0 && seen.made >= tries) {
                     break outcome;
                 }
                 tokio::time::sleep(Duration::from_millis(cfg.verify.interval_ms)).await;
             };
-            let recovered = streak >= needed;
-            let outcome = if recovered { outcome } else { settled_outcome(outcome, said) };
+            let recovered = seen.streak >= needed;
+            let was_healthy = seen.was_healthy;
+            let outcome = if recovered { outcome } else { settled_outcome(outcome, seen.said) };
             let outcome = if !recovered && was_healthy {
                 // Up for a moment, then down again: the fix did not hold.
                 let detail = format!("healthy at first, then failed again: {}", outcome.detail);
@@ -221,7 +241,16 @@ mod tests {
         assert_eq!(settled_outcome(blip.clone(), None), blip);
         // The last check said something itself: it decides.
         let last = failed("GET /health returned 500", None);
-        assert_eq!(settled_outcome(last.clone(), Some(said)), last);
+        assert_eq!(settled_outcome(last.clone(), Some(said.clone())), last);
+        // A failure before a healthy check decides nothing: then only the check that could
+        // not run is left, and nothing is known.
+        let healthy = CheckOutcome { healthy: true, ..said.clone() };
+        let mut seen = Checks::default();
+        for outcome in [&said, &healthy, &blip] {
+            seen.saw(outcome);
+        }
+        assert_eq!((seen.made, seen.streak, seen.was_healthy), (3, 0, true));
+        assert_eq!(settled_outcome(blip.clone(), seen.said).inconclusive, Some(Inconclusive::NotRun));
     }
 
     /// Command `index` of `attempt`, `command`, ended as `status`.
