@@ -41,6 +41,19 @@ fn facts(summary: &str) -> Vec<String> {
         .collect()
 }
 
+/// Whether a tool call (its words, lower-cased) searches for what it quotes in what the host
+/// holds, so a line it answers is the host's, around the quote: grep and its kin (under sudo
+/// too), journalctl, and LogQL that only selects lines (`line_format` and `label_format`
+/// write them).
+fn searches(call: &str) -> bool {
+    if let Some(query) = call.strip_prefix("logql") {
+        return !query.contains("line_format") && !query.contains("label_format");
+    }
+    let mut words = call.split_whitespace().filter(|w| *w != "sudo");
+    let program = words.next().map(|p| p.rsplit('/').next().unwrap_or(p)).unwrap_or("");
+    matches!(program, "grep" | "egrep" | "fgrep" | "zgrep" | "rg" | "journalctl")
+}
+
 /// The words of `text`: its runs of letters and digits.
 fn words(text: &str) -> impl Iterator<Item = &str> {
     text.split(|c: char| !c.is_alphanumeric()).filter(|w| !w.is_empty())
@@ -94,17 +107,15 @@ pub fn assess(state: &RunState, found: &Findings, max_attempts: u32) -> Evaluati
         .map(|n| n.to_lowercase())
         .collect();
     let seen = |fact: &str| observed.iter().any(|(o, _)| o.contains(fact)) || names.iter().any(|n| n == fact);
-    // A quote the call's own words hold counts only where the answer's line says more than
-    // the call did: a word the call does not hold (`grep -F OutOfMemoryError app.log`
-    // answering a log line). Not a line of the quote and the call's own words (a header the
-    // model wrote, an `echo` of them), and never an answer the query itself writes: PromQL's
-    // labels (`label_replace`) and LogQL's rewritten lines (`line_format`, `label_format`)
-    // hold whatever words it gives them, beside labels and times it did not write.
+    // A quote the call's own words hold counts only where the call searched for it in what
+    // the host holds (see `searches`) and the answer's line says more than the call did: a
+    // word the call does not hold (`grep -F OutOfMemoryError app.log` answering a log line).
+    // Not a line of the quote and the call's own words (an `echo` of them, grep finding its
+    // own command line), nor anything a call formats itself (a `ps -o` header, a `date`
+    // format, PromQL's `label_replace`), whatever it prints beside the quote.
     let more_than = |o: &str, ground: &str, own: &str| {
-        let writes_its_answer = own.starts_with("promql")
-            || (own.starts_with("logql") && (own.contains("line_format") || own.contains("label_format")));
         let own_words: std::collections::HashSet<&str> = words(own).collect();
-        !writes_its_answer
+        searches(own)
             && o.lines()
                 .any(|l| l.contains(ground) && words(&l.replacen(ground, " ", 1)).any(|w| !own_words.contains(w)))
     };
@@ -441,6 +452,11 @@ mod tests {
         last.detail = "echo 'pid 4242 holds port 8080' retrying".into();
         last.output = "pid 4242 holds port 8080 retrying\n".into();
         assert!(!grounded(&s).passed, "an echo of the call's own words is not an observation");
+        // Nor a header a call formats itself, beside words it did not write.
+        let last = s.evidence.last_mut().unwrap();
+        last.detail = "ps -o 'pcpu,args=pid 4242 holds port 8080' -p 1".into();
+        last.output = "%CPU pid 4242 holds port 8080\n 0.0 /sbin/init\n".into();
+        assert!(!grounded(&s).passed, "a ps header the model wrote is not an observation");
         // Nor a PromQL answer, whose labels the query can write (beside ones it did not).
         let last = s.evidence.last_mut().unwrap();
         last.detail = r#"PromQL: label_replace(up, "why", "pid 4242 holds port 8080", "", "")"#.into();
