@@ -1043,6 +1043,29 @@ async fn a_host_stalled_after_its_banner_fails_within_its_connect_timeout() -> a
     Ok(())
 }
 
+/// A host down for a moment (its sshd restarted, as a fix may do) is reached again within
+/// seconds: one found unreachable is set aside for 10 s, less than verify's checks span.
+#[tokio::test]
+async fn a_host_back_after_a_moment_is_reached_again_within_seconds() -> anyhow::Result<()> {
+    let mut sshd = start_target()?;
+    let f = fleet(sshd.host(true), 1024);
+    sshd.kill();
+    let down = f.run("box", "true", T).await;
+    assert!(matches!(down, Err(ExecError::Unreachable(_))), "{down:?}");
+    sshd.restart()?;
+    let back = Instant::now();
+    loop {
+        match f.run("box", "true", T).await {
+            Ok(o) if o.success() => break,
+            other => {
+                assert!(back.elapsed() < Duration::from_secs(15), "not reached {:?} after: {other:?}", back.elapsed());
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+        }
+    }
+    Ok(())
+}
+
 /// How many of this process's children are `ssh` launchers to `port` and not zombies (only
 /// the calling test's: others run beside it in this process), and `ps`'s list of them all.
 fn ssh_children_to(port: u16) -> anyhow::Result<(usize, String)> {

@@ -100,8 +100,10 @@ fn expiring(quiet: Duration, limit: Duration) -> bool {
     quiet + (limit / 4).min(Duration::from_secs(5)) >= limit
 }
 
-/// How long an unreachable host is not tried again.
-const DOWN_FOR: Duration = Duration::from_secs(30);
+/// How long an unreachable host is not tried again (its commands and checks fail at once
+/// meanwhile): short of verify's window (ten checks 3 s apart by default), so a host down for
+/// a moment, its sshd restarted by the fix, is seen back before verify gives up on it.
+const DOWN_FOR: Duration = Duration::from_secs(10);
 
 /// The remote `timeout`'s duration for `limit`: to the millisecond (a check's 1500 ms is not
 /// cut to 1 s), whole seconds past a day (`timeout` reads any count of seconds; a "forever"
