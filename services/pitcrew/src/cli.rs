@@ -31,7 +31,7 @@ pub fn incident(
 /// and the plan runs only once enough distinct approvers have approved (`voters`: those
 /// counted so far with this one; `None` when Postgres cannot say).
 pub fn approved(req: &pitcrew_model::ApprovalRequest, by: &str, voters: Option<&[String]>) -> String {
-    let (plan, run, quorum) = (&req.plan_hash, req.run_id, req.quorum);
+    let (plan, run, quorum) = (printable(&req.plan_hash), req.run_id, req.quorum);
     let commands = printable(&req.plan.join(" ; ")).into_owned();
     if quorum <= 1 {
         return format!("approved plan {plan} of run {run}: {commands}");

@@ -438,7 +438,7 @@ async fn run(args: Args, cfg: Option<Config>) -> anyhow::Result<()> {
                 ..DecisionInput::cli(run, Decision::Deny, &by, Some(reason), &cfg)
             };
             let req = cli::submit(&bus, store.as_ref(), input).await?;
-            println!("denied plan {} of run {run}", req.plan_hash);
+            println!("denied plan {} of run {run}", pitcrew_model::trim::printable(&req.plan_hash));
             Ok(())
         }
         Command::Abandon { run, by, reason } => {
