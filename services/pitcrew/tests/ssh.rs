@@ -1009,11 +1009,9 @@ async fn wedged_master_scenario() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// A host that answers the TCP connect and the SSH banner, then nothing (a hung sshd, a
-/// middlebox eating packets): connecting is bounded, the host is reported unreachable, and
-/// the executor is not held for good.
-#[tokio::test]
-async fn a_host_stalled_after_its_banner_fails_within_its_connect_timeout() -> anyhow::Result<()> {
+/// A loopback port that answers the TCP connect and the SSH banner, then nothing; its
+/// listener's task (abort it when done).
+async fn stalled_after_banner() -> anyhow::Result<(u16, tokio::task::JoinHandle<()>)> {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let port = listener.local_addr()?.port();
     let held = tokio::spawn(async move {
@@ -1024,6 +1022,15 @@ async fn a_host_stalled_after_its_banner_fails_within_its_connect_timeout() -> a
             open.push(sock); // and never a word more
         }
     });
+    Ok((port, held))
+}
+
+/// A host that answers the TCP connect and the SSH banner, then nothing (a hung sshd, a
+/// middlebox eating packets): connecting is bounded, the host is reported unreachable, and
+/// the executor is not held for good.
+#[tokio::test]
+async fn a_host_stalled_after_its_banner_fails_within_its_connect_timeout() -> anyhow::Result<()> {
+    let (port, held) = stalled_after_banner().await?;
     let sshd = start_target()?;
     let host = HostSpec { port, connect_timeout_secs: 2, ..sshd.host(true) };
     let f = fleet(host, 1024);
@@ -1082,16 +1089,7 @@ fn ssh_children_to(port: u16) -> anyhow::Result<(usize, String)> {
 /// killed all the same, not left in its handshake until TCP gives up.
 #[tokio::test]
 async fn a_connect_its_caller_gives_up_on_leaves_no_ssh_behind() -> anyhow::Result<()> {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-    let port = listener.local_addr()?.port();
-    let held = tokio::spawn(async move {
-        use tokio::io::AsyncWriteExt;
-        let mut open = Vec::new();
-        while let Ok((mut sock, _)) = listener.accept().await {
-            let _ = sock.write_all(b"SSH-2.0-OpenSSH_9.2\r\n").await;
-            open.push(sock);
-        }
-    });
+    let (port, held) = stalled_after_banner().await?;
     let sshd = start_target()?;
     // Its login's bound: 2 × 5 s + 5 s; the caller gives up after 3 s.
     let host = HostSpec { port, connect_timeout_secs: 5, ..sshd.host(true) };
