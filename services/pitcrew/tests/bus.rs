@@ -226,6 +226,43 @@ async fn two_processes_of_one_stage_share_its_work() -> anyhow::Result<()> {
     crew.shutdown().await
 }
 
+/// The events stream deleted by hand while a worker runs (an operator's slip): the first
+/// publish that finds no stream has the streams made again, and the run goes on to its end,
+/// its events on the bus again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_deleted_under_a_worker_is_made_again_and_its_run_goes_on() -> anyhow::Result<()> {
+    let env = TestEnv::start().await?;
+    let text = marker_service(&env, "svc");
+    let mut crew = Crew::start_in(env, &text, &[]).await?;
+    let stages = ["intake", "diagnose", "plan", "evaluate", "approval", "execute", "verify", "report", "escalate"];
+    let worker = crew.spawn_worker("all", &stages, &[])?;
+    let first = crew.open("svc", "connection refused").await?;
+    assert_eq!(crew.events.terminal(first, WAIT).await?.kind, EventKind::Resolved);
+    crew.bus.js.delete_stream(crew.bus.subjects.events_stream()).await?;
+    let run = crew.open_with("svc", "connection refused", Some("again".into())).await?;
+    // Its end on the bus (in Postgres it may be there first: a step's events are sent again).
+    let deadline = std::time::Instant::now() + WAIT;
+    let end = loop {
+        let events = crew.bus.js.get_stream(crew.bus.subjects.events_stream()).await;
+        let last = match events {
+            Ok(s) => s.get_last_raw_message_by_subject(&crew.bus.subjects.event(run, "resolved")).await.ok(),
+            Err(_) => None,
+        };
+        if let Some(msg) = last {
+            break serde_json::from_slice::<pitcrew_model::RunEvent>(&msg.payload)?;
+        }
+        assert!(std::time::Instant::now() < deadline, "no end of run {run} on the bus, the events stream gone");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    assert_eq!((end.run_id, end.kind), (run, EventKind::Resolved));
+    let status: String = crew.db().await?.query_one("SELECT status FROM runs WHERE id = $1", &[&run]).await?.get(0);
+    assert_eq!(status, "resolved");
+    let log = std::fs::read_to_string(crew.env.path("all.log")).unwrap_or_default();
+    assert!(log.contains("making pitcrew's streams again"), "{log}");
+    drop(worker);
+    crew.shutdown().await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_malformed_incident_is_dead_lettered_and_the_worker_keeps_serving() -> anyhow::Result<()> {
     let env = TestEnv::start().await?;
@@ -1309,7 +1346,7 @@ async fn a_crew_makes_its_streams_and_consumers_again_when_the_server_lost_them(
     let text = marker_service(&env, "svc");
     let mut crew = Crew::start_in(env, &text, &Stage::ALL).await?;
     let first = crew.open_with("svc", "connection refused", Some("before".into())).await?;
-    assert_eq!(crew.end(first).await?.kind, EventKind::Resolved);
+    assert_eq!(crew.events.terminal(first, WAIT).await?.kind, EventKind::Resolved);
     for stream in [crew.bus.subjects.incidents_stream(), crew.bus.subjects.stages_stream()] {
         assert!(crew.bus.js.delete_stream(&stream).await?.success, "{stream}");
     }

@@ -32,6 +32,10 @@ pub const ORIGIN_HEADER: &str = "Pitcrew-Origin";
 pub const TRUNCATED_HEADER: &str = "Pitcrew-Truncated";
 /// Header of a dead letter that could not carry the original's headers: their size.
 pub const DROPPED_HEADER: &str = "Pitcrew-Headers-Dropped";
+/// How often at most a process makes its streams again when a publish finds none
+/// ([`Bus::unacked`]).
+pub const REMAKE_STREAMS_EVERY: Duration = Duration::from_secs(10);
+
 /// The largest message any stream stores, headers included (the dead letters' too).
 pub const MAX_MESSAGE: usize = codec::MAX_PAYLOAD * 2;
 
@@ -638,8 +642,40 @@ impl Bus {
             self.js.publish_with_headers(subject.clone(), headers, payload).await.map_err(|e| err(e.to_string()))?;
         // Sent, or queued in the client: without its ack nobody can say whether it is stored,
         // or will be once NATS answers.
-        ack.await.map_err(|e| err(format!("{e}: no ack, so it may be stored all the same")))?;
+        ack.await.map_err(|e| {
+            self.unacked(&subject, &e);
+            err(format!("{e}: no ack, so it may be stored all the same"))
+        })?;
         Ok(())
+    }
+
+    /// Note a publish to `subject` that got no ack: one no stream takes (a stream deleted by
+    /// hand while pitcrew runs) has the streams made again, at most once every
+    /// [`REMAKE_STREAMS_EVERY`] in this process, from a task of its own. The publish fails as
+    /// any unacked one and is tried again by its caller, then finds its stream.
+    pub fn unacked(&self, subject: &str, e: &jetstream::context::PublishError) {
+        use std::sync::atomic::{AtomicU64, Ordering};
+        static LAST: AtomicU64 = AtomicU64::new(0);
+        if e.kind() != jetstream::context::PublishErrorKind::StreamNotFound {
+            return;
+        }
+        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_secs();
+        let last = LAST.load(Ordering::Relaxed);
+        if now < last + REMAKE_STREAMS_EVERY.as_secs()
+            || LAST.compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed).is_err()
+        {
+            return;
+        }
+        tracing::warn!(subject, "no stream takes this subject (deleted?): making pitcrew's streams again");
+        let bus = self.clone();
+        tokio::spawn(async move {
+            match bus.ensure_streams().await {
+                Ok(()) => tracing::info!("pitcrew's streams are there again"),
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot make pitcrew's streams again (tried again on the next such publish)")
+                }
+            }
+        });
     }
 }
 

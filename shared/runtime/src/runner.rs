@@ -828,7 +828,10 @@ async fn publish_encoded(bus: &Bus, events: &[RunEvent], state: Option<(&RunStat
         acks.push((subject, ack));
     }
     for (subject, ack) in acks {
-        ack.await.map_err(|err| failed(&subject, err.to_string()))?;
+        ack.await.map_err(|err| {
+            bus.unacked(&subject, &err);
+            failed(&subject, err.to_string())
+        })?;
     }
     Ok(())
 }
