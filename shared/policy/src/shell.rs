@@ -84,8 +84,9 @@ const WRAPPERS: &[Wrapper] = &[
     Wrapper { name: "doas", short_with_value: "uC", long_with_value: &[], positionals: 0 },
     Wrapper {
         name: "env",
-        short_with_value: "uCS",
-        long_with_value: &["unset", "chdir", "split-string"],
+        // `-a`/`--argv0` (coreutils 9.7): the next word is the program's name, not the program.
+        short_with_value: "uCSa",
+        long_with_value: &["unset", "chdir", "split-string", "argv0"],
         positionals: 0,
     },
     Wrapper { name: "nice", short_with_value: "n", long_with_value: &["adjustment"], positionals: 0 },
