@@ -668,6 +668,30 @@ async fn the_services_own_commands_reach_the_model_redacted() -> anyhow::Result<
     let sent = llm.requests()[0].body.to_string();
     assert!(sent.contains("/opt/web/start --password"), "the command is still named");
     assert!(!sent.contains("hunter2"), "{sent}");
+
+    // Memory (what failed, what fixed it before) and feedback quote the same command, and the
+    // judge reads the plan: each is redacted too.
+    let llm = ScriptedLlm::start(vec![
+        Reply::answer("```sh\n/opt/web/restart\n```"),
+        Reply::answer(r#"{"score": 0.9, "reason": "restarting frees the port"}"#),
+    ])
+    .await?;
+    let p = provider(&llm, |_| {});
+    let start = "/opt/web/start --password hunter2-very-secret".to_string();
+    let (failed, fixes) = (vec![start.clone()], vec![vec![start.clone()]]);
+    let feedback = vec![format!("not_repeated: already failed for this error: [\"{start}\"]")];
+    let mut input = case.input();
+    (input.failed_commands, input.known_fixes, input.feedback) = (&failed, &fixes, &feedback);
+    let plan = p.plan(&input, &d).await?;
+    let judged = pitcrew_model::Plan { commands: vec![start.clone()], ..plan };
+    assert!(p.judge(&input, &d, &judged).await?.is_some(), "the judge answered");
+    let seen = llm.requests();
+    assert_eq!(seen.len(), 2, "a plan and a judgement");
+    for r in &seen {
+        let sent = r.body.to_string();
+        assert!(sent.contains("/opt/web/start --password"), "the command is still named: {sent}");
+        assert!(!sent.contains("hunter2"), "{sent}");
+    }
     Ok(())
 }
 
