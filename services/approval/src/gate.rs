@@ -36,14 +36,17 @@ pub fn request(
         plan: plan.commands.iter().map(|c| pitcrew_model::redact::redact(c).into_owned()).collect(),
         plan_hash: plan.hash(),
         risk: "critical".into(),
-        rule: format!("{rule}: {reason}"),
+        // The reason quotes the command it flagged: redacted as the plan is.
+        rule: pitcrew_model::redact::redact(&format!("{rule}: {reason}")).into_owned(),
         diagnosis: state
             .diagnosis()
             .map(|d| pitcrew_model::redact::redact(&d.summary).into_owned())
             .unwrap_or_default(),
         evidence: state
             .current_evidence()
-            .map(|e| format!("{}: {}", e.source, pitcrew_model::trim::clip(&e.detail, 300)))
+            .map(|e| {
+                format!("{}: {}", e.source, pitcrew_model::redact::redact(&pitcrew_model::trim::clip(&e.detail, 300)))
+            })
             .take(5)
             .collect(),
         requested_at: now,
@@ -156,8 +159,10 @@ mod tests {
         // A secret in a command is shown redacted; the hash stays the plan's as it runs.
         let secret = vec!["/opt/web/start --password hunter2-ABC".to_string()];
         s.plan.as_mut().unwrap().commands = secret.clone();
-        let r = request(&s, "web-1", "kill-9", "SIGKILL loses state", 600, 1);
+        let why = "sets a variable — `env PGPASSWORD=hunter2-ABC /opt/web/start --password hunter2-ABC`";
+        let r = request(&s, "web-1", "environment-assignment", why, 600, 1);
         assert!(!r.plan[0].contains("hunter2-ABC") && r.plan[0].contains("[REDACTED]"), "{:?}", r.plan);
+        assert!(!r.rule.contains("hunter2-ABC") && r.rule.starts_with("environment-assignment: sets"), "{}", r.rule);
         assert_eq!(r.plan_hash, Plan { commands: secret, ..s.plan.clone().unwrap() }.hash());
         assert_eq!(r.evidence, vec!["check: 503".to_string()]);
         assert_eq!((r.expires_at - r.requested_at).num_seconds(), 600);

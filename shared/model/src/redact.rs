@@ -36,10 +36,7 @@ static PATTERNS: LazyLock<Vec<Pattern>> = LazyLock::new(|| {
         ),
         // The scheme and its space are kept with the name: a value redacted again (an incident
         // is validated by the gateway and again by intake) comes out the same, not longer.
-        p(
-            r"(?i)(?-u:\b)((?:proxy-)?authorization\s*:\s*(?:(?:basic|bearer|token|digest)\s+)?)\S+",
-            "${1}[REDACTED]",
-        ),
+        p(r"(?i)(?-u:\b)((?:proxy-)?authorization\s*:\s*(?:(?:basic|bearer|token|digest)\s+)?)\S+", "${1}[REDACTED]"),
         p(r"(?i)(?-u:\b)(bearer\s+)[A-Za-z0-9\-._~+/]+=*", "${1}[REDACTED]"),
         p(
             // `DB_PASSWORD=`, and the run-together names of clients' own variables
