@@ -46,6 +46,17 @@ pub async fn serve_metrics(
     pitcrew_runtime::metrics::spawn_endpoint(cfg.metrics.listen.as_deref(), Some(collector), shutdown).await
 }
 
+/// Why a message offers no Approve button: its plan does not fit whole (a chat would show it
+/// cut, and the button approves all of it). Deny still works there.
+pub(crate) fn too_long_to_approve_here(req: &pitcrew_model::ApprovalRequest) -> String {
+    format!(
+        "The plan is too long to show here in full, so it cannot be approved here: read it with `pitcrew show {run}` \
+         and approve it with `pitcrew approve {run} --plan {hash}` or the gateway. Deny works here.",
+        run = req.run_id,
+        hash = req.plan_hash
+    )
+}
+
 /// `s` cut to at most `max` characters (chat APIs count characters), an ellipsis marking a cut.
 pub(crate) fn clip(s: &str, max: usize) -> String {
     if s.chars().count() <= max {

@@ -11,7 +11,9 @@ use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use uuid::Uuid;
 
-const TEXT_MAX: usize = 3500;
+const TEXT_MAX: usize = 9000;
+/// The plan's commands shown whole in at most this many characters (else cut, and no Approve).
+const COMMANDS_MAX: usize = 6000;
 
 /// A button's context: what it decides, and the proof this bridge made it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -68,7 +70,14 @@ pub fn request(channel_id: &str, action_url: &str, secret: &Secret, req: &Approv
                "integration": {"url": action_url, "context": Context::new(secret, action, req.run_id, &req.plan_hash, req.attempt)}})
     };
     let mut attachment = describe(req);
-    attachment["actions"] = json!([button("approve", "Approve", "good"), button("deny", "Deny", "danger")]);
+    attachment["actions"] = if commands(req).chars().count() <= COMMANDS_MAX {
+        json!([button("approve", "Approve", "good"), button("deny", "Deny", "danger")])
+    } else {
+        if let Some(fields) = attachment["fields"].as_array_mut() {
+            fields.push(json!({"short": false, "title": "Approve", "value": crate::too_long_to_approve_here(req)}));
+        }
+        json!([button("deny", "Deny", "danger")])
+    };
     json!({"channel_id": channel_id, "message": "", "props": {"attachments": [attachment]}})
 }
 
@@ -90,14 +99,18 @@ pub fn ephemeral(text: &str) -> Value {
     json!({"ephemeral_text": text})
 }
 
+/// The plan's commands, one a line, as the message shows them.
+fn commands(req: &ApprovalRequest) -> String {
+    req.plan.iter().map(|c| c.replace("```", "'''")).collect::<Vec<_>>().join("\n")
+}
+
 fn describe(req: &ApprovalRequest) -> Value {
     let host = req.host.as_deref().map(|h| format!(" on {h}")).unwrap_or_default();
-    let commands: Vec<String> = req.plan.iter().map(|c| c.replace("```", "'''")).collect();
     let mut text = format!(
         "**Error:** {}\n**Diagnosis:** {}\n**Commands:**\n```\n{}\n```",
         clip(&req.error, 500),
         clip(&req.diagnosis, 1000),
-        clip(&commands.join("\n"), 1500)
+        clip(&commands(req), COMMANDS_MAX)
     );
     for e in req.evidence.iter().take(3) {
         text.push_str(&format!("\n> {}", clip(e, 300)));
@@ -124,6 +137,40 @@ fn describe(req: &ApprovalRequest) -> Value {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn approve_is_offered_only_for_a_plan_shown_whole() {
+        let secret = Secret::new("action-secret");
+        let req = |plan: Vec<String>| ApprovalRequest {
+            run_id: Uuid::nil(),
+            service: "web".into(),
+            host: None,
+            error: "down".into(),
+            attempt: 1,
+            plan,
+            plan_hash: "ab12".into(),
+            risk: "critical".into(),
+            rule: "rm".into(),
+            diagnosis: "d".into(),
+            evidence: vec![],
+            requested_at: chrono::Utc::now(),
+            expires_at: chrono::Utc::now(),
+            quorum: 1,
+        };
+        let actions = |m: &Value| -> Vec<String> {
+            m["props"]["attachments"][0]["actions"].as_array().unwrap().iter().map(|a| a["id"].to_string()).collect()
+        };
+        let long = format!("/opt/web/fix {} --then-the-dangerous-tail", "x".repeat(2000));
+        let m = request("c", "http://b/act", &secret, &req(vec![long.clone()]));
+        assert!(m.to_string().contains(&long), "shown whole");
+        assert_eq!(actions(&m), ["\"approve\"", "\"deny\""]);
+        let huge = format!("/opt/web/fix {} --then-the-dangerous-tail", "x".repeat(7000));
+        let m = request("c", "http://b/act", &secret, &req(vec![huge]));
+        let text = m.to_string();
+        assert!(!text.contains("--then-the-dangerous-tail"), "cut");
+        assert_eq!(actions(&m), ["\"deny\""], "no Approve for what cannot be read");
+        assert!(text.contains("pitcrew approve 00000000-0000-0000-0000-000000000000 --plan ab12"), "{text}");
+    }
 
     #[test]
     fn a_context_decides_only_what_it_was_made_for() {

@@ -16,20 +16,22 @@ const EVIDENCE_LINES: usize = 3;
 pub const APPROVE: &str = "approve";
 pub const DENY: &str = "deny";
 
-/// `chat.postMessage` body for `req` in `channel`.
+/// `chat.postMessage` body for `req` in `channel`: Approve only when every command is shown
+/// whole (each in a block of its own).
 pub fn request(channel: &str, req: &ApprovalRequest) -> Value {
     let mut blocks = describe(req);
     let value = button_value(req.run_id, &req.plan_hash, req.attempt);
-    blocks.push(json!({
-        "type": "actions",
-        "block_id": "pitcrew_approval",
-        "elements": [
-            {"type": "button", "action_id": APPROVE, "style": "primary", "value": value,
-             "text": {"type": "plain_text", "text": "Approve"}},
-            {"type": "button", "action_id": DENY, "style": "danger", "value": value,
-             "text": {"type": "plain_text", "text": "Deny"}},
-        ]
-    }));
+    let approve = json!({"type": "button", "action_id": APPROVE, "style": "primary", "value": value,
+                         "text": {"type": "plain_text", "text": "Approve"}});
+    let deny = json!({"type": "button", "action_id": DENY, "style": "danger", "value": value,
+                      "text": {"type": "plain_text", "text": "Deny"}});
+    let elements = if req.plan.iter().all(|c| command_text(c).is_some()) {
+        vec![approve, deny]
+    } else {
+        blocks.push(json!({"type": "context", "elements": [{"type": "mrkdwn", "text": escape(&crate::too_long_to_approve_here(req))}]}));
+        vec![deny]
+    };
+    blocks.push(json!({"type": "actions", "block_id": "pitcrew_approval", "elements": elements}));
     json!({"channel": channel, "text": fallback(req), "blocks": blocks, "unfurl_links": false})
 }
 
@@ -118,12 +120,14 @@ fn describe(req: &ApprovalRequest) -> Vec<Value> {
     if req.quorum > 1 {
         summary.push_str(&format!("\n*Needs:* {} distinct approvers", req.quorum));
     }
-    let commands: Vec<String> = req.plan.iter().map(|c| clip(&c.replace("```", "'''"), 500)).collect();
     let mut blocks = vec![
         json!({"type": "section", "text": {"type": "mrkdwn", "text": clip(&summary, SECTION_MAX)}}),
-        json!({"type": "section", "text": {"type": "mrkdwn",
-            "text": clip(&format!("*Commands*\n```{}```", escape(&commands.join("\n"))), SECTION_MAX)}}),
+        json!({"type": "section", "text": {"type": "mrkdwn", "text": "*Commands* (run in order)"}}),
     ];
+    for c in &req.plan {
+        let text = command_text(c).unwrap_or_else(|| clip(&code(c), SECTION_MAX - 40) + " (cut: too long to show)");
+        blocks.push(json!({"type": "section", "text": {"type": "mrkdwn", "text": text}}));
+    }
     let evidence: Vec<String> =
         req.evidence.iter().take(EVIDENCE_LINES).map(|e| format!("• {}", escape(&clip(e, 300)))).collect();
     if !evidence.is_empty() {
@@ -133,6 +137,16 @@ fn describe(req: &ApprovalRequest) -> Vec<Value> {
         "run `{}` · plan `{}` · expires {}", req.run_id, escape(&req.plan_hash), req.expires_at.format("%Y-%m-%d %H:%M UTC")
     )}]}));
     blocks
+}
+
+/// A command as a code block.
+fn code(c: &str) -> String {
+    format!("```{}```", escape(&c.replace("```", "'''")))
+}
+
+/// A command as its own block's text, whole; None when it does not fit one.
+fn command_text(c: &str) -> Option<String> {
+    Some(code(c)).filter(|t| t.chars().count() <= SECTION_MAX)
 }
 
 /// Slack's mrkdwn control characters.
@@ -183,6 +197,27 @@ mod tests {
         let done = decided("C1", "1.2", &req(), Decision::Approve, "ann", "U1");
         assert!(!done.to_string().contains("\"actions\""), "the buttons are gone");
         assert!(done["text"].as_str().unwrap().starts_with("Approved by ann"));
+    }
+
+    /// An approver sees every command whole before Approve: a long one gets a block of its
+    /// own; one too long for any block is shown cut, and the message offers only Deny.
+    #[test]
+    fn approve_is_offered_only_for_a_plan_shown_whole() {
+        let long = format!("/opt/web/fix {} --then-the-dangerous-tail", "x".repeat(700));
+        let m = request("C1", &ApprovalRequest { plan: vec![long.clone(), "systemctl start web".into()], ..req() });
+        let text = m.to_string();
+        assert!(text.contains(&long), "shown whole: {text}");
+        let actions = m["blocks"].as_array().unwrap().last().unwrap();
+        assert_eq!(actions["elements"].as_array().unwrap().len(), 2, "approve and deny");
+        let huge = format!("/opt/web/fix {} --then-the-dangerous-tail", "x".repeat(3000));
+        let m = request("C1", &ApprovalRequest { plan: vec![huge], ..req() });
+        let text = m.to_string();
+        assert!(!text.contains("--then-the-dangerous-tail") && text.contains("cut: too long to show"), "{text}");
+        let actions = m["blocks"].as_array().unwrap().last().unwrap();
+        let ids: Vec<&str> =
+            actions["elements"].as_array().unwrap().iter().map(|b| b["action_id"].as_str().unwrap()).collect();
+        assert_eq!(ids, [DENY], "no Approve for what cannot be read");
+        assert!(text.contains("pitcrew approve 00000000-0000-0000-0000-000000000000 --plan ab12"), "{text}");
     }
 
     #[test]
