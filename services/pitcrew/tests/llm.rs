@@ -49,6 +49,26 @@ impl Case {
 const DIAGNOSIS: &str =
     r#"{"diagnosis": "web is not running: nothing listens on 8080", "evidence": ["connection refused"]}"#;
 
+/// Servers that call themselves OpenAI-compatible answer `"tool_calls": null`, or the content
+/// as a list of parts: each is an answer, not "not a chat completion" (which escalated every
+/// run of theirs).
+#[tokio::test]
+async fn an_answer_in_a_servers_own_dialect_is_used() -> anyhow::Result<()> {
+    let llm = ScriptedLlm::start(vec![
+        Reply::message(json!({"role": "assistant", "content": DIAGNOSIS, "tool_calls": null})),
+        Reply::message(json!({"role": "assistant", "content": [{"type": "text", "text": DIAGNOSIS}]})),
+    ])
+    .await?;
+    let p = provider(&llm, |_| {});
+    let case = Case::new();
+    for _ in 0..2 {
+        let d = p.diagnose(&case.input()).await?;
+        assert_eq!(d.summary, "web is not running: nothing listens on 8080");
+    }
+    assert_eq!(llm.requests().len(), 2, "each answered at once");
+    Ok(())
+}
+
 #[tokio::test]
 async fn a_429_with_retry_after_is_waited_out_then_the_answer_is_used() -> anyhow::Result<()> {
     let llm = ScriptedLlm::start(vec![

@@ -183,9 +183,9 @@ impl std::fmt::Debug for OpenAi {
 #[derive(Debug, Clone, Serialize, Deserialize, Default)]
 struct Message {
     role: String,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "content_text")]
     content: Option<String>,
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[serde(default, skip_serializing_if = "Vec::is_empty", deserialize_with = "null_as_default")]
     tool_calls: Vec<ToolCall>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     tool_call_id: Option<String>,
@@ -218,8 +218,39 @@ fn function_type() -> String {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 struct FunctionCall {
     name: String,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "arguments_text")]
     arguments: String,
+}
+
+// What servers that call themselves OpenAI-compatible send in the message's place (LiteLLM,
+// Mistral, vLLM and others): `null` for no tool calls, the content as a list of parts, the
+// arguments as an object. Read as the plain form, not refused as no chat completion.
+
+/// `null` read as the default (`"tool_calls": null`: no tool calls).
+fn null_as_default<'de, D: serde::Deserializer<'de>, T: Default + Deserialize<'de>>(d: D) -> Result<T, D::Error> {
+    Ok(Option::<T>::deserialize(d)?.unwrap_or_default())
+}
+
+/// The content as text: a string, or the text of a list of parts (`[{"type": "text", "text":
+/// "..."}]`); `null` is none.
+fn content_text<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<String>, D::Error> {
+    Ok(match Option::<Value>::deserialize(d)? {
+        None | Some(Value::Null) => None,
+        Some(Value::String(s)) => Some(s),
+        Some(Value::Array(parts)) => {
+            Some(parts.iter().filter_map(|p| p["text"].as_str().or_else(|| p.as_str())).collect::<Vec<_>>().join(""))
+        }
+        Some(other) => return Err(serde::de::Error::custom(format!("content is neither text nor parts: {other}"))),
+    })
+}
+
+/// A tool call's arguments as JSON text: the string, or an object's text.
+fn arguments_text<'de, D: serde::Deserializer<'de>>(d: D) -> Result<String, D::Error> {
+    Ok(match Option::<Value>::deserialize(d)? {
+        None | Some(Value::Null) => String::new(),
+        Some(Value::String(s)) => s,
+        Some(other) => other.to_string(),
+    })
 }
 
 #[derive(Deserialize)]
@@ -953,6 +984,27 @@ fn endpoint_shown(url: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A server's own dialect of the message (`null` tool calls, content as parts, arguments
+    /// as an object) reads as the plain form.
+    #[test]
+    fn a_message_in_a_servers_own_dialect_is_read() {
+        let m: Message =
+            serde_json::from_value(json!({"role": "assistant", "content": "hi", "tool_calls": null})).unwrap();
+        assert_eq!((m.content.as_deref(), m.tool_calls.len()), (Some("hi"), 0));
+        let parts =
+            json!({"role": "assistant", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]});
+        let m: Message = serde_json::from_value(parts).unwrap();
+        assert_eq!(m.content.as_deref(), Some("ab"));
+        let call = json!({"role": "assistant", "content": null, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "run_command", "arguments": {"command": "df -h"}}}
+        ]});
+        let m: Message = serde_json::from_value(call).unwrap();
+        assert_eq!(m.content, None);
+        let args: Value = serde_json::from_str(&m.tool_calls[0].function.arguments).unwrap();
+        assert_eq!(args, json!({"command": "df -h"}));
+        assert!(serde_json::from_value::<Message>(json!({"role": "assistant", "content": 7})).is_err());
+    }
 
     #[test]
     fn the_endpoint_is_named_without_its_credentials() {

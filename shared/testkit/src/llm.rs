@@ -50,6 +50,11 @@ impl Reply {
         Reply::completion(json!({ "role": "assistant", "content": null, "tool_calls": calls }))
     }
 
+    /// A chat completion whose message is `message` as given (a server's own dialect of it).
+    pub fn message(message: Value) -> Reply {
+        Reply::completion(message)
+    }
+
     fn completion(message: Value) -> Reply {
         Reply {
             status: 200,
