@@ -36,8 +36,8 @@ pub fn request(
         plan: plan.commands.iter().map(|c| pitcrew_model::redact::redact(c).into_owned()).collect(),
         plan_hash: plan.hash(),
         risk: "critical".into(),
-        // The reason quotes the command it flagged: redacted as the plan is.
-        rule: pitcrew_model::redact::redact(&format!("{rule}: {reason}")).into_owned(),
+        // The reason quotes the command it flagged, redacted by the policy as the plan is here.
+        rule: format!("{rule}: {reason}"),
         diagnosis: state
             .diagnosis()
             .map(|d| pitcrew_model::redact::redact(&d.summary).into_owned())
@@ -159,10 +159,19 @@ mod tests {
         // A secret in a command is shown redacted; the hash stays the plan's as it runs.
         let secret = vec!["/opt/web/start --password hunter2-ABC".to_string()];
         s.plan.as_mut().unwrap().commands = secret.clone();
-        let why = "sets a variable — `env PGPASSWORD=hunter2-ABC /opt/web/start --password hunter2-ABC`";
-        let r = request(&s, "web-1", "environment-assignment", why, 600, 1);
+        let r = request(&s, "web-1", "kill-9", "SIGKILL loses state", 600, 1);
         assert!(!r.plan[0].contains("hunter2-ABC") && r.plan[0].contains("[REDACTED]"), "{:?}", r.plan);
-        assert!(!r.rule.contains("hunter2-ABC") && r.rule.starts_with("environment-assignment: sets"), "{}", r.rule);
+        // The rule's reason quotes the command as the policy redacted it, the cut after: a
+        // long command's password is not left half there.
+        let long = format!(
+            "env PGPASSWORD=hunter2-ABC /opt/web/start {} --db postgres://app:VerySecret@db/app",
+            "-v ".repeat(60)
+        );
+        let GateDecision::NeedsApproval { rule, reason, .. } = Policy::default_policy().gate(&[long]) else {
+            panic!("an environment assignment needs approval")
+        };
+        let r = request(&s, "web-1", &rule, &reason, 600, 1);
+        assert!(!r.rule.contains("hunter2") && !r.rule.contains("VerySec"), "{}", r.rule);
         assert_eq!(r.plan_hash, Plan { commands: secret, ..s.plan.clone().unwrap() }.hash());
         assert_eq!(r.evidence, vec!["check: 503".to_string()]);
         assert_eq!((r.expires_at - r.requested_at).num_seconds(), 600);

@@ -454,7 +454,10 @@ impl Policy {
             return GateDecision::Allow;
         };
         let describe = |verdict: &str| {
-            let cmd = clip(&first.command, 200);
+            // Redacted whole, then cut: a cut inside a secret (a URL's password before its `@`)
+            // would leave what the patterns no longer find. The reason travels to approvers,
+            // the bus, Postgres and chat.
+            let cmd = clip(&pitcrew_model::redact::redact(&first.command), 200);
             format!("{verdict} by policy rule '{}' ({}): {} — `{cmd}`", first.rule, first.class, first.reason)
         };
         if first.class == FORBIDDEN {
