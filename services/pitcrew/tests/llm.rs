@@ -49,6 +49,36 @@ impl Case {
 const DIAGNOSIS: &str =
     r#"{"diagnosis": "web is not running: nothing listens on 8080", "evidence": ["connection refused"]}"#;
 
+/// Tools that only record what the model called (name, arguments as JSON), answering each.
+#[derive(Default)]
+struct Recording(std::sync::Mutex<Vec<(String, serde_json::Value)>>);
+
+impl Recording {
+    fn calls(&self) -> Vec<(String, serde_json::Value)> {
+        self.0.lock().unwrap().clone()
+    }
+}
+
+impl pitcrew_llm::Tools for Recording {
+    fn specs(&self) -> Vec<pitcrew_llm::ToolSpec> {
+        vec![pitcrew_llm::ToolSpec {
+            name: "run_command".into(),
+            description: "run a read-only command".into(),
+            parameters: json!({"type": "object", "properties": {"command": {"type": "string"}}}),
+        }]
+    }
+
+    fn call<'a>(
+        &'a self,
+        name: &'a str,
+        arguments: &'a str,
+    ) -> futures::future::BoxFuture<'a, pitcrew_llm::ToolOutput> {
+        let args = serde_json::from_str(arguments).unwrap_or(serde_json::Value::Null);
+        self.0.lock().unwrap().push((name.to_string(), args));
+        Box::pin(async { pitcrew_llm::ToolOutput { ok: true, output: "Filesystem Use%\n/dev/sda1 41%".into() } })
+    }
+}
+
 /// Servers that call themselves OpenAI-compatible answer `"tool_calls": null`, or the content
 /// as a list of parts: each is an answer, not "not a chat completion" (which escalated every
 /// run of theirs).
@@ -66,6 +96,21 @@ async fn an_answer_in_a_servers_own_dialect_is_used() -> anyhow::Result<()> {
         assert_eq!(d.summary, "web is not running: nothing listens on 8080");
     }
     assert_eq!(llm.requests().len(), 2, "each answered at once");
+    // Streamed too: the content in parts, a tool call's arguments as an object.
+    let llm = ScriptedLlm::start(vec![
+        Reply::message(json!({"role": "assistant", "content": null, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "run_command", "arguments": {"command": "df -h"}}}
+        ]})),
+        Reply::message(json!({"role": "assistant", "content": [{"type": "text", "text": DIAGNOSIS}]})),
+    ])
+    .await?;
+    let p = provider(&llm, |c| c.stream = true);
+    let tools = Recording::default();
+    let mut input = case.input();
+    input.tools = Some(&tools);
+    let d = p.diagnose(&input).await?;
+    assert_eq!(d.summary, "web is not running: nothing listens on 8080");
+    assert_eq!(tools.calls(), [("run_command".to_string(), json!({"command": "df -h"}))]);
     Ok(())
 }
 
@@ -712,6 +757,26 @@ async fn the_services_own_commands_reach_the_model_redacted() -> anyhow::Result<
         assert!(sent.contains("/opt/web/start --password"), "the command is still named: {sent}");
         assert!(!sent.contains("hunter2"), "{sent}");
     }
+    Ok(())
+}
+
+/// A plan copying a value the model was never shown (`[REDACTED]` in the service's command)
+/// would run that word: the model is told so and asked again.
+#[tokio::test]
+async fn a_plan_holding_a_hidden_value_is_sent_back() -> anyhow::Result<()> {
+    let llm = ScriptedLlm::start(vec![
+        Reply::answer("```sh\n/opt/web/start --password [REDACTED]\n```"),
+        Reply::answer("```sh\n/opt/web/restart\n```"),
+    ])
+    .await?;
+    let p = provider(&llm, |_| {});
+    let mut case = Case::new();
+    case.vars.insert("start".into(), "/opt/web/start --password hunter2-very-secret".into());
+    let plan = p.plan(&case.input(), &diagnosis_of("web is down")).await?;
+    assert_eq!(plan.commands, ["/opt/web/restart"]);
+    let seen = llm.requests();
+    assert_eq!(seen.len(), 2);
+    assert!(seen[1].body.to_string().contains("a value hidden from you"), "{}", seen[1].body);
     Ok(())
 }
 

@@ -578,10 +578,16 @@ impl OpenAi {
                     self.tally(meter, model, 0, p, c);
                 }
                 let delta = &v["choices"][0]["delta"];
-                if let Some(text) = delta["content"].as_str().filter(|t| !t.is_empty()) {
-                    content.push_str(text);
+                // A string, or (some servers' dialect) a list of parts.
+                let text = match &delta["content"] {
+                    Value::String(t) => t.clone(),
+                    Value::Array(parts) => parts.iter().filter_map(|p| p["text"].as_str()).collect(),
+                    _ => String::new(),
+                };
+                if !text.is_empty() {
+                    content.push_str(&text);
                     if let Some(p) = progress {
-                        p.text(text);
+                        p.text(&text);
                     }
                 }
                 for part in delta["tool_calls"].as_array().into_iter().flatten() {
@@ -603,8 +609,11 @@ impl OpenAi {
                     if let Some(name) = part["function"]["name"].as_str() {
                         c.function.name.push_str(name);
                     }
-                    if let Some(args) = part["function"]["arguments"].as_str() {
-                        c.function.arguments.push_str(args);
+                    match &part["function"]["arguments"] {
+                        Value::String(args) => c.function.arguments.push_str(args),
+                        // Whole, as an object, in one chunk (some servers' dialect).
+                        args @ Value::Object(_) => c.function.arguments.push_str(&args.to_string()),
+                        _ => {}
                     }
                 }
             }
@@ -760,6 +769,15 @@ impl OpenAi {
         }
         let mut out = Vec::new();
         for c in raw {
+            // A value hidden from the model (a command of the service's, from memory) copied
+            // back would run as the word `[REDACTED]`.
+            if c.contains(pitcrew_model::redact::MARK) {
+                return Err(format!(
+                    "`{c}` holds {}, a value hidden from you: it would run as written. Propose commands that need \
+                     no hidden value",
+                    pitcrew_model::redact::MARK
+                ));
+            }
             let fitted = fit_to_target(&c, input.target)?;
             let mut never = input.failed_commands.iter().chain(input.rejected_commands);
             let same = pitcrew_policy::same_command;
@@ -809,19 +827,22 @@ impl OpenAi {
         }
         // Commands (from memory, feedback that quotes them) are the service's own too, and may
         // carry its password as much as its start command does.
+        // Each redacted on its own: a pattern that runs to the line's end (a cookie) would
+        // take the items after it with it.
+        let redacted = |items: &[String], sep: &str| {
+            items.iter().map(|c| pitcrew_model::redact::redact(c).into_owned()).collect::<Vec<_>>().join(sep)
+        };
         if !input.failed_commands.is_empty() {
             s.push_str(&format!(
                 "Commands that already failed for this error (never propose them): {}\n",
-                pitcrew_model::redact::redact(&input.failed_commands.join(" | "))
+                redacted(input.failed_commands, " | ")
             ));
         }
         if let Some(fix) = input.known_fixes.first() {
-            let fix = fix.join(" ; ");
-            s.push_str(&format!("A fix that worked before for this error: {}\n", pitcrew_model::redact::redact(&fix)));
+            s.push_str(&format!("A fix that worked before for this error: {}\n", redacted(fix, " ; ")));
         }
         if !input.feedback.is_empty() {
-            let feedback = input.feedback.join(" | ");
-            s.push_str(&format!("Feedback on the previous answer: {}\n", pitcrew_model::redact::redact(&feedback)));
+            s.push_str(&format!("Feedback on the previous answer: {}\n", redacted(input.feedback, " | ")));
         }
         s
     }

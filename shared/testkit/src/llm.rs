@@ -267,11 +267,20 @@ async fn stream(
                 "choices": [{ "index": 0, "delta": delta, "finish_reason": finish }] })
     };
     let mut events = vec![chunk(json!({ "role": "assistant" }), Value::Null)];
+    // Content given as a list of parts (a server's dialect) streams a part a delta, as such.
+    for part in message["content"].as_array().into_iter().flatten() {
+        events.push(chunk(json!({ "content": [part] }), Value::Null));
+    }
     let content: Vec<char> = message["content"].as_str().unwrap_or("").chars().collect();
     for piece in content.chunks(8) {
         events.push(chunk(json!({ "content": piece.iter().collect::<String>() }), Value::Null));
     }
     for (i, call) in message["tool_calls"].as_array().into_iter().flatten().enumerate() {
+        if call["function"]["arguments"].is_object() {
+            // Arguments given as an object (a server's dialect) stream whole, in one delta.
+            events.push(chunk(json!({ "tool_calls": [{ "index": i, "id": call["id"], "type": "function", "function": call["function"] }] }), Value::Null));
+            continue;
+        }
         let args: Vec<char> = call["function"]["arguments"].as_str().unwrap_or("").chars().collect();
         let (a, b) = args.split_at(args.len() / 2);
         events.push(chunk(
