@@ -51,9 +51,11 @@ pub async fn serve_metrics(
 pub(crate) fn too_long_to_approve_here(req: &pitcrew_model::ApprovalRequest) -> String {
     format!(
         "The plan is too long to show here in full, so it cannot be approved here: read it with `pitcrew show {run}` \
-         and approve it with `pitcrew approve {run} --plan {hash}` or the gateway. Deny works here.",
+         and approve it with `pitcrew approve {run} --by YOUR-NAME --plan {hash} --attempt {attempt}` or the gateway. \
+         Deny works here.",
         run = req.run_id,
-        hash = req.plan_hash
+        hash = req.plan_hash,
+        attempt = req.attempt
     )
 }
 

@@ -169,7 +169,12 @@ mod tests {
         let text = m.to_string();
         assert!(!text.contains("--then-the-dangerous-tail"), "cut");
         assert_eq!(actions(&m), ["\"deny\""], "no Approve for what cannot be read");
-        assert!(text.contains("pitcrew approve 00000000-0000-0000-0000-000000000000 --plan ab12"), "{text}");
+        assert!(
+            text.contains(
+                "pitcrew approve 00000000-0000-0000-0000-000000000000 --by YOUR-NAME --plan ab12 --attempt 1"
+            ),
+            "{text}"
+        );
     }
 
     #[test]

@@ -217,7 +217,12 @@ mod tests {
         let ids: Vec<&str> =
             actions["elements"].as_array().unwrap().iter().map(|b| b["action_id"].as_str().unwrap()).collect();
         assert_eq!(ids, [DENY], "no Approve for what cannot be read");
-        assert!(text.contains("pitcrew approve 00000000-0000-0000-0000-000000000000 --plan ab12"), "{text}");
+        assert!(
+            text.contains(
+                "pitcrew approve 00000000-0000-0000-0000-000000000000 --by YOUR-NAME --plan ab12 --attempt 1"
+            ),
+            "{text}"
+        );
     }
 
     #[test]
