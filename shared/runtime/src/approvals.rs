@@ -228,7 +228,10 @@ async fn check_and_publish(
     match ack.await {
         Ok(_) => Ok(Some(req)),
         Err(e) if e.kind() == PublishErrorKind::WrongLastSequence => Ok(None),
-        Err(e) => Err(failed(&format!("{e}: no ack, so it may be stored all the same"))),
+        Err(e) => {
+            bus.unacked(&subject, &e);
+            Err(failed(&format!("{e}: no ack, so it may be stored all the same")))
+        }
     }
 }
 

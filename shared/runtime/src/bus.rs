@@ -32,7 +32,7 @@ pub const ORIGIN_HEADER: &str = "Pitcrew-Origin";
 pub const TRUNCATED_HEADER: &str = "Pitcrew-Truncated";
 /// Header of a dead letter that could not carry the original's headers: their size.
 pub const DROPPED_HEADER: &str = "Pitcrew-Headers-Dropped";
-/// How often at most a process makes its streams again when a publish finds none
+/// How often at most a connection makes its streams again when a publish finds none
 /// ([`Bus::unacked`]).
 pub const REMAKE_STREAMS_EVERY: Duration = Duration::from_secs(10);
 
@@ -172,6 +172,8 @@ pub struct Bus {
     /// Intake's consumer settings, for the consumer `ensure_streams` makes before any intake
     /// process runs (the incidents stream keeps an incident only while a consumer wants it).
     intake: StageSettings,
+    /// When a publish that found no stream last had the streams made again ([`Bus::unacked`]).
+    remade: Arc<Mutex<Option<std::time::Instant>>>,
 }
 
 /// A stage's durable pull consumer, shared by every process that runs it.
@@ -274,7 +276,14 @@ impl Bus {
             .map_err(|_| err("no answer within the connect timeout".into()))?
             .map_err(|e| err(e.to_string()))?;
         let js = jetstream::new(client.clone());
-        Ok(Bus { client, js, subjects: Subjects::new(&cfg.prefix), refused, intake: cfg.stage_settings(Stage::Intake) })
+        Ok(Bus {
+            client,
+            js,
+            subjects: Subjects::new(&cfg.prefix),
+            refused,
+            intake: cfg.stage_settings(Stage::Intake),
+            remade: Arc::default(),
+        })
     }
 
     /// Write out what the client still holds (acks, naks, publishes) before the process
@@ -654,17 +663,15 @@ impl Bus {
     /// [`REMAKE_STREAMS_EVERY`] in this process, from a task of its own. The publish fails as
     /// any unacked one and is tried again by its caller, then finds its stream.
     pub fn unacked(&self, subject: &str, e: &jetstream::context::PublishError) {
-        use std::sync::atomic::{AtomicU64, Ordering};
-        static LAST: AtomicU64 = AtomicU64::new(0);
         if e.kind() != jetstream::context::PublishErrorKind::StreamNotFound {
             return;
         }
-        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_secs();
-        let last = LAST.load(Ordering::Relaxed);
-        if now < last + REMAKE_STREAMS_EVERY.as_secs()
-            || LAST.compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed).is_err()
         {
-            return;
+            let mut remade = self.remade.lock().unwrap_or_else(|p| p.into_inner());
+            if remade.is_some_and(|at| at.elapsed() < REMAKE_STREAMS_EVERY) {
+                return;
+            }
+            *remade = Some(std::time::Instant::now());
         }
         tracing::warn!(subject, "no stream takes this subject (deleted?): making pitcrew's streams again");
         let bus = self.clone();
