@@ -44,9 +44,8 @@ pub fn request(
             .unwrap_or_default(),
         evidence: state
             .current_evidence()
-            .map(|e| {
-                format!("{}: {}", e.source, pitcrew_model::redact::redact(&pitcrew_model::trim::clip(&e.detail, 300)))
-            })
+            // Redacted as they were kept (`RunState::push_evidence`).
+            .map(|e| format!("{}: {}", e.source, pitcrew_model::trim::clip(&e.detail, 300)))
             .take(5)
             .collect(),
         requested_at: now,
