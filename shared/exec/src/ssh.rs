@@ -230,8 +230,10 @@ impl SshExecutor {
             let Ok(connected) = tokio::time::timeout(limit, b.connect_mux(&spec.address)).await else {
                 // Its `ConnectTimeout` bounds the TCP connect and the banner, not what follows:
                 // a host that answers, then nothing, would hold this host's lock (every command
-                // and check on it) until TCP gave up. Not a blip: no second try.
+                // and check on it) until TCP gave up. Not a blip: no second try. Its launcher is
+                // killed now (the connect is dropped already), not by the guard a moment later.
                 kill_abandoned_launchers();
+                abandoned.armed = false;
                 let e = format!(
                     "cannot connect to {host} ({}:{}): no login within {} s (the host answered, then went silent)",
                     spec.address,
