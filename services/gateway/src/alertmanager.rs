@@ -61,6 +61,9 @@ pub fn run_id(fingerprint: &str, starts_at: DateTime<Utc>) -> Uuid {
     Uuid::new_v5(&NAMESPACE, key.as_bytes())
 }
 
+/// Most alerts one payload may carry (Alertmanager's `max_alerts` keeps a group under it).
+pub const MAX_ALERTS: usize = 1000;
+
 /// One alert refused: where it is in the payload, its fingerprint, and what is wrong.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Refused {
@@ -85,6 +88,14 @@ pub fn actions(
     }
     if p.alerts.is_empty() {
         return Err("the payload has no alerts".into());
+    }
+    // Each alert may open a run: one request (one rate-limit token) must not open thousands.
+    if p.alerts.len() > MAX_ALERTS {
+        return Err(format!(
+            "the payload has {} alerts, more than the {MAX_ALERTS} one request may carry: \
+             set max_alerts: {MAX_ALERTS} in Alertmanager's webhook_config for pitcrew",
+            p.alerts.len()
+        ));
     }
     let out = p.alerts.iter().enumerate().map(|(i, a)| action(i, a, cfg, services)).collect();
     Ok(out)
@@ -265,6 +276,21 @@ mod tests {
         let resolved = payload(r#"{"alertname":"WebDown","job":"web"}"#, "resolved");
         let Ok(Action::Resolve { run, .. }) = &actions(&resolved, &cfg, &known).unwrap()[0] else { panic!() };
         assert_eq!(Some(*run), i.id, "the resolved alert names the firing alert's run");
+    }
+
+    /// One request opens at most MAX_ALERTS runs: a larger group is refused whole, naming
+    /// Alertmanager's own setting that keeps groups under it.
+    #[test]
+    fn a_payload_of_more_alerts_than_one_request_may_open_is_refused() {
+        let cfg = GatewayConfig::default();
+        let known = |s: &str| s == "web";
+        let mut p = payload(r#"{"alertname":"WebDown","job":"web"}"#, "firing");
+        let one = p.alerts[0].clone();
+        p.alerts = (0..MAX_ALERTS).map(|i| Alert { fingerprint: format!("{i:08x}"), ..one.clone() }).collect();
+        assert_eq!(actions(&p, &cfg, &known).unwrap().len(), MAX_ALERTS);
+        p.alerts.push(one);
+        let err = actions(&p, &cfg, &known).unwrap_err();
+        assert!(err.contains("1001 alerts, more than the 1000") && err.contains("max_alerts: 1000"), "{err}");
     }
 
     /// A fingerprint no row can hold is refused alone, firing or resolved: the alerts after
