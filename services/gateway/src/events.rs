@@ -110,7 +110,7 @@ pub async fn run_events(
     }
     let (deliver, end) = match resume {
         Resume::Start => {
-            if let Some(stored) = stored_replay(&gw, run).await? {
+            if let Some(stored) = stored_replay(&gw, &caller, run).await? {
                 return Ok(stored.into_response());
             }
             (DeliverPolicy::All, End::Terminal)
@@ -185,7 +185,8 @@ async fn subjects_on_bus(gw: &Gateway, run: Uuid) -> Result<Vec<String>, ApiErro
 /// A finished run whose end has expired from the bus (7 days) is replayed from its stored
 /// timeline in Postgres, the system of record; None when the bus still has its end (what it
 /// holds of the run besides, an event published after the end, could never end a stream).
-async fn stored_replay(gw: &Gateway, run: Uuid) -> Result<Option<EventStream>, ApiError> {
+async fn stored_replay(gw: &Gateway, caller: &Caller, run: Uuid) -> Result<Option<EventStream>, ApiError> {
+    let permits = stream_permits(gw, caller)?;
     let timeline = gw.store.timeline(run).await?;
     if !timeline.iter().any(|e| e.kind.is_terminal()) {
         return Ok(None);
@@ -202,8 +203,11 @@ async fn stored_replay(gw: &Gateway, run: Uuid) -> Result<Option<EventStream>, A
             })
         })
         .collect();
-    let body: std::pin::Pin<Box<dyn Stream<Item = Result<Event, Infallible>> + Send>> =
-        Box::pin(futures::stream::iter(events));
+    // The stream's slots are held as long as its answer is, like a live stream's.
+    let body = futures::stream::unfold((events.into_iter(), permits), |(mut events, permits)| async move {
+        events.next().map(|e| (e, (events, permits)))
+    });
+    let body: std::pin::Pin<Box<dyn Stream<Item = Result<Event, Infallible>> + Send>> = Box::pin(body);
     Ok(Some(Sse::new(body).keep_alive(KeepAlive::new().interval(KEEP_ALIVE))))
 }
 
@@ -270,6 +274,22 @@ fn start_time(since: DateTime<Utc>) -> Result<time::OffsetDateTime, ApiError> {
         })
 }
 
+static SLOW_DROPPED: pitcrew_metrics::Counter = pitcrew_metrics::Counter::new(
+    "pitcrew_gateway_slow_streams_dropped_total",
+    "Live event streams ended because their client did not read for SLOW_CLIENT with a full buffer.",
+    &[],
+);
+
+/// A slot among all streams and one of `caller`'s own share, held while its answer lives.
+fn stream_permits(gw: &Gateway, caller: &Caller) -> Result<(OwnedSemaphorePermit, OwnedSemaphorePermit), ApiError> {
+    let permit = gw
+        .streams
+        .clone()
+        .try_acquire_owned()
+        .map_err(|_| ApiError::Unavailable(format!("{MAX_STREAMS} live streams are open already: retry later")))?;
+    Ok((permit, key_permit(gw, caller)?))
+}
+
 /// A permit of `caller`'s own share of live streams.
 fn key_permit(gw: &Gateway, caller: &Caller) -> Result<tokio::sync::OwnedSemaphorePermit, ApiError> {
     let per_key = gw.cfg.gateway.streams_per_key;
@@ -300,12 +320,7 @@ async fn follow(
     kinds: Option<Vec<EventKind>>,
     end: End,
 ) -> Result<Option<EventStream>, ApiError> {
-    let permit = gw
-        .streams
-        .clone()
-        .try_acquire_owned()
-        .map_err(|_| ApiError::Unavailable(format!("{MAX_STREAMS} live streams are open already: retry later")))?;
-    let key_permit = key_permit(gw, caller)?;
+    let permits = stream_permits(gw, caller)?;
     let nats = |e| ApiError::unavailable("NATS", e);
     let stream = within("the events stream", gw.bus.js.get_stream(gw.bus.subjects.events_stream()))
         .await
@@ -324,8 +339,8 @@ async fn follow(
     // Its bytes: each event takes its size from `room` until the client's side takes it.
     let room = Arc::new(Semaphore::new(STREAM_BUFFER_BYTES));
     let mut shutdown = gw.shutdown.clone();
+    let gw = gw.clone();
     tokio::spawn(async move {
-        let _permits = (permit, key_permit);
         loop {
             // Shutdown and a gone client first: with a message ready too, an unbiased select
             // could go on forwarding after either.
@@ -373,6 +388,8 @@ async fn follow(
                 // The client is gone.
                 Ok(None) => break,
                 Err(_) => {
+                    gw.slow_dropped.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    SLOW_DROPPED.inc(&[]);
                     tracing::warn!(
                         run = %event.run_id,
                         "live stream client too slow: dropped (it may reconnect with Last-Event-ID)"
@@ -385,8 +402,12 @@ async fn follow(
             }
         }
     });
-    // An event's bytes are given back as it leaves for the client.
-    let body = futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|(e, _held)| (Ok(e), rx)) });
+    // An event's bytes are given back as it leaves for the client. The stream's slots are the
+    // answer's, not the task's: a client dropped as too slow still holds what its answer
+    // buffers until the answer ends, so its slots count until then.
+    let body = futures::stream::unfold((rx, permits), |(mut rx, permits)| async move {
+        rx.recv().await.map(|(e, _held)| (Ok(e), (rx, permits)))
+    });
     let body: std::pin::Pin<Box<dyn Stream<Item = Result<Event, Infallible>> + Send>> = Box::pin(body);
     Ok(Some(Sse::new(body).keep_alive(KeepAlive::new().interval(KEEP_ALIVE))))
 }

@@ -41,8 +41,10 @@ pub struct Gateway {
     pub limiter: RateLimiter,
     /// What each (method, route) needs, from the OpenAPI document.
     pub access: HashMap<(Method, String), Access>,
-    /// Live streams open at once.
+    /// Live streams open at once: a slot is held as long as its answer is.
     pub streams: Arc<Semaphore>,
+    /// Live stream clients dropped as too slow.
+    pub slow_dropped: std::sync::atomic::AtomicU64,
     /// Live streams open at once per key owner (`streams_per_key` each; one entry per
     /// configured key at most).
     pub streams_of: std::sync::Mutex<HashMap<String, Arc<Semaphore>>>,
@@ -88,6 +90,7 @@ impl Gateway {
             access: access_table()?,
             streams: Arc::new(Semaphore::new(events::MAX_STREAMS)),
             streams_of: Default::default(),
+            slow_dropped: Default::default(),
             worker: format!("gateway:{}", cfg.worker()),
             cfg: Arc::new(cfg),
             bus,

@@ -52,6 +52,26 @@ pub async fn list(
             return Err(ApiError::BadRequest(format!("status '{s}' is not one of {STATUSES:?}")));
         }
     }
+    // Bad values are the caller's, answered 400 here, not a failed query answered 503.
+    if let Some(service) = &q.service {
+        if !pitcrew_model::incident::valid_service_name(service) {
+            return Err(ApiError::BadRequest(format!(
+                "service '{}' is not a service name: 1-{} characters of [A-Za-z0-9._-]",
+                pitcrew_model::trim::printable(&pitcrew_model::trim::clip(service, 64)),
+                pitcrew_model::incident::MAX_NAME_LEN
+            )));
+        }
+    }
+    for (name, at) in [("since", q.since), ("until", q.until)] {
+        if let Some(at) = at {
+            if !(1..=9999).contains(&chrono::Datelike::year(&at)) {
+                return Err(ApiError::BadRequest(format!(
+                    "{name} '{}' is out of range: it must fall in the years 1-9999",
+                    at.to_rfc3339_opts(chrono::SecondsFormat::AutoSi, true)
+                )));
+            }
+        }
+    }
     let filter =
         RunFilter { status: q.status, service: q.service, since: q.since, until: q.until, limit: limit(q.limit)? };
     let runs = gw.store.list_runs(&filter).await?;

@@ -14,6 +14,7 @@ use pitcrew_testkit::alertmanager::{Alertmanager, Timing};
 use pitcrew_testkit::TestEnv;
 use reqwest::StatusCode;
 use serde_json::{json, Value};
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 use uuid::Uuid;
 
@@ -692,6 +693,8 @@ async fn malformed_and_oversized_bodies_are_refused_precisely_and_nothing_is_pub
         ("/v1/incidents", "application/json", br#"{"service":" ","error":"x"}"#.to_vec(), StatusCode::UNPROCESSABLE_ENTITY, "field 'service' is empty"),
         ("/v1/incidents", "application/json", br#"{"service":"nope","error":"x"}"#.to_vec(), StatusCode::UNPROCESSABLE_ENTITY, "unknown service 'nope'"),
         ("/v1/incidents", "application/json", b"".to_vec(), StatusCode::BAD_REQUEST, "request body is empty"),
+        // A time Postgres cannot keep: refused now, not accepted and then never opened.
+        ("/v1/incidents", "application/json", br#"{"service":"svc","error":"x","observed_at":"-5000-01-01T00:00:00Z"}"#.to_vec(), StatusCode::UNPROCESSABLE_ENTITY, "field 'observed_at' must fall in the years 1-9999"),
         ("/v1/incidents", "text/plain", br#"{"service":"svc","error":"x"}"#.to_vec(), StatusCode::UNSUPPORTED_MEDIA_TYPE, "Content-Type: application/json"),
         ("/v1/incidents", "application/json", format!(r#"{{"service":"svc","error":"{}"}}"#, "x".repeat(5000)).into_bytes(), StatusCode::PAYLOAD_TOO_LARGE, "larger than the 4096-byte limit"),
         ("/v1/alerts/alertmanager", "application/json", br#"{"version":"3","status":"firing","alerts":[]}"#.to_vec(), StatusCode::UNPROCESSABLE_ENTITY, "version '3'"),
@@ -715,7 +718,18 @@ async fn malformed_and_oversized_bodies_are_refused_precisely_and_nothing_is_pub
     let (status, err) = api.get("/v1/runs/not-a-uuid", "rita").await?;
     assert_eq!(status, StatusCode::BAD_REQUEST);
     assert!(err["error"].as_str().unwrap_or_default().contains("'not-a-uuid' is not a run id"), "{err}");
-    for q in ["limit=abc", "status=bogus", "limit=0", "colour=red", "since=yesterday"] {
+    // The caller's own bad values are 400, not a failed query's 503 (Postgres takes no NUL and
+    // no time before 4714 BC).
+    for q in [
+        "limit=abc",
+        "status=bogus",
+        "limit=0",
+        "colour=red",
+        "since=yesterday",
+        "service=a%00b",
+        "since=-5000-01-01T00:00:00Z",
+        "until=-5000-01-01T00:00:00Z",
+    ] {
         let (status, err) = api.get(&format!("/v1/runs?{q}"), "rita").await?;
         assert_eq!(status, StatusCode::BAD_REQUEST, "{q}: {err}");
         assert!(err["error"].is_string());
@@ -976,17 +990,23 @@ async fn a_slow_live_stream_client_is_dropped_and_blocks_no_one() -> anyhow::Res
     assert_eq!(got, n + 1);
     let health = api.req(reqwest::Method::GET, "/healthz", None).send().await?;
     assert_eq!(health.status(), StatusCode::OK);
-    // The slow client is dropped once its buffer stayed full for SLOW_CLIENT: one stream is left.
-    let open = |gw: &Gateway| pitcrew_gateway::events::MAX_STREAMS - gw.streams.available_permits();
+    // The slow client is dropped once its buffer stayed full for SLOW_CLIENT.
     let deadline = tokio::time::Instant::now() + WAIT;
-    while open(&api.gw) > 1 {
+    while api.gw.slow_dropped.load(Ordering::Relaxed) == 0 {
         assert!(tokio::time::Instant::now() < deadline, "the slow client was never dropped");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    // What it can still read ends well before the last event.
+    // What it can still read ends well before the last event; its stream's slot is given
+    // back with its answer: one stream is left.
     let mut seen = Vec::new();
     let read = tokio::time::timeout(WAIT, slow.read_to_end(&mut seen)).await;
     assert!(read.is_ok(), "the slow client's stream was closed");
+    let open = |gw: &Gateway| pitcrew_gateway::events::MAX_STREAMS - gw.streams.available_permits();
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while open(&api.gw) > 1 {
+        assert!(tokio::time::Instant::now() < deadline, "the slow client's slot was never given back");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
     let text = String::from_utf8_lossy(&seen);
     assert!(text.starts_with("HTTP/1.1 200"), "{}", &text[..text.len().min(200)]);
     let events = text.matches("event: status").count();
@@ -1037,11 +1057,19 @@ async fn a_slow_client_s_buffer_is_bounded_in_bytes_too() -> anyhow::Result<()> 
     // timeout would end it anyway.
     let within = pitcrew_runtime::httpd::WRITE_TIMEOUT / 2;
     let deadline = tokio::time::Instant::now() + within;
-    while open(&api.gw) > 0 {
+    while api.gw.slow_dropped.load(Ordering::Relaxed) == 0 {
         assert!(tokio::time::Instant::now() < deadline, "the slow client was not dropped within {within:?}");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+    // What its answer still buffers counts against the streams' bounds until the answer
+    // ends: the slot is held while the connection lives, given back when it closes.
+    assert_eq!(open(&api.gw), 1, "a dropped client's answer still holds its slot");
     drop(slow);
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while open(&api.gw) > 0 {
+        assert!(tokio::time::Instant::now() < deadline, "a closed connection's slot was never given back");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
     Ok(())
 }
 

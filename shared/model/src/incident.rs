@@ -77,6 +77,8 @@ pub enum IncidentError {
     BadFingerprint,
     #[error("field 'source' is {0} bytes, more than the {MAX_LABEL_LEN} allowed")]
     SourceTooLong(usize),
+    #[error("field 'observed_at' must fall in the years 1-9999, got {0}")]
+    ObservedOutOfRange(String),
 }
 
 /// Whether `name` may name a service: what an incident for it must carry (1-128 characters of
@@ -158,6 +160,13 @@ impl Incident {
         if let Some(f) = &self.fingerprint {
             if f.is_empty() || f.len() > MAX_NAME_LEN {
                 return Err(IncidentError::BadFingerprint);
+            }
+        }
+        // Postgres keeps no time chrono can read (its range starts in 4714 BC): refused here,
+        // not accepted and then refused by the store, where it could never open a run.
+        if let Some(at) = self.observed_at {
+            if !(1..=9999).contains(&chrono::Datelike::year(&at)) {
+                return Err(IncidentError::ObservedOutOfRange(at.to_rfc3339()));
             }
         }
         // Carried in every run state and stored with the incident: a name, not a document.
@@ -264,6 +273,11 @@ mod tests {
         assert_eq!(i.validate(), Err(IncidentError::EmptyError));
         let mut i = Incident::new("web", "e".repeat(MAX_ERROR_LEN + 1));
         assert!(matches!(i.validate(), Err(IncidentError::ErrorTooLong(_))));
+        let mut i = Incident::new("web", "down");
+        i.observed_at = Some("-5000-01-01T00:00:00Z".parse().unwrap());
+        assert!(matches!(i.validate(), Err(IncidentError::ObservedOutOfRange(_))), "Postgres cannot keep it");
+        i.observed_at = Some("9999-12-31T23:59:59Z".parse().unwrap());
+        i.validate().unwrap();
         let mut i = Incident::new(" web ", " refused ");
         i.validate().unwrap();
         assert_eq!((i.service.as_str(), i.error.as_str()), ("web", "refused"));
