@@ -39,11 +39,16 @@ pub fn exporting() -> bool {
 }
 
 /// A well-formed W3C traceparent (`00-<32 hex>-<16 hex>-<2 hex>`, ids not all zero), or None.
+/// Always its first 55 characters: version 00 has exactly four fields, and of a later
+/// version's, only those four are read (W3C), so a caller's header, carried on every message
+/// of the run, cannot grow them.
 pub fn valid(v: &str) -> Option<&str> {
+    const LEN: usize = 55;
     let v = v.trim();
-    let parts: Vec<&str> = v.split('-').collect();
+    let parts: Vec<&str> = v.splitn(5, '-').collect();
     let hex = |s: &str, n: usize| s.len() == n && s.bytes().all(|b| b.is_ascii_hexdigit());
     let ok = parts.len() >= 4
+        && (parts.len() == 4 || parts[0] != "00")
         && hex(parts[0], 2)
         && parts[0] != "ff"
         && hex(parts[1], 32)
@@ -51,7 +56,7 @@ pub fn valid(v: &str) -> Option<&str> {
         && hex(parts[3], 2)
         && parts[1].bytes().any(|b| b != b'0')
         && parts[2].bytes().any(|b| b != b'0');
-    ok.then_some(v)
+    ok.then(|| &v[..LEN])
 }
 
 /// The traceparent of a NATS message, if it carries a valid one.
@@ -158,6 +163,11 @@ mod tests {
         assert_eq!(valid("00-00000000000000000000000000000000-00f067aa0ba902b7-01"), None);
         assert_eq!(valid("00-4bf92f3577b34da6a3ce929d0e0e4736-0000000000000000-01"), None);
         assert_eq!(valid("garbage"), None);
+        // Nothing past the four fields is carried: version 00 has no more, a later one's are
+        // not read (a caller's 400 KB header would ride on every message of the run).
+        assert_eq!(valid(&format!("{TP}-{}", "x".repeat(400_000))), None);
+        let later = format!("cc{}-{}", &TP[2..], "x".repeat(400_000));
+        assert_eq!(valid(&later), Some(&later[..55]));
         assert_eq!(valid("00-4bf92f-00f067aa0ba902b7-01"), None);
         let mut h = http::HeaderMap::new();
         h.insert(TRACEPARENT, TP.parse().unwrap());
