@@ -115,6 +115,19 @@ pub const MAX_TARGET_WAITERS: u32 = 16;
 /// its claim (a turn for an SSH channel, a connection).
 pub const STRAGGLER_GRACE: Duration = Duration::from_secs(10);
 
+/// This copy decided to skip the plan, but command `index` ran under another delivery: the
+/// plan has started. Decided again on the next delivery, which finds the attempt started.
+fn started_under_another(index: u32, attempt: u32) -> StageError {
+    StageError::Wait {
+        why: format!(
+            "command {index} of attempt {attempt} ran under another delivery after this one decided to skip the \
+             plan: deciding again"
+        ),
+        retry: Duration::from_millis(250),
+        note: None,
+    }
+}
+
 /// How long after its start a command that nobody finished may still be running on `host`.
 /// Over SSH its start is marked before its channel opens, which may take up to the host's
 /// connect timeout (`pitcrew_exec` gives up on the channel then): the remote command may start
@@ -444,15 +457,7 @@ impl StageHandler for Execute {
                     // and skipping the rest would leave it half run. Decided again on the
                     // next delivery, which finds the attempt started and runs the rest.
                     Claim::Finished(rec) if skip.is_some() && rec.status != ExecutionStatus::Skipped => {
-                        return Err(StageError::Wait {
-                            why: format!(
-                                "command {index} of attempt {} ran under another delivery after this one decided \
-                                 to skip the plan: deciding again",
-                                state.attempt
-                            ),
-                            retry: Duration::from_millis(250),
-                            note: None,
-                        });
+                        return Err(started_under_another(index, state.attempt));
                     }
                     Claim::Finished(rec) => rec,
                     Claim::Unfinished { .. } if at.shared() => {
@@ -475,6 +480,11 @@ impl StageHandler for Execute {
                         // before it leaves the command): then its record is this command's, as
                         // for any finished claim.
                         match store.execution_claim(state.run_id, state.attempt, index).await? {
+                            // Run by another copy, in another process too: as above, the plan
+                            // has started and is not to be skipped half run.
+                            Some(Claim::Finished(rec)) if skip.is_some() && rec.status != ExecutionStatus::Skipped => {
+                                return Err(started_under_another(index, state.attempt));
+                            }
                             Some(Claim::Finished(rec)) => break 'unfinished rec,
                             // Or released it (nothing ran: a connection failed): claim it anew.
                             None => {
