@@ -321,15 +321,7 @@ pub async fn abandon(
     if !matches!(stored.status, RunStatus::Open | RunStatus::WaitingApproval) {
         bail!("run {run} is {} already", stored.status.as_str());
     }
-    if let Some((command, host, until)) = store.running_execution(run).await? {
-        bail!(
-            "run {run} may still be running `{}` on {} (until {} at the latest): closing it now would free its target \
-             for another run while the command runs; abandon it once that command has ended",
-            printable(&command),
-            printable(&host),
-            until.format("%Y-%m-%d %H:%M:%S UTC")
-        );
-    }
+    refuse_while_running(store, run).await?;
     let mut state = stored.state;
     let was = (state.step, state.seq);
     let why = format!("closed by {by}: {reason}");
@@ -346,6 +338,8 @@ pub async fn abandon(
         at: chrono::Utc::now(),
     };
     if !store.close_run(was, &state, &event, by).await? {
+        // A command claimed or started since the look above: the close refused it too.
+        refuse_while_running(store, run).await?;
         bail!("run {run} moved on from {} (seq {}) while it was being closed: look again", was.0, was.1);
     }
     pitcrew_runtime::runner::publish_events(bus, std::slice::from_ref(&event)).await.map_err(|e| {
@@ -356,6 +350,20 @@ pub async fn abandon(
         )
     })?;
     Ok(event)
+}
+
+/// Refuse to close `run` while one of its commands may still be running.
+async fn refuse_while_running(store: &Store, run: Uuid) -> anyhow::Result<()> {
+    if let Some((command, host, until)) = store.running_execution(run).await? {
+        bail!(
+            "run {run} may still be running `{}` on {} (until {} at the latest): closing it now would free its target \
+             for another run while the command runs; abandon it once that command has ended",
+            printable(&command),
+            printable(&host),
+            until.format("%Y-%m-%d %H:%M:%S UTC")
+        );
+    }
+    Ok(())
 }
 
 /// Prune what is older than `days`, batch after batch, a line for each, until nothing is left.

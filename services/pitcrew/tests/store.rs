@@ -1471,6 +1471,43 @@ async fn prune_deletes_old_closed_runs_with_all_they_hold_and_keeps_the_rest() -
     Ok(())
 }
 
+/// A close by hand and a command of the run are ordered by the run's row: a close is refused
+/// while a claimed command may run (the claim came first), and a claim that waited past its
+/// time for its turn does not start on a run closed meanwhile (the close came first).
+#[tokio::test]
+async fn a_run_closed_by_hand_runs_no_command_claimed_before_or_after() -> anyhow::Result<()> {
+    let (_db, store, read, pg) = one_run().await?;
+    let run = read.run_id;
+    move_run(&pg, run, "execute", "open", None).await?;
+    let mut at_execute = store.load_run(run).await?.expect("run").state;
+    at_execute.step = Stage::Execute;
+    let close = |state: &RunState| {
+        let was = (state.step, state.seq);
+        let mut closing = state.clone();
+        closing.escalate("closed by carol: gone");
+        let event =
+            RunEvent { kind: EventKind::Escalated, ..event(&closing, 0, "escalated svc-0: closed by carol: gone") };
+        (was, closing, event)
+    };
+    // A command claimed and not yet past its time may be running: the close is refused.
+    let first = Uuid::new_v4();
+    store.claim_execution(run, 1, 0, "touch /tmp/x0", "web-1", "a", first, false, secs(70)).await?;
+    let (was, closing, ev) = close(&at_execute);
+    assert!(!store.close_run(was, &closing, &ev, "carol").await?, "a claimed command may be running");
+    assert!(store.command_starts(run, 1, 0, first, secs(70)).await?, "the run still stands: it starts");
+    // Its time passed as it waited for a connection (claimed, never started): the close goes
+    // through, and the start that comes after it is refused.
+    let late = Uuid::new_v4();
+    store.claim_execution(run, 1, 1, "touch /tmp/x1", "web-1", "a", late, false, secs(70)).await?;
+    pg.execute("UPDATE executions SET gone_by = now() - interval '1 s' WHERE run_id = $1", &[&run]).await?;
+    assert!(store.close_run(was, &closing, &ev, "carol").await?, "nothing may be running");
+    assert!(!store.command_starts(run, 1, 1, late, secs(70)).await?, "a closed run starts nothing");
+    let refused =
+        store.claim_execution(run, 1, 2, "touch /tmp/x2", "web-1", "a", Uuid::new_v4(), false, secs(70)).await;
+    assert!(matches!(&refused, Err(e) if e.to_string().contains("left execute")), "{refused:?}");
+    Ok(())
+}
+
 /// Closing a run by hand takes only where it was read: a step that moved it meanwhile (its
 /// own escalation, at the very seq the close would take) stands, and the close says so.
 #[tokio::test]

@@ -208,7 +208,10 @@ impl Store {
     /// and `event` its end), only if it is still where it was read (`was`: its step and seq,
     /// open or parked): a step that moved it meanwhile, an escalation of its own at the same
     /// seq included, stands. What it waited on is denied by `by`, in the same statement.
-    /// Returns whether it was closed.
+    /// Not while a command of it may be running (claimed, unfinished, its time not past): the
+    /// run's row is locked first, so a claim or a start at that moment either comes before
+    /// (and is seen) or after (and finds the run closed: [`Store::claim_execution`] and
+    /// [`Store::command_starts`] lock it too). Returns whether it was closed.
     pub async fn close_run(
         &self,
         was: (Stage, u32),
@@ -216,13 +219,17 @@ impl Store {
         event: &RunEvent,
         by: &str,
     ) -> Result<bool, StoreError> {
-        let client = self.client().await?;
-        let stmt = client
+        let mut client = self.client().await?;
+        let tx = client.transaction().await?;
+        tx.execute("SELECT 1 FROM runs WHERE id = $1 FOR UPDATE", &[&state.run_id]).await?;
+        let stmt = tx
             .prepare_cached(
                 "WITH upd AS (
                      UPDATE runs SET stage = $2, seq = $3, state = $4::text::jsonb, status = 'escalated',
                             reason = $5, updated_at = now(), finished_at = now()
                      WHERE id = $1 AND seq = $6 AND stage = $7 AND status IN ('open', 'waiting_approval')
+                       AND NOT EXISTS (SELECT 1 FROM executions
+                                        WHERE run_id = $1 AND finished_at IS NULL AND gone_by > now())
                      RETURNING id),
                  ev AS (
                      INSERT INTO run_events (run_id, seq, idx, stage, kind, message, data, worker, at)
@@ -236,7 +243,7 @@ impl Store {
             )
             .await?;
         let text = serde_json::to_string(state).expect("run state serialises");
-        let closed: i64 = client
+        let closed: i64 = tx
             .query_one(
                 &stmt,
                 &[
@@ -257,6 +264,7 @@ impl Store {
             )
             .await?
             .get(0);
+        tx.commit().await?;
         Ok(closed == 1)
     }
 

@@ -405,7 +405,8 @@ impl Store {
                 "INSERT INTO executions (run_id, attempt, idx, command, host, worker, gone_by, claim, started)
                  SELECT $1, $2, $3, $4, $5, $6, now() + $7::float8 * interval '1 second', $8, $9
                   WHERE EXISTS (SELECT 1 FROM runs
-                                 WHERE id = $1 AND attempt = $2 AND stage = 'execute' AND status = 'open')
+                                 WHERE id = $1 AND attempt = $2 AND stage = 'execute' AND status = 'open'
+                                 FOR KEY SHARE)
                  ON CONFLICT DO NOTHING",
             )
             .await?;
@@ -439,7 +440,10 @@ impl Store {
     /// have started (a worker killed as it waited for its turn on the host or a connection),
     /// and one with it may have, and a worker killed as it runs leaves the right time behind.
     /// False when the claim no longer stands (another delivery recorded it interrupted, or
-    /// removed it as never started, and moved on): it must not start then. A claim past its
+    /// removed it as never started, and moved on) or its run left execute (closed by hand
+    /// while the command waited for its turn past its claim's time): it must not start then.
+    /// The run's row is locked for the mark, as for the claim, so a close by hand
+    /// ([`Store::close_run`]) either sees the start or is seen by it. A claim past its
     /// time that nobody marked yet is moved (the mark checks the time again).
     #[tracing::instrument(name = "db_write", skip_all, fields(op = "command_starts"))]
     pub async fn command_starts(
@@ -454,7 +458,10 @@ impl Store {
         let stmt = client
             .prepare_cached(
                 "UPDATE executions SET gone_by = now() + $4::float8 * interval '1 second', started = true
-                 WHERE run_id = $1 AND attempt = $2 AND idx = $3 AND status IS NULL AND claim = $5",
+                 WHERE run_id = $1 AND attempt = $2 AND idx = $3 AND status IS NULL AND claim = $5
+                   AND EXISTS (SELECT 1 FROM runs
+                                WHERE id = $1 AND attempt = $2 AND stage = 'execute' AND status = 'open'
+                                FOR KEY SHARE)",
             )
             .await?;
         let secs = gone_secs(gone_after);
