@@ -373,6 +373,11 @@ mod tests {
         }
         assert!(matches!(redact_cut("ends in cut"), Cow::Borrowed(_)), "under 4 bytes");
         assert_eq!(crate::trim::text_within(b"short enough", 26), "short enough");
+        // Bytes under the cap whose text is not (each invalid byte is three bytes of U+FFFD):
+        // cut all the same, the secret's start replaced.
+        let latin1 = b"caf\xe9 \xe9t\xe9 cut-short-Q7w9-secret";
+        assert!(latin1.len() < 33);
+        assert_eq!(crate::trim::text_within(latin1, 33), "caf\u{FFFD} \u{FFFD}t\u{FFFD} [REDACTED]");
         forget_secret(value);
     }
 

@@ -98,16 +98,18 @@ pub fn text_of(bytes: &[u8]) -> String {
 /// replacement character is three bytes, so a capped read stays capped.
 pub fn text_within(bytes: &[u8], max: usize) -> String {
     let mut text = text_of(bytes);
-    if text.len() > max {
+    // Replacement characters may make the text longer than the bytes: cut here too.
+    let cut_here = text.len() > max;
+    if cut_here {
         let mut end = max;
         while !text.is_char_boundary(end) {
             end -= 1;
         }
         text.truncate(end);
     }
-    // At its cap the text may have been cut (output is read up to it): partway through a
-    // secret, maybe, whose start whole-value redaction would pass over.
-    if bytes.len() >= max {
+    // At its cap the text may have been cut (output is read up to it, or cut above): partway
+    // through a secret, maybe, whose start whole-value redaction would pass over.
+    if cut_here || bytes.len() >= max {
         if let std::borrow::Cow::Owned(cut) = crate::redact::redact_cut(&text) {
             return cut;
         }
