@@ -633,6 +633,28 @@ impl pitcrew_llm::Progress for Streamed {
     }
 }
 
+/// A 200 whose body is no chat completion (a proxy's error object) is asked again, as a
+/// 5xx is; after every try it is transient (the step is tried again later), not a failure
+/// that escalates the run at once.
+#[tokio::test]
+async fn an_answer_that_is_no_completion_is_asked_again() -> anyhow::Result<()> {
+    let llm = ScriptedLlm::start(vec![Reply::error(200, "proxy", "upstream reset"), Reply::answer(DIAGNOSIS)]).await?;
+    let p = provider(&llm, |_| {});
+    let case = Case::new();
+    let d = p.diagnose(&case.input()).await?;
+    assert_eq!(d.summary, "web is not running: nothing listens on 8080");
+    assert_eq!(llm.requests().len(), 2);
+    let llm = ScriptedLlm::start(vec![Reply::error(200, "proxy", "upstream reset"); 3]).await?;
+    let p = provider(&llm, |c| c.max_retries = 2);
+    match p.diagnose(&case.input()).await {
+        Err(ReasonError::Transient(e)) => {
+            assert!(e.contains("after 3 tries") && e.contains("not a chat completion"), "{e}")
+        }
+        other => panic!("garbled answers are transient: {other:?}"),
+    }
+    Ok(())
+}
+
 #[tokio::test]
 async fn a_stream_that_breaks_off_is_asked_again_not_taken_for_the_answer() -> anyhow::Result<()> {
     let llm = ScriptedLlm::start(vec![

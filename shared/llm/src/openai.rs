@@ -495,11 +495,16 @@ impl OpenAi {
                         *last = format!("reading the answer: {e}");
                         (Step::Retry(backoff(attempt)), "bad_answer")
                     }
-                    Ok(bytes) if status.is_success() => {
-                        let res = self.completion(meter, model, &bytes);
-                        let outcome = if res.is_ok() { "ok" } else { "bad_answer" };
-                        (Step::Done(res), outcome)
-                    }
+                    // One garbled answer (a proxy's page, a cut body, an error object under
+                    // 200) is asked again, as a broken stream is: not taken for the endpoint's
+                    // last word on the run.
+                    Ok(bytes) if status.is_success() => match self.completion(meter, model, &bytes) {
+                        Ok(m) => (Step::Done(Ok(m)), "ok"),
+                        Err(e) => {
+                            *last = e.to_string();
+                            (Step::Retry(backoff(attempt)), "bad_answer")
+                        }
+                    },
                     Ok(bytes) => {
                         *last = format!("HTTP {status}: {}", self.error_text(&bytes));
                         // An exhausted quota is a 429 that no wait mends: a human has to act.
