@@ -421,20 +421,24 @@ impl Tools for EvidenceTools<'_> {
             async move {
                 let out = match name {
                     // Refused before anything reads them: kept, they would ride in the run's
-                    // state and in every later prompt.
-                    _ if arguments.len() > MAX_TOOL_ARGUMENTS => {
-                        let why = format!(
-                            "arguments of {} bytes, more than the {MAX_TOOL_ARGUMENTS} a tool call may have",
-                            arguments.len()
-                        );
-                        let asked = format!(
-                            "{} {}",
-                            pitcrew_model::trim::clip(name, 64),
-                            pitcrew_model::trim::clip(arguments, 200)
-                        );
-                        self.keep(false, &asked, String::new(), format!("tool call not run: {why}"));
-                        ToolOutput { ok: false, output: format!("refused: {why}") }
-                    }
+                    // state and in every later prompt. A call's slot all the same: refusals
+                    // kept past the budget would push out the evidence that was gathered.
+                    _ if arguments.len() > MAX_TOOL_ARGUMENTS => match self.budget_spent() {
+                        Some(spent) => spent,
+                        None => {
+                            let why = format!(
+                                "arguments of {} bytes, more than the {MAX_TOOL_ARGUMENTS} a tool call may have",
+                                arguments.len()
+                            );
+                            let asked = format!(
+                                "{} {}",
+                                pitcrew_model::trim::clip(name, 64),
+                                pitcrew_model::trim::clip(arguments, 200)
+                            );
+                            self.keep(false, &asked, String::new(), format!("tool call not run: {why}"));
+                            ToolOutput { ok: false, output: format!("refused: {why}") }
+                        }
+                    },
                     "run_command" => self.run_command(arguments).await,
                     other => match self.web.filter(|w| w.offers(other)) {
                         Some(w) => self.web_call(w, other, arguments).await,
@@ -812,6 +816,13 @@ mod web_tests {
         assert_eq!(kept.len(), 1);
         let (ev, line) = &kept[0];
         assert!(ev.detail.len() <= 300 && line.len() <= 300, "{} {}", ev.detail.len(), line.len());
+        // Each takes a call's slot: past the budget nothing more is kept.
+        for _ in 1..MAX_TOOL_CALLS {
+            tools.call("run_command", &json!({ "command": huge }).to_string()).await;
+        }
+        let out = tools.call("run_command", &json!({ "command": huge }).to_string()).await;
+        assert!(out.output.contains("tool budget spent"), "{}", out.output);
+        assert_eq!(tools.take().len(), MAX_TOOL_CALLS - 1, "the refusals within the budget");
         // And any evidence's detail is bounded in the state.
         let mut state = RunState::new(uuid::Uuid::nil(), pitcrew_model::Incident::new("web", "down"));
         state.push_evidence(Evidence { detail: "y".repeat(1 << 20), ..ev.clone() });

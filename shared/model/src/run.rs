@@ -11,6 +11,9 @@ use uuid::Uuid;
 pub const RUN_STATE_VERSION: u32 = 1;
 /// Evidence items kept in the state (oldest dropped first).
 pub const MAX_EVIDENCE: usize = 32;
+
+/// The evidence an attempt's gathering starts with, which its plan and evaluation read.
+const FOUNDATION: [&str; 4] = ["check", "pidfile", "port", "port-holder"];
 /// Bytes of output kept per evidence item or execution in the state.
 pub const MAX_OUTPUT: usize = 4096;
 /// Bytes kept of what an evidence item ran or asked (its `detail`).
@@ -298,9 +301,18 @@ impl RunState {
         // source.
         ev.detail = crate::trim::clip(&crate::redact::redact(&ev.detail), MAX_DETAIL);
         self.evidence.push(ev);
-        if self.evidence.len() > MAX_EVIDENCE {
-            let drop = self.evidence.len() - MAX_EVIDENCE;
-            self.evidence.drain(..drop);
+        // Past the bound, the oldest of earlier attempts goes first, then the oldest of this
+        // one but its own check, pidfile and port: what the plan's values (`{pid}`,
+        // `{holder_pid}`) and the evaluation's grounding read, never pushed out by tool calls.
+        while self.evidence.len() > MAX_EVIDENCE {
+            let attempt = self.attempt;
+            let at = self
+                .evidence
+                .iter()
+                .position(|e| e.attempt != attempt)
+                .or_else(|| self.evidence.iter().position(|e| !FOUNDATION.contains(&e.source.as_str())))
+                .unwrap_or(0);
+            self.evidence.remove(at);
         }
     }
 
@@ -529,6 +541,37 @@ mod tests {
         assert_eq!(s.evidence.len(), MAX_EVIDENCE);
         assert_eq!(s.evidence[0].detail, "68");
         assert!(s.evidence.iter().all(|e| e.output.len() <= MAX_OUTPUT + 64));
+    }
+
+    /// Tool calls beyond the bound push out earlier attempts' evidence first, then this
+    /// attempt's own, but never its check, pidfile or port-holder (the plan's `{pid}` and
+    /// `{holder_pid}`, the evaluation's grounds).
+    #[test]
+    fn the_bound_keeps_the_attempts_own_check_pidfile_and_port_holder() {
+        let mut s = RunState::new(Uuid::now_v7(), Incident::new("web", "down"));
+        let ev = |attempt: u32, source: &str, detail: String| Evidence {
+            attempt,
+            source: source.into(),
+            detail,
+            output: String::new(),
+            ok: true,
+        };
+        for i in 0..10 {
+            s.push_evidence(ev(1, "command", format!("first attempt {i}")));
+        }
+        s.attempt = 2;
+        for source in ["check", "pidfile", "port-holder"] {
+            s.push_evidence(ev(2, source, source.to_string()));
+        }
+        for i in 0..100 {
+            s.push_evidence(ev(2, "tool", format!("tool {i}")));
+        }
+        assert_eq!(s.evidence.len(), MAX_EVIDENCE);
+        let sources: Vec<&str> = s.evidence.iter().take(3).map(|e| e.source.as_str()).collect();
+        assert_eq!(sources, ["check", "pidfile", "port-holder"]);
+        assert!(s.evidence.iter().all(|e| e.attempt == 2), "the first attempt's went first");
+        assert_eq!(s.evidence.last().unwrap().detail, "tool 99");
+        assert_eq!(s.evidence[3].detail, "tool 71", "then this attempt's oldest tool calls");
     }
 
     #[test]
