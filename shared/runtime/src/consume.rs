@@ -337,10 +337,20 @@ async fn pull_failed(
     false
 }
 
+/// How often a handler running under `ack_wait` says it is still at work.
+fn progress_every(ack_wait: Duration) -> Duration {
+    (ack_wait / 3).clamp(Duration::from_millis(500), PROGRESS_AT_MOST)
+}
+
+/// The longest wait between progress acks, whatever this process's `ack_wait`: the
+/// consumer's is the last configuration's to reach the server (a rolled-out change lowers it
+/// under processes still running the old one), so none waits longer than this.
+pub const PROGRESS_AT_MOST: Duration = Duration::from_secs(10);
+
 /// Tell the server we are still working, so a long handler is not redelivered mid-flight.
 /// Never returns: it is raced against the handler.
 async fn progress(msg: Arc<jetstream::Message>, ack_wait: Duration) {
-    let every = (ack_wait / 3).max(Duration::from_millis(500));
+    let every = progress_every(ack_wait);
     loop {
         tokio::time::sleep(every).await;
         if let Err(e) = msg.ack_with(AckKind::Progress).await {
@@ -373,5 +383,15 @@ mod tests {
         assert_eq!(backoff(2), Duration::from_millis(500));
         assert!(backoff(100) <= Duration::from_secs(30));
         assert!(backoff(8) > backoff(7));
+    }
+
+    /// A third of the ack wait, but never longer than PROGRESS_AT_MOST: a consumer whose
+    /// ack wait a newer configuration lowered still hears from a long handler in time.
+    #[test]
+    fn progress_acks_come_at_least_every_ten_seconds() {
+        assert_eq!(progress_every(Duration::from_secs(30)), Duration::from_secs(10));
+        assert_eq!(progress_every(Duration::from_secs(300)), PROGRESS_AT_MOST);
+        assert_eq!(progress_every(Duration::from_secs(6)), Duration::from_secs(2));
+        assert_eq!(progress_every(Duration::from_millis(600)), Duration::from_millis(500));
     }
 }
