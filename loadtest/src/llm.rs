@@ -33,16 +33,27 @@ pub struct SimulatedLlm {
 
 impl SimulatedLlm {
     /// Stop the server and return the calls it answered: closing its stdin asks it for its
-    /// count, which it prints before it exits.
-    pub async fn finish(mut self) -> anyhow::Result<u64> {
+    /// counts, which it prints before it exits.
+    pub async fn finish(mut self) -> anyhow::Result<Calls> {
         drop(self.child.stdin.take());
         let line = tokio::time::timeout(ANSWER, self.out.next_line())
             .await
             .context("the simulated LLM did not report its calls")??
             .context("the simulated LLM exited without reporting its calls")?;
         let _ = tokio::time::timeout(ANSWER, self.child.wait()).await;
-        line.trim().parse().with_context(|| format!("the simulated LLM's count: {line:?}"))
+        let counts = line.split_whitespace().map(str::parse).collect::<Result<Vec<u64>, _>>();
+        match counts.as_deref() {
+            Ok([all, diagnose]) if diagnose <= all => Ok(Calls { all: *all, diagnose: *diagnose }),
+            _ => anyhow::bail!("the simulated LLM's counts: {line:?}"),
+        }
     }
+}
+
+/// The calls the simulated model answered: all of them, and diagnose's (the rest are plan's).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Calls {
+    pub all: u64,
+    pub diagnose: u64,
 }
 
 struct Shared {
@@ -50,6 +61,7 @@ struct Shared {
     /// The fix the plan step answers with (`touch` of the healthy file).
     fix: String,
     calls: AtomicU64,
+    diagnose_calls: AtomicU64,
 }
 
 /// Start the server process: this binary with `--serve-llm`.
@@ -75,7 +87,7 @@ pub async fn start(delay: Duration, fix: &str) -> anyhow::Result<SimulatedLlm> {
 pub async fn serve(delay: Duration, fix: String) -> anyhow::Result<()> {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let base_url = format!("http://{}/v1", listener.local_addr()?);
-    let shared = Arc::new(Shared { delay, fix, calls: AtomicU64::new(0) });
+    let shared = Arc::new(Shared { delay, fix, calls: AtomicU64::new(0), diagnose_calls: AtomicU64::new(0) });
     let app = axum::Router::new().route("/v1/chat/completions", post(complete)).with_state(shared.clone());
     let mut stdout = tokio::io::stdout();
     stdout.write_all(format!("{base_url}\n").as_bytes()).await?;
@@ -90,8 +102,9 @@ pub async fn serve(delay: Duration, fix: String) -> anyhow::Result<()> {
         _ = closed => {}
     }
     let calls = shared.calls.load(Ordering::Relaxed);
+    let diagnose = shared.diagnose_calls.load(Ordering::Relaxed);
     // The tool may be gone: nobody to tell is not an error.
-    let _ = stdout.write_all(format!("{calls}\n").as_bytes()).await;
+    let _ = stdout.write_all(format!("{calls} {diagnose}\n").as_bytes()).await;
     let _ = stdout.flush().await;
     Ok(())
 }
@@ -103,7 +116,8 @@ async fn complete(State(shared): State<Arc<Shared>>, Json(body): Json<Value>) ->
     let (system, user) = (text(0), text(1));
     let first = user.lines().find(|l| l.starts_with("Incident:")).unwrap_or_default();
     let error = first.split_once("): ").map(|(_, e)| e).unwrap_or(first);
-    let answer = if system.contains("diagnosis step") {
+    let diagnosis = system.contains("diagnosis step");
+    let answer = if diagnosis {
         json!({ "diagnosis": "svc is unhealthy", "evidence": [error] }).to_string()
     } else if error.contains("disk wiped") {
         "```sh\nrm -rf /\n```".to_string()
@@ -113,6 +127,9 @@ async fn complete(State(shared): State<Arc<Shared>>, Json(body): Json<Value>) ->
     let prompt = prompt_chars(&body);
     tokio::time::sleep(shared.delay).await;
     shared.calls.fetch_add(1, Ordering::Relaxed);
+    if diagnosis {
+        shared.diagnose_calls.fetch_add(1, Ordering::Relaxed);
+    }
     let mut completion = completion_body(json!({ "role": "assistant", "content": answer }));
     add_usage(&mut completion, prompt);
     Json(completion)

@@ -253,20 +253,38 @@ fn machine_busy_ms() -> Option<f64> {
 
 /// With a simulated model and a known number of runs in flight (`--in-flight`, at most the
 /// batch, or every incident at once): the most runs a second the model's latency allows, that
-/// number over the model time a run spends (the calls over the `runs` that ended, times the
+/// number (or the model stages' concurrency, when lower) over the model time a run spends (the calls over the `runs` that ended, times the
 /// latency), and the share of it `rate` (the steady rate, or the overall one) reached. None
 /// without a model or with `--rate`.
-fn llm_bound(args: &Args, calls: Option<u64>, runs: usize, rate: f64) -> Option<serde_json::Value> {
+fn llm_bound(args: &Args, calls: Option<llm::Calls>, runs: usize, rate: f64) -> Option<serde_json::Value> {
     let in_flight = match (args.in_flight, args.rate > 0.0) {
         (0, false) => args.incidents,
         (n, false) => n.min(args.incidents),
         (_, true) => return None,
     };
-    let calls = calls.filter(|c| *c > 0 && runs > 0 && args.llm_latency_ms > 0)?;
-    let model_secs = calls as f64 / runs as f64 * args.llm_latency_ms as f64 / 1000.0;
-    let per_second = in_flight as f64 / model_secs;
+    let calls = calls.filter(|c| c.all > 0 && runs > 0 && args.llm_latency_ms > 0)?;
+    let secs_per_run = |calls: u64| calls as f64 / runs as f64 * args.llm_latency_ms as f64 / 1000.0;
+    let model_secs = secs_per_run(calls.all);
+    let mut per_second = in_flight as f64 / model_secs;
+    let mut bounded_by = "in_flight";
+    // The crew the tool runs holds at most a model stage's concurrency in its calls at once
+    // (diagnose's in each of its processes), however many runs are in flight: that stage
+    // lets no more runs a second through than that over its model time a run.
+    if args.target.is_none() {
+        let diagnose = args.diagnose_concurrency.unwrap_or(args.model_concurrency()) * args.diagnose_processes.max(1);
+        for (stage, at_once, stage_calls) in [
+            ("diagnose_concurrency", diagnose, calls.diagnose),
+            ("plan_concurrency", args.model_concurrency(), calls.all - calls.diagnose),
+        ] {
+            let through = at_once as f64 / secs_per_run(stage_calls);
+            if stage_calls > 0 && through < per_second {
+                (per_second, bounded_by) = (through, stage);
+            }
+        }
+    }
     Some(serde_json::json!({
         "in_flight": in_flight,
+        "bounded_by": bounded_by,
         "model_seconds_per_run": (model_secs * 1000.0).round() / 1000.0,
         "per_second": (per_second * 10.0).round() / 10.0,
         "reached": ((rate / per_second) * 1000.0).round() / 1000.0,
@@ -762,7 +780,7 @@ async fn drive(args: Args, crew_rt: tokio::runtime::Handle) -> anyhow::Result<()
             "concurrency": own.then_some(args.concurrency),
             "pool_size": cfg.database.pool_size,
             "llm_latency_ms": args.llm_latency_ms,
-            "llm_calls": llm_calls,
+            "llm_calls": llm_calls.map(|c| c.all),
             "llm_bound": bound,
             "diagnose_processes": args.diagnose_processes,
             "model_concurrency": own.then(|| args.model_concurrency()),
@@ -828,7 +846,7 @@ mod tests {
         let bound = |more: &[&str]| {
             let mut all = vec!["--incidents", "10", "--llm-latency-ms", "100"];
             all.extend_from_slice(more);
-            llm_bound(&args(&all), Some(20), 10, 25.0)
+            llm_bound(&args(&all), Some(llm::Calls { all: 20, diagnose: 10 }), 10, 25.0)
         };
         // Ten runs at 2 x 100 ms of model time each: 50 a second, whatever --in-flight says above ten.
         for more in [&[][..], &["--in-flight", "50"][..], &["--in-flight", "10"][..]] {
@@ -838,6 +856,19 @@ mod tests {
             assert_eq!(b["reached"], 0.5, "{more:?}");
         }
         assert_eq!(bound(&["--in-flight", "4"]).unwrap()["per_second"], 20.0);
+        // Fewer model calls at once in a stage than runs in flight: that stage's concurrency
+        // bounds it (2 at once in diagnose, 0.1 s a run: 20 a second).
+        let capped = bound(&["--model-concurrency", "3", "--diagnose-concurrency", "2"]).unwrap();
+        assert_eq!(
+            (&capped["bounded_by"], &capped["per_second"]),
+            (&serde_json::json!("diagnose_concurrency"), &serde_json::json!(20.0))
+        );
+        let capped = bound(&["--model-concurrency", "3", "--diagnose-concurrency", "8"]).unwrap();
+        assert_eq!(
+            (&capped["bounded_by"], &capped["per_second"]),
+            (&serde_json::json!("plan_concurrency"), &serde_json::json!(30.0))
+        );
+        assert_eq!(bound(&[]).unwrap()["bounded_by"], "in_flight");
         assert!(bound(&["--rate", "5"]).is_none());
     }
 
