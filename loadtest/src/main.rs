@@ -619,8 +619,8 @@ async fn drive(args: Args, crew_rt: tokio::runtime::Handle) -> anyhow::Result<()
             break;
         };
         permit?.forget();
-        while let Ok(e) = finished.try_recv() {
-            ended.push((e.at, e.kind, e.run_id));
+        while let Ok((seen, e)) = finished.try_recv() {
+            ended.push((seen, e.kind, e.run_id));
         }
         let (error, expected) = match (&args.target, &args.error) {
             (Some(_), Some(e)) => (e.as_str(), None),
@@ -664,7 +664,7 @@ async fn drive(args: Args, crew_rt: tokio::runtime::Handle) -> anyhow::Result<()
     while ended.len() < sent.len() {
         let left = deadline.saturating_duration_since(Instant::now());
         match tokio::time::timeout(left, finished.recv()).await {
-            Ok(Some(e)) if sent.contains_key(&e.run_id) => ended.push((e.at, e.kind, e.run_id)),
+            Ok(Some((seen, e))) if sent.contains_key(&e.run_id) => ended.push((seen, e.kind, e.run_id)),
             Ok(Some(_)) => {}
             // Counted as timed out: what could not be watched did not end as far as we know.
             Ok(None) => {

@@ -46,8 +46,13 @@ impl Ours {
 
 /// Follow the terminal events of `ours` from now on (a crew driven with `--target` may be
 /// ending other runs too). A run's first one, while the run is still counted in flight, is
-/// sent on the returned channel and releases it.
-pub async fn terminals(bus: &Bus, ours: Ours) -> anyhow::Result<mpsc::UnboundedReceiver<RunEvent>> {
+/// sent on the returned channel and releases it, with when it arrived here: a run ends for
+/// its client when its end is seen, after the last step's commit and publish (the event's
+/// own time is taken before them), and by this clock, the one its publish was timed by.
+pub async fn terminals(
+    bus: &Bus,
+    ours: Ours,
+) -> anyhow::Result<mpsc::UnboundedReceiver<(chrono::DateTime<chrono::Utc>, RunEvent)>> {
     let stream = bus.js.get_stream(bus.subjects.events_stream()).await?;
     // `<prefix>.events.>` -> `<prefix>.events.*.<kind>`
     let base = bus.subjects.events_all();
@@ -64,6 +69,7 @@ pub async fn terminals(bus: &Bus, ours: Ours) -> anyhow::Result<mpsc::UnboundedR
     let (tx, rx) = mpsc::unbounded_channel();
     tokio::spawn(async move {
         while let Some(msg) = messages.next().await {
+            let seen = chrono::Utc::now();
             let msg = match msg {
                 Ok(m) => m,
                 Err(e) => {
@@ -72,7 +78,7 @@ pub async fn terminals(bus: &Bus, ours: Ours) -> anyhow::Result<mpsc::UnboundedR
                 }
             };
             let Ok(event) = serde_json::from_slice::<RunEvent>(&msg.payload) else { continue };
-            if ours.release(event.run_id) && tx.send(event).is_err() {
+            if ours.release(event.run_id) && tx.send((seen, event)).is_err() {
                 return;
             }
         }

@@ -73,7 +73,7 @@ impl Tally {
             match ending(*kind, plan.and_then(|p| p.expected)) {
                 Ending::Completed => {
                     let t0 = plan.and_then(|p| p.due).unwrap_or(*published);
-                    // Our clock to the terminal event's (the worker's clock: the same machine).
+                    // From its publish to its end seen here, both by this process's clock.
                     t.e2e.push(at.signed_duration_since(t0).num_microseconds().unwrap_or(0) as f64 / 1000.0);
                     t.completed.push(*at);
                 }
