@@ -384,6 +384,11 @@ fn stage_config(concurrency: usize, model: usize, diagnose: Option<usize>, diagn
 /// Start nats-server, a fresh database, the simulated model if asked for, and the crew.
 async fn start_local(args: &Args, endpoint: Option<&str>, crew_rt: &tokio::runtime::Handle) -> anyhow::Result<Local> {
     let env = TestEnv::start().await.context("starting nats-server and a fresh database")?;
+    let database = env.db.url.rsplit('/').next().unwrap_or_default().split('?').next().unwrap_or_default();
+    eprintln!(
+        "loadtest: the crew's database {database} and directory {} (both removed at the end, or on SIGINT/SIGTERM)",
+        env.dir.path().display()
+    );
     let book = env.path("playbook.toml");
     std::fs::write(&book, PLAYBOOK)?;
     let healthy = env.path("healthy");
@@ -450,14 +455,15 @@ async fn start_local(args: &Args, endpoint: Option<&str>, crew_rt: &tokio::runti
         std::fs::write(&file, &text)?;
         for k in 0..args.diagnose_processes {
             let log = std::fs::File::create(env.path(&format!("diagnose-{k}.log")))?;
-            let child = std::process::Command::new(&exe)
-                .args(["--config", &file, "worker", "diagnose"])
+            let mut cmd = std::process::Command::new(&exe);
+            cmd.args(["--config", &file, "worker", "diagnose"])
                 .env("PITCREW_WORKER_NAME", format!("diagnose-{k}"))
                 .env_remove("DATABASE_URL")
                 .stdin(std::process::Stdio::null())
                 .stdout(std::process::Stdio::null())
-                .stderr(log)
-                .spawn()?;
+                .stderr(log);
+            // Tied to this process: killed with it, however it ends.
+            let child = pitcrew_exec::process::spawn_tied(cmd)?;
             workers.push(KillOnDrop(child));
         }
     }
@@ -532,10 +538,29 @@ fn main() -> anyhow::Result<()> {
     // a run's end starts the next run as soon as the tool hears of it.
     let crew = runtime("crew", None)?;
     let tool = runtime("tool", Some(1))?;
-    let result = tool.block_on(drive(args, crew.handle().clone()));
+    // Interrupted, the batch is dropped: its crew, nats-server, database and directory with it.
+    let result = tool.block_on(async {
+        tokio::select! {
+            r = drive(args, crew.handle().clone()) => r,
+            s = interrupted() => Err(anyhow::anyhow!("interrupted by {s}: the batch was abandoned, its crew removed")),
+        }
+    });
     drop(tool);
     crew.shutdown_timeout(Duration::from_secs(5));
     result
+}
+
+/// The first SIGINT or SIGTERM.
+async fn interrupted() -> &'static str {
+    use tokio::signal::unix::{signal, SignalKind};
+    let (Ok(mut int), Ok(mut term)) = (signal(SignalKind::interrupt()), signal(SignalKind::terminate())) else {
+        eprintln!("loadtest: cannot watch for SIGINT and SIGTERM: an interrupted batch leaves its database behind");
+        return std::future::pending().await;
+    };
+    tokio::select! {
+        _ = int.recv() => "SIGINT",
+        _ = term.recv() => "SIGTERM",
+    }
 }
 
 async fn drive(args: Args, crew_rt: tokio::runtime::Handle) -> anyhow::Result<()> {

@@ -162,3 +162,48 @@ async fn drives_a_crew_that_is_already_running() -> anyhow::Result<()> {
     crew.await??;
     Ok(())
 }
+
+/// SIGTERM mid-batch: the tool stops at once, says so, fails, and leaves neither its crew's
+/// database nor its directory behind.
+#[test]
+fn an_interrupted_batch_removes_its_database_and_directory() -> anyhow::Result<()> {
+    use std::io::{BufRead, BufReader};
+    let mut tool = Command::new(env!("CARGO_BIN_EXE_pitcrew-loadtest"))
+        .args(["--incidents", "100000", "--rate", "20", "--no-evidence", "--timeout", "600"])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()?;
+    let mut lines = BufReader::new(tool.stderr.take().expect("stderr")).lines();
+    let mut said = Vec::new();
+    let (mut database, mut dir) = (String::new(), String::new());
+    for line in lines.by_ref() {
+        let line = line?;
+        if let Some(rest) = line.strip_prefix("loadtest: the crew's database ") {
+            let (db, rest) = rest.split_once(" and directory ").expect("the line names both");
+            database = db.to_string();
+            dir = rest.split_once(" (").expect("then why").0.to_string();
+        }
+        let publishing = line.starts_with("loadtest: publishing");
+        said.push(line);
+        if publishing {
+            break;
+        }
+    }
+    assert!(!database.is_empty() && std::path::Path::new(&dir).is_dir(), "{said:#?}");
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    assert_eq!(unsafe { libc::kill(tool.id() as i32, libc::SIGTERM) }, 0);
+    said.extend(lines.map_while(Result::ok));
+    let status = tool.wait()?;
+    assert!(!status.success(), "{said:#?}");
+    assert!(said.iter().any(|l| l.contains("interrupted by SIGTERM")), "{said:#?}");
+    assert!(!std::path::Path::new(&dir).exists(), "{dir} is left behind");
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let left: i64 = rt.block_on(async {
+        let (client, conn) = tokio_postgres::connect(&pitcrew_testkit::admin_url(), tokio_postgres::NoTls).await?;
+        tokio::spawn(conn);
+        let row = client.query_one("SELECT count(*) FROM pg_database WHERE datname = $1", &[&database]).await?;
+        anyhow::Ok(row.get(0))
+    })?;
+    assert_eq!(left, 0, "database {database} is left behind");
+    Ok(())
+}
