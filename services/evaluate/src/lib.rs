@@ -182,6 +182,30 @@ pub fn assess(state: &RunState, found: &Findings, max_attempts: u32) -> Evaluati
         },
     ));
 
+    // Not scored, but no plan passes without it: each command is shown to its approver as a
+    // whole, its secrets' values redacted and nothing more. A secret written out in a form
+    // whose redaction takes the words after it (a `Cookie:` header's runs to the line's end)
+    // would hide what the command does from whoever approves it.
+    let hiding: Vec<usize> = commands
+        .iter()
+        .enumerate()
+        .filter(|(_, c)| pitcrew_model::redact::redact(c).split_whitespace().count() < c.split_whitespace().count())
+        .map(|(i, _)| i + 1)
+        .collect();
+    checks.push(check(
+        "shown_whole",
+        0.0,
+        hiding.is_empty(),
+        if hiding.is_empty() {
+            "every command can be shown whole, its secrets redacted".into()
+        } else {
+            format!(
+                "command(s) {hiding:?} hold a secret whose redaction would hide the words after it from the \
+                 approver: name it as {{secret:NAME}} instead of writing it out"
+            )
+        },
+    ));
+
     // Not scored: a forbidden command blocks the plan outright (the gate would refuse it too;
     // here the evaluation records why).
     let allowed = forbidden.is_none();
@@ -548,6 +572,22 @@ mod tests {
         let policy = ev.checks.iter().find(|c| c.name == "policy").unwrap();
         assert!(!policy.passed && policy.detail == why);
         assert!(ev.feedback.unwrap().contains("rm-system-path"));
+    }
+
+    /// A secret written so that its redaction would take the rest of the command (a cookie
+    /// header's pattern runs to the line's end) hides what the approver approves: the plan is
+    /// sent back, never passed. A value redacted in place is shown whole.
+    #[test]
+    fn a_command_whose_redaction_would_hide_part_of_it_never_passes() {
+        let hiding = "curl -H 'Cookie: sid=abc' -o /usr/local/bin/web-helper https://x.example/p";
+        let s = state(&["connection refused"], &[hiding]);
+        let ev = assess(&s, &found(&[], &["curl"], None), 3);
+        assert_eq!(ev.verdict, Verdict::Regenerate, "{ev:?}");
+        let shown = ev.checks.iter().find(|c| c.name == "shown_whole").unwrap();
+        assert!(!shown.passed && shown.detail.contains("[1]") && shown.detail.contains("{secret:NAME}"), "{shown:?}");
+        let s = state(&["connection refused"], &["systemctl restart web", "curl -u admin:hunter2 http://web/reload"]);
+        let ev = assess(&s, &found(&[], &["systemctl", "curl"], None), 3);
+        assert!(ev.checks.iter().find(|c| c.name == "shown_whole").unwrap().passed, "{ev:?}");
     }
 
     #[test]
