@@ -32,6 +32,44 @@ pub enum CheckSpec {
     },
 }
 
+impl CheckSpec {
+    /// What makes this check unable to tell anything (a URL without its scheme, an address
+    /// without its port, no time to answer): such a check would fail on every healthy
+    /// service, which the monitor and verify would take for an outage.
+    pub fn problem(&self) -> Option<String> {
+        let timeout = match self {
+            CheckSpec::Http { url, expect_status, timeout_ms } => {
+                let rest = url.strip_prefix("http://").or_else(|| url.strip_prefix("https://"));
+                let host = rest.map(|r| r.split(['/', '?', '#']).next().unwrap_or_default());
+                if host.is_none_or(|h| h.is_empty() || h.contains(char::is_whitespace)) {
+                    return Some(format!(
+                        "url '{}' must be http:// or https:// and a host",
+                        crate::trim::clip(url, 200)
+                    ));
+                }
+                if !(100..=599).contains(expect_status) {
+                    return Some(format!("expect_status ({expect_status}) must be an HTTP status, 100 to 599"));
+                }
+                timeout_ms
+            }
+            CheckSpec::Tcp { address, timeout_ms } => {
+                let port = address.rsplit_once(':').filter(|(host, _)| !host.is_empty()).map(|(_, p)| p.parse::<u16>());
+                if !matches!(port, Some(Ok(p)) if p > 0) {
+                    return Some(format!("address '{}' must be host:port", crate::trim::clip(address, 200)));
+                }
+                timeout_ms
+            }
+            CheckSpec::Command { command, timeout_ms, .. } => {
+                if command.trim().is_empty() {
+                    return Some("command is empty".into());
+                }
+                timeout_ms
+            }
+        };
+        (*timeout == 0).then(|| "timeout_ms must be at least 1".into())
+    }
+}
+
 fn default_status() -> u16 {
     200
 }

@@ -741,6 +741,9 @@ impl Config {
         if !(1..=100).contains(&self.verify.healthy_checks) {
             return bad(format!("verify.healthy_checks ({}) must be 1 to 100", self.verify.healthy_checks));
         }
+        if self.monitor.interval_ms == 0 || self.verify.interval_ms == 0 {
+            return bad("monitor.interval_ms and verify.interval_ms must be at least 1".into());
+        }
         if !(1..=100).contains(&self.monitor.failures_before_incident) {
             return bad(format!(
                 "monitor.failures_before_incident ({}) must be 1 to 100",
@@ -784,6 +787,9 @@ impl Config {
         for (name, svc) in &self.services {
             if !pitcrew_exec::local::is_local(&svc.host) && !self.hosts.contains_key(&svc.host) {
                 return bad(format!("[services.{name}]: host '{}' is not under [hosts]", svc.host));
+            }
+            if let Some(problem) = svc.check.as_ref().and_then(|c| c.problem()) {
+                return bad(format!("[services.{name}] check: {problem}"));
             }
         }
         for name in self.services.keys() {
@@ -1034,6 +1040,34 @@ mod tests {
         assert!(e.to_string().contains("'mm' is not an IP address"), "{e}");
         assert!(Config::from_toml(&format!("{mm}listen = \"0.0.0.0:3001\"\nallow_from = [\"10.0.0.0/8\"]\n")).is_ok());
         assert!(Config::from_toml(mm).is_ok(), "the default listen is loopback: no list needed");
+    }
+
+    /// A check that could not tell anything would fail on every healthy service: refused at
+    /// start-up, naming the service and what is wrong.
+    #[test]
+    fn a_check_that_cannot_tell_anything_is_refused() {
+        let with = |check: &str| Config::from_toml(&format!("[services.web]\nhost = \"local\"\ncheck = {check}\n"));
+        for (check, why) in [
+            (r#"{ kind = "http", url = "localhost:8080/health" }"#, "must be http:// or https://"),
+            (r#"{ kind = "http", url = "http:///health" }"#, "must be http:// or https://"),
+            (r#"{ kind = "http", url = "http://web/health", expect_status = 2000 }"#, "expect_status (2000)"),
+            (r#"{ kind = "tcp", address = "db.internal" }"#, "must be host:port"),
+            (r#"{ kind = "tcp", address = "db:0" }"#, "must be host:port"),
+            (r#"{ kind = "tcp", address = "db:5432", timeout_ms = 0 }"#, "timeout_ms must be at least 1"),
+            (r#"{ kind = "command", command = " " }"#, "command is empty"),
+        ] {
+            let e = with(check).unwrap_err().to_string();
+            assert!(e.contains("[services.web] check: ") && e.contains(why), "{check}: {e}");
+        }
+        for check in [
+            r#"{ kind = "http", url = "https://web.example:8443/health?deep=1" }"#,
+            r#"{ kind = "tcp", address = "[2001:db8::1]:5432" }"#,
+            r#"{ kind = "command", command = "systemctl is-active web" }"#,
+        ] {
+            assert!(with(check).is_ok(), "{check}");
+        }
+        let e = Config::from_toml("[monitor]\ninterval_ms = 0\n").unwrap_err().to_string();
+        assert!(e.contains("monitor.interval_ms"), "{e}");
     }
 
     #[test]
