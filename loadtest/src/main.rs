@@ -538,16 +538,27 @@ fn main() -> anyhow::Result<()> {
     // a run's end starts the next run as soon as the tool hears of it.
     let crew = runtime("crew", None)?;
     let tool = runtime("tool", Some(1))?;
-    // Interrupted, the batch is dropped: its crew, nats-server, database and directory with it.
-    let result = tool.block_on(async {
+    let mut batch = Box::pin(drive(args, crew.handle().clone()));
+    let finished = tool.block_on(async {
         tokio::select! {
-            r = drive(args, crew.handle().clone()) => r,
-            s = interrupted() => Err(anyhow::anyhow!("interrupted by {s}: the batch was abandoned, its crew removed")),
+            r = &mut batch => Ok(r),
+            s = interrupted() => Err(s),
         }
     });
-    drop(tool);
-    crew.shutdown_timeout(Duration::from_secs(5));
-    result
+    // Interrupted, the batch is dropped: its crew first (nothing of it writes in the
+    // directory as it goes), then its nats-server, database and directory.
+    match finished {
+        Ok(result) => {
+            drop(tool);
+            crew.shutdown_timeout(Duration::from_secs(5));
+            result
+        }
+        Err(signal) => {
+            crew.shutdown_timeout(Duration::from_secs(5));
+            tool.block_on(async move { drop(batch) });
+            Err(anyhow::anyhow!("interrupted by {signal}: the batch was abandoned, its crew removed"))
+        }
+    }
 }
 
 /// The first SIGINT or SIGTERM.

@@ -581,8 +581,9 @@ impl StageHandler for Execute {
                                     }
                                     match starts.command_starts(run_id, attempt, index, token, gone_after).await {
                                         Ok(true) => Ok(()),
-                                        Ok(false) => Err("the command's claim was taken over by another delivery \
-                                                          while it waited for its turn: not starting it"
+                                        Ok(false) => Err("the command's claim was taken over by another delivery, \
+                                                          or its run left execute (closed by hand), while it \
+                                                          waited for its turn: not starting it"
                                             .into()),
                                         Err(e) => Err(format!("cannot record the command's start: {e}")),
                                     }

@@ -155,7 +155,7 @@ pub async fn post_alertmanager(
     let actions = alertmanager::actions(&payload, &gw.cfg.gateway, &known).map_err(ApiError::Unprocessable)?;
     if payload.truncated_alerts > 0 {
         // Alertmanager's max_alerts cut the group: those alerts never reach pitcrew.
-        tracing::warn!(group = %group, truncated = payload.truncated_alerts, "alertmanager truncated alerts: raise the receiver's max_alerts");
+        tracing::warn!(group = %group, truncated = payload.truncated_alerts, "alertmanager truncated alerts: pitcrew takes at most 1000 a notification; split the group (group_by) to see the rest");
     }
     let refusals: Vec<&alertmanager::Refused> = actions.iter().filter_map(|a| a.as_ref().err()).collect();
     for r in &refusals {

@@ -9,7 +9,8 @@ use uuid::Uuid;
 
 /// Bumped when a field changes meaning; readers refuse versions they do not know.
 pub const RUN_STATE_VERSION: u32 = 1;
-/// Evidence items kept in the state (oldest dropped first).
+/// Evidence items kept in the state (earlier attempts' first, then the oldest but an
+/// attempt's own check, pidfile and port: see `RunState::push_evidence`).
 pub const MAX_EVIDENCE: usize = 32;
 
 /// The evidence an attempt's gathering starts with, which its plan and evaluation read.
