@@ -177,6 +177,11 @@ pub fn argv_of(command: &str) -> Result<Vec<String>, ExecError> {
     if argv.is_empty() {
         return Err(ExecError::Empty);
     }
+    // A program word that reads as an option: over SSH the remote `exec "$@"` would take it
+    // as exec's own (`-- rm ...` runs rm under bash), so what runs is not what was judged.
+    if argv[0].starts_with('-') {
+        return Err(ExecError::Parse(format!("the program '{}' starts with '-': it would read as an option", argv[0])));
+    }
     expand(argv)
 }
 
@@ -256,6 +261,17 @@ mod tests {
         assert_eq!(argv, ["mysqladmin", "--password=s3cr3t pass'word", "-h", "dbtok-9f8e7d6cx", "ping"]);
         let plain = words("systemctl restart web");
         assert_eq!(expand_with(plain.clone(), vault).unwrap(), plain);
+    }
+
+    /// Over SSH the remote `exec "$@"` would take a program word starting with `-` as its
+    /// own option and run the words after it: no such command runs, locally or anywhere.
+    #[test]
+    fn a_program_that_reads_as_an_option_runs_nothing() {
+        for cmd in ["-- rm -rf /tmp/x", "-a reboot systemctl"] {
+            let e = argv_of(cmd).unwrap_err();
+            assert!(matches!(&e, ExecError::Parse(m) if m.contains("starts with '-'")), "{cmd}: {e}");
+        }
+        assert_eq!(argv_of("rm -- -f").unwrap(), ["rm", "--", "-f"]);
     }
 
     #[test]

@@ -79,6 +79,7 @@ const BUILT_IN: &[&str] = &[
     "invisible-character",
     "control-character",
     "non-ascii-program",
+    "option-as-program",
     "secret-as-program",
     "secret-use",
     "host-allow-list",
@@ -330,6 +331,12 @@ impl Policy {
                 forbidden.push(hit("opaque-command", FORBIDDEN, why.clone()));
             }
             let program = unwrapped.argv.first().cloned().unwrap_or_default();
+            // `-- rm -rf /`: over SSH the remote `exec` takes the word as its own option and
+            // runs the rest, which no rule (each anchored on the program) ever read.
+            if program.starts_with('-') {
+                let why = format!("the program '{program}' reads as an option: what runs would be the words after it");
+                forbidden.push(hit("option-as-program", FORBIDDEN, why));
+            }
             if !program.is_ascii() {
                 let why = format!("the program name '{program}' is not plain ASCII (a look-alike of another?)");
                 forbidden.push(hit("non-ascii-program", FORBIDDEN, why));

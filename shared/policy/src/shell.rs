@@ -390,6 +390,13 @@ pub(crate) fn unwrap(argv: &[String]) -> Unwrapped {
             rest = inner;
             break;
         }
+        // A program that chooses what it does by the name it is called by (systemctl as
+        // `reboot`, busybox as `rm`, pgrep as `pkill`) would do what the gate did not read.
+        if skipped.values_of(&["-a", "--argv0"]).next().is_some() {
+            out.opaque.get_or_insert_with(|| {
+                format!("`{} -a` runs the program under another name, which some take for what to do", w.name)
+            });
+        }
         let split = if w.name == "env" { skipped.values_of(&["-S", "--split-string"]).next() } else { None };
         if let Some(line) = split {
             a_tail = false;

