@@ -65,6 +65,10 @@ pub struct Tracker {
     down: HashMap<String, Outage>,
     /// When each service was last reported at once after its run resolved (a relapse).
     relapsed: HashMap<String, chrono::DateTime<chrono::Utc>>,
+    /// When each service's last two outages were first reported, newest last: kept across
+    /// recoveries, so a service that keeps coming back up and failing (a crash loop a
+    /// restart fixes for a while) is not given a run every time.
+    opened: HashMap<String, [Option<chrono::DateTime<chrono::Utc>>; 2]>,
     /// Services whose check the monitor cannot run now (said once, until it runs again).
     unsure: std::collections::HashSet<String>,
 }
@@ -124,7 +128,24 @@ impl Tracker {
                 // Down since its first failed check of the row.
                 let since = *first;
                 self.failing.remove(service);
-                self.down.insert(service.to_string(), Outage::new(since));
+                let mut outage = Outage::new(since);
+                // Its third outage within `realert` (it came back up in between, for a while):
+                // flapping. Tracked as reported with the last one, reminded after `realert`
+                // from it like any outage that goes on, not given a run each time.
+                let recent = |at: &Option<chrono::DateTime<chrono::Utc>>| {
+                    at.is_some_and(|at| (now - at).to_std().unwrap_or_default() < realert)
+                };
+                if let Some([older, Some(last)]) = self.opened.get(service).filter(|[older, _]| recent(older)) {
+                    tracing::warn!(
+                        service,
+                        outages_since = %older.map(|o| o.to_rfc3339()).unwrap_or_default(),
+                        "down a third time within realert: flapping; reported again once realert has passed since its last incident, not now"
+                    );
+                    outage.reported = Some(*last);
+                    self.down.insert(service.to_string(), outage);
+                    return Change::Nothing;
+                }
+                self.down.insert(service.to_string(), outage);
                 Change::Down
             }
             (false, Some(Outage { reported: None, .. })) => Change::Down,
@@ -161,6 +182,10 @@ impl Tracker {
             Change::Nothing => {}
             Change::Down => {
                 if let Some(outage) = self.down.get_mut(service) {
+                    if outage.reported.is_none() {
+                        let opened = self.opened.entry(service.to_string()).or_default();
+                        *opened = [opened[1], Some(now)];
+                    }
                     outage.reported = Some(now);
                     outage.runs.push(outage.next);
                     // The first run is kept (while it is open, every reminder joins it as a
@@ -549,6 +574,33 @@ mod tests {
         assert_eq!(t.observe("web", false, s(60), hour), Change::Nothing);
         assert_eq!(t.observe("web", false, s(70), hour), Change::Down);
         assert_eq!(t.down_since("web"), Some(s(60)));
+    }
+
+    /// A crash loop a restart fixes for a while: the service is seen healthy between its
+    /// outages, so each is a new one. Two within `realert` get a run each; a third is
+    /// flapping, reminded an hour after the last incident, not given a run every cycle.
+    #[test]
+    fn a_flapping_service_gets_no_run_every_cycle() {
+        let mut t = Tracker::default();
+        let t0 = chrono::Utc::now();
+        let s = |n: i64| t0 + chrono::Duration::seconds(n);
+        let hour = Duration::from_secs(3600);
+        let round = |t: &mut Tracker, healthy: bool, at| {
+            let change = t.observe("web", healthy, at, hour);
+            t.reported("web", &change, at);
+            change
+        };
+        assert_eq!(round(&mut t, false, s(0)), Change::Down);
+        assert_eq!(round(&mut t, true, s(60)), Change::Recovered);
+        assert_eq!(round(&mut t, false, s(180)), Change::Down, "a second outage gets its run");
+        assert_eq!(round(&mut t, true, s(240)), Change::Recovered);
+        assert_eq!(round(&mut t, false, s(360)), Change::Nothing, "a third within the hour: flapping");
+        assert_eq!(t.down_since("web"), Some(s(360)), "still seen down");
+        assert_eq!(round(&mut t, false, s(390)), Change::Nothing);
+        assert_eq!(round(&mut t, false, s(3780)), Change::Down, "reminded an hour after the last incident");
+        // Recovered at last, and down an hour after the first two: a run at once again.
+        assert_eq!(round(&mut t, true, s(3800)), Change::Recovered);
+        assert_eq!(round(&mut t, false, s(7400)), Change::Down);
     }
 
     #[test]
