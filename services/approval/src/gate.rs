@@ -110,8 +110,8 @@ impl StageHandler for ApprovalStage {
                     cx.emit(
                         EventKind::ApprovalRequested,
                         format!(
-                            "waiting for approval of plan {} (`pitcrew approve {} --by NAME`)",
-                            req.plan_hash, state.run_id
+                            "waiting for approval of plan {} (`pitcrew approve {} --by NAME --plan {} --attempt {}`)",
+                            req.plan_hash, state.run_id, req.plan_hash, req.attempt
                         ),
                         serde_json::to_value(&req).unwrap_or_default(),
                     );

@@ -148,14 +148,20 @@ pub async fn approvals(store: &Store, limit: i64) -> anyhow::Result<()> {
         return Ok(());
     }
     let now = chrono::Utc::now();
-    println!("{:<36}  {:>7}  {:>8}  {:>10}  {:<20}  plan", "run", "attempt", "age", "expires in", "flagged by rule");
+    // The plan's hash and the attempt are what `approve --plan --attempt` binds a decision to:
+    // without them, it goes to whatever the run waits on when it arrives (a later plan too).
+    println!(
+        "{:<36}  {:>7}  {:<16}  {:>8}  {:>10}  {:<20}  commands",
+        "run", "attempt", "plan", "age", "expires in", "flagged by rule"
+    );
     for p in pending {
         let age = (now - p.requested_at).num_seconds().max(0);
         let left = (p.expires_at - now).num_seconds();
         println!(
-            "{}  {:>7}  {:>8}  {:>10}  {:<20}  {}",
+            "{}  {:>7}  {:<16}  {:>8}  {:>10}  {:<20}  {}",
             p.run_id,
             p.attempt,
+            printable(&p.plan_hash),
             human_secs(age),
             if left > 0 { human_secs(left) } else { "expired".into() },
             // The stored rule reads `<name>: <why>`; the name fits the table.

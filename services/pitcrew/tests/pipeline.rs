@@ -307,6 +307,7 @@ async fn a_critical_plan_parks_until_approved_then_runs() -> anyhow::Result<()> 
     assert!(line.contains(" rm ") && line.contains(&req.plan[0]), "{pending}");
     let attempt = line.split_whitespace().nth(1).unwrap_or_default();
     assert_eq!(attempt, "1", "the attempt that asks: {pending}");
+    assert_eq!(line.split_whitespace().nth(2), Some(req.plan_hash.as_str()), "what --plan binds to: {pending}");
     // An approval read off another attempt's request (the run asked again, the same plan
     // included) is refused too.
     let (code, _, err) = pitcrew_cli(
