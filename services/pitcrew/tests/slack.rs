@@ -645,7 +645,10 @@ async fn a_mattermost_click_runs_the_plan_and_forged_or_second_clicks_change_not
     assert_eq!(post.authorization.as_deref(), Some(format!("Bearer {MM_TOKEN}").as_str()));
     assert_eq!(post.body["channel_id"], "chan0ops");
     let text = post.body.to_string();
-    assert!(text.contains(&req.plan[0]) && text.contains(&req.rule), "{text}");
+    assert!(text.contains(&req.plan[0]), "{text}");
+    // The rule quotes the command: shown as text, its Markdown escaped.
+    let rule = post.body["props"]["attachments"][0]["fields"][1]["value"].as_str().unwrap_or_default();
+    assert_eq!(rule.replace('\\', ""), req.rule, "{text}");
     assert!(!text.contains(MM_ACTION_SECRET), "the action secret never leaves the bridge");
     let actions = &post.body["props"]["attachments"][0]["actions"];
     assert_eq!(actions[0]["integration"]["url"], format!("{public}/mattermost/actions"));

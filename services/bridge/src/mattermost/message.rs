@@ -99,25 +99,52 @@ pub fn ephemeral(text: &str) -> Value {
     json!({"ephemeral_text": text})
 }
 
-/// The plan's commands, one a line, as the message shows them.
+/// The plan's commands, one a line, exactly as they run (shown in a fence longer than any run
+/// of backticks they hold, so none closes it).
 fn commands(req: &ApprovalRequest) -> String {
-    req.plan.iter().map(|c| c.replace("```", "'''")).collect::<Vec<_>>().join("\n")
+    req.plan.join("\n")
+}
+
+/// A fence no run of backticks in `text` closes: at least three.
+fn fence(text: &str) -> String {
+    let longest = text.split(|c| c != '`').map(str::len).max().unwrap_or(0);
+    "`".repeat(longest.max(2) + 1)
+}
+
+/// Untrusted text (the alert's, the model's, evidence) shown as what it says: Markdown's
+/// characters escaped, so it can make no link, image, heading, emphasis, quote or code block
+/// (a code fence in an alert would swallow the commands' header and show the commands as
+/// Markdown: `*.pid` in italics), nor a mention; one line.
+fn inert(text: &str) -> String {
+    let mut out = String::with_capacity(text.len() + 16);
+    for c in text.chars() {
+        match c {
+            '\\' | '`' | '*' | '_' | '[' | ']' | '(' | ')' | '#' | '>' | '<' | '~' | '|' | '!' | '@' | ':' => {
+                out.push('\\');
+                out.push(c);
+            }
+            '\r' | '\n' => out.push(' '),
+            c => out.push(c),
+        }
+    }
+    out
 }
 
 fn describe(req: &ApprovalRequest) -> Value {
     let host = req.host.as_deref().map(|h| format!(" on {h}")).unwrap_or_default();
+    let shown = clip(&commands(req), COMMANDS_MAX);
+    let fence = fence(&shown);
     let mut text = format!(
-        "**Error:** {}\n**Diagnosis:** {}\n**Commands:**\n```\n{}\n```",
-        clip(&req.error, 500),
-        clip(&req.diagnosis, 1000),
-        clip(&commands(req), COMMANDS_MAX)
+        "**Error:** {}\n**Diagnosis:** {}\n**Commands:**\n{fence}\n{shown}\n{fence}",
+        inert(&clip(&req.error, 500)),
+        inert(&clip(&req.diagnosis, 1000)),
     );
     for e in req.evidence.iter().take(3) {
-        text.push_str(&format!("\n> {}", clip(e, 300)));
+        text.push_str(&format!("\n> {}", inert(&clip(e, 300))));
     }
     let mut fields = vec![
         json!({"short": true, "title": "Risk", "value": req.risk}),
-        json!({"short": true, "title": "Policy rule", "value": req.rule}),
+        json!({"short": true, "title": "Policy rule", "value": inert(&req.rule)}),
         json!({"short": true, "title": "Attempt", "value": req.attempt.to_string()}),
         json!({"short": true, "title": "Expires", "value": req.expires_at.format("%Y-%m-%d %H:%M UTC").to_string()}),
         json!({"short": false, "title": "Run", "value": format!("`{}` plan `{}`", req.run_id, req.plan_hash)}),
@@ -173,6 +200,39 @@ mod tests {
             text.contains(
                 "pitcrew approve 00000000-0000-0000-0000-000000000000 --by YOUR-NAME --plan ab12 --attempt 1"
             ),
+            "{text}"
+        );
+    }
+
+    /// What the alert, the model and the evidence say is shown as text: no code fence of theirs
+    /// swallows the commands' header, no link of theirs shows other words than its address;
+    /// the commands are shown exactly as they run, whatever backticks they hold.
+    #[test]
+    fn untrusted_text_cannot_reshape_the_request() {
+        let secret = Secret::new("action-secret");
+        let req = ApprovalRequest {
+            run_id: Uuid::nil(),
+            service: "web".into(),
+            host: None,
+            error: "disk full\n```".into(),
+            attempt: 1,
+            plan: vec!["rm -f /var/run/web/*.pid /tmp/web/*.sock".into(), "echo '````'".into()],
+            plan_hash: "ab12".into(),
+            risk: "critical".into(),
+            rule: "rm: deletes files".into(),
+            diagnosis: "[Runbook: safe to approve](https://evil.example) @channel".into(),
+            evidence: vec!["> **fake** `Commands:`\nline".into()],
+            requested_at: chrono::Utc::now(),
+            expires_at: chrono::Utc::now(),
+            quorum: 1,
+        };
+        let m = request("c", "http://b/act", &secret, &req);
+        let text = m["props"]["attachments"][0]["text"].as_str().unwrap().to_string();
+        assert!(text.contains("**Error:** disk full \\`\\`\\`\n"), "{text}");
+        assert!(text.contains(r"\[Runbook\: safe to approve\]\(https\://evil.example\) \@channel"), "{text}");
+        assert!(text.contains(r"> \> \*\*fake\*\* \`Commands\:\` line"), "{text}");
+        assert!(
+            text.contains("**Commands:**\n`````\nrm -f /var/run/web/*.pid /tmp/web/*.sock\necho '````'\n`````"),
             "{text}"
         );
     }
