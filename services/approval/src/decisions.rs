@@ -371,9 +371,13 @@ pub async fn sweep_expired(bus: Bus, deps: Arc<Deps>, every: Duration, shutdown:
                 decided_at: chrono::Utc::now(),
             };
             let payload = serde_json::to_vec(&d).expect("decision serialises");
-            let id = format!("{}.{}.expire", p.run_id, p.plan_hash);
+            // For the attempt whose request expired: one held up until a later attempt asks
+            // for the same plan again must not expire that fresh request.
+            let id = format!("{}.{}.{}.expire", p.run_id, p.plan_hash, p.attempt);
+            let mut headers = pitcrew_runtime::bus::headers(&id, JSON, Some(p.run_id));
+            headers.insert(ATTEMPT_HEADER, p.attempt.to_string().as_str());
             if let Err(e) =
-                bus.publish(bus.subjects.approval_decided(p.run_id), &id, JSON, Some(p.run_id), payload.into()).await
+                bus.publish_with_headers(bus.subjects.approval_decided(p.run_id), headers, payload.into()).await
             {
                 tracing::warn!(run = %p.run_id, error = %e, "cannot publish expiry");
             }

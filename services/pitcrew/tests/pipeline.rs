@@ -815,6 +815,11 @@ async fn an_approval_not_decided_in_time_escalates_the_run() -> anyhow::Result<(
     let row = db.query_one("SELECT decision, channel FROM approvals WHERE run_id = $1", &[&run]).await?;
     assert_eq!((row.get::<_, String>(0).as_str(), row.get::<_, String>(1).as_str()), ("expire", "timeout"));
     assert_eq!(count(&db, "SELECT count(*) FROM executions WHERE run_id = $1", run).await, 0);
+    // The expiry names the attempt whose request it expires: held up until a later attempt
+    // asked for the same plan again, it would not expire that one.
+    let stream = crew.bus.js.get_stream(crew.bus.subjects.approvals_stream()).await?;
+    let expired = stream.get_last_raw_message_by_subject(&crew.bus.subjects.approval_decided(run)).await?;
+    assert_eq!(expired.headers.get(pitcrew_runtime::approvals::ATTEMPT_HEADER).map(|v| v.as_str()), Some("1"));
     crew.shutdown().await
 }
 
