@@ -1507,3 +1507,37 @@ async fn bare_bus() -> anyhow::Result<(TestEnv, pitcrew_runtime::Bus)> {
     let bus = pitcrew_runtime::Bus::connect(&cfg).await?;
     Ok((env, bus))
 }
+
+/// A duplicate incident delivered again past the events stream's duplicate window (its first
+/// delivery's acks lost) is not announced twice: its `duplicate` event is on the bus already.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_duplicate_delivered_again_past_the_duplicate_window_is_announced_once() -> anyhow::Result<()> {
+    let (mut crew, _open) = held_before_execute().await?;
+    let dup = crew.open("svc", "svc needs a directory").await?;
+    crew.events.kind(dup, EventKind::Duplicate, WAIT).await?;
+    // The window passes (shortened here, two minutes by default).
+    let mut events = crew.bus.js.get_stream(crew.bus.subjects.events_stream()).await?;
+    let mut config = events.info().await?.config.clone();
+    config.duplicate_window = Duration::from_millis(200);
+    crew.bus.js.update_stream(config).await?;
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    // The same incident again, as a redelivery would bring it (under another message id: the
+    // incidents stream's own window would drop it).
+    let mut incident = pitcrew::cli::incident("svc", "svc needs a directory", None, Default::default(), None)?;
+    incident.id = Some(dup);
+    let mut headers = HeaderMap::new();
+    headers.insert(NATS_MESSAGE_ID, format!("{dup}-again").as_str());
+    headers.insert(pitcrew_runtime::bus::RUN_HEADER, dup.to_string().as_str());
+    let payload = serde_json::to_vec(&incident)?;
+    crew.bus.js.publish_with_headers(crew.bus.subjects.incidents_new(), headers, payload.into()).await?.await?;
+    let incidents = crew.bus.js.get_stream(crew.bus.subjects.incidents_stream()).await?;
+    emptied(&incidents).await?;
+    let subject = crew.bus.subjects.event(dup, EventKind::Duplicate.as_str());
+    let mut held = events.info_with_subjects(&subject).await?;
+    let mut on_bus = 0;
+    while let Some(s) = held.next().await {
+        on_bus += s?.1;
+    }
+    assert_eq!(on_bus, 1, "announced once");
+    Ok(())
+}

@@ -659,7 +659,16 @@ pub async fn apply(
                 tracing::warn!(run = %state.run_id, "a dropped step takes no transition: its records are not written");
             }
             store.insert_events(&events).await?;
-            publish_events(bus, &events).await?;
+            // Each on a subject of its own (its run's, its kind's): one on the bus already
+            // (a delivery whose acks were lost, redelivered past the duplicate window) is not
+            // published again, or followers would see it twice.
+            let mut fresh = Vec::with_capacity(events.len());
+            for e in events {
+                if !bus.holds_event(&e).await? {
+                    fresh.push(e);
+                }
+            }
+            publish_events(bus, &fresh).await?;
         }
     }
     Ok(())
