@@ -1541,3 +1541,23 @@ async fn a_duplicate_delivered_again_past_the_duplicate_window_is_announced_once
     assert_eq!(on_bus, 1, "announced once");
     Ok(())
 }
+
+/// A scrape while NATS answers nothing reads every consumer at once, within one read's
+/// timeout (2 s): one after another, ten consumers held it 20 s, past Prometheus' own
+/// timeout, and every series vanished just when it was wanted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_scrape_while_nats_is_silent_ends_within_one_reads_timeout() -> anyhow::Result<()> {
+    let env = TestEnv::start().await?;
+    let cfg = pitcrew_runtime::Config::from_toml(&env.config_toml(""))?;
+    let bus = pitcrew_runtime::Bus::connect(&cfg).await?;
+    bus.ensure_streams().await?;
+    let consumers = Stage::ALL.iter().map(|s| (bus.subjects.stages_stream(), s.as_str().to_string())).collect();
+    let collector = pitcrew_runtime::metrics::Collector { bus, store: None, consumers };
+    let frozen = env.nats.freeze();
+    let began = std::time::Instant::now();
+    collector.collect().await;
+    let took = began.elapsed();
+    drop(frozen);
+    assert!(took < Duration::from_secs(5), "{took:?} for {} consumers", Stage::ALL.len());
+    Ok(())
+}

@@ -44,6 +44,15 @@ pub const MAX_CONNECTIONS: usize = 4096;
 /// buffers full) before its connection is closed. A client that reads, however slowly,
 /// resets it with every byte taken.
 pub const WRITE_TIMEOUT: Duration = Duration::from_secs(30);
+/// At most one warning of refused connections this often.
+const REFUSED_WARN_EVERY: Duration = Duration::from_secs(10);
+
+static REFUSED: pitcrew_metrics::Counter = pitcrew_metrics::Counter::new(
+    "pitcrew_http_connections_refused_total",
+    "Connections closed as they arrived because MAX_CONNECTIONS (4096) were served already.",
+    &[],
+);
+
 /// How long a stopping server waits for the connections in hand.
 pub const DRAIN: Duration = Duration::from_secs(10);
 
@@ -59,6 +68,9 @@ async fn serve_limited(
     write_timeout: Duration,
 ) -> std::io::Result<()> {
     let conns = Arc::new(Semaphore::new(MAX_CONNECTIONS));
+    // Connections refused since the last warning, and when that was: one line every 10 s at
+    // most, however fast they come (a flood would otherwise write a line a handshake).
+    let mut refused: (u64, Option<tokio::time::Instant>) = (0, None);
     let (stop_tx, stop_rx) = watch::channel(false);
     let mut shutdown = pin!(shutdown);
     loop {
@@ -80,7 +92,12 @@ async fn serve_limited(
             }
         };
         let Ok(permit) = conns.clone().try_acquire_owned() else {
-            tracing::warn!(%remote, limit = MAX_CONNECTIONS, "too many connections: one closed");
+            REFUSED.inc(&[]);
+            refused.0 += 1;
+            if refused.1.is_none_or(|at| at.elapsed() >= REFUSED_WARN_EVERY) {
+                tracing::warn!(%remote, limit = MAX_CONNECTIONS, refused = refused.0, "too many connections: closed as they come");
+                refused = (0, Some(tokio::time::Instant::now()));
+            }
             continue;
         };
         let _ = stream.set_nodelay(true);
