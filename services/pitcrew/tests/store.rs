@@ -1350,6 +1350,29 @@ async fn migrators_at_once_apply_each_migration_once_in_its_own_transaction() ->
     Ok(())
 }
 
+/// A migration whose table another session holds locked gives up within its lock wait, as a
+/// transient failure (start-up waits and tries again), instead of
+/// waiting without end with every statement of the crew on that table queued behind it; once
+/// the lock is let go it applies.
+#[tokio::test]
+async fn a_migration_behind_a_held_lock_gives_up_in_time_and_is_retried() -> anyhow::Result<()> {
+    let db = TestDb::create().await?;
+    let cfg = DatabaseConfig { url: db.url.clone(), pool_size: 1, migrate_on_start: false, statement_timeout_secs: 30 };
+    let store = Store::connect(&cfg).await?;
+    store.migrate().await?;
+    let mut pg = db.client().await?;
+    pg.execute("DELETE FROM pitcrew_migrations WHERE version = 13", &[]).await?;
+    let holder = pg.transaction().await?;
+    holder.batch_execute("LOCK TABLE incidents IN ACCESS EXCLUSIVE MODE").await?;
+    let began = std::time::Instant::now();
+    let refused = store.migrate().await.unwrap_err();
+    assert!(refused.is_transient(), "{refused}");
+    assert!(began.elapsed() < std::time::Duration::from_secs(20), "{:?}", began.elapsed());
+    holder.rollback().await?;
+    assert_eq!(store.migrate().await?, 1);
+    Ok(())
+}
+
 /// The last fixes of a signature never fixed are read from the successes alone, however many
 /// failures it has.
 #[tokio::test]

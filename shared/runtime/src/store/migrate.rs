@@ -20,6 +20,9 @@ pub const MIGRATIONS: &[(i32, &str, &str)] = &[
     (13, "prune", include_str!("../../../../schemas/migrations/0013_prune.sql")),
 ];
 
+/// How long a migration waits for a table's lock before giving up (to be tried again).
+const MIGRATION_LOCK_WAIT: Duration = Duration::from_secs(5);
+
 /// Arbitrary constant: the advisory lock that serialises migrators.
 const MIGRATION_LOCK: i64 = 0x0070_6974_6372_6577;
 
@@ -74,9 +77,18 @@ async fn apply(client: &mut tokio_postgres::Client) -> Result<usize, StoreError>
         tracing::info!(version, name, "applying migration");
         let started = std::time::Instant::now();
         let tx = client.transaction().await?;
-        tx.batch_execute(sql)
-            .await
-            .map_err(|e| StoreError::Migration(format!("migration {version} ({name}) failed: {e}")))?;
+        // A table lock waited for without end (a session idle in a transaction that read the
+        // table) would hold every statement of the crew on that table behind it: not granted
+        // in time, it is a transient failure, and start-up waits and tries again.
+        tx.batch_execute(&format!("SET LOCAL lock_timeout = '{}ms'", MIGRATION_LOCK_WAIT.as_millis())).await?;
+        tx.batch_execute(sql).await.map_err(|e| {
+            let failed = StoreError::Query(e);
+            if failed.is_transient() {
+                return failed;
+            }
+            let StoreError::Query(e) = failed else { unreachable!() };
+            StoreError::Migration(format!("migration {version} ({name}) failed: {}", super::said(&e)))
+        })?;
         tx.execute("INSERT INTO pitcrew_migrations (version, name) VALUES ($1, $2)", &[version, name]).await?;
         tx.commit().await?;
         tracing::info!(version, name, ms = started.elapsed().as_millis() as u64, "migration applied");
