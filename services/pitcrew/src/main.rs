@@ -452,6 +452,16 @@ async fn run(args: Args, cfg: Option<Config>) -> anyhow::Result<()> {
             Ok(())
         }
         Command::Prune { older_than_days, batch } => {
+            // Episodic memory reads failures within its window: what an open run still reads
+            // to keep from trying a command known to fail is not deleted.
+            let window_days = cfg.limits.memory_window_secs.div_ceil(86_400);
+            if u64::from(older_than_days) < window_days {
+                anyhow::bail!(
+                    "--older-than-days {older_than_days} would delete episodic memory open runs still read \
+                     ([limits] memory_window_secs = {}, {window_days} days): keep at least {window_days} days",
+                    cfg.limits.memory_window_secs
+                );
+            }
             let store = cli::store(&cfg).await?;
             cli::prune(&store, older_than_days, batch).await
         }

@@ -274,6 +274,12 @@ async fn an_abandoned_run_frees_its_fingerprint_for_the_next_incident() -> anyho
     assert_eq!(count(&db, "SELECT count(*) FROM runs WHERE id = $1", run).await, 1);
     let (code, _, err) = pitcrew_cli(&config, &["prune", "--older-than-days", "0"]).await?;
     assert_eq!(code, Some(2), "a cutoff of now is refused: {err}");
+    // A cutoff inside episodic memory's window would delete failures open runs still read.
+    let week = crew.env.path("week.toml");
+    std::fs::write(&week, "[limits]\nmemory_window_secs = 604800\n")?;
+    let (code, _, err) = pitcrew_cli(std::path::Path::new(&week), &["prune", "--older-than-days", "3"]).await?;
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains("keep at least 7 days"), "{err}");
     crew.shutdown().await
 }
 
