@@ -1433,7 +1433,7 @@ async fn prune_deletes_old_closed_runs_with_all_they_hold_and_keeps_the_rest() -
         .await?;
     }
     // An incident folded into the old run; one refused at intake, long ago; audit lines.
-    let (dup, refused) = (Uuid::now_v7(), Uuid::now_v7());
+    let (dup, refused, unstored) = (Uuid::now_v7(), Uuid::now_v7(), Uuid::now_v7());
     pg.execute(
         "INSERT INTO incidents (id, fingerprint, service, error, severity, duplicate_of, received_at)
          VALUES ($1, 'group-0', 'svc-0', 'down', 'critical', $2, now() - interval '40 days'),
@@ -1443,7 +1443,10 @@ async fn prune_deletes_old_closed_runs_with_all_they_hold_and_keeps_the_rest() -
     .await?;
     pg.batch_execute(&format!(
         "INSERT INTO run_events (run_id, seq, idx, stage, kind, message, worker, at)
-           VALUES ('{dup}', 0, 0, 'intake', 'duplicate', 'd', 'w', now()), ('{refused}', 0, 0, 'intake', 'rejected', 'r', 'w', now());
+           VALUES ('{dup}', 0, 0, 'intake', 'duplicate', 'd', 'w', now()), ('{refused}', 0, 0, 'intake', 'rejected', 'r', 'w', now()),
+                  -- Refused before anything of it was stored (its incident did not validate):
+                  -- a timeline alone, long ago.
+                  ('{unstored}', 0, 0, 'intake', 'rejected', 'r', 'w', now() - interval '40 days');
          INSERT INTO gateway_audit (principal, method, path, status, outcome, at)
            VALUES ('a', 'GET', '/v1/runs', 200, 'ok', now() - interval '40 days'), ('a', 'GET', '/v1/runs', 200, 'ok', now());
          UPDATE runs SET status = 'escalated', created_at = now() - interval '40 days'
@@ -1472,7 +1475,7 @@ async fn prune_deletes_old_closed_runs_with_all_they_hold_and_keeps_the_rest() -
         total.incidents += p.incidents;
         total.audit += p.audit;
     }
-    assert_eq!((total.runs, total.incidents, total.audit), (2, 1, 1), "{total:?}");
+    assert_eq!((total.runs, total.incidents, total.audit), (2, 2, 1), "{total:?}");
     let left = |table: &'static str, column: &'static str| {
         let pg = &pg;
         async move {

@@ -18,6 +18,7 @@ pub const MIGRATIONS: &[(i32, &str, &str)] = &[
     (11, "listing_indexes", include_str!("../../../../schemas/migrations/0011_listing_indexes.sql")),
     (12, "memory_fixes", include_str!("../../../../schemas/migrations/0012_memory_fixes.sql")),
     (13, "prune", include_str!("../../../../schemas/migrations/0013_prune.sql")),
+    (14, "refused_timelines", include_str!("../../../../schemas/migrations/0014_refused_timelines.sql")),
 ];
 
 /// How long a migration waits for a table's lock before giving up (to be tried again).

@@ -42,6 +42,18 @@ const PRUNE_ORPHANS: &str = "
     inc AS (DELETE FROM incidents x USING doomed d WHERE x.id = d.id RETURNING x.id)
     SELECT count(*) FROM inc";
 
+/// The timelines of incidents refused at intake before `$1` that left no incident row (refused
+/// before anything was stored), up to `$2` of them, whole. Counted with the incidents above.
+const PRUNE_REFUSED: &str = "
+    WITH doomed AS (
+        SELECT DISTINCT x.run_id FROM run_events x
+         WHERE x.kind = 'rejected' AND x.at < $1
+           AND NOT EXISTS (SELECT 1 FROM incidents i WHERE i.id = x.run_id)
+           AND NOT EXISTS (SELECT 1 FROM runs r WHERE r.id = x.run_id)
+         LIMIT $2),
+    gone AS (DELETE FROM run_events x USING doomed d WHERE x.run_id = d.run_id RETURNING x.run_id)
+    SELECT count(DISTINCT run_id) FROM gone";
+
 /// The gateway's audit lines written before `$1`, up to `$2`.
 const PRUNE_AUDIT: &str = "
     WITH doomed AS (SELECT id FROM gateway_audit WHERE at < $1 ORDER BY at LIMIT $2),
@@ -53,7 +65,8 @@ const PRUNE_AUDIT: &str = "
 pub struct Pruned {
     /// Closed runs, each with its incident and all that belonged to it.
     pub runs: i64,
-    /// Incidents that had started no run (refused, or folded into a run pruned earlier).
+    /// Incidents that had started no run (refused, or folded into a run pruned earlier), and
+    /// the timelines of those refused before anything of them was stored.
     pub incidents: i64,
     /// Lines of the gateway's audit trail.
     pub audit: i64,
@@ -76,12 +89,15 @@ impl Store {
     pub async fn prune(&self, before: DateTime<Utc>, batch: i64) -> Result<Pruned, StoreError> {
         let client = self.client().await?;
         let mut pruned = Pruned::default();
-        for (sql, count) in
-            [(PRUNE_RUNS, &mut pruned.runs), (PRUNE_ORPHANS, &mut pruned.incidents), (PRUNE_AUDIT, &mut pruned.audit)]
-        {
+        for sql in [PRUNE_RUNS, PRUNE_ORPHANS, PRUNE_REFUSED, PRUNE_AUDIT] {
             let stmt = client.prepare_cached(sql).await?;
-            *count = client.query_one(&stmt, &[&before, &batch]).await?.get(0);
-            if *count >= batch {
+            let count: i64 = client.query_one(&stmt, &[&before, &batch]).await?.get(0);
+            match sql {
+                PRUNE_RUNS => pruned.runs += count,
+                PRUNE_AUDIT => pruned.audit += count,
+                _ => pruned.incidents += count,
+            }
+            if count >= batch {
                 break;
             }
         }
