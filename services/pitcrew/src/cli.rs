@@ -409,7 +409,7 @@ pub async fn prune(store: &Store, days: u32, batch: i64) -> anyhow::Result<()> {
 
 /// Connect to Postgres for a read-only command.
 pub async fn store(cfg: &Config) -> anyhow::Result<Store> {
-    Ok(Store::connect(&cfg.database).await?)
+    Ok(Store::connect_existing(&cfg.database).await?)
 }
 
 #[cfg(test)]

@@ -79,7 +79,7 @@ async fn an_incident_is_resolved_end_to_end_with_episode_and_evaluation() -> any
     let ev = db.query_one("SELECT verdict, score, checks FROM evaluations WHERE run_id = $1", &[&run]).await?;
     assert_eq!(ev.get::<_, String>(0), "pass");
     assert!(ev.get::<_, f64>(1) >= 0.7);
-    assert_eq!(ev.get::<_, serde_json::Value>(2).as_array().map(Vec::len), Some(6));
+    assert_eq!(ev.get::<_, serde_json::Value>(2).as_array().map(Vec::len), Some(7));
     assert_eq!(count(&db, "SELECT count(*) FROM executions WHERE run_id = $1 AND status = 'succeeded'", run).await, 1);
     // The timeline is stored, in order, one step per stage visited; a clean first delivery
     // of attempt 1 has no start line, so the one status line is intake's.
@@ -274,6 +274,16 @@ async fn an_abandoned_run_frees_its_fingerprint_for_the_next_incident() -> anyho
     assert_eq!(count(&db, "SELECT count(*) FROM runs WHERE id = $1", run).await, 1);
     let (code, _, err) = pitcrew_cli(&config, &["prune", "--older-than-days", "0"]).await?;
     assert_eq!(code, Some(2), "a cutoff of now is refused: {err}");
+    // A reader names a database that does not exist: an error saying so, and none is created.
+    let missing = format!("pitcrew_missing_{}", uuid::Uuid::new_v4().simple());
+    let elsewhere = crew.env.path("elsewhere.toml");
+    let url = format!("{}/{missing}", pitcrew_testkit::admin_url().rsplit_once('/').unwrap().0);
+    std::fs::write(&elsewhere, format!("[database]\nurl = \"{url}\"\n"))?;
+    let (code, _, err) = pitcrew_cli(std::path::Path::new(&elsewhere), &["incidents"]).await?;
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains("does not exist"), "{err}");
+    let created: i64 = db.query_one("SELECT count(*) FROM pg_database WHERE datname = $1", &[&missing]).await?.get(0);
+    assert_eq!(created, 0, "a reader creates no database");
     // A cutoff inside episodic memory's window would delete failures open runs still read.
     let week = crew.env.path("week.toml");
     std::fs::write(&week, "[limits]\nmemory_window_secs = 604800\n")?;

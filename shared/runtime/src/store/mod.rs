@@ -190,9 +190,22 @@ pub struct Store {
 impl Store {
     /// Create the database if missing, build the pool and prove a connection works.
     pub async fn connect(cfg: &DatabaseConfig) -> Result<Store, StoreError> {
+        Store::connect_creating(cfg, true).await
+    }
+
+    /// [`Store::connect`] for a reader (the CLI's `show`, `incidents`, `approvals`, `prune`): a
+    /// database that does not exist is an error saying so, not created empty (a typo in its
+    /// name would leave a stray database, and then a confusing "relation does not exist").
+    pub async fn connect_existing(cfg: &DatabaseConfig) -> Result<Store, StoreError> {
+        Store::connect_creating(cfg, false).await
+    }
+
+    async fn connect_creating(cfg: &DatabaseConfig, create: bool) -> Result<Store, StoreError> {
         // The URL (and a root certificate it names) read once, for both connections.
         let target = tls::target(&cfg.url)?;
-        migrate::ensure_database_at(&cfg.url, &target).await?;
+        if create {
+            migrate::ensure_database_at(&cfg.url, &target).await?;
+        }
         let target = connection_config(cfg, target);
         let mgr =
             Manager::from_config(target.config, target.tls, ManagerConfig { recycling_method: RecyclingMethod::Fast });
