@@ -135,7 +135,12 @@ impl Tracker {
                 let recent = |at: &Option<chrono::DateTime<chrono::Utc>>| {
                     at.is_some_and(|at| (now - at).to_std().unwrap_or_default() < realert)
                 };
-                if let Some([older, Some(last)]) = self.opened.get(service).filter(|[older, _]| recent(older)) {
+                // A relapse (down again as its run resolved, never seen healthy: see `relapsed`)
+                // has its own limit, once per `realert`.
+                let relapse = self.relapsed.get(service) == Some(&since);
+                if let Some([older, Some(last)]) =
+                    self.opened.get(service).filter(|[older, _]| !relapse && recent(older))
+                {
                     tracing::warn!(
                         service,
                         outages_since = %older.map(|o| o.to_rfc3339()).unwrap_or_default(),
