@@ -533,18 +533,21 @@ mod tests {
         assert_eq!(fingerprint(&longest), fingerprint(&longest.clone()), "the same name, the same outage");
     }
 
+    const HOUR: Duration = Duration::from_secs(3600);
+
+    /// Observe `web` and publish at once, as a round does when the bus takes every message
+    /// (`realert` an hour).
+    fn round(t: &mut Tracker, healthy: bool, at: chrono::DateTime<chrono::Utc>) -> Change {
+        let change = t.observe("web", healthy, at, HOUR);
+        t.reported("web", &change, at);
+        change
+    }
+
     #[test]
     fn one_incident_per_outage_then_a_recovery() {
         let mut t = Tracker::default();
         let t0 = chrono::Utc::now();
         let s = |n: i64| t0 + chrono::Duration::seconds(n);
-        let hour = Duration::from_secs(3600);
-        // Observe and publish at once, as a round does when the bus takes every message.
-        let round = |t: &mut Tracker, healthy: bool, at| {
-            let change = t.observe("web", healthy, at, hour);
-            t.reported("web", &change, at);
-            change
-        };
         assert_eq!(round(&mut t, true, s(0)), Change::Nothing);
         assert_eq!(round(&mut t, false, s(10)), Change::Down);
         assert_eq!(round(&mut t, false, s(20)), Change::Nothing, "still down: no second incident");
@@ -589,12 +592,6 @@ mod tests {
         let mut t = Tracker::default();
         let t0 = chrono::Utc::now();
         let s = |n: i64| t0 + chrono::Duration::seconds(n);
-        let hour = Duration::from_secs(3600);
-        let round = |t: &mut Tracker, healthy: bool, at| {
-            let change = t.observe("web", healthy, at, hour);
-            t.reported("web", &change, at);
-            change
-        };
         assert_eq!(round(&mut t, false, s(0)), Change::Down);
         assert_eq!(round(&mut t, true, s(60)), Change::Recovered);
         assert_eq!(round(&mut t, false, s(180)), Change::Down, "a second outage gets its run");
