@@ -44,12 +44,12 @@ static SCRAPE_ERRORS: Counter = Counter::new(
 );
 static DB_TRANSITIONS: Counter = Counter::new(
     "pitcrew_db_transitions_total",
-    "Run transitions written to Postgres, by how: alone, or sharing a statement (group commit).",
+    "Run transitions sent to Postgres, by how: alone, or sharing a statement (group commit). Each try counts: one that failed and was sent again (Postgres down, a redelivery) counts again.",
     &["how"],
 );
 static DB_STATEMENTS: Counter = Counter::new(
     "pitcrew_db_transition_statements_total",
-    "Statements that wrote run transitions, by how: alone, or as a group.",
+    "Statements sent to Postgres with run transitions, by how: alone, or as a group (each try counts).",
     &["how"],
 );
 

@@ -181,6 +181,7 @@ async fn write(pool: &Pool, batch: Vec<Pending>) {
             tracing::debug!(error = %e, size = batch.len(), "grouped transitions refused: committing one by one");
             futures::stream::iter(batch)
                 .for_each_concurrent(FALLBACK_AT_ONCE, |p| async move {
+                    crate::metrics::transitions_written(1);
                     let result = statement(pool, std::slice::from_ref(&p)).await.map(|moved| !moved.is_empty());
                     let _ = p.reply.send(result);
                 })
