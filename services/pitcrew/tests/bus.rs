@@ -1561,3 +1561,26 @@ async fn a_scrape_while_nats_is_silent_ends_within_one_reads_timeout() -> anyhow
     assert!(took < Duration::from_secs(5), "{took:?} for {} consumers", Stage::ALL.len());
     Ok(())
 }
+
+/// A stage's dead letters share a subject: whether one message's letter is there is asked of
+/// every letter since that message was stored, not of the last alone (A, then B, then A
+/// again past the duplicate window would store A twice).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_letter_is_found_among_its_stages_later_ones() -> anyhow::Result<()> {
+    let env = TestEnv::start().await?;
+    let cfg = pitcrew_runtime::Config::from_toml(&env.config_toml(""))?;
+    let bus = pitcrew_runtime::Bus::connect(&cfg).await?;
+    bus.ensure_streams().await?;
+    let (dlq, subject) = (bus.subjects.dlq_stream(), bus.subjects.dlq("verify"));
+    let before = time::OffsetDateTime::now_utc() - time::Duration::seconds(1);
+    for id in ["dlq.S.1", "dlq.S.2"] {
+        bus.publish(subject.clone(), id, "application/json", None, b"{}".to_vec().into()).await?;
+    }
+    assert!(!bus.holds(&dlq, &subject, "dlq.S.1").await?, "the last letter is another's");
+    assert!(bus.held_since(&dlq, &subject, "dlq.S.1", before).await?, "found among the later ones");
+    assert!(bus.held_since(&dlq, &subject, "dlq.S.2", before).await?);
+    assert!(!bus.held_since(&dlq, &subject, "dlq.S.3", before).await?, "one never stored");
+    let after = time::OffsetDateTime::now_utc() + time::Duration::seconds(5);
+    assert!(!bus.held_since(&dlq, &subject, "dlq.S.1", after).await?, "nothing stored since then");
+    Ok(())
+}

@@ -59,6 +59,9 @@ pub enum BusError {
 }
 
 /// `call`, a JetStream API request about `what`, given at most [`API_LIMIT`].
+/// Most messages [`Bus::held_since`] reads before it answers no.
+pub const HELD_SCAN: usize = 10_000;
+
 pub async fn within<F: std::future::Future>(what: &str, call: F) -> Result<F::Output, BusError> {
     tokio::time::timeout(API_LIMIT, call).await.map_err(|_| BusError::Unanswered { what: what.to_string() })
 }
@@ -606,6 +609,48 @@ impl Bus {
     pub async fn holds_event(&self, event: &pitcrew_model::RunEvent) -> Result<bool, BusError> {
         let subject = self.subjects.event(event.run_id, event.kind.as_str());
         self.holds(&self.subjects.events_stream(), &subject, &event.msg_id()).await
+    }
+
+    /// Whether any message on `subject` of `stream` stored since `since` has the message id
+    /// `id` (read in order from then, at most `HELD_SCAN` messages): for a subject many
+    /// messages share (a stage's dead letters), where the last one may be another's.
+    pub async fn held_since(
+        &self,
+        stream: &str,
+        subject: &str,
+        id: &str,
+        since: time::OffsetDateTime,
+    ) -> Result<bool, BusError> {
+        let failed = |e: String| BusError::Read { what: subject.to_string(), error: e };
+        within(&format!("a search of {subject}"), async {
+            let stream = self.js.get_stream(stream).await.map_err(|e| failed(e.to_string()))?;
+            let consumer = stream
+                .create_consumer(consumer::pull::OrderedConfig {
+                    filter_subject: subject.to_string(),
+                    deliver_policy: consumer::DeliverPolicy::ByStartTime { start_time: since },
+                    ..Default::default()
+                })
+                .await
+                .map_err(|e| failed(e.to_string()))?;
+            if consumer.cached_info().num_pending == 0 {
+                return Ok(false);
+            }
+            let mut messages = consumer.messages().await.map_err(|e| failed(e.to_string()))?;
+            let mut read = 0;
+            while let Some(msg) = futures::StreamExt::next(&mut messages).await {
+                let msg = msg.map_err(|e| failed(e.to_string()))?;
+                if msg.headers.as_ref().and_then(|h| h.get(NATS_MESSAGE_ID)).is_some_and(|held| held.as_str() == id) {
+                    return Ok(true);
+                }
+                read += 1;
+                let pending = msg.info().map(|i| i.pending).unwrap_or(0);
+                if pending == 0 || read >= HELD_SCAN {
+                    break;
+                }
+            }
+            Ok(false)
+        })
+        .await?
     }
 
     /// Whether the last message on `subject` of `stream` has the message id `id`: one sent

@@ -411,7 +411,11 @@ impl StageRunner {
         let (stream, stream_seq, delivered) = delivery(msg);
         let id = format!("{stream}.{stream_seq}");
         let (dlq, subject) = (self.bus.subjects.dlq_stream(), self.bus.subjects.dlq(stage.as_str()));
-        if matches!(self.bus.holds(&dlq, &subject, &format!("dlq.{id}")).await, Ok(true)) {
+        // Any of the stage's dead letters since the message was first stored may be its own (the
+        // last may be another's: it came back past the bus's duplicate window after another
+        // message was dead-lettered).
+        let since = msg.info().map(|i| i.published).unwrap_or(time::OffsetDateTime::UNIX_EPOCH);
+        if matches!(self.bus.held_since(&dlq, &subject, &format!("dlq.{id}"), since).await, Ok(true)) {
             return Ok(());
         }
         tracing::error!(stage = %stage, error = %why, stream_seq, "poison message: dead-lettering");
