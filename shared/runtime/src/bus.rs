@@ -58,10 +58,15 @@ pub enum BusError {
     Misconfigured { what: String, fix: String },
 }
 
-/// `call`, a JetStream API request about `what`, given at most [`API_LIMIT`].
 /// Most messages [`Bus::held_since`] reads before it answers no.
 pub const HELD_SCAN: usize = 10_000;
 
+/// Whether `headers` carry the message id `id`.
+fn carries_id(headers: Option<&HeaderMap>, id: &str) -> bool {
+    headers.and_then(|h| h.get(NATS_MESSAGE_ID)).is_some_and(|held| held.as_str() == id)
+}
+
+/// `call`, a JetStream API request about `what`, given at most [`API_LIMIT`].
 pub async fn within<F: std::future::Future>(what: &str, call: F) -> Result<F::Output, BusError> {
     tokio::time::timeout(API_LIMIT, call).await.map_err(|_| BusError::Unanswered { what: what.to_string() })
 }
@@ -639,7 +644,7 @@ impl Bus {
             let mut read = 0;
             while let Some(msg) = futures::StreamExt::next(&mut messages).await {
                 let msg = msg.map_err(|e| failed(e.to_string()))?;
-                if msg.headers.as_ref().and_then(|h| h.get(NATS_MESSAGE_ID)).is_some_and(|held| held.as_str() == id) {
+                if carries_id(msg.headers.as_ref(), id) {
                     return Ok(true);
                 }
                 read += 1;
@@ -657,7 +662,7 @@ impl Bus {
     /// again past the stream's duplicate window would not be dropped as a duplicate.
     pub async fn holds(&self, stream: &str, subject: &str, id: &str) -> Result<bool, BusError> {
         let last = self.last_on(stream, subject).await?;
-        Ok(last.is_some_and(|last| last.headers.get(NATS_MESSAGE_ID).is_some_and(|held| held.as_str() == id)))
+        Ok(last.is_some_and(|last| carries_id(Some(&last.headers), id)))
     }
 
     /// Publish an incident (JSON) on `incidents.new`, its id as the message id and the run
