@@ -2,7 +2,7 @@
 //! past their deadline into `expire` decisions so a forgotten approval escalates its run.
 
 use futures::future::BoxFuture;
-use pitcrew_model::codec::{self, CONTENT_TYPE, JSON};
+use pitcrew_model::codec::{self, CONTENT_TYPE};
 use pitcrew_model::{ApprovalDecision, ApprovalStatus, Decision, EventKind, Stage};
 use pitcrew_runtime::approvals::{answered_attempt, ATTEMPT_HEADER};
 use pitcrew_runtime::bus::DECISIONS_CONSUMER;
@@ -374,8 +374,7 @@ pub async fn sweep_expired(bus: Bus, deps: Arc<Deps>, every: Duration, shutdown:
             // For the attempt whose request expired: one held up until a later attempt asks
             // for the same plan again must not expire that fresh request.
             let id = format!("{}.{}.{}.expire", p.run_id, p.plan_hash, p.attempt);
-            let mut headers = pitcrew_runtime::bus::headers(&id, JSON, Some(p.run_id));
-            headers.insert(ATTEMPT_HEADER, p.attempt.to_string().as_str());
+            let headers = pitcrew_runtime::approvals::decision_headers(&id, p.run_id, p.attempt);
             if let Err(e) =
                 bus.publish_with_headers(bus.subjects.approval_decided(p.run_id), headers, payload.into()).await
             {

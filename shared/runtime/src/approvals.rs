@@ -219,8 +219,7 @@ async fn check_and_publish(
             bus.client.connection_state()
         )));
     }
-    let mut headers = crate::bus::headers(&id, JSON, Some(run));
-    headers.insert(ATTEMPT_HEADER, req.attempt.to_string().as_str());
+    let mut headers = decision_headers(&id, run, req.attempt);
     headers.insert(async_nats::header::NATS_EXPECTED_LAST_SUBJECT_SEQUENCE, on_bus.last_seq.to_string().as_str());
     let subject = bus.subjects.approval_decided(run);
     let failed = |e: &dyn std::fmt::Display| DecideError::Bus(format!("publish to {subject} failed: {e}"));
@@ -338,6 +337,14 @@ fn settled(
         ));
     }
     None
+}
+
+/// The headers of a decision on `run`'s request of `attempt`: its message id, content type,
+/// run and [`ATTEMPT_HEADER`].
+pub fn decision_headers(id: &str, run: Uuid, attempt: impl std::fmt::Display) -> async_nats::HeaderMap {
+    let mut headers = crate::bus::headers(id, JSON, Some(run));
+    headers.insert(ATTEMPT_HEADER, attempt.to_string().as_str());
+    headers
 }
 
 /// The attempt a decision's [`ATTEMPT_HEADER`] names: one that is not a number names no
