@@ -83,12 +83,13 @@ async fn apply(client: &mut tokio_postgres::Client) -> Result<usize, StoreError>
         // in time, it is a transient failure, and start-up waits and tries again.
         tx.batch_execute(&format!("SET LOCAL lock_timeout = '{}ms'", MIGRATION_LOCK_WAIT.as_millis())).await?;
         tx.batch_execute(sql).await.map_err(|e| {
+            let why = super::said(&e);
             let failed = StoreError::Query(e);
             if failed.is_transient() {
-                return failed;
+                failed
+            } else {
+                StoreError::Migration(format!("migration {version} ({name}) failed: {why}"))
             }
-            let StoreError::Query(e) = failed else { unreachable!() };
-            StoreError::Migration(format!("migration {version} ({name}) failed: {}", super::said(&e)))
         })?;
         tx.execute("INSERT INTO pitcrew_migrations (version, name) VALUES ($1, $2)", &[version, name]).await?;
         tx.commit().await?;
