@@ -60,6 +60,9 @@ const PRUNE_AUDIT: &str = "
     gone AS (DELETE FROM gateway_audit x USING doomed d WHERE x.id = d.id RETURNING x.id)
     SELECT count(*) FROM gone";
 
+/// The count of [`Pruned`] a query's deletions add to.
+type Counted = fn(&mut Pruned) -> &mut i64;
+
 /// What one batch of pruning deleted.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Pruned {
@@ -89,14 +92,16 @@ impl Store {
     pub async fn prune(&self, before: DateTime<Utc>, batch: i64) -> Result<Pruned, StoreError> {
         let client = self.client().await?;
         let mut pruned = Pruned::default();
-        for sql in [PRUNE_RUNS, PRUNE_ORPHANS, PRUNE_REFUSED, PRUNE_AUDIT] {
+        let kinds: [(&str, Counted); 4] = [
+            (PRUNE_RUNS, |p| &mut p.runs),
+            (PRUNE_ORPHANS, |p| &mut p.incidents),
+            (PRUNE_REFUSED, |p| &mut p.incidents),
+            (PRUNE_AUDIT, |p| &mut p.audit),
+        ];
+        for (sql, counted) in kinds {
             let stmt = client.prepare_cached(sql).await?;
             let count: i64 = client.query_one(&stmt, &[&before, &batch]).await?.get(0);
-            match sql {
-                PRUNE_RUNS => pruned.runs += count,
-                PRUNE_AUDIT => pruned.audit += count,
-                _ => pruned.incidents += count,
-            }
+            *counted(&mut pruned) += count;
             if count >= batch {
                 break;
             }
