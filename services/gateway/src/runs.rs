@@ -64,7 +64,7 @@ pub async fn list(
     }
     for (name, at) in [("since", q.since), ("until", q.until)] {
         if let Some(at) = at {
-            if !(1..=9999).contains(&chrono::Datelike::year(&at)) {
+            if !pitcrew_model::incident::storable_time(&at) {
                 return Err(ApiError::BadRequest(format!(
                     "{name} '{}' is out of range: it must fall in the years 1-9999",
                     at.to_rfc3339_opts(chrono::SecondsFormat::AutoSi, true)

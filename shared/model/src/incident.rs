@@ -81,6 +81,12 @@ pub enum IncidentError {
     ObservedOutOfRange(String),
 }
 
+/// Whether Postgres keeps `at` as it is (its range starts in 4714 BC, chrono's earlier): the
+/// years 1 to 9999, what an incident's time or a query's bound may be.
+pub fn storable_time(at: &DateTime<Utc>) -> bool {
+    (1..=9999).contains(&chrono::Datelike::year(at))
+}
+
 /// Whether `name` may name a service: what an incident for it must carry (1-128 characters of
 /// `[A-Za-z0-9._-]`), so an inventory's service names are checked the same way.
 pub fn valid_service_name(name: &str) -> bool {
@@ -165,7 +171,7 @@ impl Incident {
         // Postgres keeps no time chrono can read (its range starts in 4714 BC): refused here,
         // not accepted and then refused by the store, where it could never open a run.
         if let Some(at) = self.observed_at {
-            if !(1..=9999).contains(&chrono::Datelike::year(&at)) {
+            if !storable_time(&at) {
                 return Err(IncidentError::ObservedOutOfRange(at.to_rfc3339()));
             }
         }
