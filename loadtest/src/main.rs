@@ -384,9 +384,9 @@ fn stage_config(concurrency: usize, model: usize, diagnose: Option<usize>, diagn
 /// Start nats-server, a fresh database, the simulated model if asked for, and the crew.
 async fn start_local(args: &Args, endpoint: Option<&str>, crew_rt: &tokio::runtime::Handle) -> anyhow::Result<Local> {
     let env = TestEnv::start().await.context("starting nats-server and a fresh database")?;
-    let database = env.db.url.rsplit('/').next().unwrap_or_default().split('?').next().unwrap_or_default();
     eprintln!(
-        "loadtest: the crew's database {database} and directory {} (both removed at the end, or on SIGINT/SIGTERM)",
+        "loadtest: the crew's database {} and directory {} (both removed at the end, or on SIGINT/SIGTERM)",
+        env.db.name(),
         env.dir.path().display()
     );
     let book = env.path("playbook.toml");

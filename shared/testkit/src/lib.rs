@@ -32,6 +32,11 @@ pub struct TestDb {
 }
 
 impl TestDb {
+    /// The database's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
     pub async fn create() -> anyhow::Result<TestDb> {
         Self::create_on(&admin_url()).await
     }
