@@ -1547,9 +1547,7 @@ async fn a_duplicate_delivered_again_past_the_duplicate_window_is_announced_once
 /// timeout, and every series vanished just when it was wanted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_scrape_while_nats_is_silent_ends_within_one_reads_timeout() -> anyhow::Result<()> {
-    let env = TestEnv::start().await?;
-    let cfg = pitcrew_runtime::Config::from_toml(&env.config_toml(""))?;
-    let bus = pitcrew_runtime::Bus::connect(&cfg).await?;
+    let (env, bus) = bare_bus().await?;
     bus.ensure_streams().await?;
     let consumers = Stage::ALL.iter().map(|s| (bus.subjects.stages_stream(), s.as_str().to_string())).collect();
     let collector = pitcrew_runtime::metrics::Collector { bus, store: None, consumers };
@@ -1567,9 +1565,7 @@ async fn a_scrape_while_nats_is_silent_ends_within_one_reads_timeout() -> anyhow
 /// again past the duplicate window would store A twice).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dead_letter_is_found_among_its_stages_later_ones() -> anyhow::Result<()> {
-    let env = TestEnv::start().await?;
-    let cfg = pitcrew_runtime::Config::from_toml(&env.config_toml(""))?;
-    let bus = pitcrew_runtime::Bus::connect(&cfg).await?;
+    let (_env, bus) = bare_bus().await?;
     bus.ensure_streams().await?;
     let (dlq, subject) = (bus.subjects.dlq_stream(), bus.subjects.dlq("verify"));
     let before = time::OffsetDateTime::now_utc() - time::Duration::seconds(1);
