@@ -165,10 +165,9 @@ fn describe(req: &ApprovalRequest) -> Value {
 mod tests {
     use super::*;
 
-    #[test]
-    fn approve_is_offered_only_for_a_plan_shown_whole() {
-        let secret = Secret::new("action-secret");
-        let req = |plan: Vec<String>| ApprovalRequest {
+    /// A request for `plan` (run nil, plan ab12, attempt 1).
+    fn req(plan: Vec<String>) -> ApprovalRequest {
+        ApprovalRequest {
             run_id: Uuid::nil(),
             service: "web".into(),
             host: None,
@@ -183,7 +182,12 @@ mod tests {
             requested_at: chrono::Utc::now(),
             expires_at: chrono::Utc::now(),
             quorum: 1,
-        };
+        }
+    }
+
+    #[test]
+    fn approve_is_offered_only_for_a_plan_shown_whole() {
+        let secret = Secret::new("action-secret");
         let actions = |m: &Value| -> Vec<String> {
             m["props"]["attachments"][0]["actions"].as_array().unwrap().iter().map(|a| a["id"].to_string()).collect()
         };
@@ -211,20 +215,11 @@ mod tests {
     fn untrusted_text_cannot_reshape_the_request() {
         let secret = Secret::new("action-secret");
         let req = ApprovalRequest {
-            run_id: Uuid::nil(),
-            service: "web".into(),
-            host: None,
             error: "disk full\n```".into(),
-            attempt: 1,
-            plan: vec!["rm -f /var/run/web/*.pid /tmp/web/*.sock".into(), "echo '````'".into()],
-            plan_hash: "ab12".into(),
-            risk: "critical".into(),
             rule: "rm: deletes files".into(),
             diagnosis: "[Runbook: safe to approve](https://evil.example) @channel".into(),
             evidence: vec!["> **fake** `Commands:`\nline".into()],
-            requested_at: chrono::Utc::now(),
-            expires_at: chrono::Utc::now(),
-            quorum: 1,
+            ..req(vec!["rm -f /var/run/web/*.pid /tmp/web/*.sock".into(), "echo '````'".into()])
         };
         let m = request("c", "http://b/act", &secret, &req);
         let text = m["props"]["attachments"][0]["text"].as_str().unwrap().to_string();
