@@ -1534,6 +1534,36 @@ async fn a_run_closed_by_hand_runs_no_command_claimed_before_or_after() -> anyho
     Ok(())
 }
 
+/// A claim, or a command's start, and a step moving the run off execute are ordered by the
+/// run's row: made while that step's commit is in flight (another copy of the step escalating
+/// the run), it waits for the commit, then finds the run gone from execute: nothing is claimed
+/// or started that a target freed by the move could see run alongside another run's fix.
+#[tokio::test]
+async fn a_claim_or_a_start_waits_for_a_move_off_execute_in_flight_and_is_refused() -> anyhow::Result<()> {
+    let (db, store, read, pg) = one_run().await?;
+    let run = read.run_id;
+    move_run(&pg, run, "execute", "open", None).await?;
+    let claimed = Uuid::new_v4();
+    store.claim_execution(run, 1, 0, "touch /tmp/x0", "web-1", "a", claimed, false, secs(70)).await?;
+    // The other copy's transition: the run's row updated, its commit not yet made.
+    let other = db.client().await?;
+    other.batch_execute(&format!("BEGIN; UPDATE runs SET stage = 'escalate' WHERE id = '{run}'")).await?;
+    let (s1, s2) = (store.clone(), store.clone());
+    let claiming = tokio::spawn(async move {
+        s1.claim_execution(run, 1, 1, "touch /tmp/x1", "web-1", "a", Uuid::new_v4(), false, secs(70)).await
+    });
+    let starting = tokio::spawn(async move { s2.command_starts(run, 1, 0, claimed, secs(70)).await });
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    assert!(!claiming.is_finished(), "the claim waits for the move in flight");
+    assert!(!starting.is_finished(), "the start waits for the move in flight");
+    other.batch_execute("COMMIT").await?;
+    let refused = claiming.await?;
+    assert!(matches!(&refused, Err(e) if e.to_string().contains("left execute")), "{refused:?}");
+    assert!(!starting.await??, "a run moved off execute starts nothing");
+    assert_eq!(store.execution_claim(run, 1, 1).await?, None, "nothing was claimed");
+    Ok(())
+}
+
 /// Closing a run by hand takes only where it was read: a step that moved it meanwhile (its
 /// own escalation, at the very seq the close would take) stands, and the close says so.
 #[tokio::test]

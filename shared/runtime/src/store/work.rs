@@ -384,7 +384,11 @@ impl Store {
     /// `gone_after` from now. `started`: the claim counts as the command's start (it starts at
     /// once after it); otherwise `command_starts` marks the start, after a wait. Only while the
     /// run is open at execute in `attempt`: a copy of the step that loaded the run before another
-    /// copy moved it on (escalated it, freeing its target) claims nothing and runs nothing.
+    /// copy moved it on (escalated it, freeing its target) claims nothing and runs nothing. The
+    /// run's row is read `FOR SHARE`, which waits for a transition of the run in flight and
+    /// then reads its outcome (`FOR KEY SHARE`, which a transition's update does not conflict
+    /// with, read the row as it was before it: the claim went through as the run left execute,
+    /// and another run could take the freed target before the claim was seen).
     #[tracing::instrument(name = "db_write", skip_all, fields(op = "claim_execution"))]
     #[allow(clippy::too_many_arguments)]
     pub async fn claim_execution(
@@ -406,7 +410,7 @@ impl Store {
                  SELECT $1, $2, $3, $4, $5, $6, now() + $7::float8 * interval '1 second', $8, $9
                   WHERE EXISTS (SELECT 1 FROM runs
                                  WHERE id = $1 AND attempt = $2 AND stage = 'execute' AND status = 'open'
-                                 FOR KEY SHARE)
+                                 FOR SHARE)
                  ON CONFLICT DO NOTHING",
             )
             .await?;
@@ -443,7 +447,8 @@ impl Store {
     /// removed it as never started, and moved on) or its run left execute (closed by hand
     /// while the command waited for its turn past its claim's time): it must not start then.
     /// The run's row is locked for the mark, as for the claim, so a close by hand
-    /// ([`Store::close_run`]) either sees the start or is seen by it. A claim past its
+    /// ([`Store::close_run`]) or a transition moving the run off execute either sees the start
+    /// or is seen by it. A claim past its
     /// time that nobody marked yet is moved (the mark checks the time again).
     #[tracing::instrument(name = "db_write", skip_all, fields(op = "command_starts"))]
     pub async fn command_starts(
@@ -461,7 +466,7 @@ impl Store {
                  WHERE run_id = $1 AND attempt = $2 AND idx = $3 AND status IS NULL AND claim = $5
                    AND EXISTS (SELECT 1 FROM runs
                                 WHERE id = $1 AND attempt = $2 AND stage = 'execute' AND status = 'open'
-                                FOR KEY SHARE)",
+                                FOR SHARE)",
             )
             .await?;
         let secs = gone_secs(gone_after);
