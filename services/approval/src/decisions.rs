@@ -345,7 +345,10 @@ impl Decisions {
 }
 
 /// Every `every`, publish an `expire` decision for each request past its deadline. Decisions
-/// are deduplicated by message id, so any number of approval workers may sweep.
+/// are deduplicated by message id, so any number of approval workers may sweep. Told to stop,
+/// it stops at once, mid-sweep too: while NATS takes no expiry each publish waits out its ack,
+/// and a sweep of a hundred would hold the stopping worker for minutes. An expiry left
+/// unpublished is published by the next sweep, of this worker or another.
 pub async fn sweep_expired(bus: Bus, deps: Arc<Deps>, every: Duration, shutdown: impl Future<Output = ()>) {
     tokio::pin!(shutdown);
     loop {
@@ -353,33 +356,40 @@ pub async fn sweep_expired(bus: Bus, deps: Arc<Deps>, every: Duration, shutdown:
             _ = tokio::time::sleep(every) => {}
             _ = &mut shutdown => return,
         }
-        let expired = match deps.store.pending_approvals(true, 100).await {
-            Ok(e) => e,
-            Err(e) => {
-                tracing::warn!(error = %e, "cannot list expired approvals");
-                continue;
-            }
+        tokio::select! {
+            _ = sweep_once(&bus, &deps) => {}
+            _ = &mut shutdown => return,
+        }
+    }
+}
+
+/// Publish an `expire` decision for each request past its deadline (at most 100).
+async fn sweep_once(bus: &Bus, deps: &Deps) {
+    let expired = match deps.store.pending_approvals(true, 100).await {
+        Ok(e) => e,
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot list expired approvals");
+            return;
+        }
+    };
+    for p in expired {
+        let d = ApprovalDecision {
+            run_id: p.run_id,
+            decision: Decision::Expire,
+            by: "pitcrew".into(),
+            plan_hash: Some(p.plan_hash.clone()),
+            reason: Some(format!("undecided since {}", p.requested_at)),
+            channel: "timeout".into(),
+            decided_at: chrono::Utc::now(),
         };
-        for p in expired {
-            let d = ApprovalDecision {
-                run_id: p.run_id,
-                decision: Decision::Expire,
-                by: "pitcrew".into(),
-                plan_hash: Some(p.plan_hash.clone()),
-                reason: Some(format!("undecided since {}", p.requested_at)),
-                channel: "timeout".into(),
-                decided_at: chrono::Utc::now(),
-            };
-            let payload = serde_json::to_vec(&d).expect("decision serialises");
-            // For the attempt whose request expired: one held up until a later attempt asks
-            // for the same plan again must not expire that fresh request.
-            let id = format!("{}.{}.{}.expire", p.run_id, p.plan_hash, p.attempt);
-            let headers = pitcrew_runtime::approvals::decision_headers(&id, p.run_id, p.attempt);
-            if let Err(e) =
-                bus.publish_with_headers(bus.subjects.approval_decided(p.run_id), headers, payload.into()).await
-            {
-                tracing::warn!(run = %p.run_id, error = %e, "cannot publish expiry");
-            }
+        let payload = serde_json::to_vec(&d).expect("decision serialises");
+        // For the attempt whose request expired: one held up until a later attempt asks
+        // for the same plan again must not expire that fresh request.
+        let id = format!("{}.{}.{}.expire", p.run_id, p.plan_hash, p.attempt);
+        let headers = pitcrew_runtime::approvals::decision_headers(&id, p.run_id, p.attempt);
+        if let Err(e) = bus.publish_with_headers(bus.subjects.approval_decided(p.run_id), headers, payload.into()).await
+        {
+            tracing::warn!(run = %p.run_id, error = %e, "cannot publish expiry");
         }
     }
 }

@@ -839,6 +839,40 @@ async fn an_approval_not_decided_in_time_escalates_the_run() -> anyhow::Result<(
     crew.shutdown().await
 }
 
+/// A stopping approval worker's expiry sweeper stops with it at once, mid-sweep too: with NATS
+/// gone each expiry's publish waits out its ack, and a sweep of many would hold the worker
+/// past its drain deadline (and its orchestrator's grace period).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_expiry_sweeper_stops_mid_sweep_when_told() -> anyhow::Result<()> {
+    let mut crew = crew_with_playbook("[limits]\napproval_timeout_secs = 1\n").await?;
+    for fp in ["fp-a", "fp-b", "fp-c"] {
+        let run = crew.open_with("svc", "stale lock held", Some(fp.into())).await?;
+        crew.events.kind(run, EventKind::ApprovalRequested, WAIT).await?;
+    }
+    // The crew is stopped (so nothing expires them) until all three are past their deadline.
+    crew.shutdown().await?;
+    tokio::time::sleep(std::time::Duration::from_millis(1500)).await;
+    let deps = std::sync::Arc::new(common::deps_of(&crew)?);
+    crew.env.nats.kill();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let sweeper = tokio::spawn(pitcrew_approval::decisions::sweep_expired(
+        crew.bus.clone(),
+        deps,
+        std::time::Duration::from_millis(10),
+        async move {
+            let _ = stopped.await;
+        },
+    ));
+    // Mid-sweep: the three expired requests listed, the first expiry's publish waiting.
+    tokio::time::sleep(std::time::Duration::from_millis(1000)).await;
+    assert!(!sweeper.is_finished(), "the sweeper ended before it was told to");
+    let _ = stop.send(());
+    tokio::time::timeout(std::time::Duration::from_secs(2), sweeper)
+        .await
+        .map_err(|_| anyhow::anyhow!("the sweeper went on publishing expiries after it was told to stop"))??;
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_approval_arriving_after_the_deadline_expires_the_request_instead() -> anyhow::Result<()> {
     let mut crew = crew_with_playbook("[limits]\napproval_timeout_secs = 1\n").await?;
