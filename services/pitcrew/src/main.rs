@@ -307,6 +307,10 @@ fn main() -> ExitCode {
     if let Some(g) = guard.as_mut() {
         g.shutdown();
     }
+    // Everything held is settled and flushed by now; what may still run is blocking work that
+    // can wait for ever (closing an SSH master that stopped answering reads its socket with no
+    // deadline), and a runtime dropped the usual way waits for it: the process would never exit.
+    rt.shutdown_timeout(std::time::Duration::from_secs(5));
     report(res)
 }
 
