@@ -216,6 +216,11 @@ impl Drop for KillOnDrop {
     }
 }
 
+/// To one decimal, as the rates are printed.
+fn tenth(x: f64) -> f64 {
+    (x * 10.0).round() / 10.0
+}
+
 /// This process's peak resident set (VmHWM), in MiB.
 fn peak_rss_mb() -> Option<f64> {
     let status = std::fs::read_to_string("/proc/self/status").ok()?;
@@ -363,9 +368,52 @@ struct Local {
     cfg: Config,
     bus: pitcrew_runtime::Bus,
     crew_task: tokio::task::JoinHandle<anyhow::Result<()>>,
+    /// Told how the crew's task ended (dropped unsent: it panicked).
+    crew_ended: tokio::sync::oneshot::Receiver<String>,
     stop: tokio::sync::oneshot::Sender<()>,
     workers: Vec<KillOnDrop>,
     llm: Option<llm::SimulatedLlm>,
+    /// Why the crew can no longer finish the batch, once seen.
+    down: Option<String>,
+}
+
+impl Local {
+    /// Why the crew can no longer finish the batch: its task ended (the tool stops it only
+    /// after the batch: an error or a panic) or a diagnose worker process exited (with the end
+    /// of its log, which goes with the tool's directory).
+    fn gone(&mut self) -> Option<String> {
+        if self.down.is_none() {
+            use tokio::sync::oneshot::error::TryRecvError;
+            self.down = match self.crew_ended.try_recv() {
+                Ok(how) => Some(format!("the crew stopped: {how}")),
+                Err(TryRecvError::Closed) => Some("the crew's task panicked".into()),
+                Err(TryRecvError::Empty) => None,
+            };
+        }
+        if self.down.is_none() {
+            for (k, w) in self.workers.iter_mut().enumerate() {
+                if let Ok(Some(status)) = w.0.try_wait() {
+                    let log = std::fs::read(self.env.path(&format!("diagnose-{k}.log"))).unwrap_or_default();
+                    let tail = String::from_utf8_lossy(&log[log.len().saturating_sub(2048)..]).trim().to_string();
+                    self.down = Some(format!("diagnose worker {k} exited ({status}); the end of its log:\n{tail}"));
+                    break;
+                }
+            }
+        }
+        self.down.clone()
+    }
+}
+
+/// Resolves when the tool's own crew can no longer finish the batch, saying why (checked
+/// every 200 ms); never with `--target`, whose crew is not the tool's to watch.
+async fn crew_down(local: &mut Option<Local>) -> String {
+    let Some(l) = local.as_mut() else { return std::future::pending().await };
+    loop {
+        if let Some(why) = l.gone() {
+            return why;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
 }
 
 /// The crew's stage settings: `concurrency` for the stages that only use the CPU,
@@ -385,7 +433,7 @@ fn stage_config(concurrency: usize, model: usize, diagnose: Option<usize>, diagn
 async fn start_local(args: &Args, endpoint: Option<&str>, crew_rt: &tokio::runtime::Handle) -> anyhow::Result<Local> {
     let env = TestEnv::start().await.context("starting nats-server and a fresh database")?;
     eprintln!(
-        "loadtest: the crew's database {} and directory {} (both removed at the end, or on SIGINT/SIGTERM)",
+        "loadtest: the crew's database {} and directory {} (both removed at the end, or on SIGINT, SIGTERM, SIGHUP or SIGQUIT)",
         env.db.name(),
         env.dir.path().display()
     );
@@ -444,7 +492,15 @@ async fn start_local(args: &Args, endpoint: Option<&str>, crew_rt: &tokio::runti
     let crew_cfg = cfg.clone();
     let here: Vec<Stage> =
         Stage::ALL.into_iter().filter(|s| args.diagnose_processes == 0 || *s != Stage::Diagnose).collect();
-    let crew_task = crew_rt.spawn(async move { crew::run(crew_cfg, &here, shutdown).await });
+    let (ended, crew_ended) = tokio::sync::oneshot::channel();
+    let crew_task = crew_rt.spawn(async move {
+        let r = crew::run(crew_cfg, &here, shutdown).await;
+        let _ = ended.send(match &r {
+            Ok(()) => "it ended without an error".to_string(),
+            Err(e) => format!("{e:#}"),
+        });
+        r
+    });
     let mut workers = Vec::new();
     if args.diagnose_processes > 0 {
         let exe = std::env::current_exe()?.with_file_name("pitcrew");
@@ -468,7 +524,7 @@ async fn start_local(args: &Args, endpoint: Option<&str>, crew_rt: &tokio::runti
         }
     }
 
-    Ok(Local { env, cfg, bus, crew_task, stop, workers, llm })
+    Ok(Local { env, cfg, bus, crew_task, crew_ended, stop, workers, llm, down: None })
 }
 
 /// `--target`: the running crew's config, its bus and its database. Refuses the options that
@@ -561,16 +617,36 @@ fn main() -> anyhow::Result<()> {
     }
 }
 
-/// The first SIGINT or SIGTERM.
+/// The first SIGINT, SIGTERM, SIGHUP (the terminal or SSH session running the batch closed)
+/// or SIGQUIT: each would otherwise end the tool without its clean-up.
 async fn interrupted() -> &'static str {
     use tokio::signal::unix::{signal, SignalKind};
-    let (Ok(mut int), Ok(mut term)) = (signal(SignalKind::interrupt()), signal(SignalKind::terminate())) else {
-        eprintln!("loadtest: cannot watch for SIGINT and SIGTERM: an interrupted batch leaves its database behind");
+    let watched = [
+        (SignalKind::interrupt(), "SIGINT"),
+        (SignalKind::terminate(), "SIGTERM"),
+        (SignalKind::hangup(), "SIGHUP"),
+        (SignalKind::quit(), "SIGQUIT"),
+    ];
+    let mut waits = Vec::new();
+    for (kind, name) in watched {
+        match signal(kind) {
+            Ok(mut s) => waits.push(async move { s.recv().await.map(|_| name) }.boxed()),
+            Err(e) => {
+                eprintln!("loadtest: cannot watch for {name} ({e}): if it comes, the batch leaves its database behind")
+            }
+        }
+    }
+    if waits.is_empty() {
         return std::future::pending().await;
-    };
-    tokio::select! {
-        _ = int.recv() => "SIGINT",
-        _ = term.recv() => "SIGTERM",
+    }
+    loop {
+        let (got, _, rest) = futures::future::select_all(waits).await;
+        match got {
+            Some(name) => return name,
+            // That signal's stream ended: watch the others.
+            None if rest.is_empty() => return std::future::pending().await,
+            None => waits = rest,
+        }
     }
 }
 
@@ -632,7 +708,7 @@ async fn drive(args: Args, crew_rt: tokio::runtime::Handle) -> anyhow::Result<()
     let machine0 = machine_busy_ms();
     let mut sent: HashMap<Uuid, chrono::DateTime<chrono::Utc>> = HashMap::with_capacity(args.incidents);
     let mut planned: HashMap<Uuid, tally::Planned> = HashMap::with_capacity(args.incidents);
-    let mut ended: Vec<(chrono::DateTime<chrono::Utc>, EventKind, Uuid)> = Vec::with_capacity(args.incidents);
+    let mut ended: Vec<tally::Ended> = Vec::with_capacity(args.incidents);
     let mut publish_errors = 0usize;
     // Incidents left unpublished because the runs in flight did not end before the deadline.
     let mut unpublished = 0usize;
@@ -649,14 +725,23 @@ async fn drive(args: Args, crew_rt: tokio::runtime::Handle) -> anyhow::Result<()
             }
             tokio::time::sleep_until((started + after).into()).await;
         }
-        let Ok(permit) = tokio::time::timeout_at(deadline.into(), in_flight.acquire()).await else {
+        let permit = tokio::select! {
+            biased;
+            why = crew_down(&mut local) => {
+                eprintln!("loadtest: {why}: publishing stopped");
+                unpublished = args.incidents - i;
+                break;
+            }
+            permit = tokio::time::timeout_at(deadline.into(), in_flight.acquire()) => permit,
+        };
+        let Ok(permit) = permit else {
             eprintln!("loadtest: {} runs still in flight after {} s: publishing stopped", args.in_flight, args.timeout);
             unpublished = args.incidents - i;
             break;
         };
         permit?.forget();
         while let Ok((seen, e)) = finished.try_recv() {
-            ended.push((seen, e.kind, e.run_id));
+            ended.push(tally::Ended::of(seen, &e));
         }
         let (error, expected) = match (&args.target, &args.error) {
             (Some(_), Some(e)) => (e.as_str(), None),
@@ -695,12 +780,20 @@ async fn drive(args: Args, crew_rt: tokio::runtime::Handle) -> anyhow::Result<()
     let published = started.elapsed().as_secs_f64();
     // A run whose publish failed may have ended anyway (its ack lost on the way back): it is
     // an error, not a result.
-    ended.retain(|(_, _, run)| sent.contains_key(run));
+    ended.retain(|e| sent.contains_key(&e.run));
     // A run that does not end by the deadline is an error of the report, not its loss.
     while ended.len() < sent.len() {
         let left = deadline.saturating_duration_since(Instant::now());
-        match tokio::time::timeout(left, finished.recv()).await {
-            Ok(Some((seen, e))) if sent.contains_key(&e.run_id) => ended.push((seen, e.kind, e.run_id)),
+        let next = tokio::select! {
+            biased;
+            why = crew_down(&mut local) => {
+                eprintln!("loadtest: {why}: the runs not seen to end count as timed out");
+                break;
+            }
+            next = tokio::time::timeout(left, finished.recv()) => next,
+        };
+        match next {
+            Ok(Some((seen, e))) if sent.contains_key(&e.run_id) => ended.push(tally::Ended::of(seen, &e)),
             Ok(Some(_)) => {}
             // Counted as timed out: what could not be watched did not end as far as we know.
             Ok(None) => {
@@ -726,7 +819,7 @@ async fn drive(args: Args, crew_rt: tokio::runtime::Handle) -> anyhow::Result<()
     let errors = publish_errors + tally.unexpected + tally.not_run + timed_out;
     // With runs kept in flight: the rate while N were in flight (see `steady::window`). Every
     // end frees a slot, so every end places the window; only completed runs count in its rate.
-    let mut ends: Vec<chrono::DateTime<chrono::Utc>> = ended.iter().map(|(at, _, _)| *at).collect();
+    let mut ends: Vec<chrono::DateTime<chrono::Utc>> = ended.iter().map(|e| e.at).collect();
     ends.sort();
     let window =
         (args.in_flight > 0).then(|| steady::window(&ends, args.in_flight, sent.values().max().copied())).flatten();
@@ -734,8 +827,7 @@ async fn drive(args: Args, crew_rt: tokio::runtime::Handle) -> anyhow::Result<()
     // What the bound assumes is `--in-flight`; a tool that lags behind the ends keeps fewer.
     // Every run published counts, those that never ended too (in flight to the window's end).
     let in_flight_mean = window.map(|w| {
-        let end_of: HashMap<Uuid, chrono::DateTime<chrono::Utc>> =
-            ended.iter().map(|(at, _, run)| (*run, *at)).collect();
+        let end_of: HashMap<Uuid, chrono::DateTime<chrono::Utc>> = ended.iter().map(|e| (e.run, e.at)).collect();
         steady::mean_in_flight(sent.iter().map(|(run, s)| (*s, end_of.get(run).copied())), w)
     });
     let per_run = |ms: f64| ((ms / ended.len().max(1) as f64) * 100.0).round() / 100.0;
@@ -748,14 +840,21 @@ async fn drive(args: Args, crew_rt: tokio::runtime::Handle) -> anyhow::Result<()
         "machine": machine0.zip(machine1).map(|(a, b)| per_run(b - a)),
     });
     // Neither this nor the model's count below keeps the line from being printed.
-    let stage_ms = observe::stage_latencies(&db, &sent).await.unwrap_or_else(|e| {
+    let stage_ms = observe::stage_latencies(&db, &sent, args.target.is_none()).await.unwrap_or_else(|e| {
         eprintln!("loadtest: cannot read the stage latencies: {e:#}");
         Default::default()
     });
     let llm_calls = match local.take() {
         Some(l) => {
             let _ = l.stop.send(());
-            let _ = tokio::time::timeout(Duration::from_secs(30), l.crew_task).await;
+            match tokio::time::timeout(Duration::from_secs(30), l.crew_task).await {
+                Ok(Ok(Ok(()))) => {}
+                // Said already, when it ended before the batch did.
+                _ if l.down.is_some() => {}
+                Ok(Ok(Err(e))) => eprintln!("loadtest: the crew ended with an error: {e:#}"),
+                Ok(Err(e)) => eprintln!("loadtest: the crew's task failed: {e}"),
+                Err(_) => eprintln!("loadtest: the crew did not stop within 30 s of being told to"),
+            }
             drop(l.workers);
             let calls = match l.llm {
                 Some(m) => m
@@ -787,7 +886,8 @@ async fn drive(args: Args, crew_rt: tokio::runtime::Handle) -> anyhow::Result<()
     let stages: serde_json::Map<String, serde_json::Value> =
         stage_ms.into_iter().map(|(k, v)| (k, summary(v))).collect();
     let completed = tally.e2e.len();
-    let rate = ((completed as f64 / elapsed) * 10.0).round() / 10.0;
+    // Unrounded: `reached` is computed from it (or the steady one); printed to one decimal.
+    let rate = completed as f64 / elapsed;
     // The model's calls over the runs that made them: not when some never ended or may have
     // run unseen (their calls are counted, they are not), and duplicates or rejections made
     // none.
@@ -801,8 +901,8 @@ async fn drive(args: Args, crew_rt: tokio::runtime::Handle) -> anyhow::Result<()
             "completed": completed,
             "seconds": (elapsed * 1000.0).round() / 1000.0,
             "publish_seconds": (published * 1000.0).round() / 1000.0,
-            "completed_per_second": rate,
-            "steady_per_second": steady,
+            "completed_per_second": tenth(rate),
+            "steady_per_second": steady.map(tenth),
             "in_flight": args.in_flight,
             "in_flight_mean": in_flight_mean,
             "check": own.then_some(match args.check { CheckKind::Command => "command", CheckKind::Http => "http" }),

@@ -68,6 +68,7 @@ pub async fn terminals(
     let mut messages = consumer.messages().await?;
     let (tx, rx) = mpsc::unbounded_channel();
     tokio::spawn(async move {
+        let mut unreadable = 0u64;
         while let Some(msg) = messages.next().await {
             let seen = chrono::Utc::now();
             let msg = match msg {
@@ -77,7 +78,22 @@ pub async fn terminals(
                     continue;
                 }
             };
-            let Ok(event) = serde_json::from_slice::<RunEvent>(&msg.payload) else { continue };
+            // Another pitcrew's event format (`--target`): its run is never seen to end, and
+            // counts as timed out; said here, so that is not taken for a crew that stalled.
+            let event = match serde_json::from_slice::<RunEvent>(&msg.payload) {
+                Ok(event) => event,
+                Err(e) => {
+                    unreadable += 1;
+                    if unreadable == 1 || unreadable.is_multiple_of(100) {
+                        eprintln!(
+                            "loadtest: {unreadable} unreadable terminal event(s), the last on {} ({e}): \
+                             their runs count as timed out",
+                            msg.subject
+                        );
+                    }
+                    continue;
+                }
+            };
             if ours.release(event.run_id) && tx.send((seen, event)).is_err() {
                 return;
             }
@@ -90,10 +106,14 @@ pub async fn terminals(
 /// intake, the incident's publish, from `published`) to this step's end, so queueing, the
 /// stage's work and the hand-over (the previous step's commit and publish) are all in it.
 /// From the timestamps Postgres holds. A waiting step's note (filed under the previous
-/// transition's seq, before the step ends) is no step's end and is left out.
+/// transition's seq, before the step ends) is no step's end and is left out. Intake is
+/// measured only when `same_clock` (the crew runs in this process): its start is the
+/// publish, by this machine's clock, and a crew elsewhere (`--target`) stamps its end by its
+/// own, whose skew would be of intake's size.
 pub async fn stage_latencies(
     db: &tokio_postgres::Client,
     published: &HashMap<Uuid, chrono::DateTime<chrono::Utc>>,
+    same_clock: bool,
 ) -> anyhow::Result<BTreeMap<String, Vec<f64>>> {
     // Only this batch's runs: against a crew that has run before (`--target`), the table
     // holds every timeline it ever wrote.
@@ -118,7 +138,7 @@ pub async fn stage_latencies(
         let (id, stage, end): (Uuid, String, chrono::DateTime<chrono::Utc>) = (r.get(0), r.get(1), r.get(2));
         if run != Some(id) {
             run = Some(id);
-            previous = published.get(&id).copied();
+            previous = published.get(&id).copied().filter(|_| same_clock);
         }
         if let Some(start) = previous {
             let ms = end.signed_duration_since(start).num_microseconds().unwrap_or(0) as f64 / 1000.0;

@@ -37,7 +37,15 @@ fn accounts_for(report: &serde_json::Value, incidents: u64, resolved: u64) {
     assert_eq!(report["outcomes"]["resolved"], resolved, "{report}");
     assert_eq!(report["outcomes"]["escalated"], incidents - resolved, "{report}");
     assert_eq!(report["e2e_ms"]["n"], incidents, "{report}");
-    for stage in ["intake", "diagnose", "plan", "evaluate"] {
+    // Against a crew already running, intake's start and end are two clocks': not measured.
+    let against_a_running_crew = !report["target"].is_null();
+    assert_eq!(report["stage_ms"]["intake"].is_null(), against_a_running_crew, "{report}");
+    let measured: &[&str] = if against_a_running_crew {
+        &["diagnose", "plan", "evaluate"]
+    } else {
+        &["intake", "diagnose", "plan", "evaluate"]
+    };
+    for stage in measured {
         assert_eq!(report["stage_ms"][stage]["n"], incidents, "{stage}: {report}");
     }
     for stage in ["approval", "execute", "verify"] {
@@ -163,17 +171,18 @@ async fn drives_a_crew_that_is_already_running() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// SIGTERM mid-batch: the tool stops at once, says so, fails, and leaves neither its crew's
-/// database nor its directory behind.
-#[test]
-fn an_interrupted_batch_removes_its_database_and_directory() -> anyhow::Result<()> {
+/// The tool started on an endless paced batch (`extra` added) that gives up after `timeout`
+/// seconds, up to its "publishing" line: the process, what it said so far, its crew's database
+/// and directory.
+fn endless_batch(extra: &[&str], timeout: u32) -> anyhow::Result<(std::process::Child, Vec<String>, String, String)> {
     use std::io::{BufRead, BufReader};
     let mut tool = Command::new(env!("CARGO_BIN_EXE_pitcrew-loadtest"))
-        .args(["--incidents", "100000", "--rate", "20", "--no-evidence", "--timeout", "600"])
-        .stdout(std::process::Stdio::null())
+        .args(["--incidents", "100000", "--rate", "20", "--no-evidence", "--timeout", &timeout.to_string()])
+        .args(extra)
+        .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .spawn()?;
-    let mut lines = BufReader::new(tool.stderr.take().expect("stderr")).lines();
+    let mut lines = BufReader::new(tool.stderr.as_mut().expect("stderr")).lines();
     let mut said = Vec::new();
     let (mut database, mut dir) = (String::new(), String::new());
     for line in lines.by_ref() {
@@ -190,20 +199,75 @@ fn an_interrupted_batch_removes_its_database_and_directory() -> anyhow::Result<(
         }
     }
     assert!(!database.is_empty() && std::path::Path::new(&dir).is_dir(), "{said:#?}");
-    std::thread::sleep(std::time::Duration::from_millis(500));
-    assert_eq!(unsafe { libc::kill(tool.id() as i32, libc::SIGTERM) }, 0);
-    said.extend(lines.map_while(Result::ok));
+    Ok((tool, said, database, dir))
+}
+
+/// The rest of what `tool` says on stderr, its JSON line (null if none), once it exits.
+fn rest_of(tool: &mut std::process::Child, said: &mut Vec<String>) -> anyhow::Result<(bool, serde_json::Value)> {
+    use std::io::{BufRead, BufReader, Read};
+    said.extend(BufReader::new(tool.stderr.take().expect("stderr")).lines().map_while(Result::ok));
+    let mut out = String::new();
+    tool.stdout.take().expect("stdout").read_to_string(&mut out)?;
     let status = tool.wait()?;
-    assert!(!status.success(), "{said:#?}");
-    assert!(said.iter().any(|l| l.contains("interrupted by SIGTERM")), "{said:#?}");
-    assert!(!std::path::Path::new(&dir).exists(), "{dir} is left behind");
+    Ok((status.success(), serde_json::from_str(out.trim()).unwrap_or(serde_json::Value::Null)))
+}
+
+/// Whether the database `name` still exists.
+fn database_left(name: &str) -> anyhow::Result<bool> {
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
-    let left: i64 = rt.block_on(async {
+    rt.block_on(async {
         let (client, conn) = tokio_postgres::connect(&pitcrew_testkit::admin_url(), tokio_postgres::NoTls).await?;
         tokio::spawn(conn);
-        let row = client.query_one("SELECT count(*) FROM pg_database WHERE datname = $1", &[&database]).await?;
-        anyhow::Ok(row.get(0))
-    })?;
-    assert_eq!(left, 0, "database {database} is left behind");
+        let row = client.query_one("SELECT count(*) FROM pg_database WHERE datname = $1", &[&name]).await?;
+        anyhow::Ok(row.get::<_, i64>(0) > 0)
+    })
+}
+
+/// A signal mid-batch (SIGTERM; SIGHUP, its terminal closed): the tool stops at once, says
+/// so, fails, and leaves neither its crew's database nor its directory behind.
+#[test]
+fn an_interrupted_batch_removes_its_database_and_directory() -> anyhow::Result<()> {
+    for (signal, name) in [(libc::SIGTERM, "SIGTERM"), (libc::SIGHUP, "SIGHUP")] {
+        let (mut tool, mut said, database, dir) = endless_batch(&[], 600)?;
+        std::thread::sleep(std::time::Duration::from_millis(500));
+        assert_eq!(unsafe { libc::kill(tool.id() as i32, signal) }, 0);
+        let (ok, _) = rest_of(&mut tool, &mut said)?;
+        assert!(!ok, "{said:#?}");
+        assert!(said.iter().any(|l| l.contains(&format!("interrupted by {name}"))), "{said:#?}");
+        assert!(!std::path::Path::new(&dir).exists(), "{name}: {dir} is left behind");
+        assert!(!database_left(&database)?, "{name}: database {database} is left behind");
+    }
+    Ok(())
+}
+
+/// A diagnose worker process that dies mid-batch: the tool stops at once (not at its
+/// timeout), says which and how, with the end of its log, counts what did not end as timed
+/// out, prints its line, fails, and removes its database and directory.
+#[test]
+fn a_crew_worker_that_dies_stops_the_batch_at_once_saying_why() -> anyhow::Result<()> {
+    let beside = std::path::Path::new(env!("CARGO_BIN_EXE_pitcrew-loadtest")).with_file_name("pitcrew");
+    assert!(beside.exists(), "{} is needed: cargo build -p pitcrew", beside.display());
+    let (mut tool, mut said, database, dir) = endless_batch(&["--diagnose-processes", "1"], 120)?;
+    std::thread::sleep(std::time::Duration::from_millis(1000));
+    // The worker: the tool's child running `pitcrew ... worker diagnose`.
+    let worker = std::fs::read_dir("/proc")?
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<i32>().ok())
+        .find(|pid| {
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+            let ppid = stat.rsplit_once(") ").and_then(|(_, rest)| rest.split(' ').nth(1)?.parse::<u32>().ok());
+            let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+            ppid == Some(tool.id()) && String::from_utf8_lossy(&cmdline).contains("worker\0diagnose")
+        })
+        .expect("the tool runs a diagnose worker");
+    let killed = std::time::Instant::now();
+    assert_eq!(unsafe { libc::kill(worker, libc::SIGKILL) }, 0);
+    let (ok, report) = rest_of(&mut tool, &mut said)?;
+    assert!(killed.elapsed() < std::time::Duration::from_secs(60), "it ran on towards its timeout: {said:#?}");
+    assert!(!ok, "{said:#?}");
+    assert!(said.iter().any(|l| l.contains("diagnose worker 0 exited (signal: 9")), "{said:#?}");
+    let (timed_out, incidents) = (report["timed_out"].as_u64().unwrap_or(0), report["incidents"].as_u64().unwrap_or(0));
+    assert!(timed_out > 0 && timed_out + report["completed"].as_u64().unwrap_or(0) == incidents, "{report}");
+    assert!(!std::path::Path::new(&dir).exists(), "{dir} is left behind");
+    assert!(!database_left(&database)?, "database {database} is left behind");
     Ok(())
 }
