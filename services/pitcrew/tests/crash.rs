@@ -146,6 +146,15 @@ async fn check_batch(crew: &Crew) -> anyhow::Result<i64> {
         );
         ended.insert(run, want);
     }
+    // Escalated for the scenario's reason (every fix tried, the service still down), not for
+    // one the disruption caused (a step that failed, a target never free, a check not run).
+    for r in db.query("SELECT id, reason FROM runs WHERE status = 'escalated'", &[]).await? {
+        let (run, reason): (uuid::Uuid, Option<String>) = (r.get(0), r.get(1));
+        anyhow::ensure!(
+            reason.as_deref().is_some_and(|r| r.starts_with("no untried remediation left: ")),
+            "run {run} escalated for another reason than its scenario's: {reason:?}"
+        );
+    }
     // Subscribers see the same: one terminal event a run on the bus.
     let events = crew.bus.js.get_stream(crew.bus.subjects.events_stream()).await?;
     let base = crew.bus.subjects.events_all().trim_end_matches('>').to_string();
@@ -254,6 +263,52 @@ async fn running_a_command(db: &tokio_postgres::Client, names: &[String]) -> any
     Ok(row.and_then(|r| names.iter().position(|n| *n == r.get::<_, String>(0))))
 }
 
+/// A command running now (started 150 ms ago at least, as for [`running_a_command`]), waited
+/// for up to 10 s: its run, attempt and index, and the database's clock.
+async fn a_command_running(db: &tokio_postgres::Client) -> anyhow::Result<(uuid::Uuid, i32, i32)> {
+    let looking = Instant::now();
+    while looking.elapsed() < Duration::from_secs(10) {
+        let row = db
+            .query_opt(
+                "SELECT run_id, attempt, idx FROM executions WHERE status IS NULL AND started
+                   AND started_at < now() - interval '150 milliseconds' LIMIT 1",
+                &[],
+            )
+            .await?;
+        if let Some(r) = row {
+            return Ok((r.get(0), r.get(1), r.get(2)));
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    anyhow::bail!("no command was running in 10 s")
+}
+
+/// The command that ran across a disruption (found running before it, `at` by the database's
+/// clock) ended after it, and its end was recorded as it ended, not as cut short: the step
+/// running it went through the disruption.
+async fn ended_across(
+    db: &tokio_postgres::Client,
+    (run, attempt, idx): (uuid::Uuid, i32, i32),
+    at: chrono::DateTime<chrono::Utc>,
+) -> anyhow::Result<()> {
+    let row = db
+        .query_one(
+            "SELECT status, finished_at FROM executions WHERE run_id = $1 AND attempt = $2 AND idx = $3",
+            &[&run, &attempt, &idx],
+        )
+        .await?;
+    let (status, finished): (Option<String>, Option<chrono::DateTime<chrono::Utc>>) = (row.get(0), row.get(1));
+    anyhow::ensure!(
+        matches!(status.as_deref(), Some("succeeded" | "failed")),
+        "command {idx} of run {run}'s attempt {attempt}, running across the disruption, ended {status:?}"
+    );
+    anyhow::ensure!(
+        finished.is_some_and(|f| f > at),
+        "command {idx} of run {run}'s attempt {attempt} ended at {finished:?}, before the disruption at {at}"
+    );
+    Ok(())
+}
+
 /// Workers SIGKILLed 12 times, 200-800 ms apart; every other kill waits (up to 10 s) for a
 /// worker that is running a command and kills that one, so kills land mid-command.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -305,13 +360,16 @@ async fn a_nats_restart_mid_batch_loses_nothing_and_repeats_nothing() -> anyhow:
     let db = crew.db().await?;
     let started = Instant::now();
     wait_finished(&db, N / 4, started, "the batch never got going").await?;
-    let at = finished(&db).await?;
+    // Restarted while a command runs: a step is mid-work across the restart.
+    let running = a_command_running(&db).await?;
+    let (now, at) = (db.query_one("SELECT now()", &[]).await?.get(0), finished(&db).await?);
     crew.env.nats.restart()?;
     anyhow::ensure!(at < N as i64, "the restart came mid-batch");
     eprintln!("nats-server restarted with {at} of {N} runs finished");
     wait_finished(&db, N, started, "batch not done after the restart").await?;
     eprintln!("batch done in {:.1} s", started.elapsed().as_secs_f64());
-    check_batch(&crew).await.map(drop)
+    check_batch(&crew).await?;
+    ended_across(&db, running, now).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -319,7 +377,12 @@ async fn postgres_down_for_ten_seconds_mid_batch_loses_nothing_and_repeats_nothi
     let mut pg = pitcrew_testkit::pg::PrivatePostgres::start()?;
     let (crew, _workers) = batch_under_way(TestEnv::start_on(&pg.admin_url()).await?).await?;
     let started = Instant::now();
-    wait_finished(&crew.db().await?, N / 4, started, "the batch never got going").await?;
+    let db = crew.db().await?;
+    wait_finished(&db, N / 4, started, "the batch never got going").await?;
+    // Stopped while a command runs: its end is recorded once Postgres is back.
+    let running = a_command_running(&db).await?;
+    let now = db.query_one("SELECT now()", &[]).await?.get(0);
+    drop(db);
     pg.stop();
     eprintln!("postgres stopped at {:.1} s", started.elapsed().as_secs_f64());
     tokio::time::sleep(Duration::from_secs(10)).await;
@@ -329,6 +392,7 @@ async fn postgres_down_for_ten_seconds_mid_batch_loses_nothing_and_repeats_nothi
     eprintln!("batch done in {:.1} s", started.elapsed().as_secs_f64());
     let cut = check_batch(&crew).await?;
     anyhow::ensure!(cut == 0, "a command that ran through the outage is recorded as it ended, not interrupted ({cut})");
+    ended_across(&crew.db().await?, running, now).await?;
     // The steps retried through the outage say so where they start in their timelines; a
     // first delivery has no such line.
     let rows = crew
