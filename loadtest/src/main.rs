@@ -629,6 +629,12 @@ async fn interrupted() -> &'static str {
     ];
     let mut waits = Vec::new();
     for (kind, name) in watched {
+        // One this process was started ignoring (`nohup` ignores SIGHUP; a shell's `cmd &`,
+        // SIGINT and SIGQUIT) stays ignored: watching it would end a batch its user meant to
+        // outlive the terminal.
+        if ignored(kind.as_raw_value()) {
+            continue;
+        }
         match signal(kind) {
             Ok(mut s) => waits.push(async move { s.recv().await.map(|_| name) }.boxed()),
             Err(e) => {
@@ -648,6 +654,14 @@ async fn interrupted() -> &'static str {
             None => waits = rest,
         }
     }
+}
+
+/// Whether signal `sig` is ignored in this process (inherited so from its parent).
+fn ignored(sig: libc::c_int) -> bool {
+    let mut old: libc::sigaction = unsafe { std::mem::zeroed() };
+    // SAFETY: a null new action only reads the current one into `old`.
+    let read = unsafe { libc::sigaction(sig, std::ptr::null(), &mut old) };
+    read == 0 && old.sa_sigaction == libc::SIG_IGN
 }
 
 async fn drive(args: Args, crew_rt: tokio::runtime::Handle) -> anyhow::Result<()> {
@@ -788,6 +802,12 @@ async fn drive(args: Args, crew_rt: tokio::runtime::Handle) -> anyhow::Result<()
             biased;
             why = crew_down(&mut local) => {
                 eprintln!("loadtest: {why}: the runs not seen to end count as timed out");
+                // The ends that came before it count.
+                while let Ok((seen, e)) = finished.try_recv() {
+                    if sent.contains_key(&e.run_id) {
+                        ended.push(tally::Ended::of(seen, &e));
+                    }
+                }
                 break;
             }
             next = tokio::time::timeout(left, finished.recv()) => next,
@@ -844,6 +864,8 @@ async fn drive(args: Args, crew_rt: tokio::runtime::Handle) -> anyhow::Result<()
         eprintln!("loadtest: cannot read the stage latencies: {e:#}");
         Default::default()
     });
+    // Why the crew stopped before the batch did, if it did: the runs it left count as timed out.
+    let crew_failed = local.as_mut().and_then(|l| l.down.clone());
     let llm_calls = match local.take() {
         Some(l) => {
             let _ = l.stop.send(());
@@ -931,6 +953,10 @@ async fn drive(args: Args, crew_rt: tokio::runtime::Handle) -> anyhow::Result<()
             "log": args.log,
         })
     );
+    if let Some(why) = crew_failed {
+        let why = why.lines().next().unwrap_or_default().to_string();
+        bail!("the crew failed before the batch ended ({why}): {timed_out} incidents counted as timed out");
+    }
     if timed_out > 0 {
         bail!("{timed_out} incidents did not end within {} s (counted in errors)", args.timeout);
     }

@@ -265,6 +265,7 @@ fn a_crew_worker_that_dies_stops_the_batch_at_once_saying_why() -> anyhow::Resul
     assert!(killed.elapsed() < std::time::Duration::from_secs(60), "it ran on towards its timeout: {said:#?}");
     assert!(!ok, "{said:#?}");
     assert!(said.iter().any(|l| l.contains("diagnose worker 0 exited (signal: 9")), "{said:#?}");
+    assert!(said.iter().any(|l| l.contains("the crew failed before the batch ended")), "{said:#?}");
     let (timed_out, incidents) = (report["timed_out"].as_u64().unwrap_or(0), report["incidents"].as_u64().unwrap_or(0));
     assert!(timed_out > 0 && timed_out + report["completed"].as_u64().unwrap_or(0) == incidents, "{report}");
     assert!(!std::path::Path::new(&dir).exists(), "{dir} is left behind");
