@@ -263,33 +263,38 @@ async fn running_a_command(db: &tokio_postgres::Client, names: &[String]) -> any
     Ok(row.and_then(|r| names.iter().position(|n| *n == r.get::<_, String>(0))))
 }
 
-/// A command running now (started 150 ms ago at least, as for [`running_a_command`]), waited
-/// for up to 10 s: its run, attempt and index, and the database's clock.
-async fn a_command_running(db: &tokio_postgres::Client) -> anyhow::Result<(uuid::Uuid, i32, i32)> {
+/// A command running now, waited for up to 10 s: its run, attempt and index, and the
+/// database's time as it was seen running. Started 150-250 ms ago (as for
+/// [`running_a_command`], so its process surely started), so the fix (400 ms) has 150 ms or
+/// more to run: a disruption that follows at once comes while it runs.
+async fn a_command_running(
+    db: &tokio_postgres::Client,
+) -> anyhow::Result<((uuid::Uuid, i32, i32), chrono::DateTime<chrono::Utc>)> {
     let looking = Instant::now();
     while looking.elapsed() < Duration::from_secs(10) {
         let row = db
             .query_opt(
-                "SELECT run_id, attempt, idx FROM executions WHERE status IS NULL AND started
-                   AND started_at < now() - interval '150 milliseconds' LIMIT 1",
+                "SELECT run_id, attempt, idx, now() FROM executions WHERE status IS NULL AND started
+                   AND started_at < now() - interval '150 milliseconds'
+                   AND started_at > now() - interval '250 milliseconds' LIMIT 1",
                 &[],
             )
             .await?;
         if let Some(r) = row {
-            return Ok((r.get(0), r.get(1), r.get(2)));
+            return Ok(((r.get(0), r.get(1), r.get(2)), r.get(3)));
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     anyhow::bail!("no command was running in 10 s")
 }
 
-/// The command that ran across a disruption (found running before it, `at` by the database's
-/// clock) ended after it, and its end was recorded as it ended, not as cut short: the step
-/// running it went through the disruption.
-async fn ended_across(
+/// The command that ran across a disruption ended after `after` (by the database's clock), and
+/// its end was recorded as it ended, not as cut short: the step running it went through the
+/// disruption.
+async fn ended_after(
     db: &tokio_postgres::Client,
     (run, attempt, idx): (uuid::Uuid, i32, i32),
-    at: chrono::DateTime<chrono::Utc>,
+    after: chrono::DateTime<chrono::Utc>,
 ) -> anyhow::Result<()> {
     let row = db
         .query_one(
@@ -303,8 +308,8 @@ async fn ended_across(
         "command {idx} of run {run}'s attempt {attempt}, running across the disruption, ended {status:?}"
     );
     anyhow::ensure!(
-        finished.is_some_and(|f| f > at),
-        "command {idx} of run {run}'s attempt {attempt} ended at {finished:?}, before the disruption at {at}"
+        finished.is_some_and(|f| f > after),
+        "command {idx} of run {run}'s attempt {attempt} ended at {finished:?}, not after {after}"
     );
     Ok(())
 }
@@ -361,15 +366,15 @@ async fn a_nats_restart_mid_batch_loses_nothing_and_repeats_nothing() -> anyhow:
     let started = Instant::now();
     wait_finished(&db, N / 4, started, "the batch never got going").await?;
     // Restarted while a command runs: a step is mid-work across the restart.
-    let running = a_command_running(&db).await?;
-    let (now, at) = (db.query_one("SELECT now()", &[]).await?.get(0), finished(&db).await?);
+    let (running, seen) = a_command_running(&db).await?;
     crew.env.nats.restart()?;
+    let at = finished(&db).await?;
     anyhow::ensure!(at < N as i64, "the restart came mid-batch");
     eprintln!("nats-server restarted with {at} of {N} runs finished");
     wait_finished(&db, N, started, "batch not done after the restart").await?;
     eprintln!("batch done in {:.1} s", started.elapsed().as_secs_f64());
     check_batch(&crew).await?;
-    ended_across(&db, running, now).await
+    ended_after(&db, running, seen).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -380,19 +385,19 @@ async fn postgres_down_for_ten_seconds_mid_batch_loses_nothing_and_repeats_nothi
     let db = crew.db().await?;
     wait_finished(&db, N / 4, started, "the batch never got going").await?;
     // Stopped while a command runs: its end is recorded once Postgres is back.
-    let running = a_command_running(&db).await?;
-    let now = db.query_one("SELECT now()", &[]).await?.get(0);
+    let (running, _) = a_command_running(&db).await?;
     drop(db);
     pg.stop();
     eprintln!("postgres stopped at {:.1} s", started.elapsed().as_secs_f64());
     tokio::time::sleep(Duration::from_secs(10)).await;
     pg.restart()?;
+    let back = crew.db().await?.query_one("SELECT now()", &[]).await?.get(0);
     eprintln!("postgres back at {:.1} s", started.elapsed().as_secs_f64());
     wait_finished(&crew.db().await?, N, started, "batch not done after the outage").await?;
     eprintln!("batch done in {:.1} s", started.elapsed().as_secs_f64());
     let cut = check_batch(&crew).await?;
     anyhow::ensure!(cut == 0, "a command that ran through the outage is recorded as it ended, not interrupted ({cut})");
-    ended_across(&crew.db().await?, running, now).await?;
+    ended_after(&crew.db().await?, running, back).await?;
     // The steps retried through the outage say so where they start in their timelines; a
     // first delivery has no such line.
     let rows = crew
