@@ -175,8 +175,17 @@ async fn drives_a_crew_that_is_already_running() -> anyhow::Result<()> {
 /// seconds, up to its "publishing" line: the process, what it said so far, its crew's database
 /// and directory.
 fn endless_batch(extra: &[&str], timeout: u32) -> anyhow::Result<(std::process::Child, Vec<String>, String, String)> {
+    endless_batch_of(Command::new(env!("CARGO_BIN_EXE_pitcrew-loadtest")), extra, timeout)
+}
+
+/// [`endless_batch`] of the tool as `cmd` starts it.
+fn endless_batch_of(
+    mut cmd: Command,
+    extra: &[&str],
+    timeout: u32,
+) -> anyhow::Result<(std::process::Child, Vec<String>, String, String)> {
     use std::io::{BufRead, BufReader};
-    let mut tool = Command::new(env!("CARGO_BIN_EXE_pitcrew-loadtest"))
+    let mut tool = cmd
         .args(["--incidents", "100000", "--rate", "20", "--no-evidence", "--timeout", &timeout.to_string()])
         .args(extra)
         .stdout(std::process::Stdio::piped())
@@ -237,6 +246,32 @@ fn an_interrupted_batch_removes_its_database_and_directory() -> anyhow::Result<(
         assert!(!std::path::Path::new(&dir).exists(), "{name}: {dir} is left behind");
         assert!(!database_left(&database)?, "{name}: database {database} is left behind");
     }
+    Ok(())
+}
+
+/// Started as `nohup` starts it (SIGHUP ignored), a batch outlives a hangup: the tool leaves
+/// that signal ignored rather than stop on it.
+#[test]
+fn a_batch_started_ignoring_hangups_outlives_one() -> anyhow::Result<()> {
+    use std::os::unix::process::CommandExt;
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_pitcrew-loadtest"));
+    // SAFETY: signal(2) only, between fork and exec.
+    unsafe {
+        cmd.pre_exec(|| {
+            libc::signal(libc::SIGHUP, libc::SIG_IGN);
+            Ok(())
+        });
+    }
+    let (mut tool, mut said, database, dir) = endless_batch_of(cmd, &[], 600)?;
+    assert_eq!(unsafe { libc::kill(tool.id() as i32, libc::SIGHUP) }, 0);
+    std::thread::sleep(std::time::Duration::from_millis(1500));
+    assert!(tool.try_wait()?.is_none(), "a hangup ended a batch started ignoring it");
+    assert_eq!(unsafe { libc::kill(tool.id() as i32, libc::SIGTERM) }, 0);
+    let (ok, _) = rest_of(&mut tool, &mut said)?;
+    assert!(!ok && said.iter().any(|l| l.contains("interrupted by SIGTERM")), "{said:#?}");
+    assert!(!said.iter().any(|l| l.contains("interrupted by SIGHUP")), "{said:#?}");
+    assert!(!std::path::Path::new(&dir).exists(), "{dir} is left behind");
+    assert!(!database_left(&database)?, "database {database} is left behind");
     Ok(())
 }
 
