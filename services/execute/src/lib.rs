@@ -147,6 +147,10 @@ const SKIP_GONE_AFTER: Duration = Duration::from_secs(30);
 /// is inside `STRAGGLER_GRACE`.
 const LATE_START: Duration = Duration::from_secs(1);
 
+/// Tries of a command's claim within one delivery when it fails in a way that may pass (about
+/// 7.5 s of waits in all), before the step is handed back.
+const CLAIM_TRIES: u32 = 5;
+
 /// A stopping worker leaves the step (`why`) to another: it is looked at again past the last
 /// pull the worker may still have out (1 s), so it goes to another worker.
 fn hand_over(why: String) -> StageError {
@@ -414,19 +418,39 @@ impl StageHandler for Execute {
                 let claimed_at = Instant::now();
                 let claimed_started = skip.is_none() && executor.starts_at_once(&spec.host);
                 let claim = if at_step {
-                    store
-                        .claim_execution(
-                            state.run_id,
-                            state.attempt,
-                            index,
-                            command,
-                            &spec.host,
-                            &cx.deps.worker,
-                            token,
-                            claimed_started,
-                            gone_after,
-                        )
-                        .await?
+                    // A failure that may pass (the connection lost, Postgres restarting) is
+                    // tried again within this delivery, under the same token: a claim whose
+                    // answer was lost after its commit is then found as this delivery's own,
+                    // not as one a later delivery must wait out and record interrupted
+                    // though it never ran.
+                    let mut tries = 0;
+                    loop {
+                        tries += 1;
+                        match store
+                            .claim_execution(
+                                state.run_id,
+                                state.attempt,
+                                index,
+                                command,
+                                &spec.host,
+                                &cx.deps.worker,
+                                token,
+                                claimed_started,
+                                gone_after,
+                            )
+                            .await
+                        {
+                            Ok(claim) => break claim,
+                            Err(e) if e.is_transient() && tries < CLAIM_TRIES => {
+                                tracing::warn!(
+                                    run = %state.run_id, attempt = state.attempt, index, tries, error = %e,
+                                    "claiming a command failed: trying again"
+                                );
+                                tokio::time::sleep(Duration::from_millis(250 << tries)).await;
+                            }
+                            Err(e) => return Err(e.into()),
+                        }
+                    }
                 } else {
                     // A late delivery (the run moved on, or escalated here without running its
                     // plan) replays claims, never makes one: it holds no target.

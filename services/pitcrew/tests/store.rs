@@ -1564,6 +1564,29 @@ async fn a_claim_or_a_start_waits_for_a_move_off_execute_in_flight_and_is_refuse
     Ok(())
 }
 
+/// A claim tried again by its own delivery (same token: its first answer was lost after the
+/// commit) is still its own while the run is at execute; to any other delivery it is a claim
+/// that may be running, and to its own once the run left execute, no claim to run.
+#[tokio::test]
+async fn a_claim_tried_again_under_its_token_is_its_own_while_the_run_is_at_execute() -> anyhow::Result<()> {
+    use pitcrew_runtime::store::Claim;
+    let (_db, store, read, pg) = one_run().await?;
+    let run = read.run_id;
+    move_run(&pg, run, "execute", "open", None).await?;
+    let mine = Uuid::new_v4();
+    let claim = |token: Uuid| store.claim_execution(run, 1, 0, "touch /tmp/x0", "local", "a", token, true, secs(70));
+    assert_eq!(claim(mine).await?, Claim::Claimed);
+    assert_eq!(claim(mine).await?, Claim::Claimed, "the same delivery's retry");
+    match claim(Uuid::new_v4()).await? {
+        Claim::Unfinished { unstarted: None, .. } => {}
+        other => panic!("another delivery must wait it out: {other:?}"),
+    }
+    move_run(&pg, run, "escalate", "open", None).await?;
+    let refused = claim(mine).await;
+    assert!(matches!(&refused, Err(e) if e.to_string().contains("left execute")), "{refused:?}");
+    Ok(())
+}
+
 /// Closing a run by hand takes only where it was read: a step that moved it meanwhile (its
 /// own escalation, at the very seq the close would take) stands, and the close says so.
 #[tokio::test]

@@ -424,19 +424,41 @@ impl Store {
         if n == 1 {
             return Ok(Claim::Claimed);
         }
-        // None: a claim released or removed since the insert found it (nothing ran), or the run
-        // left the step. The retry claims it, or finds the run moved on.
-        existing_claim(&client, run, attempt, index).await?.ok_or_else(|| {
+        let gone = || {
             StoreError::Unavailable(format!(
                 "command {index} of attempt {attempt}: its claim was released, or its run left execute, as it was claimed"
             ))
-        })
+        };
+        // Its own claim, unfinished, is this delivery's retry of a claim whose answer was lost
+        // (the connection dropped after the commit): still its own while the run is at
+        // execute, as for a claim made now. None: a claim released or removed since the insert
+        // found it (nothing ran), or the run left the step. The retry claims it, or finds the
+        // run moved on.
+        match existing_claim(&client, run, attempt, index, Some(claim)).await? {
+            Some(Claim::Claimed) => {
+                let here = client
+                    .prepare_cached(
+                        "SELECT EXISTS (SELECT 1 FROM runs
+                                         WHERE id = $1 AND attempt = $2 AND stage = 'execute' AND status = 'open'
+                                         FOR SHARE)",
+                    )
+                    .await?;
+                let here: bool = client.query_one(&here, &[&run, &(attempt as i32)]).await?.get(0);
+                if here {
+                    Ok(Claim::Claimed)
+                } else {
+                    Err(gone())
+                }
+            }
+            Some(other) => Ok(other),
+            None => Err(gone()),
+        }
     }
 
     /// What became of command `index` of `attempt`, without claiming it: None if nobody has.
     pub async fn execution_claim(&self, run: Uuid, attempt: u32, index: u32) -> Result<Option<Claim>, StoreError> {
         let client = self.client().await?;
-        existing_claim(&client, run, attempt, index).await
+        existing_claim(&client, run, attempt, index, None).await
     }
 
     /// The command `claim` (a delivery's token) holds starts now: it may be running for up to
@@ -609,6 +631,7 @@ async fn existing_claim(
     run: Uuid,
     attempt: u32,
     index: u32,
+    mine: Option<Uuid>,
 ) -> Result<Option<Claim>, StoreError> {
     let stmt = client
         .prepare_cached(
@@ -616,14 +639,18 @@ async fn existing_claim(
                     (EXTRACT(EPOCH FROM (finished_at - started_at)) * 1000)::bigint,
                     (EXTRACT(EPOCH FROM (now() - started_at)) * 1000)::bigint,
                     (EXTRACT(EPOCH FROM (gone_by - now())) * 1000)::bigint,
-                    CASE WHEN started = false THEN claim END
+                    CASE WHEN started = false THEN claim END,
+                    coalesce(claim = $4, false)
              FROM executions WHERE run_id = $1 AND attempt = $2 AND idx = $3",
         )
         .await?;
-    let Some(row) = client.query_opt(&stmt, &[&run, &(attempt as i32), &(index as i32)]).await? else {
+    let Some(row) = client.query_opt(&stmt, &[&run, &(attempt as i32), &(index as i32), &mine]).await? else {
         return Ok(None);
     };
     let status: Option<String> = row.get(1);
+    if status.is_none() && row.get::<_, bool>(8) {
+        return Ok(Some(Claim::Claimed));
+    }
     let Some(status) = status else {
         let ms = |v: i64| std::time::Duration::from_millis(v.max(0) as u64);
         let gone_in: Option<i64> = row.get(6);
