@@ -147,8 +147,9 @@ const SKIP_GONE_AFTER: Duration = Duration::from_secs(30);
 /// is inside `STRAGGLER_GRACE`.
 const LATE_START: Duration = Duration::from_secs(1);
 
-/// Tries of a command's claim within one delivery when it fails in a way that may pass (about
-/// 7.5 s of waits in all), before the step is handed back.
+/// Tries of a command's claim within one delivery when it fails in a way that may pass, with
+/// 0.5, 1, 2 and 4 s between them (each try bounded by the store's own timeouts), before the
+/// step is handed back; a worker that begins to stop hands it over at once.
 const CLAIM_TRIES: u32 = 5;
 
 /// A stopping worker leaves the step (`why`) to another: it is looked at again past the last
@@ -441,6 +442,19 @@ impl StageHandler for Execute {
                             .await
                         {
                             Ok(claim) => break claim,
+                            // The run left execute: the next delivery decides what follows.
+                            Err(e @ StoreError::Moved(_)) => return Err(e.into()),
+                            // A stopping worker hands the step over rather than wait on: what
+                            // a lost answer may have claimed is its own, and nothing ran, so
+                            // it is released if it can be (else waited out by the next).
+                            Err(e) if e.is_transient() && cx.deps.stopping.short_of(gone_after).is_some() => {
+                                let _ = store.release_execution(state.run_id, state.attempt, index, token, true).await;
+                                return Err(hand_over(format!(
+                                    "worker {} is stopping and claiming command {index} failed ({e}): the plan \
+                                     runs on another worker",
+                                    cx.deps.worker
+                                )));
+                            }
                             Err(e) if e.is_transient() && tries < CLAIM_TRIES => {
                                 tracing::warn!(
                                     run = %state.run_id, attempt = state.attempt, index, tries, error = %e,

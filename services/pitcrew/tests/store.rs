@@ -1581,9 +1581,26 @@ async fn a_claim_tried_again_under_its_token_is_its_own_while_the_run_is_at_exec
         Claim::Unfinished { unstarted: None, .. } => {}
         other => panic!("another delivery must wait it out: {other:?}"),
     }
+    // Taken over once past its time (recorded interrupted by another delivery): the retry
+    // finds that, not a claim to run.
+    pg.execute("UPDATE executions SET gone_by = now() - interval '1 s' WHERE run_id = $1", &[&run]).await?;
+    assert!(store.mark_interrupted(run, 1, 0).await?);
+    match claim(mine).await? {
+        Claim::Finished(rec) => assert_eq!(rec.status, pitcrew_model::ExecutionStatus::Interrupted),
+        other => panic!("{other:?}"),
+    }
+    // Its own claim of the next command, the run gone from execute when it is tried again:
+    // refused for good (not a failure to retry), and the claim, under which nothing ran,
+    // removed rather than left to hold the target and be recorded interrupted.
+    let next = |token: Uuid| store.claim_execution(run, 1, 1, "touch /tmp/x1", "local", "a", token, true, secs(70));
+    assert_eq!(next(mine).await?, Claim::Claimed);
     move_run(&pg, run, "escalate", "open", None).await?;
-    let refused = claim(mine).await;
-    assert!(matches!(&refused, Err(e) if e.to_string().contains("left execute")), "{refused:?}");
+    let refused = next(mine).await;
+    assert!(
+        matches!(&refused, Err(e @ pitcrew_runtime::StoreError::Moved(_)) if e.to_string().contains("left execute")),
+        "{refused:?}"
+    );
+    assert_eq!(store.execution_claim(run, 1, 1).await?, None, "nothing ran under it: removed");
     Ok(())
 }
 

@@ -40,6 +40,11 @@ pub enum StoreError {
     Refused { url: String, error: String },
     #[error("database unavailable: {0}")]
     Unavailable(String),
+    /// What a write was for is gone (a run that left the step, a claim released as it was
+    /// made): retrying the same write now finds the same; the step's next delivery decides
+    /// afresh (so it counts as transient for it).
+    #[error("{0}")]
+    Moved(String),
     #[error("database error: {}", said(.0))]
     Query(#[from] tokio_postgres::Error),
     #[error("{0}")]
@@ -121,7 +126,7 @@ impl StoreError {
     /// store): the same try fails the same way.
     pub fn is_transient(&self) -> bool {
         match self {
-            StoreError::Connect { .. } | StoreError::Unavailable(_) => true,
+            StoreError::Connect { .. } | StoreError::Unavailable(_) | StoreError::Moved(_) => true,
             StoreError::Query(e) => {
                 e.is_closed()
                     || e.code().is_none()

@@ -425,7 +425,7 @@ impl Store {
             return Ok(Claim::Claimed);
         }
         let gone = || {
-            StoreError::Unavailable(format!(
+            StoreError::Moved(format!(
                 "command {index} of attempt {attempt}: its claim was released, or its run left execute, as it was claimed"
             ))
         };
@@ -445,10 +445,18 @@ impl Store {
                     .await?;
                 let here: bool = client.query_one(&here, &[&run, &(attempt as i32)]).await?.get(0);
                 if here {
-                    Ok(Claim::Claimed)
-                } else {
-                    Err(gone())
+                    return Ok(Claim::Claimed);
                 }
+                // Nothing ran under it (its delivery is the caller, which has not started it):
+                // not left to hold the target and be recorded interrupted.
+                client
+                    .execute(
+                        "DELETE FROM executions
+                         WHERE run_id = $1 AND attempt = $2 AND idx = $3 AND claim = $4 AND status IS NULL",
+                        &[&run, &(attempt as i32), &(index as i32), &claim],
+                    )
+                    .await?;
+                Err(gone())
             }
             Some(other) => Ok(other),
             None => Err(gone()),
