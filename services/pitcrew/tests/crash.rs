@@ -225,6 +225,26 @@ async fn check_batch(crew: &Crew) -> anyhow::Result<i64> {
         }
         *statuses.entry(status).or_default() += 1;
     }
+    // A claim released or removed (kept in `execution_releases`) had nothing run under it: no
+    // line of its command inside its window.
+    let released = db
+        .query(
+            "SELECT substring(command from '--tag ([^ ]+)'), run_id, attempt, idx, why,
+                    (EXTRACT(EPOCH FROM claimed_at) * 1000000)::int8,
+                    (EXTRACT(EPOCH FROM released_at) * 1000000)::int8
+             FROM execution_releases",
+            &[],
+        )
+        .await?;
+    for r in &released {
+        let (tag, run, attempt, idx, why, from, to): (String, uuid::Uuid, i32, i32, String, i64, i64) =
+            (r.get(0), r.get(1), r.get(2), r.get(3), r.get(4), r.get(5), r.get(6));
+        let inside = lines.get(&tag).map_or(0, |at| at.iter().filter(|t| (from..=to).contains(*t)).count());
+        anyhow::ensure!(
+            inside == 0,
+            "{tag} (run {run}, attempt {attempt}, command {idx}) ran {inside} times under a claim released: {why}"
+        );
+    }
     for (tag, at) in &lines {
         for t in at {
             let windows = rows
@@ -235,11 +255,12 @@ async fn check_batch(crew: &Crew) -> anyhow::Result<i64> {
         }
     }
     eprintln!(
-        "batch of {N}: {} resolved, {} escalated, each as its scenario dictates; {} executions {statuses:?}; \
-         {} lines in the target's record",
+        "batch of {N}: {} resolved, {} escalated, each as its scenario dictates; {} executions {statuses:?}, \
+         {} claims released; {} lines in the target's record",
         ended.values().filter(|k| **k == "resolved").count(),
         ended.values().filter(|k| **k == "escalated").count(),
         rows.len(),
+        released.len(),
         record.lines().count()
     );
     Ok(interrupted)

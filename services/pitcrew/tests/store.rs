@@ -689,6 +689,20 @@ async fn a_late_finish_of_a_command_taken_over_by_another_delivery_changes_no_de
     assert!(store.execution_claim(run, 1, 7).await?.is_some(), "released a claim that counts as started");
     assert!(store.release_execution(run, 1, 7, t7, true).await?);
     assert_eq!(store.execution_claim(run, 1, 7).await?, None);
+    // Every claim removed so stays on record, with its delivery's token and why.
+    let released = pg
+        .query(
+            "SELECT idx, claim, started, why FROM execution_releases WHERE run_id = $1 ORDER BY released_at",
+            &[&run],
+        )
+        .await?;
+    let released: Vec<(i32, Uuid, bool, String)> =
+        released.iter().map(|r| (r.get(0), r.get(1), r.get(2), r.get(3))).collect();
+    assert_eq!(released.len(), 2, "{released:?}");
+    assert_eq!((released[0].0, released[0].1, released[0].2), (6, t6, false), "{released:?}");
+    assert!(released[0].3.starts_with("never started"), "{released:?}");
+    assert_eq!((released[1].0, released[1].1, released[1].2), (7, t7, true), "{released:?}");
+    assert!(released[1].3.starts_with("released by its delivery"), "{released:?}");
     // The first delivery's command ends after all: not ours any more, nothing is overwritten.
     assert!(!store.finish_execution(run, &done(1), t1).await?, "taken over");
     match store.claim_execution(run, 1, 1, "touch /tmp/x1", "local", "c", Uuid::new_v4(), false, secs(70)).await? {
@@ -1419,6 +1433,8 @@ async fn prune_deletes_old_closed_runs_with_all_they_hold_and_keeps_the_rest() -
         assert!(store.commit_transition(&moved, RunStatus::Open, &events).await?);
         pg.batch_execute(&format!(
             "INSERT INTO executions (run_id, attempt, idx, command, host, worker) VALUES ('{id}', 1, 0, 'true', 'local', 'w');
+             INSERT INTO execution_releases (run_id, attempt, idx, command, host, worker, started, claimed_at, why)
+               VALUES ('{id}', 1, 0, 'true', 'local', 'w', false, now(), 'never started');
              INSERT INTO episodes (run_id, attempt, service, signature, error, diagnosis, commands, result, success)
                VALUES ('{id}', 1, 's', 'sig', 'e', 'd', ARRAY['true'], 'r', true);
              INSERT INTO evaluations (run_id, attempt, regeneration, score, verdict, checks) VALUES ('{id}', 1, 0, 1, 'pass', '[]');
@@ -1487,7 +1503,16 @@ async fn prune_deletes_old_closed_runs_with_all_they_hold_and_keeps_the_rest() -
     kept.sort();
     assert_eq!(left("runs", "id").await?, kept);
     assert_eq!(left("incidents", "id").await?, kept, "the pruned runs', the folded and the refused incident went");
-    for table in ["executions", "episodes", "evaluations", "approvals", "approval_votes", "llm_usage", "target_waits"] {
+    for table in [
+        "executions",
+        "execution_releases",
+        "episodes",
+        "evaluations",
+        "approvals",
+        "approval_votes",
+        "llm_usage",
+        "target_waits",
+    ] {
         assert_eq!(left(table, "DISTINCT run_id").await?, kept, "{table}");
     }
     assert_eq!(left("run_events", "DISTINCT run_id").await?, kept, "run_events");
@@ -1601,6 +1626,9 @@ async fn a_claim_tried_again_under_its_token_is_its_own_while_the_run_is_at_exec
         "{refused:?}"
     );
     assert_eq!(store.execution_claim(run, 1, 1).await?, None, "nothing ran under it: removed");
+    let kept = pg.query_one("SELECT claim, why FROM execution_releases WHERE run_id = $1 AND idx = 1", &[&run]).await?;
+    assert_eq!(kept.get::<_, Uuid>(0), mine);
+    assert!(kept.get::<_, String>(1).starts_with("its run left execute"), "{:?}", kept.get::<_, String>(1));
     Ok(())
 }
 

@@ -7,7 +7,7 @@ use chrono::{DateTime, Utc};
 /// Runs closed before `$1` (a run open for long, closed lately, is kept), up to `$2`, with
 /// everything that belongs to them: their incident and those folded into it that started no
 /// run of their own (and the timelines of both), evaluations, approvals and
-/// votes, executions, episodes, model usage, target waits. One statement: the foreign keys are
+/// votes, executions and released claims, episodes, model usage, target waits. One statement: the foreign keys are
 /// checked at its end, when the children are gone too. Runs another transaction holds are
 /// left for the next batch.
 const PRUNE_RUNS: &str = "
@@ -23,6 +23,7 @@ const PRUNE_RUNS: &str = "
     ap AS (DELETE FROM approvals x USING doomed d WHERE x.run_id = d.id),
     av AS (DELETE FROM approval_votes x USING doomed d WHERE x.run_id = d.id),
     ex AS (DELETE FROM executions x USING doomed d WHERE x.run_id = d.id),
+    er AS (DELETE FROM execution_releases x USING doomed d WHERE x.run_id = d.id),
     lu AS (DELETE FROM llm_usage x USING doomed d WHERE x.run_id = d.id),
     tw AS (DELETE FROM target_waits x USING doomed d WHERE x.run_id = d.id),
     r AS (DELETE FROM runs x USING doomed d WHERE x.id = d.id RETURNING x.id),

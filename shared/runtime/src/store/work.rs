@@ -451,8 +451,14 @@ impl Store {
                 // not left to hold the target and be recorded interrupted.
                 client
                     .execute(
-                        "DELETE FROM executions
-                         WHERE run_id = $1 AND attempt = $2 AND idx = $3 AND claim = $4 AND status IS NULL",
+                        "WITH gone AS (
+                             DELETE FROM executions
+                              WHERE run_id = $1 AND attempt = $2 AND idx = $3 AND claim = $4 AND status IS NULL
+                             RETURNING *)
+                         INSERT INTO execution_releases
+                                (run_id, attempt, idx, command, host, worker, claim, started, claimed_at, why)
+                         SELECT run_id, attempt, idx, command, host, worker, claim, coalesce(started, false),
+                                started_at, 'its run left execute as its delivery claimed it again' FROM gone",
                         &[&run, &(attempt as i32), &(index as i32), &claim],
                     )
                     .await?;
@@ -511,9 +517,14 @@ impl Store {
         let client = self.client().await?;
         let stmt = client
             .prepare_cached(
-                "DELETE FROM executions
-                 WHERE run_id = $1 AND attempt = $2 AND idx = $3 AND claim = $4 AND status IS NULL
-                   AND started = false AND gone_by <= now()",
+                "WITH gone AS (
+                     DELETE FROM executions
+                      WHERE run_id = $1 AND attempt = $2 AND idx = $3 AND claim = $4 AND status IS NULL
+                        AND started = false AND gone_by <= now()
+                     RETURNING *)
+                 INSERT INTO execution_releases (run_id, attempt, idx, command, host, worker, claim, started, claimed_at, why)
+                 SELECT run_id, attempt, idx, command, host, worker, claim, false, started_at,
+                        'never started: removed by a later delivery once its time was up' FROM gone",
             )
             .await?;
         Ok(client.execute(&stmt, &[&run, &(attempt as i32), &(index as i32), &claim]).await? == 1)
@@ -622,9 +633,14 @@ impl Store {
         let client = self.client().await?;
         let released = client
             .execute(
-                "DELETE FROM executions
-                 WHERE run_id = $1 AND attempt = $2 AND idx = $3 AND finished_at IS NULL AND claim = $4
-                   AND (started = false OR $5)",
+                "WITH gone AS (
+                     DELETE FROM executions
+                      WHERE run_id = $1 AND attempt = $2 AND idx = $3 AND finished_at IS NULL AND claim = $4
+                        AND (started = false OR $5)
+                     RETURNING *)
+                 INSERT INTO execution_releases (run_id, attempt, idx, command, host, worker, claim, started, claimed_at, why)
+                 SELECT run_id, attempt, idx, command, host, worker, claim, coalesce(started, false), started_at,
+                        'released by its delivery: nothing ran under it' FROM gone",
                 &[&run, &(attempt as i32), &(index as i32), &claim, &not_run],
             )
             .await?;
