@@ -114,6 +114,7 @@ pub async fn get(State(gw): State<Arc<Gateway>>, Path(id): Path<String>) -> Resu
         })
         .collect();
     let executions = gw.store.execution_rows(run).await?;
+    let released_claims = gw.store.released_claims(run).await?;
     let report = timeline
         .iter()
         .rev()
@@ -134,6 +135,7 @@ pub async fn get(State(gw): State<Arc<Gateway>>, Path(id): Path<String>) -> Resu
         "evaluations": evaluations,
         "approvals": approvals,
         "executions": executions,
+        "released_claims": released_claims,
         "report": report,
     })))
 }

@@ -250,6 +250,20 @@ pub async fn show(store: &Store, run: Uuid) -> anyhow::Result<()> {
             println!("  {}  {status:<11}  {}", printable(&host), printable(&command));
         }
     }
+    let released = store.released_claims(run).await?;
+    if !released.is_empty() {
+        println!("claims released, nothing run under them:");
+        for r in released {
+            println!(
+                "  attempt {} command {}  {}  {}: {}",
+                r.attempt,
+                r.index,
+                printable(&r.host),
+                printable(&r.command),
+                printable(&r.why)
+            );
+        }
+    }
     Ok(())
 }
 

@@ -571,6 +571,21 @@ async fn a_run_streams_its_past_then_live_events_and_is_approved_over_http() -> 
     assert!(rec["timeline"].as_array().expect("timeline").len() >= 8);
     assert_eq!(rec["report"]["outcome"], "resolved");
     assert!(rec["report"]["summary"].as_str().unwrap_or_default().contains("approved by ann"), "{}", rec["report"]);
+    // A claim removed with nothing run under it is part of the record.
+    assert_eq!(rec["released_claims"], json!([]));
+    api.crew
+        .db()
+        .await?
+        .execute(
+            "INSERT INTO execution_releases (run_id, attempt, idx, command, host, worker, started, claimed_at, why)
+             VALUES ($1, 1, 0, 'touch /tmp/x', 'local', 'w0', false, now(), 'never started')",
+            &[&run],
+        )
+        .await?;
+    let (_, rec) = api.get(&format!("/v1/runs/{run}"), "rita").await?;
+    let released = &rec["released_claims"][0];
+    assert_eq!((released["index"].clone(), released["why"].clone()), (json!(0), json!("never started")), "{rec}");
+    assert_eq!((released["command"].clone(), released["worker"].clone()), (json!("touch /tmp/x"), json!("w0")));
     let (_, listed) = api.get("/v1/runs?status=resolved&service=svc&limit=5", "rita").await?;
     assert_eq!(listed["runs"][0]["id"], json!(run));
     let (_, none) = api.get("/v1/runs?status=open", "rita").await?;

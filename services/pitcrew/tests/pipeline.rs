@@ -367,6 +367,21 @@ async fn a_critical_plan_parks_until_approved_then_runs() -> anyhow::Result<()> 
         .await?
         .get(0);
     assert_eq!(who, "ann");
+    assert!(!shown.contains("claims released"), "none was:\n{shown}");
+    // A claim removed with nothing run under it is shown with why.
+    db.execute(
+        "INSERT INTO execution_releases (run_id, attempt, idx, command, host, worker, started, claimed_at, why)
+         VALUES ($1, 1, 0, 'touch /tmp/x', 'local', 'w0', false, now(), 'never started')",
+        &[&run],
+    )
+    .await?;
+    let shown = crew.cli(&["show", &run.to_string()])?;
+    assert!(
+        shown.contains(
+            "claims released, nothing run under them:\n  attempt 1 command 0  local  touch /tmp/x: never started"
+        ),
+        "{shown}"
+    );
     crew.shutdown().await
 }
 

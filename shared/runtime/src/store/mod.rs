@@ -15,7 +15,7 @@ mod work;
 
 pub use migrate::{ensure_database, migrate as apply_migrations, MIGRATIONS};
 pub use prune::Pruned;
-pub use query::{AuditEntry, EvaluationRow, ExecutionRow, RunFilter};
+pub use query::{AuditEntry, EvaluationRow, ExecutionRow, ReleasedClaim, RunFilter};
 pub use runs::{IncidentSeen, OpenRun, RunStatus, RunSummary, StoredRun};
 pub use targets::TargetLock;
 pub use tls::{target as database_target, Target as DatabaseTarget, TlsMode};

@@ -81,6 +81,20 @@ pub struct ExecutionRow {
     pub output: Option<String>,
 }
 
+/// A command's claim removed with nothing run under it (`execution_releases`): the audit of
+/// why a command may show as claimed more than once.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct ReleasedClaim {
+    pub attempt: i32,
+    pub index: i32,
+    pub command: String,
+    pub host: String,
+    pub worker: String,
+    pub claimed_at: DateTime<Utc>,
+    pub released_at: DateTime<Utc>,
+    pub why: String,
+}
+
 /// One line of the gateway's audit trail. `principal` is a key's owner (or `anonymous`),
 /// never the key.
 #[derive(Debug, Clone)]
@@ -184,6 +198,31 @@ impl Store {
                 status: r.get(7),
                 exit_code: r.get(8),
                 output: r.get(9),
+            })
+            .collect())
+    }
+
+    /// Every claim of a run's commands removed with nothing run under it, in order.
+    pub async fn released_claims(&self, run: Uuid) -> Result<Vec<ReleasedClaim>, StoreError> {
+        let client = self.client().await?;
+        let rows = client
+            .query(
+                "SELECT attempt, idx, command, host, worker, claimed_at, released_at, why
+                 FROM execution_releases WHERE run_id = $1 ORDER BY released_at, attempt, idx",
+                &[&run],
+            )
+            .await?;
+        Ok(rows
+            .iter()
+            .map(|r| ReleasedClaim {
+                attempt: r.get(0),
+                index: r.get(1),
+                command: r.get(2),
+                host: r.get(3),
+                worker: r.get(4),
+                claimed_at: r.get(5),
+                released_at: r.get(6),
+                why: r.get(7),
             })
             .collect())
     }
