@@ -6,6 +6,35 @@ use pitcrew_model::{ApprovalDecision, ApprovalRequest, Evaluation, ExecutionReco
 use std::time::Duration;
 use uuid::Uuid;
 
+/// The SQL condition that run `$1` is open at execute in attempt `$2`, its row read `FOR
+/// SHARE` (see [`Store::claim_execution`]): what a claim, a start and a claim's own retry ask.
+macro_rules! at_execute {
+    () => {
+        "EXISTS (SELECT 1 FROM runs WHERE id = $1 AND attempt = $2 AND stage = 'execute' AND status = 'open' \
+         FOR SHARE)"
+    };
+}
+
+/// The statement that removes the claim `$4` of command `$3` of attempt `$2` of run `$1` where
+/// `$predicate` holds too, and keeps it in `execution_releases` saying `$why`: for a claim with
+/// nothing run under it.
+macro_rules! release_claim {
+    ($predicate:literal, $why:literal) => {
+        concat!(
+            "WITH gone AS (
+                 DELETE FROM executions
+                  WHERE run_id = $1 AND attempt = $2 AND idx = $3 AND claim = $4 AND ",
+            $predicate,
+            "
+                 RETURNING *)
+             INSERT INTO execution_releases (run_id, attempt, idx, command, host, worker, claim, started, claimed_at, why)
+             SELECT run_id, attempt, idx, command, host, worker, claim, coalesce(started, false), started_at, '",
+            $why,
+            "' FROM gone"
+        )
+    };
+}
+
 /// What episodic memory knows about an error on a service.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Memory {
@@ -405,14 +434,13 @@ impl Store {
     ) -> Result<Claim, StoreError> {
         let client = self.client().await?;
         let ins = client
-            .prepare_cached(
+            .prepare_cached(concat!(
                 "INSERT INTO executions (run_id, attempt, idx, command, host, worker, gone_by, claim, started)
                  SELECT $1, $2, $3, $4, $5, $6, now() + $7::float8 * interval '1 second', $8, $9
-                  WHERE EXISTS (SELECT 1 FROM runs
-                                 WHERE id = $1 AND attempt = $2 AND stage = 'execute' AND status = 'open'
-                                 FOR SHARE)
-                 ON CONFLICT DO NOTHING",
-            )
+                  WHERE ",
+                at_execute!(),
+                " ON CONFLICT DO NOTHING"
+            ))
             .await?;
         let secs = gone_secs(gone_after);
         let n = client
@@ -436,13 +464,7 @@ impl Store {
         // run moved on.
         match existing_claim(&client, run, attempt, index, Some(claim)).await? {
             Some(Claim::Claimed) => {
-                let here = client
-                    .prepare_cached(
-                        "SELECT EXISTS (SELECT 1 FROM runs
-                                         WHERE id = $1 AND attempt = $2 AND stage = 'execute' AND status = 'open'
-                                         FOR SHARE)",
-                    )
-                    .await?;
+                let here = client.prepare_cached(concat!("SELECT ", at_execute!())).await?;
                 let here: bool = client.query_one(&here, &[&run, &(attempt as i32)]).await?.get(0);
                 if here {
                     return Ok(Claim::Claimed);
@@ -451,14 +473,7 @@ impl Store {
                 // not left to hold the target and be recorded interrupted.
                 client
                     .execute(
-                        "WITH gone AS (
-                             DELETE FROM executions
-                              WHERE run_id = $1 AND attempt = $2 AND idx = $3 AND claim = $4 AND status IS NULL
-                             RETURNING *)
-                         INSERT INTO execution_releases
-                                (run_id, attempt, idx, command, host, worker, claim, started, claimed_at, why)
-                         SELECT run_id, attempt, idx, command, host, worker, claim, coalesce(started, false),
-                                started_at, 'its run left execute as its delivery claimed it again' FROM gone",
+                        release_claim!("status IS NULL", "its run left execute as its delivery claimed it again"),
                         &[&run, &(attempt as i32), &(index as i32), &claim],
                     )
                     .await?;
@@ -497,13 +512,11 @@ impl Store {
     ) -> Result<bool, StoreError> {
         let client = self.client().await?;
         let stmt = client
-            .prepare_cached(
+            .prepare_cached(concat!(
                 "UPDATE executions SET gone_by = now() + $4::float8 * interval '1 second', started = true
-                 WHERE run_id = $1 AND attempt = $2 AND idx = $3 AND status IS NULL AND claim = $5
-                   AND EXISTS (SELECT 1 FROM runs
-                                WHERE id = $1 AND attempt = $2 AND stage = 'execute' AND status = 'open'
-                                FOR SHARE)",
-            )
+                     WHERE run_id = $1 AND attempt = $2 AND idx = $3 AND status IS NULL AND claim = $5 AND ",
+                at_execute!()
+            ))
             .await?;
         let secs = gone_secs(gone_after);
         Ok(client.execute(&stmt, &[&run, &(attempt as i32), &(index as i32), &secs, &claim]).await? == 1)
@@ -516,16 +529,10 @@ impl Store {
     pub async fn drop_unstarted(&self, run: Uuid, attempt: u32, index: u32, claim: Uuid) -> Result<bool, StoreError> {
         let client = self.client().await?;
         let stmt = client
-            .prepare_cached(
-                "WITH gone AS (
-                     DELETE FROM executions
-                      WHERE run_id = $1 AND attempt = $2 AND idx = $3 AND claim = $4 AND status IS NULL
-                        AND started = false AND gone_by <= now()
-                     RETURNING *)
-                 INSERT INTO execution_releases (run_id, attempt, idx, command, host, worker, claim, started, claimed_at, why)
-                 SELECT run_id, attempt, idx, command, host, worker, claim, false, started_at,
-                        'never started: removed by a later delivery once its time was up' FROM gone",
-            )
+            .prepare_cached(release_claim!(
+                "status IS NULL AND started = false AND gone_by <= now()",
+                "never started: removed by a later delivery once its time was up"
+            ))
             .await?;
         Ok(client.execute(&stmt, &[&run, &(attempt as i32), &(index as i32), &claim]).await? == 1)
     }
@@ -633,14 +640,10 @@ impl Store {
         let client = self.client().await?;
         let released = client
             .execute(
-                "WITH gone AS (
-                     DELETE FROM executions
-                      WHERE run_id = $1 AND attempt = $2 AND idx = $3 AND finished_at IS NULL AND claim = $4
-                        AND (started = false OR $5)
-                     RETURNING *)
-                 INSERT INTO execution_releases (run_id, attempt, idx, command, host, worker, claim, started, claimed_at, why)
-                 SELECT run_id, attempt, idx, command, host, worker, claim, coalesce(started, false), started_at,
-                        'released by its delivery: nothing ran under it' FROM gone",
+                release_claim!(
+                    "finished_at IS NULL AND (started = false OR $5)",
+                    "released by its delivery: nothing ran under it"
+                ),
                 &[&run, &(attempt as i32), &(index as i32), &claim, &not_run],
             )
             .await?;
