@@ -8,7 +8,7 @@
 
 mod common;
 
-use common::{Crew, Worker};
+use common::{exited, sigterm, Crew, Worker};
 use pitcrew_model::Stage;
 use pitcrew_testkit::TestEnv;
 use std::collections::BTreeMap;
@@ -208,11 +208,15 @@ async fn check_batch(crew: &Crew) -> anyhow::Result<i64> {
         )
         .await?;
     anyhow::ensure!(rows.len() >= N, "every run ran a command: {} executions", rows.len());
+    // The lines of `tag`'s command within a window.
+    let inside = |tag: &str, from: i64, to: i64| {
+        lines.get(tag).map_or(0, |at| at.iter().filter(|t| (from..=to).contains(*t)).count())
+    };
     let (mut interrupted, mut statuses) = (0, BTreeMap::<String, usize>::new());
     for r in &rows {
         let (tag, run, attempt, idx, status, from, to): (String, uuid::Uuid, i32, i32, String, i64, i64) =
             (r.get(0), r.get(1), r.get(2), r.get(3), r.get(4), r.get(5), r.get(6));
-        let inside = lines.get(&tag).map_or(0, |at| at.iter().filter(|t| (from..=to).contains(*t)).count());
+        let inside = inside(&tag, from, to);
         let what = format!("{tag} (run {run}, attempt {attempt}, command {idx}, {status:?}) ran {inside} times");
         match status.as_str() {
             "succeeded" | "failed" => anyhow::ensure!(inside == 1, "{what}"),
@@ -239,7 +243,7 @@ async fn check_batch(crew: &Crew) -> anyhow::Result<i64> {
     for r in &released {
         let (tag, run, attempt, idx, why, from, to): (String, uuid::Uuid, i32, i32, String, i64, i64) =
             (r.get(0), r.get(1), r.get(2), r.get(3), r.get(4), r.get(5), r.get(6));
-        let inside = lines.get(&tag).map_or(0, |at| at.iter().filter(|t| (from..=to).contains(*t)).count());
+        let inside = inside(&tag, from, to);
         anyhow::ensure!(
             inside == 0,
             "{tag} (run {run}, attempt {attempt}, command {idx}) ran {inside} times under a claim released: {why}"
@@ -549,29 +553,6 @@ async fn resolved(db: &tokio_postgres::Client, run: uuid::Uuid) -> anyhow::Resul
         anyhow::ensure!(started.elapsed() < Duration::from_secs(120), "run {run} never resolved: {status:?}");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-}
-
-/// Wait (up to `within`) for `w` to exit; how, or fail saying `what` did not happen.
-async fn exited(w: &mut Worker, within: Duration, what: &str) -> anyhow::Result<std::process::ExitStatus> {
-    let started = Instant::now();
-    loop {
-        if let Some(status) = w.child.try_wait()? {
-            return Ok(status);
-        }
-        anyhow::ensure!(started.elapsed() < within, "the worker did not exit within {within:?} {what}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
-/// SIGTERM `w` and wait (up to `within`) for it to exit 0; how long it took.
-async fn sigterm(w: &mut Worker, within: Duration) -> anyhow::Result<Duration> {
-    // SAFETY: kill(2) on our own child's pid.
-    unsafe { libc::kill(w.child.id() as i32, libc::SIGTERM) };
-    let asked = Instant::now();
-    let status = exited(w, within, "of SIGTERM").await?;
-    eprintln!("worker exited {status} {:.2} s after SIGTERM", asked.elapsed().as_secs_f64());
-    anyhow::ensure!(status.success(), "a stopping worker exits 0: {status}");
-    Ok(asked.elapsed())
 }
 
 /// A worker stopped while a command outlasts its drain deadline (`drain_secs = 1`): it exits 0

@@ -1109,22 +1109,6 @@ async fn a_connect_its_caller_gives_up_on_leaves_no_ssh_behind() -> anyhow::Resu
     Ok(())
 }
 
-/// The ssh master processes logged in with `key` (the user key of one test server): argv[0]
-/// `ssh`, the key among the arguments.
-fn masters_with_key(key: &str) -> Vec<i32> {
-    let Ok(procs) = std::fs::read_dir("/proc") else { return Vec::new() };
-    procs
-        .flatten()
-        .filter_map(|p| p.file_name().to_str()?.parse::<i32>().ok())
-        .filter(|pid| {
-            let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-            let mut args = cmdline.split(|b| *b == 0);
-            let ssh = args.next().is_some_and(|a| a == b"ssh" || a.ends_with(b"/ssh"));
-            ssh && args.any(|a| a == key.as_bytes())
-        })
-        .collect()
-}
-
 /// A process stopped on SIGTERM exits promptly even when an SSH master it holds stopped
 /// answering (closing a master asks it over its socket, with no deadline of its own; pitcrew
 /// also bounds its runtime's shutdown at 5 s for any blocking work left).
@@ -1132,7 +1116,7 @@ fn masters_with_key(key: &str) -> Vec<i32> {
 async fn a_process_holding_a_wedged_ssh_master_still_exits_on_sigterm() -> anyhow::Result<()> {
     let sshd = start_target()?;
     let host = sshd.host(true);
-    let key = host.key_file.clone().unwrap_or_default();
+    let key = std::path::PathBuf::from(host.key_file.clone().unwrap_or_default());
     let text = format!(
         "{}[services.web]\nhost = \"box\"\nstart = \"true\"\ncheck = {{ kind = \"command\", command = \"true\" }}\n",
         host_toml("box", &host)
@@ -1142,7 +1126,8 @@ async fn a_process_holding_a_wedged_ssh_master_still_exits_on_sigterm() -> anyho
     // The monitor's checks run over a master connection to the host.
     let waited = Instant::now();
     let master = loop {
-        if let Some(pid) = masters_with_key(&key).first() {
+        // The only processes whose command line names this server's user key: its masters.
+        if let Some(pid) = processes_naming(&key).first() {
             break *pid;
         }
         anyhow::ensure!(waited.elapsed() < Duration::from_secs(30), "no master connection in 30 s");
@@ -1152,26 +1137,13 @@ async fn a_process_holding_a_wedged_ssh_master_still_exits_on_sigterm() -> anyho
     // SAFETY: kill(2) on the master this test's monitor started.
     unsafe { libc::kill(master, libc::SIGSTOP) };
     tokio::time::sleep(Duration::from_secs(1)).await;
-    // SAFETY: kill(2) on our own child's pid.
-    unsafe { libc::kill(monitor.child.id() as i32, libc::SIGTERM) };
-    let asked = Instant::now();
-    let status = loop {
-        if let Some(status) = monitor.child.try_wait()? {
-            break Some(status);
-        }
-        if asked.elapsed() > Duration::from_secs(30) {
-            break None;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
-    let took = asked.elapsed();
-    for pid in masters_with_key(&key) {
+    let took = common::sigterm(&mut monitor, Duration::from_secs(30)).await;
+    for pid in processes_naming(&key) {
         // SAFETY: kill(2) on the masters of this test's host.
         unsafe { libc::kill(pid, libc::SIGKILL) };
     }
     let log = std::fs::read_to_string(&monitor.log)?;
-    let status = status.ok_or_else(|| anyhow::anyhow!("the monitor had not exited 30 s after SIGTERM: {log}"))?;
-    assert!(status.success(), "{status}: {log}");
+    let took = took.map_err(|e| anyhow::anyhow!("{e}: {log}"))?;
     assert!(took < Duration::from_secs(20), "the monitor took {took:?} to exit: {log}");
     Ok(())
 }

@@ -220,6 +220,29 @@ impl Drop for Worker {
     }
 }
 
+/// Wait (up to `within`) for `w` to exit; how, or fail saying `what` did not happen.
+pub async fn exited(w: &mut Worker, within: Duration, what: &str) -> anyhow::Result<std::process::ExitStatus> {
+    let started = Instant::now();
+    loop {
+        if let Some(status) = w.child.try_wait()? {
+            return Ok(status);
+        }
+        anyhow::ensure!(started.elapsed() < within, "the worker did not exit within {within:?} {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// SIGTERM `w` and wait (up to `within`) for it to exit 0; how long it took.
+pub async fn sigterm(w: &mut Worker, within: Duration) -> anyhow::Result<Duration> {
+    // SAFETY: kill(2) on our own child's pid.
+    unsafe { libc::kill(w.child.id() as i32, libc::SIGTERM) };
+    let asked = Instant::now();
+    let status = exited(w, within, "of SIGTERM").await?;
+    eprintln!("worker exited {status} {:.2} s after SIGTERM", asked.elapsed().as_secs_f64());
+    anyhow::ensure!(status.success(), "a stopping worker exits 0: {status}");
+    Ok(asked.elapsed())
+}
+
 impl Drop for Crew {
     fn drop(&mut self) {
         if let Some(tx) = self.stop.take() {
