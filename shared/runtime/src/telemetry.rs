@@ -10,6 +10,7 @@ use opentelemetry::trace::TracerProvider as _;
 use opentelemetry_otlp::{Protocol, WithExportConfig};
 use opentelemetry_sdk::error::OTelSdkResult;
 use opentelemetry_sdk::trace::{Sampler, SdkTracerProvider, SpanData, SpanExporter};
+use std::io::Write;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 use tracing_subscriber::layer::SubscriberExt;
@@ -68,12 +69,7 @@ pub fn init_with(default: &str, cfg: &TelemetryConfig) -> Result<Guard, Telemetr
     let json = std::env::var("PITCREW_LOG_FORMAT").as_deref() == Ok("json");
     // Colour only on a terminal: a log a file, journald or `docker logs` keeps is plain text.
     let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
-    let fmt = tracing_subscriber::fmt::layer().with_writer(std::io::stderr).with_ansi(ansi);
-    let fmt: Box<dyn Layer<Registry> + Send + Sync> = if json {
-        fmt.json().with_filter(log_filter(default)).boxed()
-    } else {
-        fmt.compact().with_filter(log_filter(default)).boxed()
-    };
+    let fmt = log_lines(std::io::stderr, json, ansi, log_filter(default));
     let Some(endpoint) = cfg.otlp_endpoint.as_deref().filter(|e| !e.trim().is_empty()) else {
         let _ = tracing_subscriber::registry().with(fmt).try_init();
         return Ok(Guard { provider: None });
@@ -115,6 +111,41 @@ pub fn init_with(default: &str, cfg: &TelemetryConfig) -> Result<Guard, Telemetr
     crate::trace::set_exporting();
     tracing::info!(endpoint = %shown, service = %cfg.service_name, "exporting spans over OTLP/HTTP");
     Ok(Guard { provider: Some(provider) })
+}
+
+/// The log-line layer, written to `out`: each line redacted whole before it is written
+/// ([`Redacted`]), whichever field or message carries a secret.
+fn log_lines<F, W>(out: F, json: bool, ansi: bool, filter: EnvFilter) -> Box<dyn Layer<Registry> + Send + Sync>
+where
+    F: Fn() -> W + Send + Sync + 'static,
+    W: Write + 'static,
+{
+    let fmt = tracing_subscriber::fmt::layer().with_writer(move || Redacted(out())).with_ansi(ansi);
+    if json {
+        fmt.json().with_filter(filter).boxed()
+    } else {
+        fmt.compact().with_filter(filter).boxed()
+    }
+}
+
+/// A log line's way out: the secrets it shows replaced ([`redact`]) before it is written.
+/// Redacting at each call site is not enough: a wait's reason quotes the command it waits for
+/// (`--password ...` as an inventory wrote it), an error quotes what failed, and a new log line
+/// would have to remember. The formatter hands each line over in one write.
+///
+/// [`redact`]: pitcrew_model::redact::redact
+struct Redacted<W>(W);
+
+impl<W: Write> Write for Redacted<W> {
+    fn write(&mut self, line: &[u8]) -> std::io::Result<usize> {
+        let text = String::from_utf8_lossy(line);
+        self.0.write_all(pitcrew_model::redact::redact(&text).as_bytes())?;
+        Ok(line.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.0.flush()
+    }
 }
 
 /// `http://host:4318` → `http://host:4318/v1/traces`; a URL naming the path is kept.
@@ -169,6 +200,48 @@ impl<E: SpanExporter> SpanExporter for WarnOnce<E> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A buffer the log layer writes to, read back by the test.
+    #[derive(Clone, Default)]
+    struct Lines(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+
+    impl Write for Lines {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(buf);
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    /// Whatever field or message carries a secret (a wait's reason quoting its command, an
+    /// error quoting a value this process knows is secret), the log line shows it redacted,
+    /// in either format.
+    #[test]
+    fn log_lines_are_redacted_whatever_carries_the_secret() {
+        let known = "kn0wn-Secret-4417";
+        pitcrew_model::redact::register_secret(known).unwrap();
+        for json in [false, true] {
+            let lines = Lines::default();
+            let out = lines.clone();
+            let layer = log_lines(move || out.clone(), json, false, EnvFilter::new("info"));
+            let subscriber = tracing_subscriber::registry().with(layer);
+            tracing::subscriber::with_default(subscriber, || {
+                let why = "command 1 (`/opt/web/start --password hunter2-ABC`) may still be running";
+                tracing::info!(reason = %why, delivered = 2, "waiting");
+                tracing::warn!(error = %format!("login refused for {known}"), "Postgres failed the step: will retry");
+                tracing::info!("token=tok-XYZ-123456 in a message");
+            });
+            let text = String::from_utf8(lines.0.lock().unwrap().clone()).unwrap();
+            assert_eq!(text.lines().count(), 3, "{text}");
+            assert!(text.contains("waiting") && text.contains("login refused for"), "{text}");
+            for secret in ["hunter2-ABC", known, "tok-XYZ-123456"] {
+                assert!(!text.contains(secret), "json {json}: {secret} in {text}");
+            }
+            assert_eq!(text.matches("[REDACTED]").count(), 3, "{text}");
+        }
+    }
 
     #[test]
     fn the_traces_path_is_added_once() {
