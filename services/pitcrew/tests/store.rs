@@ -1418,6 +1418,35 @@ async fn the_fixes_of_a_signature_are_read_without_walking_its_failures() -> any
     Ok(())
 }
 
+/// An incident's error may be 4096 bytes that do not compress (random letters, another
+/// alphabet): its episode is stored all the same, and episodic memory finds it by that
+/// signature. Postgres refuses an index entry past 2704 bytes, and the episode's transition
+/// (verify's, escalate's) with it, at every delivery.
+#[tokio::test]
+async fn an_episode_of_a_long_error_that_does_not_compress_is_stored_and_remembered() -> anyhow::Result<()> {
+    let db = TestDb::create().await?;
+    let store = store(&db).await?;
+    let mut seed = 0x2545_f491_4f6c_dd1du64;
+    let error: String = (0..pitcrew_model::incident::MAX_ERROR_LEN)
+        .map(|_| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            (b'a' + (seed % 26) as u8) as char
+        })
+        .collect();
+    let mut incident = Incident::new("web", error);
+    incident.validate()?;
+    let run = RunState::new(Uuid::now_v7(), incident);
+    assert_eq!(store.open_run(&run).await?, OpenRun::Created);
+    let (verified, events) = step(&run, Stage::Report, "still down");
+    let episode = Episode::of(&verified, &["systemctl restart web".into()], false, "still down");
+    assert!(store.commit_transition_with(&verified, RunStatus::Open, &events, vec![Record::Episode(episode)]).await?);
+    let memory = store.memory("web", &run.incident.signature(), secs(3600)).await?;
+    assert_eq!(memory.failed, ["systemctl restart web"], "{memory:?}");
+    Ok(())
+}
+
 /// Pruning deletes closed runs older than the cutoff with all that belongs to them, incidents
 /// that started no run, and old audit lines; open runs, however old, and recent ones stay.
 #[tokio::test]

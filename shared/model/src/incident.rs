@@ -11,6 +11,11 @@ use uuid::Uuid;
 pub const MAX_NAME_LEN: usize = 128;
 /// Longest accepted error text.
 pub const MAX_ERROR_LEN: usize = 4096;
+/// Longest error signature ([`error_signature`]) in bytes. Episodic memory's indexes hold the
+/// signature, and a btree entry must fit in about a third of a Postgres page (2704 bytes): an
+/// error of 4096 bytes that does not compress (another alphabet, a blob of letters) would have
+/// every episode of its run refused, and its verify and escalate steps with them.
+pub const MAX_SIGNATURE_LEN: usize = 1024;
 /// Most labels an incident may carry.
 pub const MAX_LABELS: usize = 64;
 /// Longest label key or value.
@@ -262,7 +267,21 @@ pub fn error_signature(error: &str) -> String {
             last_hash = false;
         }
     }
-    out.trim().to_string()
+    capped(out.trim())
+}
+
+/// A signature past [`MAX_SIGNATURE_LEN`]: its start, then ` ~` and a hash of the whole, so
+/// two long errors that differ only past the cut stay two problems.
+fn capped(signature: &str) -> String {
+    if signature.len() <= MAX_SIGNATURE_LEN {
+        return signature.to_string();
+    }
+    let digest = hex::encode(&Sha256::digest(signature.as_bytes())[..8]);
+    let mut keep = MAX_SIGNATURE_LEN - digest.len() - 2;
+    while !signature.is_char_boundary(keep) {
+        keep -= 1;
+    }
+    format!("{} ~{digest}", &signature[..keep])
 }
 
 #[cfg(test)]
@@ -331,6 +350,25 @@ mod tests {
         assert_eq!(error_signature("container 3f2a9bc1d0e4 exited"), "container # exited");
         assert_eq!(error_signature("Dead beef, utf8 x86 ab12"), "dead beef, utf# x# #");
         assert_ne!(error_signature("disk full"), error_signature("disk dead"));
+    }
+
+    /// However long an error is (up to `MAX_ERROR_LEN`, any alphabet), its signature fits
+    /// Postgres' index entries; two errors that differ only past the cut keep two signatures.
+    #[test]
+    fn a_long_error_has_a_signature_of_bounded_length_that_still_tells_errors_apart() {
+        let letters: String = (0..MAX_ERROR_LEN).map(|i| (b'a' + ((i * 7919 + i / 26) % 26) as u8) as char).collect();
+        let cyrillic = "ошибка соединения ".repeat(MAX_ERROR_LEN / "ошибка соединения ".len());
+        for error in [letters.clone(), cyrillic, "İ".repeat(MAX_ERROR_LEN / 2)] {
+            let mut incident = Incident::new("web", error.clone());
+            incident.validate().unwrap();
+            let sig = incident.signature();
+            assert!(sig.len() <= MAX_SIGNATURE_LEN, "{} bytes", sig.len());
+            assert_eq!(sig, error_signature(&error), "the same error, the same signature");
+        }
+        let mut other = letters.clone();
+        other.replace_range(MAX_ERROR_LEN - 1.., "z");
+        assert_ne!(error_signature(&letters), error_signature(&other));
+        assert_eq!(error_signature(&letters[..MAX_SIGNATURE_LEN]), letters[..MAX_SIGNATURE_LEN], "short enough: kept");
     }
 
     #[test]
