@@ -152,6 +152,12 @@ const LATE_START: Duration = Duration::from_secs(1);
 /// step is handed back; a worker that begins to stop hands it over at once.
 const CLAIM_TRIES: u32 = 5;
 
+/// Tries of a command's start mark within its start hook when it fails in a way that may pass,
+/// with 0.5 and 1 s between them: the mark sets what it sets under this delivery's own claim,
+/// so a mark whose answer was lost after its commit is made again, not taken for a start that
+/// may have happened. Short: the command waits at the host's door meanwhile.
+const START_TRIES: u32 = 3;
+
 /// A stopping worker leaves the step (`why`) to another: it is looked at again past the last
 /// pull the worker may still have out (1 s), so it goes to another worker.
 fn hand_over(why: String) -> StageError {
@@ -602,12 +608,24 @@ impl StageHandler for Execute {
                         } else {
                             let (run_id, attempt) = (state.run_id, state.attempt);
                             let (starts, stopping) = (store.clone(), cx.deps.stopping.clone());
+                            // Set when the hook refuses the start, to whether Postgres failed it:
+                            // nothing ran then, whatever the claim's row says (a mark whose
+                            // answer was lost set `started`).
+                            let refused = std::sync::Arc::new(std::sync::OnceLock::<bool>::new());
+                            let refusal = refused.clone();
                             let ready: BeforeStart = Box::new(move || {
                                 Box::pin(async move {
+                                    let refuse = |store: bool, why: String| {
+                                        let _ = refusal.set(store);
+                                        Err(why)
+                                    };
                                     // Not if the worker began to stop since the look before
                                     // the claim (a turn on its host, a connection, a signal).
                                     if stopping.short_of(gone_after).is_some() {
-                                        return Err("the worker began to stop while the command waited".into());
+                                        return refuse(
+                                            false,
+                                            "the worker began to stop while the command waited".into(),
+                                        );
                                     }
                                     // Marked before it starts, after its wait: a claim without
                                     // the mark never started (a later delivery may run it), one
@@ -617,13 +635,30 @@ impl StageHandler for Execute {
                                     if claimed_started && claimed_at.elapsed() <= LATE_START {
                                         return Ok(());
                                     }
-                                    match starts.command_starts(run_id, attempt, index, token, gone_after).await {
+                                    let mut tries = 0;
+                                    let marked = loop {
+                                        tries += 1;
+                                        match starts.command_starts(run_id, attempt, index, token, gone_after).await {
+                                            Err(e) if e.is_transient() && tries < START_TRIES => {
+                                                tracing::warn!(
+                                                    run = %run_id, attempt, index, tries, error = %e,
+                                                    "marking a command's start failed: trying again"
+                                                );
+                                                tokio::time::sleep(Duration::from_millis(250 << tries)).await;
+                                            }
+                                            marked => break marked,
+                                        }
+                                    };
+                                    match marked {
                                         Ok(true) => Ok(()),
-                                        Ok(false) => Err("the command's claim was taken over by another delivery, \
-                                                          or its run left execute (closed by hand), while it \
-                                                          waited for its turn: not starting it"
-                                            .into()),
-                                        Err(e) => Err(format!("cannot record the command's start: {e}")),
+                                        Ok(false) => refuse(
+                                            false,
+                                            "the command's claim was taken over by another delivery, or its run \
+                                             left execute (closed by hand), while it waited for its turn: not \
+                                             starting it"
+                                                .into(),
+                                        ),
+                                        Err(e) => refuse(true, format!("cannot record the command's start: {e}")),
                                     }
                                 })
                             });
@@ -661,8 +696,12 @@ impl StageHandler for Execute {
                                     // release the claim so the retry can run it. Past the mark (an
                                     // SSH channel that failed as it opened) the command may have
                                     // started: the claim stays, and is recorded interrupted later.
+                                    // A start the hook refused never began, though its mark's
+                                    // lost answer may have set the claim started.
+                                    let hook_refused = refused.get().copied();
+                                    let nothing_ran = claimed_started || hook_refused.is_some();
                                     let released = store
-                                        .release_execution(state.run_id, state.attempt, index, token, claimed_started)
+                                        .release_execution(state.run_id, state.attempt, index, token, nothing_ran)
                                         .await?;
                                     // A worker stopping now (its start hook saw it, or the
                                     // wait for a connection failed as it stopped) leaves the
@@ -689,7 +728,12 @@ impl StageHandler for Execute {
                                             note: Some(WaitNote::Straggler),
                                         });
                                     }
-                                    return Err(StageError::Transient(e));
+                                    // Postgres refused the start's mark: retried whatever
+                                    // the message's deliveries, as any store failure.
+                                    return Err(match hook_refused {
+                                        Some(true) => StageError::Store(e),
+                                        _ => StageError::Transient(e),
+                                    });
                                 }
                                 // A secret this worker does not hold (or cannot use): nothing
                                 // ran, and nothing is known of the command. Recorded as not run,

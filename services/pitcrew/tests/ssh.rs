@@ -689,6 +689,62 @@ async fn a_host_gone_at_execute_escalates_only_under_the_claim_that_stands() -> 
     crew.shutdown().await
 }
 
+/// A command's start mark whose answer is lost (Postgres restarting as it commits) leaves its
+/// claim marked started though nothing ran. The mark is made again under the same claim; when
+/// Postgres keeps failing it, the delivery releases its claim as never run (the start hook
+/// refused the start) and the next one runs the command, once. It was recorded interrupted after
+/// a straggler's wait and remembered as a failed fix though it never ran, and the run escalated.
+/// Here the database plays the lost answers: the first claim is written started (a mark
+/// committed), then the first four marks fail as a server shutting down fails them (three for
+/// the first delivery's tries, one for the second's first).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_start_mark_whose_answer_is_lost_is_made_again_and_never_counts_as_a_start() -> anyhow::Result<()> {
+    use pitcrew_model::{EventKind, Stage};
+    let sshd = start_target()?;
+    let env = pitcrew_testkit::TestEnv::start().await?;
+    let healthy = format!("{}/healthy", sshd.workdir("svc")?.display());
+    let text = touched_service(&sshd, &healthy, "");
+    let mut crew = common::Crew::start_in(env, &text, &Stage::ALL).await?;
+    let db = crew.db().await?;
+    db.batch_execute(
+        "CREATE SEQUENCE claims; CREATE SEQUENCE marks;
+         CREATE FUNCTION marked_claim() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN
+           IF nextval('claims') = 1 THEN NEW.started := true; END IF;
+           RETURN NEW;
+         END $$;
+         CREATE TRIGGER marked_claim BEFORE INSERT ON executions FOR EACH ROW EXECUTE FUNCTION marked_claim();
+         CREATE FUNCTION lost_mark() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN
+           IF NEW.started AND NEW.status IS NULL AND NEW.claim = OLD.claim AND nextval('marks') <= 4 THEN
+             RAISE EXCEPTION 'terminating connection due to administrator command' USING ERRCODE = '57P01';
+           END IF;
+           RETURN NEW;
+         END $$;
+         CREATE TRIGGER lost_mark BEFORE UPDATE ON executions FOR EACH ROW EXECUTE FUNCTION lost_mark();",
+    )
+    .await?;
+    let run = crew.open("svc", "connection refused").await?;
+    let end = crew.end(run).await?;
+    let sql = "SELECT stage || ': ' || message FROM run_events WHERE run_id = $1 ORDER BY seq, idx";
+    let timeline = common::texts(&db, sql, run).await;
+    assert_eq!(end.kind, EventKind::Resolved, "{}: {timeline:#?}", end.message);
+    assert_eq!(executions(&db, run).await?, vec![ok(format!("touch {healthy}"))], "run once, on attempt 1");
+    let marks: i64 = db.query_one("SELECT last_value FROM marks", &[]).await?.get(0);
+    assert_eq!(marks, 5, "four marks failed, the fifth took");
+    let released = db
+        .query("SELECT started, why FROM execution_releases WHERE run_id = $1", &[&run])
+        .await?
+        .iter()
+        .map(|r| (r.get::<_, bool>(0), r.get::<_, String>(1)))
+        .collect::<Vec<_>>();
+    assert_eq!(released.len(), 1, "the first delivery released its claim: {released:?}");
+    assert!(released[0].0 && released[0].1.contains("nothing ran"), "{released:?}");
+    assert_eq!(episodes(&db, run).await?.iter().filter(|(success, _)| !success).count(), 0, "no failure remembered");
+    assert_eq!(crew.dead_letters().await?, 0);
+    crew.shutdown().await
+}
+
 /// Scenario (a): the service process is killed; the monitor sees it, the crew starts it again
 /// over SSH as the login user, verify sees it answer.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
