@@ -618,7 +618,9 @@ impl Bus {
 
     /// Whether any message on `subject` of `stream` stored since `since` has the message id
     /// `id` (read in order from then, at most `HELD_SCAN` messages): for a subject many
-    /// messages share (a stage's dead letters), where the last one may be another's.
+    /// messages share (a stage's dead letters), where the last one may be another's. Their
+    /// headers alone are read: a letter holds its message whole (up to the bus's 512 KiB), and
+    /// a backlog of them read whole for each one dead-lettered would be gigabytes.
     pub async fn held_since(
         &self,
         stream: &str,
@@ -633,6 +635,7 @@ impl Bus {
                 .create_consumer(consumer::pull::OrderedConfig {
                     filter_subject: subject.to_string(),
                     deliver_policy: consumer::DeliverPolicy::ByStartTime { start_time: since },
+                    headers_only: true,
                     ..Default::default()
                 })
                 .await
