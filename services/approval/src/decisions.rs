@@ -8,9 +8,9 @@ use pitcrew_runtime::approvals::{answered_attempt, ATTEMPT_HEADER};
 use pitcrew_runtime::bus::DECISIONS_CONSUMER;
 use pitcrew_runtime::consume::{backoff, Disposition, MessageHandler};
 use pitcrew_runtime::runner::{
-    apply, dead_letter, delivery, exhausted, header, outage, publish_events, publish_state, ApplyError,
+    apply, dead_letter, delivery, exhausted, header, outage, publish_batch, publish_events, ApplyError,
 };
-use pitcrew_runtime::runner::{DECISION_EVENT_BASE, DECISION_EVENT_SPAN};
+use pitcrew_runtime::runner::{DECISION_EVENTS, DECISION_EVENT_BASE, DECISION_EVENT_SPAN};
 use pitcrew_runtime::store::{DecideOutcome, RunStatus, StoreError};
 use pitcrew_runtime::{Bus, BusError, Cx, Deps, Transition};
 use std::future::Future;
@@ -255,8 +255,17 @@ impl Decisions {
             DecideOutcome::Applied => None,
             DecideOutcome::Repeated if run.status == RunStatus::WaitingApproval => None,
             DecideOutcome::Repeated => {
-                // Applied and committed before a crash: republish the successor, but only if
-                // the stored state is still the one this decision produced.
+                // Applied and committed before a crash, or before all it sends reached the bus
+                // (a publish that failed after the commit): send its events again, from what
+                // it stored under its index, and the successor, but only if the stored state
+                // is still the one this decision produced. Without the events, the run went
+                // from waiting to executing on the bus with no word of who approved.
+                let events: Vec<_> = store
+                    .timeline(d.run_id)
+                    .await?
+                    .into_iter()
+                    .filter(|e| e.stage == Stage::Approval && (index..index + DECISION_EVENTS).contains(&e.index))
+                    .collect();
                 let produced = match (&state.step, &state.approval) {
                     (Stage::Execute, ApprovalStatus::Approved { plan_hash: h, .. }) => *h == plan_hash,
                     // An approved state too large for execute went to escalate instead.
@@ -264,9 +273,8 @@ impl Decisions {
                     (Stage::Escalate, ApprovalStatus::Denied { .. }) => true,
                     _ => false,
                 };
-                if produced && !run.status.is_final() {
-                    publish_state(&self.bus, &state).await?;
-                }
+                let successor = (produced && !run.status.is_final()).then_some(&state);
+                publish_batch(&self.bus, &events, successor).await?;
                 return Ok(());
             }
             // Two last votes of a quorum at once: each was counted, the other's approval of the

@@ -436,6 +436,58 @@ async fn an_approval_whose_transition_fails_for_a_while_is_retried_not_dead_lett
     crew.shutdown().await
 }
 
+/// An approval whose events cannot reach the bus after its transition committed (a publish
+/// that failed: here the events stream refuses a second message on the decision's subject)
+/// is delivered again, and that delivery sends the decision's stored events, not only the run
+/// on. It sent the run on alone: on the bus the run went from waiting to executing with no
+/// word of who approved it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_approval_whose_events_missed_the_bus_after_its_commit_sends_them_again() -> anyhow::Result<()> {
+    use async_nats::jetstream::stream::DiscardPolicy;
+    let mut crew = crew_with_playbook("").await?;
+    let run = crew.open("svc", "stale lock held").await?;
+    crew.events.kind(run, EventKind::ApprovalRequested, WAIT).await?;
+    let subject = crew.bus.subjects.event(run, EventKind::ApprovalDecided.as_str());
+    let mut events = crew.bus.js.get_stream(crew.bus.subjects.events_stream()).await?;
+    let kept = events.info().await?.config.clone();
+    crew.bus.js.publish(subject.clone(), "taken".into()).await?.await?;
+    crew.bus
+        .js
+        .update_stream(async_nats::jetstream::stream::Config {
+            max_messages_per_subject: 1,
+            discard: DiscardPolicy::New,
+            discard_new_per_subject: true,
+            ..kept.clone()
+        })
+        .await?;
+    cli::submit(&crew.bus, Some(&crew.store), DecisionInput::cli(run, Decision::Approve, "ann", None, &crew.cfg))
+        .await?;
+    let committed = tokio::time::Instant::now() + WAIT;
+    while crew.store.load_run(run).await?.map(|r| r.state.step) == Some(Stage::Approval) {
+        anyhow::ensure!(tokio::time::Instant::now() < committed, "the approval never committed");
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    events.purge().filter(subject.clone()).await?;
+    crew.bus.js.update_stream(kept).await?;
+    let decided = crew
+        .store
+        .timeline(run)
+        .await?
+        .into_iter()
+        .find(|e| e.kind == EventKind::ApprovalDecided)
+        .ok_or_else(|| anyhow::anyhow!("no decision stored"))?;
+    assert!(decided.message.contains("approved by ann"), "{}", decided.message);
+    let sent = tokio::time::Instant::now() + WAIT;
+    while !crew.bus.holds_event(&decided).await? {
+        anyhow::ensure!(tokio::time::Instant::now() < sent, "the stored decision never reached the bus");
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    let end = crew.events.terminal(run, WAIT).await?;
+    assert_eq!(end.kind, EventKind::Resolved, "{}", end.message);
+    assert_eq!(crew.dead_letters().await?, 0);
+    crew.shutdown().await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_denied_plan_is_escalated_and_nothing_runs() -> anyhow::Result<()> {
     let mut crew = crew_with_playbook("").await?;
