@@ -1387,6 +1387,36 @@ async fn a_migration_behind_a_held_lock_gives_up_in_time_and_is_retried() -> any
     Ok(())
 }
 
+/// Setting run states to lz4 behind a lock held past the migrations' lock wait fails, to be
+/// tried again, instead of being recorded done with pglz kept for good (every error was
+/// caught, the lock's timeout with the rest).
+#[tokio::test]
+async fn run_states_set_to_lz4_behind_a_held_lock_are_set_on_the_next_try() -> anyhow::Result<()> {
+    let db = TestDb::create().await?;
+    let cfg = DatabaseConfig { url: db.url.clone(), pool_size: 1, migrate_on_start: false, statement_timeout_secs: 30 };
+    let store = Store::connect(&cfg).await?;
+    store.migrate().await?;
+    let mut pg = db.client().await?;
+    if pg.batch_execute("SET default_toast_compression = 'lz4'").await.is_err() {
+        eprintln!("this Postgres has no lz4: nothing to set");
+        return Ok(());
+    }
+    let method =
+        "SELECT attcompression::text FROM pg_attribute WHERE attrelid = 'runs'::regclass AND attname = 'state'";
+    pg.batch_execute("ALTER TABLE runs ALTER COLUMN state SET COMPRESSION pglz").await?;
+    let last = pitcrew_runtime::store::MIGRATIONS.last().map(|m| m.0).unwrap_or_default();
+    pg.execute("DELETE FROM pitcrew_migrations WHERE version IN (6, $1)", &[&last]).await?;
+    let holder = pg.transaction().await?;
+    holder.batch_execute("LOCK TABLE runs IN ACCESS SHARE MODE").await?;
+    let refused = store.migrate().await.unwrap_err();
+    assert!(refused.is_transient(), "{refused}");
+    holder.rollback().await?;
+    assert_eq!(pg.query_one(method, &[]).await?.get::<_, String>(0), "p", "nothing set while the lock was held");
+    assert_eq!(store.migrate().await?, 2);
+    assert_eq!(pg.query_one(method, &[]).await?.get::<_, String>(0), "l");
+    Ok(())
+}
+
 /// The last fixes of a signature never fixed are read from the successes alone, however many
 /// failures it has.
 #[tokio::test]
