@@ -13,6 +13,10 @@ use opentelemetry_sdk::trace::{Sampler, SdkTracerProvider, SpanData, SpanExporte
 use std::io::Write;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
+use tracing::field::{Field, Visit};
+use tracing_subscriber::field::RecordFields;
+use tracing_subscriber::fmt::format::Writer;
+use tracing_subscriber::fmt::FormatFields;
 use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::util::SubscriberInitExt;
 use tracing_subscriber::{EnvFilter, Layer, Registry};
@@ -113,33 +117,90 @@ pub fn init_with(default: &str, cfg: &TelemetryConfig) -> Result<Guard, Telemetr
     Ok(Guard { provider: Some(provider) })
 }
 
-/// The log-line layer, written to `out`: each line redacted whole before it is written
-/// ([`Redacted`]), whichever field or message carries a secret.
+/// The log-line layer, written to `out`, with every secret a line shows redacted, whichever
+/// field or message carries it: a wait's reason quotes the command it waits for (`--password
+/// ...` as an inventory wrote it), an error quotes what failed, and a new log line would have to
+/// remember to redact. Text lines have each field's value redacted before it is written
+/// ([`RedactedFields`]: the names stay, `secret=DB_PASS` names a secret and shows none); JSON
+/// lines have their string values redacted ([`RedactedJson`]), so each is still one JSON object.
 fn log_lines<F, W>(out: F, json: bool, ansi: bool, filter: EnvFilter) -> Box<dyn Layer<Registry> + Send + Sync>
 where
     F: Fn() -> W + Send + Sync + 'static,
     W: Write + 'static,
 {
-    let fmt = tracing_subscriber::fmt::layer().with_writer(move || Redacted(out())).with_ansi(ansi);
     if json {
+        let fmt = tracing_subscriber::fmt::layer().with_writer(move || RedactedJson(out())).with_ansi(ansi);
         fmt.json().with_filter(filter).boxed()
     } else {
+        let fmt = tracing_subscriber::fmt::layer().with_writer(out).with_ansi(ansi).fmt_fields(RedactedFields);
         fmt.compact().with_filter(filter).boxed()
     }
 }
 
-/// A log line's way out: the secrets it shows replaced ([`redact`]) before it is written.
-/// Redacting at each call site is not enough: a wait's reason quotes the command it waits for
-/// (`--password ...` as an inventory wrote it), an error quotes what failed, and a new log line
-/// would have to remember. The formatter hands each line over in one write.
-///
-/// [`redact`]: pitcrew_model::redact::redact
-struct Redacted<W>(W);
+/// Text lines' fields as the default format writes them (`name=value`, the message bare), each
+/// value redacted first: redacting the finished line would read field names as secrets' names
+/// and meet colour codes between a name and its value.
+struct RedactedFields;
 
-impl<W: Write> Write for Redacted<W> {
+impl<'w> FormatFields<'w> for RedactedFields {
+    fn format_fields<R: RecordFields>(&self, writer: Writer<'w>, fields: R) -> std::fmt::Result {
+        let mut visitor = FieldsVisitor { writer, result: Ok(()), first: true };
+        fields.record(&mut visitor);
+        visitor.result
+    }
+}
+
+struct FieldsVisitor<'w> {
+    writer: Writer<'w>,
+    result: std::fmt::Result,
+    first: bool,
+}
+
+impl FieldsVisitor<'_> {
+    fn field(&mut self, field: &Field, value: &str, quoted: bool) {
+        let name = field.name();
+        if self.result.is_err() || name.starts_with("log.") {
+            return;
+        }
+        let name = name.strip_prefix("r#").unwrap_or(name);
+        let value = pitcrew_model::redact::redact(value);
+        let gap = if std::mem::take(&mut self.first) { "" } else { " " };
+        self.result = match (name, quoted) {
+            ("message", _) => write!(self.writer, "{gap}{value}"),
+            (_, true) => write!(self.writer, "{gap}{name}={value:?}"),
+            (_, false) => write!(self.writer, "{gap}{name}={value}"),
+        };
+    }
+}
+
+impl Visit for FieldsVisitor<'_> {
+    fn record_str(&mut self, field: &Field, value: &str) {
+        self.field(field, value, true);
+    }
+
+    fn record_debug(&mut self, field: &Field, value: &dyn std::fmt::Debug) {
+        self.field(field, &format!("{value:?}"), false);
+    }
+}
+
+/// A JSON log line's way out: parsed, its string values redacted, written again (one write a
+/// line, as the formatter hands it over). A line that does not parse is redacted as text.
+struct RedactedJson<W>(W);
+
+impl<W: Write> Write for RedactedJson<W> {
     fn write(&mut self, line: &[u8]) -> std::io::Result<usize> {
-        let text = String::from_utf8_lossy(line);
-        self.0.write_all(pitcrew_model::redact::redact(&text).as_bytes())?;
+        match serde_json::from_slice::<serde_json::Value>(line) {
+            Ok(mut value) => {
+                pitcrew_model::redact::redact_json(&mut value);
+                let mut out = serde_json::to_vec(&value).map_err(std::io::Error::other)?;
+                out.push(b'\n');
+                self.0.write_all(&out)?;
+            }
+            Err(_) => {
+                let text = String::from_utf8_lossy(line);
+                self.0.write_all(pitcrew_model::redact::redact(&text).as_bytes())?;
+            }
+        }
         Ok(line.len())
     }
 
@@ -216,30 +277,43 @@ mod tests {
     }
 
     /// Whatever field or message carries a secret (a wait's reason quoting its command, an
-    /// error quoting a value this process knows is secret), the log line shows it redacted,
-    /// in either format.
+    /// error quoting a value this process knows is secret, a quoted value, one that ends a
+    /// field), the log line shows it redacted, in either format, coloured or not; the names of
+    /// fields stay (a secret's name is no secret), and a JSON line is still one JSON object.
     #[test]
     fn log_lines_are_redacted_whatever_carries_the_secret() {
         let known = "kn0wn-Secret-4417";
         pitcrew_model::redact::register_secret(known).unwrap();
-        for json in [false, true] {
+        for (json, ansi) in [(false, false), (false, true), (true, false)] {
             let lines = Lines::default();
             let out = lines.clone();
-            let layer = log_lines(move || out.clone(), json, false, EnvFilter::new("info"));
+            let layer = log_lines(move || out.clone(), json, ansi, EnvFilter::new("info"));
             let subscriber = tracing_subscriber::registry().with(layer);
             tracing::subscriber::with_default(subscriber, || {
                 let why = "command 1 (`/opt/web/start --password hunter2-ABC`) may still be running";
                 tracing::info!(reason = %why, delivered = 2, "waiting");
-                tracing::warn!(error = %format!("login refused for {known}"), "Postgres failed the step: will retry");
+                tracing::warn!(error = %format!("login refused for {known}"), attempt = 3, "will retry");
+                tracing::info!(command = "psql --password pa55-SECRET", host = "db1", "ran");
+                tracing::info!(config = r#"password="q-uoted-9""#, "read");
+                tracing::warn!(secret = %"DB_PASS", "a secret commands name is not set");
                 tracing::info!("token=tok-XYZ-123456 in a message");
             });
             let text = String::from_utf8(lines.0.lock().unwrap().clone()).unwrap();
-            assert_eq!(text.lines().count(), 3, "{text}");
-            assert!(text.contains("waiting") && text.contains("login refused for"), "{text}");
-            for secret in ["hunter2-ABC", known, "tok-XYZ-123456"] {
-                assert!(!text.contains(secret), "json {json}: {secret} in {text}");
+            assert_eq!(text.lines().count(), 6, "{text}");
+            for secret in ["hunter2-ABC", known, "pa55-SECRET", "q-uoted-9", "tok-XYZ-123456"] {
+                assert!(!text.contains(secret), "json {json}, ansi {ansi}: {secret} in {text}");
             }
-            assert_eq!(text.matches("[REDACTED]").count(), 3, "{text}");
+            assert_eq!(text.matches("[REDACTED]").count(), 5, "{text}");
+            for kept in ["waiting", "login refused for", "db1", "DB_PASS", "a secret commands name is not set"] {
+                assert!(text.contains(kept), "json {json}, ansi {ansi}: {kept} not in {text}");
+            }
+            if json {
+                for line in text.lines() {
+                    let line: serde_json::Value = serde_json::from_str(line).unwrap();
+                    assert!(line["fields"]["message"].is_string(), "{line}");
+                }
+                assert!(text.contains(r#""host":"db1""#), "{text}");
+            }
         }
     }
 
