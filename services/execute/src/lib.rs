@@ -608,9 +608,9 @@ impl StageHandler for Execute {
                         } else {
                             let (run_id, attempt) = (state.run_id, state.attempt);
                             let (starts, stopping) = (store.clone(), cx.deps.stopping.clone());
-                            // Set when the hook refuses the start, to whether Postgres failed it:
-                            // nothing ran then, whatever the claim's row says (a mark whose
-                            // answer was lost set `started`).
+                            // Set when the hook refuses the start, to whether Postgres failed it
+                            // in a way that may pass: nothing ran then, whatever the claim's row
+                            // says (a mark whose answer was lost set `started`).
                             let refused = std::sync::Arc::new(std::sync::OnceLock::<bool>::new());
                             let refusal = refused.clone();
                             let ready: BeforeStart = Box::new(move || {
@@ -658,7 +658,9 @@ impl StageHandler for Execute {
                                              starting it"
                                                 .into(),
                                         ),
-                                        Err(e) => refuse(true, format!("cannot record the command's start: {e}")),
+                                        Err(e) => {
+                                            refuse(e.is_transient(), format!("cannot record the command's start: {e}"))
+                                        }
                                     }
                                 })
                             });
@@ -728,8 +730,10 @@ impl StageHandler for Execute {
                                             note: Some(WaitNote::Straggler),
                                         });
                                     }
-                                    // Postgres refused the start's mark: retried whatever
-                                    // the message's deliveries, as any store failure.
+                                    // Postgres failed the start's mark for a passing reason:
+                                    // retried whatever the message's deliveries, as any such
+                                    // store failure (one that cannot pass counts towards the
+                                    // dead letter, as other failed starts do).
                                     return Err(match hook_refused {
                                         Some(true) => StageError::Store(e),
                                         _ => StageError::Transient(e),
