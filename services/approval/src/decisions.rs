@@ -260,12 +260,25 @@ impl Decisions {
                 // it stored under its index, and the successor, but only if the stored state
                 // is still the one this decision produced. Without the events, the run went
                 // from waiting to executing on the bus with no word of who approved.
-                let events: Vec<_> = store
-                    .timeline(d.run_id)
-                    .await?
+                // This decision's events: under the seq it was applied at (where its first event
+                // sits at its index), in its index range (a neighbour's range overlaps it under
+                // other seqs). Not when its last already is the last of its kind on the bus.
+                let timeline = store.timeline(d.run_id).await?;
+                let applied_at =
+                    timeline.iter().filter(|e| e.stage == Stage::Approval && e.index == index).map(|e| e.seq).max();
+                let mut events: Vec<_> = timeline
                     .into_iter()
-                    .filter(|e| e.stage == Stage::Approval && (index..index + DECISION_EVENTS).contains(&e.index))
+                    .filter(|e| {
+                        Some(e.seq) == applied_at
+                            && e.stage == Stage::Approval
+                            && (index..index + DECISION_EVENTS).contains(&e.index)
+                    })
                     .collect();
+                if let Some(last) = events.last() {
+                    if self.bus.holds_event(last).await? {
+                        events.clear();
+                    }
+                }
                 let produced = match (&state.step, &state.approval) {
                     (Stage::Execute, ApprovalStatus::Approved { plan_hash: h, .. }) => *h == plan_hash,
                     // An approved state too large for execute went to escalate instead.
