@@ -1389,7 +1389,8 @@ async fn a_migration_behind_a_held_lock_gives_up_in_time_and_is_retried() -> any
 
 /// Setting run states to lz4 behind a lock held past the migrations' lock wait fails, to be
 /// tried again, instead of being recorded done with pglz kept for good (every error was
-/// caught, the lock's timeout with the rest).
+/// caught, the lock's timeout with the rest); a database upgraded that way before gets lz4
+/// from migration 16.
 #[tokio::test]
 async fn run_states_set_to_lz4_behind_a_held_lock_are_set_on_the_next_try() -> anyhow::Result<()> {
     let db = TestDb::create().await?;
@@ -1404,15 +1405,20 @@ async fn run_states_set_to_lz4_behind_a_held_lock_are_set_on_the_next_try() -> a
     let method =
         "SELECT attcompression::text FROM pg_attribute WHERE attrelid = 'runs'::regclass AND attname = 'state'";
     pg.batch_execute("ALTER TABLE runs ALTER COLUMN state SET COMPRESSION pglz").await?;
-    let last = pitcrew_runtime::store::MIGRATIONS.last().map(|m| m.0).unwrap_or_default();
-    pg.execute("DELETE FROM pitcrew_migrations WHERE version IN (6, $1)", &[&last]).await?;
+    pg.execute("DELETE FROM pitcrew_migrations WHERE version = 6", &[]).await?;
     let holder = pg.transaction().await?;
     holder.batch_execute("LOCK TABLE runs IN ACCESS SHARE MODE").await?;
     let refused = store.migrate().await.unwrap_err();
     assert!(refused.is_transient(), "{refused}");
     holder.rollback().await?;
     assert_eq!(pg.query_one(method, &[]).await?.get::<_, String>(0), "p", "nothing set while the lock was held");
-    assert_eq!(store.migrate().await?, 2);
+    assert_eq!(store.migrate().await?, 1);
+    assert_eq!(pg.query_one(method, &[]).await?.get::<_, String>(0), "l");
+    // A database an earlier build upgraded that way: migration 6 recorded, pglz kept.
+    // Migration 16 sets lz4 there.
+    pg.batch_execute("ALTER TABLE runs ALTER COLUMN state SET COMPRESSION pglz").await?;
+    pg.execute("DELETE FROM pitcrew_migrations WHERE version = 16", &[]).await?;
+    assert_eq!(store.migrate().await?, 1);
     assert_eq!(pg.query_one(method, &[]).await?.get::<_, String>(0), "l");
     Ok(())
 }
@@ -1473,6 +1479,30 @@ async fn an_episode_of_a_long_error_that_does_not_compress_is_stored_and_remembe
     let episode = Episode::of(&verified, &["systemctl restart web".into()], false, "still down");
     assert!(store.commit_transition_with(&verified, RunStatus::Open, &events, vec![Record::Episode(episode)]).await?);
     let memory = store.memory("web", &run.incident.signature(), secs(3600)).await?;
+    assert_eq!(memory.failed, ["systemctl restart web"], "{memory:?}");
+    Ok(())
+}
+
+/// An episode an earlier build stored under a signature longer than today's cap (the cut
+/// falling inside a character here) gets the capped signature from the migration, the one
+/// `error_signature` gives its error now: episodic memory still finds what was tried.
+#[tokio::test]
+async fn episodes_stored_under_a_long_signature_are_found_under_its_capped_form() -> anyhow::Result<()> {
+    let (_db, store, run, pg) = one_run().await?;
+    let error = format!("{}é{}", "a".repeat(1005), " refusée".repeat(200));
+    let capped = pitcrew_model::incident::error_signature(&error);
+    assert!(capped.len() <= pitcrew_model::incident::MAX_SIGNATURE_LEN && capped.len() < error.len());
+    pg.execute(
+        "INSERT INTO episodes (run_id, attempt, service, signature, error, diagnosis, commands, result, success)
+         VALUES ($1, 1, 'web', $2, $2, 'd', ARRAY['systemctl restart web'], 'still down', false)",
+        &[&run.run_id, &error],
+    )
+    .await?;
+    pg.execute("DELETE FROM pitcrew_migrations WHERE version = 17", &[]).await?;
+    assert_eq!(store.migrate().await?, 1);
+    let stored: String = pg.query_one("SELECT signature FROM episodes WHERE run_id = $1", &[&run.run_id]).await?.get(0);
+    assert_eq!(stored, capped);
+    let memory = store.memory("web", &capped, secs(3600)).await?;
     assert_eq!(memory.failed, ["systemctl restart web"], "{memory:?}");
     Ok(())
 }

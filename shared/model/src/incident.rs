@@ -205,7 +205,10 @@ impl Incident {
         h.update([0]);
         h.update(self.host.as_deref().unwrap_or("").as_bytes());
         h.update([0]);
-        h.update(self.signature().as_bytes());
+        // The whole normalised error, not the signature's capped form: a long error's
+        // fingerprint stays what it was before signatures were capped, so an incident joins
+        // the run an earlier build opened for it.
+        h.update(normalised(&self.error).as_bytes());
         hex::encode(&h.finalize()[..16])
     }
 }
@@ -215,6 +218,12 @@ impl Incident {
 /// `0x7ffd5a`), so a request or container id in an alert does not make every alert a new
 /// problem; a word of letters alone (`dead`, `cafe`) is kept.
 pub fn error_signature(error: &str) -> String {
+    capped(&normalised(error))
+}
+
+/// The error lowercased, numbers and hex ids masked, whitespace collapsed: the signature
+/// before its cap.
+fn normalised(error: &str) -> String {
     let mut out = String::with_capacity(error.len());
     let mut last_space = false;
     let mut last_hash = false;
@@ -267,7 +276,7 @@ pub fn error_signature(error: &str) -> String {
             last_hash = false;
         }
     }
-    capped(out.trim())
+    out.trim().to_string()
 }
 
 /// A signature past [`MAX_SIGNATURE_LEN`]: its start, then ` ~` and a hash of the whole, so
@@ -369,6 +378,17 @@ mod tests {
         other.replace_range(MAX_ERROR_LEN - 1.., "z");
         assert_ne!(error_signature(&letters), error_signature(&other));
         assert_eq!(error_signature(&letters[..MAX_SIGNATURE_LEN]), letters[..MAX_SIGNATURE_LEN], "short enough: kept");
+    }
+
+    /// A long error's fingerprint is the one builds before the signature's cap gave it
+    /// (sha256 of service, host and the whole normalised error, computed apart): an incident
+    /// joins the run opened for it before an upgrade, not a second one beside it.
+    #[test]
+    fn a_long_errors_fingerprint_did_not_change_with_the_signatures_cap() {
+        let error = "connexion refusée par l'hôte ".repeat(60);
+        let incident = Incident::new("web", error.trim());
+        assert!(incident.signature().len() <= MAX_SIGNATURE_LEN);
+        assert_eq!(incident.effective_fingerprint(), "f1e6bb2b8920852a10add6c47bf9a573");
     }
 
     #[test]

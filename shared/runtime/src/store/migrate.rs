@@ -21,6 +21,7 @@ pub const MIGRATIONS: &[(i32, &str, &str)] = &[
     (14, "refused_timelines", include_str!("../../../../schemas/migrations/0014_refused_timelines.sql")),
     (15, "execution_releases", include_str!("../../../../schemas/migrations/0015_execution_releases.sql")),
     (16, "state_lz4_again", include_str!("../../../../schemas/migrations/0016_state_lz4_again.sql")),
+    (17, "signature_cap", include_str!("../../../../schemas/migrations/0017_signature_cap.sql")),
 ];
 
 /// How long a migration waits for a table's lock before giving up (to be tried again).
