@@ -77,17 +77,21 @@ pub struct ApprovalDecision {
 /// Bytes of a decision's reason kept (the HTTP API refuses more; other publishers are cut).
 pub const MAX_REASON: usize = 1000;
 
+/// Bytes of a decision's `by` and `channel` kept (a name: a publisher that sends more is cut).
+pub const MAX_DECIDER: usize = 256;
+
 impl ApprovalDecision {
     /// The decision as Postgres can store it, whoever published it: NUL bytes become U+FFFD
     /// (Postgres refuses NUL in text, and a denial it refused would be lost while its run
-    /// waited on for someone else's approval) and the reason is cut to `MAX_REASON` bytes.
+    /// waited on for someone else's approval), the reason is cut to `MAX_REASON` bytes, `by`
+    /// and `channel` to `MAX_DECIDER`.
     pub fn storable(self) -> Self {
         use crate::trim::{clip, storable};
         ApprovalDecision {
-            by: storable(self.by),
+            by: clip(&storable(self.by), MAX_DECIDER),
             plan_hash: self.plan_hash.map(storable),
             reason: self.reason.map(|r| clip(&storable(r), MAX_REASON)),
-            channel: storable(self.channel),
+            channel: clip(&storable(self.channel), MAX_DECIDER),
             ..self
         }
     }
@@ -95,4 +99,32 @@ impl ApprovalDecision {
 
 fn default_channel() -> String {
     "unknown".to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Whoever published it, a decision's names are kept to a name's length: a bot that puts a
+    /// blob in `by` (200,000 control characters, six bytes each as JSON) made an event no bus
+    /// message could carry, and the decision was retried for good.
+    #[test]
+    fn a_decisions_names_are_cut_to_a_names_length() {
+        let d = ApprovalDecision {
+            run_id: Uuid::nil(),
+            decision: Decision::Approve,
+            by: "\u{1}".repeat(200_000),
+            plan_hash: None,
+            reason: Some("r\0".repeat(1000)),
+            channel: "c".repeat(10_000),
+            decided_at: Utc::now(),
+        }
+        .storable();
+        assert!(d.by.len() <= MAX_DECIDER + '…'.len_utf8(), "{}", d.by.len());
+        assert!(d.channel.len() <= MAX_DECIDER + '…'.len_utf8(), "{}", d.channel.len());
+        let reason = d.reason.clone().unwrap_or_default();
+        assert!(reason.len() <= MAX_REASON + '…'.len_utf8() && !reason.contains('\0'), "{reason}");
+        let short = ApprovalDecision { by: "ann".into(), channel: "cli".into(), ..d }.storable();
+        assert_eq!((short.by.as_str(), short.channel.as_str()), ("ann", "cli"));
+    }
 }

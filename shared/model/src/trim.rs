@@ -74,6 +74,36 @@ pub fn storable(text: String) -> String {
     }
 }
 
+/// Most bytes of an event's data as JSON. An event must fit one bus message (512 KiB) whatever
+/// a publisher or a model put in it: one that does not is refused at every try, and the step
+/// that emits it (a decision set aside, say) is retried for good.
+pub const MAX_EVENT_DATA: usize = 128 * 1024;
+
+/// `value` as an event keeps it: past [`MAX_EVENT_DATA`] bytes of JSON, an object saying how
+/// large it was (`cut`), with the start of its text (`head`, at most half the limit before
+/// the escaping of its quotes and backslashes, which at most doubles it).
+pub fn bounded_json(value: &mut serde_json::Value) {
+    struct Count(usize);
+    impl std::io::Write for Count {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0 += buf.len();
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let mut size = Count(0);
+    if serde_json::to_writer(&mut size, value).is_ok() && size.0 <= MAX_EVENT_DATA {
+        return;
+    }
+    let head = clip(&value.to_string(), MAX_EVENT_DATA / 2);
+    *value = serde_json::json!({
+        "cut": format!("{} bytes of data, over the {MAX_EVENT_DATA} an event keeps", size.0),
+        "head": head,
+    });
+}
+
 /// `value` as Postgres can keep it: NUL in any string or key becomes U+FFFD (see [`storable`]).
 pub fn storable_json(value: &mut serde_json::Value) {
     match value {
@@ -166,6 +196,25 @@ pub fn printable(text: &str) -> std::borrow::Cow<'_, str> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Event data that would not fit a bus message is cut to a bounded object saying so;
+    /// data within the limit is kept as it is.
+    #[test]
+    fn event_data_past_the_limit_is_cut_to_fit_a_message() {
+        let mut small = serde_json::json!({"by": "ann", "output": "x".repeat(4096)});
+        let kept = small.clone();
+        bounded_json(&mut small);
+        assert_eq!(small, kept);
+        // Control characters take six bytes each as JSON, quotes two.
+        for filler in ["\u{1}", "\""] {
+            let mut big = serde_json::json!({"by": filler.repeat(200_000), "channel": "bot"});
+            bounded_json(&mut big);
+            let size = serde_json::to_vec(&big).unwrap().len();
+            assert!(size <= MAX_EVENT_DATA + 1024, "{size} bytes");
+            assert!(big["cut"].as_str().unwrap().contains("bytes of data"), "{big}");
+            assert!(big["head"].as_str().unwrap().starts_with("{\"by\""), "{big}");
+        }
+    }
 
     #[test]
     fn printable_text_cannot_steer_a_terminal() {

@@ -172,12 +172,14 @@ impl<'a> Cx<'a> {
         self.next_index += 1;
     }
 
-    /// Add a timeline event (stored and published once the step commits).
+    /// Add a timeline event (stored and published once the step commits): redacted, storable,
+    /// its message clipped and its data bounded, so it fits one bus message.
     pub fn emit(&mut self, kind: EventKind, message: impl Into<String>, mut data: serde_json::Value) {
         // Secrets never reach the timeline, the bus or Postgres; nor a NUL, which Postgres
         // refuses (the event, and the step holding it, would never be stored).
         pitcrew_model::redact::redact_json(&mut data);
         pitcrew_model::trim::storable_json(&mut data);
+        pitcrew_model::trim::bounded_json(&mut data);
         let message = pitcrew_model::trim::storable(pitcrew_model::redact::redact(&message.into()).into_owned());
         self.events.push(RunEvent {
             run_id: self.run_id,
