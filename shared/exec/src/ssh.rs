@@ -31,8 +31,8 @@ pub struct SshExecutor {
     sessions: HashMap<String, Mutex<Option<Master>>>,
     /// Per host, a permit for each command it may run at once (its `max_sessions`).
     channels: HashMap<String, Semaphore>,
-    /// Answers of `command -v` per (host, tool).
-    tools: std::sync::Mutex<HashMap<(String, String), bool>>,
+    /// Answers of `command -v` per (host, tool), for a while.
+    tools: std::sync::Mutex<ToolAnswers>,
     /// Hosts found unreachable, with when to try them again (callers fail fast till then).
     down: std::sync::Mutex<HashMap<String, (Instant, String)>>,
 }
@@ -424,8 +424,8 @@ impl SshExecutor {
             return true;
         }
         let key = (host.to_string(), tool.to_string());
-        if let Some(known) = self.tools.lock().expect("tool cache").get(&key) {
-            return *known;
+        if let Some(known) = self.tools.lock().expect("tool cache").get(&key, Instant::now()) {
+            return known;
         }
         let Ok(_channel) = self.channel(host).await else { return false };
         let Ok(session) = self.session(host).await else { return false };
@@ -440,8 +440,45 @@ impl SshExecutor {
             // Not cached: the next look asks again.
             Ok(Err(_)) | Err(_) => return false,
         };
-        self.tools.lock().expect("tool cache").insert(key, found);
+        self.tools.lock().expect("tool cache").put(key, found, Instant::now());
         found
+    }
+}
+
+/// How long a program `command -v` found on a host is taken as there without asking again.
+const TOOL_FOUND_KEPT: Duration = Duration::from_secs(600);
+
+/// How long a program `command -v` did not find is taken as absent: a fix may install it
+/// (`apt-get install -y lsof`), and the plans after it should see it soon.
+const TOOL_ABSENT_KEPT: Duration = Duration::from_secs(30);
+
+/// Most answers kept: program names come from plans, which a model writes (a path per release,
+/// `/opt/app/releases/<version>/bin/ctl`), and a worker lives for months.
+const MAX_TOOL_ANSWERS: usize = 4096;
+
+/// The answers of `command -v` per (host, program), each with when it was given.
+#[derive(Default)]
+struct ToolAnswers(HashMap<(String, String), (bool, Instant)>);
+
+impl ToolAnswers {
+    /// The answer for `key` if it is recent enough at `now`.
+    fn get(&self, key: &(String, String), now: Instant) -> Option<bool> {
+        let (found, at) = *self.0.get(key)?;
+        let kept = if found { TOOL_FOUND_KEPT } else { TOOL_ABSENT_KEPT };
+        (now.saturating_duration_since(at) < kept).then_some(found)
+    }
+
+    /// Keep an answer; when [`MAX_TOOL_ANSWERS`] are kept, those too old go first, then all.
+    fn put(&mut self, key: (String, String), found: bool, now: Instant) {
+        if self.0.len() >= MAX_TOOL_ANSWERS && !self.0.contains_key(&key) {
+            self.0.retain(|_, (found, at)| {
+                now.saturating_duration_since(*at) < if *found { TOOL_FOUND_KEPT } else { TOOL_ABSENT_KEPT }
+            });
+            if self.0.len() >= MAX_TOOL_ANSWERS {
+                self.0.clear();
+            }
+        }
+        self.0.insert(key, (found, now));
     }
 }
 
@@ -595,6 +632,26 @@ const CUT_SHORT_SAID: &str = "pitcrew: the command did not arrive whole";
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A program found stays known for ten minutes, one not found for half a minute (a fix
+    /// may install it); the answers kept are bounded however many programs plans name.
+    #[test]
+    fn tool_answers_expire_and_are_bounded() {
+        let mut answers = ToolAnswers::default();
+        let t0 = Instant::now();
+        let key = |tool: &str| ("box".to_string(), tool.to_string());
+        answers.put(key("lsof"), false, t0);
+        answers.put(key("sh"), true, t0);
+        assert_eq!(answers.get(&key("lsof"), t0 + Duration::from_secs(29)), Some(false));
+        assert_eq!(answers.get(&key("lsof"), t0 + TOOL_ABSENT_KEPT), None, "asked again once installed");
+        assert_eq!(answers.get(&key("sh"), t0 + Duration::from_secs(599)), Some(true));
+        assert_eq!(answers.get(&key("sh"), t0 + TOOL_FOUND_KEPT), None);
+        assert_eq!(answers.get(&key("ss"), t0), None);
+        for n in 0..3 * MAX_TOOL_ANSWERS {
+            answers.put(key(&format!("/opt/app/releases/{n}/bin/ctl")), false, t0 + Duration::from_millis(n as u64));
+            assert!(answers.0.len() <= MAX_TOOL_ANSWERS, "{} answers kept", answers.0.len());
+        }
+    }
 
     /// What POSIX sh reads `quoted(word)` as: the same word, whatever it holds.
     #[test]
