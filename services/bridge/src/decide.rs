@@ -10,6 +10,14 @@ use pitcrew_runtime::{Bus, Config, Store};
 use std::collections::BTreeMap;
 use uuid::Uuid;
 
+/// Decisions under way at once in one chat bridge; a click past them is told to click again.
+/// Each holds a task (its caller may have gone: the decision runs to its end) and, while
+/// Postgres or NATS is slow, a wait for a pooled connection.
+pub const MAX_DECIDING: usize = 64;
+
+/// What a clicker is told when [`MAX_DECIDING`] decisions are under way.
+pub const TOO_MANY_DECIDING: &str = "Too many decisions are under way: click again in a moment.";
+
 /// What a button said, and who clicked it.
 #[derive(Debug, Clone)]
 pub struct Click<'a> {

@@ -632,6 +632,38 @@ async fn a_mattermost_click_whose_caller_gives_up_is_still_decided() -> anyhow::
     crew.shutdown().await
 }
 
+/// Callers that give up while decisions wait (Mattermost's timeout, its retries, users
+/// clicking again while Postgres is slow) leave their decisions under way, each in a task of its
+/// own: past 64 of them a click is answered at once that too many are under way, instead of
+/// piling up one more task. The decisions under way still end, and the run is decided once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mattermost_clicks_past_the_decisions_under_way_are_told_to_wait() -> anyhow::Result<()> {
+    let (mm, mut crew, bridge, _) = mattermost_crew().await?;
+    let run = crew.open("svc", "stale lock held").await?;
+    crew.events.kind(run, EventKind::ApprovalRequested, WAIT).await?;
+    let post = posted_with(&mm, "v4/posts", run).await?;
+    let approve = post.body["props"]["attachments"][0]["actions"][0]["integration"]["context"].clone();
+    let locker = crew.db().await?;
+    locker.batch_execute("BEGIN; LOCK TABLE approvals IN ACCESS EXCLUSIVE MODE").await?;
+    let call = json!({ "user_id": "mmann0", "context": approve });
+    let http = reqwest::Client::new();
+    let url = format!("{}/mattermost/actions", bridge.url);
+    let given_up = futures::future::join_all(
+        (0..64).map(|_| http.post(&url).timeout(Duration::from_millis(1500)).json(&call).send()),
+    )
+    .await;
+    assert!(given_up.iter().all(|sent| sent.as_ref().is_err_and(|e| e.is_timeout())), "each waits on the table");
+    let told: serde_json::Value =
+        http.post(&url).timeout(Duration::from_secs(5)).json(&call).send().await?.error_for_status()?.json().await?;
+    assert!(told["ephemeral_text"].as_str().unwrap_or_default().contains("Too many decisions"), "{told}");
+    locker.batch_execute("COMMIT").await?;
+    let end = crew.end(run).await?;
+    assert_eq!(end.kind, EventKind::Resolved, "{}", end.message);
+    assert_eq!(decisions_published(&crew, run).await?, 1);
+    bridge.stop().await?;
+    crew.shutdown().await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_mattermost_click_runs_the_plan_and_forged_or_second_clicks_change_nothing() -> anyhow::Result<()> {
     let (mm, mut crew, bridge, public) = mattermost_crew().await?;

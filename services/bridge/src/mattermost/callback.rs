@@ -4,7 +4,7 @@
 //! is answered with its reason, shown only to the clicker.
 
 use super::message::{self, Context};
-use crate::decide::{decide, Click, Outcome};
+use crate::decide::{decide, Click, Outcome, MAX_DECIDING, TOO_MANY_DECIDING};
 use crate::secret::Secret;
 use axum::body::Body;
 use axum::extract::{ConnectInfo, State};
@@ -18,6 +18,7 @@ use serde::Deserialize;
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
+use tokio::sync::Semaphore;
 
 /// What the endpoint needs.
 pub struct App {
@@ -29,6 +30,23 @@ pub struct App {
     pub action_secret: Secret,
     /// Where action calls are taken from (`[bridge.mattermost] allow_from`).
     pub sources: Sources,
+    /// A permit for each decision under way (at most [`MAX_DECIDING`]).
+    pub deciding: Arc<Semaphore>,
+}
+
+impl App {
+    /// Permits for [`App::deciding`].
+    pub fn deciding() -> Arc<Semaphore> {
+        Arc::new(Semaphore::new(MAX_DECIDING))
+    }
+
+    /// Wait, at most `within`, for the decisions under way (the action server has stopped
+    /// taking clicks): one cut off at exit could land half-published behind its clicker.
+    pub async fn finish_decisions(&self, within: std::time::Duration) {
+        if tokio::time::timeout(within, self.deciding.acquire_many(MAX_DECIDING as u32)).await.is_err() {
+            tracing::warn!(within_secs = within.as_secs(), "Mattermost decisions still under way at exit");
+        }
+    }
 }
 
 /// `POST /mattermost/actions` and `GET /healthz`.
@@ -80,11 +98,17 @@ async fn actions(
     };
     // Decided in a task of its own: Mattermost giving up on the call (its timeout) or the
     // connection dropping must not cut a decision off half way, a vote counted and its
-    // decision not published.
+    // decision not published. Bounded: callers that give up (and click again, or are retried
+    // by Mattermost) while Postgres or NATS is slow would otherwise pile such tasks up.
+    let Ok(permit) = app.deciding.clone().try_acquire_owned() else {
+        tracing::warn!(mattermost_user = %user, %run, "too many Mattermost decisions under way: this click is refused");
+        return Json(message::ephemeral(TOO_MANY_DECIDING)).into_response();
+    };
     let decided = pitcrew_runtime::trace::to_the_end({
         let app = app.clone();
         let call = call.clone();
         async move {
+            let _permit = permit;
             let context = &call.context;
             let click = Click {
                 chat: "mattermost",

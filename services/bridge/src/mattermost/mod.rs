@@ -75,6 +75,7 @@ pub async fn run(cfg: Config, secrets: Secrets, shutdown: Shutdown) -> anyhow::R
         cfg: Arc::new(cfg),
         action_secret: secrets.action_secret,
         sources,
+        deciding: callback::App::deciding(),
     });
     // Last: clicks come in only once every part of the bridge is ready to decide them.
     let listener = pitcrew_runtime::httpd::bind(&mm.listen, "[bridge.mattermost] listen").await?;
@@ -83,7 +84,8 @@ pub async fn run(cfg: Config, secrets: Secrets, shutdown: Shutdown) -> anyhow::R
         %listen, server = %pitcrew_runtime::config::redact_url(&mm.url), channel = %mm.channel_id, %action_url, users = mm.users.len(), allow_from = ?mm.allow_from, durable = %mm.durable,
         "mattermost bridge running: posting approval requests, actions on POST /mattermost/actions"
     );
-    let served = pitcrew_runtime::httpd::serve(listener, callback::router(app), shutdown).await;
+    let served = pitcrew_runtime::httpd::serve(listener, callback::router(app.clone()), shutdown).await;
+    app.finish_decisions(Duration::from_secs(15)).await;
     posting.await.context("the posting task failed")?;
     bus.flush_before_exit().await;
     tracing::info!("mattermost bridge stopped");

@@ -28,8 +28,7 @@ const MAX_FOLLOW_UPS: usize = 32;
 /// way by then is answered as such, and its outcome follows on the response_url.
 const ANSWER_WITHIN: std::time::Duration = std::time::Duration::from_millis(2500);
 
-/// Decisions under way at once; a click past them is told to click again.
-const MAX_DECIDING: usize = 64;
+use crate::decide::{MAX_DECIDING, TOO_MANY_DECIDING};
 
 /// What the endpoint needs: where to publish, what to check, whom to believe.
 pub struct App {
@@ -163,7 +162,7 @@ async fn interactions(State(app): State<Arc<App>>, headers: HeaderMap, body: Bod
     let interaction = Arc::new(interaction);
     let Ok(permit) = app.deciding.clone().try_acquire_owned() else {
         tracing::warn!(slack_user = %user, %run, "too many Slack decisions under way: this click is refused");
-        return Json(message::ephemeral("Too many decisions are under way: click again in a moment.")).into_response();
+        return Json(message::ephemeral(TOO_MANY_DECIDING)).into_response();
     };
     let mut deciding = {
         let (app, interaction, user) = (app.clone(), interaction.clone(), user.clone());
