@@ -14,6 +14,9 @@ use pitcrew_runtime::runner::{DECISION_EVENTS, DECISION_EVENT_BASE, DECISION_EVE
 use pitcrew_runtime::store::{DecideOutcome, RunStatus, StoreError};
 use pitcrew_runtime::{Bus, BusError, Cx, Deps, Transition};
 use std::future::Future;
+
+/// Most notes of decisions (set aside, votes counted) one run's timeline takes.
+pub const MAX_DECISION_NOTES: i64 = 256;
 use std::sync::Arc;
 use std::time::Duration;
 use uuid::Uuid;
@@ -147,7 +150,10 @@ impl Decisions {
         }
     }
 
-    /// Keep a note about a decision that resumes nothing: stored and published.
+    /// Keep a note about a decision that resumes nothing: stored and published, unless the
+    /// run holds [`MAX_DECISION_NOTES`] already (then logged alone): a publisher that sends
+    /// decisions for a run over and over (a bot that never reads an answer) would grow its
+    /// timeline, which every read of the run loads, without end.
     async fn record(
         &self,
         mut cx: Cx<'_>,
@@ -155,6 +161,14 @@ impl Decisions {
         message: String,
         d: &ApprovalDecision,
     ) -> Result<(), DecideError> {
+        let noted = self.deps.store.decision_notes(d.run_id).await?;
+        if noted >= MAX_DECISION_NOTES {
+            tracing::warn!(
+                run = %d.run_id, by = %d.by, channel = %d.channel, noted, note = %message,
+                "a decision's note is not put on the run's timeline: it holds enough of them"
+            );
+            return Ok(());
+        }
         cx.emit(kind, message, serde_json::to_value(d)?);
         let events = cx.take_events();
         self.deps.store.insert_events(&events).await?;

@@ -488,6 +488,49 @@ async fn an_approval_whose_events_missed_the_bus_after_its_commit_sends_them_aga
     crew.shutdown().await
 }
 
+/// A publisher that sends decisions for a run over and over (a bot that never reads an
+/// answer) puts a bounded number of notes on the run's timeline, which every read of the run
+/// loads; the rest are logged. An approver's decision still decides.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn decisions_set_aside_over_and_over_put_a_bounded_number_of_notes_on_the_timeline() -> anyhow::Result<()> {
+    use pitcrew_approval::decisions::MAX_DECISION_NOTES;
+    let mut crew = crew_with_playbook("").await?;
+    let run = crew.open("svc", "stale lock held").await?;
+    crew.events.kind(run, EventKind::ApprovalRequested, WAIT).await?;
+    let sent = MAX_DECISION_NOTES + 40;
+    for _ in 0..sent {
+        publish_raw(&crew, &scripted(run, Decision::Approve, "mallory", None)).await?;
+    }
+    let db = crew.db().await?;
+    let notes = "SELECT count(*) FROM run_events WHERE run_id = $1 AND stage = 'approval' AND kind = 'error'";
+    let mut consumer = crew
+        .bus
+        .js
+        .get_stream(crew.bus.subjects.approvals_stream())
+        .await?
+        .get_consumer::<async_nats::jetstream::consumer::pull::Config>(pitcrew_runtime::bus::DECISIONS_CONSUMER)
+        .await
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    let handled = tokio::time::Instant::now() + WAIT;
+    loop {
+        let info = consumer.info().await?;
+        if info.num_pending == 0 && info.num_ack_pending == 0 && info.delivered.stream_sequence > 0 {
+            break;
+        }
+        anyhow::ensure!(tokio::time::Instant::now() < handled, "the decisions were not all handled: {info:?}");
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    let noted = count(&db, notes, run).await;
+    assert!(noted >= MAX_DECISION_NOTES && noted < sent, "{noted} notes of {sent} decisions set aside");
+    // The CLI refuses to add to so many decisions since the request; a client of the bridge
+    // subject may still.
+    publish_raw(&crew, &scripted(run, Decision::Approve, "ann", None)).await?;
+    let end = crew.events.terminal(run, WAIT).await?;
+    assert_eq!(end.kind, EventKind::Resolved, "{}", end.message);
+    assert_eq!(crew.dead_letters().await?, 0);
+    crew.shutdown().await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_denied_plan_is_escalated_and_nothing_runs() -> anyhow::Result<()> {
     let mut crew = crew_with_playbook("").await?;

@@ -31,6 +31,8 @@ pub const DECISION_EVENT_BASE: u32 = 300_000;
 pub const DECISION_EVENT_SPAN: u32 = 699_000;
 /// Events one decision emits at most (an expiry: why, then the decision).
 pub const DECISION_EVENTS: u32 = 2;
+/// The end of the decisions' event indexes.
+pub const DECISION_EVENT_END: u32 = DECISION_EVENT_BASE + DECISION_EVENT_SPAN + DECISION_EVENTS;
 /// Index of the first timeline event saying a step waits (one a kind of wait a step, up to
 /// `WAIT_EVENT_INDEX + WAIT_NOTE_KINDS - 1`: `WaitNote::index`), above every other event
 /// stored under a transition's seq (its step's own from 0, poison events from
@@ -46,7 +48,7 @@ const LIVE_EVENT_BASE: u32 = crate::live::FIRST_INDEX;
 // The ranges never meet: two events of one run under one seq and one index are one row, and
 // the second is dropped. A step's own events stay below `POISON_EVENT_BASE`.
 const _: () = assert!(POISON_EVENT_END < DECISION_EVENT_BASE);
-const _: () = assert!(DECISION_EVENT_BASE + DECISION_EVENT_SPAN + DECISION_EVENTS <= LIVE_EVENT_BASE);
+const _: () = assert!(DECISION_EVENT_END <= LIVE_EVENT_BASE);
 const _: () = assert!(LIVE_EVENT_BASE < WAIT_EVENT_INDEX && WAIT_EVENT_INDEX + WAIT_NOTE_KINDS < 2_000_000);
 
 /// How long a wait's timeline note may take before the message is naked without it.

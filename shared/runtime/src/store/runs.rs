@@ -275,6 +275,20 @@ impl Store {
         insert_events(&client, events).await
     }
 
+    /// How many events decisions put on `run`'s timeline (their indexes, from
+    /// [`crate::runner::DECISION_EVENT_BASE`]): notes of decisions set aside, votes counted.
+    pub async fn decision_notes(&self, run: Uuid) -> Result<i64, StoreError> {
+        let client = self.client().await?;
+        let (from, to) = (crate::runner::DECISION_EVENT_BASE as i32, crate::runner::DECISION_EVENT_END as i32);
+        let row = client
+            .query_one(
+                "SELECT count(*) FROM run_events WHERE run_id = $1 AND stage = 'approval' AND idx >= $2 AND idx < $3",
+                &[&run, &from, &to],
+            )
+            .await?;
+        Ok(row.get(0))
+    }
+
     pub async fn load_run(&self, run: Uuid) -> Result<Option<StoredRun>, StoreError> {
         let client = self.client().await?;
         let stmt = client.prepare_cached("SELECT status, state, reason FROM runs WHERE id = $1").await?;
