@@ -15,7 +15,7 @@ use pitcrew_runtime::store::{DecideOutcome, RunStatus, StoreError};
 use pitcrew_runtime::{Bus, BusError, Cx, Deps, Transition};
 use std::future::Future;
 
-/// Most notes of decisions (set aside, votes counted) one run's timeline takes.
+/// Most notes of decisions set aside (refused, ignored) one run's timeline takes.
 pub const MAX_DECISION_NOTES: i64 = 256;
 use std::sync::Arc;
 use std::time::Duration;
@@ -150,10 +150,11 @@ impl Decisions {
         }
     }
 
-    /// Keep a note about a decision that resumes nothing: stored and published, unless the
-    /// run holds [`MAX_DECISION_NOTES`] already (then logged alone): a publisher that sends
-    /// decisions for a run over and over (a bot that never reads an answer) would grow its
-    /// timeline, which every read of the run loads, without end.
+    /// Keep a note about a decision that resumes nothing: stored and published. A note of a
+    /// decision set aside (an error) is not once the run holds [`MAX_DECISION_NOTES`] of them
+    /// (it is logged alone): anyone who may publish on the bridge subject could send decisions
+    /// for a run over and over (a bot that never reads an answer) and grow its timeline, which
+    /// every read of the run loads, without end. Votes counted are approvers' own, and kept.
     async fn record(
         &self,
         mut cx: Cx<'_>,
@@ -161,13 +162,15 @@ impl Decisions {
         message: String,
         d: &ApprovalDecision,
     ) -> Result<(), DecideError> {
-        let noted = self.deps.store.decision_notes(d.run_id).await?;
-        if noted >= MAX_DECISION_NOTES {
-            tracing::warn!(
-                run = %d.run_id, by = %d.by, channel = %d.channel, noted, note = %message,
-                "a decision's note is not put on the run's timeline: it holds enough of them"
-            );
-            return Ok(());
+        if kind == EventKind::Error {
+            let noted = self.deps.store.decisions_set_aside(d.run_id).await?;
+            if noted >= MAX_DECISION_NOTES {
+                tracing::warn!(
+                    run = %d.run_id, by = %d.by, channel = %d.channel, noted, note = %message,
+                    "a decision set aside is not put on the run's timeline: it holds enough of them"
+                );
+                return Ok(());
+            }
         }
         cx.emit(kind, message, serde_json::to_value(d)?);
         let events = cx.take_events();

@@ -83,13 +83,13 @@ pub const MAX_DECIDER: usize = 256;
 impl ApprovalDecision {
     /// The decision as Postgres can store it, whoever published it: NUL bytes become U+FFFD
     /// (Postgres refuses NUL in text, and a denial it refused would be lost while its run
-    /// waited on for someone else's approval), the reason is cut to `MAX_REASON` bytes, `by`
-    /// and `channel` to `MAX_DECIDER`.
+    /// waited on for someone else's approval), the reason is cut to `MAX_REASON` bytes, `by`,
+    /// `channel` and `plan_hash` (a real one is 64 hex digits) to `MAX_DECIDER`.
     pub fn storable(self) -> Self {
         use crate::trim::{clip, storable};
         ApprovalDecision {
             by: clip(&storable(self.by), MAX_DECIDER),
-            plan_hash: self.plan_hash.map(storable),
+            plan_hash: self.plan_hash.map(|h| clip(&storable(h), MAX_DECIDER)),
             reason: self.reason.map(|r| clip(&storable(r), MAX_REASON)),
             channel: clip(&storable(self.channel), MAX_DECIDER),
             ..self
@@ -114,7 +114,7 @@ mod tests {
             run_id: Uuid::nil(),
             decision: Decision::Approve,
             by: "\u{1}".repeat(200_000),
-            plan_hash: None,
+            plan_hash: Some("h".repeat(100_000)),
             reason: Some("r\0".repeat(1000)),
             channel: "c".repeat(10_000),
             decided_at: Utc::now(),
@@ -122,6 +122,7 @@ mod tests {
         .storable();
         assert!(d.by.len() <= MAX_DECIDER + '…'.len_utf8(), "{}", d.by.len());
         assert!(d.channel.len() <= MAX_DECIDER + '…'.len_utf8(), "{}", d.channel.len());
+        assert!(d.plan_hash.as_ref().is_some_and(|h| h.len() <= MAX_DECIDER + '…'.len_utf8()));
         let reason = d.reason.clone().unwrap_or_default();
         assert!(reason.len() <= MAX_REASON + '…'.len_utf8() && !reason.contains('\0'), "{reason}");
         let short = ApprovalDecision { by: "ann".into(), channel: "cli".into(), ..d }.storable();

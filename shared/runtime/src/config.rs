@@ -803,6 +803,14 @@ impl Config {
             }
         }
         for (name, role) in &self.approvers {
+            // A decision's `by` is kept to that length: a longer name could never decide.
+            if name.len() > pitcrew_model::approval::MAX_DECIDER {
+                return bad(format!(
+                    "[approvers] \"{}\": a name is at most {} bytes",
+                    pitcrew_model::trim::clip(name, 64),
+                    pitcrew_model::approval::MAX_DECIDER
+                ));
+            }
             if !APPROVER_ROLES.contains(&role.as_str()) {
                 return bad(format!("[approvers] {name} = \"{role}\": the role must be one of {APPROVER_ROLES:?}"));
             }
@@ -1012,6 +1020,15 @@ mod tests {
         assert!(e.to_string().contains("[hosts.pe1]: master_idle_secs (0) must be 1 to 86400"), "{e}");
         let e = Config::from_toml("[services.bgp]\nhost = \"pe9\"\n").unwrap_err();
         assert!(e.to_string().contains("host 'pe9' is not under [hosts]"), "{e}");
+    }
+
+    #[test]
+    fn an_approver_name_longer_than_a_decision_keeps_is_refused() {
+        let long = "a".repeat(pitcrew_model::approval::MAX_DECIDER + 1);
+        let e = Config::from_toml(&format!("[approvers]\n{long} = \"approver\"\n")).unwrap_err();
+        assert!(e.to_string().contains("a name is at most 256 bytes"), "{e}");
+        let fits = "a".repeat(pitcrew_model::approval::MAX_DECIDER);
+        Config::from_toml(&format!("[approvers]\n{fits} = \"approver\"\n")).unwrap();
     }
 
     #[test]

@@ -163,7 +163,10 @@ impl FieldsVisitor<'_> {
             return;
         }
         let name = name.strip_prefix("r#").unwrap_or(name);
+        // Redacted, then made inert (an escape sequence a decider or an alert put in a message
+        // shown escaped, not acted on by the terminal that shows the log).
         let value = pitcrew_model::redact::redact(value);
+        let value = pitcrew_model::trim::printable(&value);
         let gap = if std::mem::take(&mut self.first) { "" } else { " " };
         self.result = match (name, quoted) {
             ("message", _) => write!(self.writer, "{gap}{value}"),
@@ -181,32 +184,66 @@ impl Visit for FieldsVisitor<'_> {
     fn record_debug(&mut self, field: &Field, value: &dyn std::fmt::Debug) {
         self.field(field, &format!("{value:?}"), false);
     }
+
+    /// An error with the errors it comes from, `: `-joined.
+    fn record_error(&mut self, field: &Field, value: &(dyn std::error::Error + 'static)) {
+        let mut text = value.to_string();
+        let mut source = value.source();
+        while let Some(s) = source {
+            text.push_str(": ");
+            text.push_str(&s.to_string());
+            source = s.source();
+        }
+        self.field(field, &text, false);
+    }
 }
 
-/// A JSON log line's way out: parsed, its string values redacted, written again (one write a
-/// line, as the formatter hands it over). A line that does not parse is redacted as text.
+/// A JSON log line's way out: each string in it (keys too) read, redacted and written again
+/// where it shows a secret, the rest as the formatter wrote it (the order of keys, numbers);
+/// one write a line, as the formatter hands it over.
 struct RedactedJson<W>(W);
 
 impl<W: Write> Write for RedactedJson<W> {
     fn write(&mut self, line: &[u8]) -> std::io::Result<usize> {
-        match serde_json::from_slice::<serde_json::Value>(line) {
-            Ok(mut value) => {
-                pitcrew_model::redact::redact_json(&mut value);
-                let mut out = serde_json::to_vec(&value).map_err(std::io::Error::other)?;
-                out.push(b'\n');
-                self.0.write_all(&out)?;
-            }
-            Err(_) => {
-                let text = String::from_utf8_lossy(line);
-                self.0.write_all(pitcrew_model::redact::redact(&text).as_bytes())?;
-            }
-        }
+        let text = String::from_utf8_lossy(line);
+        self.0.write_all(redact_json_text(&text).as_bytes())?;
         Ok(line.len())
     }
 
     fn flush(&mut self) -> std::io::Result<()> {
         self.0.flush()
     }
+}
+
+/// `json` with the secrets of each string literal redacted in place. A quote or a backslash is
+/// never part of a multi-byte character, so the literals are found byte by byte.
+fn redact_json_text(json: &str) -> std::borrow::Cow<'_, str> {
+    let bytes = json.as_bytes();
+    let (mut out, mut copied, mut at) = (String::new(), 0, 0);
+    while at < bytes.len() {
+        if bytes[at] != b'"' {
+            at += 1;
+            continue;
+        }
+        let start = at;
+        at += 1;
+        while at < bytes.len() && bytes[at] != b'"' {
+            at += if bytes[at] == b'\\' { 2 } else { 1 };
+        }
+        let end = (at + 1).min(bytes.len());
+        at = end;
+        let Ok(value) = serde_json::from_str::<String>(&json[start..end]) else { continue };
+        if let std::borrow::Cow::Owned(redacted) = pitcrew_model::redact::redact(&value) {
+            out.push_str(&json[copied..start]);
+            out.push_str(&serde_json::Value::String(redacted).to_string());
+            copied = end;
+        }
+    }
+    if copied == 0 {
+        return std::borrow::Cow::Borrowed(json);
+    }
+    out.push_str(&json[copied..]);
+    std::borrow::Cow::Owned(out)
 }
 
 /// `http://host:4318` → `http://host:4318/v1/traces`; a URL naming the path is kept.
@@ -262,6 +299,22 @@ impl<E: SpanExporter> SpanExporter for WarnOnce<E> {
 mod tests {
     use super::*;
 
+    /// An error that comes from another.
+    #[derive(Debug)]
+    struct Wrapped(std::io::Error);
+
+    impl std::fmt::Display for Wrapped {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("wrapped")
+        }
+    }
+
+    impl std::error::Error for Wrapped {
+        fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+            Some(&self.0)
+        }
+    }
+
     /// A buffer the log layer writes to, read back by the test.
     #[derive(Clone, Default)]
     struct Lines(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
@@ -297,13 +350,24 @@ mod tests {
                 tracing::info!(config = r#"password="q-uoted-9""#, "read");
                 tracing::warn!(secret = %"DB_PASS", "a secret commands name is not set");
                 tracing::info!("token=tok-XYZ-123456 in a message");
+                tracing::warn!(by = %"mallory\u{1b}]52;c;aGk=\u{7}", "decision refused");
+                let cause = std::io::Error::other("password=s0urce-SECRET");
+                let failed = Wrapped(cause);
+                tracing::warn!(error = &failed as &(dyn std::error::Error + 'static), "store failed");
             });
             let text = String::from_utf8(lines.0.lock().unwrap().clone()).unwrap();
-            assert_eq!(text.lines().count(), 6, "{text}");
+            assert_eq!(text.lines().count(), 8, "{text}");
+            assert!(!text.contains('\u{1b}') || ansi, "an escape sequence from a decider is shown escaped: {text}");
+            assert!(text.contains("mallory"), "{text}");
+            assert!(
+                !text.contains("s0urce-SECRET") && text.contains("wrapped"),
+                "an error's sources, redacted: {text}"
+            );
             for secret in ["hunter2-ABC", known, "pa55-SECRET", "q-uoted-9", "tok-XYZ-123456"] {
                 assert!(!text.contains(secret), "json {json}, ansi {ansi}: {secret} in {text}");
             }
-            assert_eq!(text.matches("[REDACTED]").count(), 5, "{text}");
+            // JSON lines show an error without its sources.
+            assert_eq!(text.matches("[REDACTED]").count(), if json { 5 } else { 6 }, "{text}");
             for kept in ["waiting", "login refused for", "db1", "DB_PASS", "a secret commands name is not set"] {
                 assert!(text.contains(kept), "json {json}, ansi {ansi}: {kept} not in {text}");
             }
@@ -313,6 +377,11 @@ mod tests {
                     assert!(line["fields"]["message"].is_string(), "{line}");
                 }
                 assert!(text.contains(r#""host":"db1""#), "{text}");
+                let first = text.lines().next().unwrap_or_default();
+                assert!(first.starts_with(r#"{"timestamp":"#), "the formatter's order of keys: {first}");
+            } else if !ansi {
+                let refused = text.lines().find(|l| l.contains("decision refused")).unwrap_or_default();
+                assert!(refused.contains(r"\u{1b}]52;c;aGk=\u{7}"), "{refused}");
             }
         }
     }

@@ -275,14 +275,15 @@ impl Store {
         insert_events(&client, events).await
     }
 
-    /// How many events decisions put on `run`'s timeline (their indexes, from
-    /// [`crate::runner::DECISION_EVENT_BASE`]): notes of decisions set aside, votes counted.
-    pub async fn decision_notes(&self, run: Uuid) -> Result<i64, StoreError> {
+    /// How many notes of decisions set aside (refused, ignored: errors at the decisions' event
+    /// indexes, from [`crate::runner::DECISION_EVENT_BASE`]) `run`'s timeline holds.
+    pub async fn decisions_set_aside(&self, run: Uuid) -> Result<i64, StoreError> {
         let client = self.client().await?;
         let (from, to) = (crate::runner::DECISION_EVENT_BASE as i32, crate::runner::DECISION_EVENT_END as i32);
         let row = client
             .query_one(
-                "SELECT count(*) FROM run_events WHERE run_id = $1 AND stage = 'approval' AND idx >= $2 AND idx < $3",
+                "SELECT count(*) FROM run_events
+                 WHERE run_id = $1 AND stage = 'approval' AND kind = 'error' AND idx >= $2 AND idx < $3",
                 &[&run, &from, &to],
             )
             .await?;
