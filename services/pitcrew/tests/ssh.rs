@@ -745,6 +745,38 @@ async fn a_start_mark_whose_answer_is_lost_is_made_again_and_never_counts_as_a_s
     crew.shutdown().await
 }
 
+/// A start mark Postgres refuses for good (a constraint, a schema it does not expect) is not
+/// retried as a passing failure would be, whatever the message's deliveries: it counts towards
+/// the dead letter, and the run escalates with nothing run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_start_mark_refused_for_good_is_dead_lettered_not_retried_for_ever() -> anyhow::Result<()> {
+    use pitcrew_model::{EventKind, Stage};
+    let sshd = start_target()?;
+    let env = pitcrew_testkit::TestEnv::start().await?;
+    let healthy = format!("{}/healthy", sshd.workdir("svc")?.display());
+    let text = format!("{}[stages]\nmax_deliveries = 2\npoison_after_secs = 1\n", touched_service(&sshd, &healthy, ""));
+    let mut crew = common::Crew::start_in(env, &text, &Stage::ALL).await?;
+    let db = crew.db().await?;
+    db.batch_execute(
+        "CREATE FUNCTION refused_mark() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN
+           IF NEW.started AND NOT OLD.started AND NEW.status IS NULL THEN
+             RAISE EXCEPTION 'no starts here' USING ERRCODE = 'check_violation';
+           END IF;
+           RETURN NEW;
+         END $$;
+         CREATE TRIGGER refused_mark BEFORE UPDATE ON executions FOR EACH ROW EXECUTE FUNCTION refused_mark();",
+    )
+    .await?;
+    let run = crew.open("svc", "connection refused").await?;
+    let end = crew.end(run).await?;
+    assert_eq!(end.kind, EventKind::Escalated, "{}", end.message);
+    assert!(std::fs::metadata(&healthy).is_err(), "nothing ran");
+    assert!(executions(&db, run).await?.is_empty());
+    assert_eq!(crew.dead_letters().await?, 1);
+    crew.shutdown().await
+}
+
 /// Scenario (a): the service process is killed; the monitor sees it, the crew starts it again
 /// over SSH as the login user, verify sees it answer.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
