@@ -9,6 +9,7 @@ use axum::extract::{ConnectInfo, MatchedPath, Request, State};
 use axum::http::{Method, StatusCode};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
+use pitcrew_model::redact::redact;
 use pitcrew_model::trim::storable;
 use pitcrew_runtime::config::{ApiKey, GatewayConfig};
 use pitcrew_runtime::store::AuditEntry;
@@ -302,10 +303,11 @@ async fn guarded(gw: Arc<Gateway>, mut req: Request, next: Next) -> Response {
             role: caller.as_ref().map(|c| c.role.as_str().to_string()),
             method: method.to_string(),
             // Postgres refuses NUL in text: a caller's `\u0000` quoted back (a field name, a
-            // group key) must not cost the audit row.
-            path: storable(pitcrew_model::trim::clip(&path, MAX_AUDIT_PATH)),
+            // group key) must not cost the audit row. Nor is a secret the caller sent and the
+            // answer quotes back (a service named by a URL with its password) kept.
+            path: storable(pitcrew_model::trim::clip(&redact(&path), MAX_AUDIT_PATH)),
             status: i32::from(status),
-            outcome: storable(pitcrew_model::trim::clip(&outcome, 1000)),
+            outcome: storable(pitcrew_model::trim::clip(&redact(&outcome), 1000)),
             remote,
             run_id: resp.extensions().get::<AuditRun>().map(|r| r.0),
         };

@@ -722,6 +722,9 @@ async fn malformed_and_oversized_bodies_are_refused_precisely_and_nothing_is_pub
         ("/v1/runs/not-a-uuid/approve", "application/json", b"{}".to_vec(), StatusCode::FORBIDDEN, "needs role approver or admin"),
         // A NUL in what the answer quotes back (here a field's name).
         ("/v1/incidents", "application/json", br#"{"service":"svc","error":"x","se\u0000v":1}"#.to_vec(), StatusCode::BAD_REQUEST, "unknown field"),
+        // A secret in what the answer quotes back (here the service named): the audit row
+        // keeps it redacted.
+        ("/v1/incidents", "application/json", br#"{"service":"postgres://app:hunter2-XYZ@db/app","error":"x"}"#.to_vec(), StatusCode::UNPROCESSABLE_ENTITY, "field 'service'"),
     ];
     for (path, ct, body, want, msg) in cases {
         let resp = post_raw(path, ct, body).await?;
@@ -730,6 +733,10 @@ async fn malformed_and_oversized_bodies_are_refused_precisely_and_nothing_is_pub
         assert_eq!(status, want, "{path}: {err}");
         assert!(err["error"].as_str().unwrap_or_default().contains(msg), "{path}: want {msg:?} in {err}");
     }
+    let db = api.crew.db().await?;
+    let audited: String =
+        db.query_one("SELECT string_agg(concat_ws(' ', path, outcome), ' ') FROM gateway_audit", &[]).await?.get(0);
+    assert!(audited.contains("field 'service'") && !audited.contains("hunter2-XYZ"), "{audited}");
     let (status, err) = api.get("/v1/runs/not-a-uuid", "rita").await?;
     assert_eq!(status, StatusCode::BAD_REQUEST);
     assert!(err["error"].as_str().unwrap_or_default().contains("'not-a-uuid' is not a run id"), "{err}");
