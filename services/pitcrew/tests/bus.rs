@@ -378,6 +378,56 @@ async fn incidents_whose_refusal_could_not_be_stored_as_they_came_are_still_dead
     crew.shutdown().await
 }
 
+/// A refused incident whose refusal reached the bus but not Postgres (a transient failure of
+/// the insert) is refused again at its next delivery with the same event: its id holds one
+/// `rejected` end, on the bus and in Postgres. Each delivery wrote one of its own (a second
+/// end, which no deduplication drops).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refusal_written_again_is_one_end_on_the_bus_and_in_postgres() -> anyhow::Result<()> {
+    let env = TestEnv::start().await?;
+    let text = marker_service(&env, "svc");
+    let mut crew = Crew::start_in(env, &text, &[Stage::Intake]).await?;
+    let db = crew.db().await?;
+    db.batch_execute(
+        "CREATE SEQUENCE refusals;
+         CREATE FUNCTION lost_refusal() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN
+           IF NEW.kind = 'rejected' AND nextval('refusals') = 1 THEN
+             RAISE EXCEPTION 'terminating connection due to administrator command' USING ERRCODE = '57P01';
+           END IF;
+           RETURN NEW;
+         END $$;
+         CREATE TRIGGER lost_refusal BEFORE INSERT ON run_events FOR EACH ROW EXECUTE FUNCTION lost_refusal();",
+    )
+    .await?;
+    let id: uuid::Uuid = "0193a0c4-5a8e-7f00-8000-0000000000aa".parse()?;
+    let bad = format!(r#"{{"id": "{id}", "service": "no such service!", "error": "down"}}"#);
+    crew.bus.client.publish(crew.bus.subjects.incidents_new(), bad.into()).await?;
+    let stored = tokio::time::Instant::now() + WAIT;
+    let sql = "SELECT count(*) FROM run_events WHERE run_id = $1 AND kind = 'rejected'";
+    while count(&db, sql, id).await == 0 {
+        anyhow::ensure!(tokio::time::Instant::now() < stored, "the refusal was never stored");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let tries: i64 = db.query_one("SELECT last_value FROM refusals", &[]).await?.get(0);
+    assert_eq!(tries, 2, "the first insert failed, the second took");
+    let on_bus = crew
+        .bus
+        .js
+        .get_stream(crew.bus.subjects.events_stream())
+        .await?
+        .create_consumer(async_nats::jetstream::consumer::pull::OrderedConfig {
+            filter_subject: crew.bus.subjects.event(id, "rejected"),
+            ..Default::default()
+        })
+        .await?
+        .cached_info()
+        .num_pending;
+    assert_eq!(on_bus, 1, "one end on the bus");
+    assert_eq!(count(&db, sql, id).await, 1);
+    crew.shutdown().await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_malformed_incident_naming_an_open_run_leaves_that_run_alone() -> anyhow::Result<()> {
     let (mut crew, run) = held_before_execute().await?;

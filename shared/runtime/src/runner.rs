@@ -24,6 +24,10 @@ const POISON_EVENT_BASE: u32 = 10_000;
 /// How many deliveries of one message get poison events of their own.
 const POISON_DELIVERIES: u32 = 100_000;
 const POISON_EVENT_END: u32 = POISON_EVENT_BASE + 2 * POISON_DELIVERIES + 1;
+/// Index of a refused incident's `rejected` event: one an incident, whichever delivery
+/// writes it, so a delivery after one whose publish landed but whose answer was lost writes
+/// the same event again (deduplicated) instead of a second end.
+const REJECTED_EVENT_INDEX: u32 = POISON_EVENT_END + 1;
 /// First event index of an approval decision's events: `DECISION_EVENT_BASE` + the decision's
 /// stream sequence modulo `DECISION_EVENT_SPAN` (so a decision delivered again keeps its index),
 /// and up to `DECISION_EVENTS` from there.
@@ -47,7 +51,7 @@ const LIVE_EVENT_BASE: u32 = crate::live::FIRST_INDEX;
 
 // The ranges never meet: two events of one run under one seq and one index are one row, and
 // the second is dropped. A step's own events stay below `POISON_EVENT_BASE`.
-const _: () = assert!(POISON_EVENT_END < DECISION_EVENT_BASE);
+const _: () = assert!(REJECTED_EVENT_INDEX < DECISION_EVENT_BASE);
 const _: () = assert!(DECISION_EVENT_END <= LIVE_EVENT_BASE);
 const _: () = assert!(LIVE_EVENT_BASE < WAIT_EVENT_INDEX && WAIT_EVENT_INDEX + WAIT_NOTE_KINDS < 2_000_000);
 
@@ -478,12 +482,18 @@ impl StageRunner {
             Err(_) => false,
         };
         if stage == Stage::Intake && !run_exists {
-            // A refused incident has no run: record why, under its id, for `pitcrew watch`.
-            let mut cx = Cx::new(&self.deps, stage, state.run_id, 0, index);
+            // A refused incident has no run: record why, under its id, for `pitcrew watch`. Its
+            // one end: the same event at every delivery, not sent again once on the bus (past
+            // the duplicate window, a second copy would be a second end).
+            let mut cx = Cx::new(&self.deps, stage, state.run_id, 0, REJECTED_EVENT_INDEX);
             cx.emit(EventKind::Rejected, format!("incident refused: {why}"), serde_json::json!({ "error": why }));
             let events = cx.take_events();
             let stored = self.deps.store.insert_events(&events).await;
-            let published = publish_events(&self.bus, &events).await;
+            let published = match self.bus.holds_event(&events[0]).await {
+                Ok(true) => Ok(()),
+                Ok(false) => publish_events(&self.bus, &events).await,
+                Err(e) => Err(e),
+            };
             if stored.is_err() || published.is_err() {
                 return Disposition::Nak(backoff(delivered));
             }
