@@ -30,9 +30,17 @@ struct Checks {
     streak: u32,
     was_healthy: bool,
     /// The last failed check that ran, since the last healthy one (a failure before a healthy
-    /// check no longer says how the fix stands).
+    /// check no longer says how the fix stands), unless the host went silent after it.
     said: Option<CheckOutcome>,
+    /// Checks in a row, up to the last, that could not tell anything (inconclusive).
+    silent: u32,
 }
+
+/// Checks in a row that tell nothing after a failure for that failure to no longer decide: one
+/// is a blip (a channel slow to open), more is a host gone quiet (the fix rebooted it, or took
+/// its network down), and whether the fix worked is then unknown, not a failure memory would
+/// bar the command for.
+const SILENT_OUTWEIGHS_A_FAILURE: u32 = 2;
 
 impl Checks {
     fn saw(&mut self, outcome: &CheckOutcome) {
@@ -41,10 +49,17 @@ impl Checks {
             self.streak += 1;
             self.was_healthy = true;
             self.said = None;
+            self.silent = 0;
         } else {
             self.streak = 0;
             if outcome.inconclusive.is_none() {
                 self.said = Some(outcome.clone());
+                self.silent = 0;
+            } else {
+                self.silent += 1;
+                if self.silent >= SILENT_OUTWEIGHS_A_FAILURE {
+                    self.said = None;
+                }
             }
         }
     }
@@ -251,6 +266,37 @@ mod tests {
         }
         assert_eq!((seen.made, seen.streak, seen.was_healthy), (3, 0, true));
         assert_eq!(settled_outcome(blip.clone(), seen.said).inconclusive, Some(Inconclusive::NotRun));
+    }
+
+    /// A failure followed by the host going quiet (a fix that rebooted it: every later check
+    /// finds it unreachable) says nothing of whether the fix worked: verification is
+    /// inconclusive, and the fix is not blamed. One quiet check after a failure is a blip, and
+    /// the failure still decides.
+    #[test]
+    fn a_host_gone_quiet_after_a_failure_leaves_the_fix_unjudged() {
+        let failed = |detail: &str, inconclusive: Option<Inconclusive>| CheckOutcome {
+            healthy: false,
+            detail: detail.into(),
+            output: String::new(),
+            inconclusive,
+        };
+        let starting = failed("`systemctl is-active web` exited 3", None);
+        let gone = failed("cannot reach box: connection refused", Some(Inconclusive::Unreachable));
+        let mut seen = Checks::default();
+        for outcome in [&starting, &gone] {
+            seen.saw(outcome);
+        }
+        let settled = settled_outcome(gone.clone(), seen.said.clone());
+        assert_eq!(settled.inconclusive, None, "one quiet check: the failure decides");
+        for _ in 0..8 {
+            seen.saw(&gone);
+        }
+        let settled = settled_outcome(gone.clone(), seen.said.clone());
+        assert_eq!(settled.inconclusive, Some(Inconclusive::Unreachable), "{settled:?}");
+        // A conclusive failure after the quiet spell decides again.
+        seen.saw(&starting);
+        seen.saw(&gone);
+        assert_eq!(settled_outcome(gone.clone(), seen.said).inconclusive, None);
     }
 
     /// Command `index` of `attempt`, `command`, ended as `status`.
