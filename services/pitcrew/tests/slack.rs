@@ -602,11 +602,10 @@ async fn mattermost_crew() -> anyhow::Result<(FakeSlack, Crew, Bridge, String)> 
     Ok((mm, crew, bridge, public))
 }
 
-/// Mattermost gives up on an action call (its timeout) while the decision is under way (here
-/// the approvals table is locked, so the decision waits on it): the decision still runs to
-/// its end once the table is free, and the run resolves.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_mattermost_click_whose_caller_gives_up_is_still_decided() -> anyhow::Result<()> {
+/// A run waiting for approval on Mattermost, the approvals table locked (by the client
+/// returned, in a transaction: `COMMIT` frees it), and ann's click on Approve, to send.
+async fn ann_clicks_behind_a_locked_table(
+) -> anyhow::Result<(FakeSlack, Crew, Bridge, uuid::Uuid, tokio_postgres::Client, Value)> {
     let (mm, mut crew, bridge, _) = mattermost_crew().await?;
     let run = crew.open("svc", "stale lock held").await?;
     crew.events.kind(run, EventKind::ApprovalRequested, WAIT).await?;
@@ -615,6 +614,15 @@ async fn a_mattermost_click_whose_caller_gives_up_is_still_decided() -> anyhow::
     let locker = crew.db().await?;
     locker.batch_execute("BEGIN; LOCK TABLE approvals IN ACCESS EXCLUSIVE MODE").await?;
     let call = json!({ "user_id": "mmann0", "context": approve });
+    Ok((mm, crew, bridge, run, locker, call))
+}
+
+/// Mattermost gives up on an action call (its timeout) while the decision is under way (here
+/// the approvals table is locked, so the decision waits on it): the decision still runs to
+/// its end once the table is free, and the run resolves.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_mattermost_click_whose_caller_gives_up_is_still_decided() -> anyhow::Result<()> {
+    let (_mm, mut crew, bridge, run, locker, call) = ann_clicks_behind_a_locked_table().await?;
     let sent = reqwest::Client::new()
         .post(format!("{}/mattermost/actions", bridge.url))
         .timeout(Duration::from_millis(500))
@@ -638,14 +646,7 @@ async fn a_mattermost_click_whose_caller_gives_up_is_still_decided() -> anyhow::
 /// piling up one more task. The decisions under way still end, and the run is decided once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mattermost_clicks_past_the_decisions_under_way_are_told_to_wait() -> anyhow::Result<()> {
-    let (mm, mut crew, bridge, _) = mattermost_crew().await?;
-    let run = crew.open("svc", "stale lock held").await?;
-    crew.events.kind(run, EventKind::ApprovalRequested, WAIT).await?;
-    let post = posted_with(&mm, "v4/posts", run).await?;
-    let approve = post.body["props"]["attachments"][0]["actions"][0]["integration"]["context"].clone();
-    let locker = crew.db().await?;
-    locker.batch_execute("BEGIN; LOCK TABLE approvals IN ACCESS EXCLUSIVE MODE").await?;
-    let call = json!({ "user_id": "mmann0", "context": approve });
+    let (_mm, mut crew, bridge, run, locker, call) = ann_clicks_behind_a_locked_table().await?;
     let http = reqwest::Client::new();
     let url = format!("{}/mattermost/actions", bridge.url);
     let given_up = futures::future::join_all(

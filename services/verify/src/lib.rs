@@ -236,14 +236,13 @@ mod tests {
         assert!(next_step(false, 5, 5).unwrap_err().contains("max_retries (5)"));
     }
 
+    /// A failed check saying `detail`, inconclusive as given.
+    fn failed(detail: &str, inconclusive: Option<Inconclusive>) -> CheckOutcome {
+        CheckOutcome { healthy: false, detail: detail.into(), output: String::new(), inconclusive }
+    }
+
     #[test]
     fn a_last_check_that_could_not_run_does_not_outweigh_the_ones_that_did() {
-        let failed = |detail: &str, inconclusive: Option<Inconclusive>| CheckOutcome {
-            healthy: false,
-            detail: detail.into(),
-            output: String::new(),
-            inconclusive,
-        };
         let said = failed("GET /health returned 503", None);
         let blip = failed("channel did not open within 10 s", Some(Inconclusive::NotRun));
         let settled = settled_outcome(blip.clone(), Some(said.clone()));
@@ -274,12 +273,6 @@ mod tests {
     /// the failure still decides.
     #[test]
     fn a_host_gone_quiet_after_a_failure_leaves_the_fix_unjudged() {
-        let failed = |detail: &str, inconclusive: Option<Inconclusive>| CheckOutcome {
-            healthy: false,
-            detail: detail.into(),
-            output: String::new(),
-            inconclusive,
-        };
         let starting = failed("`systemctl is-active web` exited 3", None);
         let gone = failed("cannot reach box: connection refused", Some(Inconclusive::Unreachable));
         let mut seen = Checks::default();
