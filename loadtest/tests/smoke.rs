@@ -175,7 +175,18 @@ async fn drives_a_crew_that_is_already_running() -> anyhow::Result<()> {
 /// seconds, up to its "publishing" line: the process, what it said so far, its crew's database
 /// and directory.
 fn endless_batch(extra: &[&str], timeout: u32) -> anyhow::Result<(std::process::Child, Vec<String>, String, String)> {
-    endless_batch_of(Command::new(env!("CARGO_BIN_EXE_pitcrew-loadtest")), extra, timeout)
+    use std::os::unix::process::CommandExt;
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_pitcrew-loadtest"));
+    // Started as from a terminal, whatever this test runs under: a harness started with
+    // `nohup` passes SIGHUP on ignored, and the tool (rightly) keeps it ignored then.
+    // SAFETY: signal(2) only, between fork and exec.
+    unsafe {
+        cmd.pre_exec(|| {
+            libc::signal(libc::SIGHUP, libc::SIG_DFL);
+            Ok(())
+        });
+    }
+    endless_batch_of(cmd, extra, timeout)
 }
 
 /// [`endless_batch`] of the tool as `cmd` starts it.
