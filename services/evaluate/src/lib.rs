@@ -293,7 +293,16 @@ impl StageHandler for EvaluateStage {
             let mut tools = BTreeMap::new();
             for c in state.plan.iter().flat_map(|p| p.commands.iter()) {
                 if let Some(p) = program(c) {
-                    let present = cx.deps.executor.has_tool(&spec.host, &p).await;
+                    // A host that cannot say now (slow, cut off for a moment) says nothing of the
+                    // plan: read as "not there", a good plan was sent back as naming a program
+                    // the host lacks, and blocked at the last regeneration.
+                    let Some(present) = cx.deps.executor.tool_answer(&spec.host, &p).await else {
+                        return Err(StageError::Transient(format!(
+                            "host {} did not say whether it has `{p}` (its probe failed or took too long): \
+                             the plan is evaluated again",
+                            spec.host
+                        )));
+                    };
                     tools.insert(p, present);
                 }
             }

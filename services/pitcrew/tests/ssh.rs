@@ -267,6 +267,27 @@ async fn a_host_that_stops_answering_fails_a_command_at_its_connect_timeout_then
     Ok(())
 }
 
+/// A host that stops answering cannot say whether it has a program: its answer is unknown,
+/// not "absent" (evaluate sent a good plan back as naming a program the host lacks), and it is
+/// asked again once the host answers.
+#[tokio::test]
+async fn a_host_that_cannot_say_whether_it_has_a_program_is_not_taken_as_lacking_it() -> anyhow::Result<()> {
+    let sshd = start_target()?;
+    let mut host = sshd.host(true);
+    host.connect_timeout_secs = 2;
+    let f = fleet(host, 4096);
+    conn(&f).await?;
+    let frozen = sshd.freeze_connections();
+    let asked = Instant::now();
+    let answer = f.tool_answer("box", "sh").await;
+    drop(frozen);
+    assert_eq!(answer, None, "a probe that got no answer");
+    assert!(asked.elapsed() < Duration::from_secs(20), "{:?}", asked.elapsed());
+    assert_eq!(f.tool_answer("box", "sh").await, Some(true), "asked again, not cached");
+    assert_eq!(f.tool_answer("box", "definitely-not-a-program-xyz").await, Some(false));
+    Ok(())
+}
+
 /// An alert storm on one host: many more commands at once than sshd lets one connection
 /// carry (its `MaxSessions`, 10 by default, which the test server keeps). Every command
 /// runs, none is refused a channel, and never more at once than the host's limit.

@@ -166,6 +166,12 @@ pub trait Executor: Send + Sync + 'static {
     /// propose commands the host can run. Unknown hosts have no tools.
     fn has_tool<'a>(&'a self, host: &'a str, tool: &'a str) -> BoxFuture<'a, bool>;
 
+    /// [`Executor::has_tool`], or None when the host could not say (its probe failed or ran
+    /// out of time: a host slow or cut off for a moment), so a caller decides nothing on it.
+    fn tool_answer<'a>(&'a self, host: &'a str, tool: &'a str) -> BoxFuture<'a, Option<bool>> {
+        Box::pin(async move { Some(self.has_tool(host, tool).await) })
+    }
+
     /// Whether `host` can be reached at all (an SSH host that stays silent is
     /// `ExecError::Unreachable`). This machine always can.
     fn reachable<'a>(&'a self, _host: &'a str) -> BoxFuture<'a, Result<(), ExecError>> {
@@ -223,6 +229,14 @@ impl Executor for Fleet {
             Box::pin(self.ssh.has_tool_ssh(host, tool))
         } else {
             self.local.has_tool(host, tool)
+        }
+    }
+
+    fn tool_answer<'a>(&'a self, host: &'a str, tool: &'a str) -> BoxFuture<'a, Option<bool>> {
+        if self.ssh.knows(host) {
+            Box::pin(self.ssh.tool_answer_ssh(host, tool))
+        } else {
+            self.local.tool_answer(host, tool)
         }
     }
 

@@ -413,22 +413,29 @@ impl SshExecutor {
         })
     }
 
-    /// Whether `tool` exists on `host`: the inventory's word first, else `command -v` (cached).
+    /// Whether `tool` exists on `host`: the inventory's word first, else `command -v` (cached);
+    /// false when the host could not say.
     pub async fn has_tool_ssh(&self, host: &str, tool: &str) -> bool {
-        let Some(spec) = self.hosts.get(host) else { return false };
+        self.tool_answer_ssh(host, tool).await.unwrap_or(false)
+    }
+
+    /// [`SshExecutor::has_tool_ssh`], or None when the host could not say (no connection, a
+    /// probe that failed or ran past `TOOL_PROBE_LIMIT`).
+    pub async fn tool_answer_ssh(&self, host: &str, tool: &str) -> Option<bool> {
+        let Some(spec) = self.hosts.get(host) else { return Some(false) };
         let name = tool.rsplit('/').next().unwrap_or(tool);
         if spec.lacks.iter().any(|t| t == tool || t == name) {
-            return false;
+            return Some(false);
         }
         if spec.tools.iter().any(|t| t == tool || t == name) {
-            return true;
+            return Some(true);
         }
         let key = (host.to_string(), tool.to_string());
         if let Some(known) = self.tools.lock().expect("tool cache").get(&key, Instant::now()) {
-            return known;
+            return Some(known);
         }
-        let Ok(_channel) = self.channel(host).await else { return false };
-        let Ok(session) = self.session(host).await else { return false };
+        let _channel = self.channel(host).await.ok()?;
+        let session = self.session(host).await.ok()?;
         let probe = format!("command -v {}", shell_words::quote(tool));
         // A host that hangs must not hold the caller (diagnose, a plan's check) for good.
         let mut asked = Session::to_command(session.clone(), "sh");
@@ -437,11 +444,20 @@ impl SshExecutor {
         session.used();
         let found = match answer {
             Ok(Ok(o)) => o.status.success(),
+            // `command -v` of a program the shell cannot find exits 127, which openssh reads as
+            // the remote command not found: the program is absent.
+            Ok(Err(openssh::Error::Remote(e))) if e.kind() == std::io::ErrorKind::NotFound => false,
             // Not cached: the next look asks again.
-            Ok(Err(_)) | Err(_) => return false,
+            Ok(Err(_)) => return None,
+            // The host answered nothing in time: the next look connects anew rather than wait on
+            // this connection again.
+            Err(_) => {
+                self.forget(host, &session).await;
+                return None;
+            }
         };
         self.tools.lock().expect("tool cache").put(key, found, Instant::now());
-        found
+        Some(found)
     }
 }
 
