@@ -14,12 +14,12 @@ use pitcrew_runtime::runner::{DECISION_EVENTS, DECISION_EVENT_BASE, DECISION_EVE
 use pitcrew_runtime::store::{DecideOutcome, RunStatus, StoreError};
 use pitcrew_runtime::{Bus, BusError, Cx, Deps, Transition};
 use std::future::Future;
-
-/// Most notes of decisions set aside (refused, ignored) one run's timeline takes.
-pub const MAX_DECISION_NOTES: i64 = 256;
 use std::sync::Arc;
 use std::time::Duration;
 use uuid::Uuid;
+
+/// Most notes of decisions set aside (refused, ignored) one run's timeline takes.
+pub const MAX_DECISION_NOTES: i64 = 256;
 
 /// Consumes `pitcrew.approvals.decided.*`.
 pub struct Decisions {

@@ -477,19 +477,21 @@ const MAX_TOOL_ANSWERS: usize = 4096;
 struct ToolAnswers(HashMap<(String, String), (bool, Instant)>);
 
 impl ToolAnswers {
+    /// Whether an answer (`found`, given `at`) still holds at `now`.
+    fn fresh(found: bool, at: Instant, now: Instant) -> bool {
+        now.saturating_duration_since(at) < if found { TOOL_FOUND_KEPT } else { TOOL_ABSENT_KEPT }
+    }
+
     /// The answer for `key` if it is recent enough at `now`.
     fn get(&self, key: &(String, String), now: Instant) -> Option<bool> {
         let (found, at) = *self.0.get(key)?;
-        let kept = if found { TOOL_FOUND_KEPT } else { TOOL_ABSENT_KEPT };
-        (now.saturating_duration_since(at) < kept).then_some(found)
+        Self::fresh(found, at, now).then_some(found)
     }
 
     /// Keep an answer; when [`MAX_TOOL_ANSWERS`] are kept, those too old go first, then all.
     fn put(&mut self, key: (String, String), found: bool, now: Instant) {
         if self.0.len() >= MAX_TOOL_ANSWERS && !self.0.contains_key(&key) {
-            self.0.retain(|_, (found, at)| {
-                now.saturating_duration_since(*at) < if *found { TOOL_FOUND_KEPT } else { TOOL_ABSENT_KEPT }
-            });
+            self.0.retain(|_, (found, at)| Self::fresh(*found, *at, now));
             if self.0.len() >= MAX_TOOL_ANSWERS {
                 self.0.clear();
             }

@@ -489,11 +489,7 @@ impl StageRunner {
             cx.emit(EventKind::Rejected, format!("incident refused: {why}"), serde_json::json!({ "error": why }));
             let events = cx.take_events();
             let stored = self.deps.store.insert_events(&events).await;
-            let published = match self.bus.holds_event(&events[0]).await {
-                Ok(true) => Ok(()),
-                Ok(false) => publish_events(&self.bus, &events).await,
-                Err(e) => Err(e),
-            };
+            let published = publish_fresh(&self.bus, events).await;
             if stored.is_err() || published.is_err() {
                 return Disposition::Nak(backoff(delivered));
             }
@@ -675,16 +671,7 @@ pub async fn apply(
                 tracing::warn!(run = %state.run_id, "a dropped step takes no transition: its records are not written");
             }
             store.insert_events(&events).await?;
-            // Each on a subject of its own (its run's, its kind's): one on the bus already
-            // (a delivery whose acks were lost, redelivered past the duplicate window) is not
-            // published again, or followers would see it twice.
-            let mut fresh = Vec::with_capacity(events.len());
-            for e in events {
-                if !bus.holds_event(&e).await? {
-                    fresh.push(e);
-                }
-            }
-            publish_events(bus, &fresh).await?;
+            publish_fresh(bus, events).await?;
         }
     }
     Ok(())
@@ -814,6 +801,19 @@ async fn send_request(bus: &Bus, req: &ApprovalRequest) -> Result<(), BusError> 
 /// Publish a state to the stage it is addressed to.
 pub async fn publish_state(bus: &Bus, state: &RunState) -> Result<(), BusError> {
     publish_batch(bus, &[], Some(state)).await
+}
+
+/// Publish those of `events` the bus does not hold yet. Each is on a subject of its own (its
+/// run's, its kind's): one on the bus already (a delivery whose acks were lost, redelivered
+/// past the duplicate window) is not published again, or followers would see it twice.
+async fn publish_fresh(bus: &Bus, events: Vec<RunEvent>) -> Result<(), BusError> {
+    let mut fresh = Vec::with_capacity(events.len());
+    for e in events {
+        if !bus.holds_event(&e).await? {
+            fresh.push(e);
+        }
+    }
+    publish_events(bus, &fresh).await
 }
 
 /// Publish events to `pitcrew.events.<run>.<kind>`, all at once, then wait for every ack.
