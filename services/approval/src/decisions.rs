@@ -10,7 +10,7 @@ use pitcrew_runtime::consume::{backoff, Disposition, MessageHandler};
 use pitcrew_runtime::runner::{
     apply, dead_letter, delivery, exhausted, header, outage, publish_batch, publish_events, ApplyError,
 };
-use pitcrew_runtime::runner::{DECISION_EVENTS, DECISION_EVENT_BASE, DECISION_EVENT_SPAN};
+use pitcrew_runtime::runner::{decision_event_index, DECISION_EVENTS};
 use pitcrew_runtime::store::{DecideOutcome, RunStatus, StoreError};
 use pitcrew_runtime::{Bus, BusError, Cx, Deps, Transition};
 use std::future::Future;
@@ -196,7 +196,7 @@ impl Decisions {
             ApprovalStatus::Waiting { plan_hash, .. } => Some(plan_hash.clone()),
             _ => None,
         };
-        let index = DECISION_EVENT_BASE + (seq % u64::from(DECISION_EVENT_SPAN)) as u32;
+        let index = decision_event_index(seq);
         let mut cx = Cx::new(&self.deps, Stage::Approval, d.run_id, state.seq, index);
         let Some(plan_hash) = d.plan_hash.clone().or(pending.clone()) else {
             let why = format!("run is not waiting for an approval (it is {})", run.status.as_str());
@@ -278,8 +278,9 @@ impl Decisions {
                 // is still the one this decision produced. Without the events, the run went
                 // from waiting to executing on the bus with no word of who approved.
                 // This decision's events: under the seq it was applied at (where its first event
-                // sits at its index), in its index range (a neighbour's range overlaps it under
-                // other seqs). Not when its last already is the last of its kind on the bus.
+                // sits at its index), in its index range (a decision a whole span of stream seqs
+                // away shares it, under other seqs). Not when its last already is the last of
+                // its kind on the bus.
                 let timeline = store.timeline(d.run_id).await?;
                 let applied_at =
                     timeline.iter().filter(|e| e.stage == Stage::Approval && e.index == index).map(|e| e.seq).max();

@@ -28,13 +28,21 @@ const POISON_EVENT_END: u32 = POISON_EVENT_BASE + 2 * POISON_DELIVERIES + 1;
 /// writes it, so a delivery after one whose publish landed but whose answer was lost writes
 /// the same event again (deduplicated) instead of a second end.
 const REJECTED_EVENT_INDEX: u32 = POISON_EVENT_END + 1;
-/// First event index of an approval decision's events: `DECISION_EVENT_BASE` + the decision's
-/// stream sequence modulo `DECISION_EVENT_SPAN` (so a decision delivered again keeps its index),
-/// and up to `DECISION_EVENTS` from there.
+/// First event index of approval decisions' events: each decision has `DECISION_EVENTS`
+/// indexes of its own from [`decision_event_index`], within `DECISION_EVENT_SPAN`.
 pub const DECISION_EVENT_BASE: u32 = 300_000;
 pub const DECISION_EVENT_SPAN: u32 = 699_000;
 /// Events one decision emits at most (an expiry: why, then the decision).
 pub const DECISION_EVENTS: u32 = 2;
+
+/// The first event index of the decision at `stream_seq` on the decisions' stream: the same
+/// for every delivery of it, and `DECISION_EVENTS` apart from its neighbours' (decisions set
+/// aside leave the run's seq as it was, so consecutive decisions file under one seq, and
+/// overlapping indexes would make one's second event and the next one's first one row).
+pub fn decision_event_index(stream_seq: u64) -> u32 {
+    const SLOTS: u64 = (DECISION_EVENT_SPAN / DECISION_EVENTS) as u64;
+    DECISION_EVENT_BASE + (stream_seq % SLOTS) as u32 * DECISION_EVENTS
+}
 /// The end of the decisions' event indexes.
 pub const DECISION_EVENT_END: u32 = DECISION_EVENT_BASE + DECISION_EVENT_SPAN + DECISION_EVENTS;
 /// Index of the first timeline event saying a step waits (one a kind of wait a step, up to
@@ -917,6 +925,19 @@ pub async fn dead_letter(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn neighbouring_decisions_never_share_an_event_index() {
+        for seq in [0u64, 1, 2, 349_498, 349_499, 349_500, 1 << 40, u64::MAX - 1] {
+            let (a, b) = (decision_event_index(seq), decision_event_index(seq + 1));
+            let (ra, rb) = (a..a + DECISION_EVENTS, b..b + DECISION_EVENTS);
+            assert!(!ra.clone().any(|i| rb.contains(&i)), "seq {seq}: {ra:?} and {rb:?} overlap");
+            for r in [ra, rb] {
+                assert!(r.start >= DECISION_EVENT_BASE && r.end <= DECISION_EVENT_END, "seq {seq}: {r:?}");
+            }
+        }
+        assert_eq!(decision_event_index(7), decision_event_index(7), "a decision delivered again keeps its index");
+    }
 
     /// Commands no compression makes small, more than any message may carry.
     fn state_commands() -> Vec<String> {
