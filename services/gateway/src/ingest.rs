@@ -70,9 +70,18 @@ impl Gateway {
     /// and the closed run's (so sending it again names the same new run), and that id is
     /// answered. A new id, not the old one: the old one's timeline already ends in
     /// `duplicate`, which would end a watch of the new run and take its first event's key.
+    ///
+    /// An id received before for an incident of another fingerprint is a conflict: answered,
+    /// not taken as the same incident sent again (the new one would be lost unsaid).
     pub async fn open(&self, incident: &Incident) -> Result<(Uuid, Received), ApiError> {
         let id = incident.id.ok_or_else(|| ApiError::BadRequest("incident has no id".into()))?;
-        let now = self.opening(id).await?;
+        let now = self.opening(id, Some(&incident.effective_fingerprint())).await?;
+        if now.seen == IncidentSeen::Another {
+            return Err(ApiError::Conflict(format!(
+                "incident id {id} was received before for another incident (another service, host or error): \
+                 send this one under a new id, or without one"
+            )));
+        }
         if now.seen != IncidentSeen::New {
             if let IncidentSeen::JoinedClosed(_) = now.seen {
                 tracing::warn!(incident = %id, "incident joined {MAX_REOPENS} runs that closed: not opened again");
@@ -90,12 +99,13 @@ impl Gateway {
 
     /// Where incident `id` stands: followed through the ids it was opened again under (see
     /// [`Gateway::open`]) to the first one that is new or taken care of, with the one before
-    /// it. After `MAX_REOPENS` closed runs: the next id, still `JoinedClosed`.
-    async fn opening(&self, id: Uuid) -> Result<Opening, ApiError> {
+    /// it. After `MAX_REOPENS` closed runs: the next id, still `JoinedClosed`. With
+    /// `fingerprint`, `Another` if `id` was received for an incident of another one.
+    async fn opening(&self, id: Uuid, fingerprint: Option<&str>) -> Result<Opening, ApiError> {
         let (mut id, mut before) = (id, None);
         let mut seen = IncidentSeen::New;
         for _ in 0..MAX_REOPENS {
-            seen = self.store.incident_seen(id).await?;
+            seen = self.store.incident_seen(id, fingerprint).await?;
             let IncidentSeen::JoinedClosed(closed) = seen else { break };
             (id, before) = (reopened_id(id, closed), Some(id));
         }
@@ -106,7 +116,7 @@ impl Gateway {
     /// resolution at the source) belongs; with whether that is another alert's run, which it
     /// joined while open.
     async fn latest_opening(&self, id: Uuid) -> Result<(Uuid, bool), ApiError> {
-        let now = self.opening(id).await?;
+        let now = self.opening(id, None).await?;
         Ok(match (now.seen, now.before) {
             // Not opened again (yet) under the last id: the one before it is the latest.
             (IncidentSeen::New, Some(before)) => (before, false),

@@ -275,6 +275,11 @@ async fn an_incident_sent_again_after_the_run_it_joined_closed_opens_its_own_run
         (status, &body["outcome"], &body["run_id"]),
         (StatusCode::OK, &json!("already_received"), &json!(reopened))
     );
+    // Its id reused for another incident is a conflict, said so, and publishes nothing.
+    let other = json!({"id": again, "service": "svc", "error": "disk full on /var"});
+    let (status, body) = api.post("/v1/incidents", "otto", &other).await?;
+    assert_eq!(status, StatusCode::CONFLICT, "{body}");
+    assert!(body.to_string().contains("received before for another incident"), "{body}");
     // Its timeline is its own: it opened, and nothing ended it.
     let (status, run) = api.get(&format!("/v1/runs/{reopened}"), "otto").await?;
     assert_eq!(status, StatusCode::OK, "{run}");

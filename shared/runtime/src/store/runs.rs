@@ -51,6 +51,9 @@ pub enum IncidentSeen {
     /// It joined this run (same fingerprint), still open: news of it (its resolution at the
     /// source) belongs there, not on its own timeline, which ended in `duplicate`.
     JoinedOpen(Uuid),
+    /// The id was received for an incident of another fingerprint (another service, host or
+    /// error): a sender reusing ids, not the same incident sent again.
+    Another,
 }
 
 /// What intake found when it tried to start a run.
@@ -307,13 +310,14 @@ impl Store {
         Ok(client.query_opt("SELECT 1 FROM incidents WHERE id = $1", &[&id]).await?.is_some())
     }
 
-    /// What became of the incident `id`: see [`IncidentSeen`].
-    pub async fn incident_seen(&self, id: Uuid) -> Result<IncidentSeen, StoreError> {
+    /// What became of the incident `id`: see [`IncidentSeen`]. With `fingerprint`, an id
+    /// received for an incident of another fingerprint is [`IncidentSeen::Another`].
+    pub async fn incident_seen(&self, id: Uuid, fingerprint: Option<&str>) -> Result<IncidentSeen, StoreError> {
         let client = self.client().await?;
         let row = client
             .query_opt(
                 "SELECT i.duplicate_of, d.status IN ('open', 'waiting_approval'),
-                        EXISTS (SELECT 1 FROM runs own WHERE own.id = i.id)
+                        EXISTS (SELECT 1 FROM runs own WHERE own.id = i.id), i.fingerprint
                  FROM incidents i LEFT JOIN runs d ON d.id = i.duplicate_of
                  WHERE i.id = $1",
                 &[&id],
@@ -323,6 +327,9 @@ impl Store {
         let joined: Option<Uuid> = row.get(0);
         let joined_open: Option<bool> = row.get(1);
         let own: bool = row.get(2);
+        if fingerprint.is_some_and(|f| f != row.get::<_, &str>(3)) {
+            return Ok(IncidentSeen::Another);
+        }
         Ok(match joined {
             Some(run) if !own && joined_open != Some(true) => IncidentSeen::JoinedClosed(run),
             Some(run) if !own => IncidentSeen::JoinedOpen(run),
