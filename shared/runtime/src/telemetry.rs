@@ -165,7 +165,7 @@ impl FieldsVisitor<'_> {
         let name = name.strip_prefix("r#").unwrap_or(name);
         // Redacted, then made inert (an escape sequence a decider or an alert put in a message
         // shown escaped, not acted on by the terminal that shows the log).
-        let value = pitcrew_model::redact::redact(value);
+        let value = redact_logged(value);
         let value = pitcrew_model::trim::printable(&value);
         let gap = if std::mem::take(&mut self.first) { "" } else { " " };
         self.result = match (name, quoted) {
@@ -233,7 +233,7 @@ fn redact_json_text(json: &str) -> std::borrow::Cow<'_, str> {
         let end = (at + 1).min(bytes.len());
         at = end;
         let Ok(value) = serde_json::from_str::<String>(&json[start..end]) else { continue };
-        if let std::borrow::Cow::Owned(redacted) = pitcrew_model::redact::redact(&value) {
+        if let std::borrow::Cow::Owned(redacted) = redact_logged(&value) {
             out.push_str(&json[copied..start]);
             out.push_str(&serde_json::Value::String(redacted).to_string());
             copied = end;
@@ -244,6 +244,46 @@ fn redact_json_text(json: &str) -> std::borrow::Cow<'_, str> {
     }
     out.push_str(&json[copied..]);
     std::borrow::Cow::Owned(out)
+}
+
+/// A logged value redacted; a `?`-formatted string (`"DB_PASSWORD=\"x\""`) also read
+/// without its escapes, which would hide a quoted secret from the patterns, and written
+/// escaped again where that shows one.
+fn redact_logged(value: &str) -> std::borrow::Cow<'_, str> {
+    if let Some(inner) = debug_literal(value) {
+        if let std::borrow::Cow::Owned(redacted) = pitcrew_model::redact::redact(&inner) {
+            return std::borrow::Cow::Owned(format!("{redacted:?}"));
+        }
+    }
+    pitcrew_model::redact::redact(value)
+}
+
+/// What a string's `Debug` form (`"a \"b\"\n"`) holds, if `text` is one with an escape in it.
+fn debug_literal(text: &str) -> Option<String> {
+    let inner = text.strip_prefix('"')?.strip_suffix('"')?;
+    if !inner.contains('\\') {
+        return None;
+    }
+    let (mut out, mut chars) = (String::with_capacity(inner.len()), inner.chars());
+    while let Some(c) = chars.next() {
+        match c {
+            '"' => return None,
+            '\\' => out.push(match chars.next()? {
+                'n' => '\n',
+                'r' => '\r',
+                't' => '\t',
+                '0' => '\0',
+                c @ ('"' | '\'' | '\\') => c,
+                'u' => {
+                    let hex: String = chars.by_ref().skip(1).take_while(|&c| c != '}').collect();
+                    char::from_u32(u32::from_str_radix(&hex, 16).ok()?)?
+                }
+                _ => return None,
+            }),
+            c => out.push(c),
+        }
+    }
+    Some(out)
 }
 
 /// `http://host:4318` → `http://host:4318/v1/traces`; a URL naming the path is kept.
@@ -349,6 +389,7 @@ mod tests {
                 tracing::info!(command = "psql --password pa55-SECRET", host = "db1", "ran");
                 tracing::info!(config = r#"password="q-uoted-9""#, "read");
                 tracing::warn!(secret = %"DB_PASS", "a secret commands name is not set");
+                tracing::info!(line = ?"export DB_PASSWORD=\"dq-Secret-77\" \u{1b}", "debugged");
                 tracing::info!("token=tok-XYZ-123456 in a message");
                 tracing::warn!(by = %"mallory\u{1b}]52;c;aGk=\u{7}", "decision refused");
                 let cause = std::io::Error::other("password=s0urce-SECRET");
@@ -356,19 +397,21 @@ mod tests {
                 tracing::warn!(error = &failed as &(dyn std::error::Error + 'static), "store failed");
             });
             let text = String::from_utf8(lines.0.lock().unwrap().clone()).unwrap();
-            assert_eq!(text.lines().count(), 8, "{text}");
+            assert_eq!(text.lines().count(), 9, "{text}");
             assert!(!text.contains('\u{1b}') || ansi, "an escape sequence from a decider is shown escaped: {text}");
             assert!(text.contains("mallory"), "{text}");
             assert!(
                 !text.contains("s0urce-SECRET") && text.contains("wrapped"),
                 "an error's sources, redacted: {text}"
             );
-            for secret in ["hunter2-ABC", known, "pa55-SECRET", "q-uoted-9", "tok-XYZ-123456"] {
+            for secret in ["hunter2-ABC", known, "pa55-SECRET", "q-uoted-9", "tok-XYZ-123456", "dq-Secret-77"] {
                 assert!(!text.contains(secret), "json {json}, ansi {ansi}: {secret} in {text}");
             }
             // JSON lines show an error without its sources.
-            assert_eq!(text.matches("[REDACTED]").count(), if json { 5 } else { 6 }, "{text}");
-            for kept in ["waiting", "login refused for", "db1", "DB_PASS", "a secret commands name is not set"] {
+            assert_eq!(text.matches("[REDACTED]").count(), if json { 6 } else { 7 }, "{text}");
+            for kept in
+                ["waiting", "login refused for", "db1", "DB_PASS", "a secret commands name is not set", "export"]
+            {
                 assert!(text.contains(kept), "json {json}, ansi {ansi}: {kept} not in {text}");
             }
             if json {
