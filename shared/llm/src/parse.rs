@@ -18,8 +18,12 @@ const SHELL_TAGS: [&str; 6] = ["sh", "bash", "shell", "console", "zsh", "shell-s
 /// quotes, never commands. Two candidate blocks are ambiguous and refused, as is a block left
 /// open. Without a fence, lines marked as list items count (or, when nothing is marked, every
 /// line), each whole: a bare command or one wholly in inline code; prose, with or without
-/// inline code in it (`Do not run `x``), never does.
+/// inline code in it (`Do not run `x``), never does; but a list item quoting a command in
+/// prose beside items that are commands makes the list ambiguous (`1. Back up first: `cp -a
+/// ...``, `2. rm ...`: a plan without its first step), refused. A reasoning model's thinking
+/// is never read (see [`without_thinking`]).
 pub fn plan_commands(answer: &str) -> Result<Vec<String>, String> {
+    let answer = without_thinking(answer);
     let candidates: Vec<String> = match fenced_blocks(answer)? {
         blocks if !blocks.is_empty() => {
             let tagged: Vec<&Block> = blocks.iter().filter(|b| SHELL_TAGS.contains(&b.tag.as_str())).collect();
@@ -44,12 +48,23 @@ pub fn plan_commands(answer: &str) -> Result<Vec<String>, String> {
         }
         _ => {
             let marked = answer.lines().any(|l| list_marker_len(l.trim_start()) > 0);
-            answer
-                .lines()
-                .map(str::trim)
-                .filter(|l| !marked || list_marker_len(l) > 0)
-                .filter_map(|l| bare_command(&l[list_marker_len(l)..]))
-                .collect()
+            let (mut commands, mut quoting) = (Vec::new(), None);
+            for item in answer.lines().map(str::trim).filter(|l| !marked || list_marker_len(l) > 0) {
+                let item = &item[list_marker_len(item)..];
+                match bare_command(item) {
+                    Some(c) => commands.push(c),
+                    None if marked && item.contains('`') => quoting = quoting.or(Some(item)),
+                    None => {}
+                }
+            }
+            if let Some(item) = quoting.filter(|_| !commands.is_empty()) {
+                return Err(format!(
+                    "the step \"{}\" quotes a command inside prose, so the plan would run without it: \
+                     give the plan's commands alone, in one ```sh block",
+                    pitcrew_model::trim::clip(item, 100)
+                ));
+            }
+            commands
         }
     };
     let mut out: Vec<String> = Vec::new();
@@ -59,6 +74,17 @@ pub fn plan_commands(answer: &str) -> Result<Vec<String>, String> {
         }
     }
     Ok(out)
+}
+
+/// The answer without a reasoning model's thinking: what follows its last `</think>` (a
+/// template may open the tag in the prompt, so only the closing one is in the answer), or,
+/// with `<think>` never closed, what precedes it. What the model weighed and dropped is
+/// neither its plan nor its diagnosis.
+fn without_thinking(answer: &str) -> &str {
+    if let Some(end) = answer.rfind("</think>") {
+        return &answer[end + "</think>".len()..];
+    }
+    answer.find("<think>").map_or(answer, |start| &answer[..start])
 }
 
 /// A complete fenced block: its info string's first word, lowercased, and its lines.
@@ -217,6 +243,7 @@ pub fn json_object<T: serde::de::DeserializeOwned>(answer: &str) -> Option<T> {
 /// Read `{"diagnosis": ..., "evidence": [...]}` (fenced or surrounded by prose), else take
 /// the text itself as the summary. None when there is nothing to read.
 pub fn diagnosis(answer: &str) -> Option<DiagnosisAnswer> {
+    let answer = without_thinking(answer);
     if let Some(j) = json_object::<DiagnosisJson>(answer) {
         let summary = j.diagnosis.trim().to_string();
         if summary.is_empty() {
@@ -312,6 +339,27 @@ mod tests {
         let answer = "Do not run `systemctl restart postgresql`, it drops connections.\n`systemctl restart web`";
         assert_eq!(plan(answer), v(&["systemctl restart web"]));
         assert!(plan("1. Run `sudo kill 4242` to free the port.\n2. Check the logs first.").is_empty());
+    }
+
+    #[test]
+    fn a_list_whose_step_quotes_a_command_in_prose_is_refused_not_cut() {
+        let answer = "1. Back up first: `cp -a /var/lib/db /var/lib/db.bak`\n2. rm -f /var/lib/db/postmaster.pid\n3. systemctl restart db";
+        let why = plan_commands(answer).unwrap_err();
+        assert!(why.contains("Back up first") && why.contains("```sh block"), "{why}");
+        // Prose steps without a command in them are commentary, as before.
+        assert_eq!(plan("1. Check the logs first.\n2. `systemctl restart db`"), v(&["systemctl restart db"]));
+    }
+
+    #[test]
+    fn a_reasoning_models_thinking_is_never_read() {
+        let answer = "<think>\nMaybe:\n- rm -rf /var/lib/db\nNo, too much.\n</think>\n- systemctl restart db";
+        assert_eq!(plan(answer), v(&["systemctl restart db"]));
+        // The template opened the tag: only its end is in the answer.
+        assert_eq!(plan("1. reboot?\nno.\n</think>\n```sh\nsystemctl restart db\n```"), v(&["systemctl restart db"]));
+        // Thinking that never ended holds no answer.
+        assert!(plan("<think>\n- reboot\n- rm -rf /").is_empty());
+        let d = diagnosis("<think>{\"diagnosis\": \"guess\"}</think>{\"diagnosis\": \"db down\", \"evidence\": []}");
+        assert_eq!(d.map(|d| d.summary), Some("db down".to_string()));
     }
 
     #[test]
