@@ -153,10 +153,16 @@ async fn a_timeout_is_transient_and_does_not_hang() -> anyhow::Result<()> {
 
 #[tokio::test]
 async fn server_errors_are_retried_and_client_errors_are_not() -> anyhow::Result<()> {
-    let llm = ScriptedLlm::start(vec![Reply::status(503, "overloaded"), Reply::answer(DIAGNOSIS)]).await?;
-    let p = provider(&llm, |_| {});
+    let llm = ScriptedLlm::start(vec![
+        Reply::status(503, "overloaded"),
+        Reply::status(408, "request timeout"),
+        Reply::answer(DIAGNOSIS),
+    ])
+    .await?;
+    let p = provider(&llm, |c| c.max_retries = 2);
     let case = Case::new();
     assert!(p.diagnose(&case.input()).await.is_ok());
+    assert_eq!(llm.requests().len(), 3, "a 503 and a 408 are tried again");
     let llm = ScriptedLlm::start(vec![Reply::status(400, "model not found")]).await?;
     let p = provider(&llm, |_| {});
     match p.diagnose(&case.input()).await {
@@ -246,6 +252,78 @@ async fn a_malformed_plan_is_answered_again_and_then_used() -> anyhow::Result<()
     let second = llm.requests()[1].body["messages"].as_array().cloned().unwrap_or_default();
     let told = second.last().and_then(|m| m["content"].as_str()).unwrap_or_default().to_string();
     assert!(told.contains("The problem: 4 commands, at most 3"), "{told}");
+    Ok(())
+}
+
+/// An answer the token limit (or a content filter) stopped is not the whole plan: `2. kill -9
+/// 12345` cut to `kill -9 1` would read as a command. It is answered again, streamed or not.
+#[tokio::test]
+async fn a_plan_cut_at_the_token_limit_is_answered_again_not_run() -> anyhow::Result<()> {
+    for stream in [false, true] {
+        let llm = ScriptedLlm::start(vec![
+            Reply::answer("```sh\n/opt/web/stop\n/opt/web/st\n```").finished("length"),
+            Reply::answer("```sh\n/opt/web/restart\n```"),
+        ])
+        .await?;
+        let p = provider(&llm, |c| c.stream = stream);
+        let case = Case::new();
+        let streamed = Streamed::default();
+        let mut input = case.input();
+        if stream {
+            input.progress = Some(&streamed);
+        }
+        let plan = p.plan(&input, &diagnosis_of("web is wedged")).await?;
+        assert_eq!(plan.commands, vec!["/opt/web/restart".to_string()], "stream {stream}");
+        assert!(plan.rationale.contains("finish_reason length"), "stream {stream}: {}", plan.rationale);
+        assert_eq!(llm.requests().len(), 2);
+    }
+    Ok(())
+}
+
+/// A redirect is not followed: the key would go to wherever it points (reqwest drops
+/// `Authorization` when a redirect leaves the host, not Azure's `api-key`). Said, not retried.
+#[tokio::test]
+async fn a_redirect_is_not_followed_with_the_key() -> anyhow::Result<()> {
+    let elsewhere = ScriptedLlm::start(vec![Reply::answer(DIAGNOSIS)]).await?;
+    let to = format!("{}/chat/completions", elsewhere.base_url);
+    let llm = ScriptedLlm::start(vec![Reply::status(307, "moved").header("location", &to)]).await?;
+    // Not `PITCREW_`: the crews of other tests in this process read those as configuration.
+    let var = format!("REDIRECT_TEST_KEY_{}", std::process::id());
+    std::env::set_var(&var, "azure-key-5531");
+    let p = provider(&llm, |c| {
+        c.api_key_env = var.clone();
+        c.azure_api_version = Some("2024-06-01".into());
+    });
+    let case = Case::new();
+    match p.diagnose(&case.input()).await {
+        Err(ReasonError::Failed(e)) => assert!(e.contains("307"), "{e}"),
+        other => panic!("a redirect is the endpoint's configuration to fix: {other:?}"),
+    }
+    assert_eq!(llm.requests()[0].header("api-key"), Some("azure-key-5531"), "the key went where it was meant to");
+    assert!(elsewhere.requests().is_empty(), "the redirect was followed: {:?}", elsewhere.requests());
+    Ok(())
+}
+
+/// Streamed, an endpoint that sends nothing, not even its headers, is given up after the
+/// timeout, as one that stops between parts is, not after the streamed answer's whole cap.
+#[tokio::test]
+async fn a_streamed_call_whose_headers_never_come_is_cut_after_the_timeout() -> anyhow::Result<()> {
+    let llm = ScriptedLlm::start(vec![Reply::answer(DIAGNOSIS).delayed(Duration::from_secs(4))]).await?;
+    let p = provider(&llm, |c| {
+        c.stream = true;
+        c.timeout_secs = 1;
+        c.max_retries = 0;
+    });
+    let case = Case::new();
+    let streamed = Streamed::default();
+    let mut input = case.input();
+    input.progress = Some(&streamed);
+    let started = Instant::now();
+    match p.diagnose(&input).await {
+        Err(ReasonError::Transient(e)) => assert!(e.contains("no answer within 1 s"), "{e}"),
+        other => panic!("a silent endpoint is tried again later: {other:?}"),
+    }
+    assert!(started.elapsed() < Duration::from_secs(3), "{:?}", started.elapsed());
     Ok(())
 }
 

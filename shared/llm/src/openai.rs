@@ -189,6 +189,15 @@ struct Message {
     tool_calls: Vec<ToolCall>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     tool_call_id: Option<String>,
+    /// Why the answer stopped where the model did not end it (`finish_reason` `length`: the
+    /// token limit; `content_filter`): what came is not the whole answer.
+    #[serde(skip)]
+    cut: Option<String>,
+}
+
+/// The `finish_reason`s that end an answer the model had not finished.
+fn cut_by(finish_reason: Option<&str>) -> Option<String> {
+    finish_reason.filter(|r| ["length", "content_filter"].contains(r)).map(str::to_string)
 }
 
 impl Message {
@@ -263,6 +272,8 @@ struct Completion {
 #[derive(Deserialize)]
 struct Choice {
     message: Message,
+    #[serde(default)]
+    finish_reason: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -298,7 +309,19 @@ impl OpenAi {
                 }
             },
         };
+        match reqwest::Url::parse(cfg.base_url.trim()) {
+            Ok(u) if ["http", "https"].contains(&u.scheme()) && u.has_host() => {}
+            _ => {
+                return Err(format!(
+                    "[reasoning.openai] base_url must be an http(s) URL with a host (http://llm:8000/v1), not {:?}",
+                    clip(&pitcrew_model::redact::redact(&endpoint_shown(&cfg.base_url)), 120)
+                ))
+            }
+        }
+        // Redirects are not followed: the key (Azure's `api-key` header, which reqwest does not
+        // drop when a redirect leaves the host) would go wherever the redirect points.
         let http = reqwest::Client::builder()
+            .redirect(reqwest::redirect::Policy::none())
             .timeout(Duration::from_secs(cfg.timeout_secs.max(1)))
             .connect_timeout(Duration::from_secs(cfg.timeout_secs.clamp(1, 10)))
             .build()
@@ -467,7 +490,14 @@ impl OpenAi {
         attempt: u32,
         last: &mut String,
     ) -> (Step, &'static str) {
-        match req.send().await {
+        // Streamed, the whole call may take `STREAM_CAP` timeouts, but its first part (the
+        // headers) no more than one, as no wait between parts may (not streamed, the client's
+        // own timeout is that one).
+        let Ok(sent) = tokio::time::timeout(Duration::from_secs(self.cfg.timeout_secs.max(1)), req.send()).await else {
+            *last = format!("no answer within {} s", self.cfg.timeout_secs);
+            return (Step::Retry(backoff(attempt)), "timeout");
+        };
+        match sent {
             Err(e) => {
                 let outcome = if e.is_timeout() {
                     *last = format!("no answer within {} s", self.cfg.timeout_secs);
@@ -510,11 +540,17 @@ impl OpenAi {
                         // An exhausted quota is a 429 that no wait mends: a human has to act.
                         let quota =
                             status.as_u16() == 429 && error_code(&bytes).as_deref() == Some("insufficient_quota");
-                        if (status.as_u16() != 429 && !status.is_server_error()) || quota {
+                        // 408: the server (or a proxy) gave up waiting for the request: try again.
+                        let passing = [408, 429].contains(&status.as_u16()) || status.is_server_error();
+                        if !passing || quota {
                             let err = ReasonError::Failed(format!("{} answered {last}", self.endpoint()));
                             return (Step::Done(Err(err)), "client_error");
                         }
-                        let outcome = if status.as_u16() == 429 { "rate_limited" } else { "server_error" };
+                        let outcome = match status.as_u16() {
+                            429 => "rate_limited",
+                            408 => "timeout",
+                            _ => "server_error",
+                        };
                         (Step::Retry(retry_after.unwrap_or_else(|| backoff(attempt))), outcome)
                     }
                 }
@@ -531,7 +567,7 @@ impl OpenAi {
         c.choices
             .into_iter()
             .next()
-            .map(|c| c.message)
+            .map(|c| Message { cut: cut_by(c.finish_reason.as_deref()), ..c.message })
             .ok_or_else(|| ReasonError::Failed("the endpoint answered with no choices".into()))
     }
 
@@ -550,6 +586,7 @@ impl OpenAi {
         let mut calls: Vec<ToolCall> = Vec::new();
         let mut done = false;
         let mut finished = false;
+        let mut cut = None;
         let idle = Duration::from_secs(self.cfg.timeout_secs.max(1));
         while !done {
             let next = tokio::time::timeout(idle, resp.chunk())
@@ -576,7 +613,9 @@ impl OpenAi {
                     let what = e["message"].as_str().map_or_else(|| e.to_string(), str::to_string);
                     return Err(format!("the stream broke off with an error: {}", self.error_text(what.as_bytes())));
                 }
-                finished |= v["choices"][0]["finish_reason"].is_string();
+                let finish = v["choices"][0]["finish_reason"].as_str();
+                finished |= finish.is_some();
+                cut = cut.or(cut_by(finish));
                 if let Some(u) = v.get("usage").filter(|u| u.is_object()) {
                     let (p, c) =
                         (u["prompt_tokens"].as_u64().unwrap_or(0), u["completion_tokens"].as_u64().unwrap_or(0));
@@ -633,6 +672,7 @@ impl OpenAi {
             content: (!content.is_empty()).then_some(content),
             tool_calls: calls,
             tool_call_id: None,
+            cut,
         })
     }
 
@@ -686,7 +726,7 @@ impl OpenAi {
                 role: "assistant".into(),
                 content: reply.content,
                 tool_calls: calls.clone(),
-                tool_call_id: None,
+                ..Default::default()
             });
             let outputs =
                 futures::future::join_all(calls.iter().map(|c| tools.call(&c.function.name, &c.function.arguments)))
@@ -697,8 +737,8 @@ impl OpenAi {
                 messages.push(Message {
                     role: "tool".into(),
                     content: Some(content),
-                    tool_calls: Vec::new(),
                     tool_call_id: Some(call.id.clone()),
+                    ..Default::default()
                 });
             }
         }
@@ -712,8 +752,16 @@ impl OpenAi {
         let mut messages = vec![message("system", plan_system(input)), message("user", user)];
         let mut corrected = None;
         let why = loop {
-            let text = self.chat(input, &model, &messages, &[]).await?.content.unwrap_or_default();
-            match self.usable(input, &text) {
+            let answer = self.chat(input, &model, &messages, &[]).await?;
+            let text = answer.content.unwrap_or_default();
+            let read = match answer.cut {
+                // `2. kill -9 12345` cut to `kill -9 1` would be read as a command.
+                Some(why) => {
+                    Err(format!("the answer stopped before its end (finish_reason {why}): answer again, shorter"))
+                }
+                None => self.usable(input, &text),
+            };
+            match read {
                 Ok(commands) => {
                     let note = corrected.map(|w| format!(" (answered again after: {w})")).unwrap_or_default();
                     return Ok(Plan {
@@ -1030,6 +1078,23 @@ mod tests {
         let args: Value = serde_json::from_str(&m.tool_calls[0].function.arguments).unwrap();
         assert_eq!(args, json!({"command": "df -h"}));
         assert!(serde_json::from_value::<Message>(json!({"role": "assistant", "content": 7})).is_err());
+    }
+
+    #[test]
+    fn a_base_url_that_is_no_http_url_is_refused_at_start() {
+        let cfg = |base_url: &str| OpenAiConfig {
+            base_url: base_url.into(),
+            model: "m".into(),
+            api_key_env: String::new(),
+            ..Default::default()
+        };
+        for bad in ["llm:8000/v1", "localhost:11434", "ftp://llm/v1", "http://"] {
+            let e = OpenAi::new(cfg(bad), Playbook::default_rules()).unwrap_err();
+            assert!(e.contains("base_url must be an http(s) URL"), "{bad}: {e}");
+        }
+        let e = OpenAi::new(cfg("llm://user:s3cret-pw@host/v1"), Playbook::default_rules()).unwrap_err();
+        assert!(!e.contains("s3cret-pw"), "{e}");
+        assert!(OpenAi::new(cfg("https://api.example.com/v1"), Playbook::default_rules()).is_ok());
     }
 
     #[test]

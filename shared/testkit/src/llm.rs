@@ -103,6 +103,13 @@ impl Reply {
         self
     }
 
+    /// The answer ends with this `finish_reason` (`length`: cut at the token limit), streamed
+    /// or not.
+    pub fn finished(mut self, reason: &str) -> Reply {
+        self.body["choices"][0]["finish_reason"] = reason.into();
+        self
+    }
+
     pub fn header(mut self, name: &str, value: &str) -> Reply {
         self.headers.push((name.into(), value.into()));
         self
