@@ -389,14 +389,26 @@ impl Policy {
                 );
                 critical.push(hit("environment-assignment", CRITICAL, why));
             }
+            if let Some(word) = argv.iter().find(|w| shell::climbs_above(w)) {
+                let why = format!(
+                    "names `{}`, a path above the directory the command runs in: where it lands cannot be told \
+                     from the command",
+                    clip(word, 120)
+                );
+                critical.push(hit("parent-path", CRITICAL, why));
+            }
             let written = argv.join(" ");
             let normalised = unwrapped.argv.join(" ");
+            // Paths as the kernel reads them (`/./etc`, `/tmp/../etc` -> `/etc`): the rules
+            // anchored on a system directory see it however it is spelled.
+            let pathed = unwrapped.argv.iter().map(|w| shell::lexical_path(w)).collect::<Vec<_>>().join(" ");
             // A file a wrapper writes (`time -o /etc/passwd true`) is judged as `tee FILE`
             // would be, so the rules that look for writes see it.
             let writes: Vec<String> = unwrapped.writes.iter().map(|f| format!("tee {f}")).collect();
             let matches = |r: &Rule| {
                 r.pattern.is_match(&normalised)
                     || r.pattern.is_match(&written)
+                    || (pathed != normalised && r.pattern.is_match(&pathed))
                     || writes.iter().any(|w| r.pattern.is_match(w))
             };
             for r in self.forbidden.iter().filter(|r| matches(r)) {
@@ -432,14 +444,17 @@ impl Policy {
         self.gate_on_trusting(host, commands, &[])
     }
 
-    /// The findings of `findings_on` but `secret-use` on a command `trusted` holds: the
-    /// service's own commands as the operator configured them (its start, stop, restart) may
-    /// name the secrets they need without a human each time.
+    /// The findings of `findings_on` but those of [`TRUSTED_RULES`] on a command `trusted`
+    /// holds: the service's own commands as the operator configured them (its start, stop,
+    /// restart) may name the secrets they need, and paths relative to where they run, without
+    /// a human each time.
     pub fn findings_on_trusting(&self, host: &str, commands: &[String], trusted: &[String]) -> Vec<Finding> {
         let mut all = self.findings_on(host, commands);
         let words = |c: &str| shell_words::split(c).ok();
         let trusted: Vec<Vec<String>> = trusted.iter().filter_map(|t| words(t)).collect();
-        all.retain(|f| !(f.rule == "secret-use" && words(&f.command).is_some_and(|w| trusted.contains(&w))));
+        all.retain(|f| {
+            !(TRUSTED_RULES.contains(&f.rule.as_str()) && words(&f.command).is_some_and(|w| trusted.contains(&w)))
+        });
         all
     }
 
@@ -501,6 +516,10 @@ impl Policy {
         read_only::check(&unwrapped.argv)
     }
 }
+
+/// Built-in critical rules a command the operator configured (the service's own start, stop,
+/// restart) does not hit: what they guard against is a model's choice, not the operator's.
+const TRUSTED_RULES: [&str; 2] = ["secret-use", "parent-path"];
 
 /// Whether `command` runs its program as another user (`sudo`, `doas`, however written or
 /// wrapped).

@@ -109,6 +109,59 @@ const WRAPPERS: &[Wrapper] = &[
     Wrapper { name: "busybox", short_with_value: "", long_with_value: &[], positionals: 0 },
 ];
 
+/// `word` with its absolute path (the word, or what follows its first `=`: `of=/dev/sda`,
+/// `--target=/etc`) spelled the shortest way: `//` and `/./` collapsed, `..` resolved
+/// (`/tmp/../etc` -> `/etc`), as the kernel reads it but for symbolic links.
+pub(crate) fn lexical_path(word: &str) -> std::borrow::Cow<'_, str> {
+    let (head, path) = match word.find("=/") {
+        Some(i) if !word.starts_with('/') => word.split_at(i + 1),
+        _ => ("", word),
+    };
+    if !path.starts_with('/') || !(path.contains("//") || path.split('/').any(|p| p == "." || p == "..")) {
+        return std::borrow::Cow::Borrowed(word);
+    }
+    let mut parts: Vec<&str> = Vec::new();
+    for part in path.split('/') {
+        match part {
+            "" | "." => {}
+            ".." => {
+                parts.pop();
+            }
+            part => parts.push(part),
+        }
+    }
+    let last = path.rsplit('/').next().unwrap_or("");
+    let trailing = !parts.is_empty() && matches!(last, "" | "." | "..");
+    let mut out = format!("{head}/{}", parts.join("/"));
+    if trailing {
+        out.push('/');
+    }
+    std::borrow::Cow::Owned(out)
+}
+
+/// Whether `word` (or what follows its first `=`) is a relative path that climbs above where
+/// it starts (`../etc`, `a/../../x`): relative to a working directory the gate does not know.
+pub(crate) fn climbs_above(word: &str) -> bool {
+    let path = word.split_once('=').map_or(word, |(_, v)| v);
+    if path.starts_with('/') || !path.split('/').any(|p| p == "..") {
+        return false;
+    }
+    let mut depth = 0i32;
+    for part in path.split('/') {
+        match part {
+            "" | "." => {}
+            ".." => {
+                depth -= 1;
+                if depth < 0 {
+                    return true;
+                }
+            }
+            _ => depth += 1,
+        }
+    }
+    false
+}
+
 /// Wrappers unwrapped at most this many times (`sudo env nice cmd` is three).
 const MAX_UNWRAP: usize = 8;
 
@@ -389,6 +442,16 @@ pub(crate) fn unwrap(argv: &[String]) -> Unwrapped {
             inner.insert(0, "sudoedit".into());
             rest = inner;
             break;
+        }
+        // `sudo -s`/`-i` run the command through root's shell, which expands `$HOME` and the
+        // like that the gate read as plain words (sudo escapes `;`, not `$`).
+        let shell_options = ["-s", "-i", "--shell", "--login", "--sh", "--she", "--shel", "--log", "--logi"];
+        if w.name == "sudo" && skipped.options.iter().any(|o| shell_options.contains(&o.as_str())) {
+            out.opaque.get_or_insert_with(|| {
+                "`sudo -s`/`sudo -i` runs the command through root's shell, which expands words the gate read as \
+                 plain"
+                    .into()
+            });
         }
         // A program that chooses what it does by the name it is called by (systemctl as
         // `reboot`, busybox as `rm`, pgrep as `pkill`) would do what the gate did not read.

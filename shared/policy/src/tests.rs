@@ -78,6 +78,8 @@ const FORBIDDEN_CASES: &[(&str, &[&str], &[&str])] = &[
             "su - root",
             "su-rs -c reboot",
             "su",
+            "ksh93 -c reboot",
+            "bash5.2 -c id",
             "rbash -c reboot",
             "yash -c id",
         ],
@@ -147,6 +149,8 @@ const FORBIDDEN_CASES: &[(&str, &[&str], &[&str])] = &[
             "/usr/bin/sudoedit /etc/hosts",
             "nano /etc/hosts",
             "vim /srv/app/app.conf",
+            "vim.tiny /etc/hosts",
+            "vim.basic -c '!reboot' -c 'qa!'",
         ],
         &[
             "sudo -n grep -e foo /var/log/syslog",
@@ -159,6 +163,9 @@ const FORBIDDEN_CASES: &[(&str, &[&str], &[&str])] = &[
         "command-runner",
         &[
             "xargs reboot",
+            "choom -n 0 -- reboot",
+            "runcon -t unconfined_t reboot",
+            "eatmydata rm -rf /",
             "flock /tmp/l reboot",
             "nsenter -t 1 -a reboot",
             "systemd-run reboot",
@@ -292,7 +299,14 @@ const FORBIDDEN_CASES: &[(&str, &[&str], &[&str])] = &[
     ),
     (
         "permissions-system-path",
-        &["chmod -R 777 /", "chown -R nobody /etc", "chmod 777 /usr/", "sudo chgrp -R x /var/*"],
+        &[
+            "chmod -R 777 /",
+            "chown -R nobody /etc",
+            "chmod 777 /usr/",
+            "sudo chgrp -R x /var/*",
+            "chown -R nobody /./usr",
+            "chmod -R 0 /tmp/../etc",
+        ],
         &["chmod 644 /etc/app/app.conf", "chown -R web /srv/web/data", "chmod -R g+w /tmp/x"],
     ),
     (
@@ -475,8 +489,53 @@ const FORBIDDEN_CASES: &[(&str, &[&str], &[&str])] = &[
 const CRITICAL_CASES: &[(&str, &[&str], &[&str])] = &[
     (
         "system-file-change",
-        &["mv /etc /tmp/etc", "mv /usr/bin/sudo /tmp", "truncate -s 0 /etc/passwd", "ln -sf /dev/null /etc/hosts"],
-        &["mv /tmp/a /tmp/b", "truncate -s 0 /var/log/app/huge.log", "ln -s /srv/app/current /srv/app/live"],
+        &[
+            "mv /etc /tmp/etc",
+            "mv /usr/bin/sudo /tmp",
+            "truncate -s 0 /etc/passwd",
+            "ln -sf /dev/null /etc/hosts",
+            "mv /./etc /tmp/x",
+            "mv /tmp/../etc /tmp/x",
+            "mv /var/lib /tmp/old",
+            "mv /var/lib/postgresql /tmp/pg",
+            "truncate -s0 /var/lib/mysql/ibdata1",
+            "mv //srv/app /tmp",
+        ],
+        &[
+            "mv /tmp/a /tmp/b",
+            "truncate -s 0 /var/log/app/huge.log",
+            "ln -s /srv/app/current /srv/app/live",
+            "mv /var/log/app.log /var/log/app.log.1",
+        ],
+    ),
+    (
+        "program-copy",
+        &[
+            "cp /usr/bin/rm /tmp/cleanup",
+            "cp /bin/sh /tmp/uptime",
+            "ln -s /usr/sbin/reboot /tmp/check",
+            "sudo install -m755 /usr/local/bin/tool /opt/x",
+            "cp -t /tmp /usr/bin/rm",
+            "cp /./usr/bin/rm /tmp/x",
+        ],
+        &["cp /etc/nginx/nginx.conf /tmp/nginx.conf.bak", "cp -a /srv/app/bin/run /srv/app/bin/run.bak"],
+    ),
+    (
+        "in-place-rewrite",
+        &[
+            "gzip -r /etc",
+            "xz --recursive /srv",
+            "gzip /var/lib/postgresql/15/main/base/1/1259",
+            "gawk -i inplace '{}' /etc/passwd",
+            "awk -iinplace 1 /srv/app/data.csv",
+            "gawk --include=inplace 1 x",
+        ],
+        &[
+            "gzip /var/log/app/huge.log",
+            "gzip -c /var/log/app/x.log",
+            "zstd -d /tmp/backup.zst",
+            "awk '{print $1}' /etc/hosts",
+        ],
     ),
     (
         "git-config-write",
@@ -497,6 +556,9 @@ const CRITICAL_CASES: &[(&str, &[&str], &[&str])] = &[
         "system-file-write",
         &[
             "cp /dev/zero /dev/sda",
+            "sudo cp /dev/zero /./dev/sda",
+            "sed -i s/a/b/ /./etc/hosts",
+            "cp /tmp/x //etc/../etc/passwd",
             "cp /tmp/x /etc/passwd",
             "cp -t /usr/bin /tmp/x",
             "rsync -a --delete /var/empty/ /etc/",
@@ -836,6 +898,39 @@ fn every_rule_hits_its_positives_and_misses_its_negatives() {
             }
         }
     }
+}
+
+/// What no rule's pattern can tell: a relative path climbing out of a working directory the
+/// gate does not know, and sudo's shell modes, which expand what the gate read as plain words.
+/// The operator's own configured commands may do the first.
+#[test]
+fn paths_from_nowhere_and_sudo_s_shell_are_caught() {
+    let p = Policy::default_policy();
+    for cmd in [
+        "chmod -R 0777 ../../etc",
+        "cp /tmp/x ../etc/passwd",
+        "tar -C a/../../x -xf b.tar",
+        "mv --target-directory=../x y",
+    ] {
+        assert!(rules_hit(&p, cmd).contains(&"parent-path".to_string()), "{cmd}: {:?}", rules_hit(&p, cmd));
+    }
+    for cmd in [
+        "sudo -s chmod -R 0777 '$HOME'",
+        "sudo -i id",
+        "sudo -n -s id",
+        "sudo -ns id",
+        "sudo --shell id",
+        "sudo --login id",
+    ] {
+        assert_eq!(first_hit(&p, cmd).map(|h| h.0), Some("opaque-command".to_string()), "{cmd}");
+    }
+    for fine in ["/opt/app/bin/start", "tar -C a/../b -xf c.tar", "sudo -u app id", "sudo -n systemctl restart web"] {
+        assert_eq!(p.gate(&plan(&[fine])), GateDecision::Allow, "{fine}");
+    }
+    // The operator configured it so: the service's own restart runs without a human.
+    let own = ["/opt/svc/restart --dir ../state".to_string()];
+    assert_eq!(p.gate_on_trusting("", &own, &own), GateDecision::Allow);
+    assert!(matches!(p.gate_on_trusting("", &own, &[]), GateDecision::NeedsApproval { .. }));
 }
 
 #[test]
