@@ -70,13 +70,14 @@ impl StageHandler for ApprovalStage {
             };
             let attempt = state.attempt;
             state.security_flags.retain(|f| f.attempt != attempt);
-            // The host's own allow-lists apply too ([hosts.<name>] in the policy file).
-            let spec = pitcrew_runtime::target::service(cx.config(), state).ok();
-            let host = spec.map(|s| s.host.clone()).unwrap_or_default();
+            // The host's own allow-lists apply too ([hosts.<name>] in the policy file): a
+            // service this worker's inventory lacks (its configuration behind the others'
+            // during a rollout) has no host to judge for, and escalates.
+            let spec = pitcrew_runtime::service_or_escalate!(cx.config(), state);
+            let host = spec.host.clone();
             // The service's own commands, as the operator wrote them, may name its secrets.
-            let trusted: Vec<String> = spec
-                .map(|s| [&s.start, &s.stop, &s.restart].into_iter().flatten().cloned().collect())
-                .unwrap_or_default();
+            let trusted: Vec<String> =
+                [&spec.start, &spec.stop, &spec.restart].into_iter().flatten().cloned().collect();
             for f in self.policy.findings_on_trusting(&host, &plan.commands, &trusted) {
                 state.security_flags.push(SecurityFlag { attempt, command: f.command, rule: f.rule, class: f.class });
             }

@@ -13,7 +13,11 @@ use std::time::{Duration, Instant};
 use uuid::Uuid;
 
 /// The execute stage.
-pub struct Execute;
+pub struct Execute {
+    /// The gate, judged again here: an approval recorded by a worker whose policy or inventory
+    /// was older or looser (a rollout under way) runs nothing this worker's gate refuses.
+    pub policy: pitcrew_policy::Policy,
+}
 
 /// Deliveries in this process at each command, by (run, attempt, index). A claim without an
 /// end is a delivery that died (its command, if its start was marked, is never run again:
@@ -98,6 +102,27 @@ pub fn recorded_approval(incoming: &RunState, stored: &RunState) -> Result<(), S
         ));
     }
     Ok(())
+}
+
+/// The policy gate judged again on the plan Postgres recorded as approved, on the host this
+/// worker's inventory names: nothing it forbids runs, and nothing that needs a human runs on
+/// an automatic approval.
+pub fn gated_again(
+    policy: &pitcrew_policy::Policy,
+    host: &str,
+    trusted: &[String],
+    stored: &RunState,
+) -> Result<(), String> {
+    let Some(plan) = &stored.plan else { return Err("no plan to execute".into()) };
+    match (policy.gate_on_trusting(host, &plan.commands, trusted), &stored.approval) {
+        (pitcrew_policy::GateDecision::Reject { rule, command, reason }, _) => {
+            Err(format!("this worker's policy rejects `{command}` ({rule}: {reason}): not executing"))
+        }
+        (pitcrew_policy::GateDecision::NeedsApproval { rule, command, .. }, ApprovalStatus::AutoApproved) => Err(
+            format!("this worker's policy needs a human's approval for `{command}` ({rule}), and the plan was approved by none: not executing"),
+        ),
+        _ => Ok(()),
+    }
 }
 
 /// How long a run waits before it looks again at a target another run is remediating (the
@@ -376,6 +401,15 @@ impl StageHandler for Execute {
             }
             let cfg = cx.deps.config.clone();
             let spec = pitcrew_runtime::service_or_escalate!(&cfg, state);
+            if at_step {
+                let trusted: Vec<String> =
+                    [&spec.start, &spec.stop, &spec.restart].into_iter().flatten().cloned().collect();
+                if let Err(why) = gated_again(&self.policy, &spec.host, &trusted, &run.state) {
+                    tracing::error!(run = %state.run_id, "{why}");
+                    cx.emit(EventKind::Error, why.clone(), serde_json::Value::Null);
+                    return Ok(Transition::Escalate(why));
+                }
+            }
             let plan = state.plan.clone().expect("checked by approved()");
             let store = cx.deps.store.clone();
             let executor = cx.deps.executor.clone();
@@ -837,6 +871,37 @@ mod tests {
         assert!(approved(&s).is_ok());
         s.approval = ApprovalStatus::AutoApproved;
         assert!(approved(&s).is_ok());
+    }
+
+    /// An approval recorded by a worker with a looser policy, or without the host's rules,
+    /// runs nothing this worker's gate refuses or would have asked a human for.
+    #[test]
+    fn the_gate_is_judged_again_on_the_recorded_plan() {
+        let policy = pitcrew_policy::Policy::default_policy();
+        let mut stored = RunState::new(uuid::Uuid::nil(), Incident::new("web", "down"));
+        let with = |c: &str| {
+            Some(Plan { attempt: 1, commands: vec![c.into()], rationale: String::new(), source: String::new() })
+        };
+        stored.approval = ApprovalStatus::AutoApproved;
+        stored.plan = with("systemctl restart web");
+        assert!(gated_again(&policy, "", &[], &stored).is_ok());
+        stored.plan = with("rm -rf /");
+        assert!(gated_again(&policy, "", &[], &stored).unwrap_err().contains("rejects `rm -rf /` (rm-system-path"));
+        stored.plan = with("kill -9 4242");
+        let why = gated_again(&policy, "", &[], &stored).unwrap_err();
+        assert!(why.contains("needs a human's approval") && why.contains("kill -9 4242"), "{why}");
+        // Approved by a human: it runs; forbidden: it does not, approved or not.
+        let hash = stored.plan.as_ref().map(Plan::hash).unwrap_or_default();
+        stored.approval = ApprovalStatus::Approved { by: "ann".into(), plan_hash: hash };
+        assert!(gated_again(&policy, "", &[], &stored).is_ok());
+        stored.plan = with("reboot");
+        assert!(gated_again(&policy, "", &[], &stored).is_err());
+        // The host's own rules, which a worker without the service never applied.
+        let hosts = pitcrew_policy::Policy::from_toml("[hosts.pe1]\nallow = [\"systemctl\"]\n").unwrap();
+        stored.approval = ApprovalStatus::AutoApproved;
+        stored.plan = with("/opt/web/clean");
+        assert!(gated_again(&hosts, "pe1", &[], &stored).is_err());
+        assert!(gated_again(&hosts, "", &[], &stored).is_ok());
     }
 
     #[test]

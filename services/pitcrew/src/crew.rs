@@ -26,7 +26,7 @@ pub fn handler(stage: Stage, policy: &Policy) -> Arc<dyn StageHandler> {
         Stage::Plan => Arc::new(pitcrew_plan::PlanStage),
         Stage::Evaluate => Arc::new(pitcrew_evaluate::EvaluateStage),
         Stage::Approval => Arc::new(ApprovalStage { policy: policy.clone() }),
-        Stage::Execute => Arc::new(pitcrew_execute::Execute),
+        Stage::Execute => Arc::new(pitcrew_execute::Execute { policy: policy.clone() }),
         Stage::Verify => Arc::new(pitcrew_verify::Verify),
         Stage::Report => Arc::new(pitcrew_report::Report),
         Stage::Escalate => Arc::new(pitcrew_escalate::Escalate),
