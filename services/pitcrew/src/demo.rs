@@ -84,12 +84,12 @@ fn config(text: &str, nats: &Option<NatsServer>) -> anyhow::Result<Config> {
     if let Some(n) = nats {
         cfg.nats.url = n.url();
     }
-    if let Ok(env) = Config::load(Some(Path::new("/dev/null"))) {
-        if std::env::var("PITCREW_NATS_URL").is_ok() {
-            cfg.nats.url = env.nats.url;
-        }
-        cfg.database = env.database;
+    // A mistake in them is said, not passed over for the defaults (another database).
+    let env = Config::load(Some(Path::new("/dev/null"))).context("the environment's PITCREW_* or DATABASE_URL")?;
+    if std::env::var("PITCREW_NATS_URL").is_ok() {
+        cfg.nats.url = env.nats.url;
     }
+    cfg.database = env.database;
     if nats.is_none() {
         // A server the demo does not own may carry a crew's work under the default prefix: the
         // demo's crew would take that crew's messages, and that crew the demo's incidents

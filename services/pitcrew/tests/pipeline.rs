@@ -1371,6 +1371,24 @@ async fn the_demo_on_a_shared_nats_server_keeps_to_streams_of_its_own() -> anyho
     Ok(())
 }
 
+/// A mistake in the environment's settings stops the demo with it said, instead of the demo
+/// going on with the defaults (another database than DATABASE_URL's, say).
+#[tokio::test]
+async fn the_demo_says_what_is_wrong_with_the_environments_settings() -> anyhow::Result<()> {
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_pitcrew"))
+        .arg("demo")
+        .env("PITCREW_NATS_URL", "nats://127.0.0.1:1")
+        .env("PITCREW_STAGES__CONCURRENCY", "many")
+        .kill_on_drop(true)
+        .output();
+    let out = tokio::time::timeout(std::time::Duration::from_secs(60), out).await??;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(stderr.contains("the environment's PITCREW_* or DATABASE_URL"), "{stderr}");
+    assert!(stderr.contains("concurrency"), "{stderr}");
+    Ok(())
+}
+
 /// With `[verify] healthy_checks = 2` a fix has to hold: a service that answers once after
 /// it and then falls over again is not recovered, and the verification says so.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -560,7 +560,9 @@ fn check_bridge(
 ) -> Result<(), String> {
     for (key, url) in urls {
         if !url.starts_with("http://") && !url.starts_with("https://") {
-            return Err(format!("[bridge.{kind}] {key} '{url}' must be an http(s) URL"));
+            // Without its scheme a proxy's `user:password@` reads as no URL's: hidden whole.
+            let shown = url.rfind('@').map_or_else(|| url.to_string(), |at| format!("***{}", &url[at..]));
+            return Err(format!("[bridge.{kind}] {key} '{shown}' must be an http(s) URL"));
         }
     }
     if durable.is_empty() || !durable.chars().all(name_char) {
