@@ -134,11 +134,16 @@ fn describe(req: &ApprovalRequest) -> Value {
     let host = req.host.as_deref().map(|h| format!(" on {h}")).unwrap_or_default();
     let shown = clip(&commands(req), COMMANDS_MAX);
     let fence = fence(&shown);
-    let mut text = format!(
-        "**Error:** {}\n**Diagnosis:** {}\n**Commands:**\n{fence}\n{shown}\n{fence}",
+    let commands = format!("**Commands:**\n{fence}\n{shown}\n{fence}");
+    // What precedes the commands takes the room they leave (escaping can double the error's
+    // and the diagnosis's length): the text's cut falls on the evidence, never on a command
+    // beside an Approve button.
+    let head = format!(
+        "**Error:** {}\n**Diagnosis:** {}\n",
         inert(&clip(&req.error, 500)),
         inert(&clip(&req.diagnosis, 1000)),
     );
+    let mut text = clip(&head, TEXT_MAX.saturating_sub(commands.chars().count())) + &commands;
     for e in req.evidence.iter().take(3) {
         text.push_str(&format!("\n> {}", inert(&clip(e, 300))));
     }
@@ -230,6 +235,20 @@ mod tests {
             text.contains("**Commands:**\n`````\nrm -f /var/run/web/*.pid /tmp/web/*.sock\necho '````'\n`````"),
             "{text}"
         );
+    }
+
+    /// An error and a diagnosis whose escaping doubles them do not push the commands past the
+    /// text's cut: the plan beside Approve is shown to its closing fence.
+    #[test]
+    fn the_commands_are_shown_whole_however_long_what_precedes_them() {
+        let secret = Secret::new("action-secret");
+        let plan = format!("/opt/web/fix {} --the-tail", "y".repeat(COMMANDS_MAX - 30));
+        let req = ApprovalRequest { error: "_".repeat(500), diagnosis: ":".repeat(1000), ..req(vec![plan.clone()]) };
+        let m = request("c", "http://b/act", &secret, &req);
+        let text = m["props"]["attachments"][0]["text"].as_str().unwrap().to_string();
+        assert!(text.chars().count() <= TEXT_MAX, "{}", text.chars().count());
+        assert!(text.contains(&format!("\n{plan}\n```")), "the commands and their closing fence");
+        assert_eq!(m["props"]["attachments"][0]["actions"][0]["id"], "approve");
     }
 
     #[test]
