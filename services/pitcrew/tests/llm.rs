@@ -114,6 +114,35 @@ async fn an_answer_in_a_servers_own_dialect_is_used() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// A server that sends tool calls without ids (in full or streamed): each is given one, and
+/// its answer names it, instead of the reply refused whole or answered under an empty id.
+#[tokio::test]
+async fn tool_calls_without_ids_are_named_and_answered() -> anyhow::Result<()> {
+    for stream in [false, true] {
+        let llm = ScriptedLlm::start(vec![
+            Reply::message(json!({"role": "assistant", "content": null, "tool_calls": [
+                {"type": "function", "function": {"name": "run_command", "arguments": "{\"command\": \"df -h\"}"}},
+                {"id": null, "type": "function", "function": {"name": "run_command", "arguments": "{\"command\": \"uptime\"}"}}
+            ]})),
+            Reply::answer(DIAGNOSIS),
+        ])
+        .await?;
+        let p = provider(&llm, |c| c.stream = stream);
+        let case = Case::new();
+        let tools = Recording::default();
+        let mut input = case.input();
+        input.tools = Some(&tools);
+        let d = p.diagnose(&input).await?;
+        assert_eq!(d.summary, "web is not running: nothing listens on 8080", "stream {stream}");
+        assert_eq!(tools.calls().len(), 2, "stream {stream}");
+        let sent = llm.requests()[1].body["messages"].as_array().cloned().unwrap_or_default();
+        let answered: Vec<&str> =
+            sent.iter().filter(|m| m["role"] == "tool").filter_map(|m| m["tool_call_id"].as_str()).collect();
+        assert_eq!(answered, ["call_0", "call_1"], "stream {stream}");
+    }
+    Ok(())
+}
+
 #[tokio::test]
 async fn a_429_with_retry_after_is_waited_out_then_the_answer_is_used() -> anyhow::Result<()> {
     let llm = ScriptedLlm::start(vec![

@@ -214,6 +214,8 @@ impl Message {
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
 struct ToolCall {
+    /// Given by the server; some leave it out (see [`name_calls`]).
+    #[serde(default, deserialize_with = "null_as_default")]
     id: String,
     #[serde(rename = "type", default = "function_type")]
     kind: String,
@@ -222,6 +224,14 @@ struct ToolCall {
 
 fn function_type() -> String {
     "function".into()
+}
+
+/// Ids for the calls a server sent without one (`call_0`, ...): each tool answer names the
+/// call it answers, and an empty `tool_call_id` is refused by the servers that check it.
+fn name_calls(calls: &mut [ToolCall]) {
+    for (i, call) in calls.iter_mut().enumerate().filter(|(_, c)| c.id.is_empty()) {
+        call.id = format!("call_{i}");
+    }
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -567,7 +577,11 @@ impl OpenAi {
         c.choices
             .into_iter()
             .next()
-            .map(|c| Message { cut: cut_by(c.finish_reason.as_deref()), ..c.message })
+            .map(|c| {
+                let mut m = Message { cut: cut_by(c.finish_reason.as_deref()), ..c.message };
+                name_calls(&mut m.tool_calls);
+                m
+            })
             .ok_or_else(|| ReasonError::Failed("the endpoint answered with no choices".into()))
     }
 
@@ -597,10 +611,16 @@ impl OpenAi {
             if total > MAX_RESPONSE {
                 return Err(format!("answer larger than {MAX_RESPONSE} bytes"));
             }
+            // Lines are read where they stand and the read ones dropped once a chunk; a line
+            // still open is searched only in what came since (a chunk of many short lines, or
+            // one long line in many chunks, costs its length, not its length squared).
+            let searched = pending.len();
             pending.extend_from_slice(&chunk);
-            while let Some(end) = pending.iter().position(|b| *b == b'\n') {
-                let line: Vec<u8> = pending.drain(..=end).collect();
-                let line = String::from_utf8_lossy(&line);
+            let (mut start, mut from) = (0, searched);
+            while let Some(at) = pending[from..].iter().position(|b| *b == b'\n') {
+                let end = from + at;
+                let line = String::from_utf8_lossy(&pending[start..end]);
+                (start, from) = (end + 1, end + 1);
                 let Some(data) = line.trim().strip_prefix("data:").map(str::trim) else { continue };
                 if data == "[DONE]" {
                     done = true;
@@ -661,12 +681,14 @@ impl OpenAi {
                     }
                 }
             }
+            pending.drain(..start);
         }
         // Neither `[DONE]` nor a finish reason: the connection ended mid-answer.
         if !done && !finished {
             return Err("the stream ended before the answer did".into());
         }
         calls.retain(|c| !c.function.name.is_empty());
+        name_calls(&mut calls);
         Ok(Message {
             role: "assistant".into(),
             content: (!content.is_empty()).then_some(content),
