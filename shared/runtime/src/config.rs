@@ -1052,6 +1052,11 @@ mod tests {
         assert!(e.to_string().contains("token"), "a secret in the file is an unknown key: {e}");
         let e = Config::from_toml("[bridge.mattermost]\nurl = \"http://mm\"\nchannel_id = \"c1\"\n").unwrap_err();
         assert!(e.to_string().contains("public_url '' must be an http(s) URL"), "{e}");
+        // A scheme forgotten: the proxy's password is not quoted with the URL.
+        let e = Config::from_toml("[bridge.mattermost]\nurl = \"ops:S3cret-pw@proxy:8080/mm\"\nchannel_id = \"c1\"\n")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("url '***@proxy:8080/mm' must be an http(s) URL") && !e.contains("S3cret-pw"), "{e}");
         let mm = "[bridge.mattermost]\nurl = \"http://mm\"\nchannel_id = \"c1\"\npublic_url = \"https://b\"\n";
         let e = Config::from_toml(&format!("{mm}listen = \"0.0.0.0:3001\"\n")).unwrap_err();
         assert!(e.to_string().contains("allow_from is empty but listen 0.0.0.0:3001 takes calls"), "{e}");
