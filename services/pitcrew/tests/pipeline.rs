@@ -1385,7 +1385,7 @@ async fn the_demo_says_what_is_wrong_with_the_environments_settings() -> anyhow:
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "{stderr}");
     assert!(stderr.contains("the environment's PITCREW_* or DATABASE_URL"), "{stderr}");
-    assert!(stderr.contains("concurrency"), "{stderr}");
+    assert!(stderr.to_lowercase().contains("stages.concurrency"), "{stderr}");
     Ok(())
 }
 
