@@ -309,6 +309,32 @@ async fn a_plan_cut_at_the_token_limit_is_answered_again_not_run() -> anyhow::Re
     Ok(())
 }
 
+/// A conversation longer than the model's context (a small local model, the evidence of a
+/// few tool calls) is no configuration to escalate for: the playbook answers the step.
+#[tokio::test]
+async fn a_conversation_past_the_models_context_is_left_to_the_playbook() -> anyhow::Result<()> {
+    let too_long = "This model's maximum context length is 4096 tokens. However, you requested 5210 tokens.";
+    let llm = ScriptedLlm::start(vec![
+        Reply::error(400, "context_length_exceeded", too_long),
+        Reply::error(400, "context_length_exceeded", too_long),
+    ])
+    .await?;
+    let p = provider(&llm, |_| {});
+    let case = Case::new();
+    let d = p.diagnose(&case.input()).await?;
+    assert!(d.source.starts_with("playbook:"), "{}", d.source);
+    assert!(d.summary.contains("outgrew the model's context"), "{}", d.summary);
+    let plan = p.plan(&case.input(), &d).await?;
+    assert!(plan.source.starts_with("playbook:"), "{}", plan.source);
+    assert!(plan.rationale.contains("outgrew the model's context"), "{}", plan.rationale);
+    assert_eq!(llm.requests().len(), 2, "not tried again");
+    // Any other refusal still escalates: it is the endpoint's setup to fix.
+    let llm = ScriptedLlm::start(vec![Reply::status(400, "model not found")]).await?;
+    let p = provider(&llm, |_| {});
+    assert!(matches!(p.diagnose(&case.input()).await, Err(ReasonError::Failed(_))));
+    Ok(())
+}
+
 /// A redirect is not followed: the key would go to wherever it points (reqwest drops
 /// `Authorization` when a redirect leaves the host, not Azure's `api-key`). Said, not retried.
 #[tokio::test]

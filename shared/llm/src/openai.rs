@@ -226,6 +226,17 @@ fn function_type() -> String {
     "function".into()
 }
 
+/// Whether an endpoint's refusal says the conversation outgrew the model's context (OpenAI's
+/// `context_length_exceeded`, vLLM's "maximum context length", llama.cpp's "context size"):
+/// no try again mends it, and the playbook can still answer the step.
+fn context_overflow(e: &ReasonError) -> bool {
+    let ReasonError::Failed(why) = e else { return false };
+    let why = why.to_ascii_lowercase();
+    ["context_length_exceeded", "maximum context length", "context length", "context size", "context window"]
+        .iter()
+        .any(|s| why.contains(s))
+}
+
 /// Ids for the calls a server sent without one (`call_0`, ...): each tool answer names the
 /// call it answers, and an empty `tool_call_id` is refused by the servers that check it.
 fn name_calls(calls: &mut [ToolCall]) {
@@ -710,7 +721,16 @@ impl OpenAi {
         for step in 0..=steps {
             // The last turn offers no tools: the model must answer.
             let offer: &[ToolSpec] = if step < steps { &specs } else { &[] };
-            let reply = self.chat(input, &model, &messages, offer).await?;
+            let reply = match self.chat(input, &model, &messages, offer).await {
+                // The evidence gathered outgrew a small model's context: the playbook answers.
+                Err(e) if context_overflow(&e) => {
+                    tracing::warn!(model, error = %e, "the diagnosis outgrew the model's context; the playbook answers");
+                    let mut d = self.fallback.diagnose_now(input);
+                    d.summary = clip(&format!("{} (the conversation outgrew the model's context)", d.summary), 400);
+                    return Ok(d);
+                }
+                reply => reply?,
+            };
             if reply.tool_calls.is_empty() || offer.is_empty() {
                 let text = reply.content.unwrap_or_default();
                 let answer = match parse::diagnosis(&text) {
@@ -774,7 +794,10 @@ impl OpenAi {
         let mut messages = vec![message("system", plan_system(input)), message("user", user)];
         let mut corrected = None;
         let why = loop {
-            let answer = self.chat(input, &model, &messages, &[]).await?;
+            let answer = match self.chat(input, &model, &messages, &[]).await {
+                Err(e) if context_overflow(&e) => break format!("the conversation outgrew the model's context: {e}"),
+                answer => answer?,
+            };
             let text = answer.content.unwrap_or_default();
             let read = match answer.cut {
                 // `2. kill -9 12345` cut to `kill -9 1` would be read as a command.
