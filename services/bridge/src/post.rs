@@ -1,6 +1,8 @@
 //! Posting: a durable JetStream consumer of `<prefix>.approvals.requested.*` that posts each
-//! request to a chat, acked only once the chat said ok. The consumer's position is a bridge's
-//! only memory: a restarted bridge posts what arrived while it was down, and nothing twice.
+//! request to a chat, acked only once the chat said ok. The consumer's position, and a note in
+//! Postgres of each request posted, are a bridge's memory: a restarted bridge posts what
+//! arrived while it was down, and a request delivered again (its ack lost, the consumer made
+//! anew) is not posted twice.
 
 use crate::outbound::ApiError;
 use crate::Shutdown;
@@ -149,6 +151,20 @@ impl<C: Chat> Poster<C> {
                 return Disposition::Nak(backoff(delivered));
             }
         }
+        // Posted already, its ack lost (or its consumer made anew): not posted twice.
+        let poster = format!("{}:{}", self.durable, req.attempt);
+        match self.store.request_posted(run, &req.plan_hash, &poster).await {
+            Ok(true) => {
+                tracing::info!(chat, %run, plan = %req.plan_hash, attempt = req.attempt, "approval request posted before: not posted again");
+                crate::posted(chat, "posted_before");
+                return Disposition::Ack;
+            }
+            Ok(false) => {}
+            Err(e) => {
+                tracing::warn!(chat, %run, error = %e, "cannot check whether the request was posted: retrying");
+                return Disposition::Nak(backoff(delivered));
+            }
+        }
         if req.expires_at < chrono::Utc::now() {
             tracing::info!(chat, %run, plan = %req.plan_hash, "approval request expired: not posted");
             crate::posted(chat, "expired");
@@ -158,6 +174,10 @@ impl<C: Chat> Poster<C> {
             Ok(at) => {
                 tracing::info!(chat, %run, plan = %req.plan_hash, %at, "approval request posted");
                 crate::posted(chat, "posted");
+                // Best effort: without the note, a redelivery would post it again, no worse.
+                if let Err(e) = self.store.mark_posted(run, &req.plan_hash, &poster).await {
+                    tracing::warn!(chat, %run, error = %e, "cannot note the request as posted: a redelivery would post it again");
+                }
                 Disposition::Ack
             }
             Err(ApiError::Retry { after, why }) => {

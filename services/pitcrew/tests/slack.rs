@@ -526,6 +526,33 @@ async fn a_restarted_bridge_posts_what_arrived_while_it_was_down_and_nothing_twi
     crew.shutdown().await
 }
 
+/// A request the bridge posted, delivered to it again (its ack lost, or, as here, its consumer
+/// made anew and the stream read from its start), is not posted a second time: Postgres
+/// notes where each request went.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_delivered_again_after_its_post_is_not_posted_twice() -> anyhow::Result<()> {
+    let (mut crew, slack, port) = setup().await?;
+    let first = Bridge::start(&crew, port, "bridge-1").await?;
+    let a = crew.open_with("svc", "stale lock held", Some("fp-a".into())).await?;
+    crew.events.kind(a, EventKind::ApprovalRequested, WAIT).await?;
+    posted(&slack, a).await?;
+    first.stop().await?;
+    let stream = crew.bus.js.get_stream(crew.bus.subjects.approvals_stream()).await?;
+    stream.delete_consumer("slack-bridge").await?;
+
+    let second = Bridge::start(&crew, port, "bridge-2").await?;
+    let b = crew.open_with("svc", "stale lock held", Some("fp-b".into())).await?;
+    crew.events.kind(b, EventKind::ApprovalRequested, WAIT).await?;
+    // The new consumer reads the stream from its start: a's request, then b's.
+    posted(&slack, b).await?;
+    let posts = slack.calls_to("chat.postMessage");
+    let of = |run: Uuid| posts.iter().filter(|c| c.body.to_string().contains(&run.to_string())).count();
+    assert_eq!((of(a), of(b)), (1, 1), "each request posted once");
+    let log = second.stop().await?;
+    assert!(log.contains("approval request posted before: not posted again"), "{log}");
+    crew.shutdown().await
+}
+
 /// A request the run has asked again since (the same plan, by a later attempt), still
 /// unposted when the bridge comes back, is not posted: its buttons could only be refused. The
 /// latest request is.

@@ -22,6 +22,7 @@ pub const MIGRATIONS: &[(i32, &str, &str)] = &[
     (15, "execution_releases", include_str!("../../../../schemas/migrations/0015_execution_releases.sql")),
     (16, "state_lz4_again", include_str!("../../../../schemas/migrations/0016_state_lz4_again.sql")),
     (17, "signature_cap", include_str!("../../../../schemas/migrations/0017_signature_cap.sql")),
+    (18, "chat_posts", include_str!("../../../../schemas/migrations/0018_chat_posts.sql")),
 ];
 
 /// How long a migration waits for a table's lock before giving up (to be tried again).

@@ -6,6 +6,9 @@ use pitcrew_model::{ApprovalDecision, ApprovalRequest, Evaluation, ExecutionReco
 use std::time::Duration;
 use uuid::Uuid;
 
+/// Posts noted of one approval request at most (a bridge an attempt: a few).
+const MAX_POSTERS: i32 = 64;
+
 /// The SQL condition that run `$1` is open at execute in attempt `$2`, its row read `FOR
 /// SHARE` (see [`Store::claim_execution`]): what a claim, a start and a claim's own retry ask.
 macro_rules! at_execute {
@@ -354,6 +357,33 @@ impl Store {
             )
             .await?;
         Ok(row.map(|r| (r.get(0), r.get(1), r.get(2), r.get(3))))
+    }
+
+    /// Whether `poster` (a bridge's consumer and the request's attempt: `slack-bridge:2`)
+    /// posted the approval request of `run`'s plan already.
+    pub async fn request_posted(&self, run: Uuid, plan_hash: &str, poster: &str) -> Result<bool, StoreError> {
+        let client = self.client().await?;
+        let row = client
+            .query_one(
+                "SELECT EXISTS (SELECT 1 FROM approvals WHERE run_id = $1 AND plan_hash = $2 AND $3 = ANY(posted_to))",
+                &[&run, &plan_hash, &poster],
+            )
+            .await?;
+        Ok(row.get(0))
+    }
+
+    /// Note that `poster` posted the approval request of `run`'s plan (once; at most
+    /// `MAX_POSTERS` a request).
+    pub async fn mark_posted(&self, run: Uuid, plan_hash: &str, poster: &str) -> Result<(), StoreError> {
+        let client = self.client().await?;
+        client
+            .execute(
+                "UPDATE approvals SET posted_to = array_append(posted_to, $3)
+                  WHERE run_id = $1 AND plan_hash = $2 AND NOT ($3 = ANY(posted_to)) AND cardinality(posted_to) < $4",
+                &[&run, &plan_hash, &poster, &MAX_POSTERS],
+            )
+            .await?;
+        Ok(())
     }
 
     /// Every approval request of a run, oldest first: (plan hash, rule, commands, requested,
