@@ -75,7 +75,12 @@ impl Gateway {
     /// not taken as the same incident sent again (the new one would be lost unsaid).
     pub async fn open(&self, incident: &Incident) -> Result<(Uuid, Received), ApiError> {
         let id = incident.id.ok_or_else(|| ApiError::BadRequest("incident has no id".into()))?;
-        let now = self.opening(id, Some(&incident.effective_fingerprint())).await?;
+        // Its fingerprint as intake stores it (a host that is the service's own counts as
+        // none): the same incident sent again is the same fingerprint.
+        let mut stored = incident.clone();
+        pitcrew_intake::normalise(&mut stored, &self.cfg).map_err(|e| ApiError::Unprocessable(e.to_string()))?;
+        let fingerprint = stored.effective_fingerprint();
+        let now = self.opening(id, Some(&fingerprint)).await?;
         if now.seen == IncidentSeen::Another {
             return Err(ApiError::Conflict(format!(
                 "incident id {id} was received before for another incident (another service, host or error): \
@@ -188,7 +193,20 @@ pub async fn post_alertmanager(
         };
         match action {
             Action::Fire(incident) => {
-                let (id, received) = gw.open(incident).await?;
+                let (id, received) = match gw.open(incident).await {
+                    Ok(opened) => opened,
+                    // This alert alone cannot be taken (its id names another incident): said
+                    // in its result, and the rest of the group goes on (a 4xx would drop the
+                    // whole group: Alertmanager does not send it again).
+                    Err(ApiError::Conflict(why) | ApiError::Unprocessable(why)) => {
+                        tracing::warn!(group = %group, fingerprint = %incident.fingerprint.as_deref().unwrap_or(""), error = %why, "alert refused");
+                        results.push(json!({
+                            "fingerprint": incident.fingerprint, "status": "firing", "outcome": "refused", "error": why
+                        }));
+                        continue;
+                    }
+                    Err(e) => return Err(e),
+                };
                 opened += usize::from(received == Received::Published);
                 results.push(json!({
                     "fingerprint": incident.fingerprint, "status": "firing", "run_id": id, "outcome": received.as_str()

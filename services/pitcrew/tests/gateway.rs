@@ -280,13 +280,22 @@ async fn an_incident_sent_again_after_the_run_it_joined_closed_opens_its_own_run
     let (status, body) = api.post("/v1/incidents", "otto", &other).await?;
     assert_eq!(status, StatusCode::CONFLICT, "{body}");
     assert!(body.to_string().contains("received before for another incident"), "{body}");
+    // The same incident sent again as it was, naming the service's own host (which intake
+    // does not count in its fingerprint): the same incident, not a conflict.
+    let hosted = json!({"id": Uuid::now_v7(), "service": "svc", "host": "localhost", "error": "clock skew"});
+    let (status, body) = api.post("/v1/incidents", "otto", &hosted).await?;
+    assert_eq!(status, StatusCode::ACCEPTED, "{body}");
+    let id: Uuid = body["run_id"].as_str().unwrap_or_default().parse()?;
+    api.crew.events.wait(id, |e| e.stage == Stage::Intake, WAIT).await?;
+    let (status, body) = api.post("/v1/incidents", "otto", &hosted).await?;
+    assert_eq!((status, &body["outcome"]), (StatusCode::OK, &json!("already_received")), "{body}");
     // Its timeline is its own: it opened, and nothing ended it.
     let (status, run) = api.get(&format!("/v1/runs/{reopened}"), "otto").await?;
     assert_eq!(status, StatusCode::OK, "{run}");
     assert_eq!(run["status"], "waiting_approval", "{run}");
     assert!(run["report"].is_null(), "no terminal event in its timeline: {run}");
     let db = api.crew.db().await?;
-    assert_eq!(db.query_one("SELECT count(*) FROM runs", &[]).await?.get::<_, i64>(0), 2);
+    assert_eq!(db.query_one("SELECT count(*) FROM runs", &[]).await?.get::<_, i64>(0), 3);
     api.crew.shutdown().await
 }
 
@@ -337,6 +346,29 @@ async fn an_alert_opened_again_gets_its_resolution_on_the_run_it_opened() -> any
     let rec =
         api.crew.events.wait(reopened, |e| e.kind == EventKind::Status && e.data["alert"] == "resolved", WAIT).await?;
     assert!(rec.message.contains("alert resolved at the source"), "{}", rec.message);
+    // An alert whose id another incident took is refused alone: the rest of its group opens.
+    let starts = "2026-11-22T10:00:00Z";
+    let taken = pitcrew_gateway::alertmanager::run_id("f2", chrono::DateTime::parse_from_rfc3339(starts)?.into());
+    let other = json!({"id": taken, "service": "svc", "error": "disk full on /var"});
+    let (status, body) = api.post("/v1/incidents", "otto", &other).await?;
+    assert_eq!(status, StatusCode::ACCEPTED, "{body}");
+    api.crew.events.wait(taken, |e| e.stage == Stage::Intake, WAIT).await?;
+    let alerts: Vec<Value> = ["f2", "f3"]
+        .map(|f| {
+            json!({"status": "firing", "labels": {"alertname": "Locked", "service": "svc", "f": f},
+                   "annotations": {"summary": "stale lock held"}, "startsAt": starts, "fingerprint": f,
+                   "endsAt": "0001-01-01T00:00:00Z"})
+        })
+        .into();
+    let group = json!({"version": "4", "status": "firing", "alerts": alerts});
+    let (status, body) = api.post(AM, "otto", &group).await?;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert_eq!(
+        (&body["alerts"][0]["outcome"], &body["alerts"][1]["outcome"]),
+        (&json!("refused"), &json!("accepted")),
+        "{body}"
+    );
+    assert!(body["alerts"][0]["error"].as_str().is_some_and(|e| e.contains("another incident")), "{body}");
     api.crew.shutdown().await
 }
 
