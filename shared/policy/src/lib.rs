@@ -404,7 +404,8 @@ impl Policy {
             let pathed = unwrapped.argv.iter().map(|w| shell::lexical_path(w)).collect::<Vec<_>>().join(" ");
             // A file a wrapper writes (`time -o /etc/passwd true`) is judged as `tee FILE`
             // would be, so the rules that look for writes see it.
-            let writes: Vec<String> = unwrapped.writes.iter().map(|f| format!("tee {f}")).collect();
+            let writes: Vec<String> =
+                unwrapped.writes.iter().map(|f| format!("tee {}", shell::lexical_path(f))).collect();
             let matches = |r: &Rule| {
                 r.pattern.is_match(&normalised)
                     || r.pattern.is_match(&written)

@@ -445,8 +445,11 @@ pub(crate) fn unwrap(argv: &[String]) -> Unwrapped {
         }
         // `sudo -s`/`-i` run the command through root's shell, which expands `$HOME` and the
         // like that the gate read as plain words (sudo escapes `;`, not `$`).
-        let shell_options = ["-s", "-i", "--shell", "--login", "--sh", "--she", "--shel", "--log", "--logi"];
-        if w.name == "sudo" && skipped.options.iter().any(|o| shell_options.contains(&o.as_str())) {
+        // Long ones as getopt takes them, by any unique prefix (`--lo`, `--sh`).
+        let shell_option = |o: &str| {
+            ["-s", "-i"].contains(&o) || (o.len() >= 4 && ["--login", "--shell"].iter().any(|l| l.starts_with(o)))
+        };
+        if w.name == "sudo" && skipped.options.iter().any(|o| shell_option(o)) {
             out.opaque.get_or_insert_with(|| {
                 "`sudo -s`/`sudo -i` runs the command through root's shell, which expands words the gate read as \
                  plain"

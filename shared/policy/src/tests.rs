@@ -921,12 +921,16 @@ fn paths_from_nowhere_and_sudo_s_shell_are_caught() {
         "sudo -ns id",
         "sudo --shell id",
         "sudo --login id",
+        "sudo --lo chmod 600 '$HOME/x'",
+        "sudo --sh id",
     ] {
         assert_eq!(first_hit(&p, cmd).map(|h| h.0), Some("opaque-command".to_string()), "{cmd}");
     }
     for fine in ["/opt/app/bin/start", "tar -C a/../b -xf c.tar", "sudo -u app id", "sudo -n systemctl restart web"] {
         assert_eq!(p.gate(&plan(&[fine])), GateDecision::Allow, "{fine}");
     }
+    // A file a wrapper writes, however its path is spelled.
+    assert!(rules_hit(&p, "time -o /./etc/passwd true").contains(&"system-file-write".to_string()));
     // The operator configured it so: the service's own restart runs without a human.
     let own = ["/opt/svc/restart --dir ../state".to_string()];
     assert_eq!(p.gate_on_trusting("", &own, &own), GateDecision::Allow);
