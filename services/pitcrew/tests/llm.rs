@@ -138,7 +138,7 @@ async fn tool_calls_without_ids_are_named_and_answered() -> anyhow::Result<()> {
         let sent = llm.requests()[1].body["messages"].as_array().cloned().unwrap_or_default();
         let answered: Vec<&str> =
             sent.iter().filter(|m| m["role"] == "tool").filter_map(|m| m["tool_call_id"].as_str()).collect();
-        assert_eq!(answered, ["call_0", "call_1"], "stream {stream}");
+        assert_eq!(answered, ["pitcrew_call_0", "pitcrew_call_1"], "stream {stream}");
     }
     Ok(())
 }
@@ -328,10 +328,15 @@ async fn a_conversation_past_the_models_context_is_left_to_the_playbook() -> any
     assert!(plan.source.starts_with("playbook:"), "{}", plan.source);
     assert!(plan.rationale.contains("outgrew the model's context"), "{}", plan.rationale);
     assert_eq!(llm.requests().len(), 2, "not tried again");
-    // Any other refusal still escalates: it is the endpoint's setup to fix.
-    let llm = ScriptedLlm::start(vec![Reply::status(400, "model not found")]).await?;
-    let p = provider(&llm, |_| {});
-    assert!(matches!(p.diagnose(&case.input()).await, Err(ReasonError::Failed(_))));
+    // Any other refusal still escalates: it is the endpoint's setup to fix, a `max_tokens`
+    // past the context too (said in the same words).
+    for refusal in
+        ["model not found", "'max_tokens' is too large: 5000. This model's maximum context length is 4096 tokens"]
+    {
+        let llm = ScriptedLlm::start(vec![Reply::status(400, refusal)]).await?;
+        let p = provider(&llm, |_| {});
+        assert!(matches!(p.diagnose(&case.input()).await, Err(ReasonError::Failed(_))), "{refusal}");
+    }
     Ok(())
 }
 

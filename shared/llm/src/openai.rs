@@ -229,19 +229,21 @@ fn function_type() -> String {
 /// Whether an endpoint's refusal says the conversation outgrew the model's context (OpenAI's
 /// `context_length_exceeded`, vLLM's "maximum context length", llama.cpp's "context size"):
 /// no try again mends it, and the playbook can still answer the step.
+/// A `max_tokens` set past the model's context is refused in the same words, and is the
+/// setup's to fix: not this.
 fn context_overflow(e: &ReasonError) -> bool {
     let ReasonError::Failed(why) = e else { return false };
     let why = why.to_ascii_lowercase();
-    ["context_length_exceeded", "maximum context length", "context length", "context size", "context window"]
-        .iter()
-        .any(|s| why.contains(s))
+    let said = ["context_length_exceeded", "maximum context length", "context size", "context window"];
+    said.iter().any(|s| why.contains(s)) && !why.contains("max_tokens") && !why.contains("max_completion_tokens")
 }
 
-/// Ids for the calls a server sent without one (`call_0`, ...): each tool answer names the
-/// call it answers, and an empty `tool_call_id` is refused by the servers that check it.
+/// Ids for the calls a server sent without one (`pitcrew_call_0`, ...; a prefix no server
+/// uses, so none is another call's): each tool answer names the call it answers, and an empty
+/// `tool_call_id` is refused by the servers that check it.
 fn name_calls(calls: &mut [ToolCall]) {
     for (i, call) in calls.iter_mut().enumerate().filter(|(_, c)| c.id.is_empty()) {
-        call.id = format!("call_{i}");
+        call.id = format!("pitcrew_call_{i}");
     }
 }
 
@@ -739,7 +741,10 @@ impl OpenAi {
                         // One correction turn, without tools, before the playbook answers instead.
                         messages.push(message("assistant", text));
                         messages.push(message("user", DIAGNOSIS_CORRECTION));
-                        let again = self.chat(input, &model, &messages, &[]).await?.content.unwrap_or_default();
+                        let again = match self.chat(input, &model, &messages, &[]).await {
+                            Err(e) if context_overflow(&e) => String::new(),
+                            again => again?.content.unwrap_or_default(),
+                        };
                         match parse::diagnosis(&again) {
                             Some(a) => a,
                             None => {
@@ -1092,7 +1097,10 @@ fn error_code(body: &[u8]) -> Option<String> {
 
 /// `url` with the userinfo part (everything before `@` in the authority) replaced by `***`.
 fn endpoint_shown(url: &str) -> String {
-    let Some(scheme_end) = url.find("://").map(|i| i + 3) else { return url.to_string() };
+    // Without a scheme (`ops:pw@proxy:8080/v1`), whatever precedes an `@` may be a password.
+    let Some(scheme_end) = url.find("://").map(|i| i + 3) else {
+        return url.rfind('@').map_or_else(|| url.to_string(), |at| format!("***{}", &url[at..]));
+    };
     let authority_end = url[scheme_end..].find(['/', '?', '#']).map_or(url.len(), |i| scheme_end + i);
     match url[scheme_end..authority_end].rfind('@') {
         Some(at) => format!("{}***{}", &url[..scheme_end], &url[scheme_end + at..]),
@@ -1137,8 +1145,10 @@ mod tests {
             let e = OpenAi::new(cfg(bad), Playbook::default_rules()).unwrap_err();
             assert!(e.contains("base_url must be an http(s) URL"), "{bad}: {e}");
         }
-        let e = OpenAi::new(cfg("llm://user:s3cret-pw@host/v1"), Playbook::default_rules()).unwrap_err();
-        assert!(!e.contains("s3cret-pw"), "{e}");
+        for with_password in ["llm://user:s3cret-pw@host/v1", "ops:s3cret-pw@proxy:8080/v1"] {
+            let e = OpenAi::new(cfg(with_password), Playbook::default_rules()).unwrap_err();
+            assert!(!e.contains("s3cret-pw") && e.contains("@"), "{e}");
+        }
         assert!(OpenAi::new(cfg("https://api.example.com/v1"), Playbook::default_rules()).is_ok());
     }
 

@@ -53,7 +53,7 @@ pub fn plan_commands(answer: &str) -> Result<Vec<String>, String> {
                 let item = &item[list_marker_len(item)..];
                 match bare_command(item) {
                     Some(c) => commands.push(c),
-                    None if marked && item.contains('`') => quoting = quoting.or(Some(item)),
+                    None if marked && quotes_a_command(item) => quoting = quoting.or(Some(item)),
                     None => {}
                 }
             }
@@ -74,6 +74,12 @@ pub fn plan_commands(answer: &str) -> Result<Vec<String>, String> {
         }
     }
     Ok(out)
+}
+
+/// Whether prose `item` holds a span of inline code that reads as a command (`Back up first:
+/// `cp -a /var/lib/db /backup``), not a name (`Watch `web`'s log`).
+fn quotes_a_command(item: &str) -> bool {
+    item.split('`').skip(1).step_by(2).any(|code| code.contains(' ') && bare_command(code).is_some())
 }
 
 /// The answer without a reasoning model's thinking: what follows its last `</think>` (a
@@ -236,6 +242,7 @@ struct DiagnosisJson {
 /// The one JSON object an answer holds (fenced or surrounded by prose): from its first `{`
 /// to its last `}`, if that parses as `T`.
 pub fn json_object<T: serde::de::DeserializeOwned>(answer: &str) -> Option<T> {
+    let answer = without_thinking(answer);
     let (a, b) = (answer.find('{')?, answer.rfind('}')?);
     (a < b).then(|| serde_json::from_str(&answer[a..=b]).ok()).flatten()
 }
@@ -346,8 +353,10 @@ mod tests {
         let answer = "1. Back up first: `cp -a /var/lib/db /var/lib/db.bak`\n2. rm -f /var/lib/db/postmaster.pid\n3. systemctl restart db";
         let why = plan_commands(answer).unwrap_err();
         assert!(why.contains("Back up first") && why.contains("```sh block"), "{why}");
-        // Prose steps without a command in them are commentary, as before.
+        // Prose steps without a command in them are commentary, as before, a name in inline
+        // code too.
         assert_eq!(plan("1. Check the logs first.\n2. `systemctl restart db`"), v(&["systemctl restart db"]));
+        assert_eq!(plan("1. Watch `web`'s log.\n2. `systemctl restart web`"), v(&["systemctl restart web"]));
     }
 
     #[test]
