@@ -10,7 +10,7 @@ use pitcrew_runtime::consume::{backoff, Disposition, MessageHandler};
 use pitcrew_runtime::runner::{
     apply, dead_letter, delivery, exhausted, header, outage, publish_batch, publish_events, ApplyError,
 };
-use pitcrew_runtime::runner::{decision_event_index, DECISION_EVENTS};
+use pitcrew_runtime::runner::{decision_event_index, DECISION_EVENTS, DECISION_EVENT_BASE, DECISION_EVENT_SPAN};
 use pitcrew_runtime::store::{DecideOutcome, RunStatus, StoreError};
 use pitcrew_runtime::{Bus, BusError, Cx, Deps, Transition};
 use std::future::Future;
@@ -282,8 +282,16 @@ impl Decisions {
                 // away shares it, under other seqs). Not when its last already is the last of
                 // its kind on the bus.
                 let timeline = store.timeline(d.run_id).await?;
-                let applied_at =
-                    timeline.iter().filter(|e| e.stage == Stage::Approval && e.index == index).map(|e| e.seq).max();
+                let at = |index: u32| {
+                    timeline.iter().filter(|e| e.stage == Stage::Approval && e.index == index).map(|e| e.seq).max()
+                };
+                // Applied by a build before decisions' indexes were spaced (the stream seq
+                // modulo the span): its events are under that index.
+                let before = DECISION_EVENT_BASE + (seq % u64::from(DECISION_EVENT_SPAN)) as u32;
+                let (index, applied_at) = match at(index) {
+                    None => (before, at(before)),
+                    found => (index, found),
+                };
                 let mut events: Vec<_> = timeline
                     .into_iter()
                     .filter(|e| {

@@ -160,10 +160,9 @@ impl<C: Chat> Poster<C> {
                 return Disposition::Ack;
             }
             Ok(false) => {}
-            Err(e) => {
-                tracing::warn!(chat, %run, error = %e, "cannot check whether the request was posted: retrying");
-                return Disposition::Nak(backoff(delivered));
-            }
+            // Posted twice is the lesser harm than not at all (a database without the note's
+            // column yet, its migration still to run).
+            Err(e) => tracing::warn!(chat, %run, error = %e, "cannot check whether the request was posted: posting it"),
         }
         if req.expires_at < chrono::Utc::now() {
             tracing::info!(chat, %run, plan = %req.plan_hash, "approval request expired: not posted");

@@ -70,7 +70,12 @@ pub fn request(channel_id: &str, action_url: &str, secret: &Secret, req: &Approv
                "integration": {"url": action_url, "context": Context::new(secret, action, req.run_id, &req.plan_hash, req.attempt)}})
     };
     let mut attachment = describe(req);
-    attachment["actions"] = if commands(req).chars().count() <= COMMANDS_MAX {
+    // Approve only beside the whole plan to its closing fence, as the text shows it (a plan
+    // of backticks makes fences as long).
+    let whole = commands(req);
+    let shown_whole = whole.chars().count() <= COMMANDS_MAX
+        && attachment["text"].as_str().is_some_and(|t| t.contains(&format!("\n{whole}\n{}", fence(&whole))));
+    attachment["actions"] = if shown_whole {
         json!([button("approve", "Approve", "good"), button("deny", "Deny", "danger")])
     } else {
         if let Some(fields) = attachment["fields"].as_array_mut() {
@@ -243,12 +248,17 @@ mod tests {
     fn the_commands_are_shown_whole_however_long_what_precedes_them() {
         let secret = Secret::new("action-secret");
         let plan = format!("/opt/web/fix {} --the-tail", "y".repeat(COMMANDS_MAX - 30));
-        let req = ApprovalRequest { error: "_".repeat(500), diagnosis: ":".repeat(1000), ..req(vec![plan.clone()]) };
-        let m = request("c", "http://b/act", &secret, &req);
+        let long = ApprovalRequest { error: "_".repeat(500), diagnosis: ":".repeat(1000), ..req(vec![plan.clone()]) };
+        let m = request("c", "http://b/act", &secret, &long);
         let text = m["props"]["attachments"][0]["text"].as_str().unwrap().to_string();
         assert!(text.chars().count() <= TEXT_MAX, "{}", text.chars().count());
         assert!(text.contains(&format!("\n{plan}\n```")), "the commands and their closing fence");
         assert_eq!(m["props"]["attachments"][0]["actions"][0]["id"], "approve");
+        // Backticks make the fences as long as the plan: no room for the whole, no Approve.
+        let ticks = format!("echo '{}'", "`".repeat(4000));
+        let m = request("c", "http://b/act", &secret, &req(vec![ticks]));
+        assert_eq!(m["props"]["attachments"][0]["actions"].as_array().map(Vec::len), Some(1), "Deny only");
+        assert_eq!(m["props"]["attachments"][0]["actions"][0]["id"], "deny");
     }
 
     #[test]
