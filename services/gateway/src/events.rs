@@ -7,12 +7,12 @@
 //! blocks the bus, the crew or another client.
 
 use crate::access::Caller;
-use crate::body::{bad_query, run_id};
+use crate::body::{bad_query, run_id, IdPath};
 use crate::error::ApiError;
 use crate::Gateway;
 use async_nats::jetstream::consumer::{pull::OrderedConfig, DeliverPolicy};
 use axum::extract::rejection::QueryRejection;
-use axum::extract::{Extension, Path, Query, State};
+use axum::extract::{Extension, Query, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::sse::{Event, KeepAlive, KeepAliveStream, Sse};
 use axum::response::{IntoResponse, Response};
@@ -96,7 +96,7 @@ fn nothing_left() -> Response {
 pub async fn run_events(
     State(gw): State<Arc<Gateway>>,
     Extension(caller): Extension<Caller>,
-    Path(id): Path<String>,
+    IdPath(id): IdPath,
     headers: HeaderMap,
 ) -> Result<Response, ApiError> {
     let run = run_id(&id)?;

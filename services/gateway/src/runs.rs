@@ -3,11 +3,11 @@
 //! and questions (investigation mode, not built yet: 501).
 
 use crate::access::{AuditRun, Caller};
-use crate::body::{bad_query, parse, run_id, RawJson};
+use crate::body::{bad_query, parse, run_id, IdPath, RawJson};
 use crate::error::{ApiError, Outcome};
 use crate::Gateway;
 use axum::extract::rejection::QueryRejection;
-use axum::extract::{Path, Query, State};
+use axum::extract::{Query, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
@@ -88,7 +88,7 @@ pub async fn list(
 }
 
 /// `GET /v1/runs/{id}`: incident, state, timeline, evaluations, approvals, executions, report.
-pub async fn get(State(gw): State<Arc<Gateway>>, Path(id): Path<String>) -> Result<Json<Value>, ApiError> {
+pub async fn get(State(gw): State<Arc<Gateway>>, IdPath(id): IdPath) -> Result<Json<Value>, ApiError> {
     let run = run_id(&id)?;
     let Some(stored) = gw.store.load_run(run).await? else {
         let why = if gw.store.incident_exists(run).await? {
@@ -181,7 +181,7 @@ pub struct DecisionBody {
 pub async fn approve(
     gw: State<Arc<Gateway>>,
     caller: Extension<Caller>,
-    id: Path<String>,
+    id: IdPath,
     body: RawJson,
 ) -> Result<Response, ApiError> {
     decide(gw, caller, id, body, Decision::Approve).await
@@ -191,7 +191,7 @@ pub async fn approve(
 pub async fn deny(
     gw: State<Arc<Gateway>>,
     caller: Extension<Caller>,
-    id: Path<String>,
+    id: IdPath,
     body: RawJson,
 ) -> Result<Response, ApiError> {
     decide(gw, caller, id, body, Decision::Deny).await
@@ -200,7 +200,7 @@ pub async fn deny(
 async fn decide(
     State(gw): State<Arc<Gateway>>,
     Extension(caller): Extension<Caller>,
-    Path(id): Path<String>,
+    IdPath(id): IdPath,
     RawJson(body): RawJson,
     decision: Decision,
 ) -> Result<Response, ApiError> {

@@ -777,6 +777,14 @@ async fn malformed_and_oversized_bodies_are_refused_precisely_and_nothing_is_pub
     let (status, err) = api.get("/v1/runs/not-a-uuid", "rita").await?;
     assert_eq!(status, StatusCode::BAD_REQUEST);
     assert!(err["error"].as_str().unwrap_or_default().contains("'not-a-uuid' is not a run id"), "{err}");
+    // A path segment that is no text once decoded: the JSON error too, as any other.
+    for path in ["/v1/runs/%FF", "/v1/runs/%FF/events"] {
+        let resp = api.req(reqwest::Method::GET, path, Some("rita")).send().await?;
+        let status = resp.status();
+        let err: Value = resp.json().await?;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{path}: {err}");
+        assert!(err["error"].as_str().is_some_and(|e| e.contains("the run id in the path")), "{path}: {err}");
+    }
     // The caller's own bad values are 400, not a failed query's 503 (Postgres takes no NUL and
     // no time before 4714 BC).
     for q in [
