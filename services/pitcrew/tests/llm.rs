@@ -180,6 +180,35 @@ async fn a_timeout_is_transient_and_does_not_hang() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// An endpoint that answers no call (here 503 after 503) is not called again for a while
+/// after three calls in a row went unanswered: the next steps fail at once, transient, and
+/// the playbook takes over once they have tried long enough, instead of each call spending
+/// its tries. It answered (a refusal too), the count starts again.
+#[tokio::test]
+async fn an_endpoint_that_answers_nothing_is_left_alone_for_a_while() -> anyhow::Result<()> {
+    let llm = ScriptedLlm::start(vec![
+        Reply::status(400, "model not found"),
+        Reply::status(503, "overloaded"),
+        Reply::status(503, "overloaded"),
+        Reply::status(503, "overloaded"),
+    ])
+    .await?;
+    let p = provider(&llm, |c| c.max_retries = 0);
+    let case = Case::new();
+    assert!(matches!(p.diagnose(&case.input()).await, Err(ReasonError::Failed(_))), "a refusal is an answer");
+    for _ in 0..3 {
+        assert!(matches!(p.diagnose(&case.input()).await, Err(ReasonError::Transient(_))));
+    }
+    match p.diagnose(&case.input()).await {
+        Err(ReasonError::Transient(e)) => {
+            assert!(e.contains("its last 3 calls got no answer; not called again"), "{e}")
+        }
+        other => panic!("a step while the endpoint is left alone fails at once, transient: {other:?}"),
+    }
+    assert_eq!(llm.requests().len(), 4, "the fifth call was not made");
+    Ok(())
+}
+
 #[tokio::test]
 async fn server_errors_are_retried_and_client_errors_are_not() -> anyhow::Result<()> {
     let llm = ScriptedLlm::start(vec![

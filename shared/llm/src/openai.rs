@@ -163,7 +163,18 @@ pub struct OpenAi {
     /// Optional request fields the endpoint refused (an older Azure api-version answers 400
     /// `Unrecognized request argument supplied: stream_options`): no longer sent.
     refused: std::sync::Mutex<Vec<&'static str>>,
+    /// Calls in a row that got no answer after all their tries, and until when no call is
+    /// made (see [`BREAKER_FAILURES`]).
+    breaker: std::sync::Mutex<(u32, Option<std::time::Instant>)>,
 }
+
+/// Calls in a row that get no answer after all their tries (timeouts, connections refused,
+/// 5xx, 429) before the endpoint is not called for `BREAKER_OPEN`: each step then fails at
+/// once, transient, and the playbook answers the runs as soon as their steps have tried for
+/// `playbook_after_secs`, instead of every waiting call spending its timeouts on an endpoint
+/// that hangs (hours for a backlog). The first call after the pause tries it again.
+const BREAKER_FAILURES: u32 = 3;
+const BREAKER_OPEN: Duration = Duration::from_secs(30);
 
 /// A streamed answer may take this many times `timeout_secs` in all.
 const STREAM_CAP: u32 = 5;
@@ -357,6 +368,7 @@ impl OpenAi {
             fallback,
             total: UsageMeter::default(),
             refused: Default::default(),
+            breaker: Default::default(),
         })
     }
 
@@ -407,8 +419,44 @@ impl OpenAi {
         clip(&self.redact(&String::from_utf8_lossy(body)), MAX_ERROR_BODY)
     }
 
-    /// One chat completion, retried on 429/5xx/timeouts with backoff and `Retry-After`.
+    /// One chat completion, retried on 429/5xx/timeouts with backoff and `Retry-After`; none
+    /// while the endpoint's last calls all went unanswered (see [`BREAKER_FAILURES`]).
     async fn chat(
+        &self,
+        input: &ReasonInput<'_>,
+        model: &str,
+        messages: &[Message],
+        tools: &[ToolSpec],
+    ) -> Result<Message, ReasonError> {
+        let now = std::time::Instant::now();
+        if let (failed, Some(until)) = *self.breaker.lock().unwrap_or_else(|p| p.into_inner()) {
+            if now < until {
+                return Err(ReasonError::Transient(format!(
+                    "{}: its last {failed} calls got no answer; not called again for {} s",
+                    self.endpoint(),
+                    (until - now).as_secs() + 1
+                )));
+            }
+        }
+        let answer = self.chat_tries(input, model, messages, tools).await;
+        let mut breaker = self.breaker.lock().unwrap_or_else(|p| p.into_inner());
+        match &answer {
+            Err(ReasonError::Transient(why)) => {
+                breaker.0 += 1;
+                if breaker.0 >= BREAKER_FAILURES {
+                    if breaker.1.is_none_or(|until| until <= std::time::Instant::now()) {
+                        tracing::warn!(model, failed = breaker.0, error = %why, "the model endpoint is not answering: not called for {} s", BREAKER_OPEN.as_secs());
+                    }
+                    breaker.1 = Some(std::time::Instant::now() + BREAKER_OPEN);
+                }
+            }
+            // It answered (a refusal too).
+            _ => *breaker = (0, None),
+        }
+        answer
+    }
+
+    async fn chat_tries(
         &self,
         input: &ReasonInput<'_>,
         model: &str,
