@@ -163,9 +163,9 @@ pub struct OpenAi {
     /// Optional request fields the endpoint refused (an older Azure api-version answers 400
     /// `Unrecognized request argument supplied: stream_options`): no longer sent.
     refused: std::sync::Mutex<Vec<&'static str>>,
-    /// Calls in a row that got no answer after all their tries, and until when no call is
-    /// made (see [`BREAKER_FAILURES`]).
-    breaker: std::sync::Mutex<(u32, Option<std::time::Instant>)>,
+    /// Calls in a row that got no answer after all their tries, until when no call is made
+    /// (see [`BREAKER_FAILURES`]), and why the last got none.
+    breaker: std::sync::Mutex<(u32, Option<std::time::Instant>, String)>,
 }
 
 /// Calls in a row that get no answer after all their tries (timeouts, connections refused,
@@ -429,12 +429,12 @@ impl OpenAi {
         tools: &[ToolSpec],
     ) -> Result<Message, ReasonError> {
         let now = std::time::Instant::now();
-        if let (failed, Some(until)) = *self.breaker.lock().unwrap_or_else(|p| p.into_inner()) {
-            if now < until {
+        if let (failed, Some(until), why) = &*self.breaker.lock().unwrap_or_else(|p| p.into_inner()) {
+            if now < *until {
                 return Err(ReasonError::Transient(format!(
-                    "{}: its last {failed} calls got no answer; not called again for {} s",
+                    "{}: its last {failed} calls got no answer; not called again for {} s (the last: {why})",
                     self.endpoint(),
-                    (until - now).as_secs() + 1
+                    (*until - now).as_secs() + 1
                 )));
             }
         }
@@ -448,10 +448,11 @@ impl OpenAi {
                         tracing::warn!(model, failed = breaker.0, error = %why, "the model endpoint is not answering: not called for {} s", BREAKER_OPEN.as_secs());
                     }
                     breaker.1 = Some(std::time::Instant::now() + BREAKER_OPEN);
+                    breaker.2 = clip(why, 500);
                 }
             }
             // It answered (a refusal too).
-            _ => *breaker = (0, None),
+            _ => *breaker = (0, None, String::new()),
         }
         answer
     }
