@@ -11,6 +11,7 @@
 use crate::{fit_to_target, parse, Judgement, Playbook, ReasonError, ReasonInput, Reasoner, ToolSpec};
 use futures::future::BoxFuture;
 use pitcrew_metrics::{Counter, Histogram, LATENCY_BUCKETS};
+use pitcrew_model::redact::url_shown;
 use pitcrew_model::trim::{clip, trim_output};
 use pitcrew_model::{Diagnosis, Plan};
 use serde::{Deserialize, Serialize};
@@ -92,7 +93,7 @@ impl Default for OpenAiConfig {
 impl std::fmt::Debug for OpenAiConfig {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("OpenAiConfig")
-            .field("base_url", &endpoint_shown(&self.base_url))
+            .field("base_url", &url_shown(&self.base_url))
             .field("model", &self.model)
             .field("api_key_env", &self.api_key_env)
             .finish_non_exhaustive()
@@ -348,7 +349,7 @@ impl OpenAi {
             _ => {
                 return Err(format!(
                     "[reasoning.openai] base_url must be an http(s) URL with a host (http://llm:8000/v1), not {:?}",
-                    clip(&pitcrew_model::redact::redact(&endpoint_shown(&cfg.base_url)), 120)
+                    clip(&pitcrew_model::redact::redact(&url_shown(&cfg.base_url)), 120)
                 ))
             }
         }
@@ -402,7 +403,7 @@ impl OpenAi {
     /// The endpoint as errors and logs name it: without any credentials its URL carries (a
     /// proxy's `https://user:pass@host` or `https://TOKEN@host`).
     fn endpoint(&self) -> String {
-        endpoint_shown(&self.cfg.base_url)
+        url_shown(&self.cfg.base_url)
     }
 
     /// Anything the endpoint echoes back, with the key blanked out.
@@ -1144,19 +1145,6 @@ fn error_code(body: &[u8]) -> Option<String> {
     v["error"]["code"].as_str().or_else(|| v["error"]["type"].as_str()).map(str::to_string)
 }
 
-/// `url` with the userinfo part (everything before `@` in the authority) replaced by `***`.
-fn endpoint_shown(url: &str) -> String {
-    // Without a scheme (`ops:pw@proxy:8080/v1`), whatever precedes an `@` may be a password.
-    let Some(scheme_end) = url.find("://").map(|i| i + 3) else {
-        return url.rfind('@').map_or_else(|| url.to_string(), |at| format!("***{}", &url[at..]));
-    };
-    let authority_end = url[scheme_end..].find(['/', '?', '#']).map_or(url.len(), |i| scheme_end + i);
-    match url[scheme_end..authority_end].rfind('@') {
-        Some(at) => format!("{}***{}", &url[..scheme_end], &url[scheme_end + at..]),
-        None => url.to_string(),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1209,7 +1197,7 @@ mod tests {
             ("http://127.0.0.1:8000/v1", "http://127.0.0.1:8000/v1"),
             ("not a url", "not a url"),
         ] {
-            assert_eq!(endpoint_shown(url), shown, "{url}");
+            assert_eq!(url_shown(url), shown, "{url}");
         }
     }
 

@@ -194,6 +194,20 @@ pub fn redact_cut(text: &str) -> Cow<'_, str> {
     }
 }
 
+/// `url` with the userinfo part (everything before `@` in the authority) replaced by `***`, for
+/// errors and logs that name an endpoint.
+pub fn url_shown(url: &str) -> String {
+    // Without a scheme (`ops:pw@proxy:8080/v1`), whatever precedes an `@` may be a password.
+    let Some(scheme_end) = url.find("://").map(|i| i + 3) else {
+        return url.rfind('@').map_or_else(|| url.to_string(), |at| format!("***{}", &url[at..]));
+    };
+    let authority_end = url[scheme_end..].find(['/', '?', '#']).map_or(url.len(), |i| scheme_end + i);
+    match url[scheme_end..authority_end].rfind('@') {
+        Some(at) => format!("{}***{}", &url[..scheme_end], &url[scheme_end + at..]),
+        None => url.to_string(),
+    }
+}
+
 /// `text` with every secret it shows replaced.
 pub fn redact(text: &str) -> Cow<'_, str> {
     let known = KNOWN.read().unwrap_or_else(|p| p.into_inner());

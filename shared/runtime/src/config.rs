@@ -561,7 +561,7 @@ fn check_bridge(
     for (key, url) in urls {
         if !url.starts_with("http://") && !url.starts_with("https://") {
             // Without its scheme a proxy's `user:password@` reads as no URL's: hidden whole.
-            let shown = url.rfind('@').map_or_else(|| url.to_string(), |at| format!("***{}", &url[at..]));
+            let shown = pitcrew_model::redact::url_shown(url);
             return Err(format!("[bridge.{kind}] {key} '{shown}' must be an http(s) URL"));
         }
     }
