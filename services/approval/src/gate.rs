@@ -76,8 +76,7 @@ impl StageHandler for ApprovalStage {
             let spec = pitcrew_runtime::service_or_escalate!(cx.config(), state);
             let host = spec.host.clone();
             // The service's own commands, as the operator wrote them, may name its secrets.
-            let trusted: Vec<String> =
-                [&spec.start, &spec.stop, &spec.restart].into_iter().flatten().cloned().collect();
+            let trusted = spec.own_commands();
             for f in self.policy.findings_on_trusting(&host, &plan.commands, &trusted) {
                 state.security_flags.push(SecurityFlag { attempt, command: f.command, rule: f.rule, class: f.class });
             }

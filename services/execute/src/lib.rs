@@ -402,9 +402,7 @@ impl StageHandler for Execute {
             let cfg = cx.deps.config.clone();
             let spec = pitcrew_runtime::service_or_escalate!(&cfg, state);
             if at_step {
-                let trusted: Vec<String> =
-                    [&spec.start, &spec.stop, &spec.restart].into_iter().flatten().cloned().collect();
-                if let Err(why) = gated_again(&self.policy, &spec.host, &trusted, &run.state) {
+                if let Err(why) = gated_again(&self.policy, &spec.host, &spec.own_commands(), &run.state) {
                     tracing::error!(run = %state.run_id, "{why}");
                     cx.emit(EventKind::Error, why.clone(), serde_json::Value::Null);
                     return Ok(Transition::Escalate(why));

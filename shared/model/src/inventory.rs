@@ -246,6 +246,12 @@ impl ServiceSpec {
         }
     }
 
+    /// The service's own commands as the operator configured them (start, stop, restart): the
+    /// policy gate trusts them with what it guards against in a model's (`trusted`).
+    pub fn own_commands(&self) -> Vec<String> {
+        [&self.start, &self.stop, &self.restart].into_iter().flatten().cloned().collect()
+    }
+
     /// The template variables a playbook may use for this service: `service`, `host`,
     /// `start`, `stop`, `restart` (systemctl defaults when not configured), plus `vars`.
     pub fn template_vars(&self, service: &str) -> BTreeMap<String, String> {
