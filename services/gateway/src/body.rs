@@ -78,23 +78,23 @@ pub fn parse<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
 #[derive(Debug, Clone, Copy)]
 pub struct BodyLimit(pub usize, pub &'static str);
 
-/// A route's `{id}` as sent: one that is no text once decoded (`%FF`) is answered as every
-/// other bad request (JSON, audited), not with axum's plain-text rejection.
-pub struct IdPath(pub String);
+/// A route's `{id}`, the run it names: one that is no text once decoded (`%FF`) or no UUID is
+/// answered as every other bad request (JSON, audited), not with axum's plain-text rejection.
+pub struct RunPath(pub Uuid);
 
-impl<S: Send + Sync> axum::extract::FromRequestParts<S> for IdPath {
+impl<S: Send + Sync> axum::extract::FromRequestParts<S> for RunPath {
     type Rejection = ApiError;
 
     async fn from_request_parts(parts: &mut axum::http::request::Parts, state: &S) -> Result<Self, ApiError> {
         match axum::extract::Path::<String>::from_request_parts(parts, state).await {
-            Ok(axum::extract::Path(id)) => Ok(IdPath(id)),
+            Ok(axum::extract::Path(id)) => run_id(&id).map(RunPath),
             Err(e) => Err(ApiError::BadRequest(format!("the run id in the path: {}", e.body_text()))),
         }
     }
 }
 
 /// A run id from the path.
-pub fn run_id(s: &str) -> Result<Uuid, ApiError> {
+fn run_id(s: &str) -> Result<Uuid, ApiError> {
     s.parse()
         .map_err(|_| ApiError::BadRequest(format!("'{}' is not a run id (a UUID)", pitcrew_model::trim::clip(s, 64))))
 }

@@ -7,7 +7,7 @@
 //! blocks the bus, the crew or another client.
 
 use crate::access::Caller;
-use crate::body::{bad_query, run_id, IdPath};
+use crate::body::{bad_query, RunPath};
 use crate::error::ApiError;
 use crate::Gateway;
 use async_nats::jetstream::consumer::{pull::OrderedConfig, DeliverPolicy};
@@ -96,10 +96,9 @@ fn nothing_left() -> Response {
 pub async fn run_events(
     State(gw): State<Arc<Gateway>>,
     Extension(caller): Extension<Caller>,
-    IdPath(id): IdPath,
+    RunPath(run): RunPath,
     headers: HeaderMap,
 ) -> Result<Response, ApiError> {
-    let run = run_id(&id)?;
     let resume = last_event_id(&headers)?;
     let deadline = tokio::time::Instant::now() + UNKNOWN_GRACE;
     while !gw.store.incident_exists(run).await? {

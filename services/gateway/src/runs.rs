@@ -3,7 +3,7 @@
 //! and questions (investigation mode, not built yet: 501).
 
 use crate::access::{AuditRun, Caller};
-use crate::body::{bad_query, parse, run_id, IdPath, RawJson};
+use crate::body::{bad_query, parse, RawJson, RunPath};
 use crate::error::{ApiError, Outcome};
 use crate::Gateway;
 use axum::extract::rejection::QueryRejection;
@@ -88,8 +88,7 @@ pub async fn list(
 }
 
 /// `GET /v1/runs/{id}`: incident, state, timeline, evaluations, approvals, executions, report.
-pub async fn get(State(gw): State<Arc<Gateway>>, IdPath(id): IdPath) -> Result<Json<Value>, ApiError> {
-    let run = run_id(&id)?;
+pub async fn get(State(gw): State<Arc<Gateway>>, RunPath(run): RunPath) -> Result<Json<Value>, ApiError> {
     let Some(stored) = gw.store.load_run(run).await? else {
         let why = if gw.store.incident_exists(run).await? {
             "the incident was received but has no run of its own (a duplicate of an open run, or not opened yet)"
@@ -181,30 +180,29 @@ pub struct DecisionBody {
 pub async fn approve(
     gw: State<Arc<Gateway>>,
     caller: Extension<Caller>,
-    id: IdPath,
+    run: RunPath,
     body: RawJson,
 ) -> Result<Response, ApiError> {
-    decide(gw, caller, id, body, Decision::Approve).await
+    decide(gw, caller, run, body, Decision::Approve).await
 }
 
 /// `POST /v1/runs/{id}/deny`
 pub async fn deny(
     gw: State<Arc<Gateway>>,
     caller: Extension<Caller>,
-    id: IdPath,
+    run: RunPath,
     body: RawJson,
 ) -> Result<Response, ApiError> {
-    decide(gw, caller, id, body, Decision::Deny).await
+    decide(gw, caller, run, body, Decision::Deny).await
 }
 
 async fn decide(
     State(gw): State<Arc<Gateway>>,
     Extension(caller): Extension<Caller>,
-    IdPath(id): IdPath,
+    RunPath(run): RunPath,
     RawJson(body): RawJson,
     decision: Decision,
 ) -> Result<Response, ApiError> {
-    let run = run_id(&id)?;
     let body: DecisionBody =
         if body.iter().all(u8::is_ascii_whitespace) { DecisionBody::default() } else { parse(&body)? };
     let reason = body.reason.map(|r| r.trim().to_string()).filter(|r| !r.is_empty());
