@@ -979,6 +979,68 @@ async fn an_endpoint_refusing_an_optional_field_is_asked_again_without_it_from_t
 }
 
 #[tokio::test]
+async fn a_reasoning_model_refusing_max_tokens_and_temperature_is_asked_as_it_takes_them() -> anyhow::Result<()> {
+    // OpenAI's reasoning models: the cap is `max_completion_tokens`, the temperature theirs.
+    let llm = ScriptedLlm::start(Vec::new()).await?;
+    llm.respond_with(|body| {
+        if body.get("max_tokens").is_some() {
+            Reply::error(
+                400,
+                "unsupported_parameter",
+                "Unsupported parameter: 'max_tokens' is not supported with this model. Use 'max_completion_tokens' instead.",
+            )
+        } else if body.get("temperature").is_some() {
+            Reply::error(
+                400,
+                "unsupported_value",
+                "Unsupported value: 'temperature' does not support 0.0 with this model. Only the default (1) value is supported.",
+            )
+        } else if body["max_completion_tokens"] != 777 {
+            Reply::status(400, "max_completion_tokens missing")
+        } else {
+            Reply::answer(DIAGNOSIS)
+        }
+    });
+    let p = provider(&llm, |c| {
+        c.stream = false;
+        c.max_retries = 0;
+        c.max_tokens = 777;
+    });
+    let case = Case::new();
+    for _ in 0..2 {
+        let d = p.diagnose(&case.input()).await?;
+        assert_eq!(d.summary, "web is not running: nothing listens on 8080");
+    }
+    let seen = llm.requests();
+    assert_eq!(seen.len(), 4, "each refused once (no try spent on it), then never sent again");
+    assert!(seen[3].body.get("max_tokens").is_none() && seen[3].body.get("temperature").is_none());
+    Ok(())
+}
+
+/// A `max_tokens` the model takes but finds too large is the setup's to fix: it is not dropped,
+/// and the call fails naming it.
+#[tokio::test]
+async fn a_max_tokens_too_large_is_not_dropped() -> anyhow::Result<()> {
+    let llm = ScriptedLlm::start(Vec::new()).await?;
+    llm.respond_with(|body| match body.get("max_tokens") {
+        Some(_) => {
+            Reply::status(400, "max_tokens is too large: 100000. This model supports at most 16384 completion tokens.")
+        }
+        None => Reply::answer(DIAGNOSIS),
+    });
+    let p = provider(&llm, |c| {
+        c.stream = false;
+        c.max_retries = 0;
+        c.max_tokens = 100_000;
+    });
+    let err = p.diagnose(&Case::new().input()).await.unwrap_err().to_string();
+    assert!(err.contains("max_tokens is too large"), "{err}");
+    let seen = llm.requests();
+    assert_eq!(seen.len(), 1);
+    Ok(())
+}
+
+#[tokio::test]
 async fn a_long_streamed_answer_outlasts_the_timeout_while_it_keeps_coming_and_a_stalled_one_does_not(
 ) -> anyhow::Result<()> {
     // Every part within the 1 s timeout, the whole answer well past it.

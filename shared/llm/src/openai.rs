@@ -161,8 +161,9 @@ pub struct OpenAi {
     fallback: Playbook,
     /// Everything this provider spent since start-up.
     total: UsageMeter,
-    /// Optional request fields the endpoint refused (an older Azure api-version answers 400
-    /// `Unrecognized request argument supplied: stream_options`): no longer sent.
+    /// Request fields the endpoint refused (an older Azure api-version answers 400
+    /// `Unrecognized request argument supplied: stream_options`; a reasoning model, `max_tokens`
+    /// and `temperature`): no longer sent, `max_tokens` sent as `max_completion_tokens`.
     refused: std::sync::Mutex<Vec<&'static str>>,
     /// Calls in a row that got no answer after all their tries, until when no call is made
     /// (see [`BREAKER_FAILURES`]), and why the last got none.
@@ -184,6 +185,42 @@ const STREAM_CAP: u32 = 5;
 /// sent again, rather than every run failing on a setting (`stream_options` only adds the
 /// usage to a streamed answer; `parallel_tool_calls` only says several calls may come at once).
 const OPTIONAL_FIELDS: [&str; 2] = ["stream_options", "parallel_tool_calls"];
+
+/// Request fields a model may refuse as unsupported (OpenAI's reasoning models answer 400
+/// `Unsupported parameter: 'max_tokens' ... Use 'max_completion_tokens' instead.` and
+/// `Unsupported value: 'temperature' does not support 0.0 with this model`): refused so, the
+/// cap is sent as `max_completion_tokens` and the temperature left to the model's own, from
+/// then on. Refused for another reason (a `max_tokens` past the model's limit), they stay,
+/// and the call fails saying why: that is the setup's to fix.
+const MODEL_SETTINGS: [&str; 2] = ["max_tokens", "temperature"];
+
+/// Which of [`OPTIONAL_FIELDS`] and [`MODEL_SETTINGS`] that `body` carries the endpoint's
+/// refusal (`said`, its error text) is about, if any.
+fn refused_field(body: &Value, said: &str) -> Option<&'static str> {
+    if let Some(f) = OPTIONAL_FIELDS.into_iter().find(|f| body.get(*f).is_some() && said.contains(f)) {
+        return Some(f);
+    }
+    let lower = said.to_ascii_lowercase();
+    let unsupported = ["unsupported parameter", "unsupported value", "not supported", "unrecognized request argument"]
+        .iter()
+        .any(|s| lower.contains(s));
+    // `'max_tokens'`, not `max_completion_tokens`: the field named, quoted as OpenAI does, or bare.
+    let names = |f: &str| {
+        lower.contains(&format!("'{f}'")) || lower.contains(&format!("\"{f}\"")) || lower.contains(&format!(": {f}"))
+    };
+    MODEL_SETTINGS.into_iter().find(|f| unsupported && body.get(*f).is_some() && names(f))
+}
+
+/// `body` without the fields the endpoint refused: `max_tokens` becomes
+/// `max_completion_tokens`, the rest are dropped.
+fn without_refused(body: &mut Value, refused: &[&str]) {
+    let Some(fields) = body.as_object_mut() else { return };
+    for field in refused {
+        if let Some(cap) = fields.remove(*field).filter(|_| *field == "max_tokens") {
+            fields.insert("max_completion_tokens".into(), cap);
+        }
+    }
+}
 
 impl std::fmt::Debug for OpenAi {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -490,10 +527,7 @@ impl OpenAi {
             body["stream"] = Value::Bool(true);
             body["stream_options"] = json!({ "include_usage": true });
         }
-        let refused = self.refused.lock().unwrap_or_else(|p| p.into_inner()).clone();
-        if let Some(fields) = body.as_object_mut() {
-            fields.retain(|k, _| !refused.contains(&k.as_str()));
-        }
+        without_refused(&mut body, &self.refused.lock().unwrap_or_else(|p| p.into_inner()));
         let url = self.url(model);
         let mut last = String::new();
         let mut attempt = 0;
@@ -529,12 +563,20 @@ impl OpenAi {
             LLM_SECONDS.observe(&["openai", model], began.elapsed().as_secs_f64());
             let wait = match step {
                 Step::Done(Err(e @ ReasonError::Failed(_))) if outcome == "client_error" => {
-                    // Refused for an optional field it names: sent again without it (not a try).
-                    let named = OPTIONAL_FIELDS.into_iter().find(|f| body.get(*f).is_some() && last.contains(f));
-                    if let Some(field) = named {
-                        tracing::warn!(model, field, error = %last, "the endpoint refuses an optional field: no longer sent");
-                        self.refused.lock().unwrap_or_else(|p| p.into_inner()).push(field);
-                        body.as_object_mut().map(|b| b.remove(field));
+                    // Refused for an optional field or a setting the model does without: sent
+                    // again without it (not a try).
+                    if let Some(field) = refused_field(&body, &last) {
+                        let instead = match field {
+                            "max_tokens" => "sent as max_completion_tokens from now on",
+                            "temperature" => "the model's own temperature used from now on",
+                            _ => "no longer sent",
+                        };
+                        tracing::warn!(model, field, error = %last, "the endpoint refuses a request field: {instead}");
+                        let mut refused = self.refused.lock().unwrap_or_else(|p| p.into_inner());
+                        if !refused.contains(&field) {
+                            refused.push(field);
+                        }
+                        without_refused(&mut body, &[field]);
                         continue;
                     }
                     return Err(e);
@@ -1168,6 +1210,30 @@ mod tests {
         let args: Value = serde_json::from_str(&m.tool_calls[0].function.arguments).unwrap();
         assert_eq!(args, json!({"command": "df -h"}));
         assert!(serde_json::from_value::<Message>(json!({"role": "assistant", "content": 7})).is_err());
+    }
+
+    /// Only a refusal naming a field as unsupported drops it: a `max_tokens` past the model's
+    /// limit is the setup's to fix, and stays.
+    #[test]
+    fn a_refused_field_is_told_from_a_setting_too_large() {
+        let body = json!({"model": "m", "max_tokens": 1024, "temperature": 0.0, "stream_options": {}});
+        let said = |msg: &str| format!("HTTP 400 Bad Request: {}", json!({"error": {"message": msg}}));
+        let cases = [
+            ("Unsupported parameter: 'max_tokens' is not supported with this model. Use 'max_completion_tokens' instead.", Some("max_tokens")),
+            ("Unsupported value: 'temperature' does not support 0.0 with this model. Only the default (1) value is supported.", Some("temperature")),
+            ("Unrecognized request argument supplied: stream_options", Some("stream_options")),
+            ("max_tokens is too large: 100000. This model supports at most 16384 completion tokens.", None),
+            ("Invalid 'max_tokens': integer below minimum value.", None),
+            ("The model `m` does not exist", None),
+        ];
+        for (msg, field) in cases {
+            assert_eq!(refused_field(&body, &said(msg)), field, "{msg}");
+        }
+        // Not sent, not named: nothing to drop.
+        assert_eq!(refused_field(&json!({"model": "m"}), &said(cases[0].0)), None);
+        let mut sent = body.clone();
+        without_refused(&mut sent, &["max_tokens", "temperature"]);
+        assert_eq!(sent, json!({"model": "m", "max_completion_tokens": 1024, "stream_options": {}}));
     }
 
     #[test]
