@@ -981,9 +981,12 @@ async fn an_endpoint_refusing_an_optional_field_is_asked_again_without_it_from_t
 #[tokio::test]
 async fn a_reasoning_model_refusing_max_tokens_and_temperature_is_asked_as_it_takes_them() -> anyhow::Result<()> {
     // OpenAI's reasoning models: the cap is `max_completion_tokens`, the temperature theirs.
+    // Plan's model on the same endpoint takes both.
     let llm = ScriptedLlm::start(Vec::new()).await?;
     llm.respond_with(|body| {
-        if body.get("max_tokens").is_some() {
+        if body["model"] == "other-model" {
+            Reply::answer("```sh\n/opt/web/restart\n```")
+        } else if body.get("max_tokens").is_some() {
             Reply::error(
                 400,
                 "unsupported_parameter",
@@ -1005,6 +1008,7 @@ async fn a_reasoning_model_refusing_max_tokens_and_temperature_is_asked_as_it_ta
         c.stream = false;
         c.max_retries = 0;
         c.max_tokens = 777;
+        c.plan_model = Some("other-model".into());
     });
     let case = Case::new();
     for _ in 0..2 {
@@ -1014,6 +1018,16 @@ async fn a_reasoning_model_refusing_max_tokens_and_temperature_is_asked_as_it_ta
     let seen = llm.requests();
     assert_eq!(seen.len(), 4, "each refused once (no try spent on it), then never sent again");
     assert!(seen[3].body.get("max_tokens").is_none() && seen[3].body.get("temperature").is_none());
+    let plan = p.plan(&case.input(), &diagnosis_of("web is down")).await?;
+    assert_eq!(plan.commands, ["/opt/web/restart"]);
+    let seen = llm.requests();
+    assert_eq!(seen.len(), 5);
+    assert_eq!(seen[4].body["model"], "other-model");
+    assert_eq!(
+        (&seen[4].body["max_tokens"], &seen[4].body["temperature"]),
+        (&json!(777), &json!(0.0)),
+        "its own settings kept"
+    );
     Ok(())
 }
 

@@ -163,8 +163,10 @@ pub struct OpenAi {
     total: UsageMeter,
     /// Request fields the endpoint refused (an older Azure api-version answers 400
     /// `Unrecognized request argument supplied: stream_options`; a reasoning model, `max_tokens`
-    /// and `temperature`): no longer sent, `max_tokens` sent as `max_completion_tokens`.
-    refused: std::sync::Mutex<Vec<&'static str>>,
+    /// and `temperature`): no longer sent, `max_tokens` sent as `max_completion_tokens`. The
+    /// endpoint's own for every model; a model's settings (`MODEL_SETTINGS`) for that model only
+    /// (a stage on a reasoning model leaves the others' temperature as configured).
+    refused: std::sync::Mutex<Vec<(Option<String>, &'static str)>>,
     /// Calls in a row that got no answer after all their tries, until when no call is made
     /// (see [`BREAKER_FAILURES`]), and why the last got none.
     breaker: std::sync::Mutex<(u32, Option<std::time::Instant>, String)>,
@@ -527,7 +529,11 @@ impl OpenAi {
             body["stream"] = Value::Bool(true);
             body["stream_options"] = json!({ "include_usage": true });
         }
-        without_refused(&mut body, &self.refused.lock().unwrap_or_else(|p| p.into_inner()));
+        let refused: Vec<&str> = {
+            let all = self.refused.lock().unwrap_or_else(|p| p.into_inner());
+            all.iter().filter(|(m, _)| m.as_ref().is_none_or(|m| m == model)).map(|(_, f)| *f).collect()
+        };
+        without_refused(&mut body, &refused);
         let url = self.url(model);
         let mut last = String::new();
         let mut attempt = 0;
@@ -572,9 +578,10 @@ impl OpenAi {
                             _ => "no longer sent",
                         };
                         tracing::warn!(model, field, error = %last, "the endpoint refuses a request field: {instead}");
+                        let whose = MODEL_SETTINGS.contains(&field).then(|| model.to_string());
                         let mut refused = self.refused.lock().unwrap_or_else(|p| p.into_inner());
-                        if !refused.contains(&field) {
-                            refused.push(field);
+                        if !refused.contains(&(whose.clone(), field)) {
+                            refused.push((whose, field));
                         }
                         without_refused(&mut body, &[field]);
                         continue;
