@@ -673,7 +673,12 @@ impl OpenAi {
                             408 => "timeout",
                             _ => "server_error",
                         };
-                        (Step::Retry(retry_after.unwrap_or_else(|| backoff(attempt))), outcome)
+                        (
+                            Step::Retry(
+                                retry_after.map(pitcrew_model::jitter::at_least).unwrap_or_else(|| backoff(attempt)),
+                            ),
+                            outcome,
+                        )
                     }
                 }
             }
@@ -1097,7 +1102,8 @@ fn is_event_stream(resp: &reqwest::Response) -> bool {
 
 /// Exponential backoff from 500 ms, capped at 8 s.
 fn backoff(attempt: u32) -> Duration {
-    Duration::from_millis(500u64.saturating_mul(1 << attempt.min(4)))
+    // Spread: the runs whose calls one outage failed together do not all call again at once.
+    pitcrew_model::jitter::within(Duration::from_millis(500u64.saturating_mul(1 << attempt.min(4))))
 }
 
 /// `Retry-After` as seconds or an HTTP date, capped.

@@ -7,6 +7,7 @@ pub mod codec;
 pub mod event;
 pub mod incident;
 pub mod inventory;
+pub mod jitter;
 pub mod redact;
 pub mod retry_after;
 pub mod run;
