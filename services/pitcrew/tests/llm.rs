@@ -209,6 +209,54 @@ async fn an_endpoint_that_answers_nothing_is_left_alone_for_a_while() -> anyhow:
     Ok(())
 }
 
+/// A call waiting to try again when other calls' failures pause the endpoint stops there,
+/// transient, instead of spending its remaining tries on it; it is not counted as one more
+/// unanswered call.
+#[tokio::test]
+async fn a_call_under_way_stops_when_the_endpoint_is_paused() -> anyhow::Result<()> {
+    let llm = ScriptedLlm::start(Vec::new()).await?;
+    // The slow call is told to come back in 2 s; the others at once, so they spend their
+    // four tries each before it tries again.
+    llm.respond_with(|body| {
+        let wait = if body.to_string().contains("slow-call") { "2" } else { "0" };
+        Reply::status(503, "overloaded").header("retry-after", wait)
+    });
+    let p = provider(&llm, |c| {
+        c.stream = false;
+        c.max_retries = 3;
+    });
+    let mut slow_case = Case::new();
+    slow_case.incident.error = "slow-call: connection refused".into();
+    let case = Case::new();
+    let started = Instant::now();
+    let slow = async {
+        let r = p.diagnose(&slow_case.input()).await;
+        (r, started.elapsed())
+    };
+    let others = async {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        for _ in 0..3 {
+            assert!(matches!(p.diagnose(&case.input()).await, Err(ReasonError::Transient(_))));
+        }
+    };
+    let ((slow, took), ()) = tokio::join!(slow, others);
+    match slow {
+        Err(ReasonError::Transient(e)) => {
+            assert!(e.contains("its last 3 calls got no answer; not called again") && e.contains("503"), "{e}")
+        }
+        other => panic!("the call under way stops, transient: {other:?}"),
+    }
+    assert!(took < Duration::from_secs(4), "it did not spend its tries: {took:?}");
+    let seen = llm.requests();
+    let slow_tries = seen.iter().filter(|r| r.body.to_string().contains("slow-call")).count();
+    assert_eq!((slow_tries, seen.len()), (1, 13), "one try of the slow call, four of each other");
+    match p.diagnose(&case.input()).await {
+        Err(ReasonError::Transient(e)) => assert!(e.contains("its last 3 calls"), "not counted as a fourth: {e}"),
+        other => panic!("{other:?}"),
+    }
+    Ok(())
+}
+
 #[tokio::test]
 async fn server_errors_are_retried_and_client_errors_are_not() -> anyhow::Result<()> {
     let llm = ScriptedLlm::start(vec![

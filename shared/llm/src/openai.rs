@@ -117,6 +117,13 @@ static LLM_TOKENS: Counter = Counter::new(
     &["provider", "model", "kind"],
 );
 
+/// Why [`OpenAi::chat`]'s tries ended without an answer.
+enum Stop {
+    Error(ReasonError),
+    /// Other calls' failures paused the endpoint while this one waited to try again.
+    Paused(String),
+}
+
 /// What [`OpenAi::chat`] does after one attempt.
 enum Step {
     Done(Result<Message, ReasonError>),
@@ -468,17 +475,15 @@ impl OpenAi {
         messages: &[Message],
         tools: &[ToolSpec],
     ) -> Result<Message, ReasonError> {
-        let now = std::time::Instant::now();
-        if let (failed, Some(until), why) = &*self.breaker.lock().unwrap_or_else(|p| p.into_inner()) {
-            if now < *until {
-                return Err(ReasonError::Transient(format!(
-                    "{}: its last {failed} calls got no answer; not called again for {} s (the last: {why})",
-                    self.endpoint(),
-                    (*until - now).as_secs() + 1
-                )));
-            }
+        if let Some(paused) = self.paused() {
+            return Err(ReasonError::Transient(paused));
         }
-        let answer = self.chat_tries(input, model, messages, tools).await;
+        let answer = match self.chat_tries(input, model, messages, tools).await {
+            Ok(m) => Ok(m),
+            Err(Stop::Error(e)) => Err(e),
+            // Stopped by the pause other calls began: the count and the pause are theirs.
+            Err(Stop::Paused(why)) => return Err(ReasonError::Transient(why)),
+        };
         let mut breaker = self.breaker.lock().unwrap_or_else(|p| p.into_inner());
         match &answer {
             Err(ReasonError::Transient(why)) => {
@@ -497,13 +502,25 @@ impl OpenAi {
         answer
     }
 
+    /// Why the endpoint is not called now, if it is left alone (see [`BREAKER_FAILURES`]).
+    fn paused(&self) -> Option<String> {
+        let now = std::time::Instant::now();
+        let (failed, until, why) = &*self.breaker.lock().unwrap_or_else(|p| p.into_inner());
+        let until = until.filter(|until| now < *until)?;
+        Some(format!(
+            "{}: its last {failed} calls got no answer; not called again for {} s (the last: {why})",
+            self.endpoint(),
+            (until - now).as_secs() + 1
+        ))
+    }
+
     async fn chat_tries(
         &self,
         input: &ReasonInput<'_>,
         model: &str,
         messages: &[Message],
         tools: &[ToolSpec],
-    ) -> Result<Message, ReasonError> {
+    ) -> Result<Message, Stop> {
         let meter = input.usage;
         // Stream when someone watches: the answer is published as it comes.
         let progress = input.progress.filter(|_| self.cfg.stream);
@@ -540,7 +557,11 @@ impl OpenAi {
         while attempt <= self.cfg.max_retries {
             // A slot per try, not per call: a call waiting out a 429's `Retry-After` holds none,
             // and the other runs' calls go on meanwhile.
-            let permit = self.permits.acquire().await.map_err(|_| ReasonError::Transient("provider closed".into()))?;
+            let permit = self
+                .permits
+                .acquire()
+                .await
+                .map_err(|_| Stop::Error(ReasonError::Transient("provider closed".into())))?;
             let mut req = self.http.post(&url).json(&body);
             if progress.is_some() {
                 // Bounded per chunk in `streamed`, and in all by the cap.
@@ -586,18 +607,28 @@ impl OpenAi {
                         without_refused(&mut body, &[field]);
                         continue;
                     }
-                    return Err(e);
+                    return Err(Stop::Error(e));
                 }
-                Step::Done(res) => return res.map(Message::storable),
+                Step::Done(res) => return res.map(Message::storable).map_err(Stop::Error),
                 Step::Retry(wait) => wait,
             };
             if attempt < self.cfg.max_retries {
                 tracing::warn!(model, attempt = attempt + 1, wait_ms = wait.as_millis() as u64, error = %last, "llm call failed; retrying");
                 tokio::time::sleep(wait).await;
+                // Other calls found the endpoint answering nothing meanwhile: this one stops
+                // too, rather than spend its remaining tries (a backlog's calls each their
+                // timeouts) on it. Not counted as one more unanswered call.
+                if let Some(paused) = self.paused() {
+                    return Err(Stop::Paused(format!("{paused}; this call's last try: {last}")));
+                }
             }
             attempt += 1;
         }
-        Err(ReasonError::Transient(format!("{} after {} tries: {last}", self.endpoint(), self.cfg.max_retries + 1)))
+        Err(Stop::Error(ReasonError::Transient(format!(
+            "{} after {} tries: {last}",
+            self.endpoint(),
+            self.cfg.max_retries + 1
+        ))))
     }
 
     /// One HTTP exchange of [`chat`](Self::chat): what to do next and the outcome for metrics
