@@ -204,20 +204,42 @@ const OPTIONAL_FIELDS: [&str; 2] = ["stream_options", "parallel_tool_calls"];
 const MODEL_SETTINGS: [&str; 2] = ["max_tokens", "temperature"];
 
 /// Which of [`OPTIONAL_FIELDS`] and [`MODEL_SETTINGS`] that `body` carries the endpoint's
-/// refusal (`said`, its error text) is about, if any.
+/// refusal (`said`, its error text) is about, if any. A setting is dropped only on the error
+/// object's word where it has one (OpenAI, Azure: `param` the field, `code`
+/// `unsupported_parameter` or `unsupported_value`), else when its message both calls something
+/// unsupported and names the field quoted (LiteLLM's `does not support parameters:
+/// {'temperature': 0.0}`).
 fn refused_field(body: &Value, said: &str) -> Option<&'static str> {
     if let Some(f) = OPTIONAL_FIELDS.into_iter().find(|f| body.get(*f).is_some() && said.contains(f)) {
         return Some(f);
     }
-    let lower = said.to_ascii_lowercase();
-    let unsupported = ["unsupported parameter", "unsupported value", "not supported", "unrecognized request argument"]
-        .iter()
-        .any(|s| lower.contains(s));
-    // `'max_tokens'`, not `max_completion_tokens`: the field named, quoted as OpenAI does, or bare.
+    let mut settings = MODEL_SETTINGS.into_iter().filter(|f| body.get(*f).is_some());
+    let error = said
+        .find('{')
+        .and_then(|at| serde_json::from_str::<Value>(&said[at..]).ok())
+        .map(|v| v["error"].clone())
+        .filter(Value::is_object);
+    if let Some(e) = &error {
+        if let (Some(param), Some(code)) = (e["param"].as_str(), e["code"].as_str()) {
+            return settings.find(|f| *f == param && code.starts_with("unsupported_"));
+        }
+    }
+    let text = error.as_ref().and_then(|e| e["message"].as_str()).unwrap_or(said).to_ascii_lowercase();
+    let unsupported = [
+        "unsupported parameter",
+        "unsupported value",
+        "not supported",
+        "does not support",
+        "unrecognized request argument",
+    ]
+    .iter()
+    .any(|s| text.contains(s));
+    // `'max_tokens'`, not `max_completion_tokens`: the field named, quoted as OpenAI does, or
+    // after a colon (`argument supplied: max_tokens`).
     let names = |f: &str| {
-        lower.contains(&format!("'{f}'")) || lower.contains(&format!("\"{f}\"")) || lower.contains(&format!(": {f}"))
+        text.contains(&format!("'{f}'")) || text.contains(&format!("\"{f}\"")) || text.contains(&format!(": {f}"))
     };
-    MODEL_SETTINGS.into_iter().find(|f| unsupported && body.get(*f).is_some() && names(f))
+    settings.find(|f| unsupported && names(f))
 }
 
 /// `body` without the fields the endpoint refused: `max_tokens` becomes
@@ -594,7 +616,10 @@ impl OpenAi {
                     // again without it (not a try).
                     if let Some(field) = refused_field(&body, &last) {
                         let instead = match field {
-                            "max_tokens" => "sent as max_completion_tokens from now on",
+                            "max_tokens" => {
+                                "sent as max_completion_tokens from now on (for a reasoning model it also counts the \
+                                 hidden reasoning: raise max_tokens to several thousand if answers come back cut off)"
+                            }
                             "temperature" => "the model's own temperature used from now on",
                             _ => "no longer sent",
                         };
@@ -706,7 +731,9 @@ impl OpenAi {
                         };
                         (
                             Step::Retry(
-                                retry_after.map(pitcrew_model::jitter::at_least).unwrap_or_else(|| backoff(attempt)),
+                                retry_after
+                                    .map(|d| pitcrew_model::jitter::at_least(d).min(MAX_RETRY_AFTER))
+                                    .unwrap_or_else(|| backoff(attempt)),
                             ),
                             outcome,
                         )
@@ -1269,10 +1296,21 @@ mod tests {
             ("max_tokens is too large: 100000. This model supports at most 16384 completion tokens.", None),
             ("Invalid 'max_tokens': integer below minimum value.", None),
             ("The model `m` does not exist", None),
+            // LiteLLM's, not JSON.
+            ("litellm.UnsupportedParamsError: openai does not support parameters: {'temperature': 0.0}, for model=o1-mini", Some("temperature")),
         ];
         for (msg, field) in cases {
             assert_eq!(refused_field(&body, &said(msg)), field, "{msg}");
         }
+        // The error object's `param` and `code` decide where it has them.
+        let coded = |param: &str, code: &str, msg: &str| {
+            format!("HTTP 400 Bad Request: {}", json!({"error": {"message": msg, "param": param, "code": code}}))
+        };
+        assert_eq!(refused_field(&body, &coded("max_tokens", "unsupported_parameter", "x")), Some("max_tokens"));
+        assert_eq!(refused_field(&body, &coded("temperature", "unsupported_value", "x")), Some("temperature"));
+        let other = coded("temperature", "invalid_value", "'temperature' is not supported above 2");
+        assert_eq!(refused_field(&body, &other), None, "not refused as unsupported");
+        assert_eq!(refused_field(&body, &coded("max_tokens", "integer_above_max_value", "not supported")), None);
         // Not sent, not named: nothing to drop.
         assert_eq!(refused_field(&json!({"model": "m"}), &said(cases[0].0)), None);
         let mut sent = body.clone();

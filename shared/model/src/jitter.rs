@@ -13,10 +13,10 @@ pub fn within(d: Duration) -> Duration {
     d.mul_f64(1.0 - SPREAD * unit())
 }
 
-/// `d` lengthened by up to a fifth: a wait another party asked for (`Retry-After`), never
-/// shorter.
+/// `d` lengthened by up to a fifth of itself, or of a second when shorter: a wait another
+/// party asked for (`Retry-After`), never shorter (`0`, at once, is spread over 200 ms).
 pub fn at_least(d: Duration) -> Duration {
-    d.mul_f64(1.0 + SPREAD * unit())
+    d + d.max(Duration::from_secs(1)).mul_f64(SPREAD * unit())
 }
 
 /// A random number in [0, 1): 53 of the 62 random bits in a v4 UUID's low half (its top two
@@ -47,5 +47,8 @@ mod tests {
             assert!(high - low >= 160, "{low}..{high}");
         }
         assert_eq!(within(Duration::ZERO), Duration::ZERO);
+        let at_once: Vec<Duration> = (0..200).map(|_| at_least(Duration::ZERO)).collect();
+        assert!(at_once.iter().all(|w| *w < Duration::from_millis(200)), "{at_once:?}");
+        assert!(at_once.iter().any(|w| *w > Duration::from_millis(100)), "spread: {at_once:?}");
     }
 }
