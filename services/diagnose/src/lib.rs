@@ -545,6 +545,7 @@ impl StageHandler for Diagnose {
             input.tools = Some(&tools);
             input.usage = Some(&meter);
             input.fallback_if_unreachable |= cx.playbook_now();
+            input.playbook_at = cx.playbook_at();
             let thinking = cx.thinking();
             input.progress = thinking.as_ref().map(|t| t as &dyn pitcrew_llm::Progress);
             let answer = cx.deps.reasoner.diagnose(&input).await;

@@ -1183,3 +1183,37 @@ async fn a_model_unreachable_for_long_enough_leaves_the_step_to_the_playbook() -
     drop(worker);
     crew.shutdown().await
 }
+
+/// A model that answers, but too slowly, does not hold the step past `playbook_after_secs`
+/// either: the playbook answers it then, saying so, and the plan after it does not wait the
+/// whole call out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_model_too_slow_for_the_step_leaves_it_to_the_playbook() -> anyhow::Result<()> {
+    let llm = ScriptedLlm::start(Vec::new()).await?;
+    llm.respond_with(|_| Reply::answer(DIAGNOSIS).delayed(Duration::from_secs(6)));
+    let (mut crew, worker) = crew_reasoning_with(&llm, "", false, "playbook_after_secs = 2\n").await?;
+    let started = Instant::now();
+    let run = crew.open("svc", "health check failed").await?;
+    let end = crew.end(run).await?;
+    assert_eq!(end.kind, EventKind::Resolved, "{}", end.message);
+    assert!(started.elapsed() < Duration::from_secs(11), "neither step waited its call out: {:?}", started.elapsed());
+    let db = crew.db().await?;
+    let rows = db
+        .query(
+            "SELECT kind, message, data FROM run_events WHERE run_id = $1 AND kind IN ('diagnosis', 'plan') ORDER BY seq",
+            &[&run],
+        )
+        .await?;
+    let said: Vec<(String, String, serde_json::Value)> = rows.iter().map(|r| (r.get(0), r.get(1), r.get(2))).collect();
+    assert_eq!(said.len(), 2, "{said:?}");
+    assert!(said[0].1.ends_with("(the model had not answered after 2 s)"), "{said:?}");
+    assert!(said[0].2["source"].as_str().unwrap_or_default().starts_with("playbook:"), "{said:?}");
+    assert!(
+        said[1].2["rationale"].as_str().unwrap_or_default().starts_with("the model had not answered after 2 s;"),
+        "{said:?}"
+    );
+    assert!(said[1].2["source"].as_str().unwrap_or_default().starts_with("playbook:"), "{said:?}");
+    assert_eq!(crew.dead_letters().await?, 0);
+    drop(worker);
+    crew.shutdown().await
+}

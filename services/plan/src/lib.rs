@@ -44,6 +44,7 @@ impl StageHandler for PlanStage {
             let mut input = reasoning.input(state);
             input.usage = Some(&meter);
             input.fallback_if_unreachable |= cx.playbook_now();
+            input.playbook_at = cx.playbook_at();
             let thinking = cx.thinking();
             input.progress = thinking.as_ref().map(|t| t as &dyn pitcrew_llm::Progress);
             let answer = cx.deps.reasoner.plan(&input, &diagnosis).await;

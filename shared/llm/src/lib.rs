@@ -119,6 +119,10 @@ pub struct ReasonInput<'a> {
     /// reached now answers from its offline fallback (the playbook) instead of failing as
     /// `Transient`.
     pub fallback_if_unreachable: bool,
+    /// When the step will have waited on the model long enough (`[reasoning]
+    /// playbook_after_secs` from its first try): a provider still at work then (a slow model,
+    /// a long tool loop, retries) answers from its offline fallback instead. None: no limit.
+    pub playbook_at: Option<std::time::Instant>,
 }
 
 impl<'a> ReasonInput<'a> {
@@ -139,6 +143,7 @@ impl<'a> ReasonInput<'a> {
             usage: None,
             progress: None,
             fallback_if_unreachable: false,
+            playbook_at: None,
         }
     }
 }

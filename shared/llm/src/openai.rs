@@ -16,6 +16,7 @@ use pitcrew_model::trim::{clip, trim_output};
 use pitcrew_model::{Diagnosis, Plan};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
+use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::Semaphore;
@@ -1184,6 +1185,16 @@ fn without_url(e: &reqwest::Error) -> String {
     text
 }
 
+/// A step's model work cut at its [`ReasonInput::playbook_at`]: how long it had then run.
+struct Late(Duration);
+
+/// `work`, unless it is still at work at `input.playbook_at`.
+async fn by_deadline<T>(input: &ReasonInput<'_>, work: impl Future<Output = T>) -> Result<T, Late> {
+    let Some(at) = input.playbook_at else { return Ok(work.await) };
+    let began = std::time::Instant::now();
+    tokio::time::timeout_at(at.into(), work).await.map_err(|_| Late(began.elapsed()))
+}
+
 /// The body, refusing more than `MAX_RESPONSE` bytes.
 async fn read_capped(mut resp: reqwest::Response) -> Result<Vec<u8>, String> {
     let mut out = Vec::new();
@@ -1203,8 +1214,18 @@ impl Reasoner for OpenAi {
 
     fn diagnose<'a>(&'a self, input: &'a ReasonInput<'a>) -> BoxFuture<'a, Result<Diagnosis, ReasonError>> {
         Box::pin(async move {
-            match self.diagnose_inner(input).await {
-                Err(ReasonError::Transient(why)) if input.fallback_if_unreachable => {
+            match by_deadline(input, self.diagnose_inner(input)).await {
+                Err(Late(after)) => {
+                    tracing::warn!(
+                        after_secs = after.as_secs(),
+                        "the model has not answered in time: the playbook diagnoses"
+                    );
+                    let mut d = self.fallback.diagnose_now(input);
+                    d.summary =
+                        clip(&format!("{} (the model had not answered after {} s)", d.summary, after.as_secs()), 400);
+                    Ok(d)
+                }
+                Ok(Err(ReasonError::Transient(why))) if input.fallback_if_unreachable => {
                     tracing::warn!(why = %why, "the model is unreachable, for long enough: the playbook diagnoses");
                     let mut d = self.fallback.diagnose_now(input);
                     // Not the error itself: its endpoint and codes are no facts of the service
@@ -1212,7 +1233,7 @@ impl Reasoner for OpenAi {
                     d.summary = clip(&format!("{} (the model could not be reached)", d.summary), 400);
                     Ok(d)
                 }
-                answered => answered,
+                Ok(answered) => answered,
             }
         })
     }
@@ -1223,15 +1244,26 @@ impl Reasoner for OpenAi {
         diagnosis: &'a Diagnosis,
     ) -> BoxFuture<'a, Result<Plan, ReasonError>> {
         Box::pin(async move {
-            match self.plan_inner(input, diagnosis).await {
-                Err(ReasonError::Transient(why)) if input.fallback_if_unreachable => {
+            match by_deadline(input, self.plan_inner(input, diagnosis)).await {
+                Err(Late(after)) => {
+                    tracing::warn!(
+                        after_secs = after.as_secs(),
+                        "the model has not answered in time: the playbook plans"
+                    );
+                    let d = self.fallback.diagnose_now(input);
+                    let mut plan = self.fallback.plan_now(input, &d)?;
+                    let why = format!("the model had not answered after {} s", after.as_secs());
+                    plan.rationale = clip(&format!("{why}; {}", plan.rationale), 400);
+                    Ok(plan)
+                }
+                Ok(Err(ReasonError::Transient(why))) if input.fallback_if_unreachable => {
                     tracing::warn!(why = %why, "the model is unreachable, for long enough: the playbook plans");
                     let d = self.fallback.diagnose_now(input);
                     let mut plan = self.fallback.plan_now(input, &d)?;
                     plan.rationale = clip(&format!("the model could not be reached ({why}); {}", plan.rationale), 400);
                     Ok(plan)
                 }
-                answered => answered,
+                Ok(answered) => answered,
             }
         })
     }

@@ -362,7 +362,8 @@ pub struct ReasoningConfig {
     /// When the provider has been unreachable (timeouts, 5xx, rate limits) for a step that
     /// has been trying this long, the offline playbook answers that step instead, so an
     /// outage of the model does not hold every incident until its step's limits escalate it
-    /// (an hour by default). 0: never; the step keeps retrying.
+    /// (an hour by default); a model still at work on the step then (slow, a long tool loop)
+    /// is cut off, and the playbook answers too. 0: never; the step keeps retrying.
     #[serde(default = "default_playbook_after_secs")]
     pub playbook_after_secs: u64,
 }

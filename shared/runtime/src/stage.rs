@@ -167,6 +167,18 @@ impl<'a> Cx<'a> {
         after > 0 && self.age >= std::time::Duration::from_secs(after)
     }
 
+    /// When a provider still at work on this step answers from the offline playbook instead
+    /// (`[reasoning] playbook_after_secs` from the step's first try): None when that is never
+    /// (0), or already past, where [`playbook_now`](Self::playbook_now) lets the model try
+    /// once more and the playbook answer if it cannot be reached. A step whose message
+    /// waited in line for most of that still gives the model a minute (or the whole of a
+    /// shorter `playbook_after_secs`).
+    pub fn playbook_at(&self) -> Option<std::time::Instant> {
+        let after = std::time::Duration::from_secs(self.deps.config.reasoning.playbook_after_secs);
+        let left = after.checked_sub(self.age).filter(|left| !after.is_zero() && !left.is_zero())?;
+        Some(std::time::Instant::now() + left.max(after.min(std::time::Duration::from_secs(60))))
+    }
+
     /// Leave the next index unused.
     pub fn leave_index(&mut self) {
         self.next_index += 1;

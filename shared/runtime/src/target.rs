@@ -124,6 +124,7 @@ impl ReasonContext {
                 .diagnosis_log
                 .iter()
                 .any(|d| d.source.starts_with(pitcrew_llm::playbook::SOURCE_PREFIX)),
+            playbook_at: None,
         }
     }
 }

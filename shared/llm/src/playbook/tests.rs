@@ -60,6 +60,7 @@ impl Case {
             usage: None,
             progress: None,
             fallback_if_unreachable: false,
+            playbook_at: None,
         }
     }
 }
