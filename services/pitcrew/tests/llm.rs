@@ -1190,13 +1190,14 @@ async fn a_model_unreachable_for_long_enough_leaves_the_step_to_the_playbook() -
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_model_too_slow_for_the_step_leaves_it_to_the_playbook() -> anyhow::Result<()> {
     let llm = ScriptedLlm::start(Vec::new()).await?;
-    llm.respond_with(|_| Reply::answer(DIAGNOSIS).delayed(Duration::from_secs(6)));
-    let (mut crew, worker) = crew_reasoning_with(&llm, "", false, "playbook_after_secs = 2\n").await?;
+    llm.respond_with(|_| Reply::answer(DIAGNOSIS).delayed(Duration::from_secs(20)));
+    let (mut crew, worker) = crew_reasoning_with(&llm, "", false, "playbook_after_secs = 3\n").await?;
     let started = Instant::now();
     let run = crew.open("svc", "health check failed").await?;
     let end = crew.end(run).await?;
     assert_eq!(end.kind, EventKind::Resolved, "{}", end.message);
-    assert!(started.elapsed() < Duration::from_secs(11), "neither step waited its call out: {:?}", started.elapsed());
+    // Three seconds each, at most (a step delivered late still gives the model all three).
+    assert!(started.elapsed() < Duration::from_secs(18), "neither step waited its call out: {:?}", started.elapsed());
     let db = crew.db().await?;
     let rows = db
         .query(
@@ -1206,10 +1207,18 @@ async fn a_model_too_slow_for_the_step_leaves_it_to_the_playbook() -> anyhow::Re
         .await?;
     let said: Vec<(String, String, serde_json::Value)> = rows.iter().map(|r| (r.get(0), r.get(1), r.get(2))).collect();
     assert_eq!(said.len(), 2, "{said:?}");
-    assert!(said[0].1.ends_with("(the model had not answered after 2 s)"), "{said:?}");
+    let after: u64 = said[0]
+        .1
+        .split("(the model had not answered after ")
+        .nth(1)
+        .and_then(|t| t.split(' ').next())
+        .unwrap_or_default()
+        .parse()
+        .unwrap_or(99);
+    assert!(after <= 3, "cut at its three seconds: {said:?}");
     assert!(said[0].2["source"].as_str().unwrap_or_default().starts_with("playbook:"), "{said:?}");
     assert!(
-        said[1].2["rationale"].as_str().unwrap_or_default().starts_with("the model had not answered after 2 s;"),
+        said[1].2["rationale"].as_str().unwrap_or_default().starts_with("the model had not answered after "),
         "{said:?}"
     );
     assert!(said[1].2["source"].as_str().unwrap_or_default().starts_with("playbook:"), "{said:?}");

@@ -1185,8 +1185,16 @@ fn without_url(e: &reqwest::Error) -> String {
     text
 }
 
-/// A step's model work cut at its [`ReasonInput::playbook_at`]: how long it had then run.
+/// A step's model work cut at its [`ReasonInput::playbook_at`]: how long it had then run
+/// (waits for a call slot of `max_concurrent` included).
 struct Late(Duration);
+
+impl Late {
+    /// Whole seconds, rounded up (a cut at 2.9 s says 3).
+    fn secs(&self) -> u64 {
+        self.0.as_secs_f64().ceil() as u64
+    }
+}
 
 /// `work`, unless it is still at work at `input.playbook_at`.
 async fn by_deadline<T>(input: &ReasonInput<'_>, work: impl Future<Output = T>) -> Result<T, Late> {
@@ -1215,14 +1223,14 @@ impl Reasoner for OpenAi {
     fn diagnose<'a>(&'a self, input: &'a ReasonInput<'a>) -> BoxFuture<'a, Result<Diagnosis, ReasonError>> {
         Box::pin(async move {
             match by_deadline(input, self.diagnose_inner(input)).await {
-                Err(Late(after)) => {
+                Err(late) => {
                     tracing::warn!(
-                        after_secs = after.as_secs(),
+                        waited_secs = late.secs(),
                         "the model has not answered in time: the playbook diagnoses"
                     );
                     let mut d = self.fallback.diagnose_now(input);
                     d.summary =
-                        clip(&format!("{} (the model had not answered after {} s)", d.summary, after.as_secs()), 400);
+                        clip(&format!("{} (the model had not answered after {} s)", d.summary, late.secs()), 400);
                     Ok(d)
                 }
                 Ok(Err(ReasonError::Transient(why))) if input.fallback_if_unreachable => {
@@ -1245,14 +1253,11 @@ impl Reasoner for OpenAi {
     ) -> BoxFuture<'a, Result<Plan, ReasonError>> {
         Box::pin(async move {
             match by_deadline(input, self.plan_inner(input, diagnosis)).await {
-                Err(Late(after)) => {
-                    tracing::warn!(
-                        after_secs = after.as_secs(),
-                        "the model has not answered in time: the playbook plans"
-                    );
+                Err(late) => {
+                    tracing::warn!(waited_secs = late.secs(), "the model has not answered in time: the playbook plans");
                     let d = self.fallback.diagnose_now(input);
                     let mut plan = self.fallback.plan_now(input, &d)?;
-                    let why = format!("the model had not answered after {} s", after.as_secs());
+                    let why = format!("the model had not answered after {} s", late.secs());
                     plan.rationale = clip(&format!("{why}; {}", plan.rationale), 400);
                     Ok(plan)
                 }

@@ -139,6 +139,26 @@ pub struct Cx<'a> {
     /// How long the message of this step has been waiting to be done (since it was
     /// published; its earlier deliveries included).
     age: std::time::Duration,
+    /// When this delivery's step began (its `age` was taken then).
+    began: std::time::Instant,
+}
+
+/// What a step gives the model at least, each delivery, before the playbook answers (or
+/// `playbook_after_secs`, if shorter): see [`Cx::playbook_at`].
+const MODEL_AT_LEAST: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// [`Cx::playbook_at`] for a delivery that `began` with its message `age` old.
+fn model_deadline(
+    began: std::time::Instant,
+    age: std::time::Duration,
+    after: std::time::Duration,
+    waited: bool,
+) -> Option<std::time::Instant> {
+    if after.is_zero() {
+        return None;
+    }
+    let left = if waited { std::time::Duration::ZERO } else { after.saturating_sub(age) };
+    Some(began + left.max(after.min(MODEL_AT_LEAST)))
 }
 
 impl<'a> Cx<'a> {
@@ -153,11 +173,13 @@ impl<'a> Cx<'a> {
             events: Vec::new(),
             records: Vec::new(),
             age: std::time::Duration::ZERO,
+            began: std::time::Instant::now(),
         }
     }
 
     pub(crate) fn set_age(&mut self, age: std::time::Duration) {
         self.age = age;
+        self.began = std::time::Instant::now();
     }
 
     /// Whether a reasoning provider that cannot be reached should answer this step from the
@@ -167,16 +189,15 @@ impl<'a> Cx<'a> {
         after > 0 && self.age >= std::time::Duration::from_secs(after)
     }
 
-    /// When a provider still at work on this step answers from the offline playbook instead
-    /// (`[reasoning] playbook_after_secs` from the step's first try): None when that is never
-    /// (0), or already past, where [`playbook_now`](Self::playbook_now) lets the model try
-    /// once more and the playbook answer if it cannot be reached. A step whose message
-    /// waited in line for most of that still gives the model a minute (or the whole of a
-    /// shorter `playbook_after_secs`).
-    pub fn playbook_at(&self) -> Option<std::time::Instant> {
+    /// When a provider still at work on this step answers from the offline playbook instead:
+    /// `[reasoning] playbook_after_secs` from the step's hand-over, but never less than a
+    /// minute (or all of a shorter `playbook_after_secs`) from this delivery's start, so a step
+    /// that waited in line, or is delivered again, still gives the model that long. `waited`:
+    /// the run already waited on the model (its diagnosis is the playbook's), so only that
+    /// minute. None when `playbook_after_secs` is 0 (never).
+    pub fn playbook_at(&self, waited: bool) -> Option<std::time::Instant> {
         let after = std::time::Duration::from_secs(self.deps.config.reasoning.playbook_after_secs);
-        let left = after.checked_sub(self.age).filter(|left| !after.is_zero() && !left.is_zero())?;
-        Some(std::time::Instant::now() + left.max(after.min(std::time::Duration::from_secs(60))))
+        model_deadline(self.began, self.age, after, waited)
     }
 
     /// Leave the next index unused.
@@ -246,4 +267,26 @@ pub trait StageHandler: Send + Sync + 'static {
         state: &'a mut RunState,
         cx: &'a mut Cx<'_>,
     ) -> BoxFuture<'a, Result<Transition, StageError>>;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::{Duration, Instant};
+
+    /// The model gets what is left of `playbook_after_secs` since the hand-over, but at least a
+    /// minute (or all of a shorter setting) each delivery; only that minute once the run
+    /// waited on it already; no limit with 0.
+    #[test]
+    fn the_models_deadline_counts_from_the_hand_over_with_a_floor() {
+        let now = Instant::now();
+        let s = Duration::from_secs;
+        assert_eq!(model_deadline(now, s(0), s(300), false), Some(now + s(300)));
+        assert_eq!(model_deadline(now, s(100), s(300), false), Some(now + s(200)));
+        assert_eq!(model_deadline(now, s(290), s(300), false), Some(now + s(60)), "waited in line: a minute");
+        assert_eq!(model_deadline(now, s(900), s(300), false), Some(now + s(60)), "delivered again, past it");
+        assert_eq!(model_deadline(now, s(0), s(300), true), Some(now + s(60)), "the run waited already");
+        assert_eq!(model_deadline(now, s(5), s(2), false), Some(now + s(2)), "a shorter setting, whole");
+        assert_eq!(model_deadline(now, s(0), s(0), false), None, "0: never");
+    }
 }
