@@ -259,6 +259,8 @@ async fn judge(
     let meter = pitcrew_llm::UsageMeter::default();
     let mut input = reasoning.input(state);
     input.usage = Some(&meter);
+    // A judge slower than the step's time is not consulted, as one that cannot be reached.
+    input.playbook_at = cx.playbook_at(false);
     let verdict = cx.deps.reasoner.judge(&input, &diagnosis, &plan).await;
     target::record_usage(cx, state, Stage::Evaluate, &meter);
     Ok(match verdict {

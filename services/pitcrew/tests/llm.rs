@@ -1184,6 +1184,49 @@ async fn a_model_unreachable_for_long_enough_leaves_the_step_to_the_playbook() -
     crew.shutdown().await
 }
 
+/// A judge slower than `playbook_after_secs` does not hold evaluate either: it is not
+/// consulted, as one that cannot be reached, and the plan goes on on the other checks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_judge_too_slow_for_the_step_is_not_consulted() -> anyhow::Result<()> {
+    let llm = ScriptedLlm::start(Vec::new()).await?;
+    let (mut crew, worker) = crew_reasoning_with(&llm, "", true, "playbook_after_secs = 3\n").await?;
+    let healthy = crew.env.path("svc-healthy");
+    let fix = format!("```sh\ntouch {healthy}\n```");
+    llm.respond_with(move |body| {
+        let system = body["messages"][0]["content"].as_str().unwrap_or_default().to_string();
+        if system.contains("pitcrew's reviewer") {
+            Reply::answer(r#"{"score": 0.9, "reason": "sound"}"#).delayed(Duration::from_secs(20))
+        } else if body.to_string().contains("Diagnosis:") {
+            Reply::answer(&fix)
+        } else {
+            Reply::answer(r#"{"diagnosis": "svc is down: its health check exited 1", "evidence": ["exited 1"]}"#)
+        }
+    });
+    let started = Instant::now();
+    let run = resolved(&mut crew).await?;
+    assert!(
+        started.elapsed() < Duration::from_secs(15),
+        "evaluate did not wait the judge out: {:?}",
+        started.elapsed()
+    );
+    let db = crew.db().await?;
+    let rows = db.query("SELECT data FROM run_events WHERE run_id = $1 AND kind = 'evaluation'", &[&run]).await?;
+    let checks: Vec<serde_json::Value> = rows.iter().map(|r| r.get(0)).collect();
+    assert_eq!(checks.len(), 1, "{checks:?}");
+    let judge = checks[0]["checks"].as_array().into_iter().flatten().find(|c| c["name"] == "judge").cloned();
+    let detail = judge.as_ref().and_then(|j| j["detail"].as_str()).unwrap_or_default().to_string();
+    let after: u64 = detail
+        .split("the judge had not answered after ")
+        .nth(1)
+        .and_then(|t| t.split(' ').next())
+        .unwrap_or_default()
+        .parse()
+        .unwrap_or(99);
+    assert!(detail.starts_with("not consulted:") && after <= 3, "cut at its three seconds: {checks:?}");
+    drop(worker);
+    crew.shutdown().await
+}
+
 /// A model that answers, but too slowly, does not hold the step past `playbook_after_secs`
 /// either: the playbook answers it then, saying so, and the plan after it does not wait the
 /// whole call out.

@@ -121,7 +121,8 @@ pub struct ReasonInput<'a> {
     pub fallback_if_unreachable: bool,
     /// When the step will have waited on the model long enough (`[reasoning]
     /// playbook_after_secs` from its first try): a provider still at work then (a slow model,
-    /// a long tool loop, retries) answers from its offline fallback instead. None: no limit.
+    /// a long tool loop, retries) answers from its offline fallback instead, and a judge it
+    /// asks is not consulted. None: no limit.
     pub playbook_at: Option<std::time::Instant>,
 }
 

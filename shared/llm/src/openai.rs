@@ -1190,9 +1190,9 @@ fn without_url(e: &reqwest::Error) -> String {
 struct Late(Duration);
 
 impl Late {
-    /// Whole seconds, rounded up (a cut at 2.9 s says 3).
+    /// Whole seconds, the nearest (a timer's cut at 3.002 s says 3), at least 1.
     fn secs(&self) -> u64 {
-        self.0.as_secs_f64().ceil() as u64
+        self.0.as_secs_f64().round().max(1.0) as u64
     }
 }
 
@@ -1279,7 +1279,12 @@ impl Reasoner for OpenAi {
         diagnosis: &'a Diagnosis,
         plan: &'a Plan,
     ) -> BoxFuture<'a, Result<Option<Judgement>, ReasonError>> {
-        Box::pin(self.judge_inner(input, diagnosis, plan))
+        Box::pin(async move {
+            // Past the step's time the judge is not consulted (its silence is not weighed).
+            by_deadline(input, self.judge_inner(input, diagnosis, plan)).await.unwrap_or_else(|late| {
+                Err(ReasonError::Transient(format!("the judge had not answered after {} s", late.secs())))
+            })
+        })
     }
 }
 
