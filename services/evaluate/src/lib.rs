@@ -259,13 +259,16 @@ async fn judge(
     let meter = pitcrew_llm::UsageMeter::default();
     let mut input = reasoning.input(state);
     input.usage = Some(&meter);
-    // A judge slower than the step's time is not consulted, as one that cannot be reached.
-    input.playbook_at = cx.playbook_at(false);
+    // A judge slower than the step's time is not consulted (after a playbook diagnosis the
+    // run waited on the model already: only the minimum).
+    input.playbook_at = cx.playbook_at(input.fallback_if_unreachable);
     let verdict = cx.deps.reasoner.judge(&input, &diagnosis, &plan).await;
     target::record_usage(cx, state, Stage::Evaluate, &meter);
     Ok(match verdict {
         Ok(Some(j)) => Some(Ok(j)),
         Ok(None) => None,
+        // Its own words: a judge cut by the step's time was slow, not unreachable.
+        Err(pitcrew_llm::ReasonError::Transient(why)) => Some(Err(why)),
         Err(e) => Some(Err(e.to_string())),
     })
 }

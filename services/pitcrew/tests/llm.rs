@@ -215,10 +215,10 @@ async fn an_endpoint_that_answers_nothing_is_left_alone_for_a_while() -> anyhow:
 #[tokio::test]
 async fn a_call_under_way_stops_when_the_endpoint_is_paused() -> anyhow::Result<()> {
     let llm = ScriptedLlm::start(Vec::new()).await?;
-    // The slow call is told to come back in 2 s; the others at once, so they spend their
+    // The slow call is told to come back in 4 s; the others at once, so they spend their
     // four tries each before it tries again.
     llm.respond_with(|body| {
-        let wait = if body.to_string().contains("slow-call") { "2" } else { "0" };
+        let wait = if body.to_string().contains("slow-call") { "4" } else { "0" };
         Reply::status(503, "overloaded").header("retry-after", wait)
     });
     let p = provider(&llm, |c| {
@@ -246,7 +246,7 @@ async fn a_call_under_way_stops_when_the_endpoint_is_paused() -> anyhow::Result<
         }
         other => panic!("the call under way stops, transient: {other:?}"),
     }
-    assert!(took < Duration::from_secs(4), "it did not spend its tries: {took:?}");
+    assert!(took < Duration::from_secs(7), "it did not spend its tries: {took:?}");
     let seen = llm.requests();
     let slow_tries = seen.iter().filter(|r| r.body.to_string().contains("slow-call")).count();
     assert_eq!((slow_tries, seen.len()), (1, 13), "one try of the slow call, four of each other");
@@ -1222,9 +1222,31 @@ async fn a_judge_too_slow_for_the_step_is_not_consulted() -> anyhow::Result<()> 
         .unwrap_or_default()
         .parse()
         .unwrap_or(99);
-    assert!(detail.starts_with("not consulted:") && after <= 3, "cut at its three seconds: {checks:?}");
+    assert!(
+        detail.starts_with("not consulted: the judge had not answered after ") && after <= 3,
+        "cut at its three seconds, in its own words: {checks:?}"
+    );
     drop(worker);
     crew.shutdown().await
+}
+
+/// A step whose time was over before the model was asked (its evidence took it all) asks
+/// nothing: the playbook answers at once, saying so, and no call is made or counted.
+#[tokio::test]
+async fn a_step_out_of_time_does_not_ask_the_model() -> anyhow::Result<()> {
+    let llm = ScriptedLlm::start(vec![Reply::answer(DIAGNOSIS)]).await?;
+    let p = provider(&llm, |_| {});
+    let case = Case::new();
+    let meter = pitcrew_llm::UsageMeter::default();
+    let mut input = case.input();
+    input.usage = Some(&meter);
+    input.playbook_at = Some(Instant::now());
+    let d = p.diagnose(&input).await?;
+    assert!(d.summary.ends_with("(the step's time was over before the model was asked)"), "{}", d.summary);
+    assert!(d.source.starts_with("playbook:"), "{}", d.source);
+    assert!(llm.requests().is_empty());
+    assert_eq!(meter.get().calls, 0);
+    Ok(())
 }
 
 /// A model that answers, but too slowly, does not hold the step past `playbook_after_secs`

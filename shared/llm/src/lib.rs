@@ -120,9 +120,9 @@ pub struct ReasonInput<'a> {
     /// `Transient`.
     pub fallback_if_unreachable: bool,
     /// When the step will have waited on the model long enough (`[reasoning]
-    /// playbook_after_secs` from its first try): a provider still at work then (a slow model,
-    /// a long tool loop, retries) answers from its offline fallback instead, and a judge it
-    /// asks is not consulted. None: no limit.
+    /// playbook_after_secs` from the step's hand-over, at least a minute a delivery): a
+    /// provider still at work then (a slow model, a long tool loop, retries) answers from its
+    /// offline fallback instead, and a judge it asks is not consulted. None: no limit.
     pub playbook_at: Option<std::time::Instant>,
 }
 

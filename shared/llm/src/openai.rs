@@ -1186,13 +1186,18 @@ fn without_url(e: &reqwest::Error) -> String {
 }
 
 /// A step's model work cut at its [`ReasonInput::playbook_at`]: how long it had then run
-/// (waits for a call slot of `max_concurrent` included).
+/// (waits for a call slot of `max_concurrent` included); zero when the step's time was over
+/// before the model was asked (its evidence took it all).
 struct Late(Duration);
 
 impl Late {
-    /// Whole seconds, the nearest (a timer's cut at 3.002 s says 3), at least 1.
-    fn secs(&self) -> u64 {
-        self.0.as_secs_f64().round().max(1.0) as u64
+    /// Why, for the answer's note: "the model had not answered after 3 s" (the nearest
+    /// second: a timer's cut at 3.002 s says 3).
+    fn why(&self, who: &str) -> String {
+        if self.0.is_zero() {
+            return format!("the step's time was over before {who} was asked");
+        }
+        format!("{who} had not answered after {} s", self.0.as_secs_f64().round().max(1.0) as u64)
     }
 }
 
@@ -1200,6 +1205,10 @@ impl Late {
 async fn by_deadline<T>(input: &ReasonInput<'_>, work: impl Future<Output = T>) -> Result<T, Late> {
     let Some(at) = input.playbook_at else { return Ok(work.await) };
     let began = std::time::Instant::now();
+    if at <= began {
+        // Not started: no call counted for a model that had no time.
+        return Err(Late(Duration::ZERO));
+    }
     tokio::time::timeout_at(at.into(), work).await.map_err(|_| Late(began.elapsed()))
 }
 
@@ -1224,13 +1233,9 @@ impl Reasoner for OpenAi {
         Box::pin(async move {
             match by_deadline(input, self.diagnose_inner(input)).await {
                 Err(late) => {
-                    tracing::warn!(
-                        waited_secs = late.secs(),
-                        "the model has not answered in time: the playbook diagnoses"
-                    );
+                    tracing::warn!(why = %late.why("the model"), "the model has not answered in time: the playbook diagnoses");
                     let mut d = self.fallback.diagnose_now(input);
-                    d.summary =
-                        clip(&format!("{} (the model had not answered after {} s)", d.summary, late.secs()), 400);
+                    d.summary = clip(&format!("{} ({})", d.summary, late.why("the model")), 400);
                     Ok(d)
                 }
                 Ok(Err(ReasonError::Transient(why))) if input.fallback_if_unreachable => {
@@ -1254,10 +1259,10 @@ impl Reasoner for OpenAi {
         Box::pin(async move {
             match by_deadline(input, self.plan_inner(input, diagnosis)).await {
                 Err(late) => {
-                    tracing::warn!(waited_secs = late.secs(), "the model has not answered in time: the playbook plans");
+                    tracing::warn!(why = %late.why("the model"), "the model has not answered in time: the playbook plans");
                     let d = self.fallback.diagnose_now(input);
                     let mut plan = self.fallback.plan_now(input, &d)?;
-                    let why = format!("the model had not answered after {} s", late.secs());
+                    let why = late.why("the model");
                     plan.rationale = clip(&format!("{why}; {}", plan.rationale), 400);
                     Ok(plan)
                 }
@@ -1282,7 +1287,9 @@ impl Reasoner for OpenAi {
         Box::pin(async move {
             // Past the step's time the judge is not consulted (its silence is not weighed).
             by_deadline(input, self.judge_inner(input, diagnosis, plan)).await.unwrap_or_else(|late| {
-                Err(ReasonError::Transient(format!("the judge had not answered after {} s", late.secs())))
+                let why = late.why("the judge");
+                tracing::warn!(why = %why, "the judge has not answered in time: not consulted");
+                Err(ReasonError::Transient(why))
             })
         })
     }

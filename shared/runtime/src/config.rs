@@ -363,7 +363,8 @@ pub struct ReasoningConfig {
     /// has been trying this long, the offline playbook answers that step instead, so an
     /// outage of the model does not hold every incident until its step's limits escalate it
     /// (an hour by default); a model still at work on the step then (slow, a long tool loop)
-    /// is cut off, and the playbook answers too. 0: never; the step keeps retrying.
+    /// is cut off, and the playbook answers too (a judge is not consulted), each delivery
+    /// giving it at least a minute (`Cx::playbook_at`). 0: never; the step keeps retrying.
     #[serde(default = "default_playbook_after_secs")]
     pub playbook_after_secs: u64,
 }

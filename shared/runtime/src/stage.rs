@@ -158,7 +158,8 @@ fn model_deadline(
         return None;
     }
     let left = if waited { std::time::Duration::ZERO } else { after.saturating_sub(age) };
-    Some(began + left.max(after.min(MODEL_AT_LEAST)))
+    // A setting past what a clock holds (years) is no limit.
+    began.checked_add(left.max(after.min(MODEL_AT_LEAST)))
 }
 
 impl<'a> Cx<'a> {
@@ -288,5 +289,6 @@ mod tests {
         assert_eq!(model_deadline(now, s(0), s(300), true), Some(now + s(60)), "the run waited already");
         assert_eq!(model_deadline(now, s(5), s(2), false), Some(now + s(2)), "a shorter setting, whole");
         assert_eq!(model_deadline(now, s(0), s(0), false), None, "0: never");
+        assert_eq!(model_deadline(now, s(0), s(u64::MAX), false), None, "past what a clock holds: no limit");
     }
 }
