@@ -1311,6 +1311,19 @@ fn error_code(body: &[u8]) -> Option<String> {
 mod tests {
     use super::*;
 
+    /// Retries wait 500 ms doubling to 8 s, each shortened at random by up to a fifth, so the
+    /// calls one outage failed together do not all come back at once.
+    #[test]
+    fn retry_waits_grow_and_are_spread() {
+        let ms = |attempt| -> Vec<u128> { (0..50).map(|_| backoff(attempt).as_millis()).collect() };
+        assert!(ms(0).iter().all(|w| (400..=500).contains(w)), "{:?}", ms(0));
+        assert!(ms(9).iter().all(|w| (6400..=8000).contains(w)), "capped: {:?}", ms(9));
+        let mut spread = ms(3);
+        spread.sort_unstable();
+        spread.dedup();
+        assert!(spread.len() > 25, "{spread:?}");
+    }
+
     /// A server's own dialect of the message (`null` tool calls, content as parts, arguments
     /// as an object) reads as the plain form.
     #[test]

@@ -388,6 +388,11 @@ mod tests {
             assert!(backoff(100) <= Duration::from_secs(30));
             assert!(backoff(8) > backoff(7));
         }
+        // Spread: what one outage naked together does not all come back at once.
+        let mut waits: Vec<Duration> = (0..50).map(|_| backoff(5)).collect();
+        waits.sort_unstable();
+        waits.dedup();
+        assert!(waits.len() > 25, "{waits:?}");
     }
 
     /// A third of the ack wait, but never longer than PROGRESS_AT_MOST: a consumer whose
