@@ -1249,6 +1249,27 @@ async fn a_step_out_of_time_does_not_ask_the_model() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// A call the step's deadline cuts is in the metrics too, as `cut`, with its time.
+#[tokio::test]
+async fn a_call_cut_by_the_deadline_is_counted_as_cut() -> anyhow::Result<()> {
+    let llm = ScriptedLlm::start(vec![Reply::answer(DIAGNOSIS).delayed(Duration::from_secs(10))]).await?;
+    let p = provider(&llm, |c| {
+        c.model = "cut-model".into();
+        c.stream = false;
+    });
+    let case = Case::new();
+    let mut input = case.input();
+    input.playbook_at = Some(Instant::now() + Duration::from_millis(500));
+    let d = p.diagnose(&input).await?;
+    assert!(d.source.starts_with("playbook:"), "{}", d.source);
+    let text = pitcrew_runtime::metrics::render();
+    let cut = r#"pitcrew_llm_calls_total{provider="openai",model="cut-model",outcome="cut"} 1"#;
+    assert!(text.lines().any(|l| l == cut), "{text}");
+    let timed = r#"pitcrew_llm_call_duration_seconds_count{provider="openai",model="cut-model"} 1"#;
+    assert!(text.lines().any(|l| l == timed), "{text}");
+    Ok(())
+}
+
 /// A model that answers, but too slowly, does not hold the step past `playbook_after_secs`
 /// either: the playbook answers it then, saying so, and the plan after it does not wait the
 /// whole call out.

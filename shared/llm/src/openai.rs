@@ -103,7 +103,7 @@ impl std::fmt::Debug for OpenAiConfig {
 
 static LLM_CALLS: Counter = Counter::new(
     "pitcrew_llm_calls_total",
-    "Chat-completion requests, by provider, model and outcome (each retry counts).",
+    "Chat-completion requests, by provider, model and outcome (each retry counts; cut: dropped mid-call).",
     &["provider", "model", "outcome"],
 );
 static LLM_SECONDS: Histogram = Histogram::new(
@@ -123,6 +123,21 @@ enum Stop {
     Error(ReasonError),
     /// Other calls' failures paused the endpoint while this one waited to try again.
     Paused(String),
+}
+
+/// One request in the metrics, recorded when it ends: with its outcome, or `cut` when the
+/// call is dropped before (a step's deadline, a stopping worker's drain).
+struct CallRecord<'m> {
+    model: &'m str,
+    began: std::time::Instant,
+    outcome: &'static str,
+}
+
+impl Drop for CallRecord<'_> {
+    fn drop(&mut self) {
+        LLM_CALLS.inc(&["openai", self.model, self.outcome]);
+        LLM_SECONDS.observe(&["openai", self.model], self.began.elapsed().as_secs_f64());
+    }
 }
 
 /// What [`OpenAi::chat`] does after one attempt.
@@ -604,13 +619,13 @@ impl OpenAi {
                 attempt = attempt + 1,
                 outcome = tracing::field::Empty,
             );
-            let began = std::time::Instant::now();
+            let mut record = CallRecord { model, began: std::time::Instant::now(), outcome: "cut" };
             let (step, outcome) =
                 self.attempt(req, meter, model, progress, attempt, &mut last).instrument(span.clone()).await;
             drop(permit);
             span.record("outcome", outcome);
-            LLM_CALLS.inc(&["openai", model, outcome]);
-            LLM_SECONDS.observe(&["openai", model], began.elapsed().as_secs_f64());
+            record.outcome = outcome;
+            drop(record);
             let wait = match step {
                 Step::Done(Err(e @ ReasonError::Failed(_))) if outcome == "client_error" => {
                     // Refused for an optional field or a setting the model does without: sent
