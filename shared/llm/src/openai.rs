@@ -1246,23 +1246,24 @@ impl Reasoner for OpenAi {
 
     fn diagnose<'a>(&'a self, input: &'a ReasonInput<'a>) -> BoxFuture<'a, Result<Diagnosis, ReasonError>> {
         Box::pin(async move {
-            match by_deadline(input, self.diagnose_inner(input)).await {
-                Err(late) => {
-                    tracing::warn!(why = %late.why("the model"), "the model has not answered in time: the playbook diagnoses");
-                    let mut d = self.fallback.diagnose_now(input);
-                    d.summary = clip(&format!("{} ({})", d.summary, late.why("the model")), 400);
-                    Ok(d)
-                }
+            // Why the playbook answers instead, if it does.
+            let note = match by_deadline(input, self.diagnose_inner(input)).await {
                 Ok(Err(ReasonError::Transient(why))) if input.fallback_if_unreachable => {
                     tracing::warn!(why = %why, "the model is unreachable, for long enough: the playbook diagnoses");
-                    let mut d = self.fallback.diagnose_now(input);
                     // Not the error itself: its endpoint and codes are no facts of the service
                     // (evaluate holds a diagnosis to what this run observed).
-                    d.summary = clip(&format!("{} (the model could not be reached)", d.summary), 400);
-                    Ok(d)
+                    "the model could not be reached".to_string()
                 }
-                Ok(answered) => answered,
-            }
+                Ok(answered) => return answered,
+                Err(late) => {
+                    let why = late.why("the model");
+                    tracing::warn!(why = %why, "the model has not answered in time: the playbook diagnoses");
+                    why
+                }
+            };
+            let mut d = self.fallback.diagnose_now(input);
+            d.summary = clip(&format!("{} ({note})", d.summary), 400);
+            Ok(d)
         })
     }
 
@@ -1272,24 +1273,23 @@ impl Reasoner for OpenAi {
         diagnosis: &'a Diagnosis,
     ) -> BoxFuture<'a, Result<Plan, ReasonError>> {
         Box::pin(async move {
-            match by_deadline(input, self.plan_inner(input, diagnosis)).await {
-                Err(late) => {
-                    tracing::warn!(why = %late.why("the model"), "the model has not answered in time: the playbook plans");
-                    let d = self.fallback.diagnose_now(input);
-                    let mut plan = self.fallback.plan_now(input, &d)?;
-                    let why = late.why("the model");
-                    plan.rationale = clip(&format!("{why}; {}", plan.rationale), 400);
-                    Ok(plan)
-                }
+            // Why the playbook answers instead, if it does.
+            let note = match by_deadline(input, self.plan_inner(input, diagnosis)).await {
                 Ok(Err(ReasonError::Transient(why))) if input.fallback_if_unreachable => {
                     tracing::warn!(why = %why, "the model is unreachable, for long enough: the playbook plans");
-                    let d = self.fallback.diagnose_now(input);
-                    let mut plan = self.fallback.plan_now(input, &d)?;
-                    plan.rationale = clip(&format!("the model could not be reached ({why}); {}", plan.rationale), 400);
-                    Ok(plan)
+                    format!("the model could not be reached ({why})")
                 }
-                Ok(answered) => answered,
-            }
+                Ok(answered) => return answered,
+                Err(late) => {
+                    let why = late.why("the model");
+                    tracing::warn!(why = %why, "the model has not answered in time: the playbook plans");
+                    why
+                }
+            };
+            let d = self.fallback.diagnose_now(input);
+            let mut plan = self.fallback.plan_now(input, &d)?;
+            plan.rationale = clip(&format!("{note}; {}", plan.rationale), 400);
+            Ok(plan)
         })
     }
 
