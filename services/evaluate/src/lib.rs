@@ -259,9 +259,8 @@ async fn judge(
     let meter = pitcrew_llm::UsageMeter::default();
     let mut input = reasoning.input(state);
     input.usage = Some(&meter);
-    // A judge slower than the step's time is not consulted (after a playbook diagnosis the
-    // run waited on the model already: only the minimum).
-    input.playbook_at = cx.playbook_at(input.fallback_if_unreachable);
+    // A judge slower than the step's time is not consulted.
+    cx.bound_model(&mut input);
     let verdict = cx.deps.reasoner.judge(&input, &diagnosis, &plan).await;
     target::record_usage(cx, state, Stage::Evaluate, &meter);
     Ok(match verdict {

@@ -43,9 +43,7 @@ impl StageHandler for PlanStage {
             let meter = pitcrew_llm::UsageMeter::default();
             let mut input = reasoning.input(state);
             input.usage = Some(&meter);
-            // The run waited on the model already (a playbook diagnosis): only the minimum.
-            input.playbook_at = cx.playbook_at(input.fallback_if_unreachable);
-            input.fallback_if_unreachable |= cx.playbook_now();
+            cx.bound_model(&mut input);
             let thinking = cx.thinking();
             input.progress = thinking.as_ref().map(|t| t as &dyn pitcrew_llm::Progress);
             let answer = cx.deps.reasoner.plan(&input, &diagnosis).await;

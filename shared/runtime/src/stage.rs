@@ -185,7 +185,7 @@ impl<'a> Cx<'a> {
 
     /// Whether a reasoning provider that cannot be reached should answer this step from the
     /// offline playbook (`[reasoning] playbook_after_secs`).
-    pub fn playbook_now(&self) -> bool {
+    fn playbook_now(&self) -> bool {
         let after = self.deps.config.reasoning.playbook_after_secs;
         after > 0 && self.age >= std::time::Duration::from_secs(after)
     }
@@ -196,9 +196,19 @@ impl<'a> Cx<'a> {
     /// that waited in line, or is delivered again, still gives the model that long. `waited`:
     /// the run already waited on the model (its diagnosis is the playbook's), so only that
     /// minute. None when `playbook_after_secs` is 0 (never).
-    pub fn playbook_at(&self, waited: bool) -> Option<std::time::Instant> {
+    fn playbook_at(&self, waited: bool) -> Option<std::time::Instant> {
         let after = std::time::Duration::from_secs(self.deps.config.reasoning.playbook_after_secs);
         model_deadline(self.began, self.age, after, waited)
+    }
+
+    /// Bound the model's work on this step in `input`: its deadline ([`playbook_at`](Self::playbook_at)),
+    /// and the playbook's answer for a provider that cannot be reached once the step has tried
+    /// long enough ([`playbook_now`](Self::playbook_now)). An input that already lets the
+    /// playbook answer at once (the run waited on the model before: a playbook diagnosis) gets
+    /// only the minimum.
+    pub fn bound_model(&self, input: &mut pitcrew_llm::ReasonInput<'_>) {
+        input.playbook_at = self.playbook_at(input.fallback_if_unreachable);
+        input.fallback_if_unreachable |= self.playbook_now();
     }
 
     /// Leave the next index unused.
